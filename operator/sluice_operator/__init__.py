@@ -1,0 +1,1 @@
+"""Sluice operator: StreamingModel -> Deployment, Service, Ingress, HPA, PDB."""

@@ -1,0 +1,1 @@
+"""Sluice streaming server: FastAPI + uvicorn on vLLM's async engine."""
