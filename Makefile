@@ -47,10 +47,12 @@ lint: venv tools ## ruff, yamllint, hadolint, helm lint
 
 crds: venv ## Regenerate crds/ (and the chart's copy) from the typed spec models
 	$(PY) -m sluice_operator crds --write
+	$(PY) tests/chart/sync_streaming_model_schema.py
 
 chart: venv tools ## Lint and render the charts
 	$(TOOLS)/helm lint charts/*
 	for c in charts/*/; do $(TOOLS)/helm template sluice $$c > /dev/null || exit 1; done
+	$(PY) -m pytest tests/chart -q
 
 render: venv ## Print the manifests the operator would apply for SAMPLE=samples/x.yaml
 	$(PY) -m sluice_operator render -f $(SAMPLE)
