@@ -1,0 +1,5 @@
+"""(in progress)"""
+
+from fastapi import APIRouter
+
+router = APIRouter()
