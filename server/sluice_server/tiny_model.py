@@ -41,22 +41,72 @@ CHAT_TEMPLATE = (
 )
 
 _SUBJECTS = (
-    "the cat", "a stream", "the server", "my friend", "the river", "a token", "the model",
-    "our team", "the proxy", "a small bird", "the engine", "every client", "the queue",
-    "a quiet night", "the operator", "the old man", "a red fox", "the cluster",
+    "the cat",
+    "a stream",
+    "the server",
+    "my friend",
+    "the river",
+    "a token",
+    "the model",
+    "our team",
+    "the proxy",
+    "a small bird",
+    "the engine",
+    "every client",
+    "the queue",
+    "a quiet night",
+    "the operator",
+    "the old man",
+    "a red fox",
+    "the cluster",
 )
 _VERBS = (
-    "sends", "reads", "watches", "builds", "finds", "carries", "answers", "follows",
-    "writes", "counts", "drops", "keeps", "opens", "closes", "streams", "waits for",
+    "sends",
+    "reads",
+    "watches",
+    "builds",
+    "finds",
+    "carries",
+    "answers",
+    "follows",
+    "writes",
+    "counts",
+    "drops",
+    "keeps",
+    "opens",
+    "closes",
+    "streams",
+    "waits for",
 )
 _OBJECTS = (
-    "the message", "a long answer", "three apples", "the first byte", "a warm cup of tea",
-    "the green door", "every request", "a blue sky", "the last word", "some numbers",
-    "the morning news", "a heavy box", "the open socket", "twelve small stones",
+    "the message",
+    "a long answer",
+    "three apples",
+    "the first byte",
+    "a warm cup of tea",
+    "the green door",
+    "every request",
+    "a blue sky",
+    "the last word",
+    "some numbers",
+    "the morning news",
+    "a heavy box",
+    "the open socket",
+    "twelve small stones",
 )
 _TAILS = (
-    "today", "again", "at noon", "in the rain", "before dinner", "very slowly", "at once",
-    "with care", "on Monday", "near the sea", "after 42 seconds", "for 7 minutes",
+    "today",
+    "again",
+    "at noon",
+    "in the rain",
+    "before dinner",
+    "very slowly",
+    "at once",
+    "with care",
+    "on Monday",
+    "near the sea",
+    "after 42 seconds",
+    "for 7 minutes",
 )
 
 
@@ -85,7 +135,12 @@ def _build(target: Path) -> None:
     """Write tokenizer + model files into `target` (an empty directory)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import (
+        GenerationConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+    )
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # no "Writing model shards" bars in server logs
@@ -139,8 +194,15 @@ def _build(target: Path) -> None:
         # weight on that channel in the output head then acts as a fixed logit penalty.
         model.model.embed_tokens.weight[:, 0] = 0.2
         model.lm_head.weight[:, 0] = 0.0
-        banned = [i for i in range(vocab_size) if i in tok.get_vocab().values()
-                  and (tok.id_to_token(i) in SPECIAL_TOKENS or not _printable(tok.decode([i], skip_special_tokens=False)))]
+        banned = [
+            i
+            for i in range(vocab_size)
+            if i in tok.get_vocab().values()
+            and (
+                tok.id_to_token(i) in SPECIAL_TOKENS
+                or not _printable(tok.decode([i], skip_special_tokens=False))
+            )
+        ]
         model.lm_head.weight[banned, 0] = -3.0
     model.save_pretrained(target, safe_serialization=True)
     GenerationConfig(
@@ -148,7 +210,9 @@ def _build(target: Path) -> None:
         eos_token_id=[tok.token_to_id(EOS), tok.token_to_id(IM_END)],
         pad_token_id=tok.token_to_id(PAD),
     ).save_pretrained(target)
-    (target / _MARKER).write_text(json.dumps({"version": RECIPE_VERSION, "banned_tokens": len(banned)}))
+    (target / _MARKER).write_text(
+        json.dumps({"version": RECIPE_VERSION, "banned_tokens": len(banned)})
+    )
 
 
 def _is_complete(path: Path) -> bool:
