@@ -50,12 +50,12 @@ class Gate:
             self.active = 0
             self._idle.set()
 
-    async def drain(self, timeout: float) -> int:
-        """Refuse new streams, wait up to `timeout` for in-flight ones, then fail the rest.
+    async def drain(self, grace_seconds: float) -> int:
+        """Refuse new streams, wait up to `grace_seconds` for in-flight ones, then fail the rest.
         Returns how many were cut off."""
         self.draining = True
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
+            await asyncio.wait_for(self._idle.wait(), grace_seconds)
             return 0
         except TimeoutError:
             pass

@@ -74,4 +74,7 @@ def to_stream_request(body: dict, request_id: str, engine: Engine, served: str) 
         except ValueError as e:
             raise ApiError(400, str(e), reason="bad_input", param="prompt",
                            code="context_length_exceeded") from None  # fmt: skip
+        except Exception as e:  # chat template rejected the messages
+            raise ApiError(400, f"Cannot render the prompt: {type(e).__name__}: {e}",
+                           reason="bad_input", param="messages") from None  # fmt: skip
     return req

@@ -67,8 +67,7 @@ class RateLimiter:
             retry = max(1, math.ceil(wait))
             raise ApiError(
                 429,
-                f"Rate limit exceeded ({what} per minute for this API key); "
-                f"retry after {retry} s.",
+                f"Rate limit exceeded ({what} per minute for this API key); retry after {retry} s.",
                 reason="rate_limit",
                 code="rate_limit_exceeded",
                 headers={"Retry-After": str(retry)},

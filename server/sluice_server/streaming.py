@@ -24,12 +24,12 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # Outcomes (for logs and metrics)
-FINISHED, DISCONNECTED, FAILED = "finished", "disconnected", "failed"
+FINISHED, DISCONNECTED, FAILED, STOPPED = "finished", "disconnected", "failed", "stopped"
 
 
 class Stream(Generic[T]):
     __slots__ = ("_source", "_cap", "_items", "_wake", "_task", "_timer", "_done",
-                 "error", "first_output_at", "_on_release", "_released")  # fmt: skip
+                 "error", "first_output_at", "_on_release", "_released", "stopped")  # fmt: skip
 
     def __init__(
         self,
@@ -48,6 +48,7 @@ class Stream(Generic[T]):
         self.first_output_at: float | None = None
         self._on_release = on_release
         self._released = False
+        self.stopped = False
         loop = asyncio.get_running_loop()
         self._task = loop.create_task(self._produce())
         self._timer = loop.call_later(
@@ -76,8 +77,10 @@ class Stream(Generic[T]):
         except Exception as e:  # engine error after the 200: becomes an error event
             log.warning("engine stream failed: %s: %s", type(e).__name__, e)
             if self.error is None:
-                self.error = f"Engine error: {type(e).__name__}: {e}" if str(e) else (
-                    f"Engine error: {type(e).__name__}"
+                self.error = (
+                    f"Engine error: {type(e).__name__}: {e}"
+                    if str(e)
+                    else (f"Engine error: {type(e).__name__}")
                 )
         finally:
             self._done = True
@@ -102,6 +105,16 @@ class Stream(Generic[T]):
         if self.error is None:
             self.error = message
         self._task.cancel()
+        self._done = True
+        self._wake.set()
+
+    def stop(self) -> None:
+        """The client asked to stop: abort now, drop what is buffered, end without error."""
+        if self._done:
+            return
+        self.stopped = True
+        self._task.cancel()
+        self._items.clear()
         self._done = True
         self._wake.set()
 
@@ -177,4 +190,6 @@ class Meter:
             m.aborts.inc()
         elif outcome == FAILED:
             m.stream_errors.inc()
+            m.aborts.inc()
+        elif outcome == STOPPED:
             m.aborts.inc()

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .base import Delta, StreamRequest
@@ -23,6 +26,49 @@ log = logging.getLogger(__name__)
 
 class PromptTooLong(ValueError):
     pass
+
+
+@dataclass(slots=True)
+class UsageTap:
+    """Filled by MeteredClient while vLLM's serving layer streams one request."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    first_output_at: float | None = None
+
+
+# Set by the OpenAI route around vLLM's handler; tasks inherit it (contexts are copied).
+usage_tap: ContextVar[UsageTap | None] = ContextVar("sluice_usage_tap", default=None)
+
+
+class MeteredClient:
+    """vLLM's EngineClient, with generate() tapped for token counts: the OpenAI routes
+    need usage for metrics and rate limits without parsing vLLM's JSON chunks."""
+
+    def __init__(self, llm: Any) -> None:
+        self._llm = llm
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._llm, name)
+
+    async def generate(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        tap = usage_tap.get()
+        gen = self._llm.generate(*args, **kwargs)
+        try:
+            if tap is None:
+                async for out in gen:
+                    yield out
+                return
+            async for out in gen:
+                if tap.first_output_at is None:
+                    tap.first_output_at = time.perf_counter()
+                    tap.prompt_tokens += len(out.prompt_token_ids or ())
+                for o in out.outputs:
+                    tap.completion_tokens += len(o.token_ids)
+                yield out
+        finally:
+            # Closing vLLM's generator aborts an unfinished request at once.
+            await gen.aclose()
 
 
 def vllm_cli_args(settings: Settings, model_path: str, cpu_defaults: bool) -> list[str]:
@@ -65,12 +111,11 @@ class VllmEngine:
         max_model_len is a 400, not an error event. Returns the prompt token count."""
         tok = self._tokenizer
         if request.messages is not None:
-            ids = tok.apply_chat_template(
-                request.messages, add_generation_prompt=True, tokenize=True
+            text = tok.apply_chat_template(
+                request.messages, add_generation_prompt=True, tokenize=False
             )
-            if isinstance(ids, dict):  # BatchEncoding on newer transformers
-                ids = ids["input_ids"]
-            ids = list(ids)
+            # The template already holds the special tokens it wants.
+            ids = tok.encode(text, add_special_tokens=False)
         else:
             ids = tok.encode(request.prompt or "")
         if len(ids) + 1 > self.max_model_len:
@@ -159,7 +204,7 @@ async def open_vllm_engine(settings: Settings, model_path: str) -> AsyncIterator
     try:
         state = State()
         tasks = await llm.get_supported_tasks()
-        await init_app_state(llm, state, args, tasks)
+        await init_app_state(MeteredClient(llm), state, args, tasks)
         yield VllmEngine(llm, args, state, settings.model_label)
     finally:
         llm.shutdown()
