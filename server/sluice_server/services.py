@@ -28,11 +28,19 @@ class Services:
     engine_error: str | None = None
     extra: dict = field(default_factory=dict)
 
-    def require_engine(self) -> Engine:
-        if self.engine is None:
-            raise ApiError(503, self.engine_error or "Engine is not ready.", code="engine_unavailable",
-                           headers={"Retry-After": "5"})  # fmt: skip
-        return self.engine
+    async def require_engine(self) -> Engine:
+        """The engine, or 503 when it is not loaded or has failed (then /ready is 503 too,
+        and Kubernetes takes the pod out of rotation and restarts it via /health)."""
+        engine = self.engine
+        if engine is None:
+            raise ApiError(503, self.engine_error or "Engine is not ready.",
+                           code="engine_unavailable", headers={"Retry-After": "5"})  # fmt: skip
+        try:
+            await engine.check_health()
+        except Exception as e:
+            raise ApiError(503, f"Engine failed: {type(e).__name__}: {e}",
+                           code="engine_unavailable", headers={"Retry-After": "5"}) from None  # fmt: skip
+        return engine
 
     def require_protocol(self, protocol: str, path: str) -> None:
         if protocol not in self.settings.protocols:

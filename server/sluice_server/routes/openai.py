@@ -36,7 +36,7 @@ def _gate(request: Request, path: str) -> tuple[Services, str]:
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
     svc, _ = _gate(request, "/v1/models")
-    engine = svc.require_engine()
+    engine = await svc.require_engine()
     state = getattr(engine, "openai_state", None)
     if state is not None:
         models = await state.openai_serving_models.show_available_models()
@@ -73,7 +73,7 @@ def _precheck(svc: Services, body: dict) -> None:
 async def _generate(request: Request, path: str, chat: bool) -> Response:
     svc, kid = _gate(request, path)
     body = await read_json(request, svc, PROTOCOL)
-    engine = svc.require_engine()
+    engine = await svc.require_engine()
     _precheck(svc, body)
     state = getattr(engine, "openai_state", None)
     if state is None:

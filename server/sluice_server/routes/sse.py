@@ -25,7 +25,7 @@ async def stream_post(request: Request) -> Response:
     svc.require_protocol(PROTOCOL, "/v1/stream")
     kid = svc.authorize(PROTOCOL, api_key_of(request))
     body = await read_json(request, svc, PROTOCOL)
-    return _start(request, svc, kid, body)
+    return await _start(request, svc, kid, body)
 
 
 @router.get("/v1/stream")
@@ -44,11 +44,11 @@ async def stream_get(request: Request) -> Response:
             raise svc.bad_input(PROTOCOL, "messages: must be a JSON array", "messages") from None
     if "stop" in request.query_params and len(request.query_params.getlist("stop")) > 1:
         body["stop"] = request.query_params.getlist("stop")
-    return _start(request, svc, kid, body)
+    return await _start(request, svc, kid, body)
 
 
-def _start(request: Request, svc: Services, kid: str, body: dict) -> Response:
-    engine = svc.require_engine()
+async def _start(request: Request, svc: Services, kid: str, body: dict) -> Response:
+    engine = await svc.require_engine()
     rid = f"stream-{uuid.uuid4().hex}"
     try:
         req = to_stream_request(body, rid, engine, svc.settings.model_label)

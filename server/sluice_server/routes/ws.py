@@ -39,7 +39,7 @@ async def ws_stream(ws: WebSocket) -> None:
     try:
         svc.require_protocol(PROTOCOL, "/ws/stream")
         kid = svc.authorize(PROTOCOL, api_key_of(ws, allow_query=True))
-        svc.require_engine()
+        await svc.require_engine()
         if svc.gate.draining:
             raise svc.count(PROTOCOL, ApiError(503, "Server is shutting down.", reason="draining",
                                                headers={"Retry-After": "1"}))  # fmt: skip
@@ -116,7 +116,7 @@ class Connection:
         body.update(params)
         svc = self.svc
         try:
-            engine = svc.require_engine()
+            engine = await svc.require_engine()
             req = to_stream_request(body, f"ws-{uuid.uuid4().hex}", engine,
                                     svc.settings.model_label)  # fmt: skip
         except ApiError as e:
