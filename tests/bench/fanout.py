@@ -80,7 +80,9 @@ async def ws_stream(session, base, payload, st: State) -> None:
     first = True
     url = base.replace("http://", "ws://") + "/ws/stream"
     async with session.ws_connect(url, max_msg_size=0) as ws:
-        await ws.send_str(json.dumps(payload))
+        params = {k: payload[k] for k in ("max_tokens", "ignore_eos")}
+        frame = {"id": "1", "messages": payload["messages"], "params": params}
+        await ws.send_str(json.dumps(frame))
         async for msg in ws:
             if msg.type != aiohttp.WSMsgType.TEXT:
                 break

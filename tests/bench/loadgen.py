@@ -204,13 +204,13 @@ async def token_sse(session, base: str, model: str, messages, max_tokens: int) -
 
 
 async def websocket(session, base: str, model: str, messages, max_tokens: int) -> Record:
-    """One WebSocket connection per request on /ws/stream."""
+    """One WebSocket connection per request on /ws/stream (one generation per socket, so
+    the handshake is in the TTFT like the HTTP routes' request)."""
     payload = {
+        "id": "1",
         "model": model,
         "messages": messages,
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "temperature": 0.0,
+        "params": {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0},
     }
     rec = Record(start=time.perf_counter())
     url = base.replace("http://", "ws://") + "/ws/stream"
