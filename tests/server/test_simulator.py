@@ -172,6 +172,15 @@ async def test_max_tokens_capped_by_context_and_long_prompt_rejected():
     assert engine.num_unfinished_requests() == 0
 
 
+def test_prepare_checks_the_prompt_before_streaming():
+    engine = SimulatorEngine(max_model_len=5)
+    request = req(prompt="one two three")
+    assert engine.prepare(request) == 3
+    assert len(request.prompt_token_ids) == 3
+    with pytest.raises(ValueError, match="maximum context length"):
+        engine.prepare(req(prompt="a b c d e"))
+
+
 async def test_chat_messages_count_as_prompt():
     engine = SimulatorEngine(ttft_ms=0, itl_ms=0)
     request = StreamRequest(

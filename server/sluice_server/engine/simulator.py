@@ -107,6 +107,19 @@ class SimulatorEngine:
 
     # -- Engine protocol -------------------------------------------------------------
 
+    def prepare(self, request: StreamRequest) -> int:
+        """Count and check the prompt before the 200, as the vLLM adapter does, so an
+        over-long prompt is a 400 and not an error event. Prompt tokens are the prompt's
+        whitespace-separated words (their ids are stable hashes; nothing reads them)."""
+        words = self._prompt_text(request).split() or [""]
+        if len(words) >= self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens; "
+                f"the prompt has {len(words)} tokens."
+            )
+        request.prompt_token_ids = [zlib.crc32(w.encode()) & 0x7FFF for w in words]
+        return len(words)
+
     def generate(self, request: StreamRequest) -> AsyncIterator[Delta]:
         return self._generate(request)
 
@@ -158,11 +171,9 @@ class SimulatorEngine:
             raise ValueError(f"request id {rid!r} is already running")
         opts = request.options
         prompt = self._prompt_text(request)
-        prompt_tokens = max(1, len(prompt.split()))
-        if prompt_tokens >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {prompt_tokens} tokens, the model's context is {self.max_model_len}"
-            )
+        if request.prompt_token_ids is None:
+            self.prepare(request)
+        prompt_tokens = len(request.prompt_token_ids)
         max_tokens = min(opts.max_tokens, self.max_model_len - prompt_tokens)
         eos_at = None if opts.ignore_eos else self.eos_after_tokens
         seed = opts.seed if opts.seed is not None else zlib.crc32(prompt.encode())
