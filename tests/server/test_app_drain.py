@@ -31,12 +31,7 @@ async def test_sigterm_drains_then_exits_zero(tiny_model_path):
     env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "TMPDIR": scratch,
            "VLLM_CACHE_ROOT": os.path.join(scratch, "vllm"),
            "SLUICE_DRAIN_TIMEOUT_SECONDS": "60"}  # fmt: skip
-    log = open(os.path.join(scratch, "server.log"), "w+b")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [*server_cmd(), "--model", "tiny", "--host", "127.0.0.1", "--port", str(port),
-         "--max-model-len", "512"],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    proc, log = start_server(port, env, os.path.join(scratch, "server.log"))
     url = f"http://127.0.0.1:{port}"
     try:
         async with httpx.AsyncClient(base_url=url, timeout=60) as c:
@@ -86,6 +81,16 @@ async def test_sigterm_drains_then_exits_zero(tiny_model_path):
             proc.kill()
             proc.wait(timeout=30)
         log.close()
+
+
+def start_server(port: int, env: dict, log_path: str):
+    log = open(log_path, "w+b")  # noqa: SIM115 - closed by the test
+    proc = subprocess.Popen(
+        [*server_cmd(), "--model", "tiny", "--host", "127.0.0.1", "--port", str(port),
+         "--max-model-len", "512"],
+        env=env, stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    return proc, log
 
 
 def _tail(log) -> str:

@@ -64,7 +64,7 @@ async def test_metrics_match_known_requests(make_server, engine):
         for rid in ("w1", "w2"):
             await ws.send(json.dumps({"id": rid, "prompt": "m", "params": {"max_tokens": 4}}))
             n = 0
-            while not (f := json.loads(await asyncio.wait_for(ws.recv(), 30)))["finished"]:
+            while not json.loads(await asyncio.wait_for(ws.recv(), 30))["finished"]:
                 n += 1
             itl_expected["websocket"] += n - 1
 

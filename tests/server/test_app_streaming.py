@@ -15,8 +15,8 @@ from app_helpers import sse_events, token_payloads, ws_url
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.engine]
 
 
-async def settled(engine, timeout: float = 5.0) -> int:
-    for _ in range(int(timeout / 0.05)):
+async def settled(engine, within: float = 5.0) -> int:
+    for _ in range(int(within / 0.05)):
         if engine.num_unfinished_requests() == 0:
             return 0
         await asyncio.sleep(0.05)
@@ -51,11 +51,11 @@ async def test_stream_timeout_sends_error_event_and_aborts(make_server, engine):
 
 async def test_disconnect_before_first_token_aborts(server_url, engine):
     """The client leaves while the prompt is still in prefill: nothing is left running."""
-    prompt = " ".join(["prefill"] * 400)
+    prompt = " ".join(["prefill"] * 70)  # ~420 tokens: a long prefill
     async with httpx.AsyncClient(base_url=server_url, timeout=60) as c:
         for _ in range(3):
             async with c.stream(
-                "POST", "/v1/stream", json={"prompt": prompt, "max_tokens": 100}
+                "POST", "/v1/stream", json={"prompt": prompt, "max_tokens": 50}
             ) as r:
                 assert r.status_code == 200
             # closed right after the headers: before the first token
@@ -92,3 +92,14 @@ async def test_drain_in_process(make_server, engine):
         assert "event: error" in rest and rest[-2] == "data: [DONE]"
         assert any("drain" in line for line in rest)
     assert await settled(engine) == 0
+
+
+async def test_sse_heartbeat_comments(make_server):
+    """Heartbeat comments keep idle proxies from cutting a long prefill or slow stream."""
+    url = await make_server(heartbeat_seconds=0.05)
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        async with c.stream("POST", "/v1/stream", json={"prompt": "h", "max_tokens": 400}) as r:
+            lines = [line async for line in r.aiter_lines()]
+    pings = [line for line in lines if line.startswith(":")]
+    assert pings, "expected SSE comment heartbeats"
+    assert lines[-2] == "data: [DONE]"

@@ -99,7 +99,14 @@ async def _generate(request: Request, path: str, chat: bool) -> Response:
     admitted = True
     try:
         create = handler.create_chat_completion if chat else handler.create_completion
-        result = await _unless_disconnected(request, create(req, request))
+        try:
+            result = await _unless_disconnected(request, create(req, request))
+        except Exception as e:  # vLLM raises its validation errors; map them as vLLM does
+            from vllm.entrypoints.serve.exception_handling.error_response import (
+                create_error_response,
+            )
+
+            result = create_error_response(e)
         if result is None:  # client left while vLLM rendered or generated (non-stream)
             meter = Meter(bind(svc.metrics, PROTOCOL), t0)
             meter.finish("disconnected")
