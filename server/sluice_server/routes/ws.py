@@ -11,6 +11,7 @@ an error frame and the socket stays usable. Pings are the WebSocket protocol's o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -68,6 +69,7 @@ class Connection:
         self.streams: dict[str, Stream] = {}
         self.lock = asyncio.Lock()
         self.send_timeout = svc.settings.send_timeout_seconds
+        self.closer: asyncio.Future | None = None
 
     async def run(self) -> None:
         try:
@@ -195,16 +197,15 @@ class Connection:
             log.info("websocket stream %s ended: %s", rid, type(e).__name__)
             if meter.outcome is None:
                 meter.finish(FAILED if isinstance(e, TimeoutError) else DISCONNECTED, stream)
-            with_close = isinstance(e, TimeoutError)
-            if with_close:
-                asyncio.get_running_loop().call_soon(asyncio.ensure_future, self._close_slow())
+            if isinstance(e, TimeoutError) and self.closer is None:
+                # A reader that stalls one stream stalls them all: close the socket.
+                self.closer = asyncio.ensure_future(self._close_slow())
         finally:
             cleanup()
             self.tasks.pop(rid, None)
             self.streams.pop(rid, None)
 
     async def _close_slow(self) -> None:
-        try:
-            await self.ws.close(code=1008, reason="client too slow")
-        except Exception:
-            pass
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(self.send_timeout):
+                await self.ws.close(code=1008, reason="client too slow")
