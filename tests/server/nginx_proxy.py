@@ -6,10 +6,18 @@ free loopback port and stops it on `stop()` / context exit. Modes:
 - `ingress`: what the operator's Ingress asks ingress-nginx for (operator
   builders/ingress.py): `proxy_buffering off`, `proxy_request_buffering off`, HTTP/1.1
   upstream, `Upgrade`/`Connection` for WebSocket, long read/send timeouts, a body limit.
-- `nginx-default`: stock nginx (`proxy_buffering on`) that still honours the server's
-  `X-Accel-Buffering: no` header: shows the header alone keeps streaming incremental.
-- `buffered`: the negative control: buffering on, the header ignored, buffers large
-  enough to hold a whole test answer. Streaming must visibly break through it.
+- `nginx-default`: stock nginx buffering (`proxy_buffering on`) plus gzip for event
+  streams, honouring the server's `X-Accel-Buffering: no`: the header alone keeps it
+  streaming.
+- `buffered`: the negative control: the same, but `proxy_ignore_headers
+  X-Accel-Buffering`. Streaming must visibly break through it.
+
+Measured with nginx 1.22: `proxy_buffering on` by itself does not delay an SSE response
+(nginx forwards what it has read whenever the client socket is writable), so it is no
+negative control. What does hold a stream is a body filter that only emits when its own
+buffers fill or the response asks to flush, like gzip: with buffering off (or the header
+honoured) every upstream read is a flush; with the header ignored, the answer arrives in
+one burst at the end.
 """
 
 from __future__ import annotations
@@ -55,15 +63,16 @@ def render_config(
     """nginx.conf text. `upstream` is host:port. Everything nginx writes stays in `prefix`."""
     if mode == "ingress":
         buffering = "proxy_buffering off;\n        proxy_request_buffering off;"
-    elif mode == "nginx-default":
-        buffering = "proxy_buffering on;"
     else:
-        # Big enough that a whole test answer fits: nginx then holds it until the end.
+        # Stock nginx buffering plus gzip for event streams, a common setup. With buffering
+        # on, nginx only flushes gzip output when the response asks for no buffering
+        # (`X-Accel-Buffering: no`); ignoring that header makes it hold the whole answer.
         buffering = (
-            "proxy_buffering on;\n        proxy_ignore_headers X-Accel-Buffering;\n"
-            "        proxy_buffer_size 256k;\n        proxy_buffers 16 256k;\n"
-            "        proxy_busy_buffers_size 512k;"
+            "proxy_buffering on;\n        gzip on;\n        gzip_proxied any;\n"
+            "        gzip_types text/event-stream application/json;\n        gzip_buffers 16 64k;"
         )
+        if mode == "buffered":
+            buffering += "\n        proxy_ignore_headers X-Accel-Buffering;"
     # Running as root (CI containers), workers would switch to `nobody` and could not write
     # the temp dirs in our private prefix; this is a throwaway test proxy.
     user = "user root;\n" if os.geteuid() == 0 else ""
