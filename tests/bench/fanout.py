@@ -189,8 +189,9 @@ async def run(cmd: dict) -> dict:
             }
             stages.append(stage)
             p99 = stage["lag_p99_ms"]
-            if (p99 is not None and p99 > cmd["give_up_lag_ms"]) or st.errors > 0.05 * target:
-                break  # saturated: more streams only pile up lag
+            saturated = p99 is not None and p99 > cmd["give_up_lag_ms"]
+            if st.errors > 0.05 * target or (saturated and target >= cmd.get("min_streams", 0)):
+                break  # failing, or saturated past the floor: more streams only pile up lag
         st.stopping = True
         for t in tasks:
             t.cancel()

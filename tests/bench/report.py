@@ -117,32 +117,51 @@ def ratio_table(rows: list[dict]) -> str:
 
 
 def crosscheck_table(cc: dict) -> str:
+    rounds = cc.get("rounds", 1)
     lines = [
         f"Concurrency {cc['concurrency']}, {cc['num_requests']} requests, same prompts and "
-        "max_tokens, run back to back:",
+        f"max_tokens; the two clients alternate for {rounds} round(s) per server; cells are "
+        "medians over rounds, with each round's tok/s in brackets:",
         "",
         "| server | client | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | failed |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for system, t in cc["targets"].items():
-        theirs, ours = t["vllm_bench"], t["ours"]
-        if "error" in theirs:
-            lines.append(f"| {LABELS[system]} | vllm bench serve | failed: see log | | | | |")
+        theirs = [r for r in _listify(t["vllm_bench"]) if "error" not in r]
+        ours = _listify(t["ours"])
+        if theirs:
+            tps = [r["output_throughput"] for r in theirs]
+            lines.append(
+                f"| {LABELS[system]} | `vllm bench serve` | {_f(_med(tps))} "
+                f"({', '.join(_f(x) for x in tps)}) | "
+                f"{_f(_med([r['median_ttft_ms'] for r in theirs]), 1)} | "
+                f"{_f(_med([r['p99_ttft_ms'] for r in theirs]), 1)} | "
+                f"{_f(_med([r['median_itl_ms'] for r in theirs]), 2)} | "
+                f"{sum(r['failed'] for r in theirs)} |"
+            )
         else:
             lines.append(
-                f"| {LABELS[system]} | `vllm bench serve` | {_f(theirs['output_throughput'])} | "
-                f"{_f(theirs['median_ttft_ms'], 1)} | {_f(theirs['p99_ttft_ms'], 1)} | "
-                f"{_f(theirs['median_itl_ms'], 2)} | {theirs['failed']} |"
+                f"| {LABELS[system]} | `vllm bench serve` | failed: see the run's logs | | | | |"
             )
+        tps_o = [r["tokens_per_s"] for r in ours]
         lines.append(
-            f"| {LABELS[system]} | ours (tests/bench/loadgen.py) | {_f(ours['tokens_per_s'])} | "
-            f"{_f(ours['ttft_p50_ms'], 1)} | {_f(ours['ttft_p99_ms'], 1)} | "
-            f"{_f(ours['itl_p50_ms'], 2)} | {ours['errors']} |"
+            f"| {LABELS[system]} | ours (tests/bench/loadgen.py) | {_f(_med(tps_o))} "
+            f"({', '.join(_f(x) for x in tps_o)}) | "
+            f"{_f(_med([r['ttft_p50_ms'] for r in ours]), 1)} | "
+            f"{_f(_med([r['ttft_p99_ms'] for r in ours]), 1)} | "
+            f"{_f(_med([r['itl_p50_ms'] for r in ours]), 2)} | {sum(r['errors'] for r in ours)} |"
         )
-        if "error" not in theirs and theirs.get("output_throughput"):
-            d = ours["tokens_per_s"] / theirs["output_throughput"] - 1
-            lines.append(f"| | difference (ours / theirs - 1) | {d:+.1%} | | | | |")
+        if theirs and _med(tps):
+            d = _med(tps_o) / _med(tps) - 1
+            lines.append(f"| | ours / theirs - 1 (medians) | {d:+.1%} | | | | |")
+    first = next(iter(cc["targets"].values()), None)
+    if first:
+        lines += ["", f"vLLM's client was run as `{first['command']}` (base URL per server)."]
     return "\n".join(lines)
+
+
+def _listify(x):
+    return x if isinstance(x, list) else [x]
 
 
 def fanout_tables(fanout: list[dict]) -> str:

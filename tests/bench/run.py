@@ -81,6 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--min-requests", type=int, default=8)
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--crosscheck-concurrency", type=int, default=32)
+    p.add_argument("--crosscheck-rounds", type=int, default=2)
     p.add_argument("--fanout-stages", default="250,500,1000,2000,3000")
     p.add_argument(
         "--fanout-itl-ms",
@@ -97,7 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-docs", action="store_true", help="write only bench-results.json")
     a = p.parse_args(argv)
     if a.quick:
-        a.concurrency, a.repeats, a.min_requests = "1,8", 1, 8
+        a.concurrency, a.repeats, a.min_requests, a.crosscheck_rounds = "1,8", 1, 8, 1
         a.fanout_stages, a.fanout_itl_ms, a.fanout_hold_s = "100,300", "50", 2.0
     a.concurrency = [int(c) for c in a.concurrency.split(",")]
     a.systems = [s for s in a.systems.split(",") if s]
@@ -224,17 +225,21 @@ def run_matrix(args, run_point) -> list[dict]:
 
 
 def run_crosscheck(args, started, loadgen_run, model_path, env, scratch: Path) -> dict:
-    """vLLM's benchmark client and ours, back to back, on the same point and prompts."""
+    """vLLM's benchmark client and ours, alternating on the same point and prompts.
+
+    The machine's load moves within seconds, so one back-to-back pair can differ by tens of
+    percent for reasons neither client controls: alternate for a few rounds and compare
+    medians (every round is kept in the results)."""
     conc = args.crosscheck_concurrency
     n = max(args.min_requests, int(args.requests_per_stream * conc))
     dataset = scratch / "prompts.jsonl"
     dataset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts()))
-    out: dict = {"concurrency": conc, "num_requests": n, "targets": {}}
+    out: dict = {"concurrency": conc, "num_requests": n, "rounds": args.crosscheck_rounds,
+                 "targets": {}}  # fmt: skip
     for system in ("vllm", "openai"):
         server = started.get("vllm" if system == "vllm" else "sluice")
         if server is None:
             continue
-        summary = scratch / f"vllm-bench-{system}.json"
         cmd = [
             PY, str(HERE / "vllm_bench.py"), "--backend", "openai-chat",
             "--base-url", server.base_url, "--endpoint", "/v1/chat/completions",
@@ -242,23 +247,24 @@ def run_crosscheck(args, started, loadgen_run, model_path, env, scratch: Path) -
             "--dataset-name", "custom", "--dataset-path", str(dataset), "--skip-chat-template",
             "--custom-output-len", str(args.max_tokens), "--ignore-eos", "--temperature", "0",
             "--num-prompts", str(n), "--max-concurrency", str(conc), "--request-rate", "inf",
-            "--num-warmups", "0", "--disable-tqdm", "--summary-out", str(summary),
+            "--num-warmups", "0", "--disable-tqdm",
         ]  # fmt: skip
-        log = scratch / f"vllm-bench-{system}.log"
-        with open(log, "wb") as f:
-            subprocess.run(
-                cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=300, check=False
-            )
-        theirs = (
-            json.loads(summary.read_text())
-            if summary.exists()
-            else {"error": log.read_text()[-2000:]}
-        )
-        ours = loadgen_run(system, conc, n)
+        theirs_rounds, ours_rounds = [], []
+        for rnd in range(args.crosscheck_rounds):
+            summary = scratch / f"vllm-bench-{system}-{rnd}.json"
+            log = scratch / f"vllm-bench-{system}-{rnd}.log"
+            with open(log, "wb") as f:
+                subprocess.run([*cmd, "--summary-out", str(summary)], env=env, stdout=f,
+                               stderr=subprocess.STDOUT, timeout=300, check=False)  # fmt: skip
+            if summary.exists():
+                theirs_rounds.append(json.loads(summary.read_text()))
+            else:
+                theirs_rounds.append({"error": log.read_text()[-2000:]})
+            ours_rounds.append(loadgen_run(system, conc, n))
         out["targets"][system] = {
-            "vllm_bench": theirs,
-            "ours": ours,
-            "command": shlex.join(cmd[1:]),
+            "vllm_bench": theirs_rounds,
+            "ours": ours_rounds,
+            "command": "python " + shlex.join([str(Path(cmd[1]).relative_to(ROOT)), *cmd[2:]]),
         }
     return out
 
@@ -289,6 +295,7 @@ def run_fanout(args, group: ProcGroup, env, logs: Path) -> list[dict]:
                 "model": "simulator", "stages": args.fanout_stages, "itl_ms": itl,
                 "max_tokens": 1_000_000, "ramp_per_s": 1000, "settle_s": 2.0, "hold_s": hold,
                 "lag_target_ms": 50.0, "give_up_lag_ms": 1000.0, "budget_s": 150,
+                "min_streams": 2000,
             }, timeout=300)  # fmt: skip
         except Exception as exc:  # keep the other ramps: report the failure instead
             res = {"protocol": proto, "itl_ms": itl, "stages": [], "max_ok_streams": 0,
