@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Generic, TypeVar
 
 from .metrics import Bound
@@ -29,7 +29,7 @@ FINISHED, DISCONNECTED, FAILED, STOPPED = "finished", "disconnected", "failed", 
 
 class Stream(Generic[T]):
     __slots__ = ("_source", "_cap", "_items", "_wake", "_task", "_timer", "_done",
-                 "error", "first_output_at", "_on_release", "_released", "stopped")  # fmt: skip
+                 "error", "first_output_at", "stopped")  # fmt: skip
 
     def __init__(
         self,
@@ -37,7 +37,6 @@ class Stream(Generic[T]):
         *,
         cap: int,
         timeout: float,
-        on_release: Callable[[Stream], None] | None = None,
     ) -> None:
         self._source = source
         self._cap = cap
@@ -46,8 +45,6 @@ class Stream(Generic[T]):
         self._done = False
         self.error: str | None = None
         self.first_output_at: float | None = None
-        self._on_release = on_release
-        self._released = False
         self.stopped = False
         loop = asyncio.get_running_loop()
         self._task = loop.create_task(self._produce())
@@ -138,10 +135,6 @@ class Stream(Generic[T]):
         self._timer.cancel()
         if not self._task.done():
             self._task.cancel()
-        if not self._released:
-            self._released = True
-            if self._on_release is not None:
-                self._on_release(self)
 
 
 class StreamFailed(Exception):
