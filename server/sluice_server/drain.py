@@ -59,6 +59,7 @@ def serve(settings: Settings) -> int:
         lifespan="on",
         ws_ping_interval=settings.heartbeat_seconds,
         ws_ping_timeout=settings.heartbeat_seconds,
+        ws_max_size=settings.max_body_bytes,  # one limit for bodies and frames
         timeout_graceful_shutdown=5,
         access_log=False,
     )

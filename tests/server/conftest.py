@@ -99,6 +99,7 @@ async def make_server(engine, tiny_model_path):
         config = uvicorn.Config(
             app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
             ws_ping_interval=settings.heartbeat_seconds, ws_ping_timeout=settings.heartbeat_seconds,
+            ws_max_size=settings.max_body_bytes,
         )  # fmt: skip
         server = _TestServer.make(config)
         task = asyncio.create_task(server.serve())
