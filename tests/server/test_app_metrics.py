@@ -103,3 +103,11 @@ async def test_metrics_match_known_requests(make_server, engine):
     # buckets resolve 5 ms to 60 s
     les = {dict(k[1])["le"] for k in m if k[0] == "sluice_ttft_seconds_bucket"}
     assert {"0.005", "60.0", "+Inf"} <= les
+
+
+async def test_metrics_include_engine_and_process_metrics(server_url):
+    async with httpx.AsyncClient(base_url=server_url, timeout=60) as c:
+        text = (await c.get("/metrics")).text
+    names = {fam.name for fam in text_string_to_metric_families(text)}
+    assert "sluice_ttft_seconds" in names and "process_resident_memory_bytes" in names
+    assert any(n.startswith("vllm:") for n in names), sorted(names)[:50]

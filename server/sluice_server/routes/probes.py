@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from ..services import services
 
@@ -44,5 +44,7 @@ async def ready(request: Request) -> Response:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    return Response(generate_latest(services(request).metrics.registry),
-                    media_type=CONTENT_TYPE_LATEST)  # fmt: skip
+    """Our `sluice_*` metrics, then the process-wide default registry: process/GC metrics
+    and, on vLLM, the engine's own `vllm:*` metrics (KV cache use, running/waiting)."""
+    ours = generate_latest(services(request).metrics.registry)
+    return Response(ours + generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
