@@ -91,8 +91,15 @@ async def test_rate_limit_requests_per_minute(make_server, key_file):
         assert err["type"] == "rate_limit_error" and "requests per minute" in err["message"]
         # per key: the other key is unaffected
         await finish_ok(c, headers=bearer(KEYS[1]))
+        # the WebSocket draws on the same bucket: an error frame, the socket stays open
+        async with websockets.connect(ws_url(url), additional_headers=bearer(KEYS[0])) as ws:
+            await ws.send(json.dumps({"id": "r", "prompt": "x", "params": {"max_tokens": 1}}))
+            f = json.loads(await asyncio.wait_for(ws.recv(), 30))
+            assert f["type"] == "error" and f["id"] == "r"
+            assert f["error"]["code"] == "rate_limit_exceeded"
         metrics = (await c.get("/metrics")).text
-    assert 'reason="rate_limit"} 1.0' in metrics
+    assert 'protocol="sse",reason="rate_limit"} 1.0' in metrics
+    assert 'protocol="websocket",reason="rate_limit"} 1.0' in metrics
 
 
 async def test_rate_limit_tokens_per_minute(make_server, key_file):
