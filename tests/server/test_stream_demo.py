@@ -27,5 +27,5 @@ def test_demo_streams_over_sse_and_websocket(tiny_model_path, tmp_path):
         assert m, f"no {label} summary in:\n{out}"
     assert "exit code 0" in out
     # Both protocols streamed the same seeded answer.
-    answers = re.findall(r"---\n(.*)\n\[", out)
+    answers = re.findall(r"---\n(.*?)\n\[(?:SSE|WebSocket)\]", out, re.DOTALL)
     assert len(answers) == 2 and answers[0] == answers[1] and answers[0].strip()
