@@ -41,7 +41,7 @@ async def test_sigterm_drains_then_exits_zero(tiny_model_path):
     url = f"http://127.0.0.1:{port}"
     try:
         async with httpx.AsyncClient(base_url=url, timeout=60) as c:
-            deadline = time.monotonic() + 240
+            deadline = time.monotonic() + 420  # engine start: ~30 s alone, minutes on a busy box
             while True:
                 assert proc.poll() is None, _tail(log)
                 try:
@@ -70,7 +70,7 @@ async def test_sigterm_drains_then_exits_zero(tiny_model_path):
             proc.send_signal(signal.SIGTERM)
             # /ready turns 503 at once
             while (await c.get("/ready")).status_code != 503:
-                assert time.monotonic() - t_sig < 2, "/ready did not turn 503"
+                assert time.monotonic() - t_sig < 5, "/ready did not turn 503"
                 await asyncio.sleep(0.02)
             refused = await c.post("/v1/stream", json={"prompt": "late", "max_tokens": 2})
             assert refused.status_code == 503, refused.text
