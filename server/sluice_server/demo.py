@@ -176,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     print(f"tiny model: {ensure_tiny_model()} ({time.perf_counter() - t0:.1f} s)")
-    scratch = Path(tempfile.mkdtemp(prefix="sluice-demo-"))
+    # vLLM puts ZMQ socket files here; their paths must fit in 107 bytes (sun_path).
+    base = tempfile.gettempdir()
+    scratch = Path(tempfile.mkdtemp(prefix="sluice-demo-", dir=base if len(base) <= 40 else "/tmp"))
     log_path = scratch / "server.log"
     port = free_port()
     print(f"starting sluice-server --model tiny on 127.0.0.1:{port} (log: {log_path})")

@@ -14,8 +14,8 @@ import pytest
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 
-def test_demo_streams_over_sse_and_websocket(tiny_model_path, tmp_path):
-    env = {**os.environ, "TMPDIR": str(tmp_path), "SLUICE_CACHE": str(tiny_model_path.parent)}
+def test_demo_streams_over_sse_and_websocket(tiny_model_path):
+    env = {**os.environ, "SLUICE_CACHE": str(tiny_model_path.parent)}
     proc = subprocess.run(
         [sys.executable, "-m", "sluice_server.demo", "--max-tokens", "24"],
         capture_output=True, text=True, timeout=420, env=env,
