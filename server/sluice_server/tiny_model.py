@@ -20,11 +20,15 @@ import os
 import random
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 # Bump when the recipe changes: a cached model with another version is rebuilt.
 RECIPE_VERSION = "1"
 _MARKER = ".sluice-tiny-model"
+# One build at a time per process (threads would also race on transformers' lazy imports);
+# across processes the atomic rename below decides.
+_BUILD_LOCK = threading.Lock()
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -232,6 +236,14 @@ def ensure_tiny_model(cache_dir: Path | None = None) -> Path:
     target = root / "tiny-model"
     if _is_complete(target):
         return target
+    with _BUILD_LOCK:
+        if _is_complete(target):  # another thread built it while we waited
+            return target
+        _build_into(root, target)
+    return target
+
+
+def _build_into(root: Path, target: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-model-", dir=root))
     try:
@@ -252,7 +264,6 @@ def ensure_tiny_model(cache_dir: Path | None = None) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def main() -> None:
