@@ -154,7 +154,7 @@ async def run(cmd: dict) -> dict:
                     )
                 await asyncio.sleep(0.05)
             # Wait (bounded) until every stream has its first token.
-            settle_until = time.monotonic() + cmd["settle_s"] + target / 500
+            settle_until = time.monotonic() + cmd["settle_s"] + target / 1000
             while st.started < target - st.errors and time.monotonic() < settle_until:  # noqa: ASYNC110 - bounded poll
                 await asyncio.sleep(0.05)
             await asyncio.sleep(0.5)

