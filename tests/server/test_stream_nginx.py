@@ -53,12 +53,19 @@ class Timeline:
 
 
 def assert_incremental(tl: Timeline) -> None:
-    """The first token well before the last, and tokens spread over the generation."""
+    """The first token well before the last, and tokens spread over the generation.
+
+    Measured on the client clock from when the request was sent. The thresholds leave room
+    for a starved CPU (a TTFT of ~1 s was seen on a shared 2-core machine), while a buffered
+    answer lands within a few milliseconds: 300 tokens take >= 0.5 s to generate here."""
     assert tl.arrivals, "no tokens arrived"
-    assert tl.first < 0.5 * tl.last, f"first token not well before the last: {tl.summary()}"
+    spread = tl.last - tl.first
+    assert spread >= max(0.15, 0.2 * tl.last), (
+        f"first token not well before the last: {tl.summary()}"
+    )
     # Distinct arrival moments (a buffered response lands in one or two reads).
-    moments = sum(1 for a, b in zip(tl.arrivals, tl.arrivals[1:], strict=False) if b - a > 0.001)
-    assert moments >= 5, f"tokens arrived in only {moments + 1} bursts: {tl.summary()}"
+    bursts = 1 + sum(1 for a, b in zip(tl.arrivals, tl.arrivals[1:], strict=False) if b - a > 0.002)
+    assert bursts >= 3, f"tokens arrived in only {bursts} bursts: {tl.summary()}"
 
 
 async def sse_timeline(base_url: str, direct: bool = False) -> Timeline:
@@ -106,22 +113,25 @@ async def ws_timeline(ws_base: str) -> Timeline:
 
 
 async def openai_timeline(base_url: str) -> Timeline:
-    from openai import AsyncOpenAI
-
+    """OpenAI chat streaming, read with httpx (the SDK itself is tested in
+    test_stream_openai.py; its per-chunk parsing would blur the arrival times here)."""
     tl = Timeline()
-    async with AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0) as c:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "seed": 1,
+            "max_tokens": N_TOKENS, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    async with httpx.AsyncClient(timeout=60) as client:
         t0 = time.perf_counter()
-        stream = await c.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=N_TOKENS,
-            seed=1, stream=True, stream_options={"include_usage": True},
-        )  # fmt: skip
-        async for chunk in stream:
-            now = time.perf_counter() - t0
-            if chunk.usage is not None:
-                tl.tokens = chunk.usage.completion_tokens
-            if chunk.choices and chunk.choices[0].delta.content:
-                tl.arrivals.append(now)
-                tl.text += chunk.choices[0].delta.content
+        async with aconnect_sse(client, "POST", base_url + "/v1/chat/completions", json=body) as es:
+            assert es.response.status_code == 200
+            async for ev in es.aiter_sse():
+                now = time.perf_counter() - t0
+                if ev.data == "[DONE]":
+                    break
+                chunk = json.loads(ev.data)
+                if chunk.get("usage"):
+                    tl.tokens = chunk["usage"]["completion_tokens"]
+                if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                    tl.arrivals.append(now)
+                    tl.text += chunk["choices"][0]["delta"]["content"]
     return tl
 
 
