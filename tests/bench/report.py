@@ -228,7 +228,7 @@ def generated_section(results: dict, out_dir: Path) -> str:
         BEGIN,
         "<!-- Written by tests/bench/run.py from docs/bench-results.json; edits here are overwritten. -->",
         "",
-        f"Command: `{results['command']}` (what `make bench` runs), "
+        f"Command: `{results['command'].strip()}` (what `make bench` runs), "
         f"{results['phases_s'].get('total', 0) / 60:.1f} minutes in all "
         "("
         + ", ".join(f"{k} {val:.0f} s" for k, val in results["phases_s"].items() if k != "total")

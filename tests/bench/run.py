@@ -318,8 +318,9 @@ def main(argv=None) -> int:
     logs.mkdir()
     env = engine_env(scratch)
     results: dict = {
-        "command": "python tests/bench/run.py "
-        + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "command": " ".join(
+            ["python tests/bench/run.py", shlex.join(argv if argv is not None else sys.argv[1:])]
+        ).strip(),
         "machine": machine(),
         "versions": versions(),
         "settings": {
