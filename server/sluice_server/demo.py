@@ -96,20 +96,25 @@ def _emit(text: str) -> None:
 
 
 async def stream_sse(base: str, body: dict) -> Result:
+    """A minimal SSE reader (one `data:` line per event in our stream)."""
     import httpx
-    from httpx_sse import aconnect_sse
 
-    first = None
+    first, event = None, "message"
     async with httpx.AsyncClient(timeout=60) as client:
         t0 = time.perf_counter()
-        async with aconnect_sse(client, "POST", base + "/v1/stream", json=body) as es:
-            es.response.raise_for_status()
-            async for ev in es.aiter_sse():
-                if ev.event == "error":
-                    raise RuntimeError(f"stream error: {ev.data}")
-                if ev.data == "[DONE]":
+        async with client.stream("POST", base + "/v1/stream", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if line.startswith("event:"):
+                    event = line[6:].strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if event == "error":
+                    raise RuntimeError(f"stream error: {data}")
+                if data == "[DONE]":
                     break
-                msg = json.loads(ev.data)
+                msg = json.loads(data)
                 if msg["finished"]:
                     return Result(first or 0.0, time.perf_counter() - t0,
                                   msg["usage"]["completion_tokens"])  # fmt: skip
