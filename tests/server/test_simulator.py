@@ -51,9 +51,11 @@ async def test_ttft_and_itl_within_tolerance():
     deltas = await collect(engine, req(max_tokens=11))
     ttft = deltas[0][0] - start
     gaps = [b[0] - a[0] for a, b in zip(deltas, deltas[1:], strict=False)]
-    assert len(deltas) == 11  # one token per delta when the consumer keeps up
+    assert sum(d.num_tokens for _, d in deltas) == 11
+    # One token per delta while the consumer keeps up; a starved CPU may coalesce a few.
+    assert len(deltas) >= 8
     assert 0.075 <= ttft <= 0.200, ttft  # upper bounds leave room for a busy shared CPU
-    assert 0.020 <= statistics.median(gaps) <= 0.045, gaps
+    assert 0.015 <= statistics.median(gaps) <= 0.045, gaps
     # Absolute deadlines: the whole stream does not drift.
     total = deltas[-1][0] - start
     assert 0.080 + 10 * 0.025 - 0.005 <= total <= 0.080 + 10 * 0.025 + 0.150, total
