@@ -1,0 +1,49 @@
+"""Engine selection: `open_engine(settings)` yields the Engine the app serves."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
+from .base import Delta, Engine, SamplingOptions, StreamRequest
+
+if TYPE_CHECKING:
+    from ..settings import Settings
+
+__all__ = ["Delta", "Engine", "SamplingOptions", "StreamRequest", "open_engine", "resolve_model"]
+
+
+def resolve_model(model: str) -> str:
+    """`tiny` means the tiny random model made locally (CPU tests, demo)."""
+    if model == "tiny":
+        from ..tiny_model import ensure_tiny_model
+
+        return str(ensure_tiny_model())
+    return model
+
+
+@asynccontextmanager
+async def open_engine(settings: Settings) -> AsyncIterator[Engine]:
+    """Start the engine named by settings and shut it down on exit (imports are lazy:
+    the simulator must not pay for importing vLLM)."""
+    if settings.engine == "simulator":
+        from .simulator import SimulatorEngine
+
+        sim = SimulatorEngine(
+            model_name=settings.model_label,
+            ttft_ms=settings.sim_ttft_ms,
+            itl_ms=settings.sim_itl_ms,
+            ttft_per_stream_ms=settings.sim_ttft_per_stream_ms,
+            jitter=settings.sim_jitter,
+        )
+        try:
+            yield sim
+        finally:
+            await sim.shutdown()
+        return
+
+    from .vllm_engine import open_vllm_engine
+
+    async with open_vllm_engine(settings, resolve_model(settings.model)) as engine:
+        yield engine

@@ -28,6 +28,8 @@ class StreamRequest:
     prompt: str | None = None
     messages: list[dict] | None = None
     options: SamplingOptions = field(default_factory=SamplingOptions)
+    # Set by engines that tokenize up front (`prepare`), so generate() needn't again.
+    prompt_token_ids: list[int] | None = None
 
 
 @dataclass(slots=True)

@@ -1,0 +1,27 @@
+"""`sluice-server` / `python -m sluice_server`: parse flags + env, serve, drain on SIGTERM."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pydantic import ValidationError
+
+    from .drain import serve
+    from .settings import parse_settings
+
+    try:
+        settings = parse_settings(argv)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"--{'.'.join(str(x) for x in err['loc']).replace('_', '-')}: {err['msg']}"
+            for err in e.errors()
+        )
+        print(f"sluice-server: invalid settings: {problems}", file=sys.stderr)
+        return 2
+    return serve(settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""A model-free engine: deterministic tokens on a configurable clock.
+
+What it is for: load tests, ingress and autoscaling rehearsals on clusters without GPUs,
+and fast unit tests of the streaming routes. It never stands in for the real engine in
+proofs of behaviour.
+
+Timing model (all on the event loop's monotonic clock, one timer per stream, no threads):
+
+* Time to first token = ``ttft_ms + ttft_per_stream_ms * in_flight``, where ``in_flight``
+  is the number of other unfinished requests when this one arrives. This is the queueing
+  model the TTFT autoscaler is rehearsed against: a real engine's TTFT grows with the number
+  of streams it is already serving (prefill waits behind decode steps), so more load means
+  higher TTFT, and more replicas bring it back down.
+* Token ``i`` (0-based) is due at ``arrival + ttft + i * itl_ms``. Deadlines are absolute, so
+  a late wake-up does not push every later token back (no drift). When a stream wakes up
+  late and several tokens are already due, they go out as one Delta, as vLLM's output
+  collector merges deltas for a consumer that falls behind.
+* ``jitter`` is a relative standard deviation: each TTFT and each inter-token gap is
+  multiplied by ``1 + jitter * N(0, 1)``, clipped to ``[max(0, 1 - 3 * jitter), 1 + 3 * jitter]``.
+  The random stream is seeded per request, so a run is reproducible.
+
+Tokens are words from a fixed list, cycled from an offset derived from the request's seed
+(``options.seed``, else a CRC of the prompt): the same request gives the same text.
+With ``stamp_tokens=True`` every token's text carries the wall-clock time it was due
+(``" word@1732950000.123456"``): load generators on the same machine subtract it from their
+arrival time to get the delivery lag through the server. The due time, not the wake-up
+time, is the production time on purpose: a real engine runs in another process and keeps
+producing while the server's event loop is busy, so event-loop lateness is delivery lag.
+
+Stop strings are matched across token boundaries and are not included in the output; text
+that could be the start of a stop string is held back until it is decided, like vLLM's
+detokenizer does. ``eos_after_tokens`` (off by default) makes a request end on its own with
+``finish_reason="stop"`` after that many tokens unless ``ignore_eos`` is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import zlib
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from sluice_server.engine.base import Delta, StreamRequest
+
+DEFAULT_WORDS: tuple[str, ...] = (
+    "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while",
+    "streams", "of", "tokens", "flow", "through", "sluice", "gates", "into", "calm",
+    "water", "and", "every", "reader", "sees", "them", "arrive", "one", "by", "one", "now",
+)  # fmt: skip
+
+
+class EngineDeadError(RuntimeError):
+    """The simulator was shut down; health checks fail and new requests are refused."""
+
+
+@dataclass(slots=True)
+class _Stream:
+    """Per-request state the abort path needs: the pending wake-up and an abort flag."""
+
+    aborted: bool = False
+    waiter: asyncio.Future | None = None
+
+    def wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+
+def _release(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class SimulatorEngine:
+    """Implements `sluice_server.engine.base.Engine` without a model."""
+
+    def __init__(
+        self,
+        model_name: str = "simulator",
+        *,
+        ttft_ms: float = 50.0,
+        itl_ms: float = 20.0,
+        ttft_per_stream_ms: float = 0.0,
+        jitter: float = 0.0,
+        max_model_len: int = 4096,
+        eos_after_tokens: int | None = None,
+        stamp_tokens: bool = False,
+        words: Sequence[str] = DEFAULT_WORDS,
+    ) -> None:
+        if min(ttft_ms, itl_ms, ttft_per_stream_ms, jitter) < 0:
+            raise ValueError("simulator timings and jitter must be >= 0")
+        if not words:
+            raise ValueError("the simulator needs at least one word")
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.ttft_s = ttft_ms / 1000.0
+        self.itl_s = itl_ms / 1000.0
+        self.ttft_per_stream_s = ttft_per_stream_ms / 1000.0
+        self.jitter = jitter
+        self.eos_after_tokens = eos_after_tokens
+        self.stamp_tokens = stamp_tokens
+        # Leading space: tokens concatenate into readable text, as BPE word pieces do.
+        self._words = tuple(" " + w for w in words)
+        self._streams: dict[str, _Stream] = {}
+        self._dead = False
+
+    # -- Engine protocol -------------------------------------------------------------
+
+    def prepare(self, request: StreamRequest) -> int:
+        """Count and check the prompt before the 200, as the vLLM adapter does, so an
+        over-long prompt is a 400 and not an error event. Prompt tokens are the prompt's
+        whitespace-separated words (their ids are stable hashes; nothing reads them)."""
+        words = self._prompt_text(request).split() or [""]
+        if len(words) >= self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens; "
+                f"the prompt has {len(words)} tokens."
+            )
+        request.prompt_token_ids = [zlib.crc32(w.encode()) & 0x7FFF for w in words]
+        return len(words)
+
+    def generate(self, request: StreamRequest) -> AsyncIterator[Delta]:
+        return self._generate(request)
+
+    async def abort(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.aborted = True
+            stream.wake()
+
+    async def check_health(self) -> None:
+        if self._dead:
+            raise EngineDeadError("simulator engine is shut down")
+
+    def num_unfinished_requests(self) -> int:
+        return len(self._streams)
+
+    async def shutdown(self) -> None:
+        self._dead = True
+        for stream in list(self._streams.values()):
+            stream.aborted = True
+            stream.wake()
+
+    # -- internals -------------------------------------------------------------------
+
+    def _factor(self, rng: random.Random | None) -> float:
+        if rng is None or not self.jitter:
+            return 1.0
+        lo, hi = max(0.0, 1.0 - 3.0 * self.jitter), 1.0 + 3.0 * self.jitter
+        return min(hi, max(lo, 1.0 + self.jitter * rng.gauss(0.0, 1.0)))
+
+    @staticmethod
+    def _prompt_text(request: StreamRequest) -> str:
+        if request.prompt is not None:
+            return request.prompt
+        parts = []
+        for message in request.messages or []:
+            content = message.get("content")
+            if isinstance(content, str):
+                parts.append(content)
+            elif isinstance(content, list):  # OpenAI content parts
+                parts.extend(p.get("text", "") for p in content if isinstance(p, dict))
+        return "\n".join(parts)
+
+    async def _generate(self, request: StreamRequest) -> AsyncIterator[Delta]:
+        if self._dead:
+            raise EngineDeadError("simulator engine is shut down")
+        rid = request.request_id
+        if rid in self._streams:
+            raise ValueError(f"request id {rid!r} is already running")
+        opts = request.options
+        prompt = self._prompt_text(request)
+        if request.prompt_token_ids is None:
+            self.prepare(request)
+        prompt_tokens = len(request.prompt_token_ids)
+        max_tokens = min(opts.max_tokens, self.max_model_len - prompt_tokens)
+        eos_at = None if opts.ignore_eos else self.eos_after_tokens
+        seed = opts.seed if opts.seed is not None else zlib.crc32(prompt.encode())
+        # A Mersenne Twister is 2.5 KB per stream: only jittered timing needs one.
+        rng = random.Random(seed) if self.jitter else None
+        words, nwords = self._words, len(self._words)
+        offset = seed % nwords
+        stops = [s for s in opts.stop if s]
+        holdback = max((len(s) for s in stops), default=1) - 1
+
+        loop = asyncio.get_running_loop()
+        wall_offset = time.time() - loop.time()
+        in_flight = len(self._streams)
+        stream = _Stream()
+        self._streams[rid] = stream
+        due = loop.time() + (self.ttft_s + self.ttft_per_stream_s * in_flight) * self._factor(rng)
+        text = ""  # everything generated so far (stop strings need the whole tail)
+        sent = 0  # characters of `text` already emitted
+        produced = 0
+        try:
+            while True:
+                delay = due - loop.time()
+                if delay > 0:
+                    # Same cost as asyncio.sleep (one call_later), but abort() can wake it.
+                    stream.waiter = loop.create_future()
+                    handle = loop.call_later(delay, _release, stream.waiter)
+                    try:
+                        await stream.waiter
+                    finally:
+                        handle.cancel()
+                        stream.waiter = None
+                if stream.aborted:
+                    yield Delta(
+                        text="", num_tokens=0, finished=True, finish_reason="abort",
+                        prompt_tokens=prompt_tokens, completion_tokens=produced,
+                    )  # fmt: skip
+                    return
+                # Emit every token that is due by now (coalescing when we woke up late).
+                now = loop.time()
+                count = 0
+                reason = None
+                while True:
+                    word = words[(offset + produced) % nwords]
+                    if self.stamp_tokens:
+                        word = f"{word}@{due + wall_offset:.6f}"
+                    text += word
+                    produced += 1
+                    count += 1
+                    if stops:
+                        window = text[max(0, len(text) - len(word) - holdback - 1) :]
+                        hits = [i for i in (window.find(s) for s in stops) if i >= 0]
+                        if hits:
+                            cut = len(text) - len(window) + min(hits)
+                            text = text[:cut]
+                            reason = "stop"
+                            break
+                    if produced >= max_tokens:
+                        reason = "length"
+                        break
+                    if eos_at is not None and produced >= eos_at:
+                        reason = "stop"
+                        break
+                    due += self.itl_s * self._factor(rng)
+                    if due > now:
+                        break
+                finished = reason is not None
+                end = len(text) if finished else max(sent, len(text) - holdback)
+                chunk = text[sent:end]
+                sent = end
+                yield Delta(
+                    text=chunk, num_tokens=count, finished=finished, finish_reason=reason,
+                    prompt_tokens=prompt_tokens, completion_tokens=produced,
+                )  # fmt: skip
+                if finished:
+                    return
+                if not stops:
+                    text, sent = "", 0  # nothing to match against: keep memory flat
+        finally:
+            # Normal end, abort, or the consumer closed/cancelled the iterator.
+            self._streams.pop(rid, None)

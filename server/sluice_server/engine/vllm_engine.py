@@ -1,0 +1,216 @@
+"""The Engine protocol over vLLM's `AsyncLLM`, plus vLLM's own OpenAI serving layer.
+
+The OpenAI routes compose vLLM's `OpenAIServingChat`/`OpenAIServingCompletion`/
+`OpenAIServingModels` (chat templates, parameter mapping, tools, usage) built by vLLM's
+own `init_app_state` on a private `State`; this module owns creating and shutting them down.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .base import Delta, StreamRequest
+
+if TYPE_CHECKING:
+    from ..settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class PromptTooLong(ValueError):
+    pass
+
+
+@dataclass(slots=True)
+class UsageTap:
+    """Filled by MeteredClient while vLLM's serving layer streams one request."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    first_output_at: float | None = None
+
+
+# Set by the OpenAI route around vLLM's handler; tasks inherit it (contexts are copied).
+usage_tap: ContextVar[UsageTap | None] = ContextVar("sluice_usage_tap", default=None)
+
+
+class MeteredClient:
+    """vLLM's EngineClient, with generate() tapped for token counts: the OpenAI routes
+    need usage for metrics and rate limits without parsing vLLM's JSON chunks."""
+
+    def __init__(self, llm: Any) -> None:
+        self._llm = llm
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._llm, name)
+
+    async def generate(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        tap = usage_tap.get()
+        gen = self._llm.generate(*args, **kwargs)
+        try:
+            if tap is None:
+                async for out in gen:
+                    yield out
+                return
+            async for out in gen:
+                if tap.first_output_at is None:
+                    tap.first_output_at = time.perf_counter()
+                    tap.prompt_tokens += len(out.prompt_token_ids or ())
+                for o in out.outputs:
+                    tap.completion_tokens += len(o.token_ids)
+                yield out
+        finally:
+            # Closing vLLM's generator aborts an unfinished request at once.
+            await gen.aclose()
+
+
+def vllm_cli_args(settings: Settings, model_path: str, cpu_defaults: bool) -> list[str]:
+    """Our flags rendered as vLLM serve arguments; `engine_args` come last and win."""
+    args = ["--model", model_path, "--served-model-name", settings.model_label]
+    if settings.revision:
+        args += ["--revision", settings.revision]
+    args += ["--tensor-parallel-size", str(settings.tensor_parallel_size)]
+    args += ["--pipeline-parallel-size", str(settings.pipeline_parallel_size)]
+    args += ["--gpu-memory-utilization", str(settings.gpu_memory_utilization)]
+    args += ["--dtype", settings.dtype]
+    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "quantization"):
+        value = getattr(settings, name)
+        if value is not None:
+            args += ["--" + name.replace("_", "-"), str(value)]
+    if settings.swap_space is not None:
+        # vLLM 0.32 has no --swap-space any more; its successor is CPU KV offloading (GiB).
+        args += ["--kv-offloading-size", str(settings.swap_space)]
+    if cpu_defaults:
+        # The CPU build misreads NUMA memory without an explicit KV size, and
+        # torch.compile adds ~30 s to start-up for a model this small.
+        args += ["--enforce-eager", "--kv-cache-memory-bytes", str(256 * 2**20)]
+    return args + list(settings.engine_args)
+
+
+class VllmEngine:
+    """Adapter: `Engine` protocol methods plus `openai_state` for the OpenAI routes."""
+
+    def __init__(self, llm: Any, args: Any, openai_state: Any, model_name: str) -> None:
+        self.llm = llm
+        self.args = args
+        self.openai_state = openai_state
+        self.model_name = model_name
+        self.max_model_len: int = llm.model_config.max_model_len
+        self._tokenizer = llm.get_tokenizer()
+
+    # -- Engine protocol -------------------------------------------------------------
+    def prepare(self, request: StreamRequest) -> int:
+        """Render (chat template) and tokenize before the 200, so a prompt longer than
+        max_model_len is a 400, not an error event. Returns the prompt token count."""
+        tok = self._tokenizer
+        if request.messages is not None:
+            text = tok.apply_chat_template(
+                request.messages, add_generation_prompt=True, tokenize=False
+            )
+            # The template already holds the special tokens it wants.
+            ids = tok.encode(text, add_special_tokens=False)
+        else:
+            ids = tok.encode(request.prompt or "")
+        if len(ids) + 1 > self.max_model_len:
+            raise PromptTooLong(
+                f"This model's maximum context length is {self.max_model_len} tokens; "
+                f"the prompt has {len(ids)} tokens."
+            )
+        request.prompt_token_ids = ids
+        return len(ids)
+
+    async def generate(self, request: StreamRequest) -> AsyncIterator[Delta]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if request.prompt_token_ids is None:
+            self.prepare(request)
+        ids = request.prompt_token_ids
+        opts = request.options
+        max_tokens = min(opts.max_tokens, self.max_model_len - len(ids))
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=opts.temperature,
+            top_p=opts.top_p,
+            seed=opts.seed,
+            stop=opts.stop or None,
+            ignore_eos=opts.ignore_eos,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        completion_tokens = 0
+        n_prompt = len(ids)
+        # AsyncLLM.generate aborts the engine request when it is cancelled or closed; close
+        # it explicitly so an abandoned outer generator never waits for GC to abort.
+        gen = self.llm.generate({"prompt_token_ids": ids}, params, request.request_id)
+        try:
+            async for out in gen:
+                o = out.outputs[0]
+                n = len(o.token_ids)
+                completion_tokens += n
+                yield Delta(
+                    o.text,
+                    n,
+                    out.finished,
+                    o.finish_reason if out.finished else None,
+                    n_prompt,
+                    completion_tokens,
+                )
+        finally:
+            await gen.aclose()
+
+    async def abort(self, request_id: str) -> None:
+        await self.llm.abort(request_id)
+
+    async def check_health(self) -> None:
+        await self.llm.check_health()
+
+    def num_unfinished_requests(self) -> int:
+        return self.llm.get_num_unfinished_requests()
+
+    async def shutdown(self) -> None:
+        self.llm.shutdown()
+
+
+@asynccontextmanager
+async def open_vllm_engine(settings: Settings, model_path: str) -> AsyncIterator[VllmEngine]:
+    from starlette.datastructures import State
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.platforms import current_platform
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    cpu = current_platform.is_cpu()
+    argv = vllm_cli_args(settings, model_path, cpu_defaults=cpu and not _has_kv_size(settings))
+    parser = make_arg_parser(FlexibleArgumentParser(prog="sluice-server --"))
+    args = parser.parse_args(argv)
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    llm = AsyncLLM.from_vllm_config(
+        vllm_config=vllm_config,
+        usage_context=UsageContext.OPENAI_API_SERVER,
+        enable_log_requests=engine_args.enable_log_requests,
+        disable_log_stats=engine_args.disable_log_stats,
+    )
+    try:
+        state = State()
+        tasks = await llm.get_supported_tasks()
+        await init_app_state(MeteredClient(llm), state, args, tasks)
+        yield VllmEngine(llm, args, state, settings.model_label)
+    finally:
+        llm.shutdown()
+
+
+def _has_kv_size(settings: Settings) -> bool:
+    return any(a.startswith("--kv-cache-memory") for a in settings.engine_args) or bool(
+        os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    )

@@ -1,0 +1,113 @@
+"""OpenAI-shaped errors, registered in one place.
+
+Before the 200 every failure is `{"error": {"message", "type", "param", "code"}}` with the
+right status; after the 200 it becomes an error event (see streaming.py).
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_error",
+    503: "service_unavailable",
+}
+
+
+class ApiError(Exception):
+    """Raised anywhere before the response starts; becomes an OpenAI error object."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        reason: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.reason = reason  # rejection metric reason (auth, rate_limit, ...)
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None):
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, HTTPStatus(status).phrase.lower().replace(" ", "_")),
+            "param": param,
+            "code": code if code is not None else status,
+        }
+    }
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One readable sentence per problem, e.g. `max_tokens: Input should be >= 1`."""
+    parts, param = [], None
+    for e in exc.errors():
+        if isinstance(e, str):
+            parts.append(e)
+            continue
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        where = ".".join(loc)
+        param = param or where or None
+        if e.get("type") == "json_invalid":
+            parts.append(f"Invalid JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}")
+        else:
+            parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
+    return "; ".join(parts) or "Invalid request", param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        _count_rejection(request, exc.reason)
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        _count_rejection(request, "bad_input")
+        message, param = describe_validation(exc)
+        return JSONResponse(error_body(400, message, param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(
+            error_body(exc.status_code, str(exc.detail)),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
+
+
+def _count_rejection(request: Request, reason: str | None) -> None:
+    if reason is None:
+        return
+    metrics = getattr(request.app.state, "metrics", None)
+    protocol = getattr(request.state, "protocol", None)
+    if metrics is not None and protocol is not None:
+        metrics.reject(protocol, reason)

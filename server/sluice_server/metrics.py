@@ -1,0 +1,102 @@
+"""Prometheus metrics, names as in docs/design.md. One registry per app (tests build many)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# 5 ms .. 60 s, roughly x2 steps with extra resolution where TTFT targets live.
+LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0,
+)  # fmt: skip
+# Inter-token latency is much shorter; add sub-5 ms buckets so it resolves on fast GPUs.
+ITL_BUCKETS = (0.001, 0.0025) + LATENCY_BUCKETS
+TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+REJECTION_REASONS = ("auth", "rate_limit", "capacity", "bad_input", "draining")
+PROTOCOLS = ("openai", "sse", "websocket")
+
+
+class Metrics:
+    def __init__(self, model: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.model = model
+        r = self.registry
+        labels = ("protocol", "model")
+        self.ttft = Histogram(
+            "sluice_ttft_seconds",
+            "Request received to the first token's bytes written to the socket.",
+            labels, buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "sluice_inter_token_latency_seconds",
+            "Time between consecutive writes of token events to the socket.",
+            labels, buckets=ITL_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            "sluice_e2e_latency_seconds",
+            "Request received to the end of the stream (any outcome).",
+            labels, buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.queue_wait = Histogram(
+            "sluice_queue_wait_seconds",
+            "Request received to the engine's first output (queueing plus prefill).",
+            labels, buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.output_tokens = Counter(
+            "sluice_output_tokens", "Tokens streamed to clients.", labels, registry=r
+        )
+        self.requests = Counter(
+            "sluice_requests", "Generation requests accepted (streams started).", labels,
+            registry=r,
+        )  # fmt: skip
+        self.disconnects = Counter(
+            "sluice_client_disconnects", "Clients that went away mid-stream.", labels,
+            registry=r,
+        )  # fmt: skip
+        self.aborts = Counter(
+            "sluice_aborts", "Engine requests aborted before they finished (any cause).",
+            labels, registry=r,
+        )  # fmt: skip
+        self.stream_errors = Counter(
+            "sluice_stream_errors", "Streams ended by an error event after the 200.", labels,
+            registry=r,
+        )  # fmt: skip
+        self.rejections = Counter(
+            "sluice_rejections", "Requests refused before streaming, by reason.",
+            (*labels, "reason"), registry=r,
+        )  # fmt: skip
+        self.active = Gauge(
+            "sluice_active_streams", "Streams in flight.", labels, registry=r,
+            multiprocess_mode="livesum",
+        )  # fmt: skip
+        # Pre-create the label sets so dashboards and the autoscaler see zeros, not gaps.
+        for p in PROTOCOLS:
+            for m in (self.ttft, self.itl, self.e2e, self.queue_wait, self.output_tokens,
+                      self.requests, self.disconnects, self.aborts, self.stream_errors,
+                      self.active):  # fmt: skip
+                m.labels(p, model)
+            for reason in REJECTION_REASONS:
+                self.rejections.labels(p, model, reason)
+
+    def reject(self, protocol: str, reason: str) -> None:
+        self.rejections.labels(protocol, self.model, reason).inc()
+
+
+class Bound:
+    """Label-bound children for one protocol, so the hot path does no label lookups."""
+
+    __slots__ = ("ttft", "itl", "e2e", "queue_wait", "output_tokens", "requests",
+                 "disconnects", "aborts", "stream_errors", "active")  # fmt: skip
+
+    def __init__(self, m: Metrics, protocol: str) -> None:
+        for name in self.__slots__:
+            setattr(self, name, getattr(m, name).labels(protocol, m.model))
+
+
+def bind(metrics: Metrics, protocol: str) -> Bound:
+    cache = metrics.__dict__.setdefault("_bound", {})
+    b = cache.get(protocol)
+    if b is None:
+        b = cache[protocol] = Bound(metrics, protocol)
+    return b

@@ -1,0 +1,37 @@
+"""Starting and finishing one stream: metrics, capacity slot, drain registry, token bill."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+
+from ..metrics import bind
+from ..services import Services
+from ..streaming import DISCONNECTED, Meter, Stream
+
+
+def open_stream(
+    svc: Services, protocol: str, kid: str, source: AsyncIterator, t0: float,
+    prompt_tokens: Callable[[], int] = lambda: 0,
+) -> tuple[Stream, Meter, Callable[[], None]]:  # fmt: skip
+    """Start producing at once (the engine works while headers go out). The returned
+    cleanup is idempotent and must run however the stream ends: it aborts an unfinished
+    engine request, frees the slot and bills the key's tokens."""
+    meter = Meter(bind(svc.metrics, protocol), t0)
+    s = svc.settings
+    stream = Stream(source, cap=s.stream_buffer_tokens, timeout=s.stream_timeout_seconds)
+    svc.gate.streams.add(stream)
+    done = False
+
+    def cleanup() -> None:
+        nonlocal done
+        if done:
+            return
+        done = True
+        stream.close()
+        svc.gate.streams.discard(stream)
+        svc.gate.release()
+        if meter.outcome is None:
+            meter.finish(DISCONNECTED, stream)
+        svc.limiter.charge_tokens(kid, prompt_tokens() + meter.tokens)
+
+    return stream, meter, cleanup

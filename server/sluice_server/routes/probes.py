@@ -1,0 +1,50 @@
+"""Liveness, readiness and metrics: no auth, not counted in request metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+from ..services import services
+
+router = APIRouter()
+
+
+async def _engine_ok(request: Request) -> tuple[bool, str]:
+    svc = services(request)
+    if svc.engine is None:
+        return False, svc.engine_error or "engine not loaded"
+    try:
+        await svc.engine.check_health()
+    except Exception as e:
+        return False, f"engine unhealthy: {type(e).__name__}: {e}"
+    return True, "ok"
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    """Liveness: the process answers and the engine (once loaded) is alive."""
+    svc = services(request)
+    ok, why = await _engine_ok(request)
+    if not ok and svc.engine is None and svc.engine_error is None:
+        ok = True  # still loading: alive, just not ready
+    return JSONResponse({"status": "ok" if ok else why}, status_code=200 if ok else 503)
+
+
+@router.get("/ready")
+async def ready(request: Request) -> Response:
+    """Readiness: engine loaded and healthy, and not draining."""
+    svc = services(request)
+    ok, why = await _engine_ok(request)
+    if ok and svc.gate.draining:
+        ok, why = False, "draining"
+    return JSONResponse({"status": "ready" if ok else why}, status_code=200 if ok else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Our `sluice_*` metrics, then the process-wide default registry: process/GC metrics
+    and, on vLLM, the engine's own `vllm:*` metrics (KV cache use, running/waiting)."""
+    ours = generate_latest(services(request).metrics.registry)
+    return Response(ours + generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,211 @@
+"""`/ws/stream`: several concurrent generations per socket, keyed by the client's `id`.
+
+Client frames: `{"id", "prompt"|"messages", "params": {...}}` starts one;
+`{"type": "stop", "id"}` stops one at once. Server frames: `{"id", "index", "token",
+"finished": false}`, a final `{"id", "index", "token": "", "finished": true,
+"finish_reason", "usage"}`, and `{"id", "type": "error", "error": {...}}`. A bad frame gets
+an error frame and the socket stays usable. Pings are the WebSocket protocol's own
+(uvicorn `ws_ping_interval` = --heartbeat-seconds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+
+from fastapi import APIRouter, WebSocket
+from fastapi.responses import JSONResponse
+from starlette.websockets import WebSocketDisconnect
+
+from ..errors import ApiError, error_body
+from ..params import to_stream_request
+from ..services import Services, api_key_of, services
+from ..sse import usage_of
+from ..streaming import DISCONNECTED, FAILED, FINISHED, STOPPED, Meter, Stream, StreamFailed
+from .common import open_stream
+
+router = APIRouter()
+log = logging.getLogger(__name__)
+PROTOCOL = "websocket"
+_dumps = json.dumps
+
+
+@router.websocket("/ws/stream")
+async def ws_stream(ws: WebSocket) -> None:
+    svc = services(ws)
+    try:
+        svc.require_protocol(PROTOCOL, "/ws/stream")
+        kid = svc.authorize(PROTOCOL, api_key_of(ws, allow_query=True))
+        await svc.require_engine()
+        if svc.gate.draining:
+            raise svc.count(PROTOCOL, ApiError(503, "Server is shutting down.", reason="draining",
+                                               headers={"Retry-After": "1"}))  # fmt: skip
+    except ApiError as e:
+        await _deny(ws, e)
+        return
+    await ws.accept()
+    await Connection(ws, svc, kid).run()
+
+
+async def _deny(ws: WebSocket, e: ApiError) -> None:
+    """Refuse the handshake with a real HTTP status where the server supports it."""
+    if "websocket.http.response" in ws.scope.get("extensions", {}):
+        await ws.send_denial_response(JSONResponse(e.body(), e.status, headers=e.headers))
+    else:  # pragma: no cover - uvicorn supports the denial extension
+        await ws.close(code=1008, reason=e.message[:120])
+
+
+class Connection:
+    """One socket: a reader loop plus one task per generation; `finally` cancels them all
+    (each task's own cleanup then aborts its engine request)."""
+
+    def __init__(self, ws: WebSocket, svc: Services, kid: str) -> None:
+        self.ws, self.svc, self.kid = ws, svc, kid
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.streams: dict[str, Stream] = {}
+        self.lock = asyncio.Lock()
+        self.send_timeout = svc.settings.send_timeout_seconds
+        self.closer: asyncio.Future | None = None
+
+    async def run(self) -> None:
+        try:
+            while True:
+                message = await self.ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    return
+                t0 = time.perf_counter()
+                text = message.get("text")
+                if text is None:
+                    await self.error(None, 400, "Frames must be JSON text.", "bad_frame")
+                    continue
+                await self.handle(text, t0)
+        except WebSocketDisconnect:
+            return
+        finally:
+            for task in self.tasks.values():
+                task.cancel()
+            if self.tasks:
+                await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+
+    async def handle(self, text: str, t0: float) -> None:
+        try:
+            frame = json.loads(text)
+        except ValueError as e:
+            return await self.error(None, 400, f"Invalid JSON frame: {e}", "invalid_json")
+        if not isinstance(frame, dict):
+            return await self.error(None, 400, "A frame must be a JSON object.", "bad_frame")
+        rid = frame.get("id")
+        if not isinstance(rid, (str, int)) or isinstance(rid, bool) or rid == "":
+            return await self.error(None, 400, "Every frame needs an `id` (string or number).",
+                                    "bad_frame")  # fmt: skip
+        kind = frame.get("type", "generate")
+        if kind == "stop":
+            return self.stop(rid)
+        if kind != "generate":
+            return await self.error(rid, 400, f"Unknown frame type `{kind}`.", "bad_frame")
+        if rid in self.tasks:
+            return await self.error(
+                rid, 400, f"Request `{rid}` is already running.", "duplicate_id"
+            )
+        params = frame.get("params") or {}
+        if not isinstance(params, dict):
+            return await self.error(rid, 400, "`params` must be an object.", "bad_frame")
+        body = {k: frame[k] for k in ("prompt", "messages", "model") if k in frame}
+        body.update(params)
+        svc = self.svc
+        try:
+            engine = await svc.require_engine()
+            req = to_stream_request(body, f"ws-{uuid.uuid4().hex}", engine,
+                                    svc.settings.model_label)  # fmt: skip
+        except ApiError as e:
+            svc.count(PROTOCOL, e)
+            return await self.error(rid, e.status, e.message, e.code)
+        try:
+            svc.admit(PROTOCOL, self.kid)
+        except ApiError as e:
+            return await self.error(rid, e.status, e.message, e.code)
+        n_prompt = len(req.prompt_token_ids or ())
+        stream, meter, cleanup = open_stream(
+            svc, PROTOCOL, self.kid, engine.generate(req), t0, lambda: n_prompt
+        )
+        self.streams[rid] = stream
+        task = asyncio.create_task(self.pump(rid, stream, meter, cleanup))
+        self.tasks[rid] = task
+
+    def stop(self, rid) -> None:
+        """Client stop: end generation now; the pump sends the final frame (finish_reason
+        "abort")."""
+        stream = self.streams.get(rid)
+        if stream is not None:
+            stream.stop()
+
+    async def send(self, text: str) -> None:
+        async with self.lock, asyncio.timeout(self.send_timeout):
+            await self.ws.send_text(text)
+
+    async def error(self, rid, status: int, message: str, code: str | None) -> None:
+        body = error_body(status or 400, message, code=code)
+        await self.send(_dumps({"id": rid, "type": "error", **body}))
+
+    async def pump(self, rid, stream: Stream, meter: Meter, cleanup) -> None:
+        head = '{"id":' + _dumps(rid) + ',"index":'
+        seq = 0
+        try:
+            while True:
+                try:
+                    batch = await stream.next_batch()
+                except StreamFailed as e:
+                    meter.finish(FAILED, stream)
+                    await self.error(rid, 500, str(e), "stream_error")
+                    return
+                if batch is None:
+                    if stream.stopped:
+                        final = {"id": rid, "index": seq, "token": "", "finished": True,
+                                 "finish_reason": "abort", "usage": None}  # fmt: skip
+                        meter.finish(STOPPED, stream)
+                        await self.send(_dumps(final))
+                        return
+                    meter.finish(FAILED, stream)
+                    await self.error(
+                        rid, 500, "Engine stream ended without finishing.", "stream_error"
+                    )
+                    return
+                last = batch[-1]
+                if len(batch) == 1:
+                    text, ntok = last.text, last.num_tokens
+                else:
+                    text = "".join([d.text for d in batch])
+                    ntok = sum([d.num_tokens for d in batch])
+                if text:
+                    await self.send(f'{head}{seq},"token":{_dumps(text)},"finished":false}}')
+                    meter.wrote(ntok)
+                    seq += 1
+                else:
+                    meter.tokens += ntok
+                if last.finished:
+                    final = {"id": rid, "index": seq, "token": "", "finished": True,
+                             "finish_reason": last.finish_reason, "usage": usage_of(last)}  # fmt: skip
+                    meter.finish(FINISHED, stream)
+                    await self.send(_dumps(final))
+                    return
+        except (TimeoutError, WebSocketDisconnect, RuntimeError) as e:
+            # The client stopped reading (send timeout) or went away: abort (cleanup).
+            log.info("websocket stream %s ended: %s", rid, type(e).__name__)
+            if meter.outcome is None:
+                meter.finish(FAILED if isinstance(e, TimeoutError) else DISCONNECTED, stream)
+            if isinstance(e, TimeoutError) and self.closer is None:
+                # A reader that stalls one stream stalls them all: close the socket.
+                self.closer = asyncio.ensure_future(self._close_slow())
+        finally:
+            cleanup()
+            self.tasks.pop(rid, None)
+            self.streams.pop(rid, None)
+
+    async def _close_slow(self) -> None:
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(self.send_timeout):
+                await self.ws.close(code=1008, reason="client too slow")

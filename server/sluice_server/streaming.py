@@ -1,0 +1,188 @@
+"""The streaming core shared by every protocol.
+
+`Stream` moves engine output into a bounded per-stream buffer on a producer task; the
+consumer (the socket writer) takes everything buffered at once, so a slow reader gets
+fewer, larger events instead of an ever-growing backlog (coalescing). Past the buffer cap,
+the whole-stream deadline, a drain timeout or an engine error the stream *fails*: the
+producer is cancelled (which aborts the engine request) and the consumer ends with an
+error event. Cancelling the consumer (client gone) cancels the producer the same way.
+
+`Meter` records the edge metrics of one stream; writers call it after bytes are written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Generic, TypeVar
+
+from .metrics import Bound
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Outcomes (for logs and metrics)
+FINISHED, DISCONNECTED, FAILED, STOPPED = "finished", "disconnected", "failed", "stopped"
+
+
+class Stream(Generic[T]):
+    __slots__ = ("_source", "_cap", "_items", "_wake", "_task", "_timer", "_done",
+                 "error", "first_output_at", "stopped")  # fmt: skip
+
+    def __init__(
+        self,
+        source: AsyncIterator[T],
+        *,
+        cap: int,
+        timeout: float,
+    ) -> None:
+        self._source = source
+        self._cap = cap
+        self._items: list[T] = []
+        self._wake = asyncio.Event()
+        self._done = False
+        self.error: str | None = None
+        self.first_output_at: float | None = None
+        self.stopped = False
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._produce())
+        self._timer = loop.call_later(
+            timeout, self.fail, f"Stream exceeded the server's time limit ({timeout:g} s)."
+        )
+
+    async def _produce(self) -> None:
+        source = self._source
+        try:
+            async for item in source:
+                if self.first_output_at is None:
+                    self.first_output_at = time.perf_counter()
+                items = self._items
+                items.append(item)
+                if len(items) > self._cap:
+                    # The reader has stalled: drop the backlog so memory stays bounded.
+                    items.clear()
+                    self.error = (
+                        f"Client too slow: more than {self._cap} undelivered events; "
+                        "request aborted."
+                    )
+                    return
+                self._wake.set()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # engine error after the 200: becomes an error event
+            log.warning("engine stream failed: %s: %s", type(e).__name__, e)
+            if self.error is None:
+                self.error = (
+                    f"Engine error: {type(e).__name__}: {e}"
+                    if str(e)
+                    else (f"Engine error: {type(e).__name__}")
+                )
+        finally:
+            self._done = True
+            self._wake.set()
+            # Closing an unfinished engine generator aborts its request (no-op if done).
+            aclose = getattr(source, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()
+                except Exception:  # pragma: no cover - cleanup must not mask the cause
+                    log.exception("closing the engine stream failed")
+
+    @property
+    def aborted(self) -> bool:
+        """True when the engine request was cut short (by us or by an error)."""
+        return self.error is not None
+
+    def fail(self, message: str) -> None:
+        """Abort the engine request; the consumer ends with an error event."""
+        if self._done and self.error is None and not self._items:
+            return
+        if self.error is None:
+            self.error = message
+        self._task.cancel()
+        self._done = True
+        self._wake.set()
+
+    def stop(self) -> None:
+        """The client asked to stop: abort now, drop what is buffered, end without error."""
+        if self._done:
+            return
+        self.stopped = True
+        self._task.cancel()
+        self._items.clear()
+        self._done = True
+        self._wake.set()
+
+    async def next_batch(self) -> list[T] | None:
+        """Everything produced since the last call; None at the end. Raises StreamFailed
+        after delivering what was buffered before a failure."""
+        while True:
+            items = self._items
+            if items:
+                self._items = []
+                return items
+            if self.error is not None:
+                raise StreamFailed(self.error)
+            if self._done:
+                return None
+            self._wake.clear()
+            await self._wake.wait()
+
+    def close(self) -> None:
+        """Consumer finished or went away: stop producing (aborts an unfinished request)."""
+        self._timer.cancel()
+        if not self._task.done():
+            self._task.cancel()
+
+
+class StreamFailed(Exception):
+    pass
+
+
+class Meter:
+    """Edge timings for one stream. `t0` is when the request arrived (middleware)."""
+
+    __slots__ = ("m", "t0", "first_write", "last_write", "tokens", "outcome")
+
+    def __init__(self, bound: Bound, t0: float) -> None:
+        self.m = bound
+        self.t0 = t0
+        self.first_write: float | None = None
+        self.last_write = 0.0
+        self.tokens = 0
+        self.outcome: str | None = None
+        bound.requests.inc()
+        bound.active.inc()
+
+    def wrote(self, tokens: int) -> None:
+        """Call right after a token event's bytes were handed to the socket."""
+        now = time.perf_counter()
+        if self.first_write is None:
+            self.first_write = now
+            self.m.ttft.observe(now - self.t0)
+        else:
+            self.m.itl.observe(now - self.last_write)
+        self.last_write = now
+        self.tokens += tokens
+
+    def finish(self, outcome: str, stream: Stream | None = None) -> None:
+        if self.outcome is not None:
+            return
+        self.outcome = outcome
+        m = self.m
+        m.active.dec()
+        m.e2e.observe(time.perf_counter() - self.t0)
+        if self.tokens:
+            m.output_tokens.inc(self.tokens)
+        if stream is not None and stream.first_output_at is not None:
+            m.queue_wait.observe(stream.first_output_at - self.t0)
+        if outcome == DISCONNECTED:
+            m.disconnects.inc()
+            m.aborts.inc()
+        elif outcome == FAILED:
+            m.stream_errors.inc()
+            m.aborts.inc()
+        elif outcome == STOPPED:
+            m.aborts.inc()

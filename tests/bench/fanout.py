@@ -1,0 +1,220 @@
+"""Fan-out client: how many concurrent streams one server process holds (own process).
+
+The server runs the simulator engine with stamped tokens: every token's text carries the
+wall-clock time the engine produced it (`word@1732950000.123456`). Client and server share
+the machine's clock, so arrival time minus stamp is the delivery lag through the server.
+
+The ramp opens streams in steps (stages). At each stage it waits for the new streams'
+first tokens, then measures for `hold_s`: tokens/s, lag p50/p99/max of the tokens that
+arrived in the window, errors (non-200, error events, streams that ended early, failed
+connects), the server's RSS (growth over the idle baseline / streams) and its CPU time
+(cores; cores per 1,000 tokens/s). It stops early when the server is clearly saturated.
+Streams are long (`max_tokens` outlasts the run); at the end the client closes them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+import aiohttp
+import psutil
+from loadgen import percentile, serve_stdin
+
+STAMP = re.compile(rb"@(\d{9,11}\.\d{6})")
+
+
+class State:
+    def __init__(self) -> None:
+        self.measuring = False
+        self.lags: list[float] = []
+        self.tokens = 0
+        self.errors = 0
+        self.error_samples: set[str] = set()
+        self.started = 0  # streams that received their first token
+        self.stopping = False
+
+    def error(self, what: str) -> None:
+        self.errors += 1
+        if len(self.error_samples) < 5:
+            self.error_samples.add(what[:200])
+
+    def stamps(self, data: bytes) -> bool:
+        """Record the tokens in `data`; True if it held any."""
+        found = STAMP.findall(data)
+        if not found:
+            return False
+        if self.measuring:
+            now = time.time()
+            self.tokens += len(found)
+            self.lags.extend(now - float(s) for s in found)
+        return True
+
+
+async def sse_stream(session, base, payload, st: State) -> None:
+    first = True
+    async with session.post(f"{base}/v1/stream", json=payload) as resp:
+        if resp.status != 200:
+            st.error(f"HTTP {resp.status}: {(await resp.text())[:100]}")
+            return
+        buffer = b""
+        async for chunk in resp.content.iter_any():
+            buffer += chunk
+            cut = buffer.rfind(b"\n")  # only whole lines: a stamp never splits
+            if cut < 0:
+                continue
+            lines, buffer = buffer[: cut + 1], buffer[cut + 1 :]
+            if st.stamps(lines) and first:
+                first = False
+                st.started += 1
+            if b'"error"' in lines or b"event: error" in lines:
+                st.error(lines.decode(errors="replace"))
+                return
+    if not st.stopping:
+        st.error("stream ended early")
+
+
+async def ws_stream(session, base, payload, st: State) -> None:
+    first = True
+    url = base.replace("http://", "ws://") + "/ws/stream"
+    async with session.ws_connect(url, max_msg_size=0) as ws:
+        params = {k: payload[k] for k in ("max_tokens", "ignore_eos")}
+        frame = {"id": "1", "messages": payload["messages"], "params": params}
+        await ws.send_str(json.dumps(frame))
+        async for msg in ws:
+            if msg.type != aiohttp.WSMsgType.TEXT:
+                break
+            data = msg.data.encode()
+            if st.stamps(data) and first:
+                first = False
+                st.started += 1
+            if b'"error"' in data:
+                st.error(msg.data)
+                return
+    if not st.stopping:
+        st.error("websocket closed early")
+
+
+async def guarded(coro, st: State) -> None:
+    try:
+        await coro
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        if not st.stopping:
+            st.error(f"{type(exc).__name__}: {exc}")
+
+
+def cpu_seconds(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+async def run(cmd: dict) -> dict:
+    base, protocol = cmd["base_url"], cmd["protocol"]
+    server = psutil.Process(cmd["server_pid"])
+    me = psutil.Process()
+    opener = sse_stream if protocol == "sse" else ws_stream
+    payload = {
+        "model": cmd["model"],
+        "messages": [{"role": "user", "content": "fan out please"}],
+        "max_tokens": cmd["max_tokens"],
+        "ignore_eos": True,
+    }
+    st = State()
+    tasks: list[asyncio.Task] = []
+    conn = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
+    stages = []
+    deadline = time.monotonic() + cmd["budget_s"]
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+        # Warm the server's code paths, then take the idle baseline.
+        warm = [
+            asyncio.create_task(guarded(opener(session, base, payload, st), st)) for _ in range(20)
+        ]
+        await asyncio.sleep(1.5)
+        st.stopping = True
+        for t in warm:
+            t.cancel()
+        await asyncio.gather(*warm, return_exceptions=True)
+        await asyncio.sleep(1.0)
+        st = State()
+        baseline_rss = server.memory_info().rss
+        for target in cmd["stages"]:
+            if time.monotonic() > deadline:
+                break
+            errors_before = st.errors
+            batch = max(1, int(cmd["ramp_per_s"] * 0.05))
+            while len(tasks) < target:
+                for _ in range(min(batch, target - len(tasks))):
+                    tasks.append(
+                        asyncio.create_task(guarded(opener(session, base, payload, st), st))
+                    )
+                await asyncio.sleep(0.05)
+            # Wait (bounded) until every stream has its first token.
+            settle_until = time.monotonic() + cmd["settle_s"] + target / 1000
+            while st.started < target - st.errors and time.monotonic() < settle_until:  # noqa: ASYNC110 - bounded poll
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)
+            st.lags, st.tokens = [], 0
+            psutil.cpu_percent(None)  # starts the machine-wide busy measurement
+            cpu0, me0, t0 = cpu_seconds(server), cpu_seconds(me), time.monotonic()
+            st.measuring = True
+            await asyncio.sleep(cmd["hold_s"])
+            st.measuring = False
+            elapsed = time.monotonic() - t0
+            cores = (cpu_seconds(server) - cpu0) / elapsed
+            rss = server.memory_info().rss
+            tps = st.tokens / elapsed
+            lags_ms = [x * 1000 for x in st.lags]
+            stage = {
+                "streams": target,
+                "started": st.started,
+                "errors": st.errors,
+                "new_errors": st.errors - errors_before,
+                "tokens_per_s": tps,
+                "expected_tokens_per_s": target * 1000.0 / cmd["itl_ms"],
+                "lag_p50_ms": percentile(lags_ms, 50),
+                "lag_p99_ms": percentile(lags_ms, 99),
+                "lag_max_ms": max(lags_ms) if lags_ms else None,
+                "server_rss_mb": rss / 2**20,
+                "rss_per_stream_kb": (rss - baseline_rss) / target / 1024,
+                "server_cores": cores,
+                "cores_per_1k_tps": cores / (tps / 1000) if tps else None,
+                "client_cores": (cpu_seconds(me) - me0) / elapsed,
+                # Other work on the machine steals the same cores: read lag with this.
+                "machine_busy_pct": psutil.cpu_percent(None),
+            }
+            stages.append(stage)
+            p99 = stage["lag_p99_ms"]
+            saturated = p99 is not None and p99 > cmd["give_up_lag_ms"]
+            if st.errors > 0.05 * target or (saturated and target >= cmd.get("min_streams", 0)):
+                break  # failing, or saturated past the floor: more streams only pile up lag
+        st.stopping = True
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    ok = [s for s in stages if s["errors"] == 0 and s["lag_p99_ms"] is not None
+          and s["lag_p99_ms"] < cmd["lag_target_ms"]]  # fmt: skip
+    # "Largest concurrency with p99 < target and nothing failed": the ramp is cumulative,
+    # so a stage only counts while every stage before it passed too.
+    best = 0
+    for s in stages:
+        if s in ok:
+            best = s["streams"]
+        else:
+            break
+    return {
+        "protocol": protocol,
+        "itl_ms": cmd["itl_ms"],
+        "baseline_rss_mb": baseline_rss / 2**20,
+        "stages": stages,
+        "max_ok_streams": best,
+        "error_samples": sorted(st.error_samples),
+    }
+
+
+if __name__ == "__main__":
+    serve_stdin(run)

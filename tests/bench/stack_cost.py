@@ -1,0 +1,200 @@
+"""What one token event and one open stream cost in our server's streaming stack.
+
+In-process and socket-free, so the numbers hold up on a busy shared machine (CPU time,
+not wall time): the real app (`build_app`) on the simulator engine, driven through ASGI
+with a send() that drops the bytes. Two measurements:
+
+* `cpu`: N streams x T tokens paced by the simulator; process CPU time per token and per
+  event (an event can carry several coalesced tokens when the consumer falls behind).
+  `--variant engine` iterates the simulator alone (the floor); `--variant direct-send`
+  replaces sse-starlette's per-send timeout (an anyio cancel scope per event) with a plain
+  `await send(...)`, the A/B behind the suggested fix in docs/benchmarks.md.
+* `mem`: N streams held open; tracemalloc growth per stream, top allocation sites, and
+  asyncio tasks per stream.
+
+    python tests/bench/stack_cost.py cpu --protocol sse --variant base
+    python tests/bench/stack_cost.py cpu --protocol sse --variant direct-send
+    python tests/bench/stack_cost.py mem --protocol websocket
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import time
+import tracemalloc
+
+from sluice_server.app import build_app
+from sluice_server.engine.base import SamplingOptions, StreamRequest
+from sluice_server.engine.simulator import SimulatorEngine
+from sluice_server.settings import Settings
+
+
+def patch_direct_send() -> None:
+    import sse_starlette.sse as sse
+
+    async def direct(self, send, message):
+        await send(message)
+
+    sse.EventSourceResponse._send_with_timeout = direct
+
+
+def drivers(app, max_tokens: int, ends: list[asyncio.Event], counter: list[int]):
+    """One coroutine per protocol that runs a single stream through the ASGI app. Each
+    stream's client "disconnects" when its `end` event is set: when the stream finished,
+    or when the caller sets every event in `ends` (no helper tasks, so task counts are
+    the server's own)."""
+    msgs = [{"role": "user", "content": "hi"}]
+    body = json.dumps({"messages": msgs, "max_tokens": max_tokens, "ignore_eos": True}).encode()
+    server = ("127.0.0.1", 8000)
+
+    async def sse() -> None:
+        sent = False
+        done = asyncio.Event()
+        ends.append(done)
+
+        async def receive():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await done.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(msg):
+            if msg["type"] == "http.response.body":
+                counter[0] += 1
+                if not msg.get("more_body", False):
+                    done.set()
+
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"},
+                 "http_version": "1.1", "method": "POST", "scheme": "http",
+                 "path": "/v1/stream", "raw_path": b"/v1/stream", "query_string": b"",
+                 "root_path": "", "headers": [(b"content-type", b"application/json")],
+                 "client": ("127.0.0.1", 1), "server": server, "state": {}}  # fmt: skip
+        await app(scope, receive, send)
+
+    async def websocket() -> None:
+        frame = {
+            "id": "1",
+            "messages": msgs,
+            "params": {"max_tokens": max_tokens, "ignore_eos": True},
+        }
+        inbox = [
+            {"type": "websocket.connect"},
+            {"type": "websocket.receive", "text": json.dumps(frame)},
+        ]
+        finished = asyncio.Event()
+        ends.append(finished)
+
+        async def receive():
+            if inbox:
+                return inbox.pop(0)
+            await finished.wait()
+            return {"type": "websocket.disconnect", "code": 1000}
+
+        async def send(msg):
+            if msg["type"] == "websocket.send":
+                counter[0] += 1
+                if '"finished": true' in (msg.get("text") or ""):
+                    finished.set()
+
+        scope = {"type": "websocket", "asgi": {"version": "3.0"}, "http_version": "1.1",
+                 "scheme": "ws", "path": "/ws/stream", "raw_path": b"/ws/stream",
+                 "query_string": b"", "root_path": "", "headers": [], "subprotocols": [],
+                 "client": ("127.0.0.1", 1), "server": server, "state": {},
+                 "extensions": {"websocket.http.response": {}}}  # fmt: skip
+        await app(scope, receive, send)
+
+    return {"sse": sse, "websocket": websocket}
+
+
+async def cpu(args) -> None:
+    engine = SimulatorEngine("sim", ttft_ms=5, itl_ms=args.itl_ms)
+    app = build_app(Settings(model="sim", engine="simulator", max_concurrent_streams=10**6), engine)
+    counter = [0]
+    one = drivers(app, args.tokens, [], counter)[args.protocol]
+
+    async def engine_only(i: int) -> None:
+        opts = SamplingOptions(max_tokens=args.tokens, ignore_eos=True)
+        async for _ in engine.generate(
+            StreamRequest(request_id=f"e{i}", prompt="hi", options=opts)
+        ):
+            counter[0] += 1
+
+    async with app.router.lifespan_context(app):
+        for rnd in range(2):  # round 0 warms up
+            counter[0] = 0
+            gc.collect()
+            c0, t0 = time.process_time(), time.perf_counter()
+            if args.variant == "engine":
+                await asyncio.gather(
+                    *(engine_only(rnd * args.streams + i) for i in range(args.streams))
+                )
+            else:
+                await asyncio.gather(*(one() for _ in range(args.streams)))
+            c1, t1 = time.process_time(), time.perf_counter()
+    tokens = args.streams * args.tokens
+    print(f"{args.protocol} {args.variant}: {args.streams} streams x {args.tokens} tokens at "
+          f"{1000 / args.itl_ms:g} tok/s each: {(c1 - c0) / tokens * 1e6:.1f} us CPU/token, "
+          f"{(c1 - c0) / max(counter[0], 1) * 1e6:.1f} us CPU/event ({counter[0]} events), "
+          f"wall {t1 - t0:.2f} s")  # fmt: skip
+
+
+async def mem(args) -> None:
+    engine = SimulatorEngine("sim", ttft_ms=5, itl_ms=args.itl_ms)
+    app = build_app(Settings(model="sim", engine="simulator", max_concurrent_streams=10**6), engine)
+    ends: list[asyncio.Event] = []
+    one = drivers(app, 10**6, ends, [0])[args.protocol]
+    async with app.router.lifespan_context(app):
+        warm = [asyncio.create_task(one()) for _ in range(10)]
+        await asyncio.sleep(0.5)
+        base_tasks = len(asyncio.all_tasks())
+        gc.collect()
+        tracemalloc.start(1)
+        before = tracemalloc.take_snapshot()
+        tasks = [asyncio.create_task(one()) for _ in range(args.streams)]
+        await asyncio.sleep(1.5)
+        gc.collect()
+        after = tracemalloc.take_snapshot()
+        per_stream_tasks = (len(asyncio.all_tasks()) - base_tasks) / args.streams
+        stats = after.compare_to(before, "lineno")
+        total = sum(s.size_diff for s in stats)
+        print(f"{args.protocol}: {total / args.streams / 1024:.1f} KB traced Python heap per open "
+              f"stream, {per_stream_tasks:.1f} asyncio tasks per stream ({args.streams} streams)")  # fmt: skip
+        for s in stats[: args.top]:
+            frame = s.traceback[0]
+            where = frame.filename.split("site-packages/")[-1].split("/lib/python3.11/")[-1]
+            print(f"  {s.size_diff / args.streams:7.0f} B/stream  {where}:{frame.lineno}")
+        for end in ends:
+            end.set()
+        await asyncio.gather(*tasks, *warm, return_exceptions=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("what", choices=["cpu", "mem"])
+    p.add_argument("--protocol", choices=["sse", "websocket"], default="sse")
+    p.add_argument("--variant", choices=["base", "direct-send", "engine"], default="base")
+    p.add_argument("--streams", type=int, default=100)
+    p.add_argument("--tokens", type=int, default=300)
+    p.add_argument("--itl-ms", type=float, default=10.0)
+    p.add_argument("--top", type=int, default=12)
+    args = p.parse_args()
+    if args.variant == "direct-send":
+        patch_direct_send()
+    if args.what == "mem" and args.streams == 100:
+        args.streams = 500
+    coro = cpu(args) if args.what == "cpu" else mem(args)
+    try:  # uvicorn runs on uvloop when it is installed (uvicorn[standard])
+        import uvloop
+
+        uvloop.run(coro)
+    except ImportError:
+        asyncio.run(coro)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Session fixtures for the server tests: ONE real vLLM engine (CPU build, tiny model) for
+the whole session, and a factory of uvicorn servers on loopback around it.
+
+Names are a contract with the other server test files: `tiny_model_path`, `engine`,
+`make_server`, `server_url`. Everything runs in pytest-asyncio's session loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+# Engine sockets on loopback; scratch files (ZMQ sockets, compile caches) in one folder.
+_SCRATCH = Path(tempfile.mkdtemp(prefix="sluice-test-"))
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+os.environ.setdefault("VLLM_CACHE_ROOT", str(_SCRATCH / "vllm-cache"))
+os.environ["TMPDIR"] = str(_SCRATCH)
+tempfile.tempdir = None  # re-read TMPDIR
+
+ENGINE_KV_BYTES = 256 * 2**20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> Path:
+    from sluice_server.tiny_model import ensure_tiny_model
+
+    return ensure_tiny_model()
+
+
+def engine_settings(tiny_model_path: Path, **overrides):
+    from sluice_server.settings import Settings
+
+    base = dict(
+        model=str(tiny_model_path),
+        served_model_name="tiny",
+        host="127.0.0.1",
+        max_model_len=512,
+        max_num_seqs=64,
+        engine_args=["--enforce-eager", "--kv-cache-memory-bytes", str(ENGINE_KV_BYTES)],
+    )
+    return Settings(**{**base, **overrides})
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def engine(tiny_model_path):
+    """The real vLLM engine (AsyncLLM), shared by every app in the session."""
+    from sluice_server.engine import open_engine
+
+    async with open_engine(engine_settings(tiny_model_path)) as eng:
+        yield eng
+
+
+class _TestServer:
+    """uvicorn.Server without signal handlers (the test process keeps its own)."""
+
+    @staticmethod
+    def make(config):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):
+                yield
+
+        return Server(config)
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def make_server(engine, tiny_model_path):
+    """`await make_server(**settings_overrides) -> base_url` (http://127.0.0.1:PORT).
+
+    Each call builds an app with its own settings (limits, keys, protocols, metrics)
+    around the shared engine and serves it on a free loopback port until session end.
+    Also reachable: `make_server.apps[base_url]` -> the FastAPI app (for its services).
+    """
+    import uvicorn
+    from sluice_server.app import build_app
+
+    servers: list[tuple[object, asyncio.Task]] = []
+    apps: dict[str, object] = {}
+
+    async def factory(**overrides) -> str:
+        port = free_port()
+        settings = engine_settings(tiny_model_path, port=port, **overrides)
+        app = build_app(settings, engine)
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
+            ws_ping_interval=settings.heartbeat_seconds, ws_ping_timeout=settings.heartbeat_seconds,
+            ws_max_size=settings.max_body_bytes,
+        )  # fmt: skip
+        server = _TestServer.make(config)
+        task = asyncio.create_task(server.serve())
+        for _ in range(500):  # bounded: 10 s
+            if server.started:
+                break
+            if task.done():
+                task.result()
+            await asyncio.sleep(0.02)
+        else:
+            raise RuntimeError("test server did not start")
+        servers.append((server, task))
+        url = f"http://127.0.0.1:{port}"
+        apps[url] = app
+        return url
+
+    factory.apps = apps
+    yield factory
+    for server, _ in servers:
+        server.should_exit = True
+    for _, task in servers:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 15)
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def server_url(make_server) -> str:
+    """A server with default settings (auth off, no rate limits, sse + websocket)."""
+    return await make_server()

@@ -1,0 +1,193 @@
+"""A real nginx (Debian's binary) in front of a test server, configured like our Ingress.
+
+`NginxProxy(upstream_url, mode=...)` renders a config, starts nginx in the foreground on a
+free loopback port and stops it on `stop()` / context exit. Modes:
+
+- `ingress`: what the operator's Ingress asks ingress-nginx for (operator
+  builders/ingress.py): `proxy_buffering off`, `proxy_request_buffering off`, HTTP/1.1
+  upstream, `Upgrade`/`Connection` for WebSocket, long read/send timeouts, a body limit.
+- `nginx-default`: stock nginx buffering (`proxy_buffering on`) plus gzip for event
+  streams, honouring the server's `X-Accel-Buffering: no`: the header alone keeps it
+  streaming.
+- `buffered`: the negative control: the same, but `proxy_ignore_headers
+  X-Accel-Buffering`. Streaming must visibly break through it.
+
+Measured with nginx 1.22: `proxy_buffering on` by itself does not delay an SSE response
+(nginx forwards what it has read whenever the client socket is writable), so it is no
+negative control. What does hold a stream is a body filter that only emits when its own
+buffers fill or the response asks to flush, like gzip: with buffering off (or the header
+honoured) every upstream read is a flush; with the header ignored, the answer arrives in
+one burst at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urlsplit
+
+Mode = Literal["ingress", "nginx-default", "buffered"]
+
+NGINX_CANDIDATES = ("/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/local/bin/nginx")
+
+
+def find_nginx() -> str | None:
+    found = shutil.which("nginx")
+    if found:
+        return found
+    return next((p for p in NGINX_CANDIDATES if os.access(p, os.X_OK)), None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def render_config(
+    prefix: Path,
+    listen_port: int,
+    upstream: str,
+    mode: Mode = "ingress",
+    *,
+    timeout_seconds: int = 630,
+    max_body: str = "1m",
+) -> str:
+    """nginx.conf text. `upstream` is host:port. Everything nginx writes stays in `prefix`."""
+    if mode == "ingress":
+        buffering = "proxy_buffering off;\n        proxy_request_buffering off;"
+    else:
+        # Stock nginx buffering plus gzip for event streams, a common setup. With buffering
+        # on, nginx only flushes gzip output when the response asks for no buffering
+        # (`X-Accel-Buffering: no`); ignoring that header makes it hold the whole answer.
+        buffering = (
+            "proxy_buffering on;\n        gzip on;\n        gzip_proxied any;\n"
+            "        gzip_types text/event-stream application/json;\n        gzip_buffers 16 64k;"
+        )
+        if mode == "buffered":
+            buffering += "\n        proxy_ignore_headers X-Accel-Buffering;"
+    # Running as root (CI containers), workers would switch to `nobody` and could not write
+    # the temp dirs in our private prefix; this is a throwaway test proxy.
+    user = "user root;\n" if os.geteuid() == 0 else ""
+    return f"""# Rendered by tests/server/nginx_proxy.py (mode: {mode})
+{user}worker_processes 1;
+daemon off;
+pid {prefix}/nginx.pid;
+error_log {prefix}/error.log warn;
+events {{ worker_connections 256; }}
+http {{
+    access_log {prefix}/access.log;
+    client_body_temp_path {prefix}/client_body;
+    proxy_temp_path {prefix}/proxy;
+    fastcgi_temp_path {prefix}/fastcgi;
+    uwsgi_temp_path {prefix}/uwsgi;
+    scgi_temp_path {prefix}/scgi;
+
+    # As ingress-nginx does: upgrade only when the client asks for it.
+    map $http_upgrade $connection_upgrade {{
+        default upgrade;
+        ''      close;
+    }}
+    upstream sluice {{ server {upstream}; }}
+    server {{
+        listen 127.0.0.1:{listen_port};
+        client_max_body_size {max_body};
+        location / {{
+        proxy_pass http://sluice;
+        proxy_http_version 1.1;
+        proxy_set_header Host $host;
+        proxy_set_header X-Forwarded-For $remote_addr;
+        proxy_set_header Upgrade $http_upgrade;
+        proxy_set_header Connection $connection_upgrade;
+        proxy_read_timeout {timeout_seconds}s;
+        proxy_send_timeout {timeout_seconds}s;
+        {buffering}
+        }}
+    }}
+}}
+"""
+
+
+class NginxProxy:
+    """`with NginxProxy("http://127.0.0.1:PORT") as p: p.url` (http://127.0.0.1:NGINX_PORT)."""
+
+    def __init__(self, upstream_url: str, mode: Mode = "ingress", **render_kw) -> None:
+        binary = find_nginx()
+        if binary is None:
+            raise FileNotFoundError("nginx not installed (apt-get install -y nginx)")
+        self.binary = binary
+        parts = urlsplit(upstream_url)
+        self.upstream = f"{parts.hostname}:{parts.port}"
+        self.mode = mode
+        self.render_kw = render_kw
+        self.prefix = Path(tempfile.mkdtemp(prefix=f"sluice-nginx-{mode}-"))
+        self.port = 0
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}"
+
+    def error_log(self) -> str:
+        try:
+            return (self.prefix / "error.log").read_text()
+        except OSError:
+            return ""
+
+    def start(self, wait_seconds: float = 10.0) -> NginxProxy:
+        for attempt in range(3):  # the free port can be taken between probe and bind
+            self.port = _free_port()
+            conf = self.prefix / "nginx.conf"
+            conf.write_text(
+                render_config(self.prefix, self.port, self.upstream, self.mode, **self.render_kw)
+            )
+            self.proc = subprocess.Popen(
+                [self.binary, "-p", str(self.prefix), "-e", str(self.prefix / "error.log"),
+                 "-c", str(conf)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+            )  # fmt: skip
+            deadline = time.monotonic() + wait_seconds
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    break
+                try:
+                    with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                        return self
+                except OSError:
+                    time.sleep(0.05)
+            err = self.proc.stderr.read().decode() if self.proc.poll() is not None else ""
+            self.stop(cleanup=False)
+            if "Address already in use" not in err + self.error_log() or attempt == 2:
+                raise RuntimeError(f"nginx did not start: {err}\n{self.error_log()}")
+        raise AssertionError("unreachable")
+
+    def stop(self, cleanup: bool = True) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # fast shutdown: master stops its workers
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        if proc is not None and proc.stderr is not None:
+            proc.stderr.close()
+        if cleanup:
+            shutil.rmtree(self.prefix, ignore_errors=True)
+
+    def __enter__(self) -> NginxProxy:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,145 @@
+"""A stalled reader: a raw-socket client with a tiny receive buffer stops reading.
+
+The server must notice (buffer cap or send timeout), abort the engine request, end the
+stream with an error event, and keep its memory bounded.
+
+On loopback the kernel would absorb megabytes before the server felt any backpressure
+(send buffers autotune up to `tcp_wmem` max, and asyncio buffers 64 KiB per transport
+before uvicorn pauses), far more than the tiny model's 512-token answers. So this test
+serves the app (S1's `build_app`, the session engine) from a listening socket with a
+4 KiB send buffer and a 4 KiB transport high-water mark: a slow network in miniature.
+Everything above the socket is the production code path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import time
+
+import psutil
+import pytest
+from test_stream_abort import generated_tokens, settle
+
+pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
+
+MAX_TOKENS = 480  # the session engine's max_model_len is 512
+BODY = json.dumps({"prompt": "Hi", "max_tokens": MAX_TOKENS, "ignore_eos": True}).encode()
+
+
+def _small_buffer_protocol():
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as Base
+    except ImportError:  # pragma: no cover - uvicorn without httptools
+        from uvicorn.protocols.http.h11_impl import H11Protocol as Base
+
+    class SmallWriteBuffer(Base):
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            transport.set_write_buffer_limits(high=4096)
+
+    return SmallWriteBuffer
+
+
+@contextlib.asynccontextmanager
+async def small_buffer_server(engine, tiny_model_path, **overrides):
+    import uvicorn
+    from conftest import _TestServer, engine_settings
+    from sluice_server.app import build_app
+
+    sock = socket.socket()
+    # Accepted connections inherit the listener's (locked) send buffer size on Linux.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    settings = engine_settings(tiny_model_path, port=port, **overrides)
+    config = uvicorn.Config(build_app(settings, engine), log_level="warning", lifespan="on",
+                            http=_small_buffer_protocol())  # fmt: skip
+    server = _TestServer.make(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        for _ in range(500):
+            if server.started:
+                break
+            if task.done():
+                task.result()
+            await asyncio.sleep(0.02)
+        yield port
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 15)
+        sock.close()
+
+
+async def stalled_request(port: int) -> tuple[socket.socket, float]:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)  # the kernel makes it ~2.3 KiB
+    s.setblocking(False)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(s, ("127.0.0.1", port))
+    before = generated_tokens()
+    await loop.sock_sendall(s, (f"POST /v1/stream HTTP/1.1\r\nHost: t\r\nContent-Type: "
+        f"application/json\r\nContent-Length: {len(BODY)}\r\n\r\n").encode() + BODY)  # fmt: skip
+    return s, before
+
+
+async def read_all(s: socket.socket, limit_s: float = 10.0) -> bytes:
+    loop = asyncio.get_running_loop()
+    data = b""
+    with contextlib.suppress(TimeoutError, ConnectionError):
+        async with asyncio.timeout(limit_s):
+            while True:
+                chunk = await loop.sock_recv(s, 65536)
+                if not chunk:
+                    break
+                data += chunk
+                if data.endswith(b"0\r\n\r\n"):  # end of the chunked response
+                    break
+    return data
+
+
+async def test_buffer_cap_aborts_and_reports_error(engine, tiny_model_path):
+    """The reader stalls; past 16 undelivered events the request is aborted. When the
+    reader comes back it gets what was sent, then the error event and [DONE]."""
+    proc = psutil.Process()
+    rss0 = proc.memory_info().rss
+    async with small_buffer_server(engine, tiny_model_path, stream_buffer_tokens=16,
+                                   send_timeout_seconds=30) as port:  # fmt: skip
+        s, before = await stalled_request(port)
+        t0 = time.perf_counter()
+        await asyncio.sleep(0.2)
+        took = await settle(engine, limit_s=20)  # the engine request ends while we stall
+        generated = generated_tokens() - before
+        rss1 = proc.memory_info().rss
+        data = await read_all(s)
+        s.close()
+    text = data.decode(errors="replace")
+    print(f"\nTIMING stalled reader (buffer cap 16): engine stopped after {generated:.0f}/"
+          f"{MAX_TOKENS} tokens, {time.perf_counter() - t0:.2f}s (idle wait {took:.2f}s); "
+          f"client got {len(data)} bytes; RSS delta {(rss1 - rss0) / 2**20:+.1f} MiB")  # fmt: skip
+    assert generated < MAX_TOKENS * 0.8, "the request was not aborted early"
+    assert "event: error" in text and "too slow" in text.lower(), text[-600:]
+    assert text.rstrip("\r\n0 ").endswith("data: [DONE]"), text[-300:]
+    assert rss1 - rss0 < 64 * 2**20
+
+
+async def test_send_timeout_aborts_a_reader_that_never_returns(engine, tiny_model_path):
+    async with small_buffer_server(engine, tiny_model_path, stream_buffer_tokens=4096,
+                                   send_timeout_seconds=0.5) as port:  # fmt: skip
+        s, before = await stalled_request(port)
+        t0 = time.perf_counter()
+        await asyncio.sleep(0.2)
+        took = await settle(engine, limit_s=20)
+        generated = generated_tokens() - before
+        data = await read_all(s, limit_s=10)  # the server closes the connection
+        s.close()
+    text = data.decode(errors="replace")
+    has_error = "event: error" in text
+    print(f"\nTIMING stalled reader (send timeout 0.5s): engine stopped after {generated:.0f}/"
+          f"{MAX_TOKENS} tokens in {time.perf_counter() - t0:.2f}s (idle wait {took:.2f}s); "
+          f"client got {len(data)} bytes; error event delivered: {has_error}")  # fmt: skip
+    assert generated < MAX_TOKENS, "the request was not aborted"
+    assert not text.rstrip("\r\n0 ").endswith("data: [DONE]") or has_error

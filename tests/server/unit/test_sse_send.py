@@ -1,0 +1,148 @@
+"""StreamingSSE's send path: direct sends, and the per-response watchdog that enforces the
+send timeout (a send pending that long ends the response and runs the cleanup)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import sse_starlette.sse as sse_mod
+from sluice_server.sse import StreamingSSE
+from sse_starlette.sse import SendTimeoutError
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+SCOPE = {"type": "http", "method": "GET", "path": "/", "headers": []}
+
+
+class Body:
+    """Async generator of n events that records whether it was closed."""
+
+    def __init__(self, n: int, gap: float = 0.0) -> None:
+        self.n, self.gap, self.closed = n, gap, False
+
+    async def gen(self):
+        try:
+            for i in range(self.n):
+                if self.gap:
+                    await asyncio.sleep(self.gap)
+                yield f"data: {i}\n\n".encode()
+        finally:
+            self.closed = True
+
+
+def client(stall_after: int | None = None, delay: float = 0.0, disconnect_at: float | None = None):
+    """ASGI send/receive: records bodies; the send of body number `stall_after` (1-based,
+    pings included) never returns; `receive` reports a disconnect after `disconnect_at` s."""
+    got: list[bytes] = []
+
+    async def send(message):
+        if message["type"] == "http.response.body":
+            if stall_after is not None and len(got) + 1 >= stall_after:
+                await asyncio.Event().wait()
+            if delay:
+                await asyncio.sleep(delay)
+            got.append(message["body"])
+
+    async def receive():
+        if disconnect_at is None:
+            await asyncio.Event().wait()
+        await asyncio.sleep(disconnect_at)
+        return {"type": "http.disconnect"}
+
+    return got, send, receive
+
+
+def response(body: Body, cleaned: list, **kw) -> StreamingSSE:
+    return StreamingSSE(body.gen(), lambda: cleaned.append(True), **kw)
+
+
+@pytest.fixture
+def no_cancel_scopes(monkeypatch):
+    """Fail if a send still goes through sse-starlette's per-send anyio scope."""
+
+    def boom(*a, **k):
+        raise AssertionError("per-send move_on_after used")
+
+    monkeypatch.setattr(sse_mod.anyio, "move_on_after", boom)
+
+
+async def test_sends_directly_and_delivers_everything(no_cancel_scopes):
+    body, cleaned = Body(200), []
+    got, send, receive = client()
+    resp = response(body, cleaned, send_timeout=5, ping=0)
+    await resp(SCOPE, receive, send)
+    assert got[:-1] == [f"data: {i}\n\n".encode() for i in range(200)] and got[-1] == b""
+    assert cleaned == [True] and resp._watchdog is None and not resp._pending
+
+
+async def test_timeout_is_per_send_not_per_stream():
+    """Each send takes 0.4 of the timeout; the stream as a whole takes several timeouts."""
+    body, cleaned = Body(8), []
+    got, send, receive = client(delay=0.08)
+    await response(body, cleaned, send_timeout=0.2, ping=0)(SCOPE, receive, send)
+    assert len(got) == 9 and cleaned == [True]
+
+
+async def test_stalled_send_is_cut_off_after_the_timeout():
+    body, cleaned = Body(10_000, gap=0.001), []
+    got, send, receive = client(stall_after=5)
+    resp = response(body, cleaned, send_timeout=0.3, ping=0)
+    t0 = time.perf_counter()
+    with pytest.raises(SendTimeoutError):
+        await asyncio.wait_for(resp(SCOPE, receive, send), 5)
+    took = time.perf_counter() - t0
+    assert len(got) == 4 and body.closed and cleaned == [True]
+    assert 0.3 <= took < 1.5, took
+    assert resp._watchdog is None and not resp._pending
+    assert asyncio.current_task().cancelling() == 0
+
+
+async def test_stalled_ping_on_an_idle_stream_is_cut_off():
+    """No data for a while, the heartbeat's send stalls: the watchdog covers it too."""
+    body, cleaned = Body(2, gap=10), []
+    got, send, receive = client(stall_after=1)
+    resp = response(body, cleaned, send_timeout=0.2, ping=0.05)
+    t0 = time.perf_counter()
+    with pytest.raises(SendTimeoutError):
+        await asyncio.wait_for(resp(SCOPE, receive, send), 5)
+    assert time.perf_counter() - t0 < 1.5 and cleaned == [True]
+
+
+async def test_disconnect_during_a_pending_send_is_not_a_timeout():
+    body, cleaned = Body(100), []
+    got, send, receive = client(stall_after=3, disconnect_at=0.05)
+    resp = response(body, cleaned, send_timeout=0.5, ping=0)
+    await asyncio.wait_for(resp(SCOPE, receive, send), 5)  # ends quietly
+    assert cleaned == [True] and body.closed and resp._expired is None
+    await asyncio.sleep(0.6)  # the watchdog is gone: nothing fires later
+    assert resp._watchdog is None
+
+
+async def test_without_send_timeout_no_watchdog():
+    body, cleaned = Body(3), []
+    got, send, receive = client()
+    resp = response(body, cleaned, ping=0)
+    await resp(SCOPE, receive, send)
+    assert len(got) == 4 and resp._watchdog is None and cleaned == [True]
+
+
+async def test_watchdog_is_idle_while_sends_complete():
+    """One timer per response, re-armed about once per timeout, not once per event."""
+    body, cleaned = Body(300, gap=0.001), []
+    got, send, receive = client()
+    resp = response(body, cleaned, send_timeout=0.1, ping=0)
+    checks = []
+    orig = resp._check_sends
+
+    def counting():
+        checks.append(1)
+        orig()
+
+    resp._check_sends = counting
+    t0 = time.perf_counter()
+    await resp(SCOPE, receive, send)
+    elapsed = time.perf_counter() - t0
+    assert len(got) == 301
+    assert len(checks) <= elapsed / 0.1 * 2 + 2, (len(checks), elapsed)
