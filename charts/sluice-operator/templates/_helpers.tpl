@@ -84,12 +84,12 @@ else the release namespace. Returned as a JSON list (templates cannot return lis
 {{- toJson (uniq $list) -}}
 {{- end -}}
 
-{{/* The operator's settings as environment variables (the ConfigMap's data). */}}
+{{/*
+The operator's extra environment (the ConfigMap's data). Always holds one key, so the
+ConfigMap is never empty and the checksum always has something to hash.
+*/}}
 {{- define "sluice-operator.configData" -}}
-SLUICE_OPERATOR_LOG_LEVEL: {{ .Values.operator.logLevel | quote }}
-SLUICE_OPERATOR_LOG_FORMAT: {{ .Values.operator.logFormat | quote }}
-SLUICE_OPERATOR_FIELD_MANAGER: {{ .Values.operator.fieldManager | quote }}
-SLUICE_OPERATOR_KEDA_ENABLED: {{ .Values.keda.enabled | quote }}
+SLUICE_OPERATOR_RELEASE: {{ .Release.Name | quote }}
 {{- range $k, $v := .Values.operator.env }}
 {{ $k }}: {{ $v | quote }}
 {{- end }}
