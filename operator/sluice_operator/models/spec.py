@@ -450,9 +450,14 @@ class IngressSpec(ApiModel):
 
     enabled: bool = Field(default=False, description="Create an Ingress.")
     class_name: Annotated[str, StringConstraints(max_length=253)] = Field(
-        default="nginx",
-        description="IngressClass. nginx (community ingress-nginx) gets nginx.ingress.kubernetes.io/* annotations; "
-        "a class containing nginx-plus or nginx-org, or the F5 controller's default nginx.org class name, gets nginx.org/* ones.",
+        default="nginx", description="IngressClass name (spec.ingressClassName of the Ingress)."
+    )
+    controller: Literal["auto", "ingress-nginx", "f5-nginx"] = Field(
+        default="auto",
+        description="Which controller serves className, which decides the annotation set: ingress-nginx "
+        "(community, nginx.ingress.kubernetes.io/*) or f5-nginx (F5 NGINX Ingress Controller, nginx.org/*). "
+        "auto: f5-nginx when className contains nginx-org, nginx-plus or f5, else ingress-nginx "
+        "(both controllers default to the class name nginx, so set this when you run F5's).",
     )
     host: (
         Annotated[
