@@ -1,0 +1,385 @@
+"""charts/sluice-operator rendered by the real helm binary: lint, template, schema
+validation for two Kubernetes versions, secure defaults, RBAC, and each flag both set and
+not rendered."""
+
+from __future__ import annotations
+
+import filecmp
+
+import pytest
+import yaml
+
+from .chartlib import (
+    CRD_FILE,
+    HERE,
+    OPERATOR_CHART,
+    ROOT,
+    by_kind,
+    documented_keys,
+    one,
+    validate_k8s,
+)
+
+ALL_ON = HERE / "values-all-on.yaml"
+NAMESPACED = ["watch.allNamespaces=false", "watch.namespaces={team-a,team-b}"]
+
+
+# ---- lint and render -------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "values,set_",
+    [([], []), ([ALL_ON], []), ([], NAMESPACED), ([ALL_ON], NAMESPACED)],
+    ids=["defaults", "all-on", "namespaced", "all-on-namespaced"],
+)
+def test_lint_strict(h, values, set_):
+    args = ["lint", "--strict", str(OPERATOR_CHART)]
+    for v in values:
+        args += ["-f", str(v)]
+    for s in set_:
+        args += ["--set", s]
+    out = h.run(*args).stdout
+    assert "0 chart(s) failed" in out
+    assert "[WARNING]" not in out and "[ERROR]" not in out
+
+
+@pytest.mark.parametrize(
+    "values,set_",
+    [([], []), ([ALL_ON], []), ([], NAMESPACED), ([ALL_ON], NAMESPACED)],
+    ids=["defaults", "all-on", "namespaced", "all-on-namespaced"],
+)
+def test_every_manifest_validates(h, values, set_):
+    docs = h.template(OPERATOR_CHART, values=values, set_=set_, include_crds=True)
+    assert len(docs) >= 6
+    for doc in docs:
+        validate_k8s(doc)
+
+
+def test_default_objects(h):
+    docs = h.template(OPERATOR_CHART)
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == sorted(
+        ["ServiceAccount", "ConfigMap", "ClusterRole", "ClusterRole", "ClusterRole",
+         "ClusterRoleBinding", "Deployment"]
+    )
+    for doc in docs:
+        labels = doc["metadata"]["labels"]
+        assert labels["app.kubernetes.io/name"] == "sluice-operator"
+        assert labels["app.kubernetes.io/instance"] == "sluice"
+        assert labels["app.kubernetes.io/managed-by"] == "Helm"
+        assert labels["helm.sh/chart"] == "sluice-operator-0.1.0"
+
+
+def test_chart_crd_is_the_generated_crd(h):
+    chart_crd = OPERATOR_CHART / "crds" / CRD_FILE.name
+    assert chart_crd.is_file(), "the operator's generator writes the chart's CRD copy"
+    assert filecmp.cmp(chart_crd, CRD_FILE, shallow=False), "run `make crds`"
+    assert list((OPERATOR_CHART / "crds").iterdir()) == [chart_crd]
+    docs = h.template(OPERATOR_CHART, include_crds=True)
+    crd = one(docs, "CustomResourceDefinition")
+    assert crd == yaml.safe_load(CRD_FILE.read_text())
+    # Helm only installs crds/ on first install and never templates them otherwise.
+    assert not by_kind(h.template(OPERATOR_CHART), "CustomResourceDefinition")
+
+
+# ---- the Deployment -----------------------------------------------------------------------
+
+def _container(docs):
+    deploy = one(docs, "Deployment")
+    (container,) = deploy["spec"]["template"]["spec"]["containers"]
+    return deploy, container
+
+
+def test_deployment_runs_the_operator_with_kopf_health(h):
+    deploy, c = _container(h.template(OPERATOR_CHART))
+    assert c["command"] == ["python", "-m", "sluice_operator", "run"]
+    assert c["args"] == ["--all-namespaces", "--standalone", "--liveness=http://0.0.0.0:8080/healthz"]
+    assert c["image"] == "ghcr.io/sluice-dev/sluice-operator:0.1.0"
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert c["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"}]
+    assert deploy["spec"]["replicas"] == 1
+    # Without peering two operator pods must never overlap.
+    assert deploy["spec"]["strategy"] == {"type": "Recreate"}
+    spec = deploy["spec"]["template"]["spec"]
+    assert spec["serviceAccountName"] == "sluice-sluice-operator"
+
+
+def test_operator_cli_accepts_the_rendered_arguments(h):
+    """The chart's args parse with the operator's own CLI (no cluster needed)."""
+    cli = pytest.importorskip("sluice_operator.cli")
+    for set_ in ([], NAMESPACED):
+        _, c = _container(h.template(OPERATOR_CHART, set_=set_))
+        args = cli.build_parser().parse_args([*c["command"][3:], *c["args"]])
+        assert args.command == "run"
+        assert args.liveness == "http://0.0.0.0:8080/healthz"
+        assert args.standalone is True
+        if set_:
+            assert args.namespace == ["team-a", "team-b"] and not args.all_namespaces
+        else:
+            assert args.all_namespaces and not args.namespace
+
+
+def test_secure_defaults(h):
+    deploy, c = _container(h.template(OPERATOR_CHART))
+    pod = deploy["spec"]["template"]["spec"]["securityContext"]
+    assert pod["runAsNonRoot"] is True and pod["runAsUser"] > 0
+    assert pod["seccompProfile"] == {"type": "RuntimeDefault"}
+    sc = c["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["privileged"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
+    # the only writable path is a bounded emptyDir at /tmp
+    assert c["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
+    (vol,) = deploy["spec"]["template"]["spec"]["volumes"]
+    assert vol["emptyDir"]["sizeLimit"]
+
+
+def test_config_checksum_rolls_pods_only_on_config_change(h):
+    def checksum(set_):
+        deploy, _ = _container(h.template(OPERATOR_CHART, set_=set_))
+        return deploy["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+
+    base = checksum([])
+    assert len(base) == 64
+    assert checksum(["operator.env.FOO=bar"]) != base
+    assert checksum(["nodeSelector.disk=ssd"]) == base  # not config: same checksum
+
+
+def test_config_map_carries_extra_env(h):
+    docs = h.template(OPERATOR_CHART, set_=["operator.env.FOO=bar"])
+    cm = one(docs, "ConfigMap")
+    assert cm["data"]["FOO"] == "bar"
+    _, c = _container(docs)
+    assert c["envFrom"] == [{"configMapRef": {"name": cm["metadata"]["name"]}}]
+
+
+def test_scheduling_values_set_and_not_rendered(h):
+    deploy, _ = _container(h.template(OPERATOR_CHART))
+    spec = deploy["spec"]["template"]["spec"]
+    for key in ("nodeSelector", "tolerations", "affinity", "topologySpreadConstraints",
+                "priorityClassName", "imagePullSecrets"):
+        assert key not in spec, key
+    deploy, c = _container(h.template(OPERATOR_CHART, values=[ALL_ON]))
+    spec = deploy["spec"]["template"]["spec"]
+    assert spec["nodeSelector"] == {"kubernetes.io/os": "linux"}
+    assert spec["tolerations"][0]["key"] == "CriticalAddonsOnly"
+    assert "podAntiAffinity" in spec["affinity"]
+    assert spec["topologySpreadConstraints"][0]["maxSkew"] == 1
+    assert spec["priorityClassName"] == "system-cluster-critical"
+    assert spec["imagePullSecrets"] == [{"name": "registry-creds"}]
+    assert c["image"].endswith("@sha256:" + "0123456789abcdef" * 4)
+    assert deploy["spec"]["template"]["metadata"]["labels"]["tier"] == "control"
+    assert deploy["spec"]["template"]["metadata"]["annotations"]["example.com/owner"] == "platform"
+    assert "--verbose" in c["args"] and c["args"][-1] == "--some-extra-flag"
+
+
+def test_peering_set_and_not_rendered(h):
+    docs = h.template(OPERATOR_CHART)
+    _, c = _container(docs)
+    assert "--standalone" in c["args"] and not any(a.startswith("--peering") for a in c["args"])
+    assert "kopf.dev" not in yaml.safe_dump(docs)
+
+    docs = h.template(OPERATOR_CHART, set_=["peering.enabled=true", "replicaCount=2"])
+    deploy, c = _container(docs)
+    assert "--peering=sluice-operator" in c["args"] and "--standalone" not in c["args"]
+    assert deploy["spec"]["replicas"] == 2
+    assert deploy["spec"]["strategy"]["type"] == "RollingUpdate"
+    rules = _operator_role(docs)["rules"]
+    assert {"apiGroups": ["kopf.dev"], "resources": ["clusterkopfpeerings"],
+            "verbs": ["get", "list", "watch", "patch"]} in rules
+
+    docs = h.template(OPERATOR_CHART, set_=["peering.enabled=true", *NAMESPACED])
+    for role in by_kind(docs, "Role"):
+        assert {"apiGroups": ["kopf.dev"], "resources": ["kopfpeerings"],
+                "verbs": ["get", "list", "watch", "patch"]} in role["rules"]
+
+
+def test_replicas_without_peering_is_refused(h):
+    err = h.template_error(OPERATOR_CHART, set_=["replicaCount=2"])
+    assert "needs peering.enabled=true" in err
+
+
+def test_values_schema_rejects_typos_and_bad_types(h):
+    assert "additional properties 'replicas' not allowed" in h.template_error(
+        OPERATOR_CHART, set_=["replicas=2"])
+    assert "pullPolicy" in h.template_error(OPERATOR_CHART, set_=["image.pullPolicy=Sometimes"])
+    assert "serviceAccount.name is required" in h.template_error(
+        OPERATOR_CHART, set_=["serviceAccount.create=false"])
+
+
+# ---- RBAC --------------------------------------------------------------------------------
+
+def _operator_role(docs, kind="ClusterRole"):
+    (role,) = [
+        d for d in by_kind(docs, kind)
+        if not d["metadata"]["name"].endswith(("-edit", "-view"))
+    ]
+    return role
+
+
+def _grants(rules) -> dict[tuple[str, str], set[str]]:
+    out: dict[tuple[str, str], set[str]] = {}
+    for r in rules:
+        for g in r["apiGroups"]:
+            for res in r["resources"]:
+                out.setdefault((g, res), set()).update(r["verbs"])
+    return out
+
+
+# Exactly what the operator calls (operator/README.md); nothing more.
+EXPECTED = {
+    ("serving.sluice.dev", "streamingmodels"): {"get", "list", "watch", "patch"},
+    ("serving.sluice.dev", "streamingmodels/status"): {"get", "patch"},
+    ("serving.sluice.dev", "streamingmodels/finalizers"): {"update"},
+    ("apps", "deployments"): {"get", "list", "watch", "create", "patch"},
+    ("", "services"): {"get", "list", "watch", "create", "patch"},
+    ("networking.k8s.io", "ingresses"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("autoscaling", "horizontalpodautoscalers"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("policy", "poddisruptionbudgets"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("", "pods"): {"list"},
+    ("", "events"): {"create"},
+}
+
+
+def test_rbac_cluster_wide_is_exactly_what_the_operator_uses(h):
+    docs = h.template(OPERATOR_CHART)
+    role = _operator_role(docs)
+    assert _grants(role["rules"]) == EXPECTED
+    binding = one(docs, "ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "sluice-sluice-operator", "namespace": "sluice-system"}
+    ]
+    assert not by_kind(docs, "Role") and not by_kind(docs, "RoleBinding")
+
+
+def test_rbac_has_no_wildcards_and_no_secrets(h):
+    for set_ in ([], NAMESPACED):
+        docs = h.template(OPERATOR_CHART, values=[ALL_ON], set_=set_)
+        for role in by_kind(docs, "ClusterRole") + by_kind(docs, "Role"):
+            for rule in role["rules"]:
+                assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]
+                assert "secrets" not in rule["resources"]
+                if not role["metadata"]["name"].endswith("-edit"):
+                    assert "escalate" not in rule["verbs"] and "bind" not in rule["verbs"]
+
+
+def test_rbac_rules_are_commented(h):
+    text = (OPERATOR_CHART / "templates" / "_rbac-rules.tpl").read_text()
+    blocks = text.split("- apiGroups:")[1:]
+    lines = text.splitlines()
+    rule_lines = [i for i, line in enumerate(lines) if line.startswith("- apiGroups:")]
+    assert len(rule_lines) == len(blocks) >= 10
+    for i in rule_lines:
+        above = lines[i - 1].strip()
+        # Each rule has a comment saying why, or follows one of the same group of rules.
+        assert above.startswith("#") or above.startswith("verbs:") or above.startswith("{{"), lines[i]
+
+
+def test_rbac_namespaced_mode(h):
+    docs = h.template(OPERATOR_CHART, set_=NAMESPACED)
+    roles = by_kind(docs, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    for role in roles:
+        assert _grants(role["rules"]) == EXPECTED
+    bindings = by_kind(docs, "RoleBinding")
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    for b in bindings:
+        assert b["subjects"][0]["namespace"] == "sluice-system"
+    # Only the aggregated user-facing roles remain cluster-scoped.
+    assert all(r["metadata"]["name"].endswith(("-edit", "-view")) for r in by_kind(docs, "ClusterRole"))
+    assert not by_kind(docs, "ClusterRoleBinding")
+    _, c = _container(docs)
+    assert c["args"][:2] == ["--namespace=team-a", "--namespace=team-b"]
+    # An empty list means the release namespace.
+    docs = h.template(OPERATOR_CHART, set_=["watch.allNamespaces=false"], namespace="models")
+    assert [r["metadata"]["namespace"] for r in by_kind(docs, "Role")] == ["models"]
+
+
+def test_keda_set_and_not_rendered(h):
+    assert ("keda.sh", "scaledobjects") not in _grants(_operator_role(h.template(OPERATOR_CHART))["rules"])
+    grants = _grants(_operator_role(h.template(OPERATOR_CHART, set_=["keda.enabled=true"]))["rules"])
+    assert grants[("keda.sh", "scaledobjects")] == {"get", "list", "watch", "create", "patch", "delete"}
+
+
+def test_aggregated_user_roles_set_and_not_rendered(h):
+    docs = h.template(OPERATOR_CHART)
+    edit = [d for d in by_kind(docs, "ClusterRole") if d["metadata"]["name"].endswith("-edit")][0]
+    view = [d for d in by_kind(docs, "ClusterRole") if d["metadata"]["name"].endswith("-view")][0]
+    assert edit["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
+    assert view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
+    assert {"create", "delete"} <= _grants(edit["rules"])[("serving.sluice.dev", "streamingmodels")]
+    assert _grants(view["rules"])[("serving.sluice.dev", "streamingmodels")] == {"get", "list", "watch"}
+    docs = h.template(OPERATOR_CHART, set_=["rbac.aggregateToDefaultRoles=false"])
+    assert len(by_kind(docs, "ClusterRole")) == 1
+    docs = h.template(OPERATOR_CHART, set_=["rbac.create=false"])
+    assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
+
+
+def test_rbac_covers_every_kind_the_operator_renders():
+    """Every child the operator renders for the samples is one the role may create and patch."""
+    render = pytest.importorskip("sluice_operator.render", reason="operator render not landed yet")
+    plural = {
+        "Deployment": ("apps", "deployments"),
+        "Service": ("", "services"),
+        "Ingress": ("networking.k8s.io", "ingresses"),
+        "HorizontalPodAutoscaler": ("autoscaling", "horizontalpodautoscalers"),
+        "PodDisruptionBudget": ("policy", "poddisruptionbudgets"),
+    }
+    kinds = set()
+    for sample in sorted((ROOT / "samples").glob("*.yaml")):
+        for doc in yaml.safe_load_all(render.render_file(sample, namespace=None)):
+            if doc and doc.get("kind") != "StreamingModel":
+                kinds.add(doc["kind"])
+    assert {"Deployment", "Service"} <= kinds
+    for kind in kinds:
+        assert kind in plural, f"operator renders {kind}: add it to the chart's RBAC"
+        assert {"create", "patch", "get", "list", "watch"} <= EXPECTED[plural[kind]]
+
+
+# ---- names -------------------------------------------------------------------------------
+
+def test_names_are_truncated_to_63_characters(h):
+    long = "a-very-long-release-name-that-goes-on-and-on-and-on-for-ever-and-ever"
+    docs = h.template(OPERATOR_CHART, release=long[:53], set_=["prometheusAdapter.rules.enabled=true"])
+    for doc in docs:
+        assert len(doc["metadata"]["name"]) <= 63, doc["metadata"]["name"]
+        assert not doc["metadata"]["name"].endswith("-")
+        for v in doc["metadata"]["labels"].values():
+            assert len(v) <= 63
+    docs = h.template(OPERATOR_CHART, set_=[f"fullnameOverride={long[:63]}"])
+    names = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert all(len(n) <= 63 for _, n in names)
+    assert len(names) == len(docs)  # truncation never makes two objects of a kind collide
+
+
+def test_release_name_containing_chart_name_is_not_doubled(h):
+    docs = h.template(OPERATOR_CHART, release="sluice-operator")
+    assert one(docs, "Deployment")["metadata"]["name"] == "sluice-operator"
+
+
+# ---- values documentation ----------------------------------------------------------------
+
+def test_every_value_is_documented():
+    documented, undocumented = documented_keys(OPERATOR_CHART / "values.yaml")
+    assert not undocumented, f"values without a `# --` comment: {undocumented}"
+    assert len(documented) > 30
+
+
+def test_documented_keys_notices_a_missing_comment(tmp_path):
+    """Negative control for the check above."""
+    f = tmp_path / "values.yaml"
+    f.write_text("# -- documented\na: 1\nsection:\n  # -- fine\n  b: 2\n  c: 3\nd: 4\n")
+    documented, undocumented = documented_keys(f)
+    assert documented == ["a", "section.b"]
+    assert undocumented == ["section.c", "d"]
+
+
+def test_docs_table_mentions_every_value():
+    doc = (ROOT / "docs" / "helm.md").read_text()
+    documented, _ = documented_keys(OPERATOR_CHART / "values.yaml")
+    missing = [k for k in documented if f"`{k}`" not in doc]
+    assert not missing, f"docs/helm.md does not mention: {missing}"
