@@ -24,7 +24,7 @@ SCHEMA_FILE = ROOT / "charts" / "streaming-model" / "values.schema.json"
 def _to_json_schema(node: object) -> object:
     """OpenAPI v3 (structural, with x-kubernetes-* extensions) -> plain JSON Schema.
 
-    CEL rules stay with the API server; int-or-string becomes a type union; an object with
+    Descriptions and CEL rules stay with the API server; int-or-string becomes a type union; an object with
     declared properties and no preserve-unknown-fields rejects unknown keys, like the API
     server's strict field validation does, so value typos fail at `helm install`.
     """
@@ -32,7 +32,13 @@ def _to_json_schema(node: object) -> object:
         return [_to_json_schema(n) for n in node]
     if not isinstance(node, dict):
         return node
-    out = {k: _to_json_schema(v) for k, v in node.items() if not k.startswith("x-kubernetes-") and k != "nullable"}
+    # Descriptions stay in the CRD (kubectl explain); dropping them here keeps this file
+    # stable while the API's wording evolves.
+    out = {
+        k: _to_json_schema(v)
+        for k, v in node.items()
+        if not k.startswith("x-kubernetes-") and k not in ("nullable", "description")
+    }
     if node.get("x-kubernetes-int-or-string"):
         out["type"] = ["integer", "string"]
     if node.get("nullable") and isinstance(out.get("type"), str):
