@@ -49,7 +49,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         all_namespaces=args.all_namespaces,
         liveness=args.liveness,
         verbose=args.verbose,
-        standalone=args.standalone,
+        standalone=args.standalone or not args.peering,
+        peering=args.peering,
+        log_format=args.log_format,
     )
 
 
@@ -97,8 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint URL"
     )
+    peer = run.add_mutually_exclusive_group()
+    peer.add_argument(
+        "--standalone", action="store_true", help="no peering (the default without --peering)"
+    )
+    peer.add_argument(
+        "--peering", default=None, help="kopf peering object name (several replicas, one active)"
+    )
     run.add_argument(
-        "--standalone", action="store_true", help="no peering (single operator replica)"
+        "--log-format", choices=["json", "plain", "full"], default="json", help="log format"
     )
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     run.set_defaults(func=_cmd_run)

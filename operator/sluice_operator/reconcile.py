@@ -1,0 +1,204 @@
+"""One converging pass: desired children vs live, apply only what drifted, then status.
+
+Called by every handler (create, update, resume, child changed). A pass over an object whose
+children match and whose status is current makes read calls only: no apply, no status
+patch, no Event. Children are compared by (a) a hash of the last applied manifest, kept in
+an annotation, which catches spec changes including removed fields, and (b) "every field we
+set still has our value", which catches hand edits, since the API server adds defaults we
+must not fight over.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+
+from .builders import CHILD_KINDS, desired_children
+from .builders.common import selector_string
+from .cluster import Cluster
+from .models.resource import StreamingModel
+from .status import compute_status, invalid_status
+from .validation import SpecError
+
+HASH_ANNOTATION = "serving.sluice.dev/applied-hash"
+log = logging.getLogger("sluice_operator.reconcile")
+
+PostEvent = Callable[[str, str, str], None]  # (type, reason, message)
+
+
+@dataclass
+class Outcome:
+    applied: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    status_written: bool = False
+    phase: str | None = None
+
+
+def manifest_hash(manifest: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _same_scalar(want: Any, have: Any) -> bool:
+    if isinstance(want, bool) or isinstance(have, bool):
+        return want is have  # True == 1 in Python, not in Kubernetes
+    if want == have:
+        return True
+    if isinstance(want, int | float | str) and isinstance(have, int | float | str):
+        if str(want) == str(have):
+            return True
+        try:  # quantities: the API server stores 0.5 CPU as "500m", 1024Mi as "1Gi"
+            from kubernetes.utils import parse_quantity
+
+            return parse_quantity(want) == parse_quantity(have)
+        except (ValueError, TypeError):
+            return False
+    return False
+
+
+def contains(want: Any, have: Any) -> bool:
+    """Every field in `want` is in `have` with the same value (extra live fields are fine)."""
+    if isinstance(want, Mapping):
+        return isinstance(have, Mapping) and all(
+            k in have and contains(v, have[k]) for k, v in want.items()
+        )
+    if isinstance(want, list):
+        return isinstance(have, list) and len(want) == len(have) and all(map(contains, want, have))
+    return _same_scalar(want, have)
+
+
+def in_sync(desired: Mapping[str, Any], live: Mapping[str, Any] | None) -> bool:
+    if live is None:
+        return False
+    annotations = (live.get("metadata") or {}).get("annotations") or {}
+    want_hash = desired["metadata"]["annotations"][HASH_ANNOTATION]
+    return annotations.get(HASH_ANNOTATION) == want_hash and contains(desired, live)
+
+
+def _owned_by(obj: Mapping[str, Any], uid: str | None) -> bool:
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return any(r.get("uid") == uid for r in refs)
+
+
+def _adopt(manifest: dict[str, Any], owner: Mapping[str, Any]) -> dict[str, Any]:
+    # The owner's own labels (e.g. a GitOps tool's tracking label) must not spread to the
+    # children, so adopt them to a label-less view of the owner.
+    owner_view = copy.deepcopy(dict(owner))
+    owner_view.setdefault("metadata", {})["labels"] = {}
+    kopf.adopt(manifest, owner=owner_view)
+    manifest["metadata"].setdefault("annotations", {})[HASH_ANNOTATION] = manifest_hash(manifest)
+    return manifest
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _status_differs(current: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    return any(current.get(k) != v for k, v in new.items())
+
+
+def _spec_valid_message(status: Mapping[str, Any]) -> str | None:
+    for c in status.get("conditions") or []:
+        if c.get("type") == "SpecValid" and c.get("status") == "False":
+            return c.get("message")
+    return None
+
+
+def report_invalid(
+    cluster: Cluster,
+    body: Mapping[str, Any],
+    message: str,
+    post_event: PostEvent,
+    now: str | None = None,
+) -> bool:
+    """SpecValid=False + one Event, once per distinct message (no storm on resync)."""
+    meta = body["metadata"]
+    current = body.get("status") or {}
+    new = invalid_status(message, meta.get("generation"), current, now or _now())
+    written = False
+    if _status_differs(current, new):
+        cluster.patch_status(meta["namespace"], meta["name"], new)
+        written = True
+    if _spec_valid_message(current) != message:
+        post_event("Warning", "InvalidSpec", message)
+    return written
+
+
+def converge(
+    cluster: Cluster, body: Mapping[str, Any], post_event: PostEvent, now: str | None = None
+) -> Outcome:
+    """Raises SpecError (after reporting it) for an invalid spec; API errors propagate."""
+    meta = body["metadata"]
+    namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid")
+    outcome = Outcome()
+    try:
+        model = StreamingModel.from_body(body)
+    except SpecError as exc:
+        outcome.status_written = report_invalid(cluster, body, str(exc), post_event, now)
+        outcome.phase = "Failed"
+        raise
+
+    desired = desired_children(model)
+    live: dict[str, dict[str, Any] | None] = {}
+    for api_version, kind, _optional in CHILD_KINDS:
+        manifest = desired[kind]
+        current = cluster.get(api_version, kind, namespace, name)
+        if manifest is None:
+            if current is not None and _owned_by(current, uid):
+                cluster.delete(api_version, kind, namespace, name)
+                outcome.deleted.append(kind)
+            live[kind] = None
+            continue
+        manifest = _adopt(manifest, body)
+        if in_sync(manifest, current):
+            live[kind] = current
+        else:
+            live[kind] = cluster.apply(manifest)
+            outcome.applied.append(kind)
+
+    deployment = live["Deployment"]
+    dstat = (deployment or {}).get("status") or {}
+    want = ((deployment or {}).get("spec") or {}).get("replicas", 1)
+    # Pods are only read when something is missing: they explain why (no GPUs, crash loop).
+    pods = (
+        []
+        if dstat.get("readyReplicas", 0) >= want
+        else cluster.list_pods(namespace, selector_string(model))
+    )
+    current_status = body.get("status") or {}
+    new_status = compute_status(
+        model,
+        meta.get("generation"),
+        deployment,
+        pods,
+        live.get("Ingress"),
+        current_status,
+        now or _now(),
+    )
+    outcome.phase = new_status["phase"]
+    if _status_differs(current_status, new_status):
+        cluster.patch_status(namespace, name, new_status)
+        outcome.status_written = True
+
+    if outcome.applied or outcome.deleted:
+        parts = [f"applied {', '.join(outcome.applied)}"] if outcome.applied else []
+        parts += [f"deleted {', '.join(outcome.deleted)}"] if outcome.deleted else []
+        post_event("Normal", "Reconciled", "; ".join(parts))
+        log.info(
+            "reconciled",
+            extra={
+                "namespace": namespace,
+                "name": name,
+                "applied": outcome.applied,
+                "deleted": outcome.deleted,
+            },
+        )
+    return outcome
