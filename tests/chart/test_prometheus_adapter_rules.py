@@ -170,3 +170,10 @@ def test_negative_control_plain_quantile_loses_idle_pods(tmp_path):
     got = out.split("got:")[1]
     assert 'pod="idle"} NaN' in got
     assert "fresh" not in got
+
+
+def test_docs_values_snippet_is_the_rules_file():
+    """docs/helm.md's prometheus-adapter values (option B) are the same five rules."""
+    doc = (ROOT / "docs" / "helm.md").read_text()
+    block = doc.split("<!-- prometheus-adapter-values -->", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
+    assert yaml.safe_load(block)["rules"]["custom"] == _rules()
