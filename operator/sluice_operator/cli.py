@@ -35,8 +35,13 @@ def _cmd_crds(args: argparse.Namespace) -> int:
 
 def _cmd_render(args: argparse.Namespace) -> int:
     from .render import render_file
+    from .validation import SpecError
 
-    text = render_file(Path(args.file), namespace=args.namespace)
+    try:
+        text = render_file(Path(args.file), namespace=args.namespace)
+    except SpecError as exc:
+        print(f"{args.file}: invalid StreamingModel: {exc}", file=sys.stderr)
+        return 2
     sys.stdout.write(text)
     return 0
 

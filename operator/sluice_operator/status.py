@@ -202,8 +202,12 @@ def compute_status(
         prog = _cond(
             "Progressing", False, "ProgressDeadlineExceeded", progressing.get("message", message)
         )
-    elif rolling or (phase == "Progressing"):
+    elif phase == "Failed":
+        prog = _cond("Progressing", False, "ContainersFailing", message)
+    elif rolling or phase == "Progressing":
         prog = _cond("Progressing", True, "RollingOut", message)
+    elif phase == "Pending" and desired > 0:
+        prog = _cond("Progressing", True, "WaitingForPods", message)
     else:
         prog = _cond("Progressing", False, "RolloutComplete", "the latest spec is rolled out")
     conditions = [
