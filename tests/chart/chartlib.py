@@ -131,7 +131,9 @@ def documented_keys(values_file: Path) -> tuple[list[str], list[str]]:
             comment_has_marker = False
             continue
         if stripped.startswith("#"):
-            comment_has_marker = comment_has_marker or stripped == "# --" or stripped.startswith("# -- ")
+            comment_has_marker = (
+                comment_has_marker or stripped == "# --" or stripped.startswith("# -- ")
+            )
             continue
         indent = len(raw) - len(raw.lstrip())
         if stripped.startswith("- ") or ":" not in stripped:

@@ -99,7 +99,10 @@ def main(argv: list[str]) -> int:
     text = render(yaml.safe_load(CRD_FILE.read_text()))
     if "--check" in argv:
         if SCHEMA_FILE.read_text() != text:
-            print(f"stale: {SCHEMA_FILE} (run python {Path(__file__).relative_to(ROOT)})", file=sys.stderr)
+            print(
+                f"stale: {SCHEMA_FILE} (run python {Path(__file__).relative_to(ROOT)})",
+                file=sys.stderr,
+            )
             return 1
         return 0
     SCHEMA_FILE.write_text(text)

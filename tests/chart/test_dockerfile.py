@@ -44,7 +44,9 @@ def _instructions(stage: int = -1) -> list[tuple[str, str]]:
 
 
 def test_hadolint_clean():
-    proc = subprocess.run([_hadolint(), str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [_hadolint(), str(DOCKERFILE)], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -88,14 +90,31 @@ def test_build_context_installs_a_working_operator(tmp_path):
             path = CONTEXT / src
             assert path.exists(), f"COPY {src}: not in the build context"
             if path.is_dir():
-                shutil.copytree(path, ctx / src, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
+                shutil.copytree(
+                    path,
+                    ctx / src,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"),
+                )
             else:
                 shutil.copy2(path, ctx / src)
     wheels = tmp_path / "wheels"
     env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(ctx)],
-        capture_output=True, text=True, timeout=180, env=env,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(wheels),
+            str(ctx),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (wheel,) = wheels.glob("sluice_operator-*.whl")
@@ -104,20 +123,41 @@ def test_build_context_installs_a_working_operator(tmp_path):
     # Install it alone (dependencies come from this venv) and run the image's entry point.
     target = tmp_path / "site"
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "--target", str(target), str(wheel)],
-        capture_output=True, text=True, timeout=180, env=env,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-compile",
+            "--target",
+            str(target),
+            str(wheel),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_env = {**env, "PYTHONPATH": str(target)}
     probe = subprocess.run(
         [sys.executable, "-c", "import sluice_operator; print(sluice_operator.__file__)"],
-        capture_output=True, text=True, timeout=60, env=run_env, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=run_env,
+        cwd=tmp_path,
     )
     assert probe.stdout.strip().startswith(str(target)), probe.stdout + probe.stderr
     entry = json.loads(dict(_instructions(-1))["ENTRYPOINT"])
     proc = subprocess.run(
         [sys.executable, *entry[1:], "--help"],
-        capture_output=True, text=True, timeout=60, env=run_env, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=run_env,
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for flag in ("--all-namespaces", "--namespace", "--liveness", "--standalone"):

@@ -26,6 +26,7 @@ NAMESPACED = ["watch.allNamespaces=false", "watch.namespaces={team-a,team-b}"]
 
 # ---- lint and render -------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     "values,set_",
     [([], []), ([ALL_ON], []), ([], NAMESPACED), ([ALL_ON], NAMESPACED)],
@@ -58,8 +59,15 @@ def test_default_objects(h):
     docs = h.template(OPERATOR_CHART)
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == sorted(
-        ["ServiceAccount", "ConfigMap", "ClusterRole", "ClusterRole", "ClusterRole",
-         "ClusterRoleBinding", "Deployment"]
+        [
+            "ServiceAccount",
+            "ConfigMap",
+            "ClusterRole",
+            "ClusterRole",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "Deployment",
+        ]
     )
     for doc in docs:
         labels = doc["metadata"]["labels"]
@@ -83,6 +91,7 @@ def test_chart_crd_is_the_generated_crd(h):
 
 # ---- the Deployment -----------------------------------------------------------------------
 
+
 def _container(docs):
     deploy = one(docs, "Deployment")
     (container,) = deploy["spec"]["template"]["spec"]["containers"]
@@ -92,7 +101,12 @@ def _container(docs):
 def test_deployment_runs_the_operator_with_kopf_health(h):
     deploy, c = _container(h.template(OPERATOR_CHART))
     assert c["command"] == ["python", "-m", "sluice_operator", "run"]
-    assert c["args"] == ["--all-namespaces", "--standalone", "--liveness=http://0.0.0.0:8080/healthz"]
+    assert c["args"] == [
+        "--all-namespaces",
+        "--standalone",
+        "--liveness=http://0.0.0.0:8080/healthz",
+        "--log-format=json",
+    ]
     assert c["image"] == "ghcr.io/sluice-dev/sluice-operator:0.1.0"
     for probe in ("livenessProbe", "readinessProbe"):
         assert c[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
@@ -112,11 +126,21 @@ def test_operator_cli_accepts_the_rendered_arguments(h):
         args = cli.build_parser().parse_args([*c["command"][3:], *c["args"]])
         assert args.command == "run"
         assert args.liveness == "http://0.0.0.0:8080/healthz"
-        assert args.standalone is True
+        assert args.standalone is True and args.peering is None
+        assert args.log_format == "json" and args.verbose is False
         if set_:
             assert args.namespace == ["team-a", "team-b"] and not args.all_namespaces
         else:
             assert args.all_namespaces and not args.namespace
+    _, c = _container(
+        h.template(
+            OPERATOR_CHART,
+            set_=["peering.enabled=true", "operator.verbose=true", "operator.logFormat=plain"],
+        )
+    )
+    args = cli.build_parser().parse_args([*c["command"][3:], *c["args"]])
+    assert args.peering == "sluice-operator" and not args.standalone
+    assert args.verbose is True and args.log_format == "plain"
 
 
 def test_secure_defaults(h):
@@ -159,8 +183,14 @@ def test_config_map_carries_extra_env(h):
 def test_scheduling_values_set_and_not_rendered(h):
     deploy, _ = _container(h.template(OPERATOR_CHART))
     spec = deploy["spec"]["template"]["spec"]
-    for key in ("nodeSelector", "tolerations", "affinity", "topologySpreadConstraints",
-                "priorityClassName", "imagePullSecrets"):
+    for key in (
+        "nodeSelector",
+        "tolerations",
+        "affinity",
+        "topologySpreadConstraints",
+        "priorityClassName",
+        "imagePullSecrets",
+    ):
         assert key not in spec, key
     deploy, c = _container(h.template(OPERATOR_CHART, values=[ALL_ON]))
     spec = deploy["spec"]["template"]["spec"]
@@ -188,13 +218,19 @@ def test_peering_set_and_not_rendered(h):
     assert deploy["spec"]["replicas"] == 2
     assert deploy["spec"]["strategy"]["type"] == "RollingUpdate"
     rules = _operator_role(docs)["rules"]
-    assert {"apiGroups": ["kopf.dev"], "resources": ["clusterkopfpeerings"],
-            "verbs": ["get", "list", "watch", "patch"]} in rules
+    assert {
+        "apiGroups": ["kopf.dev"],
+        "resources": ["clusterkopfpeerings"],
+        "verbs": ["get", "list", "watch", "patch"],
+    } in rules
 
     docs = h.template(OPERATOR_CHART, set_=["peering.enabled=true", *NAMESPACED])
     for role in by_kind(docs, "Role"):
-        assert {"apiGroups": ["kopf.dev"], "resources": ["kopfpeerings"],
-                "verbs": ["get", "list", "watch", "patch"]} in role["rules"]
+        assert {
+            "apiGroups": ["kopf.dev"],
+            "resources": ["kopfpeerings"],
+            "verbs": ["get", "list", "watch", "patch"],
+        } in role["rules"]
 
 
 def test_replicas_without_peering_is_refused(h):
@@ -204,18 +240,20 @@ def test_replicas_without_peering_is_refused(h):
 
 def test_values_schema_rejects_typos_and_bad_types(h):
     assert "additional properties 'replicas' not allowed" in h.template_error(
-        OPERATOR_CHART, set_=["replicas=2"])
+        OPERATOR_CHART, set_=["replicas=2"]
+    )
     assert "pullPolicy" in h.template_error(OPERATOR_CHART, set_=["image.pullPolicy=Sometimes"])
     assert "serviceAccount.name is required" in h.template_error(
-        OPERATOR_CHART, set_=["serviceAccount.create=false"])
+        OPERATOR_CHART, set_=["serviceAccount.create=false"]
+    )
 
 
 # ---- RBAC --------------------------------------------------------------------------------
 
+
 def _operator_role(docs, kind="ClusterRole"):
     (role,) = [
-        d for d in by_kind(docs, kind)
-        if not d["metadata"]["name"].endswith(("-edit", "-view"))
+        d for d in by_kind(docs, kind) if not d["metadata"]["name"].endswith(("-edit", "-view"))
     ]
     return role
 
@@ -237,9 +275,16 @@ EXPECTED = {
     ("apps", "deployments"): {"get", "list", "watch", "create", "patch"},
     ("", "services"): {"get", "list", "watch", "create", "patch"},
     ("networking.k8s.io", "ingresses"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("autoscaling", "horizontalpodautoscalers"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("autoscaling", "horizontalpodautoscalers"): {
+        "get",
+        "list",
+        "watch",
+        "create",
+        "patch",
+        "delete",
+    },
     ("policy", "poddisruptionbudgets"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("", "pods"): {"list"},
+    ("", "pods"): {"list", "watch"},
     ("", "events"): {"create"},
 }
 
@@ -276,7 +321,9 @@ def test_rbac_rules_are_commented(h):
     for i in rule_lines:
         above = lines[i - 1].strip()
         # Each rule has a comment saying why, or follows one of the same group of rules.
-        assert above.startswith("#") or above.startswith("verbs:") or above.startswith("{{"), lines[i]
+        assert above.startswith("#") or above.startswith("verbs:") or above.startswith("{{"), lines[
+            i
+        ]
 
 
 def test_rbac_namespaced_mode(h):
@@ -290,7 +337,9 @@ def test_rbac_namespaced_mode(h):
     for b in bindings:
         assert b["subjects"][0]["namespace"] == "sluice-system"
     # Only the aggregated user-facing roles remain cluster-scoped.
-    assert all(r["metadata"]["name"].endswith(("-edit", "-view")) for r in by_kind(docs, "ClusterRole"))
+    assert all(
+        r["metadata"]["name"].endswith(("-edit", "-view")) for r in by_kind(docs, "ClusterRole")
+    )
     assert not by_kind(docs, "ClusterRoleBinding")
     _, c = _container(docs)
     assert c["args"][:2] == ["--namespace=team-a", "--namespace=team-b"]
@@ -300,9 +349,20 @@ def test_rbac_namespaced_mode(h):
 
 
 def test_keda_set_and_not_rendered(h):
-    assert ("keda.sh", "scaledobjects") not in _grants(_operator_role(h.template(OPERATOR_CHART))["rules"])
-    grants = _grants(_operator_role(h.template(OPERATOR_CHART, set_=["keda.enabled=true"]))["rules"])
-    assert grants[("keda.sh", "scaledobjects")] == {"get", "list", "watch", "create", "patch", "delete"}
+    assert ("keda.sh", "scaledobjects") not in _grants(
+        _operator_role(h.template(OPERATOR_CHART))["rules"]
+    )
+    grants = _grants(
+        _operator_role(h.template(OPERATOR_CHART, set_=["keda.enabled=true"]))["rules"]
+    )
+    assert grants[("keda.sh", "scaledobjects")] == {
+        "get",
+        "list",
+        "watch",
+        "create",
+        "patch",
+        "delete",
+    }
 
 
 def test_aggregated_user_roles_set_and_not_rendered(h):
@@ -312,16 +372,23 @@ def test_aggregated_user_roles_set_and_not_rendered(h):
     assert edit["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
     assert view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
     assert {"create", "delete"} <= _grants(edit["rules"])[("serving.sluice.dev", "streamingmodels")]
-    assert _grants(view["rules"])[("serving.sluice.dev", "streamingmodels")] == {"get", "list", "watch"}
+    assert _grants(view["rules"])[("serving.sluice.dev", "streamingmodels")] == {
+        "get",
+        "list",
+        "watch",
+    }
     docs = h.template(OPERATOR_CHART, set_=["rbac.aggregateToDefaultRoles=false"])
     assert len(by_kind(docs, "ClusterRole")) == 1
     docs = h.template(OPERATOR_CHART, set_=["rbac.create=false"])
     assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
 
 
-def test_rbac_covers_every_kind_the_operator_renders():
-    """Every child the operator renders for the samples is one the role may create and patch."""
-    render = pytest.importorskip("sluice_operator.render", reason="operator render not landed yet")
+def test_rbac_covers_every_child_the_operator_manages(h):
+    """Every child kind the operator applies may be got, created and patched (server-side
+    apply); the optional ones (deleted when the spec turns them off) also deleted. Read
+    from the operator's own builders, and checked against what it renders for the samples."""
+    builders = pytest.importorskip("sluice_operator.builders")
+    render = pytest.importorskip("sluice_operator.render")
     plural = {
         "Deployment": ("apps", "deployments"),
         "Service": ("", "services"),
@@ -329,22 +396,33 @@ def test_rbac_covers_every_kind_the_operator_renders():
         "HorizontalPodAutoscaler": ("autoscaling", "horizontalpodautoscalers"),
         "PodDisruptionBudget": ("policy", "poddisruptionbudgets"),
     }
-    kinds = set()
+    grants = _grants(_operator_role(h.template(OPERATOR_CHART))["rules"])
+    managed = set()
+    for api_version, kind, optional in builders.CHILD_KINDS:
+        assert kind in plural, f"operator manages {kind}: add it to the chart's RBAC"
+        group, res = plural[kind]
+        assert api_version.rpartition("/")[0] == group
+        needed = {"get", "create", "patch"} | ({"delete"} if optional else set())
+        assert needed <= grants[(group, res)], (kind, grants[(group, res)])
+        if not optional:
+            assert "delete" not in grants[(group, res)], f"{kind} is never deleted by the operator"
+        managed.add(kind)
+    rendered = set()
     for sample in sorted((ROOT / "samples").glob("*.yaml")):
         for doc in yaml.safe_load_all(render.render_file(sample, namespace=None)):
-            if doc and doc.get("kind") != "StreamingModel":
-                kinds.add(doc["kind"])
-    assert {"Deployment", "Service"} <= kinds
-    for kind in kinds:
-        assert kind in plural, f"operator renders {kind}: add it to the chart's RBAC"
-        assert {"create", "patch", "get", "list", "watch"} <= EXPECTED[plural[kind]]
+            if doc:
+                rendered.add(doc["kind"])
+    assert {"Deployment", "Service"} <= rendered <= managed
 
 
 # ---- names -------------------------------------------------------------------------------
 
+
 def test_names_are_truncated_to_63_characters(h):
     long = "a-very-long-release-name-that-goes-on-and-on-and-on-for-ever-and-ever"
-    docs = h.template(OPERATOR_CHART, release=long[:53], set_=["prometheusAdapter.rules.enabled=true"])
+    docs = h.template(
+        OPERATOR_CHART, release=long[:53], set_=["prometheusAdapter.rules.enabled=true"]
+    )
     for doc in docs:
         assert len(doc["metadata"]["name"]) <= 63, doc["metadata"]["name"]
         assert not doc["metadata"]["name"].endswith("-")
@@ -362,6 +440,7 @@ def test_release_name_containing_chart_name_is_not_doubled(h):
 
 
 # ---- values documentation ----------------------------------------------------------------
+
 
 def test_every_value_is_documented():
     documented, undocumented = documented_keys(OPERATOR_CHART / "values.yaml")
@@ -383,3 +462,29 @@ def test_docs_table_mentions_every_value():
     documented, _ = documented_keys(OPERATOR_CHART / "values.yaml")
     missing = [k for k in documented if f"`{k}`" not in doc]
     assert not missing, f"docs/helm.md does not mention: {missing}"
+
+
+def test_rbac_lets_kopf_watch_everything_the_operator_handles(h):
+    """Every resource the operator's kopf handlers watch needs list and watch (kopf lists,
+    then watches); the StreamingModel also patch (kopf's annotations). Read from kopf's
+    registry after importing the real handlers, so a new watch without RBAC fails here."""
+    kopf = pytest.importorskip("kopf")
+    pytest.importorskip("sluice_operator.handlers")
+    registry = kopf.get_default_registry()
+    crd = yaml.safe_load(CRD_FILE.read_text())
+    handlers = [
+        *registry._watching.get_all_handlers(),
+        *registry._changing.get_all_handlers(),
+        *registry._spawning.get_all_handlers(),
+    ]
+    assert handlers
+    grants = _grants(_operator_role(h.template(OPERATOR_CHART))["rules"])
+    for handler in handlers:
+        sel = handler.selector
+        group = sel.group or ""
+        plural = sel.plural or (
+            crd["spec"]["names"]["plural"] if group == crd["spec"]["group"] else None
+        )
+        assert plural, f"cannot tell the resource of handler {handler.id}"
+        assert {"list", "watch"} <= grants.get((group, plural), set()), (group, plural, handler.id)
+    assert "patch" in grants[(crd["spec"]["group"], crd["spec"]["names"]["plural"])]

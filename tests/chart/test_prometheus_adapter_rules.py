@@ -85,7 +85,9 @@ def test_chart_ships_the_rules_unchanged(h):
 
 def test_rules_not_rendered_by_default(h):
     docs = h.template(OPERATOR_CHART)
-    assert not [d for d in by_kind(docs, "ConfigMap") if "prometheus-adapter" in d["metadata"]["name"]]
+    assert not [
+        d for d in by_kind(docs, "ConfigMap") if "prometheus-adapter" in d["metadata"]["name"]
+    ]
 
 
 # ---- the queries, evaluated by Prometheus's own engine -----------------------------------
@@ -99,18 +101,41 @@ EXPECTED_BUSY = {0.5: 0.0875, 0.75: 0.1375, 0.9: 0.205, 0.95: 0.2275, 0.99: 0.24
 LABEL_MATCHERS = 'namespace="llm",pod=~"busy|idle|fresh"'
 
 SERIES = [
-    *[(f'sluice_ttft_seconds_bucket{{namespace="llm",pod="busy",protocol="sse",le="{le}"}}', v)
-      for le, v in (("0.05", "0+0x40"), ("0.1", "0+10x40"), ("0.25", "0+10x40"), ("+Inf", "0+10x40"))],
-    *[(f'sluice_ttft_seconds_bucket{{namespace="llm",pod="busy",protocol="websocket",le="{le}"}}', v)
-      for le, v in (("0.05", "0+0x40"), ("0.1", "0+0x40"), ("0.25", "0+5x40"), ("+Inf", "0+5x40"))],
+    *[
+        (f'sluice_ttft_seconds_bucket{{namespace="llm",pod="busy",protocol="sse",le="{le}"}}', v)
+        for le, v in (
+            ("0.05", "0+0x40"),
+            ("0.1", "0+10x40"),
+            ("0.25", "0+10x40"),
+            ("+Inf", "0+10x40"),
+        )
+    ],
+    *[
+        (
+            f'sluice_ttft_seconds_bucket{{namespace="llm",pod="busy",protocol="websocket",le="{le}"}}',
+            v,
+        )
+        for le, v in (("0.05", "0+0x40"), ("0.1", "0+0x40"), ("0.25", "0+5x40"), ("+Inf", "0+5x40"))
+    ],
     ('sluice_ttft_seconds_count{namespace="llm",pod="busy",protocol="sse"}', "0+10x40"),
     ('sluice_ttft_seconds_count{namespace="llm",pod="busy",protocol="websocket"}', "0+5x40"),
-    *[(f'sluice_ttft_seconds_bucket{{namespace="llm",pod="idle",protocol="sse",le="{le}"}}', "7+0x40")
-      for le in ("0.05", "0.1", "0.25", "+Inf")],
+    *[
+        (
+            f'sluice_ttft_seconds_bucket{{namespace="llm",pod="idle",protocol="sse",le="{le}"}}',
+            "7+0x40",
+        )
+        for le in ("0.05", "0.1", "0.25", "+Inf")
+    ],
     ('sluice_ttft_seconds_count{namespace="llm",pod="idle",protocol="sse"}', "7+0x40"),
     # another namespace's pod with the same name must not leak in
-    ('sluice_ttft_seconds_bucket{namespace="other",pod="busy",protocol="sse",le="+Inf"}', "0+100x40"),
-    *[(f'up{{namespace="llm",pod="{p}",job="kubernetes-pods"}}', "1+0x40") for p in ("busy", "idle", "fresh")],
+    (
+        'sluice_ttft_seconds_bucket{namespace="other",pod="busy",protocol="sse",le="+Inf"}',
+        "0+100x40",
+    ),
+    *[
+        (f'up{{namespace="llm",pod="{p}",job="kubernetes-pods"}}', "1+0x40")
+        for p in ("busy", "idle", "fresh")
+    ],
 ]
 
 
@@ -133,25 +158,41 @@ def _promtool_case(expr: str, expected: dict[str, float]) -> dict:
 def _run_promtool(tmp_path, cases: list[dict]) -> subprocess.CompletedProcess[str]:
     promtool = shutil.which("promtool")
     if promtool is None:
-        pytest.skip("promtool not found (Debian package `prometheus`): adapter queries not evaluated")
+        pytest.skip(
+            "promtool not found (Debian package `prometheus`): adapter queries not evaluated"
+        )
     test_file = tmp_path / "adapter-rules-test.yaml"
-    test_file.write_text(yaml.safe_dump({
-        "rule_files": [],
-        "evaluation_interval": "15s",
-        "tests": [{
-            "interval": "15s",
-            "input_series": [{"series": s, "values": v} for s, v in SERIES],
-            "promql_expr_test": cases,
-        }],
-    }, sort_keys=False))
-    return subprocess.run([promtool, "test", "rules", str(test_file)],
-                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    test_file.write_text(
+        yaml.safe_dump(
+            {
+                "rule_files": [],
+                "evaluation_interval": "15s",
+                "tests": [
+                    {
+                        "interval": "15s",
+                        "input_series": [{"series": s, "values": v} for s, v in SERIES],
+                        "promql_expr_test": cases,
+                    }
+                ],
+            },
+            sort_keys=False,
+        )
+    )
+    return subprocess.run(
+        [promtool, "test", "rules", str(test_file)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
 
 
 def test_queries_give_quantiles_for_busy_pods_and_zero_for_idle_ones(tmp_path):
     cases = [
-        _promtool_case(adapter_expand(_by_name()[f"sluice_ttft_{label}_seconds"]["metricsQuery"]),
-                       {"busy": EXPECTED_BUSY[q], "idle": 0, "fresh": 0})
+        _promtool_case(
+            adapter_expand(_by_name()[f"sluice_ttft_{label}_seconds"]["metricsQuery"]),
+            {"busy": EXPECTED_BUSY[q], "idle": 0, "fresh": 0},
+        )
         for label, q in PERCENTILES.items()
     ]
     proc = _run_promtool(tmp_path, cases)
@@ -163,8 +204,14 @@ def test_negative_control_plain_quantile_loses_idle_pods(tmp_path):
     """Without the `or` branches the idle pod is NaN and the fresh one missing: the same
     expectations must fail, which shows the test above can tell the difference."""
     plain = "histogram_quantile(0.9, sum by (le, <<.GroupBy>>) (rate(sluice_ttft_seconds_bucket{<<.LabelMatchers>>}[1m])))"
-    proc = _run_promtool(tmp_path, [_promtool_case(adapter_expand(plain),
-                                                   {"busy": EXPECTED_BUSY[0.9], "idle": 0, "fresh": 0})])
+    proc = _run_promtool(
+        tmp_path,
+        [
+            _promtool_case(
+                adapter_expand(plain), {"busy": EXPECTED_BUSY[0.9], "idle": 0, "fresh": 0}
+            )
+        ],
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     got = out.split("got:")[1]
@@ -175,5 +222,9 @@ def test_negative_control_plain_quantile_loses_idle_pods(tmp_path):
 def test_docs_values_snippet_is_the_rules_file():
     """docs/helm.md's prometheus-adapter values (option B) are the same five rules."""
     doc = (ROOT / "docs" / "helm.md").read_text()
-    block = doc.split("<!-- prometheus-adapter-values -->", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
+    block = (
+        doc.split("<!-- prometheus-adapter-values -->", 1)[1]
+        .split("```yaml", 1)[1]
+        .split("```", 1)[0]
+    )
     assert yaml.safe_load(block)["rules"]["custom"] == _rules()

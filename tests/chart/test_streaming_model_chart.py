@@ -18,7 +18,9 @@ ALL_ON = HERE / "streaming-model-values-all-on.yaml"
 
 def _spec_props() -> dict:
     crd = load_crd()
-    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
+        "properties"
+    ]
 
 
 @pytest.mark.parametrize("values", [[], [ALL_ON]], ids=["defaults", "all-on"])
@@ -63,7 +65,7 @@ def test_all_on_passes_every_section_through(h):
 def test_spec_keys_follow_the_crd():
     """A new spec field fails here until the chart copies it and values.yaml documents it."""
     helpers = (MODEL_CHART / "templates" / "_helpers.tpl").read_text()
-    listed = re.search(r'toJson \(list ([^)]*)\)', helpers).group(1)
+    listed = re.search(r"toJson \(list ([^)]*)\)", helpers).group(1)
     keys = json.loads("[" + ", ".join(listed.split()) + "]")
     assert sorted(keys) == sorted(_spec_props())
     documented, undocumented = documented_keys(MODEL_CHART / "values.yaml")
@@ -80,10 +82,19 @@ def test_values_schema_is_generated_from_the_crd():
 
 
 def test_zero_and_false_are_rendered_empty_is_not(h):
-    sm = one(h.template(MODEL_CHART, set_=["replicas=0", "autoscaling.enabled=false"]), "StreamingModel")
+    sm = one(
+        h.template(MODEL_CHART, set_=["replicas=0", "autoscaling.enabled=false"]), "StreamingModel"
+    )
     assert sm["spec"]["replicas"] == 0
     assert sm["spec"]["autoscaling"] == {"enabled": False}
-    for key in ("resources", "engine", "ingress", "image", "imagePullSecrets", "serviceAccountName"):
+    for key in (
+        "resources",
+        "engine",
+        "ingress",
+        "image",
+        "imagePullSecrets",
+        "serviceAccountName",
+    ):
         assert key not in sm["spec"]
 
 
@@ -97,8 +108,14 @@ def test_zero_and_false_are_rendered_empty_is_not(h):
         ({"modle": {"uri": "x"}}, "modle"),
         ({"nameOverride": "9-lives"}, "/nameOverride"),
     ],
-    ids=["gpu-memory-utilization", "empty-protocols", "unknown-protocol", "typo", "unknown-top-level",
-         "bad-name"],
+    ids=[
+        "gpu-memory-utilization",
+        "empty-protocols",
+        "unknown-protocol",
+        "typo",
+        "unknown-top-level",
+        "bad-name",
+    ],
 )
 def test_values_schema_rejects_invalid_specs(h, tmp_path, values, message):
     f = tmp_path / "values.yaml"

@@ -42,11 +42,11 @@ unless peering is enabled. The end-to-end tests run the operator under exactly t
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
-# Read only: why model pods are Pending (PodScheduled condition, e.g. no free GPUs) goes
-# into the StreamingModel's status.
+# Read only: model pods are watched so a pod turning Ready or Pending updates the status at
+# once, and listed for why they are Pending (PodScheduled condition, e.g. no free GPUs).
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list"]
+  verbs: ["list", "watch"]
 # Kubernetes Events on StreamingModels (invalid spec, applied children), posted by kopf.
 - apiGroups: [""]
   resources: ["events"]
