@@ -244,10 +244,17 @@ def render_crd() -> str:
     return HEADER + yaml.safe_dump(build_crd(), sort_keys=False, width=120, allow_unicode=True)
 
 
-def write_crds(root: Path) -> list[Path]:
+def generated_files() -> dict[Path, str]:
+    """Repository-relative path -> content of everything generated from the models."""
+    from .apidocs import DOC_PATH, render_api_doc
+
     text = render_crd()
+    return {**{rel: text for rel in CRD_PATHS}, DOC_PATH: render_api_doc()}
+
+
+def write_crds(root: Path) -> list[Path]:
     written = []
-    for rel in CRD_PATHS:
+    for rel, text in generated_files().items():
         path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
@@ -256,10 +263,9 @@ def write_crds(root: Path) -> list[Path]:
 
 
 def stale_crds(root: Path) -> list[Path]:
-    """Checked-in CRD files that differ from what the models generate now."""
-    text = render_crd()
+    """Checked-in generated files (CRD copies, docs/api.md) that differ from the models."""
     return [
         root / rel
-        for rel in CRD_PATHS
+        for rel, text in generated_files().items()
         if not (root / rel).is_file() or (root / rel).read_text() != text
     ]
