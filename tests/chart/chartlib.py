@@ -35,6 +35,9 @@ def find_helm() -> str | None:
 class Helm:
     def __init__(self, binary: str):
         self.binary = binary
+        # Renders are pure functions of their arguments (and the files, which do not change
+        # during a session): render each combination once, hand out copies.
+        self._rendered: dict[tuple[str, ...], str] = {}
 
     def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run(
@@ -61,8 +64,10 @@ class Helm:
             args += ["--set", s]
         if include_crds:
             args.append("--include-crds")
-        out = self.run(*args).stdout
-        return [d for d in yaml.safe_load_all(out) if d]
+        key = tuple(args)
+        if key not in self._rendered:
+            self._rendered[key] = self.run(*args).stdout
+        return [d for d in yaml.safe_load_all(self._rendered[key]) if d]
 
     def template_error(self, chart: Path, *, set_: list[str]) -> str:
         args = ["template", "sluice", str(chart)]
