@@ -5,6 +5,7 @@ not rendered."""
 from __future__ import annotations
 
 import filecmp
+import tarfile
 
 import pytest
 import yaml
@@ -12,6 +13,7 @@ import yaml
 from .chartlib import (
     CRD_FILE,
     HERE,
+    MODEL_CHART,
     OPERATOR_CHART,
     ROOT,
     by_kind,
@@ -488,3 +490,27 @@ def test_rbac_lets_kopf_watch_everything_the_operator_handles(h):
         assert plural, f"cannot tell the resource of handler {handler.id}"
         assert {"list", "watch"} <= grants.get((group, plural), set()), (group, plural, handler.id)
     assert "patch" in grants[(crd["spec"]["group"], crd["spec"]["names"]["plural"])]
+
+
+# ---- packaging ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chart", [OPERATOR_CHART, MODEL_CHART], ids=lambda c: c.name)
+def test_package_holds_only_the_chart(h, tmp_path, chart):
+    h.run("package", str(chart), "--destination", str(tmp_path))
+    (tgz,) = tmp_path.glob("*.tgz")
+    with tarfile.open(tgz) as tar:
+        names = tar.getnames()
+    assert f"{chart.name}/values.schema.json" in names and f"{chart.name}/README.md" in names
+    assert not [n for n in names if "__pycache__" in n or n.endswith((".pyc", ".orig", "~"))]
+    if chart == OPERATOR_CHART:
+        assert f"{chart.name}/crds/{CRD_FILE.name}" in names
+        assert f"{chart.name}/files/prometheus-adapter-rules.yaml" in names
+
+
+@pytest.mark.parametrize("chart", [OPERATOR_CHART, MODEL_CHART], ids=lambda c: c.name)
+def test_kube_version_floor(h, chart):
+    ok = h.run("template", "sluice", str(chart), "--kube-version", "1.30.0", check=False)
+    assert ok.returncode == 0, ok.stderr
+    old = h.run("template", "sluice", str(chart), "--kube-version", "1.29.9", check=False)
+    assert old.returncode != 0 and "kubeVersion" in old.stderr
