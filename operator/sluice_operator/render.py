@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from .builders import desired_children
+from .crd import dump_yaml
 from .models.resource import StreamingModel
 
 
@@ -27,5 +28,5 @@ def render_file(path: Path, namespace: str | None = None) -> str:
         if body.get("kind") != "StreamingModel":
             continue
         for manifest in render_objects(body, namespace=namespace):
-            out.append(yaml.safe_dump(manifest, sort_keys=False, width=120))
+            out.append(dump_yaml(manifest))
     return "---\n" + "---\n".join(out) if out else ""
