@@ -54,21 +54,27 @@ class KubeCluster:
         self._client = api_client or client.ApiClient()
 
     def _call(self, method: str, path: str, *, query=None, body=None, content_type=None) -> Any:
+        from kubernetes.client.exceptions import ApiException
+
         headers = {"Accept": "application/json"}
         if content_type:
             headers["Content-Type"] = content_type
-        resp = self._client.call_api(
-            path,
-            method,
+        method, url, headers, body, post = self._client.param_serialize(
+            method=method,
+            resource_path=path,
             query_params=query or [],
             header_params=headers,
             body=body,
             auth_settings=["BearerToken"],
-            _preload_content=False,
-            _return_http_data_only=True,
         )
-        data = resp.data
-        return json.loads(data) if data else None
+        resp = self._client.call_api(
+            method, url, header_params=headers, body=body, post_params=post
+        )
+        resp.read()
+        if not 200 <= resp.status <= 299:
+            text = resp.data.decode(errors="replace") if resp.data else None
+            raise ApiException.from_response(http_resp=resp, body=text, data=None)
+        return json.loads(resp.data) if resp.data else None
 
     def get(self, api_version, kind, namespace, name):
         from kubernetes.client.exceptions import ApiException
