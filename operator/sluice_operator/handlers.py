@@ -90,8 +90,6 @@ def _converge(cluster: Cluster, body: Any, retry: int, logger: logging.Logger) -
             raise kopf.PermanentError(f"invalid spec: {exc}") from None
         except ApiException as exc:
             reason = f"Kubernetes API {exc.status} {exc.reason}"
-            if exc.status in (400, 422):  # a child the API server refuses: the spec's fault
-                raise kopf.PermanentError(f"{reason}: {(exc.body or '')[:500]}") from None
             raise kopf.TemporaryError(reason, delay=backoff(retry)) from None
         except OSError as exc:  # connection refused/reset, DNS: the API server will be back
             raise kopf.TemporaryError(

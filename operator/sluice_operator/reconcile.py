@@ -97,6 +97,14 @@ def _adopt(manifest: dict[str, Any], owner: Mapping[str, Any]) -> dict[str, Any]
     return manifest
 
 
+def _api_message(exc: Exception) -> str:
+    body = getattr(exc, "body", None) or ""
+    try:
+        return json.loads(body).get("message") or body[:500]
+    except (ValueError, AttributeError):
+        return str(body)[:500] or str(exc)
+
+
 def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -161,7 +169,16 @@ def converge(
         if in_sync(manifest, current):
             live[kind] = current
         else:
-            live[kind] = cluster.apply(manifest)
+            try:
+                live[kind] = cluster.apply(manifest)
+            except Exception as exc:
+                if getattr(exc, "status", None) not in (400, 422):
+                    raise
+                # The API server refused what the spec produced (e.g. a bad affinity or env
+                # valueFrom passed through): the spec's fault, so report it like one.
+                message = f"the API server rejected the {kind}: {_api_message(exc)}"
+                outcome.status_written = report_invalid(cluster, body, message, post_event, now)
+                raise SpecError(message) from None
             outcome.applied.append(kind)
 
     deployment = live["Deployment"]

@@ -255,3 +255,17 @@ def test_handlers_registered_for_create_update_resume_and_children():
 )
 def test_contains(want, have, ok):
     assert contains(want, have) is ok
+
+
+def test_api_server_rejecting_a_child_is_reported_as_invalid_spec(cluster, monkeypatch):
+    posted = []
+    monkeypatch.setattr(kopf, "event", lambda body, **kw: posted.append(kw))
+    exc = ApiException(status=422, reason="Unprocessable Entity")
+    exc.body = '{"kind":"Status","message":"Deployment.apps \\"m\\" is invalid: spec.template.spec.affinity: bad"}'
+    cluster.fail_with = exc
+    body = body_of(minimal(resources={"affinity": {"nodeAffinity": {"bogus": 1}}}))
+    with pytest.raises(kopf.PermanentError, match="rejected the Service"):
+        handlers.reconcile(**_kwargs(cluster, body))
+    cond = {c["type"]: c for c in cluster.status_patches[-1]["conditions"]}["SpecValid"]
+    assert cond["status"] == "False" and "spec.template.spec.affinity: bad" in cond["message"]
+    assert [p["reason"] for p in posted] == ["InvalidSpec"]
