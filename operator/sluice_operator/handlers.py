@@ -67,7 +67,11 @@ def _load_kube_config() -> Any:
     try:
         config.load_incluster_config()
     except config.ConfigException:
-        config.load_kube_config()
+        try:
+            config.load_kube_config()
+        except config.ConfigException as exc:
+            # Not retryable: without credentials the operator cannot do anything.
+            raise kopf.PermanentError(f"no in-cluster config and no usable kubeconfig: {exc}") from None
     return client.ApiClient()
 
 
