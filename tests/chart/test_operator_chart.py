@@ -514,3 +514,38 @@ def test_kube_version_floor(h, chart):
     assert ok.returncode == 0, ok.stderr
     old = h.run("template", "sluice", str(chart), "--kube-version", "1.29.9", check=False)
     assert old.returncode != 0 and "kubeVersion" in old.stderr
+
+
+# ---- network policy and disruption budget ------------------------------------------------
+
+
+def test_network_policy_set_and_not_rendered(h):
+    assert not by_kind(h.template(OPERATOR_CHART), "NetworkPolicy")
+    docs = h.template(OPERATOR_CHART, set_=["networkPolicy.enabled=true"])
+    policy = one(docs, "NetworkPolicy")
+    deploy = one(docs, "Deployment")
+    assert policy["spec"]["podSelector"]["matchLabels"] == deploy["spec"]["selector"]["matchLabels"]
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    assert policy["spec"]["ingress"] == [{"ports": [{"port": 8080, "protocol": "TCP"}]}]
+    dns, api = policy["spec"]["egress"]
+    assert {p["port"] for p in dns["ports"]} == {53}
+    assert [p["port"] for p in api["ports"]] == [443, 6443] and "to" not in api
+    docs = h.template(OPERATOR_CHART, values=[ALL_ON])
+    (_, api) = one(docs, "NetworkPolicy")["spec"]["egress"]
+    assert api["to"] == [{"ipBlock": {"cidr": "10.0.0.1/32"}}]
+
+
+def test_disruption_budget_only_with_several_replicas(h):
+    assert not by_kind(h.template(OPERATOR_CHART), "PodDisruptionBudget")
+    docs = h.template(OPERATOR_CHART, set_=["peering.enabled=true", "replicaCount=3"])
+    pdb = one(docs, "PodDisruptionBudget")
+    assert pdb["spec"]["minAvailable"] == 1
+    assert (
+        pdb["spec"]["selector"]["matchLabels"]
+        == one(docs, "Deployment")["spec"]["selector"]["matchLabels"]
+    )
+    docs = h.template(
+        OPERATOR_CHART,
+        set_=["peering.enabled=true", "replicaCount=3", "podDisruptionBudget.enabled=false"],
+    )
+    assert not by_kind(docs, "PodDisruptionBudget")
