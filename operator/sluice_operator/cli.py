@@ -81,7 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
         "render", help="print the manifests the operator would apply for a StreamingModel"
     )
     render.add_argument(
-        "-f", "--file", required=True, help="StreamingModel YAML (one or more documents)"
+        "-f",
+        "--file",
+        required=True,
+        help="StreamingModel YAML (one or more documents; - for stdin)",
     )
     render.add_argument(
         "-n",

@@ -71,7 +71,9 @@ def _load_kube_config() -> Any:
             config.load_kube_config()
         except config.ConfigException as exc:
             # Not retryable: without credentials the operator cannot do anything.
-            raise kopf.PermanentError(f"no in-cluster config and no usable kubeconfig: {exc}") from None
+            raise kopf.PermanentError(
+                f"no in-cluster config and no usable kubeconfig: {exc}"
+            ) from None
     return client.ApiClient()
 
 

@@ -22,7 +22,11 @@ def render_objects(body: dict[str, Any], namespace: str | None = None) -> list[d
 
 
 def render_file(path: Path, namespace: str | None = None) -> str:
-    docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    """Render every StreamingModel in a file (`-` reads stdin); other documents are skipped."""
+    import sys
+
+    text = sys.stdin.read() if str(path) == "-" else path.read_text()
+    docs = [d for d in yaml.safe_load_all(text) if d]
     out = []
     for body in docs:
         if body.get("kind") != "StreamingModel":

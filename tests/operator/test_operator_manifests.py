@@ -86,3 +86,22 @@ def test_crds_check_cli():
     assert _cli("crds", "--check").returncode == 0
     printed = _cli("crds").stdout
     assert (ROOT / "crds/streamingmodels.serving.sluice.dev.yaml").read_text() == printed
+
+
+def test_render_reads_stdin_and_skips_other_documents():
+    text = (
+        "apiVersion: v1\nkind: Secret\nmetadata: {name: x}\n---\n"
+        + (ROOT / "samples/chat-small.yaml").read_text()
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "sluice_operator", "render", "-f", "-", "-n", "team-a"],
+        input=text,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    docs = [d for d in yaml.safe_load_all(result.stdout) if d]
+    assert [d["kind"] for d in docs] == ["Service", "Deployment"]
+    assert {d["metadata"]["namespace"] for d in docs} == {"default"}  # the file's namespace wins
