@@ -216,3 +216,47 @@ def test_invalid_samples_have_a_schema_or_cel_guard(path):
         "supported values",
     )
     assert any(message in m for m in cel_messages) or any(s in message for s in standard), message
+
+
+def _present_after_defaulting(
+    node: dict, dotted: list[str], rule: str, prefix: str = "self"
+) -> bool:
+    """Every step of self.a.b is required, defaulted, or guarded by has() in the rule."""
+    for name in dotted:
+        props = node.get("properties") or {}
+        if name not in props:
+            return False
+        child = props[name]
+        here = f"{prefix}.{name}"
+        if (
+            name not in node.get("required", [])
+            and "default" not in child
+            and f"has({here})" not in rule
+        ):
+            return False
+        node, prefix = child, here
+    return True
+
+
+def test_cel_rules_only_touch_fields_that_exist_after_defaulting():
+    # A rule reading an absent optional field fails at admission ("no such key") and would
+    # reject every object that leaves the field out.
+    checked = 0
+    for path, node in walk(SCHEMA):
+        for v in node.get("x-kubernetes-validations", []):
+            for ref in re.findall(r"self((?:\.[A-Za-z]\w*)+)", v["rule"]):
+                dotted = ref.strip(".").split(".")
+                if dotted[0] == "metadata":
+                    continue
+                dotted = [d for d in dotted if d not in ("size", "matches", "all", "startsWith")]
+                assert _present_after_defaulting(node, dotted, v["rule"]), (
+                    f"{path}: {v['rule']} reads self.{ref}"
+                )
+                checked += 1
+    assert checked >= 6
+
+
+def test_unguarded_optional_reference_is_caught():
+    node = {"properties": {"x": {"type": "array"}}}
+    assert not _present_after_defaulting(node, ["x"], "self.x.all(a, a != '')")
+    assert _present_after_defaulting(node, ["x"], "!has(self.x) || self.x.all(a, a != '')")

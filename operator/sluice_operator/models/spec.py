@@ -254,7 +254,7 @@ class EngineSpec(ApiModel):
         "json_schema_extra": {
             "x-kubernetes-validations": [
                 cel(
-                    f"self.extraArgs.all(a, !a.matches('{_RESERVED_RE}'))",
+                    f"!has(self.extraArgs) || self.extraArgs.all(a, !a.matches('{_RESERVED_RE}'))",
                     "engine.extraArgs must not repeat flags the operator sets from the spec "
                     "(model, parallelism, engine, auth...); set the spec field instead",
                     ".extraArgs",
