@@ -1,7 +1,7 @@
 """Generate charts/streaming-model/values.schema.json from the StreamingModel CRD.
 
 The chart copies its values into the StreamingModel's spec, so its values schema IS the
-CRD's spec schema (plus the chart's own nameOverride/labels/annotations): one source of
+CRD's spec schema (plus the chart's own nameOverride, labels, annotations and test): one source of
 truth, checked by tests/chart/test_streaming_model_chart.py.
 
     python tests/chart/sync_streaming_model_schema.py          # rewrite the file
@@ -72,6 +72,16 @@ def build_schema(crd: dict) -> dict:
             "description": "Extra annotations on the StreamingModel.",
             "type": "object",
             "additionalProperties": {"type": "string"},
+        },
+        "test": {
+            "description": "The `helm test` Pod that waits for the model's /ready.",
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "enabled": {"type": "boolean"},
+                "image": {"type": "string", "minLength": 1},
+                "timeoutSeconds": {"type": "integer", "minimum": 1},
+            },
         },
     }
     for name, prop in spec["properties"].items():

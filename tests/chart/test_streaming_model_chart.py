@@ -10,10 +10,28 @@ import re
 import pytest
 import yaml
 
-from .chartlib import HERE, MODEL_CHART, documented_keys, load_crd, one, validate_streaming_model
+from .chartlib import (
+    HERE,
+    MODEL_CHART,
+    by_kind,
+    documented_keys,
+    load_crd,
+    one,
+    validate_k8s,
+    validate_streaming_model,
+)
 from .sync_streaming_model_schema import build_schema, render
 
 ALL_ON = HERE / "streaming-model-values-all-on.yaml"
+# Values of the chart itself, not copied into the spec.
+CHART_KEYS = [
+    "nameOverride",
+    "labels",
+    "annotations",
+    "test.enabled",
+    "test.image",
+    "test.timeoutSeconds",
+]
 
 
 def _spec_props() -> dict:
@@ -35,8 +53,9 @@ def test_lint_strict(h, values):
 @pytest.mark.parametrize("values", [[], [ALL_ON]], ids=["defaults", "all-on"])
 def test_renders_one_valid_streaming_model(h, values):
     docs = h.template(MODEL_CHART, values=values, namespace="team-a", release="chat")
-    assert [d["kind"] for d in docs] == ["StreamingModel"]
-    sm = docs[0]
+    assert sorted(d["kind"] for d in docs) == ["Pod", "StreamingModel"]  # the Pod is the helm test
+    sm = one(docs, "StreamingModel")
+    validate_k8s(one(docs, "Pod"))
     validate_streaming_model(sm)
     assert sm["metadata"]["namespace"] == "team-a"
     # The operator's own parser (the same rules as the CRD's CEL) accepts it too.
@@ -70,14 +89,20 @@ def test_spec_keys_follow_the_crd():
     assert sorted(keys) == sorted(_spec_props())
     documented, undocumented = documented_keys(MODEL_CHART / "values.yaml")
     assert not undocumented
-    assert sorted(documented) == sorted(["nameOverride", "labels", "annotations", *keys])
+    assert sorted(documented) == sorted([*CHART_KEYS, *keys])
 
 
 def test_values_schema_is_generated_from_the_crd():
     on_disk = (MODEL_CHART / "values.schema.json").read_text()
     assert on_disk == render(load_crd()), "run python tests/chart/sync_streaming_model_schema.py"
     schema = build_schema(load_crd())
-    assert set(schema["properties"]) == {"nameOverride", "labels", "annotations", *_spec_props()}
+    assert set(schema["properties"]) == {
+        "nameOverride",
+        "labels",
+        "annotations",
+        "test",
+        *_spec_props(),
+    }
     assert "x-kubernetes" not in on_disk
 
 
@@ -131,3 +156,21 @@ def test_release_name_that_is_not_a_dns_1035_label_is_refused(h):
     assert proc.returncode != 0 and "must be a DNS-1035 label" in proc.stderr
     sm = one(h.template(MODEL_CHART, release="9chat", set_=["nameOverride=chat"]), "StreamingModel")
     assert sm["metadata"]["name"] == "chat"
+
+
+def test_helm_test_pod_waits_for_ready_and_is_hardened(h):
+    docs = h.template(MODEL_CHART, release="chat", namespace="team-a")
+    pod = one(docs, "Pod")
+    assert pod["metadata"]["name"] == "chat-test-ready"
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    (c,) = pod["spec"]["containers"]
+    script = c["command"][2]
+    assert 'url="http://chat.team-a.svc:8000/ready"' in script
+    assert "+ 1800" in script and "exit 1" in script
+    assert pod["spec"]["restartPolicy"] == "Never"
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert not by_kind(h.template(MODEL_CHART, set_=["test.enabled=false"]), "Pod")
+    long = one(h.template(MODEL_CHART, set_=["nameOverride=" + "m" * 63]), "Pod")
+    assert len(long["metadata"]["name"]) <= 63
