@@ -150,7 +150,7 @@ class ControlPlane:
             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
             "--initial-cluster", f"default=http://127.0.0.1:{peer}",
             "--unsafe-no-fsync",  # throw-away data: fsync only slows tests down
-            "--log-level", "warn",
+            "--logger", "zap", "--log-level", "warn",
         ])
 
     def _start_apiserver(self) -> None:
@@ -196,7 +196,6 @@ class ControlPlane:
             "--service-account-private-key-file", str(self.sa_keys.key),
             "--root-ca-file", str(self.ca.cert_path),
             "--service-cluster-ip-range", self.service_cidr,
-            "--controllers", "*,-nodeipam,-cloud-node-lifecycle,-service-lb-controller,-route",
             "--profiling=false",
         ])
 
