@@ -214,11 +214,12 @@ def test_peering_set_and_not_rendered(h):
     assert "--standalone" in c["args"] and not any(a.startswith("--peering") for a in c["args"])
     assert "kopf.dev" not in yaml.safe_dump(docs)
 
-    docs = h.template(OPERATOR_CHART, set_=["peering.enabled=true", "replicaCount=2"])
+    docs = h.template(OPERATOR_CHART, set_=["peering.enabled=true"])
     deploy, c = _container(docs)
     assert "--peering=sluice-operator" in c["args"] and "--standalone" not in c["args"]
-    assert deploy["spec"]["replicas"] == 2
-    assert deploy["spec"]["strategy"]["type"] == "RollingUpdate"
+    # peering is not leader election: still one replica, never overlapping
+    assert deploy["spec"]["replicas"] == 1
+    assert deploy["spec"]["strategy"] == {"type": "Recreate"}
     rules = _operator_role(docs)["rules"]
     assert {
         "apiGroups": ["kopf.dev"],
@@ -235,9 +236,12 @@ def test_peering_set_and_not_rendered(h):
         } in role["rules"]
 
 
-def test_replicas_without_peering_is_refused(h):
-    err = h.template_error(OPERATOR_CHART, set_=["replicaCount=2"])
-    assert "needs peering.enabled=true" in err
+def test_more_than_one_replica_is_refused(h):
+    """kopf has no leader election (equal-priority peers all pause): one replica at most."""
+    for set_ in (["replicaCount=2"], ["replicaCount=2", "peering.enabled=true"]):
+        assert "/replicaCount" in h.template_error(OPERATOR_CHART, set_=set_)
+    deploy, _ = _container(h.template(OPERATOR_CHART, set_=["replicaCount=0"]))
+    assert deploy["spec"]["replicas"] == 0  # stopping the operator is fine
 
 
 def test_values_schema_rejects_typos_and_bad_types(h):
@@ -516,7 +520,7 @@ def test_kube_version_floor(h, chart):
     assert old.returncode != 0 and "kubeVersion" in old.stderr
 
 
-# ---- network policy and disruption budget ------------------------------------------------
+# ---- network policy ------------------------------------------------
 
 
 def test_network_policy_set_and_not_rendered(h):
@@ -533,19 +537,3 @@ def test_network_policy_set_and_not_rendered(h):
     docs = h.template(OPERATOR_CHART, values=[ALL_ON])
     (_, api) = one(docs, "NetworkPolicy")["spec"]["egress"]
     assert api["to"] == [{"ipBlock": {"cidr": "10.0.0.1/32"}}]
-
-
-def test_disruption_budget_only_with_several_replicas(h):
-    assert not by_kind(h.template(OPERATOR_CHART), "PodDisruptionBudget")
-    docs = h.template(OPERATOR_CHART, set_=["peering.enabled=true", "replicaCount=3"])
-    pdb = one(docs, "PodDisruptionBudget")
-    assert pdb["spec"]["minAvailable"] == 1
-    assert (
-        pdb["spec"]["selector"]["matchLabels"]
-        == one(docs, "Deployment")["spec"]["selector"]["matchLabels"]
-    )
-    docs = h.template(
-        OPERATOR_CHART,
-        set_=["peering.enabled=true", "replicaCount=3", "podDisruptionBudget.enabled=false"],
-    )
-    assert not by_kind(docs, "PodDisruptionBudget")

@@ -59,12 +59,12 @@ unless peering is enabled. The end-to-end tests run the operator under exactly t
 {{- end }}
 {{- if .Values.peering.enabled }}
 {{- if .Values.watch.allNamespaces }}
-# peering.enabled, cluster-wide: replicas agree on the active one through a ClusterKopfPeering.
+# peering.enabled, cluster-wide: keep-alives in a ClusterKopfPeering (a higher-priority peer pauses us).
 - apiGroups: ["kopf.dev"]
   resources: ["clusterkopfpeerings"]
   verbs: ["get", "list", "watch", "patch"]
 {{- else }}
-# peering.enabled, per namespace: replicas agree on the active one through a KopfPeering.
+# peering.enabled, per namespace: keep-alives in a KopfPeering (a higher-priority peer pauses us).
 - apiGroups: ["kopf.dev"]
   resources: ["kopfpeerings"]
   verbs: ["get", "list", "watch", "patch"]
