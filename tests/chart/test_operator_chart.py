@@ -537,3 +537,23 @@ def test_network_policy_set_and_not_rendered(h):
     docs = h.template(OPERATOR_CHART, values=[ALL_ON])
     (_, api) = one(docs, "NetworkPolicy")["spec"]["egress"]
     assert api["to"] == [{"ipBlock": {"cidr": "10.0.0.1/32"}}]
+
+
+def test_docs_table_defaults_match_values():
+    """The Default column of docs/helm.md's values table is what values.yaml says."""
+    values = yaml.safe_load((OPERATOR_CHART / "values.yaml").read_text())
+    rows = 0
+    for line in (ROOT / "docs" / "helm.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[0].startswith("`") or "(see values.yaml)" in cells[1]:
+            continue
+        key = cells[0].strip("`")
+        node = values
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                break
+            node = node[part]
+        else:
+            assert yaml.safe_load(cells[1].strip("`")) == node, (key, cells[1], node)
+            rows += 1
+    assert rows > 25
