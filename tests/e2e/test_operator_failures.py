@@ -28,13 +28,15 @@ def test_model_larger_than_any_node_is_pending_with_the_schedulers_reason(
     print(status)
     (pod,) = models.pods(namespace, "too-big")
     assert pod.status.phase == "Pending"
-    # No crash loop and no retry storm: the operator lives, and writes little while waiting.
+    # No crash loop and no retry storm: once the status says why, the operator lives and
+    # (nearly) stops writing while the pod waits for GPUs that will not come.
+    time.sleep(3)
     mark = control_plane.audit_mark()
     time.sleep(10)
     operator.process.check_alive()
     writes = [e for e in control_plane.audit_events(operator_user, since=mark) if is_write(e)
               and e.get("objectRef", {}).get("namespace") == namespace]
-    assert len(writes) <= 2, [(e["verb"], e["objectRef"]) for e in writes]
+    assert len(writes) <= 1, [(e["verb"], e["objectRef"]) for e in writes]
 
 
 def _without_cel(schema: dict) -> dict:
