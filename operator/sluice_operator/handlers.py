@@ -84,17 +84,29 @@ def _poster(body: Any) -> Any:
     return post
 
 
-def _converge(cluster: Cluster, body: Any, retry: int, logger: logging.Logger) -> None:
+def _converge(
+    cluster: Cluster, namespace: str, name: str, retry: int, logger: logging.Logger
+) -> None:
+    """Converge one StreamingModel, read fresh under its lock.
+
+    Handlers race (the create handler and the first child events arrive together); reading
+    the object inside the lock means each pass compares against the status the previous
+    pass wrote, so it neither writes it again nor loses lastTransitionTime.
+    """
     from kubernetes.client.exceptions import ApiException
 
-    meta = body["metadata"]
-    with _locks[(meta["namespace"], meta["name"])]:
+    with _locks[(namespace, name)]:
         try:
+            body = cluster.get(f"{GROUP}/{VERSION}", "StreamingModel", namespace, name)
+            if body is None or body["metadata"].get("deletionTimestamp"):
+                return  # gone or going: the garbage collector removes the children
             outcome = converge(cluster, body, _poster(body))
         except SpecError as exc:
             # Permanent: retrying cannot help until the spec changes (which re-triggers us).
             raise kopf.PermanentError(f"invalid spec: {exc}") from None
         except ApiException as exc:
+            if exc.status == 403 and "being terminated" in (exc.body or ""):
+                return  # the namespace is going away, and the StreamingModel with it
             reason = f"Kubernetes API {exc.status} {exc.reason}"
             raise kopf.TemporaryError(reason, delay=backoff(retry)) from None
         except OSError as exc:  # connection refused/reset, DNS: the API server will be back
@@ -111,9 +123,15 @@ def _converge(cluster: Cluster, body: Any, retry: int, logger: logging.Logger) -
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
 def reconcile(
-    body: kopf.Body, memo: kopf.Memo, retry: int, logger: logging.Logger, **_: Any
+    body: kopf.Body,
+    namespace: str,
+    name: str,
+    memo: kopf.Memo,
+    retry: int,
+    logger: logging.Logger,
+    **_: Any,
 ) -> None:
-    _converge(memo.cluster, body, retry, logger)
+    _converge(memo.cluster, namespace, name, retry, logger)
 
 
 def _owner_changed(
@@ -126,19 +144,12 @@ def _owner_changed(
     owner = (body.get("metadata", {}).get("labels") or {}).get(INSTANCE_LABEL)
     if not owner or not namespace:
         return
-    cluster: Cluster = memo.cluster
     try:
-        parent = cluster.get(f"{GROUP}/{VERSION}", "StreamingModel", namespace, owner)
-    except Exception as exc:  # a watch event must never crash; the next one retries
-        logger.warning(f"cannot read StreamingModel {namespace}/{owner}: {exc}")
-        return
-    if parent is None or parent["metadata"].get("deletionTimestamp"):
-        return  # being deleted: the garbage collector removes the children
-    try:
-        _converge(cluster, parent, 0, logger)
+        _converge(memo.cluster, namespace, owner, 0, logger)
     except kopf.PermanentError:
         pass  # already reported on the StreamingModel (status + Event)
     except kopf.TemporaryError as exc:
+        # A watch event must never crash; the next event (or the owner's handler) retries.
         logger.warning(
             f"converging {namespace}/{owner} after a {event_type} child event failed: {exc}"
         )

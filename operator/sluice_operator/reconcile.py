@@ -202,6 +202,9 @@ def converge(
     )
     outcome.phase = new_status["phase"]
     if _status_differs(current_status, new_status):
+        changed = sorted(k for k, v in new_status.items() if current_status.get(k) != v)
+        diff = {k: (current_status.get(k), new_status[k]) for k in changed}
+        log.info(f"status of {namespace}/{name} changed: {str(diff)[:2000]}")
         cluster.patch_status(namespace, name, new_status)
         outcome.status_written = True
 
@@ -209,13 +212,5 @@ def converge(
         parts = [f"applied {', '.join(outcome.applied)}"] if outcome.applied else []
         parts += [f"deleted {', '.join(outcome.deleted)}"] if outcome.deleted else []
         post_event("Normal", "Reconciled", "; ".join(parts))
-        log.info(
-            "reconciled",
-            extra={
-                "namespace": namespace,
-                "name": name,
-                "applied": outcome.applied,
-                "deleted": outcome.deleted,
-            },
-        )
+        log.info(f"{namespace}/{name}: {'; '.join(parts)}")
     return outcome

@@ -103,6 +103,15 @@ class FakeCluster:
     def patch_status(self, namespace, name, status):
         self.calls.append(("patch_status", "StreamingModel"))
         self.status_patches.append(copy.deepcopy(status))
+        stored = self.objects.get(("StreamingModel", namespace, name))
+        if stored is not None:  # a JSON merge patch of .status
+            stored.setdefault("status", {}).update(copy.deepcopy(status))
+
+    def store(self, body: dict) -> dict:
+        """Put a StreamingModel into the fake API server (handlers read it fresh)."""
+        meta = body["metadata"]
+        self.objects[("StreamingModel", meta["namespace"], meta["name"])] = copy.deepcopy(body)
+        return body
 
     def set_deployment_status(self, namespace, name, **status):
         dep = self.objects[("Deployment", namespace, name)]

@@ -157,7 +157,16 @@ def test_invalid_spec_sets_condition_posts_one_event_and_raises(cluster):
 
 
 def _kwargs(cluster, body, retry=0):
-    return dict(body=body, memo=SimpleNamespace(cluster=cluster), retry=retry, logger=LOG)
+    cluster.store(body)
+    meta = body["metadata"]
+    return dict(
+        body=body,
+        namespace=meta["namespace"],
+        name=meta["name"],
+        memo=SimpleNamespace(cluster=cluster),
+        retry=retry,
+        logger=LOG,
+    )
 
 
 def test_handler_invalid_spec_is_permanent(cluster, monkeypatch):
@@ -269,3 +278,40 @@ def test_api_server_rejecting_a_child_is_reported_as_invalid_spec(cluster, monke
     cond = {c["type"]: c for c in cluster.status_patches[-1]["conditions"]}["SpecValid"]
     assert cond["status"] == "False" and "spec.template.spec.affinity: bad" in cond["message"]
     assert [p["reason"] for p in posted] == ["InvalidSpec"]
+
+
+def test_handler_reads_the_object_fresh_so_a_stale_event_body_writes_nothing(cluster, monkeypatch):
+    # The create handler and the first child events race; a handler holding the body from
+    # before the last status patch must not write the same status again.
+    monkeypatch.setattr(kopf, "event", lambda body, **kw: None)
+    body = body_of(minimal())
+    handlers.reconcile(**_kwargs(cluster, body))
+    stale = body  # no status: what an early watch event carried
+    cluster.calls.clear()
+    handlers.reconcile(
+        body=stale,
+        namespace="default",
+        name="m",
+        memo=SimpleNamespace(cluster=cluster),
+        retry=0,
+        logger=LOG,
+    )
+    child = cluster.objects[("Deployment", "default", "m")]
+    handlers._owner_changed(child, "default", SimpleNamespace(cluster=cluster), LOG, "MODIFIED")
+    assert cluster.writes() == []
+
+
+def test_converge_logs_at_info_without_breaking(cluster, caplog):
+    # Regression: a log `extra` named "name" made every applying pass raise after the apply.
+    caplog.set_level(logging.DEBUG)
+    out = converge(cluster, body_of(minimal()), Events(), now=NOW)
+    assert out.applied
+    assert any("applied Service, Deployment" in r.getMessage() for r in caplog.records)
+
+
+def test_terminating_namespace_is_not_an_error(cluster, monkeypatch):
+    monkeypatch.setattr(kopf, "event", lambda body, **kw: None)
+    exc = ApiException(status=403, reason="Forbidden")
+    exc.body = '{"message":"services \\"m\\" is forbidden: unable to create new content in namespace x because it is being terminated"}'
+    cluster.fail_with = exc
+    handlers.reconcile(**_kwargs(cluster, body_of(minimal())))  # returns quietly
