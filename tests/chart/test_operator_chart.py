@@ -557,3 +557,27 @@ def test_docs_table_defaults_match_values():
             assert yaml.safe_load(cells[1].strip("`")) == node, (key, cells[1], node)
             rows += 1
     assert rows > 25
+
+
+@pytest.mark.parametrize(
+    "chart,values,set_",
+    [
+        (OPERATOR_CHART, [], []),
+        (OPERATOR_CHART, [ALL_ON], NAMESPACED),
+        (MODEL_CHART, [], []),
+        (MODEL_CHART, [HERE / "streaming-model-values-all-on.yaml"], []),
+    ],
+    ids=["operator", "operator-all-on-namespaced", "model", "model-all-on"],
+)
+def test_install_notes_render(h, chart, values, set_):
+    """`helm install` (client-side dry run) renders NOTES.txt, which `helm template` skips."""
+    args = ["install", "sluice", str(chart), "-n", "team-a", "--dry-run=client"]
+    for v in values:
+        args += ["-f", str(v)]
+    for s in set_:
+        args += ["--set", s]
+    out = h.run(*args).stdout
+    notes = out.split("NOTES:", 1)[1]
+    assert "kubectl" in notes and "<no value>" not in notes
+    if set_:
+        assert "team-a, team-b" in notes
