@@ -174,3 +174,19 @@ def test_helm_test_pod_waits_for_ready_and_is_hardened(h):
     assert not by_kind(h.template(MODEL_CHART, set_=["test.enabled=false"]), "Pod")
     long = one(h.template(MODEL_CHART, set_=["nameOverride=" + "m" * 63]), "Pod")
     assert len(long["metadata"]["name"]) <= 63
+
+
+@pytest.mark.parametrize("values", [[], [ALL_ON]], ids=["defaults", "all-on"])
+def test_operator_renders_valid_children_for_the_chart_output(h, values):
+    """Chart output -> the operator's own builders -> manifests valid for Kubernetes."""
+    render = pytest.importorskip("sluice_operator.render")
+    sm = one(
+        h.template(MODEL_CHART, values=values, namespace="team-a", release="chat"), "StreamingModel"
+    )
+    children = render.render_objects(sm)
+    kinds = {c["kind"] for c in children}
+    assert {"Deployment", "Service"} <= kinds
+    if values:
+        assert {"Ingress", "HorizontalPodAutoscaler", "PodDisruptionBudget"} <= kinds
+    for child in children:
+        validate_k8s(child)
