@@ -66,7 +66,10 @@ def control_plane(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def admin(control_plane) -> client.ApiClient:
-    api = config.new_client_from_config(config_file=str(control_plane.kubeconfigs["admin"]))
+    configuration = client.Configuration()
+    config.load_kube_config(str(control_plane.kubeconfigs["admin"]), client_configuration=configuration)
+    configuration.connection_pool_maxsize = 32  # tests apply from a thread pool
+    api = client.ApiClient(configuration)
     # The default namespace's ServiceAccount is made by the controller manager; pods need it.
     wait_for(lambda: client.CoreV1Api(api).read_namespaced_service_account("default", "default"),
              timeout=30, what="the default ServiceAccount")

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import subprocess
 import time
 
 import pytest
+import yaml
 from kubernetes import client
 
 from .conftest import TIMINGS
 from .harness.control_plane import is_write
 from .harness.expect import CHECKS, TTFT_METRIC, children_present, expected_kinds
-from .harness.kube import GROUP, PLURAL, SAMPLES, VERSION, load_sample, wait_for
+from .harness.kube import GROUP, PLURAL, REPO, SAMPLES, VERSION, load_sample, wait_for
 from .harness.operator_process import find_kubectl
 
 SAMPLE_FILES = sorted(p.name for p in SAMPLES.glob("*.yaml"))
@@ -190,17 +192,30 @@ def test_delete_garbage_collects_every_child(operator, models, namespace):
 
 
 def test_hpa_is_accepted_and_targets_the_server_metric(operator, models, namespace):
-    body = load_sample("llama-70b-tp4.yaml", namespace)
+    body = load_sample("chat-small.yaml", namespace)
+    body["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 3, "targetTTFTMilliseconds": 800,
+                                   "ttftPercentile": 0.95}
     name = body["metadata"]["name"]
     models.create(body)
     _, children = converge(models, namespace, name)
-    metric = children["HorizontalPodAutoscaler"].spec.metrics[0].pods.metric.name
-    assert metric == TTFT_METRIC.format(nn=90)
-    # The HPA controller has picked it up: it asks the custom metrics API for that name
-    # (no adapter runs here, so it reports that it cannot get it).
-    def controller_tried():
-        hpa = models.autoscaling.read_namespaced_horizontal_pod_autoscaler(name, namespace)
-        return [c for c in hpa.status.conditions or [] if c.type == "ScalingActive"]
+    hpa = children["HorizontalPodAutoscaler"]
+    target = hpa.spec.metrics[0].pods
+    assert (target.metric.name, target.target.average_value) == (TTFT_METRIC.format(nn=95), "800m")
 
-    (active,) = wait_for(controller_tried, timeout=30, what="the HPA controller to evaluate the HPA")
-    assert active.status == "False" and metric in active.message, active
+    # The name is one the chart's prometheus-adapter rules serve, computed from a histogram
+    # the server registers: the HPA can only ever get a value if all three agree.
+    rules = yaml.safe_load((REPO / "charts/sluice-operator/files/prometheus-adapter-rules.yaml").read_text())
+    (rule,) = [r for r in rules["rules"] if r["name"]["as"] == target.metric.name]
+    source = re.match(r"\^?(\w+?)_(count|bucket|sum)\$?", rule["name"]["matches"]).group(1)
+    server_metrics = pytest.importorskip("sluice_server.metrics")
+    exported = {m.name for m in server_metrics.Metrics("probe").registry.collect()}
+    assert source in exported, (source, sorted(exported))
+
+    # The HPA controller has picked it up and asked the custom metrics API for that name (no
+    # adapter runs here, so it reports that it cannot get it: the pods are Running).
+    def controller_tried():
+        got = models.autoscaling.read_namespaced_horizontal_pod_autoscaler(name, namespace)
+        return [c for c in got.status.conditions or [] if c.type == "ScalingActive" and c.status == "False"]
+
+    (active,) = wait_for(controller_tried, timeout=45, interval=1, what="the HPA controller to evaluate the HPA")
+    assert target.metric.name in active.message, active

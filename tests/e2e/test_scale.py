@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections import Counter
@@ -29,6 +30,13 @@ def more_gpu_nodes(admin, gpu_node):
         node.stop()
 
 
+def _what(event: dict) -> str:
+    """'verb resource[/subresource]' of an audit event (discovery calls have no objectRef)."""
+    ref = event.get("objectRef") or {}
+    sub = f"/{ref['subresource']}" if ref.get("subresource") else ""
+    return f"{event['verb']} {ref.get('resource', event.get('requestURI', '?'))}{sub}"
+
+
 def _present(models, namespace: str) -> dict[str, set[str]]:
     """Child kind -> names present, from one list call per kind."""
     return {
@@ -40,7 +48,9 @@ def _present(models, namespace: str) -> dict[str, set[str]]:
     }
 
 
-def test_fifty_models_converge(operator, models, namespace, control_plane, operator_user, more_gpu_nodes):
+# more_gpu_nodes comes before namespace: fixtures are torn down in reverse, so the nodes'
+# kubelets are still there to remove the pods when the namespace goes.
+def test_fifty_models_converge(operator, models, more_gpu_nodes, namespace, control_plane, operator_user):
     bodies = []
     for i in range(COUNT):
         body = load_sample("chat-small.yaml", namespace, new_name=f"model-{i:02d}")
@@ -82,11 +92,10 @@ def test_fifty_models_converge(operator, models, namespace, control_plane, opera
     calls = [e for e in control_plane.audit_events(operator_user, since=mark)
              if e.get("objectRef", {}).get("namespace") in (namespace, None)]
     writes = [e for e in calls if is_write(e)]
-    by_kind = Counter(f"{e['verb']} {e['objectRef'].get('resource')}"
-                      f"{'/' + e['objectRef']['subresource'] if e['objectRef'].get('subresource') else ''}"
-                      for e in writes)
+    by_kind = Counter(_what(e) for e in writes)
     latencies = sorted(converged.values())
     TIMINGS["50 models: create calls took (s)"] = round(apply_seconds, 2)
+    TIMINGS["50 models: machine load average (1 min) at the end"] = round(os.getloadavg()[0], 1)
     TIMINGS["50 models: apply -> all children present, per model (s)"] = (
         f"median {statistics.median(latencies):.2f}, worst {latencies[-1]:.2f}")
     TIMINGS["50 models: first apply -> last model's children / all Ready (s)"] = (
@@ -94,3 +103,5 @@ def test_fifty_models_converge(operator, models, namespace, control_plane, opera
     TIMINGS["50 models: operator API calls per model (writes / all)"] = (
         f"{len(writes) / COUNT:.1f} / {len(calls) / COUNT:.1f}")
     TIMINGS["50 models: operator writes by verb and resource"] = dict(by_kind)
+    reads = Counter(_what(e) for e in calls if not is_write(e))
+    TIMINGS["50 models: operator reads by verb and resource"] = dict(reads.most_common(8))
