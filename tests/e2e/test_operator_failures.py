@@ -7,10 +7,11 @@ import time
 
 from kubernetes import client
 
-from .conftest import TIMINGS
+from .conftest import OPERATOR_NAMESPACE, TIMINGS
 from .harness.control_plane import is_write
 from .harness.expect import children_present
 from .harness.kube import load_sample, wait_for
+from .harness.operator_process import OperatorProcess, RenderedChart, install_operator_identity
 
 
 def test_model_larger_than_any_node_is_pending_with_the_schedulers_reason(
@@ -118,3 +119,33 @@ def test_operator_restart_mid_rollout_resumes_without_duplicates(operator, model
             assert len(o.metadata.owner_references) == 1, (kind, o.metadata.owner_references)
     dep = models.apps.read_namespaced_deployment("m0", namespace)
     assert dep.spec.template.spec.containers[0].resources.limits["nvidia.com/gpu"] == "2"
+
+
+def test_rbac_gap_in_the_chart_fails_visibly(operator, admin, control_plane, models, namespace):
+    """Negative control for the harness: the same chart with one verb fewer (no `patch` on
+    Deployments) must not converge, and the API server must have refused the operator."""
+    narrow = RenderedChart.render(OPERATOR_NAMESPACE, release="narrow")
+    for role in narrow.of_kind("ClusterRole", "Role"):
+        for rule in role.get("rules") or []:
+            if "deployments" in rule.get("resources", []):
+                rule["verbs"] = [v for v in rule["verbs"] if v != "patch"]
+    kubeconfig = install_operator_identity(admin, control_plane, narrow)
+    ns, sa = narrow.service_account()
+    user = f"system:serviceaccount:{ns}:{sa}"  # audited: its namespace is the operator's
+    operator.stop()  # one operator at a time on the same objects
+    narrow_op = OperatorProcess(narrow, kubeconfig, control_plane.logs, name="narrow-operator")
+    try:
+        narrow_op.start()
+        mark = control_plane.audit_mark()
+        models.create(load_sample("chat-small.yaml", namespace))
+
+        def refused():
+            return [e for e in control_plane.audit_events(user, since=mark)
+                    if e["responseStatus"]["code"] == 403 and e["objectRef"].get("resource") == "deployments"]
+
+        denials = wait_for(refused, timeout=20, what="the API server to refuse the Deployment patch")
+        assert denials[0]["verb"] == "patch"
+        assert models.children(namespace, "chat-small")["Deployment"] is None
+    finally:
+        narrow_op.stop()
+        operator.start()

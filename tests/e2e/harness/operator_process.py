@@ -49,11 +49,11 @@ class RenderedChart:
 
     @classmethod
     def render(cls, namespace: str, chart: Path = REPO / "charts/sluice-operator",
-               values: dict[str, str] | None = None) -> RenderedChart:
+               values: dict[str, str] | None = None, release: str = "sluice") -> RenderedChart:
         helm = find_helm()
         if not helm:
             raise RuntimeError("helm not found (make tools installs it into .tools/bin)")
-        argv = [helm, "template", "sluice", str(chart), "--namespace", namespace]
+        argv = [helm, "template", release, str(chart), "--namespace", namespace]
         for k, v in (values or {}).items():
             argv += ["--set", f"{k}={v}"]
         out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
@@ -98,14 +98,15 @@ def install_operator_identity(api: client.ApiClient, cp: ControlPlane, chart: Re
         sa, namespace, client.AuthenticationV1TokenRequest(
             spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=24 * 3600)),
     ).status.token
-    return cp.token_kubeconfig("operator", f"system:serviceaccount:{namespace}:{sa}", token)
+    return cp.token_kubeconfig(f"operator-{sa}", f"system:serviceaccount:{namespace}:{sa}", token)
 
 
 class OperatorProcess:
     """`python -m sluice_operator run ...` with the chart's arguments, on loopback."""
 
-    def __init__(self, chart: RenderedChart, kubeconfig: Path, log_dir: Path) -> None:
+    def __init__(self, chart: RenderedChart, kubeconfig: Path, log_dir: Path, name: str = "operator") -> None:
         container = chart.container()
+        self.name = name
         self.health_port = free_port()
         argv = [sys.executable if a == "python" else a for a in container["command"]]
         for arg in container.get("args", []):
@@ -123,7 +124,7 @@ class OperatorProcess:
 
     def start(self, timeout: float = 60.0) -> OperatorProcess:
         self.starts += 1
-        self.process = ManagedProcess(f"operator-{self.starts}", self.argv, self.log_dir, self.env).start()
+        self.process = ManagedProcess(f"{self.name}-{self.starts}", self.argv, self.log_dir, self.env).start()
         deadline = time.monotonic() + timeout
         url = f"http://127.0.0.1:{self.health_port}/healthz"
         while time.monotonic() < deadline:
@@ -147,5 +148,5 @@ class OperatorProcess:
 
     def log_text(self) -> str:
         return "\n".join(
-            p.read_text(errors="replace") for p in sorted(self.log_dir.glob("operator-*.log"))
+            p.read_text(errors="replace") for p in sorted(self.log_dir.glob(f"{self.name}-*.log"))
         )

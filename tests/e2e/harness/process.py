@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
@@ -34,6 +35,8 @@ class ManagedProcess:
             start_new_session=True,
         )
         log.close()
+        # Belt and braces: if the test run dies before its fixtures' teardown, stop it anyway.
+        atexit.register(self.stop)
         return self
 
     @property
