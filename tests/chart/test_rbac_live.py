@@ -14,9 +14,6 @@ tests/e2e; otherwise skipped with one line.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -37,44 +34,21 @@ def _denials(cp, user: str, since: int = 0) -> list[tuple[str, str, str]]:
     ]
 
 
-def test_namespaced_rbac_on_a_real_api_server(tmp_path):
-    harness = pytest.importorskip(
-        "e2e.harness.control_plane", reason="tests/e2e harness not present"
-    )
-    if reason := harness.missing_prerequisites():
-        pytest.skip(reason)
-    import yaml
-    from e2e.harness.kube import CRD_FILE, Models, load_sample, wait_for
+def test_namespaced_rbac_on_a_real_api_server(live_cluster):
+    from e2e.harness.kube import Models, load_sample, wait_for
     from e2e.harness.operator_process import (
         OperatorProcess,
         RenderedChart,
         install_operator_identity,
     )
-    from kubernetes import client, config, utils
+    from kubernetes import client
 
-    cp = harness.ControlPlane(
-        tmp_path / "cp", Path(os.environ["K8S_ASSETS"]), audited_namespace=OPERATOR_NS
-    )
+    cp, admin = live_cluster
     op = None
     try:
-        cp.start()
-        admin = config.new_client_from_config(config_file=str(cp.kubeconfigs["admin"]))
         core = client.CoreV1Api(admin)
         for ns in (*WATCHED, "unwatched"):
             core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
-        utils.create_from_dict(admin, yaml.safe_load(CRD_FILE.read_text()))
-        ext = client.ApiextensionsV1Api(admin)
-        wait_for(
-            lambda: any(
-                c.type == "Established" and c.status == "True"
-                for c in ext.read_custom_resource_definition(
-                    "streamingmodels.serving.sluice.dev"
-                ).status.conditions
-                or []
-            ),
-            timeout=30,
-            what="the CRD",
-        )
 
         chart = RenderedChart.render(
             OPERATOR_NS,
@@ -132,4 +106,3 @@ def test_namespaced_rbac_on_a_real_api_server(tmp_path):
     finally:
         if op is not None:
             op.stop()
-        cp.stop()
