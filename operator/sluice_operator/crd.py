@@ -190,6 +190,13 @@ PRINTER_COLUMNS = [
         "priority": 1,
         "description": "Ingress URL, else the Service URL.",
     },
+    {
+        "name": "TTFT-ms",
+        "type": "integer",
+        "jsonPath": ".status.autoscaling.currentTTFTMilliseconds",
+        "priority": 1,
+        "description": "Per-pod time to first token the autoscaler last read, in milliseconds.",
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

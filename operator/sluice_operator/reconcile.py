@@ -199,7 +199,10 @@ def converge(
         live.get("Ingress"),
         current_status,
         now or _now(),
+        hpa=live.get("HorizontalPodAutoscaler"),
     )
+    if "autoscaling" not in new_status and current_status.get("autoscaling") is not None:
+        new_status["autoscaling"] = None  # merge patch: null removes it
     outcome.phase = new_status["phase"]
     if _status_differs(current_status, new_status):
         changed = sorted(k for k, v in new_status.items() if current_status.get(k) != v)

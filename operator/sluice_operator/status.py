@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .builders.common import selector_string
+from .builders.hpa import ttft_metric_name
 from .builders.ingress import ingress_url
 from .builders.service import service_url
 from .models.resource import StreamingModel
@@ -56,6 +57,51 @@ def pod_problems(pods: Iterable[Mapping[str, Any]]) -> tuple[list[str], list[str
                 detail = waiting.get("message") or ""
                 stuck.append(f"pod {name}: {waiting['reason']}{': ' + detail if detail else ''}")
     return unschedulable, stuck
+
+
+_SUFFIX = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1.0, "k": 1e3, "M": 1e6, "G": 1e9}
+
+
+def quantity_seconds_to_ms(value: str | int | float | None) -> int | None:
+    """HPA averageValue in seconds ("250m", "1", "1500m") -> whole milliseconds."""
+    if value is None:
+        return None
+    text = str(value).strip()
+    suffix = text[-1] if text and text[-1] in "numkMG" else ""
+    try:
+        number = float(text[: len(text) - len(suffix)])
+    except ValueError:
+        return None
+    return round(number * _SUFFIX[suffix] * 1000)
+
+
+def autoscaling_status(
+    model: StreamingModel, hpa: Mapping[str, Any] | None
+) -> dict[str, Any] | None:
+    """The HPA's last reading and decision, so `kubectl get sm -o wide` shows TTFT."""
+    if not model.spec.autoscaling_enabled:
+        return None
+    a = model.spec.autoscaling
+    metric = ttft_metric_name(a.ttft_percentile)
+    out: dict[str, Any] = {"metric": metric, "targetTTFTMilliseconds": a.target_ttft_milliseconds}
+    st = (hpa or {}).get("status") or {}
+    for key in ("currentReplicas", "desiredReplicas", "lastScaleTime"):
+        if st.get(key) is not None:
+            out[key] = st[key]
+    for m in st.get("currentMetrics") or []:
+        pods = m.get("pods") or {}
+        if (pods.get("metric") or {}).get("name") == metric:
+            ms = quantity_seconds_to_ms((pods.get("current") or {}).get("averageValue"))
+            if ms is not None:
+                out["currentTTFTMilliseconds"] = ms
+    problems = [
+        c.get("message") or c.get("reason", "")
+        for c in st.get("conditions") or []
+        if c.get("type") in ("AbleToScale", "ScalingActive") and c.get("status") == "False"
+    ]
+    if problems:
+        out["message"] = "; ".join(problems)[:1024]
+    return out
 
 
 def urls(
@@ -125,6 +171,7 @@ def compute_status(
     ingress: Mapping[str, Any] | None = None,
     previous: Mapping[str, Any] | None = None,
     now: str = "",
+    hpa: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     previous = previous or {}
     url, endpoints = urls(model, ingress)
@@ -134,6 +181,9 @@ def compute_status(
         "url": url,
         "endpoints": endpoints,
     }
+    scaling = autoscaling_status(model, hpa)
+    if scaling is not None:
+        out["autoscaling"] = scaling
     spec_ok = _cond("SpecValid", True, "Valid", "spec is valid")
 
     if deployment is None:

@@ -315,3 +315,13 @@ def test_terminating_namespace_is_not_an_error(cluster, monkeypatch):
     exc.body = '{"message":"services \\"m\\" is forbidden: unable to create new content in namespace x because it is being terminated"}'
     cluster.fail_with = exc
     handlers.reconcile(**_kwargs(cluster, body_of(minimal())))  # returns quietly
+
+
+def test_turning_autoscaling_off_removes_its_status(cluster):
+    body = body_of(minimal(autoscaling={"maxReplicas": 3}))
+    converge(cluster, body, Events(), now=NOW)
+    body = with_status(body, cluster)
+    assert body["status"]["autoscaling"]["metric"] == "sluice_ttft_p90_seconds"
+    body["spec"]["autoscaling"] = None
+    converge(cluster, body, Events(), now=NOW)
+    assert cluster.status_patches[-1]["autoscaling"] is None  # JSON merge patch: removes it

@@ -191,3 +191,64 @@ def test_invalid_status_keeps_pod_conditions():
     assert c["Available"]["status"] == "True"  # the old pods still serve
     assert c["SpecValid"]["observedGeneration"] == 2
     StreamingModelStatus.model_validate(status)
+
+
+def hpa_status(current="250m", conditions=()):
+    return {
+        "status": {
+            "currentReplicas": 2,
+            "desiredReplicas": 3,
+            "lastScaleTime": "2026-11-30T06:00:00Z",
+            "currentMetrics": [
+                {
+                    "type": "Pods",
+                    "pods": {
+                        "metric": {"name": "sluice_ttft_p90_seconds"},
+                        "current": {"averageValue": current},
+                    },
+                }
+            ],
+            "conditions": list(conditions),
+        }
+    }
+
+
+@pytest.mark.parametrize(
+    "value,ms", [("250m", 250), ("1", 1000), ("1500m", 1500), ("0", 0), (None, None), ("x", None)]
+)
+def test_quantity_seconds_to_ms(value, ms):
+    from sluice_operator.status import quantity_seconds_to_ms
+
+    assert quantity_seconds_to_ms(value) == ms
+
+
+def test_autoscaling_status_from_hpa():
+    m = model(autoscaling={"minReplicas": 1, "maxReplicas": 4, "targetTTFTMilliseconds": 500})
+    status = compute_status(m, 1, deployment(ready=2), [], None, None, NOW, hpa=hpa_status())
+    assert status["autoscaling"] == {
+        "metric": "sluice_ttft_p90_seconds",
+        "targetTTFTMilliseconds": 500,
+        "currentTTFTMilliseconds": 250,
+        "currentReplicas": 2,
+        "desiredReplicas": 3,
+        "lastScaleTime": "2026-11-30T06:00:00Z",
+    }
+    StreamingModelStatus.model_validate(status)
+
+
+def test_autoscaling_status_says_why_the_metric_is_missing():
+    m = model(autoscaling={"maxReplicas": 4})
+    cond = {
+        "type": "ScalingActive",
+        "status": "False",
+        "reason": "FailedGetPodsMetric",
+        "message": "the HPA was unable to compute the replica count: unable to get metric sluice_ttft_p90_seconds",
+    }
+    hpa = {"status": {"currentReplicas": 1, "desiredReplicas": 1, "conditions": [cond]}}
+    status = compute_status(m, 1, deployment(replicas=1, ready=1), [], None, None, NOW, hpa=hpa)
+    assert "unable to get metric sluice_ttft_p90_seconds" in status["autoscaling"]["message"]
+    assert "currentTTFTMilliseconds" not in status["autoscaling"]
+
+
+def test_no_autoscaling_status_without_autoscaling():
+    assert "autoscaling" not in compute_status(model(), 1, deployment(ready=2), [], None, None, NOW)

@@ -39,6 +39,35 @@ class Endpoints(ApiModel):
     websocket: str | None = Field(default=None, description="WebSocket stream URL (/ws/stream).")
 
 
+class AutoscalingStatus(ApiModel):
+    """What the HorizontalPodAutoscaler last saw and decided (from its status)."""
+
+    metric: str | None = Field(
+        default=None, description="Custom metric the HPA reads (sluice_ttft_pNN_seconds)."
+    )
+    target_ttft_milliseconds: int | None = Field(
+        default=None,
+        alias="targetTTFTMilliseconds",
+        description="Target per-pod TTFT in milliseconds.",
+    )
+    current_ttft_milliseconds: int | None = Field(
+        default=None,
+        alias="currentTTFTMilliseconds",
+        description="Last per-pod average TTFT the HPA read, in milliseconds (unset while the metric is unavailable).",
+    )
+    current_replicas: int | None = Field(default=None, description="Replicas the HPA last saw.")
+    desired_replicas: int | None = Field(default=None, description="Replicas the HPA wants.")
+    last_scale_time: str | None = Field(
+        default=None,
+        description="When the HPA last scaled (RFC 3339).",
+        json_schema_extra={"format": "date-time"},
+    )
+    message: str | None = Field(
+        default=None,
+        description="Why the HPA cannot scale or read the metric, when that is the case.",
+    )
+
+
 class StreamingModelStatus(ApiModel):
     """Observed state of a StreamingModel."""
 
@@ -70,3 +99,7 @@ class StreamingModelStatus(ApiModel):
         description="Base URL: the ingress URL when an Ingress exists, else the Service URL.",
     )
     endpoints: Endpoints | None = Field(default=None, description="SSE, OpenAI and WebSocket URLs.")
+    autoscaling: AutoscalingStatus | None = Field(
+        default=None,
+        description="The autoscaler's last reading and decision (when autoscaling is enabled).",
+    )
