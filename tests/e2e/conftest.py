@@ -11,6 +11,7 @@ import os
 import re
 import time
 import uuid
+import warnings
 from pathlib import Path
 
 import psutil
@@ -111,6 +112,8 @@ def gpu_node(admin):
     wait_for(schedulable, timeout=30, what="the fake GPU node to lose its not-ready taint")
     yield node
     node.stop()
+    if node.errors:  # relists after a watch expired are normal; many of them are not
+        warnings.warn(f"fake kubelet {node.name}: {len(node.errors)} errors, last: {node.errors[-1]}", stacklevel=1)
 
 
 @pytest.fixture(scope="session")
