@@ -581,3 +581,16 @@ def test_install_notes_render(h, chart, values, set_):
     assert "kubectl" in notes and "<no value>" not in notes
     if set_:
         assert "team-a, team-b" in notes
+
+
+def test_common_labels_and_image_tag(h):
+    docs = h.template(OPERATOR_CHART, values=[ALL_ON])
+    for doc in docs:
+        assert doc["metadata"]["labels"]["team"] == "platform", doc["kind"]
+    docs = h.template(OPERATOR_CHART, set_=["image.tag=1.2.3"])
+    _, c = _container(docs)
+    assert c["image"] == "ghcr.io/sluice-dev/sluice-operator:1.2.3"
+    assert one(docs, "Deployment")["metadata"]["labels"]["app.kubernetes.io/version"] == "1.2.3"
+    # selector labels never carry the version: upgrades must not orphan the old pods
+    selector = one(docs, "Deployment")["spec"]["selector"]["matchLabels"]
+    assert "app.kubernetes.io/version" not in selector and "helm.sh/chart" not in selector
