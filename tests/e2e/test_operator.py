@@ -46,6 +46,20 @@ def test_sample_children_appear_with_expected_fields(operator, models, namespace
         CHECKS[kind](children[kind], model)
 
 
+def settle(models, namespace: str, name: str, quiet: float = 4.0, timeout: float = 45.0) -> None:
+    """Wait until the StreamingModel has not changed for `quiet` seconds."""
+    deadline = time.monotonic() + timeout
+    last, since = None, time.monotonic()
+    while time.monotonic() < deadline:
+        version = models.get(namespace, name)["metadata"]["resourceVersion"]
+        if version != last:
+            last, since = version, time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{namespace}/{name} kept changing for {timeout:.0f}s")
+
+
 def _table(admin: client.ApiClient, namespace: str) -> dict:
     """What `kubectl get streamingmodels` shows: the server-side Table with the printer columns."""
     method, url, headers, body, _ = admin.param_serialize(
@@ -166,8 +180,12 @@ def test_resync_without_change_makes_no_writes(operator, models, namespace, cont
     models.create(body)
     converge(models, namespace, name)
     wait_for(lambda: (models.get(namespace, name).get("status") or {}).get("phase") == "Ready",
-             timeout=30, what="the model to be Ready (a state that no longer changes)")
-    time.sleep(3)  # let the last child and pod events settle
+             timeout=30, what="the model to be Ready")
+    # The HPA controller's first evaluation (within its 15 s sync period) changes the HPA's
+    # status, which the operator mirrors: a real change. Wait for it, then for quiet.
+    wait_for(lambda: models.autoscaling.read_namespaced_horizontal_pod_autoscaler(name, namespace)
+             .status.conditions, timeout=45, interval=1, what="the HPA controller's first evaluation")
+    settle(models, namespace, name)
     mark = control_plane.audit_mark()
     operator.restart()  # resume: a full reconcile of every existing StreamingModel
     time.sleep(8)
