@@ -380,8 +380,29 @@ class AuthSpec(ApiModel):
     )
 
 
+class KedaSpec(ApiModel):
+    """Settings used only with autoscaling.backend: keda (the ScaledObject's Prometheus trigger)."""
+
+    server_address: str = Field(
+        default="http://prometheus-server.monitoring.svc:9090",
+        max_length=2048,
+        pattern=r"^https?://[^\s]+$",
+        description=(
+            "URL of the Prometheus that scrapes the model pods; KEDA runs the TTFT query "
+            "there. The default is the prometheus-community chart installed as release "
+            "'prometheus' in namespace 'monitoring'."
+        ),
+    )
+    polling_interval_seconds: int = Field(
+        default=30,
+        ge=1,
+        le=3600,
+        description="How often KEDA runs the query, in seconds (KEDA's pollingInterval).",
+    )
+
+
 class AutoscalingSpec(ApiModel):
-    """Horizontal autoscaling on time to first token (needs prometheus-adapter with the chart's rule)."""
+    """Horizontal autoscaling on time to first token: an HPA fed by prometheus-adapter with the chart's rule (backend hpa), or a KEDA ScaledObject running the same query (backend keda)."""
 
     model_config = ApiModel.model_config | {
         "json_schema_extra": {
@@ -397,8 +418,20 @@ class AutoscalingSpec(ApiModel):
 
     enabled: bool = Field(
         default=True,
-        description="Create the HorizontalPodAutoscaler; false keeps the settings but uses spec.replicas.",
+        description="Create the autoscaler (see backend); false keeps the settings but uses spec.replicas.",
     )
+    backend: Literal["hpa", "keda"] = Field(
+        default="hpa",
+        description=(
+            "Who scales. hpa: the operator makes a HorizontalPodAutoscaler on the custom "
+            "metric sluice_ttft_pNN_seconds (install prometheus-adapter with the operator "
+            "chart's rule). keda: the operator makes a KEDA ScaledObject (keda.sh/v1alpha1) "
+            "whose Prometheus trigger runs the same per-pod TTFT query against "
+            "autoscaling.keda.serverAddress; KEDA then owns an HPA named keda-hpa-<name>. "
+            "Needs KEDA in the cluster and the operator chart's keda.enabled=true."
+        ),
+    )
+    keda: KedaSpec = sub(KedaSpec, "KEDA settings, used when backend is keda.")
     min_replicas: int = Field(default=1, ge=1, le=1000, description="Fewest replicas.")
     max_replicas: int = Field(
         default=4, ge=1, le=1000, description="Most replicas (each needs resources.gpus GPUs)."
@@ -568,6 +601,11 @@ class StreamingModelSpec(ApiModel):
     @property
     def autoscaling_enabled(self) -> bool:
         return self.autoscaling is not None and self.autoscaling.enabled
+
+    @property
+    def autoscaling_backend(self) -> Literal["hpa", "keda"] | None:
+        """Which autoscaler object the operator makes; None when autoscaling is off."""
+        return self.autoscaling.backend if self.autoscaling_enabled else None
 
     @property
     def max_possible_replicas(self) -> int:

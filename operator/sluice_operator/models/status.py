@@ -40,7 +40,12 @@ class Endpoints(ApiModel):
 
 
 class AutoscalingStatus(ApiModel):
-    """What the HorizontalPodAutoscaler last saw and decided (from its status)."""
+    """What the HorizontalPodAutoscaler last saw and decided (from its status; with backend keda, the HPA KEDA made)."""
+
+    backend: Literal["hpa", "keda"] | None = Field(
+        default=None,
+        description="Autoscaler backend in use (hpa or keda); the operator uses it to clean up after a switch.",
+    )
 
     metric: str | None = Field(
         default=None, description="Custom metric the HPA reads (sluice_ttft_pNN_seconds)."
