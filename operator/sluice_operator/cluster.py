@@ -22,6 +22,7 @@ _PLURALS = {
     ("networking.k8s.io/v1", "Ingress"): "ingresses",
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
     (f"{GROUP}/{VERSION}", "StreamingModel"): PLURAL,
 }
 

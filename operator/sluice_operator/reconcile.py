@@ -21,8 +21,9 @@ from typing import Any
 
 import kopf
 
-from .builders import CHILD_KINDS, desired_children
+from .builders import CHILD_KINDS, KEDA_KIND, desired_children
 from .builders.common import selector_string
+from .builders.keda import keda_hpa_name
 from .cluster import Cluster
 from .models.resource import StreamingModel
 from .status import compute_status, invalid_status
@@ -156,7 +157,8 @@ def converge(
 
     desired = desired_children(model)
     live: dict[str, dict[str, Any] | None] = {}
-    for api_version, kind, _optional in CHILD_KINDS:
+
+    def converge_child(api_version: str, kind: str) -> None:
         manifest = desired[kind]
         current = cluster.get(api_version, kind, namespace, name)
         if manifest is None:
@@ -164,22 +166,37 @@ def converge(
                 cluster.delete(api_version, kind, namespace, name)
                 outcome.deleted.append(kind)
             live[kind] = None
-            continue
+            return
         manifest = _adopt(manifest, body)
         if in_sync(manifest, current):
             live[kind] = current
-        else:
-            try:
-                live[kind] = cluster.apply(manifest)
-            except Exception as exc:
-                if getattr(exc, "status", None) not in (400, 422):
-                    raise
-                # The API server refused what the spec produced (e.g. a bad affinity or env
-                # valueFrom passed through): the spec's fault, so report it like one.
-                message = f"the API server rejected the {kind}: {_api_message(exc)}"
-                outcome.status_written = report_invalid(cluster, body, message, post_event, now)
-                raise SpecError(message) from None
-            outcome.applied.append(kind)
+            return
+        try:
+            live[kind] = cluster.apply(manifest)
+        except Exception as exc:
+            if getattr(exc, "status", None) not in (400, 422):
+                raise
+            # The API server refused what the spec produced (e.g. a bad affinity or env
+            # valueFrom passed through): the spec's fault, so report it like one.
+            message = f"the API server rejected the {kind}: {_api_message(exc)}"
+            outcome.status_written = report_invalid(cluster, body, message, post_event, now)
+            raise SpecError(message) from None
+        outcome.applied.append(kind)
+
+    current_status = body.get("status") or {}
+    backend = model.spec.autoscaling_backend
+    # The ScaledObject is only touched when this model uses KEDA or last did (the status
+    # remembers): clusters without KEDA have no such resource and no RBAC for it. Order
+    # matters so two HPAs never fight: ours is deleted before the ScaledObject (whose HPA
+    # KEDA makes) is applied, and the ScaledObject deleted before ours is applied.
+    keda_api, keda_kind, _ = KEDA_KIND
+    was_keda = (current_status.get("autoscaling") or {}).get("backend") == "keda"
+    if backend != "keda" and was_keda:
+        converge_child(keda_api, keda_kind)
+    for api_version, kind, _optional in CHILD_KINDS:
+        converge_child(api_version, kind)
+    if backend == "keda":
+        converge_child(keda_api, keda_kind)
 
     deployment = live["Deployment"]
     dstat = (deployment or {}).get("status") or {}
@@ -190,7 +207,11 @@ def converge(
         if dstat.get("readyReplicas", 0) >= want
         else cluster.list_pods(namespace, selector_string(model))
     )
-    current_status = body.get("status") or {}
+    hpa = live.get("HorizontalPodAutoscaler")
+    if backend == "keda":  # KEDA's own HPA has the reading and the decision
+        hpa = cluster.get(
+            "autoscaling/v2", "HorizontalPodAutoscaler", namespace, keda_hpa_name(model)
+        )
     new_status = compute_status(
         model,
         meta.get("generation"),
@@ -199,7 +220,7 @@ def converge(
         live.get("Ingress"),
         current_status,
         now or _now(),
-        hpa=live.get("HorizontalPodAutoscaler"),
+        hpa=hpa,
     )
     if "autoscaling" not in new_status and current_status.get("autoscaling") is not None:
         new_status["autoscaling"] = None  # merge patch: null removes it

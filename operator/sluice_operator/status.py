@@ -83,15 +83,23 @@ def autoscaling_status(
         return None
     a = model.spec.autoscaling
     metric = ttft_metric_name(a.ttft_percentile)
-    out: dict[str, Any] = {"metric": metric, "targetTTFTMilliseconds": a.target_ttft_milliseconds}
+    out: dict[str, Any] = {
+        "backend": a.backend,
+        "metric": metric,
+        "targetTTFTMilliseconds": a.target_ttft_milliseconds,
+    }
     st = (hpa or {}).get("status") or {}
     for key in ("currentReplicas", "desiredReplicas", "lastScaleTime"):
         if st.get(key) is not None:
             out[key] = st[key]
     for m in st.get("currentMetrics") or []:
-        pods = m.get("pods") or {}
-        if (pods.get("metric") or {}).get("name") == metric:
-            ms = quantity_seconds_to_ms((pods.get("current") or {}).get("averageValue"))
+        # Our HPA: the Pods metric by name. KEDA's HPA (backend keda): the External metric
+        # of the one trigger, whose averageValue is the same per-pod average.
+        reading = m.get("pods") if a.backend == "hpa" else m.get("external")
+        reading = reading or {}
+        name = (reading.get("metric") or {}).get("name") or ""
+        if name == metric or (a.backend == "keda" and name.endswith("-prometheus")):
+            ms = quantity_seconds_to_ms((reading.get("current") or {}).get("averageValue"))
             if ms is not None:
                 out["currentTTFTMilliseconds"] = ms
     problems = [

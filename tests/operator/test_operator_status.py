@@ -226,6 +226,7 @@ def test_autoscaling_status_from_hpa():
     m = model(autoscaling={"minReplicas": 1, "maxReplicas": 4, "targetTTFTMilliseconds": 500})
     status = compute_status(m, 1, deployment(ready=2), [], None, None, NOW, hpa=hpa_status())
     assert status["autoscaling"] == {
+        "backend": "hpa",
         "metric": "sluice_ttft_p90_seconds",
         "targetTTFTMilliseconds": 500,
         "currentTTFTMilliseconds": 250,
@@ -234,6 +235,33 @@ def test_autoscaling_status_from_hpa():
         "lastScaleTime": "2026-11-30T06:00:00Z",
     }
     StreamingModelStatus.model_validate(status)
+
+
+def test_autoscaling_status_from_kedas_hpa():
+    """backend keda: KEDA's HPA reads the trigger as an External metric whose averageValue
+    is the same per-pod average; a Pods metric of the same name there is not ours."""
+    m = model(autoscaling={"backend": "keda", "maxReplicas": 4, "targetTTFTMilliseconds": 500})
+    keda_hpa = hpa_status()
+    keda_hpa["status"]["currentMetrics"] = [
+        {
+            "type": "External",
+            "external": {
+                "metric": {"name": "s0-prometheus", "selector": {"matchLabels": {}}},
+                "current": {"averageValue": "750m"},
+            },
+        }
+    ]
+    status = compute_status(m, 1, deployment(ready=2), [], None, None, NOW, hpa=keda_hpa)
+    assert status["autoscaling"]["backend"] == "keda"
+    assert status["autoscaling"]["currentTTFTMilliseconds"] == 750
+    assert status["autoscaling"]["desiredReplicas"] == 3
+    StreamingModelStatus.model_validate(status)
+    # The HPA-backend reading (a Pods metric) is not taken for a keda model, nor vice versa.
+    status = compute_status(m, 1, deployment(ready=2), [], None, None, NOW, hpa=hpa_status())
+    assert "currentTTFTMilliseconds" not in status["autoscaling"]
+    m = model(autoscaling={"maxReplicas": 4})
+    status = compute_status(m, 1, deployment(ready=2), [], None, None, NOW, hpa=keda_hpa)
+    assert "currentTTFTMilliseconds" not in status["autoscaling"]
 
 
 def test_autoscaling_status_says_why_the_metric_is_missing():

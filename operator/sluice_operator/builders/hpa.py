@@ -10,10 +10,7 @@ from typing import Any
 
 from ..models.resource import StreamingModel
 from .common import metadata
-
-
-def ttft_metric_name(percentile: float) -> str:
-    return f"sluice_ttft_p{round(percentile * 100)}_seconds"
+from .metrics import ttft_metric_name
 
 
 def ttft_target(milliseconds: int) -> str:
@@ -23,7 +20,7 @@ def ttft_target(milliseconds: int) -> str:
 
 def desired_hpa(model: StreamingModel) -> dict[str, Any] | None:
     spec = model.spec
-    if not spec.autoscaling_enabled:
+    if spec.autoscaling_backend != "hpa":
         return None
     a = spec.autoscaling
     return {
@@ -46,21 +43,28 @@ def desired_hpa(model: StreamingModel) -> dict[str, Any] | None:
                     },
                 }
             ],
-            "behavior": {
-                # GPU pods take minutes to become ready: add capacity quickly, remove it slowly.
-                "scaleUp": {
-                    "stabilizationWindowSeconds": a.scale_up_stabilization_seconds,
-                    "selectPolicy": "Max",
-                    "policies": [
-                        {"type": "Pods", "value": 2, "periodSeconds": 60},
-                        {"type": "Percent", "value": 100, "periodSeconds": 60},
-                    ],
-                },
-                "scaleDown": {
-                    "stabilizationWindowSeconds": a.scale_down_stabilization_seconds,
-                    "selectPolicy": "Min",
-                    "policies": [{"type": "Pods", "value": 1, "periodSeconds": 120}],
-                },
-            },
+            "behavior": hpa_behavior(model),
+        },
+    }
+
+
+def hpa_behavior(model: StreamingModel) -> dict[str, Any]:
+    """Shared with the KEDA ScaledObject, which hands it to the HPA that KEDA makes."""
+    a = model.spec.autoscaling
+    assert a is not None
+    return {
+        # GPU pods take minutes to become ready: add capacity quickly, remove it slowly.
+        "scaleUp": {
+            "stabilizationWindowSeconds": a.scale_up_stabilization_seconds,
+            "selectPolicy": "Max",
+            "policies": [
+                {"type": "Pods", "value": 2, "periodSeconds": 60},
+                {"type": "Percent", "value": 100, "periodSeconds": 60},
+            ],
+        },
+        "scaleDown": {
+            "stabilizationWindowSeconds": a.scale_down_stabilization_seconds,
+            "selectPolicy": "Min",
+            "policies": [{"type": "Pods", "value": 1, "periodSeconds": 120}],
         },
     }
