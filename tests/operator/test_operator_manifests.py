@@ -9,7 +9,15 @@ import sys
 import kubernetes_validate
 import pytest
 import yaml
-from operator_helpers import K8S_VERSIONS, ROOT, SAMPLES, FakeCluster, body_of, load
+from operator_helpers import (
+    K8S_VERSIONS,
+    ROOT,
+    SAMPLES,
+    FakeCluster,
+    body_of,
+    load,
+    validate_manifest,
+)
 from sluice_operator.reconcile import converge
 from sluice_operator.render import render_objects
 
@@ -27,7 +35,7 @@ def test_rendered_manifests_validate(path, version):
     manifests = render_objects(load(path))
     assert {m["kind"] for m in manifests} >= {"Deployment", "Service"}
     for manifest in manifests:
-        kubernetes_validate.validate(manifest, version, strict=True)
+        validate_manifest(manifest, version)
 
 
 @pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.stem)
@@ -42,7 +50,7 @@ def test_applied_manifests_with_owner_references_validate(path):
         }
         if sent["kind"] == "Service":
             sent["spec"] = {k: v for k, v in sent["spec"].items() if k != "clusterIP"}
-        kubernetes_validate.validate(sent, K8S_VERSIONS[-1], strict=True)
+        validate_manifest(sent, K8S_VERSIONS[-1])
 
 
 def test_validation_negative_control():

@@ -34,10 +34,10 @@ def pod_matchers(model: StreamingModel) -> str:
 
     Names, not labels: the namespace and pod labels are the two every Prometheus pod
     scrape config sets (the adapter rule relies on them too); label copies are optional.
-    Two dash-free segments after the name keep a model named <name>-x from matching.
+    Two dash-free segments after the name keep a model named <name>-x from matching. The
+    name is a DNS-1035 label (validation.py), so it holds no regex metacharacters.
     """
-    name = model.name.replace(".", "[.]")
-    return f'namespace="{model.namespace}",pod=~"{name}-[a-z0-9]+-[a-z0-9]+"'
+    return f'namespace="{model.namespace}",pod=~"{model.name}-[a-z0-9]+-[a-z0-9]+"'
 
 
 def keda_query(model: StreamingModel) -> str:
