@@ -191,12 +191,27 @@ def converge(
     # KEDA makes) is applied, and the ScaledObject deleted before ours is applied.
     keda_api, keda_kind, _ = KEDA_KIND
     was_keda = (current_status.get("autoscaling") or {}).get("backend") == "keda"
+    keda_error: Exception | None = None
+
+    def converge_keda() -> None:
+        nonlocal keda_error
+        try:
+            converge_child(keda_api, keda_kind)
+        except Exception as exc:
+            if getattr(exc, "status", None) not in (403, 404):
+                raise
+            # KEDA missing (no such resource) or the chart's keda.enabled off (forbidden):
+            # converge everything else, say why in the status, then fail the pass so the
+            # handler retries with backoff and picks KEDA up once it is there.
+            keda_error = exc
+            live[keda_kind] = None
+
     if backend != "keda" and was_keda:
-        converge_child(keda_api, keda_kind)
+        converge_keda()
     for api_version, kind, _optional in CHILD_KINDS:
         converge_child(api_version, kind)
     if backend == "keda":
-        converge_child(keda_api, keda_kind)
+        converge_keda()
 
     deployment = live["Deployment"]
     dstat = (deployment or {}).get("status") or {}
@@ -224,6 +239,12 @@ def converge(
     )
     if "autoscaling" not in new_status and current_status.get("autoscaling") is not None:
         new_status["autoscaling"] = None  # merge patch: null removes it
+    if keda_error is not None:
+        scaling = dict(new_status.get("autoscaling") or {})
+        scaling["message"] = keda_problem(keda_error)
+        if backend != "keda":
+            scaling["backend"] = "keda"  # a ScaledObject may still exist: keep cleaning up
+        new_status["autoscaling"] = scaling
     outcome.phase = new_status["phase"]
     if _status_differs(current_status, new_status):
         changed = sorted(k for k, v in new_status.items() if current_status.get(k) != v)
@@ -237,4 +258,21 @@ def converge(
         parts += [f"deleted {', '.join(outcome.deleted)}"] if outcome.deleted else []
         post_event("Normal", "Reconciled", "; ".join(parts))
         log.info(f"{namespace}/{name}: {'; '.join(parts)}")
+    if keda_error is not None:
+        message = keda_problem(keda_error)
+        if (current_status.get("autoscaling") or {}).get("message") != message:
+            post_event("Warning", "KedaUnavailable", message)
+        raise keda_error
     return outcome
+
+
+def keda_problem(exc: Exception) -> str:
+    if getattr(exc, "status", None) == 403:
+        return (
+            "the operator may not manage keda.sh ScaledObjects: install the sluice-operator "
+            "chart with keda.enabled=true (or set autoscaling.backend: hpa)"
+        )
+    return (
+        "KEDA is not installed: the API server has no keda.sh/v1alpha1 ScaledObject "
+        "resource (install KEDA, or set autoscaling.backend: hpa)"
+    )
