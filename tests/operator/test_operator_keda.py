@@ -449,9 +449,9 @@ def _helm() -> str | None:
 
 @pytest.mark.skipif(not _helm(), reason="helm not found (.tools/bin/helm or PATH): make tools")
 def test_chart_with_keda_enabled_grants_what_the_operator_calls_on_scaled_objects():
-    """get (read before apply), patch (server-side apply; create is implied by an apply that
-    creates) and delete (switch back, autoscaling off); list/watch are granted for kubectl
-    and future use, not needed by the operator (it does not watch ScaledObjects)."""
+    """get (read before apply), patch (server-side apply; an apply that creates is authorized
+    as create too) and delete (switch back, autoscaling off); no list/watch: the operator
+    does not watch ScaledObjects (KEDA's CRD may be absent)."""
     out = subprocess.run(
         [
             _helm(),
@@ -480,6 +480,16 @@ def test_chart_with_keda_enabled_grants_what_the_operator_calls_on_scaled_object
         if "keda.sh" in r["apiGroups"] and "scaledobjects" in r["resources"]
         for v in r["verbs"]
     }
-    assert {"get", "create", "patch", "delete"} <= verbs
+    assert verbs == {"get", "create", "patch", "delete"}  # exactly what converge calls
     api_version, kind, optional = KEDA_KIND
     assert api_version.startswith("keda.sh/") and kind == "ScaledObject" and optional
+
+
+def test_scaled_object_url_is_kedas_namespaced_collection():
+    from sluice_operator.cluster import collection_path
+
+    api_version, kind, _ = KEDA_KIND
+    assert (
+        collection_path(api_version, kind, "team-a")
+        == "/apis/keda.sh/v1alpha1/namespaces/team-a/scaledobjects"
+    )

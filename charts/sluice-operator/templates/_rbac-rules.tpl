@@ -52,10 +52,12 @@ unless peering is enabled. The end-to-end tests run the operator under exactly t
   resources: ["events"]
   verbs: ["create"]
 {{- if .Values.keda.enabled }}
-# keda.enabled: KEDA ScaledObjects for clusters that scale with KEDA instead of the HPA.
+# keda.enabled: KEDA ScaledObjects for models with autoscaling.backend keda: read, server-side
+# applied, deleted when a model moves back to the HPA. Not watched (KEDA's CRD may be absent),
+# so no list/watch.
 - apiGroups: ["keda.sh"]
   resources: ["scaledobjects"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  verbs: ["get", "create", "patch", "delete"]
 {{- end }}
 {{- if .Values.peering.enabled }}
 {{- if .Values.watch.allNamespaces }}
