@@ -102,4 +102,4 @@ def test_negative_control_a_namespace_only_matcher_lets_the_other_model_in(tmp_p
     assert leaky != _query(0.9)
     proc = _promtool(tmp_path, [(leaky, EXPECTED_BUSY[0.9])])
     assert proc.returncode != 0
-    assert "2.555" in proc.stdout.split("got:")[1]  # 0.205 + chat-v2's slow pod's 2.35 s
+    assert "2.555" in (proc.stdout + proc.stderr).split("got:")[1]  # 0.205 + chat-v2's slow pod's 2.35 s
