@@ -163,7 +163,7 @@ def test_scaled_object(settings):
 
 def test_default_server_address_and_polling():
     a = keda_model().spec.autoscaling
-    assert a.keda.server_address == "http://prometheus-server.monitoring.svc:9090"
+    assert a.keda.server_address == "http://prometheus-operated.monitoring.svc:9090"
     assert a.keda.polling_interval_seconds == 30
 
 

@@ -384,13 +384,15 @@ class KedaSpec(ApiModel):
     """Settings used only with autoscaling.backend: keda (the ScaledObject's Prometheus trigger)."""
 
     server_address: str = Field(
-        default="http://prometheus-server.monitoring.svc:9090",
+        default="http://prometheus-operated.monitoring.svc:9090",
         max_length=2048,
         pattern=r"^https?://[^\s]+$",
         description=(
             "URL of the Prometheus that scrapes the model pods; KEDA runs the TTFT query "
-            "there. The default is the prometheus-community chart installed as release "
-            "'prometheus' in namespace 'monitoring'."
+            "there. The default is the Service the Prometheus Operator (kube-prometheus-stack) "
+            "makes in namespace monitoring, the same Prometheus docs/helm.md points "
+            "prometheus-adapter at; for the prometheus-community 'prometheus' chart use "
+            "http://<release>-server.<namespace>.svc (port 80)."
         ),
     )
     polling_interval_seconds: int = Field(
@@ -448,13 +450,16 @@ class AutoscalingSpec(ApiModel):
         description="Which TTFT percentile the target applies to (0.5, 0.75, 0.9, 0.95 or 0.99).",
     )
     scale_up_stabilization_seconds: int = Field(
-        default=0, ge=0, le=3600, description="HPA scale-up stabilization window in seconds."
+        default=0,
+        ge=0,
+        le=3600,
+        description="Scale-up stabilization window in seconds (of our HPA, or of the HPA KEDA makes).",
     )
     scale_down_stabilization_seconds: int = Field(
         default=300,
         ge=0,
         le=3600,
-        description="HPA scale-down stabilization window in seconds (model start-up is slow; avoid flapping).",
+        description="Scale-down stabilization window in seconds, for either backend (model start-up is slow; avoid flapping).",
     )
 
     @model_validator(mode="after")

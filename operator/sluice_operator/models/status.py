@@ -48,7 +48,8 @@ class AutoscalingStatus(ApiModel):
     )
 
     metric: str | None = Field(
-        default=None, description="Custom metric the HPA reads (sluice_ttft_pNN_seconds)."
+        default=None,
+        description="The TTFT metric scaled on (sluice_ttft_pNN_seconds; with KEDA, the same query in the ScaledObject's trigger).",
     )
     target_ttft_milliseconds: int | None = Field(
         default=None,
