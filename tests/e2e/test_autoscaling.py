@@ -68,6 +68,7 @@ NODE_CPUS = 3  # room for 3 pods
 SIM = {"ttftMs": 200, "itlMs": 10, "ttftPerStreamMs": 200, "jitter": 0}
 LOAD_A, LOAD_B = 22, 60
 SCALE_DOWN_STABILIZATION = 20
+HPA_TOLERANCE = 0.1  # kube-controller-manager --horizontal-pod-autoscaler-tolerance default
 
 
 def _body() -> dict:
@@ -289,9 +290,11 @@ def run(kube, cp, node, prometheus, adapter, operator, workdir):
 
         a["client_under_target_s"] = wait(under_target, 180, interval=2, origin=t_load)
         a["client_p90_when_under_ms"] = client_p90_ms(time.time() - 15)
-        # hold until the HPA's 1 m view has caught up with the client's
-        a["hpa_metric_under_target_s"] = wait(lambda: (hpa_metric_ms() or 1e9) < TARGET_MS, 120,
-                                              interval=2, origin=t_load)  # fmt: skip
+        # hold until the HPA's 1 m view has caught up with the client's: within the HPA
+        # controller's 10 % tolerance of the target, where it stops adding replicas
+        a["hpa_metric_settled_s"] = wait(
+            lambda: (hpa_metric_ms() or 1e9) <= TARGET_MS * (1 + HPA_TOLERANCE), 120,
+            interval=2, origin=t_load)  # fmt: skip
         a["client_p90_sustained_ms"] = client_p90_ms(time.time() - 30)
         p50 = load.ttft_quantile(0.5, time.time() - 30)
         a["client_p50_sustained_ms"] = None if p50 is None else round(p50 * 1000)
@@ -409,7 +412,7 @@ def test_1_load_over_target_scales_up_and_ttft_falls_under_target(run, node):
     # and stays there: the median of the last 30 s (p90 is logged; on a busy machine the
     # client's own scheduling delays show up in its tail)
     assert a["client_p50_sustained_ms"] < TARGET_MS, a
-    assert a["hpa_metric_under_target_s"] is not None, f"the HPA's metric stayed over target: {a}"
+    assert a["hpa_metric_settled_s"] is not None, f"the HPA's metric stayed over target: {a}"
     running = [p for p in a["pods"] if p[2] == "Running"]
     assert len(running) >= 2 and all(p[1] == node.name for p in running), a["pods"]
     # new pods serve: the load reached more than one pod IP, each a process of the node
