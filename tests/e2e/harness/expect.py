@@ -18,7 +18,7 @@ def expected_kinds(spec: dict) -> set[str]:
     scaling_on = autoscaling is not None and autoscaling.get("enabled", True)
     if (spec.get("ingress") or {}).get("enabled"):
         kinds.add("Ingress")
-    if scaling_on:
+    if scaling_on and autoscaling.get("backend", "hpa") == "hpa":
         kinds.add("HorizontalPodAutoscaler")
     most = autoscaling.get("maxReplicas", 4) if scaling_on else spec.get("replicas", 1)
     if most > 1:
