@@ -473,3 +473,36 @@ def test_4_status_shows_last_ttft_reading(run):
         )
     assert autoscaling.get("desiredReplicas") == run["phases"]["A"]["hpa"]["desired_replicas"]
     assert autoscaling.get("currentTTFTMilliseconds") is not None
+
+
+def test_adapter_negative_control_plain_quantile_loses_idle_pods(
+    run, adapter, prometheus, cp, tmp_path
+):
+    """The adapter is only as good as the rule it evaluates: with the plain quantile (the
+    chart's query without its idle-pod branches) the now idle pod gets NaN, i.e. no value,
+    and the HPA could not scale an idle model down. The chart's rule gives it 0."""
+    import yaml
+
+    from .autoscaling.adapter import RULES_FILE
+
+    rules = yaml.safe_load(RULES_FILE.read_text())
+    for r in rules["rules"]:
+        plain = r["metricsQuery"].split(" > 0)")[0]
+        assert plain.startswith("(histogram_quantile(")
+        r["metricsQuery"] = plain[1:]
+    broken_file = tmp_path / "plain-quantile-rules.yaml"
+    broken_file.write_text(yaml.safe_dump(rules))
+    own = config.new_client_from_config(
+        config_file=str(cp.client_kubeconfig("metrics-adapter-control", ADAPTER_USER))
+    )
+    broken = CustomMetricsAdapter(tmp_path / "adapter", prometheus, own,
+                                  cp.front_proxy_ca.cert_path, rules_file=broken_file)  # fmt: skip
+    try:
+        selector = f"app.kubernetes.io/instance={NAME}"
+        got_plain = broken.metric_values(NAMESPACE, "*", "sluice_ttft_p90_seconds", selector)
+        got_chart = adapter.metric_values(NAMESPACE, "*", "sluice_ttft_p90_seconds", selector)
+    finally:
+        broken.stop()
+    assert [i["value"] for i in got_chart["items"]] == ["0m"], got_chart
+    assert got_plain["items"] == [], got_plain
+    assert any("nan" in a.lower() for a in broken.anomalies), broken.anomalies

@@ -117,7 +117,8 @@ class CustomMetricsAdapter:
         return self
 
     def stop(self) -> None:
-        self._server.shutdown()
+        if self._thread is not None:  # shutdown() waits for serve_forever: only if it runs
+            self._server.shutdown()
         self._server.server_close()
 
     # --- the API --------------------------------------------------------------------
