@@ -263,6 +263,16 @@ def run(kube, cp, node, prometheus, adapter, operator, workdir):
         return (st.get("replicas") == (dep.status.replicas or 0)
                 and st.get("ready") == f"{dep.status.ready_replicas or 0}/{dep.spec.replicas}")  # fmt: skip
 
+    def autoscaling_matches() -> bool:
+        """status.autoscaling against the HPA read after it: desired/current replicas and the
+        last TTFT reading (ms, the HPA's currentMetrics)."""
+        st = (_status(models).get("autoscaling")) or {}
+        hpa = _hpa(kube).status
+        ms = hpa_metric_ms()
+        return (st.get("desiredReplicas") == hpa.desired_replicas
+                and st.get("currentReplicas") == hpa.current_replicas
+                and ms is not None and st.get("currentTTFTMilliseconds") == round(ms))  # fmt: skip
+
     def client_p90_ms(since_wall: float, until_wall: float | None = None) -> int | None:
         p90 = load.ttft_quantile(0.9, since_wall, until_wall)
         return None if p90 is None else round(p90 * 1000)
@@ -304,6 +314,10 @@ def run(kube, cp, node, prometheus, adapter, operator, workdir):
                      for p in models.pods(NAMESPACE, NAME)]  # fmt: skip
         a["served_by"] = sorted({s.endpoint for s in load.window(time.time() - 15) if s.ttft})
         a["status_matches_s"] = wait(status_matches, 30)
+        a["autoscaling_matches_s"] = wait(autoscaling_matches, 30)
+        a["hpa_conditions_now"] = [
+            (x.type, x.status, x.reason) for x in _hpa(kube).status.conditions or []
+        ]
         a["status"] = _status(models)
         a["t_end"] = since()
         seen["phases"]["A"] = a
@@ -342,6 +356,10 @@ def run(kube, cp, node, prometheus, adapter, operator, workdir):
                             and c.status == "False"), None))
                      for p in models.pods(NAMESPACE, NAME)]  # fmt: skip
         b["status_matches_s"] = wait(status_matches, 30)
+        b["autoscaling_matches_s"] = wait(autoscaling_matches, 30)
+        b["hpa_conditions_now"] = [
+            (x.type, x.status, x.reason) for x in _hpa(kube).status.conditions or []
+        ]
         b["status"] = _status(models)
         b["t_end"] = since()
         seen["phases"]["B"] = b
@@ -363,6 +381,10 @@ def run(kube, cp, node, prometheus, adapter, operator, workdir):
             # requests after the last stream's 1 m rate window has emptied: idle pods
             c["idle_requests"] = [r for r in adapter.requests if r["time"] > stopped + 65]
         c["status_matches_s"] = wait(status_matches, 30)
+        c["autoscaling_matches_s"] = wait(autoscaling_matches, 30)
+        c["hpa_conditions_now"] = [
+            (x.type, x.status, x.reason) for x in _hpa(kube).status.conditions or []
+        ]
         c["status"] = _status(models)
         c["t_end"] = since()
         seen["phases"]["C"] = c
@@ -464,15 +486,35 @@ def test_4_status_shows_replicas(run):
     assert run["phases"]["C"]["status"]["ready"] == "1/1"
 
 
-def test_4_status_shows_last_ttft_reading(run):
-    st = run["phases"]["A"]["status"]
-    autoscaling = st.get("autoscaling")
-    if autoscaling is None:
-        pytest.xfail(
-            "the operator does not report the HPA's metric in the StreamingModel status yet"
+def test_4_status_shows_desired_replicas_and_last_ttft_reading(run):
+    """status.autoscaling: desired/current replicas and the last TTFT reading equal the HPA's
+    (within 30 s) in every phase."""
+    for phase in ("A", "B", "C"):
+        ph = run["phases"][phase]
+        assert ph["autoscaling_matches_s"] is not None, (
+            phase,
+            ph["status"].get("autoscaling"),
+            ph["hpa"],
         )
-    assert autoscaling.get("desiredReplicas") == run["phases"]["A"]["hpa"]["desired_replicas"]
-    assert autoscaling.get("currentTTFTMilliseconds") is not None
+        st = ph["status"]["autoscaling"]
+        assert (
+            st["metric"] == "sluice_ttft_p90_seconds" and st["targetTTFTMilliseconds"] == TARGET_MS
+        )
+    assert run["phases"]["B"]["status"]["autoscaling"]["currentTTFTMilliseconds"] > TARGET_MS
+    assert run["phases"]["C"]["status"]["autoscaling"]["currentTTFTMilliseconds"] == 0
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="intermittent (1 run of 2): the operator kept status.autoscaling.message from the "
+    "HPA's first sync ('no metrics returned') after the metric was read; reported to O1",
+)
+def test_4_status_message_clears_once_the_metric_is_read(run):
+    c = run["phases"]["C"]
+    assert ("ScalingActive", "True", "ValidMetricFound") in c["hpa_conditions_now"]
+    assert "unable" not in (c["status"]["autoscaling"].get("message") or ""), c["status"][
+        "autoscaling"
+    ]
 
 
 def test_adapter_negative_control_plain_quantile_loses_idle_pods(
