@@ -1,0 +1,96 @@
+{{/*
+Names. Kubernetes names and label values stop at 63 characters, so every name is
+truncated there and a trailing dash left by the cut is removed.
+*/}}
+
+{{/* The chart name, or nameOverride. */}}
+{{- define "sluice-operator.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+The full name of the release's objects: fullnameOverride, else "<release>-<chart>",
+else just the release name when it already contains the chart name.
+*/}}
+{{- define "sluice-operator.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A name derived from the full name plus a suffix, still within 63 characters. */}}
+{{- define "sluice-operator.suffixed" -}}
+{{- $root := index . 0 -}}
+{{- $suffix := index . 1 -}}
+{{- $base := include "sluice-operator.fullname" $root | trunc (int (sub 62 (len $suffix))) | trimSuffix "-" -}}
+{{- printf "%s-%s" $base $suffix -}}
+{{- end -}}
+
+{{/* "chart-version" for the helm.sh/chart label ('+' is not allowed in label values). */}}
+{{- define "sluice-operator.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Labels on every object. */}}
+{{- define "sluice-operator.labels" -}}
+helm.sh/chart: {{ include "sluice-operator.chart" . }}
+{{ include "sluice-operator.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Values.image.tag | default .Chart.AppVersion | trunc 63 | trimSuffix "-" | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: sluice
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Labels that select the operator's pods; they never change across upgrades. */}}
+{{- define "sluice-operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "sluice-operator.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{/* The ServiceAccount the operator runs as. */}}
+{{- define "sluice-operator.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "sluice-operator.fullname" .) .Values.serviceAccount.name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The image reference: a digest wins over a tag; the tag defaults to appVersion. */}}
+{{- define "sluice-operator.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The namespaces the operator watches when watch.allNamespaces is false: the list given,
+else the release namespace. Returned as a JSON list (templates cannot return lists).
+*/}}
+{{- define "sluice-operator.watchNamespaces" -}}
+{{- $list := .Values.watch.namespaces | default (list .Release.Namespace) -}}
+{{- toJson (uniq $list) -}}
+{{- end -}}
+
+{{/*
+The operator's extra environment (the ConfigMap's data). Always holds one key, so the
+ConfigMap is never empty and the checksum always has something to hash.
+*/}}
+{{- define "sluice-operator.configData" -}}
+SLUICE_OPERATOR_RELEASE: {{ .Release.Name | quote }}
+{{- range $k, $v := .Values.operator.env }}
+{{ $k }}: {{ $v | quote }}
+{{- end }}
+{{- end -}}

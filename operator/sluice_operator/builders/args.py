@@ -1,0 +1,78 @@
+"""The server's command line, exactly as in docs/design.md ("Server command line")."""
+
+from __future__ import annotations
+
+from ..models.resource import API_KEYS_DIR, API_KEYS_FILE, StreamingModel
+from ..models.spec import SimulatorSpec
+from .common import PORT, fmt_number
+
+# SIGTERM to exit: the pod keeps serving in-flight streams for the stream timeout, after a
+# short preStop pause that lets endpoints and the ingress stop sending new requests.
+PRESTOP_SECONDS = 5
+DRAIN_MARGIN_SECONDS = 15
+
+
+def drain_seconds(model: StreamingModel) -> int:
+    return model.spec.streaming.stream_timeout_seconds
+
+
+def termination_grace_seconds(model: StreamingModel) -> int:
+    return PRESTOP_SECONDS + drain_seconds(model) + DRAIN_MARGIN_SECONDS
+
+
+def server_args(model: StreamingModel) -> list[str]:
+    spec, src = model.spec, model.source
+    args = ["--model", src.model_arg]
+    if src.revision:
+        args += ["--revision", src.revision]
+    args += ["--served-model-name", model.served_name, "--host", "0.0.0.0", "--port", str(PORT)]
+    args += ["--engine", spec.engine.backend]
+
+    if not model.simulated:
+        e, p = spec.engine, spec.parallelism
+        args += [
+            "--tensor-parallel-size",
+            str(p.tensor),
+            "--pipeline-parallel-size",
+            str(p.pipeline),
+        ]
+        args += ["--gpu-memory-utilization", fmt_number(e.gpu_memory_utilization)]
+        for flag, value in (
+            ("--max-model-len", e.max_model_len),
+            ("--max-num-seqs", e.max_num_seqs),
+            ("--max-num-batched-tokens", e.max_num_batched_tokens),
+            ("--swap-space", e.swap_space_gib),
+        ):
+            if value is not None:
+                args += [flag, fmt_number(value)]
+        args += ["--dtype", e.dtype]
+        if e.quantization:
+            args += ["--quantization", e.quantization]
+
+    s = spec.streaming
+    args += ["--protocols", ",".join(sorted(s.protocols))]
+    args += ["--heartbeat-seconds", str(s.heartbeat_seconds)]
+    args += ["--max-concurrent-streams", str(s.max_concurrent_streams)]
+    args += ["--stream-timeout-seconds", str(s.stream_timeout_seconds)]
+    args += ["--drain-timeout-seconds", str(drain_seconds(model))]
+
+    auth = spec.auth
+    if auth.api_key_secret_ref:
+        args += ["--api-key-file", f"{API_KEYS_DIR}/{API_KEYS_FILE}"]
+    if auth.rate_limit.requests_per_minute:
+        args += ["--rate-limit-rpm", str(auth.rate_limit.requests_per_minute)]
+    if auth.rate_limit.tokens_per_minute:
+        args += ["--rate-limit-tpm", str(auth.rate_limit.tokens_per_minute)]
+
+    if model.simulated:
+        sim = spec.engine.simulator or SimulatorSpec()
+        args += ["--sim-ttft-ms", fmt_number(sim.ttft_ms), "--sim-itl-ms", fmt_number(sim.itl_ms)]
+        args += [
+            "--sim-ttft-per-stream-ms",
+            fmt_number(sim.ttft_per_stream_ms),
+            "--sim-jitter",
+            fmt_number(sim.jitter),
+        ]
+    elif spec.engine.extra_args:
+        args += ["--", *spec.engine.extra_args]
+    return args

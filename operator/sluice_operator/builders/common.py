@@ -1,0 +1,41 @@
+"""Names, labels and small helpers every builder shares (docs/design.md, "Labels")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..models.resource import StreamingModel
+
+PORT = 8000
+PORT_NAME = "http"
+MANAGER = "sluice-operator"
+NAME_LABEL = "app.kubernetes.io/name"
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+
+
+def selector_labels(model: StreamingModel) -> dict[str, str]:
+    """The immutable Deployment selector: never add to it (changing it needs a new Deployment)."""
+    return {NAME_LABEL: "sluice-server", INSTANCE_LABEL: model.name}
+
+
+def labels(model: StreamingModel) -> dict[str, str]:
+    return {
+        **selector_labels(model),
+        MANAGED_BY_LABEL: MANAGER,
+        "app.kubernetes.io/component": "model-server",
+        "app.kubernetes.io/part-of": "sluice",
+    }
+
+
+def metadata(model: StreamingModel, **extra: Any) -> dict[str, Any]:
+    return {"name": model.name, "namespace": model.namespace, "labels": labels(model), **extra}
+
+
+def selector_string(model: StreamingModel) -> str:
+    return ",".join(f"{k}={v}" for k, v in selector_labels(model).items())
+
+
+def fmt_number(value: float) -> str:
+    """0.92 -> '0.92', 16.0 -> '16' (flags and annotations are strings)."""
+    return f"{value:g}"

@@ -1,0 +1,198 @@
+"""The model server Deployment: GPUs, volumes, probes, drain, hardened pod."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..models.resource import API_KEYS_DIR, API_KEYS_FILE, CACHE_DIR, MODEL_PVC_DIR, StreamingModel
+from .args import PRESTOP_SECONDS, server_args, termination_grace_seconds
+from .common import PORT, PORT_NAME, labels, metadata, selector_labels
+
+# Loading a large model (download + weights into GPU memory + CUDA graphs) takes tens of
+# minutes; the startup probe holds liveness off that long. The Deployment's progress
+# deadline must be longer, or a slow first start is reported as a failed rollout.
+STARTUP_PERIOD_SECONDS = 10
+STARTUP_FAILURE_THRESHOLD = 180  # 30 minutes
+PROGRESS_DEADLINE_SECONDS = STARTUP_PERIOD_SECONDS * STARTUP_FAILURE_THRESHOLD + 600
+# The serving image runs as this non-root user (fsGroup makes the cache and secrets readable).
+RUN_AS = 65532
+
+
+def _resources(model: StreamingModel) -> dict[str, Any]:
+    r = model.spec.resources
+    requests = {
+        k: str(v)
+        for k, v in (("cpu", r.requests.cpu), ("memory", r.requests.memory))
+        if v is not None
+    }
+    limits = {
+        k: str(v) for k, v in (("cpu", r.limits.cpu), ("memory", r.limits.memory)) if v is not None
+    }
+    if not model.simulated:
+        # Extended resources: requests must equal limits; setting both keeps that explicit.
+        requests[r.gpu_resource_name] = str(r.gpus)
+        limits[r.gpu_resource_name] = str(r.gpus)
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _env(model: StreamingModel) -> list[dict[str, Any]]:
+    env: dict[str, dict[str, Any]] = {
+        "HOME": {"name": "HOME", "value": "/tmp"},
+        "HF_HOME": {"name": "HF_HOME", "value": f"{CACHE_DIR}/hf"},
+        "VLLM_CACHE_ROOT": {"name": "VLLM_CACHE_ROOT", "value": f"{CACHE_DIR}/vllm"},
+        "VLLM_NO_USAGE_STATS": {"name": "VLLM_NO_USAGE_STATS", "value": "1"},
+    }
+    for var in model.spec.engine.env:
+        env[var.name] = var.model_dump(by_alias=True, exclude_none=True)
+    ref = model.spec.model.hf_token_secret_ref
+    if ref:  # last, so a user env entry cannot shadow the Secret; never an argument
+        env["HF_TOKEN"] = {
+            "name": "HF_TOKEN",
+            "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
+        }
+    return list(env.values())
+
+
+def _volumes(model: StreamingModel) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    spec = model.spec
+    volumes: list[dict[str, Any]] = [
+        {
+            "name": "dshm",
+            "emptyDir": {"medium": "Memory", "sizeLimit": str(spec.resources.shared_memory_size)},
+        },
+        {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "cache", "mountPath": CACHE_DIR},
+    ]
+    cache = spec.model.cache
+    if cache.pvc_name:
+        volumes.append({"name": "cache", "persistentVolumeClaim": {"claimName": cache.pvc_name}})
+    else:
+        volumes.append({"name": "cache", "emptyDir": {"sizeLimit": str(cache.size_limit)}})
+    src = model.source
+    if src.kind == "pvc":
+        volumes.append(
+            {"name": "model", "persistentVolumeClaim": {"claimName": src.claim, "readOnly": True}}
+        )
+        mounts.append({"name": "model", "mountPath": MODEL_PVC_DIR, "readOnly": True})
+    ref = spec.auth.api_key_secret_ref
+    if ref:
+        volumes.append(
+            {
+                "name": "api-keys",
+                "secret": {
+                    "secretName": ref.name,
+                    "items": [{"key": ref.key, "path": API_KEYS_FILE}],
+                    "defaultMode": 0o440,
+                },
+            }
+        )
+        mounts.append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
+    return volumes, mounts
+
+
+def _probe(path: str, period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": PORT_NAME},
+        "periodSeconds": period,
+        "timeoutSeconds": timeout,
+        "failureThreshold": failures,
+    }
+
+
+def pod_annotations(model: StreamingModel) -> dict[str, str]:
+    return {
+        **model.spec.pod_annotations,
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(PORT),
+        "prometheus.io/path": "/metrics",
+    }
+
+
+def desired_deployment(model: StreamingModel) -> dict[str, Any]:
+    spec = model.spec
+    volumes, mounts = _volumes(model)
+    container: dict[str, Any] = {
+        "name": "server",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["sluice-server"],
+        "args": server_args(model),
+        "ports": [{"name": PORT_NAME, "containerPort": PORT, "protocol": "TCP"}],
+        "env": _env(model),
+        "resources": _resources(model),
+        "volumeMounts": mounts,
+        "startupProbe": _probe("/health", STARTUP_PERIOD_SECONDS, STARTUP_FAILURE_THRESHOLD),
+        "readinessProbe": _probe("/ready", 5, 2),
+        "livenessProbe": _probe("/health", 15, 4),
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SECONDS}}},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "terminationGracePeriodSeconds": termination_grace_seconds(model),
+        "automountServiceAccountToken": False,  # the server never calls the Kubernetes API
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS,
+            "runAsGroup": RUN_AS,
+            "fsGroup": RUN_AS,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    r = spec.resources
+    optional = {
+        "serviceAccountName": spec.service_account_name,
+        "priorityClassName": r.priority_class_name,
+        "nodeSelector": dict(r.node_selector) or None,
+        "tolerations": [t.model_dump(by_alias=True, exclude_none=True) for t in r.tolerations]
+        or None,
+        "affinity": r.affinity,
+        "imagePullSecrets": [{"name": s.name} for s in spec.image_pull_secrets] or None,
+    }
+    pod_spec.update({k: v for k, v in optional.items() if v})
+
+    deployment_spec: dict[str, Any] = {
+        "selector": {"matchLabels": selector_labels(model)},
+        # GPUs are scarce: replace pods one at a time instead of surging a spare one.
+        "strategy": {
+            "type": "RollingUpdate",
+            "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+        },
+        "revisionHistoryLimit": 3,
+        "progressDeadlineSeconds": PROGRESS_DEADLINE_SECONDS,
+        "template": {
+            "metadata": {
+                "labels": {**spec.pod_labels, **labels(model)},
+                "annotations": pod_annotations(model),
+            },
+            "spec": pod_spec,
+        },
+    }
+    # With autoscaling the HPA owns .spec.replicas; leaving it out of the apply lets the
+    # HPA's value stand instead of being reset on every reconcile.
+    if not spec.autoscaling_enabled:
+        deployment_spec["replicas"] = spec.replicas
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(model),
+        "spec": deployment_spec,
+    }

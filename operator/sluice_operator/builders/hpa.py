@@ -1,0 +1,70 @@
+"""HorizontalPodAutoscaler (autoscaling/v2) on per-pod time to first token.
+
+The metric comes from the custom metrics API (prometheus-adapter with the operator chart's
+rule, docs/design.md "Autoscaling metric"): `sluice_ttft_p<NN>_seconds` per pod.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..models.resource import StreamingModel
+from .common import metadata
+from .metrics import ttft_metric_name
+
+
+def ttft_target(milliseconds: int) -> str:
+    """500 ms -> '500m' (a quantity in seconds: milli-seconds are milli-units)."""
+    return f"{milliseconds}m"
+
+
+def desired_hpa(model: StreamingModel) -> dict[str, Any] | None:
+    spec = model.spec
+    if spec.autoscaling_backend != "hpa":
+        return None
+    a = spec.autoscaling
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": metadata(model),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": model.name},
+            "minReplicas": a.min_replicas,
+            "maxReplicas": a.max_replicas,
+            "metrics": [
+                {
+                    "type": "Pods",
+                    "pods": {
+                        "metric": {"name": ttft_metric_name(a.ttft_percentile)},
+                        "target": {
+                            "type": "AverageValue",
+                            "averageValue": ttft_target(a.target_ttft_milliseconds),
+                        },
+                    },
+                }
+            ],
+            "behavior": hpa_behavior(model),
+        },
+    }
+
+
+def hpa_behavior(model: StreamingModel) -> dict[str, Any]:
+    """Shared with the KEDA ScaledObject, which hands it to the HPA that KEDA makes."""
+    a = model.spec.autoscaling
+    assert a is not None
+    return {
+        # GPU pods take minutes to become ready: add capacity quickly, remove it slowly.
+        "scaleUp": {
+            "stabilizationWindowSeconds": a.scale_up_stabilization_seconds,
+            "selectPolicy": "Max",
+            "policies": [
+                {"type": "Pods", "value": 2, "periodSeconds": 60},
+                {"type": "Percent", "value": 100, "periodSeconds": 60},
+            ],
+        },
+        "scaleDown": {
+            "stabilizationWindowSeconds": a.scale_down_stabilization_seconds,
+            "selectPolicy": "Min",
+            "policies": [{"type": "Pods", "value": 1, "periodSeconds": 120}],
+        },
+    }

@@ -1,0 +1,88 @@
+"""Streaming-safe Nginx Ingress: no response or request buffering, timeouts >= stream timeout.
+
+Two controllers answer to "nginx" in the field: the community ingress-nginx
+(`nginx.ingress.kubernetes.io/*`, project retired but widely deployed) and F5's NGINX
+Ingress Controller (`nginx.org/*`). Both default to the class name `nginx`, so
+`spec.ingress.controller` says which one when the class name cannot.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..models.resource import StreamingModel
+from .common import PORT_NAME, metadata
+
+# Idle time nginx tolerates on top of the stream timeout before it cuts a connection.
+TIMEOUT_MARGIN_SECONDS = 30
+_F5_HINTS = ("nginx-org", "nginx-plus", "f5")
+
+
+def controller(model: StreamingModel) -> str:
+    ing = model.spec.ingress
+    if ing.controller != "auto":
+        return ing.controller
+    return "f5-nginx" if any(h in ing.class_name for h in _F5_HINTS) else "ingress-nginx"
+
+
+def streaming_annotations(model: StreamingModel) -> dict[str, str]:
+    spec = model.spec
+    timeout = spec.streaming.stream_timeout_seconds + TIMEOUT_MARGIN_SECONDS
+    body = str(spec.ingress.max_body_size)
+    if controller(model) == "f5-nginx":
+        out = {
+            "nginx.org/proxy-buffering": "false",
+            "nginx.org/proxy-read-timeout": f"{timeout}s",
+            "nginx.org/proxy-send-timeout": f"{timeout}s",
+            "nginx.org/client-max-body-size": body,
+        }
+        if "websocket" in spec.streaming.protocols:
+            out["nginx.org/websocket-services"] = model.name  # F5 needs WebSocket upstreams named
+        return out
+    prefix = "nginx.ingress.kubernetes.io"
+    return {
+        f"{prefix}/proxy-buffering": "off",
+        f"{prefix}/proxy-request-buffering": "off",
+        f"{prefix}/proxy-http-version": "1.1",
+        f"{prefix}/proxy-read-timeout": str(timeout),
+        f"{prefix}/proxy-send-timeout": str(timeout),
+        f"{prefix}/proxy-body-size": body,
+    }
+
+
+def desired_ingress(model: StreamingModel) -> dict[str, Any] | None:
+    ing = model.spec.ingress
+    if not ing.enabled:
+        return None
+    rule: dict[str, Any] = {
+        "http": {
+            "paths": [
+                {
+                    "path": ing.path,
+                    "pathType": "Prefix",
+                    "backend": {"service": {"name": model.name, "port": {"name": PORT_NAME}}},
+                }
+            ]
+        }
+    }
+    if ing.host:
+        rule = {"host": ing.host, **rule}
+    spec: dict[str, Any] = {"ingressClassName": ing.class_name, "rules": [rule]}
+    if ing.tls_secret_name:
+        spec["tls"] = [{"hosts": [ing.host], "secretName": ing.tls_secret_name}]
+    annotations = {**streaming_annotations(model), **ing.annotations}  # the user's win
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "Ingress",
+        "metadata": metadata(model, annotations=annotations),
+        "spec": spec,
+    }
+
+
+def ingress_url(model: StreamingModel) -> str | None:
+    ing = model.spec.ingress
+    if not ing.enabled:
+        return None
+    scheme = "https" if ing.tls_secret_name else "http"
+    host = ing.host or "<ingress-address>"
+    return f"{scheme}://{host}{ing.path.rstrip('/')}"

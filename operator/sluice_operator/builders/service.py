@@ -1,0 +1,33 @@
+"""ClusterIP Service: HTTP, SSE, WebSocket and /metrics all on port 8000, named `http`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..models.resource import StreamingModel
+from .common import PORT, PORT_NAME, metadata, selector_labels
+
+
+def desired_service(model: StreamingModel) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(model),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(model),
+            "ports": [
+                {
+                    "name": PORT_NAME,
+                    "port": PORT,
+                    "targetPort": PORT_NAME,
+                    "protocol": "TCP",
+                    "appProtocol": "http",
+                }
+            ],
+        },
+    }
+
+
+def service_url(model: StreamingModel) -> str:
+    return f"http://{model.name}.{model.namespace}.svc:{PORT}"

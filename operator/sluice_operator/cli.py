@@ -1,0 +1,127 @@
+"""Command line: `crds` (generate the CRD), `render` (print manifests), `run` (the operator).
+
+Nothing here talks to a cluster except `run`, and that only after argument parsing, so the
+first two work on a laptop without a kubeconfig (GitOps users render and commit the output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _repo_root() -> Path:
+    # operator/sluice_operator/cli.py -> repository root (the CRD lives in crds/ there).
+    return Path(__file__).resolve().parents[2]
+
+
+def _cmd_crds(args: argparse.Namespace) -> int:
+    from .crd import render_crd, stale_crds, write_crds
+
+    root = Path(args.root) if args.root else _repo_root()
+    if args.write:
+        for path in write_crds(root):
+            print(f"wrote {path}")
+        return 0
+    if args.check:
+        stale = stale_crds(root)
+        for path in stale:
+            print(f"stale: {path} (run `make crds`)", file=sys.stderr)
+        return 1 if stale else 0
+    sys.stdout.write(render_crd())
+    return 0
+
+
+def _cmd_render(args: argparse.Namespace) -> int:
+    from .render import render_file
+    from .validation import SpecError
+
+    try:
+        text = render_file(Path(args.file), namespace=args.namespace)
+    except SpecError as exc:
+        print(f"{args.file}: invalid StreamingModel: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(text)
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from .runner import run
+
+    return run(
+        namespaces=args.namespace,
+        all_namespaces=args.all_namespaces,
+        liveness=args.liveness,
+        verbose=args.verbose,
+        standalone=args.standalone or not args.peering,
+        peering=args.peering,
+        log_format=args.log_format,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sluice-operator", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    crds = commands.add_parser("crds", help="print, write or check the generated CRD")
+    mode = crds.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--write", action="store_true", help="write crds/ and charts/sluice-operator/crds/"
+    )
+    mode.add_argument(
+        "--check", action="store_true", help="exit 1 when the checked-in CRD files are stale"
+    )
+    crds.add_argument(
+        "--root", help="repository root (default: the checkout this package lives in)"
+    )
+    crds.set_defaults(func=_cmd_crds)
+
+    render = commands.add_parser(
+        "render", help="print the manifests the operator would apply for a StreamingModel"
+    )
+    render.add_argument(
+        "-f",
+        "--file",
+        required=True,
+        help="StreamingModel YAML (one or more documents; - for stdin)",
+    )
+    render.add_argument(
+        "-n",
+        "--namespace",
+        default=None,
+        help="namespace when the file does not set one (default: default)",
+    )
+    render.set_defaults(func=_cmd_render)
+
+    run = commands.add_parser(
+        "run", help="run the operator against the current kubeconfig or in-cluster config"
+    )
+    scope = run.add_mutually_exclusive_group()
+    scope.add_argument(
+        "-n", "--namespace", action="append", default=[], help="watch this namespace (repeatable)"
+    )
+    scope.add_argument(
+        "-A", "--all-namespaces", action="store_true", help="watch all namespaces (default)"
+    )
+    run.add_argument(
+        "--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint URL"
+    )
+    peer = run.add_mutually_exclusive_group()
+    peer.add_argument(
+        "--standalone", action="store_true", help="no peering (the default without --peering)"
+    )
+    peer.add_argument(
+        "--peering", default=None, help="kopf peering object name (several replicas, one active)"
+    )
+    run.add_argument(
+        "--log-format", choices=["json", "plain", "full"], default="json", help="log format"
+    )
+    run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    run.set_defaults(func=_cmd_run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)

@@ -1,0 +1,127 @@
+"""The few Kubernetes API calls the operator makes, behind one small interface.
+
+Handlers talk to a `Cluster`; production uses `KubeCluster` (the official client, any
+kubeconfig or in-cluster config), tests use a fake that counts calls. Every call here is
+listed in operator/README.md ("Kubernetes API access"), which the chart's RBAC follows.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Protocol
+
+from .models import GROUP, PLURAL, VERSION
+
+FIELD_MANAGER = "sluice-operator"
+
+# (apiVersion, kind) -> URL collection segment under /api or /apis.
+_PLURALS = {
+    ("v1", "Service"): "services",
+    ("v1", "Pod"): "pods",
+    ("apps/v1", "Deployment"): "deployments",
+    ("networking.k8s.io/v1", "Ingress"): "ingresses",
+    ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
+    (f"{GROUP}/{VERSION}", "StreamingModel"): PLURAL,
+}
+
+
+def collection_path(api_version: str, kind: str, namespace: str) -> str:
+    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    return f"{prefix}/namespaces/{namespace}/{_PLURALS[(api_version, kind)]}"
+
+
+class Cluster(Protocol):
+    def get(
+        self, api_version: str, kind: str, namespace: str, name: str
+    ) -> dict[str, Any] | None: ...
+
+    def apply(self, manifest: dict[str, Any]) -> dict[str, Any]: ...
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None: ...
+
+    def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]: ...
+
+    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None: ...
+
+
+class KubeCluster:
+    """`Cluster` over the official Python client's ApiClient (raw paths, JSON in and out)."""
+
+    def __init__(self, api_client: Any | None = None) -> None:
+        from kubernetes import client
+
+        self._client = api_client or client.ApiClient()
+
+    def _call(self, method: str, path: str, *, query=None, body=None, content_type=None) -> Any:
+        from kubernetes.client.exceptions import ApiException
+
+        headers = {"Accept": "application/json"}
+        if content_type:
+            headers["Content-Type"] = content_type
+        method, url, headers, body, post = self._client.param_serialize(
+            method=method,
+            resource_path=path,
+            query_params=query or [],
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        resp = self._client.call_api(
+            method, url, header_params=headers, body=body, post_params=post
+        )
+        resp.read()
+        if not 200 <= resp.status <= 299:
+            text = resp.data.decode(errors="replace") if resp.data else None
+            raise ApiException.from_response(http_resp=resp, body=text, data=None)
+        return json.loads(resp.data) if resp.data else None
+
+    def get(self, api_version, kind, namespace, name):
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            return self._call("GET", f"{collection_path(api_version, kind, namespace)}/{name}")
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def apply(self, manifest):
+        meta = manifest["metadata"]
+        path = f"{collection_path(manifest['apiVersion'], manifest['kind'], meta['namespace'])}/{meta['name']}"
+        # JSON is YAML: the apply-patch content type takes the JSON body as is. force: the
+        # operator owns these fields; a hand edit must not block convergence.
+        return self._call(
+            "PATCH",
+            path,
+            query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
+            body=manifest,
+            content_type="application/apply-patch+yaml",
+        )
+
+    def delete(self, api_version, kind, namespace, name):
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            self._call(
+                "DELETE",
+                f"{collection_path(api_version, kind, namespace)}/{name}",
+                body={"propagationPolicy": "Background"},
+                content_type="application/json",
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    def list_pods(self, namespace, selector):
+        data = self._call(
+            "GET", collection_path("v1", "Pod", namespace), query=[("labelSelector", selector)]
+        )
+        return (data or {}).get("items") or []
+
+    def patch_status(self, namespace, name, status):
+        path = f"{collection_path(f'{GROUP}/{VERSION}', 'StreamingModel', namespace)}/{name}/status"
+        self._call(
+            "PATCH", path, body={"status": status}, content_type="application/merge-patch+json"
+        )

@@ -1,0 +1,74 @@
+"""A validated StreamingModel as the builders see it: name, namespace, typed spec."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .spec import StreamingModelSpec
+
+# Where things live inside the server pod.
+CACHE_DIR = "/cache"
+MODEL_PVC_DIR = "/mnt/model"
+API_KEYS_DIR = "/etc/sluice/auth"
+API_KEYS_FILE = "api-keys"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the weights come from, parsed from spec.model.uri."""
+
+    kind: Literal["hf", "pvc", "path", "builtin"]
+    model_arg: str  # what the server's --model gets
+    revision: str | None = None
+    claim: str | None = None  # pvc:// claim, mounted read-only at MODEL_PVC_DIR
+
+    @property
+    def default_served_name(self) -> str | None:
+        return self.model_arg if self.kind == "hf" else None
+
+
+def parse_model_uri(uri: str) -> ModelSource:
+    if uri.startswith("hf://"):
+        repo, _, revision = uri.removeprefix("hf://").partition("@")
+        return ModelSource("hf", repo, revision=revision or None)
+    if uri.startswith("pvc://"):
+        claim, _, path = uri.removeprefix("pvc://").partition("/")
+        return ModelSource("pvc", f"{MODEL_PVC_DIR}/{path}".rstrip("/"), claim=claim)
+    if uri.startswith("/"):
+        return ModelSource("path", uri)
+    return ModelSource("builtin", uri)
+
+
+@dataclass(frozen=True)
+class StreamingModel:
+    """What every builder takes: identity plus the validated spec. No owner data: `kopf.adopt`
+    adds owner references in the handler, so builders stay pure and testable offline."""
+
+    name: str
+    namespace: str
+    spec: StreamingModelSpec
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any], namespace: str | None = None) -> StreamingModel:
+        from ..validation import parse_object
+
+        meta = body.get("metadata") or {}
+        return cls(
+            name=meta["name"],
+            namespace=meta.get("namespace") or namespace or "default",
+            spec=parse_object(body),
+        )
+
+    @property
+    def source(self) -> ModelSource:
+        return parse_model_uri(self.spec.model.uri)
+
+    @property
+    def served_name(self) -> str:
+        return self.spec.model.served_name or self.source.default_served_name or self.name
+
+    @property
+    def simulated(self) -> bool:
+        return self.spec.engine.backend == "simulator"

@@ -1,0 +1,617 @@
+"""StreamingModel spec: every field typed, described (for `kubectl explain`) and defaulted.
+
+The CRD in crds/ is generated from these classes (`python -m sluice_operator crds --write`),
+and the operator validates every object with them again before it renders anything, so a
+cluster without CEL support or an object written before a rule existed still gets a clear
+`SpecValid=False` instead of a broken Deployment. Each CEL rule below has a pydantic twin.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import Field, StringConstraints, field_validator, model_validator
+
+from .base import ApiModel, FreeForm, Quantity, cel, sub
+
+# Object names (Secrets, PVCs, ...): DNS-1123 subdomain.
+Name = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"),
+]
+Label = Annotated[str, StringConstraints(max_length=63)]
+Arg = Annotated[str, StringConstraints(max_length=512)]  # bounded: CEL cost estimation needs it
+
+# hf://org/name[@revision] | pvc://claim[/path] | /absolute/path/in/image | tiny (the server's
+# built-in CPU test model). RE2 (CEL) and Python `re` agree on this pattern; it has no
+# backslashes because it is embedded in a CEL string literal ([!-~] = printable, no space).
+MODEL_URI_PATTERN = (
+    r"^(hf://([A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?"
+    r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[!-~]*)?"
+    r"|/[!-~]*"
+    r"|tiny)$"
+)
+MODEL_URI_HELP = (
+    "use hf://org/name (optionally @revision), pvc://claim/path/in/claim, "
+    "an absolute path inside the image, or tiny"
+)
+
+# Flags the operator derives from the spec; passing them again through extraArgs would make
+# the pod disagree with the resource, so both CEL and the operator refuse them.
+RESERVED_FLAGS = (
+    "model",
+    "revision",
+    "served-model-name",
+    "host",
+    "port",
+    "engine",
+    "tensor-parallel-size",
+    "pipeline-parallel-size",
+    "gpu-memory-utilization",
+    "max-model-len",
+    "max-num-seqs",
+    "max-num-batched-tokens",
+    "swap-space",
+    "dtype",
+    "quantization",
+    "api-key",
+    "api-key-file",
+)
+_RESERVED_RE = r"^--(" + "|".join(RESERVED_FLAGS) + r")(=.*)?$"  # no escapes: goes into CEL
+
+
+class SecretKeyRef(ApiModel):
+    """A key in a Secret in the StreamingModel's namespace."""
+
+    name: Name = Field(description="Name of the Secret (same namespace as the StreamingModel).")
+    key: Annotated[str, StringConstraints(min_length=1, max_length=253)] = Field(
+        default="token", description="Key inside the Secret."
+    )
+
+
+class ApiKeySecretRef(SecretKeyRef):
+    """A Secret key holding API keys, one per line."""
+
+    key: Annotated[str, StringConstraints(min_length=1, max_length=253)] = Field(
+        default="keys", description="Key inside the Secret; its value is one API key per line."
+    )
+
+
+class ModelCache(ApiModel):
+    """Where downloaded weights are kept (mounted at /cache, HF_HOME=/cache/hf)."""
+
+    pvc_name: Name | None = Field(
+        default=None,
+        description="Existing PersistentVolumeClaim to keep downloads across restarts. "
+        "Unset: an emptyDir of sizeLimit (weights are downloaded again on every pod start).",
+    )
+    size_limit: Quantity = Field(
+        default="100Gi", description="Size limit of the emptyDir cache when pvcName is unset."
+    )
+
+
+class ModelSpec(ApiModel):
+    """Which model to serve and where its weights come from."""
+
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                cel(
+                    f"self.uri.matches('{MODEL_URI_PATTERN}')",
+                    f"model.uri: {MODEL_URI_HELP}",
+                    ".uri",
+                ),
+            ]
+        }
+    }
+
+    uri: Annotated[str, StringConstraints(min_length=1, max_length=512)] = Field(
+        description="Model location: hf://org/name or hf://org/name@revision (Hugging Face Hub), "
+        "pvc://claim/path (weights on a PersistentVolumeClaim, mounted read-only), "
+        "an absolute path inside the image, or tiny (a tiny random model, CPU tests only)."
+    )
+    served_name: Annotated[str, StringConstraints(min_length=1, max_length=253)] | None = Field(
+        default=None,
+        description="Name clients put in the OpenAI `model` field. Default: org/name for hf:// "
+        "models, otherwise the StreamingModel's name.",
+    )
+    hf_token_secret_ref: SecretKeyRef | None = Field(
+        default=None,
+        description="Secret key holding a Hugging Face token for gated or private models. "
+        "Passed to the server as the HF_TOKEN environment variable, never as an argument.",
+    )
+    cache: ModelCache = sub(ModelCache, "Cache volume for downloaded weights.")
+
+    @field_validator("uri")
+    @classmethod
+    def _uri_shape(cls, v: str) -> str:
+        if not re.match(MODEL_URI_PATTERN, v):
+            raise ValueError(f"{v!r} is not a model location: {MODEL_URI_HELP}")
+        return v
+
+
+class Toleration(ApiModel):
+    """A Kubernetes toleration (same fields as in a Pod spec)."""
+
+    key: str | None = Field(
+        default=None, description="Taint key to tolerate; empty matches all keys."
+    )
+    operator: Literal["Exists", "Equal"] = Field(default="Equal", description="Exists or Equal.")
+    value: str | None = Field(default=None, description="Taint value to match (operator Equal).")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="Taint effect to match; empty matches all effects."
+    )
+    toleration_seconds: int | None = Field(
+        default=None,
+        description="For NoExecute: how long the pod stays bound after the taint appears.",
+    )
+
+
+class ComputeResources(ApiModel):
+    """CPU and memory for the server container."""
+
+    cpu: Quantity | None = Field(default=None, description="CPU, e.g. 4 or 500m.")
+    memory: Quantity | None = Field(default=None, description="Memory, e.g. 32Gi.")
+
+
+class ResourcesSpec(ApiModel):
+    """GPUs, CPU, memory and placement of each replica."""
+
+    gpus: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="GPUs per replica. Must equal parallelism.tensor x parallelism.pipeline. "
+        "Not requested when engine.backend is simulator.",
+    )
+    gpu_resource_name: Annotated[
+        str,
+        StringConstraints(
+            max_length=253,
+            pattern=r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[a-zA-Z0-9]([-a-zA-Z0-9_.]*[a-zA-Z0-9])?$",
+        ),
+    ] = Field(
+        default="nvidia.com/gpu",
+        description="Extended resource name of the GPU (e.g. nvidia.com/gpu, amd.com/gpu).",
+    )
+    requests: ComputeResources = Field(
+        default_factory=lambda: ComputeResources(cpu="4", memory="32Gi"),
+        description="CPU/memory requests of the server container.",
+        json_schema_extra={"default": {"cpu": "4", "memory": "32Gi"}},
+    )
+    limits: ComputeResources = Field(
+        default_factory=lambda: ComputeResources(memory="64Gi"),
+        description="CPU/memory limits of the server container (no CPU limit by default: throttling hurts token latency).",
+        json_schema_extra={"default": {"memory": "64Gi"}},
+    )
+    shared_memory_size: Quantity = Field(
+        default="8Gi",
+        description="Size of /dev/shm (a memory emptyDir); NCCL and tensor parallelism need it.",
+    )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Node labels the pods must match."
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list, description="Tolerations, e.g. for tainted GPU nodes."
+    )
+    affinity: FreeForm | None = Field(
+        default=None, description="Pod affinity/anti-affinity, as in a Pod spec."
+    )
+    priority_class_name: Name | None = Field(default=None, description="PriorityClass of the pods.")
+
+
+class ParallelismSpec(ApiModel):
+    """How one replica splits the model over its GPUs."""
+
+    tensor: int = Field(
+        default=1, ge=1, le=64, description="Tensor-parallel size (GPUs a layer is split over)."
+    )
+    pipeline: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Pipeline-parallel size (stages the layers are split into).",
+    )
+
+
+class SimulatorSpec(ApiModel):
+    """Timing of the simulator engine (no model, no GPU; for tests and load experiments)."""
+
+    ttft_ms: float = Field(
+        default=50, ge=0, description="Simulated time to first token in milliseconds."
+    )
+    itl_ms: float = Field(
+        default=20, ge=0, description="Simulated inter-token latency in milliseconds."
+    )
+    ttft_per_stream_ms: float = Field(
+        default=0,
+        ge=0,
+        description="Extra time to first token per concurrent stream (simulates queueing).",
+    )
+    jitter: float = Field(
+        default=0, ge=0, le=1, description="Relative random jitter on every delay (0-1)."
+    )
+
+
+class EnvVar(ApiModel):
+    """An environment variable of the server container."""
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=253)] = Field(
+        description="Variable name."
+    )
+    value: str | None = Field(default=None, description="Literal value.")
+    value_from: FreeForm | None = Field(
+        default=None,
+        description="Source of the value (secretKeyRef, configMapKeyRef, fieldRef...), as in a Pod spec.",
+    )
+
+
+class EngineSpec(ApiModel):
+    """Inference engine settings (vLLM engine arguments)."""
+
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                cel(
+                    f"!has(self.extraArgs) || self.extraArgs.all(a, !a.matches('{_RESERVED_RE}'))",
+                    "engine.extraArgs must not repeat flags the operator sets from the spec "
+                    "(model, parallelism, engine, auth...); set the spec field instead",
+                    ".extraArgs",
+                ),
+            ]
+        }
+    }
+
+    backend: Literal["vllm", "simulator"] = Field(
+        default="vllm",
+        description="vllm: the real engine. simulator: a fake engine with configurable timing and no GPU request.",
+    )
+    max_model_len: int | None = Field(
+        default=None,
+        ge=1,
+        description="Maximum context length (prompt + output); vLLM default when unset.",
+    )
+    max_num_seqs: int | None = Field(
+        default=None, ge=1, description="Maximum sequences in one batch; vLLM default when unset."
+    )
+    max_num_batched_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="Maximum tokens in one scheduler step; vLLM default when unset.",
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.92, ge=0.5, le=0.98, description="Fraction of GPU memory vLLM may use (0.5-0.98)."
+    )
+    swap_space_gib: float | None = Field(
+        default=None,
+        ge=0,
+        alias="swapSpaceGiB",
+        description="GiB of CPU memory for swapped-out KV cache; vLLM default when unset.",
+    )
+    dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = Field(
+        default="auto", description="Weight and activation dtype."
+    )
+    quantization: (
+        Annotated[str, StringConstraints(max_length=63, pattern=r"^[a-z0-9_-]+$")] | None
+    ) = Field(
+        default=None, description="Quantization method (e.g. awq, gptq, fp8); none when unset."
+    )
+    extra_args: Annotated[list[Arg], Field(max_length=64)] = Field(
+        default_factory=list,
+        description="Extra vLLM engine arguments, passed unchanged after `--`.",
+    )
+    env: list[EnvVar] = Field(
+        default_factory=list, description="Extra environment variables of the server container."
+    )
+    simulator: SimulatorSpec | None = Field(
+        default=None,
+        description="Simulator timing; used only when backend is simulator (defaults apply when unset).",
+    )
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_reserved(cls, v: list[str]) -> list[str]:
+        bad = [a for a in v if re.match(_RESERVED_RE, a)]
+        if bad:
+            raise ValueError(
+                f"{', '.join(bad)} is set by the operator from the spec; use the spec field instead of extraArgs"
+            )
+        return v
+
+
+Protocol = Literal["sse", "websocket"]
+
+
+class StreamingSpec(ApiModel):
+    """Which streaming protocols are served and their limits."""
+
+    protocols: Annotated[list[Protocol], Field(min_length=1, max_length=2)] = Field(
+        default_factory=lambda: ["sse", "websocket"],
+        description="Streaming protocols to serve, a non-empty subset of [sse, websocket] "
+        "(sse covers the OpenAI routes and /v1/stream).",
+        json_schema_extra={"x-kubernetes-list-type": "set", "default": ["sse", "websocket"]},
+    )
+    heartbeat_seconds: int = Field(
+        default=15, ge=1, le=300, description="SSE comment / WebSocket ping interval in seconds."
+    )
+    max_concurrent_streams: int = Field(
+        default=256,
+        ge=1,
+        le=100000,
+        description="Concurrent streams per replica; more get 429 with Retry-After.",
+    )
+    stream_timeout_seconds: int = Field(
+        default=600,
+        ge=1,
+        le=86400,
+        description="Longest a single stream may last. Pods get at least this long to drain on shutdown, "
+        "and the ingress read/send timeouts are at least this.",
+    )
+
+    @field_validator("protocols")
+    @classmethod
+    def _unique(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError("protocols must not repeat an entry")
+        return v
+
+
+class RateLimitSpec(ApiModel):
+    """Per API key token buckets (0 = unlimited)."""
+
+    requests_per_minute: int = Field(
+        default=0, ge=0, description="Requests per minute per API key; 0 = unlimited."
+    )
+    tokens_per_minute: int = Field(
+        default=0, ge=0, description="Output tokens per minute per API key; 0 = unlimited."
+    )
+
+
+class AuthSpec(ApiModel):
+    """Client authentication and rate limits."""
+
+    api_key_secret_ref: ApiKeySecretRef | None = Field(
+        default=None,
+        description="Secret key with API keys (one per line), mounted as a file. Unset: no authentication.",
+    )
+    rate_limit: RateLimitSpec = sub(
+        RateLimitSpec, "Per API key rate limits (need apiKeySecretRef to tell keys apart)."
+    )
+
+
+class KedaSpec(ApiModel):
+    """Settings used only with autoscaling.backend: keda (the ScaledObject's Prometheus trigger)."""
+
+    server_address: str = Field(
+        default="http://prometheus-operated.monitoring.svc:9090",
+        max_length=2048,
+        pattern=r"^https?://[^\s]+$",
+        description=(
+            "URL of the Prometheus that scrapes the model pods; KEDA runs the TTFT query "
+            "there. The default is the Service the Prometheus Operator (kube-prometheus-stack) "
+            "makes in namespace monitoring, the same Prometheus docs/helm.md points "
+            "prometheus-adapter at; for the prometheus-community 'prometheus' chart use "
+            "http://<release>-server.<namespace>.svc (port 80)."
+        ),
+    )
+    polling_interval_seconds: int = Field(
+        default=30,
+        ge=1,
+        le=3600,
+        description="How often KEDA runs the query, in seconds (KEDA's pollingInterval).",
+    )
+
+
+class AutoscalingSpec(ApiModel):
+    """Horizontal autoscaling on time to first token: an HPA fed by prometheus-adapter with the chart's rule (backend hpa), or a KEDA ScaledObject running the same query (backend keda)."""
+
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                cel(
+                    "self.minReplicas <= self.maxReplicas",
+                    "autoscaling.minReplicas must not exceed autoscaling.maxReplicas",
+                    ".minReplicas",
+                ),
+            ]
+        }
+    }
+
+    enabled: bool = Field(
+        default=True,
+        description="Create the autoscaler (see backend); false keeps the settings but uses spec.replicas.",
+    )
+    backend: Literal["hpa", "keda"] = Field(
+        default="hpa",
+        description=(
+            "Who scales. hpa: the operator makes a HorizontalPodAutoscaler on the custom "
+            "metric sluice_ttft_pNN_seconds (install prometheus-adapter with the operator "
+            "chart's rule). keda: the operator makes a KEDA ScaledObject (keda.sh/v1alpha1) "
+            "whose Prometheus trigger runs the same per-pod TTFT query against "
+            "autoscaling.keda.serverAddress; KEDA then owns an HPA named keda-hpa-<name>. "
+            "Needs KEDA in the cluster and the operator chart's keda.enabled=true."
+        ),
+    )
+    keda: KedaSpec = sub(KedaSpec, "KEDA settings, used when backend is keda.")
+    min_replicas: int = Field(default=1, ge=1, le=1000, description="Fewest replicas.")
+    max_replicas: int = Field(
+        default=4, ge=1, le=1000, description="Most replicas (each needs resources.gpus GPUs)."
+    )
+    target_ttft_milliseconds: int = Field(
+        default=500,
+        ge=1,
+        le=600000,
+        alias="targetTTFTMilliseconds",
+        description="Target time to first token per pod, in milliseconds, at ttftPercentile.",
+    )
+    ttft_percentile: Literal[0.5, 0.75, 0.9, 0.95, 0.99] = Field(
+        default=0.9,
+        description="Which TTFT percentile the target applies to (0.5, 0.75, 0.9, 0.95 or 0.99).",
+    )
+    scale_up_stabilization_seconds: int = Field(
+        default=0,
+        ge=0,
+        le=3600,
+        description="Scale-up stabilization window in seconds (of our HPA, or of the HPA KEDA makes).",
+    )
+    scale_down_stabilization_seconds: int = Field(
+        default=300,
+        ge=0,
+        le=3600,
+        description="Scale-down stabilization window in seconds, for either backend (model start-up is slow; avoid flapping).",
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"autoscaling.minReplicas ({self.min_replicas}) must not exceed autoscaling.maxReplicas ({self.max_replicas})"
+            )
+        return self
+
+
+class IngressSpec(ApiModel):
+    """An Nginx Ingress with streaming-safe settings (buffering off, long timeouts)."""
+
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                cel(
+                    "!has(self.tlsSecretName) || has(self.host)",
+                    "ingress.tlsSecretName needs ingress.host (the name on the certificate)",
+                    ".tlsSecretName",
+                ),
+            ]
+        }
+    }
+
+    enabled: bool = Field(default=False, description="Create an Ingress.")
+    class_name: Annotated[str, StringConstraints(max_length=253)] = Field(
+        default="nginx", description="IngressClass name (spec.ingressClassName of the Ingress)."
+    )
+    controller: Literal["auto", "ingress-nginx", "f5-nginx"] = Field(
+        default="auto",
+        description="Which controller serves className, which decides the annotation set: ingress-nginx "
+        "(community, nginx.ingress.kubernetes.io/*) or f5-nginx (F5 NGINX Ingress Controller, nginx.org/*). "
+        "auto: f5-nginx when className contains nginx-org, nginx-plus or f5, else ingress-nginx "
+        "(both controllers default to the class name nginx, so set this when you run F5's).",
+    )
+    host: (
+        Annotated[
+            str,
+            StringConstraints(max_length=253, pattern=r"^(\*\.)?[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"),
+        ]
+        | None
+    ) = Field(default=None, description="Host name; unset matches every host.")
+    path: Annotated[str, StringConstraints(max_length=1024, pattern=r"^/")] = Field(
+        default="/", description="Path prefix."
+    )
+    tls_secret_name: Name | None = Field(
+        default=None, description="Secret with the TLS certificate for host; unset: plain HTTP."
+    )
+    max_body_size: Quantity = Field(
+        default="16m",
+        description="Largest request body the ingress accepts (nginx size, e.g. 16m).",
+    )
+    annotations: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra Ingress annotations, merged over the operator's (yours win).",
+    )
+
+    @model_validator(mode="after")
+    def _tls_needs_host(self) -> IngressSpec:
+        if self.tls_secret_name and not self.host:
+            raise ValueError(
+                "ingress.tlsSecretName needs ingress.host (the name on the certificate)"
+            )
+        return self
+
+
+class LocalObjectReference(ApiModel):
+    """A reference to an object by name in the same namespace."""
+
+    name: Name = Field(description="Object name.")
+
+
+DEFAULT_IMAGE = "ghcr.io/sluice-dev/sluice-server:0.1.0"
+
+
+class StreamingModelSpec(ApiModel):
+    """Desired state of a StreamingModel: a model served as a streaming endpoint."""
+
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                cel(
+                    "self.parallelism.tensor * self.parallelism.pipeline == self.resources.gpus",
+                    "parallelism.tensor x parallelism.pipeline must equal resources.gpus "
+                    "(e.g. gpus: 4 with tensor: 4, pipeline: 1, or tensor: 2, pipeline: 2)",
+                    ".parallelism",
+                ),
+            ]
+        }
+    }
+
+    model: ModelSpec = Field(description="Which model to serve.")
+    resources: ResourcesSpec = sub(
+        ResourcesSpec, "GPUs, CPU, memory and placement of each replica."
+    )
+    parallelism: ParallelismSpec = sub(
+        ParallelismSpec,
+        "Tensor and pipeline parallelism; tensor x pipeline must equal resources.gpus.",
+    )
+    engine: EngineSpec = sub(EngineSpec, "Inference engine settings.")
+    streaming: StreamingSpec = sub(StreamingSpec, "Streaming protocols and limits.")
+    auth: AuthSpec = sub(AuthSpec, "API keys and rate limits.")
+    replicas: int = Field(
+        default=1,
+        ge=0,
+        le=1000,
+        description="Replicas when autoscaling is off (also the scale subresource).",
+    )
+    autoscaling: AutoscalingSpec | None = Field(
+        default=None, description="TTFT autoscaling; unset: fixed spec.replicas."
+    )
+    ingress: IngressSpec = sub(IngressSpec, "Ingress settings.")
+    image: Annotated[str, StringConstraints(min_length=1, max_length=512)] = Field(
+        default=DEFAULT_IMAGE, description="Serving image (the Sluice server)."
+    )
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        default="IfNotPresent", description="Image pull policy."
+    )
+    image_pull_secrets: list[LocalObjectReference] = Field(
+        default_factory=list, description="Secrets for pulling the image."
+    )
+    pod_labels: dict[str, str] = Field(
+        default_factory=dict, description="Extra pod labels (the operator's own labels win)."
+    )
+    pod_annotations: dict[str, str] = Field(
+        default_factory=dict, description="Extra pod annotations."
+    )
+    service_account_name: Name | None = Field(
+        default=None, description="ServiceAccount of the pods; namespace default when unset."
+    )
+
+    @model_validator(mode="after")
+    def _gpus_match_parallelism(self) -> StreamingModelSpec:
+        p, g = self.parallelism, self.resources.gpus
+        if p.tensor * p.pipeline != g:
+            raise ValueError(
+                f"parallelism.tensor x parallelism.pipeline ({p.tensor} x {p.pipeline} = {p.tensor * p.pipeline}) "
+                f"must equal resources.gpus ({g}); set gpus: {p.tensor * p.pipeline} or change the parallelism"
+            )
+        return self
+
+    @property
+    def autoscaling_enabled(self) -> bool:
+        return self.autoscaling is not None and self.autoscaling.enabled
+
+    @property
+    def autoscaling_backend(self) -> Literal["hpa", "keda"] | None:
+        """Which autoscaler object the operator makes; None when autoscaling is off."""
+        return self.autoscaling.backend if self.autoscaling_enabled else None
+
+    @property
+    def max_possible_replicas(self) -> int:
+        return self.autoscaling.max_replicas if self.autoscaling_enabled else self.replicas

@@ -1,0 +1,111 @@
+"""StreamingModel status: what the operator observed, written through the status subresource."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from .base import ApiModel
+
+Phase = Literal["Pending", "Progressing", "Ready", "Degraded", "Failed"]
+CONDITION_TYPES = ("SpecValid", "Available", "Progressing", "Ready")
+
+
+class Condition(ApiModel):
+    """One aspect of the StreamingModel's state (Kubernetes condition conventions)."""
+
+    type: str = Field(description="SpecValid, Available, Progressing or Ready.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(default="", description="CamelCase reason for the last transition.")
+    message: str = Field(default="", description="What happened, in words a person can act on.")
+    last_transition_time: str | None = Field(
+        default=None,
+        description="When status last changed (RFC 3339).",
+        json_schema_extra={"format": "date-time"},
+    )
+    observed_generation: int | None = Field(
+        default=None, description="metadata.generation this condition was computed for."
+    )
+
+
+class Endpoints(ApiModel):
+    """Client URLs of the model (ingress URL when an Ingress exists, else the in-cluster Service)."""
+
+    openai: str | None = Field(
+        default=None, description="OpenAI-compatible base URL (append /chat/completions)."
+    )
+    sse: str | None = Field(default=None, description="Token SSE stream URL (/v1/stream).")
+    websocket: str | None = Field(default=None, description="WebSocket stream URL (/ws/stream).")
+
+
+class AutoscalingStatus(ApiModel):
+    """What the HorizontalPodAutoscaler last saw and decided (from its status; with backend keda, the HPA KEDA made)."""
+
+    backend: Literal["hpa", "keda"] | None = Field(
+        default=None,
+        description="Autoscaler backend in use (hpa or keda); the operator uses it to clean up after a switch.",
+    )
+
+    metric: str | None = Field(
+        default=None,
+        description="The TTFT metric scaled on (sluice_ttft_pNN_seconds; with KEDA, the same query in the ScaledObject's trigger).",
+    )
+    target_ttft_milliseconds: int | None = Field(
+        default=None,
+        alias="targetTTFTMilliseconds",
+        description="Target per-pod TTFT in milliseconds.",
+    )
+    current_ttft_milliseconds: int | None = Field(
+        default=None,
+        alias="currentTTFTMilliseconds",
+        description="Last per-pod average TTFT the HPA read, in milliseconds (unset while the metric is unavailable).",
+    )
+    current_replicas: int | None = Field(default=None, description="Replicas the HPA last saw.")
+    desired_replicas: int | None = Field(default=None, description="Replicas the HPA wants.")
+    last_scale_time: str | None = Field(
+        default=None,
+        description="When the HPA last scaled (RFC 3339).",
+        json_schema_extra={"format": "date-time"},
+    )
+    message: str | None = Field(
+        default=None,
+        description="Why the HPA cannot scale or read the metric, when that is the case.",
+    )
+
+
+class StreamingModelStatus(ApiModel):
+    """Observed state of a StreamingModel."""
+
+    phase: Phase | None = Field(
+        default=None, description="Pending, Progressing, Ready, Degraded or Failed."
+    )
+    message: str | None = Field(
+        default=None, description="Human-readable summary of the phase (why not Ready)."
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        description="SpecValid, Available, Progressing and Ready conditions.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    observed_generation: int | None = Field(
+        default=None, description="metadata.generation the status was computed for."
+    )
+    replicas: int | None = Field(
+        default=None, description="Pods of the model's Deployment (scale subresource)."
+    )
+    ready_replicas: int | None = Field(default=None, description="Pods ready to serve.")
+    ready: str | None = Field(default=None, description="readyReplicas/replicas, for kubectl get.")
+    selector: str | None = Field(
+        default=None,
+        description="Label selector of the pods (scale subresource, for kubectl scale and HPAs).",
+    )
+    url: str | None = Field(
+        default=None,
+        description="Base URL: the ingress URL when an Ingress exists, else the Service URL.",
+    )
+    endpoints: Endpoints | None = Field(default=None, description="SSE, OpenAI and WebSocket URLs.")
+    autoscaling: AutoscalingStatus | None = Field(
+        default=None,
+        description="The autoscaler's last reading and decision (when autoscaling is enabled).",
+    )

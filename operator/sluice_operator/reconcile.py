@@ -1,0 +1,278 @@
+"""One converging pass: desired children vs live, apply only what drifted, then status.
+
+Called by every handler (create, update, resume, child changed). A pass over an object whose
+children match and whose status is current makes read calls only: no apply, no status
+patch, no Event. Children are compared by (a) a hash of the last applied manifest, kept in
+an annotation, which catches spec changes including removed fields, and (b) "every field we
+set still has our value", which catches hand edits, since the API server adds defaults we
+must not fight over.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+
+from .builders import CHILD_KINDS, KEDA_KIND, desired_children
+from .builders.common import selector_string
+from .builders.keda import keda_hpa_name
+from .cluster import Cluster
+from .models.resource import StreamingModel
+from .status import compute_status, invalid_status
+from .validation import SpecError
+
+HASH_ANNOTATION = "serving.sluice.dev/applied-hash"
+log = logging.getLogger("sluice_operator.reconcile")
+
+PostEvent = Callable[[str, str, str], None]  # (type, reason, message)
+
+
+@dataclass
+class Outcome:
+    applied: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    status_written: bool = False
+    phase: str | None = None
+
+
+def manifest_hash(manifest: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _same_scalar(want: Any, have: Any) -> bool:
+    if isinstance(want, bool) or isinstance(have, bool):
+        return want is have  # True == 1 in Python, not in Kubernetes
+    if want == have:
+        return True
+    if isinstance(want, int | float | str) and isinstance(have, int | float | str):
+        if str(want) == str(have):
+            return True
+        try:  # quantities: the API server stores 0.5 CPU as "500m", 1024Mi as "1Gi"
+            from kubernetes.utils import parse_quantity
+
+            return parse_quantity(want) == parse_quantity(have)
+        except (ValueError, TypeError):
+            return False
+    return False
+
+
+def contains(want: Any, have: Any) -> bool:
+    """Every field in `want` is in `have` with the same value (extra live fields are fine)."""
+    if isinstance(want, Mapping):
+        return isinstance(have, Mapping) and all(
+            k in have and contains(v, have[k]) for k, v in want.items()
+        )
+    if isinstance(want, list):
+        return isinstance(have, list) and len(want) == len(have) and all(map(contains, want, have))
+    return _same_scalar(want, have)
+
+
+def in_sync(desired: Mapping[str, Any], live: Mapping[str, Any] | None) -> bool:
+    if live is None:
+        return False
+    annotations = (live.get("metadata") or {}).get("annotations") or {}
+    want_hash = desired["metadata"]["annotations"][HASH_ANNOTATION]
+    return annotations.get(HASH_ANNOTATION) == want_hash and contains(desired, live)
+
+
+def _owned_by(obj: Mapping[str, Any], uid: str | None) -> bool:
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return any(r.get("uid") == uid for r in refs)
+
+
+def _adopt(manifest: dict[str, Any], owner: Mapping[str, Any]) -> dict[str, Any]:
+    # The owner's own labels (e.g. a GitOps tool's tracking label) must not spread to the
+    # children, so adopt them to a label-less view of the owner.
+    owner_view = copy.deepcopy(dict(owner))
+    owner_view.setdefault("metadata", {})["labels"] = {}
+    kopf.adopt(manifest, owner=owner_view)
+    manifest["metadata"].setdefault("annotations", {})[HASH_ANNOTATION] = manifest_hash(manifest)
+    return manifest
+
+
+def _api_message(exc: Exception) -> str:
+    body = getattr(exc, "body", None) or ""
+    try:
+        return json.loads(body).get("message") or body[:500]
+    except (ValueError, AttributeError):
+        return str(body)[:500] or str(exc)
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _status_differs(current: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    return any(current.get(k) != v for k, v in new.items())
+
+
+def _spec_valid_message(status: Mapping[str, Any]) -> str | None:
+    for c in status.get("conditions") or []:
+        if c.get("type") == "SpecValid" and c.get("status") == "False":
+            return c.get("message")
+    return None
+
+
+def report_invalid(
+    cluster: Cluster,
+    body: Mapping[str, Any],
+    message: str,
+    post_event: PostEvent,
+    now: str | None = None,
+) -> bool:
+    """SpecValid=False + one Event, once per distinct message (no storm on resync)."""
+    meta = body["metadata"]
+    current = body.get("status") or {}
+    new = invalid_status(message, meta.get("generation"), current, now or _now())
+    written = False
+    if _status_differs(current, new):
+        cluster.patch_status(meta["namespace"], meta["name"], new)
+        written = True
+    if _spec_valid_message(current) != message:
+        post_event("Warning", "InvalidSpec", message)
+    return written
+
+
+def converge(
+    cluster: Cluster, body: Mapping[str, Any], post_event: PostEvent, now: str | None = None
+) -> Outcome:
+    """Raises SpecError (after reporting it) for an invalid spec; API errors propagate."""
+    meta = body["metadata"]
+    namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid")
+    outcome = Outcome()
+    try:
+        model = StreamingModel.from_body(body)
+    except SpecError as exc:
+        outcome.status_written = report_invalid(cluster, body, str(exc), post_event, now)
+        outcome.phase = "Failed"
+        raise
+
+    desired = desired_children(model)
+    live: dict[str, dict[str, Any] | None] = {}
+
+    def converge_child(api_version: str, kind: str) -> None:
+        manifest = desired[kind]
+        current = cluster.get(api_version, kind, namespace, name)
+        if manifest is None:
+            if current is not None and _owned_by(current, uid):
+                cluster.delete(api_version, kind, namespace, name)
+                outcome.deleted.append(kind)
+            live[kind] = None
+            return
+        manifest = _adopt(manifest, body)
+        if in_sync(manifest, current):
+            live[kind] = current
+            return
+        try:
+            live[kind] = cluster.apply(manifest)
+        except Exception as exc:
+            if getattr(exc, "status", None) not in (400, 422):
+                raise
+            # The API server refused what the spec produced (e.g. a bad affinity or env
+            # valueFrom passed through): the spec's fault, so report it like one.
+            message = f"the API server rejected the {kind}: {_api_message(exc)}"
+            outcome.status_written = report_invalid(cluster, body, message, post_event, now)
+            raise SpecError(message) from None
+        outcome.applied.append(kind)
+
+    current_status = body.get("status") or {}
+    backend = model.spec.autoscaling_backend
+    # The ScaledObject is only touched when this model uses KEDA or last did (the status
+    # remembers): clusters without KEDA have no such resource and no RBAC for it. Order
+    # matters so two HPAs never fight: ours is deleted before the ScaledObject (whose HPA
+    # KEDA makes) is applied, and the ScaledObject deleted before ours is applied.
+    keda_api, keda_kind, _ = KEDA_KIND
+    was_keda = (current_status.get("autoscaling") or {}).get("backend") == "keda"
+    keda_error: Exception | None = None
+
+    def converge_keda() -> None:
+        nonlocal keda_error
+        try:
+            converge_child(keda_api, keda_kind)
+        except Exception as exc:
+            if getattr(exc, "status", None) not in (403, 404):
+                raise
+            # KEDA missing (no such resource) or the chart's keda.enabled off (forbidden):
+            # converge everything else, say why in the status, then fail the pass so the
+            # handler retries with backoff and picks KEDA up once it is there.
+            keda_error = exc
+            live[keda_kind] = None
+
+    if backend != "keda" and was_keda:
+        converge_keda()
+    for api_version, kind, _optional in CHILD_KINDS:
+        converge_child(api_version, kind)
+    if backend == "keda":
+        converge_keda()
+
+    deployment = live["Deployment"]
+    dstat = (deployment or {}).get("status") or {}
+    want = ((deployment or {}).get("spec") or {}).get("replicas", 1)
+    # Pods are only read when something is missing: they explain why (no GPUs, crash loop).
+    pods = (
+        []
+        if dstat.get("readyReplicas", 0) >= want
+        else cluster.list_pods(namespace, selector_string(model))
+    )
+    hpa = live.get("HorizontalPodAutoscaler")
+    if backend == "keda":  # KEDA's own HPA has the reading and the decision
+        hpa = cluster.get(
+            "autoscaling/v2", "HorizontalPodAutoscaler", namespace, keda_hpa_name(model)
+        )
+    new_status = compute_status(
+        model,
+        meta.get("generation"),
+        deployment,
+        pods,
+        live.get("Ingress"),
+        current_status,
+        now or _now(),
+        hpa=hpa,
+    )
+    if "autoscaling" not in new_status and current_status.get("autoscaling") is not None:
+        new_status["autoscaling"] = None  # merge patch: null removes it
+    if keda_error is not None:
+        scaling = dict(new_status.get("autoscaling") or {})
+        scaling["message"] = keda_problem(keda_error)
+        if backend != "keda":
+            scaling["backend"] = "keda"  # a ScaledObject may still exist: keep cleaning up
+        new_status["autoscaling"] = scaling
+    outcome.phase = new_status["phase"]
+    if _status_differs(current_status, new_status):
+        changed = sorted(k for k, v in new_status.items() if current_status.get(k) != v)
+        diff = {k: (current_status.get(k), new_status[k]) for k in changed}
+        log.info(f"status of {namespace}/{name} changed: {str(diff)[:2000]}")
+        cluster.patch_status(namespace, name, new_status)
+        outcome.status_written = True
+
+    if outcome.applied or outcome.deleted:
+        parts = [f"applied {', '.join(outcome.applied)}"] if outcome.applied else []
+        parts += [f"deleted {', '.join(outcome.deleted)}"] if outcome.deleted else []
+        post_event("Normal", "Reconciled", "; ".join(parts))
+        log.info(f"{namespace}/{name}: {'; '.join(parts)}")
+    if keda_error is not None:
+        message = keda_problem(keda_error)
+        if (current_status.get("autoscaling") or {}).get("message") != message:
+            post_event("Warning", "KedaUnavailable", message)
+        raise keda_error
+    return outcome
+
+
+def keda_problem(exc: Exception) -> str:
+    if getattr(exc, "status", None) == 403:
+        return (
+            "the operator may not manage keda.sh ScaledObjects: install the sluice-operator "
+            "chart with keda.enabled=true (or set autoscaling.backend: hpa)"
+        )
+    return (
+        "KEDA is not installed: the API server has no keda.sh/v1alpha1 ScaledObject "
+        "resource (install KEDA, or set autoscaling.backend: hpa)"
+    )

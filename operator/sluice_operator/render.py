@@ -1,0 +1,36 @@
+"""`render`: the manifests the operator would apply, as multi-document YAML (for GitOps/review).
+
+Owner references are not rendered: the operator adds them at apply time (they need the
+StreamingModel's uid, which only exists in a cluster).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .builders import desired_children
+from .crd import dump_yaml
+from .models.resource import StreamingModel
+
+
+def render_objects(body: dict[str, Any], namespace: str | None = None) -> list[dict[str, Any]]:
+    model = StreamingModel.from_body(body, namespace=namespace)
+    return [m for m in desired_children(model).values() if m is not None]
+
+
+def render_file(path: Path, namespace: str | None = None) -> str:
+    """Render every StreamingModel in a file (`-` reads stdin); other documents are skipped."""
+    import sys
+
+    text = sys.stdin.read() if str(path) == "-" else path.read_text()
+    docs = [d for d in yaml.safe_load_all(text) if d]
+    out = []
+    for body in docs:
+        if body.get("kind") != "StreamingModel":
+            continue
+        for manifest in render_objects(body, namespace=namespace):
+            out.append(dump_yaml(manifest))
+    return "---\n" + "---\n".join(out) if out else ""

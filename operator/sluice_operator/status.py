@@ -1,0 +1,285 @@
+"""Status from what the cluster shows: a pure function of the Deployment, its pods and Ingress.
+
+Phases: Failed (spec invalid, or no replica ready and the rollout is stuck or crashing),
+Pending (pods cannot be scheduled, e.g. no free GPUs; or scaled to zero), Progressing
+(creating, loading the model, rolling out), Degraded (serving, but fewer replicas ready than
+wanted and not because of a rollout), Ready (all wanted replicas ready, rollout done).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from .builders.common import selector_string
+from .builders.hpa import ttft_metric_name
+from .builders.ingress import ingress_url
+from .builders.service import service_url
+from .models.resource import StreamingModel
+
+# Container states that will not fix themselves without a change (image, args, secrets).
+STUCK_REASONS = {
+    "CrashLoopBackOff",
+    "ImagePullBackOff",
+    "ErrImagePull",
+    "InvalidImageName",
+    "CreateContainerConfigError",
+    "CreateContainerError",
+}
+
+
+def _cond(type_: str, ok: bool | None, reason: str, message: str) -> dict[str, str]:
+    status = "Unknown" if ok is None else ("True" if ok else "False")
+    return {"type": type_, "status": status, "reason": reason, "message": message}
+
+
+def _dep_condition(deployment: Mapping[str, Any], type_: str) -> Mapping[str, Any]:
+    for c in (deployment.get("status") or {}).get("conditions") or []:
+        if c.get("type") == type_:
+            return c
+    return {}
+
+
+def pod_problems(pods: Iterable[Mapping[str, Any]]) -> tuple[list[str], list[str]]:
+    """(unschedulable messages, stuck container messages), one per distinct cause."""
+    unschedulable: list[str] = []
+    stuck: list[str] = []
+    for pod in pods:
+        name = (pod.get("metadata") or {}).get("name", "?")
+        st = pod.get("status") or {}
+        for c in st.get("conditions") or []:
+            if c.get("type") == "PodScheduled" and c.get("status") == "False":
+                msg = f"pod {name} cannot be scheduled: {c.get('message') or c.get('reason', 'Unschedulable')}"
+                unschedulable.append(msg)
+        for cs in st.get("containerStatuses") or []:
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") in STUCK_REASONS:
+                detail = waiting.get("message") or ""
+                stuck.append(f"pod {name}: {waiting['reason']}{': ' + detail if detail else ''}")
+    return unschedulable, stuck
+
+
+_SUFFIX = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1.0, "k": 1e3, "M": 1e6, "G": 1e9}
+
+
+def quantity_seconds_to_ms(value: str | int | float | None) -> int | None:
+    """HPA averageValue in seconds ("250m", "1", "1500m") -> whole milliseconds."""
+    if value is None:
+        return None
+    text = str(value).strip()
+    suffix = text[-1] if text and text[-1] in "numkMG" else ""
+    try:
+        number = float(text[: len(text) - len(suffix)])
+    except ValueError:
+        return None
+    return round(number * _SUFFIX[suffix] * 1000)
+
+
+def autoscaling_status(
+    model: StreamingModel, hpa: Mapping[str, Any] | None
+) -> dict[str, Any] | None:
+    """The HPA's last reading and decision, so `kubectl get sm -o wide` shows TTFT."""
+    if not model.spec.autoscaling_enabled:
+        return None
+    a = model.spec.autoscaling
+    metric = ttft_metric_name(a.ttft_percentile)
+    out: dict[str, Any] = {
+        "backend": a.backend,
+        "metric": metric,
+        "targetTTFTMilliseconds": a.target_ttft_milliseconds,
+    }
+    st = (hpa or {}).get("status") or {}
+    for key in ("currentReplicas", "desiredReplicas", "lastScaleTime"):
+        if st.get(key) is not None:
+            out[key] = st[key]
+    for m in st.get("currentMetrics") or []:
+        # Our HPA: the Pods metric by name. KEDA's HPA (backend keda): the External metric
+        # of the one trigger, whose averageValue is the same per-pod average.
+        reading = m.get("pods") if a.backend == "hpa" else m.get("external")
+        reading = reading or {}
+        name = (reading.get("metric") or {}).get("name") or ""
+        if name == metric or (a.backend == "keda" and name.endswith("-prometheus")):
+            ms = quantity_seconds_to_ms((reading.get("current") or {}).get("averageValue"))
+            if ms is not None:
+                out["currentTTFTMilliseconds"] = ms
+    problems = [
+        c.get("message") or c.get("reason", "")
+        for c in st.get("conditions") or []
+        if c.get("type") in ("AbleToScale", "ScalingActive") and c.get("status") == "False"
+    ]
+    if problems:
+        out["message"] = "; ".join(problems)[:1024]
+    return out
+
+
+def urls(
+    model: StreamingModel, ingress: Mapping[str, Any] | None = None
+) -> tuple[str, dict[str, str]]:
+    base = ingress_url(model)
+    if base and "<ingress-address>" in base and ingress:
+        lb = ((ingress.get("status") or {}).get("loadBalancer") or {}).get("ingress") or []
+        address = lb and (lb[0].get("hostname") or lb[0].get("ip"))
+        if address:
+            base = base.replace("<ingress-address>", address)
+    base = base or service_url(model)
+    ws_base = "ws" + base.removeprefix("http")
+    endpoints = {"openai": f"{base}/v1"}
+    protocols = model.spec.streaming.protocols
+    if "sse" in protocols:
+        endpoints["sse"] = f"{base}/v1/stream"
+    else:
+        endpoints.pop("openai")  # the OpenAI routes stream over SSE
+    if "websocket" in protocols:
+        endpoints["websocket"] = f"{ws_base}/ws/stream"
+    return base, endpoints
+
+
+def _stamp(
+    conditions: list[dict[str, Any]],
+    previous: Iterable[Mapping[str, Any]],
+    now: str,
+    generation: int | None,
+) -> list[dict[str, Any]]:
+    """Keep lastTransitionTime when a condition's status did not change."""
+    before = {c.get("type"): c for c in previous or []}
+    for c in conditions:
+        old = before.get(c["type"])
+        same = old is not None and old.get("status") == c["status"]
+        c["lastTransitionTime"] = old.get("lastTransitionTime", now) if same else now
+        if generation is not None:
+            c["observedGeneration"] = generation
+    return conditions
+
+
+def invalid_status(
+    message: str, generation: int | None, previous: Mapping[str, Any] | None, now: str
+) -> dict[str, Any]:
+    previous = previous or {}
+    conditions = [
+        _cond("SpecValid", False, "InvalidSpec", message),
+        _cond("Ready", False, "InvalidSpec", "fix the spec (see SpecValid)"),
+    ]
+    # Available/Progressing describe running pods, which an invalid spec does not change.
+    for c in previous.get("conditions") or []:
+        if c.get("type") in ("Available", "Progressing"):
+            conditions.append({k: c[k] for k in ("type", "status", "reason", "message") if k in c})
+    return {
+        "phase": "Failed",
+        "message": message,
+        "observedGeneration": generation,
+        "conditions": _stamp(conditions, previous.get("conditions") or [], now, generation),
+    }
+
+
+def compute_status(
+    model: StreamingModel,
+    generation: int | None,
+    deployment: Mapping[str, Any] | None,
+    pods: Iterable[Mapping[str, Any]] = (),
+    ingress: Mapping[str, Any] | None = None,
+    previous: Mapping[str, Any] | None = None,
+    now: str = "",
+    hpa: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    previous = previous or {}
+    url, endpoints = urls(model, ingress)
+    out: dict[str, Any] = {
+        "observedGeneration": generation,
+        "selector": selector_string(model),
+        "url": url,
+        "endpoints": endpoints,
+    }
+    scaling = autoscaling_status(model, hpa)
+    if scaling is not None:
+        out["autoscaling"] = scaling
+    spec_ok = _cond("SpecValid", True, "Valid", "spec is valid")
+
+    if deployment is None:
+        desired = (
+            model.spec.autoscaling.min_replicas
+            if model.spec.autoscaling_enabled
+            else model.spec.replicas
+        )
+        out.update(phase="Pending", message="creating the Deployment", replicas=0, readyReplicas=0)
+        out["ready"] = f"0/{desired}"
+        conditions = [
+            spec_ok,
+            _cond("Available", False, "DeploymentMissing", "the Deployment does not exist yet"),
+            _cond("Progressing", True, "Creating", "creating the Deployment"),
+            _cond("Ready", False, "DeploymentMissing", "the Deployment does not exist yet"),
+        ]
+        out["conditions"] = _stamp(conditions, previous.get("conditions") or [], now, generation)
+        return out
+
+    dspec = deployment.get("spec") or {}
+    dstat = deployment.get("status") or {}
+    desired = dspec.get("replicas", 1)
+    current = dstat.get("replicas", 0)
+    ready = dstat.get("readyReplicas", 0)
+    updated = dstat.get("updatedReplicas", 0)
+    dgen = (deployment.get("metadata") or {}).get("generation")
+    seen = dstat.get("observedGeneration")
+    progressing = _dep_condition(deployment, "Progressing")
+    deadline = progressing.get("reason") == "ProgressDeadlineExceeded"
+    rolling = (
+        (dgen is not None and seen is not None and seen < dgen)
+        or updated < desired
+        or current > desired  # old pods still terminating
+    )
+    unschedulable, stuck = pod_problems(pods)
+
+    out.update(replicas=current, readyReplicas=ready, ready=f"{ready}/{desired}")
+    if desired == 0:
+        phase, message = "Pending", "scaled to 0 replicas"
+    elif ready >= desired and not rolling:
+        phase, message = "Ready", f"{ready}/{desired} replicas ready"
+    elif ready > 0 and (stuck or deadline or unschedulable):
+        phase = "Degraded"
+        message = f"{ready}/{desired} replicas ready; " + "; ".join(
+            (stuck or unschedulable)[:3] or ["rollout stuck"]
+        )
+    elif stuck or deadline:
+        phase = "Failed"
+        message = "; ".join(stuck[:3]) or progressing.get(
+            "message", "rollout exceeded its progress deadline"
+        )
+    elif unschedulable:
+        phase, message = "Pending", "; ".join(unschedulable[:3])
+    elif rolling:
+        phase, message = (
+            "Progressing",
+            f"rolling out: {updated}/{desired} updated, {ready}/{desired} ready",
+        )
+    elif ready > 0:
+        phase, message = "Degraded", f"{ready}/{desired} replicas ready"
+    else:
+        phase, message = "Progressing", f"0/{desired} replicas ready (starting, loading the model)"
+    out.update(phase=phase, message=message)
+
+    if deadline:
+        prog = _cond(
+            "Progressing", False, "ProgressDeadlineExceeded", progressing.get("message", message)
+        )
+    elif phase == "Failed":
+        prog = _cond("Progressing", False, "ContainersFailing", message)
+    elif rolling or phase == "Progressing":
+        prog = _cond("Progressing", True, "RollingOut", message)
+    elif phase == "Pending" and desired > 0:
+        prog = _cond("Progressing", True, "WaitingForPods", message)
+    else:
+        prog = _cond("Progressing", False, "RolloutComplete", "the latest spec is rolled out")
+    conditions = [
+        spec_ok,
+        _cond(
+            "Available",
+            ready > 0,
+            "ReplicasAvailable" if ready > 0 else "NoReplicasReady",
+            f"{ready} replica(s) serving" if ready > 0 else message,
+        ),
+        prog,
+        _cond(
+            "Ready", phase == "Ready", phase if phase != "Ready" else "AllReplicasReady", message
+        ),
+    ]
+    out["conditions"] = _stamp(conditions, previous.get("conditions") or [], now, generation)
+    return out

@@ -1,0 +1,164 @@
+"""Helpers for the chart tests: find the real helm binary, render charts, load YAML.
+
+helm comes from `.tools/bin/helm` (installed by `make tools`) or PATH; without it the helm
+tests skip with one line. Other tests here (Dockerfile, adapter rules) need no helm.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHARTS = ROOT / "charts"
+OPERATOR_CHART = CHARTS / "sluice-operator"
+MODEL_CHART = CHARTS / "streaming-model"
+HERE = Path(__file__).resolve().parent
+CRD_FILE = ROOT / "crds" / "streamingmodels.serving.sluice.dev.yaml"
+
+# Kubernetes versions the rendered manifests must validate against (schemas shipped in
+# kubernetes-validate; the chart's kubeVersion is >=1.30, the e2e control plane is 1.36).
+K8S_VERSIONS = ("1.33.0", "1.36.0")
+
+
+def find_helm() -> str | None:
+    local = ROOT / ".tools" / "bin" / "helm"
+    if local.is_file() and os.access(local, os.X_OK):
+        return str(local)
+    return shutil.which("helm")
+
+
+class Helm:
+    def __init__(self, binary: str):
+        self.binary = binary
+        # Renders are pure functions of their arguments (and the files, which do not change
+        # during a session): render each combination once, hand out copies.
+        self._rendered: dict[tuple[str, ...], str] = {}
+
+    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [self.binary, *args], capture_output=True, text=True, timeout=60, cwd=ROOT
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(f"helm {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+        return proc
+
+    def template(
+        self,
+        chart: Path,
+        *,
+        values: list[Path] = (),
+        set_: list[str] = (),
+        namespace: str = "sluice-system",
+        release: str = "sluice",
+        include_crds: bool = False,
+    ) -> list[dict]:
+        args = ["template", release, str(chart), "--namespace", namespace]
+        for v in values:
+            args += ["-f", str(v)]
+        for s in set_:
+            args += ["--set", s]
+        if include_crds:
+            args.append("--include-crds")
+        key = tuple(args)
+        if key not in self._rendered:
+            self._rendered[key] = self.run(*args).stdout
+        return [d for d in yaml.safe_load_all(self._rendered[key]) if d]
+
+    def template_error(self, chart: Path, *, set_: list[str]) -> str:
+        args = ["template", "sluice", str(chart)]
+        for s in set_:
+            args += ["--set", s]
+        proc = self.run(*args, check=False)
+        assert proc.returncode != 0, f"expected helm template to fail with {set_}"
+        return proc.stderr
+
+
+def by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d.get("kind") == kind]
+
+
+def one(docs: list[dict], kind: str) -> dict:
+    found = by_kind(docs, kind)
+    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
+    return found[0]
+
+
+def load_crd() -> dict:
+    return yaml.safe_load(CRD_FILE.read_text())
+
+
+def validate_k8s(doc: dict, versions: tuple[str, ...] = K8S_VERSIONS) -> None:
+    """Validate one manifest against the official schemas (strict: unknown fields fail)."""
+    import kubernetes_validate
+
+    if doc["apiVersion"] == "monitoring.coreos.com/v1":
+        # Prometheus Operator CRDs are not in the Kubernetes schemas; check the shape its
+        # admission webhook checks first (tests/chart/test_prometheus_rules.py checks the rules).
+        assert doc["kind"] == "PrometheusRule"
+        groups = doc["spec"]["groups"]
+        assert groups and all(g["name"] and g["rules"] for g in groups)
+        return
+    for version in versions:
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            path = ".".join(str(p) for p in e.path)
+            raise AssertionError(
+                f"{doc['kind']}/{doc['metadata'].get('name')} invalid for Kubernetes {version}: "
+                f"{path}: {e.message}"
+            ) from None
+
+
+def validate_streaming_model(doc: dict) -> None:
+    """Validate a StreamingModel against the generated CRD's openAPIV3Schema."""
+    import jsonschema
+
+    crd = load_crd()
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert doc["apiVersion"] == f"{crd['spec']['group']}/{crd['spec']['versions'][0]['name']}"
+    assert doc["kind"] == crd["spec"]["names"]["kind"]
+    errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(doc), key=str)
+    assert not errors, "; ".join(f"{'.'.join(map(str, e.path))}: {e.message}" for e in errors)
+
+
+def documented_keys(values_file: Path) -> tuple[list[str], list[str]]:
+    """(documented, undocumented) key paths of a values.yaml.
+
+    A key is documented when the comment block right above it contains `# --`. Keys below a
+    documented key are that value's content (e.g. the probe timings), not separate values.
+    A key without `# --` must be a section whose children are all documented.
+    """
+    documented: list[str] = []
+    sections: list[str] = []
+    stack: list[tuple[int, str, bool]] = []  # (indent, key, documented)
+    comment_has_marker = False
+    for raw in values_file.read_text().splitlines():
+        stripped = raw.strip()
+        if not stripped:
+            comment_has_marker = False
+            continue
+        if stripped.startswith("#"):
+            comment_has_marker = (
+                comment_has_marker or stripped == "# --" or stripped.startswith("# -- ")
+            )
+            continue
+        indent = len(raw) - len(raw.lstrip())
+        if stripped.startswith("- ") or ":" not in stripped:
+            comment_has_marker = False
+            continue
+        key = stripped.split(":", 1)[0].strip()
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        inside_documented = any(doc for _, _, doc in stack)
+        path = ".".join([k for _, k, _ in stack] + [key])
+        if not inside_documented:
+            (documented if comment_has_marker else sections).append(path)
+        stack.append((indent, key, comment_has_marker or inside_documented))
+        comment_has_marker = False
+    undocumented = [s for s in sections if not any(d.startswith(s + ".") for d in documented)]
+    return documented, undocumented

@@ -1,0 +1,83 @@
+"""Fixtures for the chart tests: the real helm binary, or one skip line when it is missing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from .chartlib import Helm, find_helm
+
+_HERE = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without a control plane, the live tests here (marked e2e) report one skip line."""
+    live = [i for i in items if Path(i.fspath).parent == _HERE and i.get_closest_marker("e2e")]
+    if not live:
+        return
+    try:
+        from e2e.harness.control_plane import missing_prerequisites
+    except ImportError:
+        reason = "tests/e2e harness not present: live chart tests skipped"
+    else:
+        reason = missing_prerequisites()
+    if reason:
+        live[0].add_marker(pytest.mark.skip(reason=reason))
+        rest = {id(i) for i in live[1:]}
+        config.hook.pytest_deselected(items=live[1:])
+        items[:] = [i for i in items if id(i) not in rest]
+
+
+@pytest.fixture(scope="session")
+def helm() -> str:
+    path = find_helm()
+    if path is None:
+        pytest.skip("helm not found (.tools/bin/helm or PATH): run `make tools` to install it")
+    return path
+
+
+@pytest.fixture(scope="session")
+def h(helm: str) -> Helm:
+    return Helm(helm)
+
+
+@pytest.fixture(scope="session")
+def live_cluster(tmp_path_factory):
+    """A real control plane (tests/e2e's harness) for the chart tests that need an API
+    server, with the CRD installed; skipped with one line without K8S_ASSETS/etcd."""
+    import os
+
+    harness = pytest.importorskip(
+        "e2e.harness.control_plane", reason="tests/e2e harness not present"
+    )
+    if reason := harness.missing_prerequisites():
+        pytest.skip(reason)
+    import yaml
+    from e2e.harness.kube import CRD_FILE, wait_for
+    from kubernetes import client, config, utils
+
+    cp = harness.ControlPlane(
+        tmp_path_factory.mktemp("chart-cp"),
+        Path(os.environ["K8S_ASSETS"]),
+        audited_namespace="sluice-system",
+    )
+    try:
+        cp.start()
+        admin = config.new_client_from_config(config_file=str(cp.kubeconfigs["admin"]))
+        utils.create_from_dict(admin, yaml.safe_load(CRD_FILE.read_text()))
+        ext = client.ApiextensionsV1Api(admin)
+        wait_for(
+            lambda: any(
+                c.type == "Established" and c.status == "True"
+                for c in ext.read_custom_resource_definition(
+                    "streamingmodels.serving.sluice.dev"
+                ).status.conditions
+                or []
+            ),
+            timeout=30,
+            what="the CRD",
+        )
+        yield cp, admin
+    finally:
+        cp.stop()

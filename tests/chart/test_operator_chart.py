@@ -1,0 +1,594 @@
+"""charts/sluice-operator rendered by the real helm binary: lint, template, schema
+validation for two Kubernetes versions, secure defaults, RBAC, and each flag both set and
+not rendered."""
+
+from __future__ import annotations
+
+import filecmp
+import tarfile
+
+import pytest
+import yaml
+
+from .chartlib import (
+    CRD_FILE,
+    HERE,
+    MODEL_CHART,
+    OPERATOR_CHART,
+    ROOT,
+    by_kind,
+    documented_keys,
+    one,
+    validate_k8s,
+)
+
+ALL_ON = HERE / "values-all-on.yaml"
+NAMESPACED = ["watch.allNamespaces=false", "watch.namespaces={team-a,team-b}"]
+
+
+# ---- lint and render -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "values,set_",
+    [([], []), ([ALL_ON], []), ([], NAMESPACED), ([ALL_ON], NAMESPACED)],
+    ids=["defaults", "all-on", "namespaced", "all-on-namespaced"],
+)
+def test_lint_strict(h, values, set_):
+    args = ["lint", "--strict", str(OPERATOR_CHART)]
+    for v in values:
+        args += ["-f", str(v)]
+    for s in set_:
+        args += ["--set", s]
+    out = h.run(*args).stdout
+    assert "0 chart(s) failed" in out
+    assert "[WARNING]" not in out and "[ERROR]" not in out
+
+
+@pytest.mark.parametrize(
+    "values,set_",
+    [([], []), ([ALL_ON], []), ([], NAMESPACED), ([ALL_ON], NAMESPACED)],
+    ids=["defaults", "all-on", "namespaced", "all-on-namespaced"],
+)
+def test_every_manifest_validates(h, values, set_):
+    docs = h.template(OPERATOR_CHART, values=values, set_=set_, include_crds=True)
+    assert len(docs) >= 6
+    for doc in docs:
+        validate_k8s(doc)
+
+
+def test_default_objects(h):
+    docs = h.template(OPERATOR_CHART)
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == sorted(
+        [
+            "ServiceAccount",
+            "ConfigMap",
+            "ClusterRole",
+            "ClusterRole",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "Deployment",
+        ]
+    )
+    for doc in docs:
+        labels = doc["metadata"]["labels"]
+        assert labels["app.kubernetes.io/name"] == "sluice-operator"
+        assert labels["app.kubernetes.io/instance"] == "sluice"
+        assert labels["app.kubernetes.io/managed-by"] == "Helm"
+        assert labels["helm.sh/chart"] == "sluice-operator-0.1.0"
+
+
+def test_chart_crd_is_the_generated_crd(h):
+    chart_crd = OPERATOR_CHART / "crds" / CRD_FILE.name
+    assert chart_crd.is_file(), "the operator's generator writes the chart's CRD copy"
+    assert filecmp.cmp(chart_crd, CRD_FILE, shallow=False), "run `make crds`"
+    assert list((OPERATOR_CHART / "crds").iterdir()) == [chart_crd]
+    docs = h.template(OPERATOR_CHART, include_crds=True)
+    crd = one(docs, "CustomResourceDefinition")
+    assert crd == yaml.safe_load(CRD_FILE.read_text())
+    # Helm only installs crds/ on first install and never templates them otherwise.
+    assert not by_kind(h.template(OPERATOR_CHART), "CustomResourceDefinition")
+
+
+# ---- the Deployment -----------------------------------------------------------------------
+
+
+def _container(docs):
+    deploy = one(docs, "Deployment")
+    (container,) = deploy["spec"]["template"]["spec"]["containers"]
+    return deploy, container
+
+
+def test_deployment_runs_the_operator_with_kopf_health(h):
+    deploy, c = _container(h.template(OPERATOR_CHART))
+    assert c["command"] == ["python", "-m", "sluice_operator", "run"]
+    assert c["args"] == [
+        "--all-namespaces",
+        "--standalone",
+        "--liveness=http://0.0.0.0:8080/healthz",
+        "--log-format=json",
+    ]
+    assert c["image"] == "ghcr.io/sluice-dev/sluice-operator:0.1.0"
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert c["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"}]
+    assert deploy["spec"]["replicas"] == 1
+    # Without peering two operator pods must never overlap.
+    assert deploy["spec"]["strategy"] == {"type": "Recreate"}
+    spec = deploy["spec"]["template"]["spec"]
+    assert spec["serviceAccountName"] == "sluice-sluice-operator"
+
+
+def test_operator_cli_accepts_the_rendered_arguments(h):
+    """The chart's args parse with the operator's own CLI (no cluster needed)."""
+    cli = pytest.importorskip("sluice_operator.cli")
+    for set_ in ([], NAMESPACED):
+        _, c = _container(h.template(OPERATOR_CHART, set_=set_))
+        args = cli.build_parser().parse_args([*c["command"][3:], *c["args"]])
+        assert args.command == "run"
+        assert args.liveness == "http://0.0.0.0:8080/healthz"
+        assert args.standalone is True and args.peering is None
+        assert args.log_format == "json" and args.verbose is False
+        if set_:
+            assert args.namespace == ["team-a", "team-b"] and not args.all_namespaces
+        else:
+            assert args.all_namespaces and not args.namespace
+    _, c = _container(
+        h.template(
+            OPERATOR_CHART,
+            set_=["peering.enabled=true", "operator.verbose=true", "operator.logFormat=plain"],
+        )
+    )
+    args = cli.build_parser().parse_args([*c["command"][3:], *c["args"]])
+    assert args.peering == "sluice-operator" and not args.standalone
+    assert args.verbose is True and args.log_format == "plain"
+
+
+def test_secure_defaults(h):
+    deploy, c = _container(h.template(OPERATOR_CHART))
+    pod = deploy["spec"]["template"]["spec"]["securityContext"]
+    assert pod["runAsNonRoot"] is True and pod["runAsUser"] > 0
+    assert pod["seccompProfile"] == {"type": "RuntimeDefault"}
+    sc = c["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["privileged"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
+    # the only writable path is a bounded emptyDir at /tmp
+    assert c["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
+    (vol,) = deploy["spec"]["template"]["spec"]["volumes"]
+    assert vol["emptyDir"]["sizeLimit"]
+
+
+def test_config_checksum_rolls_pods_only_on_config_change(h):
+    def checksum(set_):
+        deploy, _ = _container(h.template(OPERATOR_CHART, set_=set_))
+        return deploy["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+
+    base = checksum([])
+    assert len(base) == 64
+    assert checksum(["operator.env.FOO=bar"]) != base
+    assert checksum(["nodeSelector.disk=ssd"]) == base  # not config: same checksum
+
+
+def test_config_map_carries_extra_env(h):
+    docs = h.template(OPERATOR_CHART, set_=["operator.env.FOO=bar"])
+    cm = one(docs, "ConfigMap")
+    assert cm["data"]["FOO"] == "bar"
+    _, c = _container(docs)
+    assert c["envFrom"] == [{"configMapRef": {"name": cm["metadata"]["name"]}}]
+
+
+def test_scheduling_values_set_and_not_rendered(h):
+    deploy, _ = _container(h.template(OPERATOR_CHART))
+    spec = deploy["spec"]["template"]["spec"]
+    for key in (
+        "nodeSelector",
+        "tolerations",
+        "affinity",
+        "topologySpreadConstraints",
+        "priorityClassName",
+        "imagePullSecrets",
+    ):
+        assert key not in spec, key
+    deploy, c = _container(h.template(OPERATOR_CHART, values=[ALL_ON]))
+    spec = deploy["spec"]["template"]["spec"]
+    assert spec["nodeSelector"] == {"kubernetes.io/os": "linux"}
+    assert spec["tolerations"][0]["key"] == "CriticalAddonsOnly"
+    assert "podAntiAffinity" in spec["affinity"]
+    assert spec["topologySpreadConstraints"][0]["maxSkew"] == 1
+    assert spec["priorityClassName"] == "system-cluster-critical"
+    assert spec["imagePullSecrets"] == [{"name": "registry-creds"}]
+    assert c["image"].endswith("@sha256:" + "0123456789abcdef" * 4)
+    assert deploy["spec"]["template"]["metadata"]["labels"]["tier"] == "control"
+    assert deploy["spec"]["template"]["metadata"]["annotations"]["example.com/owner"] == "platform"
+    assert "--verbose" in c["args"] and c["args"][-1] == "--some-extra-flag"
+
+
+def test_peering_set_and_not_rendered(h):
+    docs = h.template(OPERATOR_CHART)
+    _, c = _container(docs)
+    assert "--standalone" in c["args"] and not any(a.startswith("--peering") for a in c["args"])
+    assert "kopf.dev" not in yaml.safe_dump(docs)
+
+    docs = h.template(OPERATOR_CHART, set_=["peering.enabled=true"])
+    deploy, c = _container(docs)
+    assert "--peering=sluice-operator" in c["args"] and "--standalone" not in c["args"]
+    # peering is not leader election: still one replica, never overlapping
+    assert deploy["spec"]["replicas"] == 1
+    assert deploy["spec"]["strategy"] == {"type": "Recreate"}
+    rules = _operator_role(docs)["rules"]
+    assert {
+        "apiGroups": ["kopf.dev"],
+        "resources": ["clusterkopfpeerings"],
+        "verbs": ["get", "list", "watch", "patch"],
+    } in rules
+
+    docs = h.template(OPERATOR_CHART, set_=["peering.enabled=true", *NAMESPACED])
+    for role in by_kind(docs, "Role"):
+        assert {
+            "apiGroups": ["kopf.dev"],
+            "resources": ["kopfpeerings"],
+            "verbs": ["get", "list", "watch", "patch"],
+        } in role["rules"]
+
+
+def test_more_than_one_replica_is_refused(h):
+    """kopf has no leader election (equal-priority peers all pause): one replica at most."""
+    for set_ in (["replicaCount=2"], ["replicaCount=2", "peering.enabled=true"]):
+        assert "/replicaCount" in h.template_error(OPERATOR_CHART, set_=set_)
+    deploy, _ = _container(h.template(OPERATOR_CHART, set_=["replicaCount=0"]))
+    assert deploy["spec"]["replicas"] == 0  # stopping the operator is fine
+
+
+def test_values_schema_rejects_typos_and_bad_types(h):
+    assert "additional properties 'replicas' not allowed" in h.template_error(
+        OPERATOR_CHART, set_=["replicas=2"]
+    )
+    assert "pullPolicy" in h.template_error(OPERATOR_CHART, set_=["image.pullPolicy=Sometimes"])
+    assert "serviceAccount.name is required" in h.template_error(
+        OPERATOR_CHART, set_=["serviceAccount.create=false"]
+    )
+
+
+# ---- RBAC --------------------------------------------------------------------------------
+
+
+def _operator_role(docs, kind="ClusterRole"):
+    (role,) = [
+        d for d in by_kind(docs, kind) if not d["metadata"]["name"].endswith(("-edit", "-view"))
+    ]
+    return role
+
+
+def _grants(rules) -> dict[tuple[str, str], set[str]]:
+    out: dict[tuple[str, str], set[str]] = {}
+    for r in rules:
+        for g in r["apiGroups"]:
+            for res in r["resources"]:
+                out.setdefault((g, res), set()).update(r["verbs"])
+    return out
+
+
+# Exactly what the operator calls (operator/README.md); nothing more.
+EXPECTED = {
+    ("serving.sluice.dev", "streamingmodels"): {"get", "list", "watch", "patch"},
+    ("serving.sluice.dev", "streamingmodels/status"): {"get", "patch"},
+    ("serving.sluice.dev", "streamingmodels/finalizers"): {"update"},
+    ("apps", "deployments"): {"get", "list", "watch", "create", "patch"},
+    ("", "services"): {"get", "list", "watch", "create", "patch"},
+    ("networking.k8s.io", "ingresses"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("autoscaling", "horizontalpodautoscalers"): {
+        "get",
+        "list",
+        "watch",
+        "create",
+        "patch",
+        "delete",
+    },
+    ("policy", "poddisruptionbudgets"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("", "pods"): {"list", "watch"},
+    ("", "events"): {"create"},
+}
+
+
+def test_rbac_cluster_wide_is_exactly_what_the_operator_uses(h):
+    docs = h.template(OPERATOR_CHART)
+    role = _operator_role(docs)
+    assert _grants(role["rules"]) == EXPECTED
+    binding = one(docs, "ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "sluice-sluice-operator", "namespace": "sluice-system"}
+    ]
+    assert not by_kind(docs, "Role") and not by_kind(docs, "RoleBinding")
+
+
+def test_rbac_has_no_wildcards_and_no_secrets(h):
+    for set_ in ([], NAMESPACED):
+        docs = h.template(OPERATOR_CHART, values=[ALL_ON], set_=set_)
+        for role in by_kind(docs, "ClusterRole") + by_kind(docs, "Role"):
+            for rule in role["rules"]:
+                assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]
+                assert "secrets" not in rule["resources"]
+                if not role["metadata"]["name"].endswith("-edit"):
+                    assert "escalate" not in rule["verbs"] and "bind" not in rule["verbs"]
+
+
+def test_rbac_rules_are_commented(h):
+    text = (OPERATOR_CHART / "templates" / "_rbac-rules.tpl").read_text()
+    blocks = text.split("- apiGroups:")[1:]
+    lines = text.splitlines()
+    rule_lines = [i for i, line in enumerate(lines) if line.startswith("- apiGroups:")]
+    assert len(rule_lines) == len(blocks) >= 10
+    for i in rule_lines:
+        above = lines[i - 1].strip()
+        # Each rule has a comment saying why, or follows one of the same group of rules.
+        assert above.startswith("#") or above.startswith("verbs:") or above.startswith("{{"), lines[
+            i
+        ]
+
+
+def test_rbac_namespaced_mode(h):
+    docs = h.template(OPERATOR_CHART, set_=NAMESPACED)
+    roles = by_kind(docs, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    for role in roles:
+        assert _grants(role["rules"]) == EXPECTED
+    bindings = by_kind(docs, "RoleBinding")
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    for b in bindings:
+        assert b["subjects"][0]["namespace"] == "sluice-system"
+    # Only the aggregated user-facing roles remain cluster-scoped.
+    assert all(
+        r["metadata"]["name"].endswith(("-edit", "-view")) for r in by_kind(docs, "ClusterRole")
+    )
+    assert not by_kind(docs, "ClusterRoleBinding")
+    _, c = _container(docs)
+    assert c["args"][:2] == ["--namespace=team-a", "--namespace=team-b"]
+    # An empty list means the release namespace.
+    docs = h.template(OPERATOR_CHART, set_=["watch.allNamespaces=false"], namespace="models")
+    assert [r["metadata"]["namespace"] for r in by_kind(docs, "Role")] == ["models"]
+
+
+def test_keda_set_and_not_rendered(h):
+    assert ("keda.sh", "scaledobjects") not in _grants(
+        _operator_role(h.template(OPERATOR_CHART))["rules"]
+    )
+    grants = _grants(
+        _operator_role(h.template(OPERATOR_CHART, set_=["keda.enabled=true"]))["rules"]
+    )
+    # Exactly what the operator calls (not watched: KEDA's CRD may be absent).
+    assert grants[("keda.sh", "scaledobjects")] == {"get", "create", "patch", "delete"}
+
+
+def test_aggregated_user_roles_set_and_not_rendered(h):
+    docs = h.template(OPERATOR_CHART)
+    edit = [d for d in by_kind(docs, "ClusterRole") if d["metadata"]["name"].endswith("-edit")][0]
+    view = [d for d in by_kind(docs, "ClusterRole") if d["metadata"]["name"].endswith("-view")][0]
+    assert edit["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
+    assert view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
+    assert {"create", "delete"} <= _grants(edit["rules"])[("serving.sluice.dev", "streamingmodels")]
+    assert _grants(view["rules"])[("serving.sluice.dev", "streamingmodels")] == {
+        "get",
+        "list",
+        "watch",
+    }
+    docs = h.template(OPERATOR_CHART, set_=["rbac.aggregateToDefaultRoles=false"])
+    assert len(by_kind(docs, "ClusterRole")) == 1
+    docs = h.template(OPERATOR_CHART, set_=["rbac.create=false"])
+    assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
+
+
+def test_rbac_covers_every_child_the_operator_manages(h):
+    """Every child kind the operator applies may be got, created and patched (server-side
+    apply); the optional ones (deleted when the spec turns them off) also deleted. Read
+    from the operator's own builders, and checked against what it renders for the samples."""
+    builders = pytest.importorskip("sluice_operator.builders")
+    render = pytest.importorskip("sluice_operator.render")
+    plural = {
+        "Deployment": ("apps", "deployments"),
+        "Service": ("", "services"),
+        "Ingress": ("networking.k8s.io", "ingresses"),
+        "HorizontalPodAutoscaler": ("autoscaling", "horizontalpodautoscalers"),
+        "PodDisruptionBudget": ("policy", "poddisruptionbudgets"),
+        "ScaledObject": ("keda.sh", "scaledobjects"),
+    }
+    # KEDA's ScaledObject (autoscaling.backend: keda) is only granted with keda.enabled.
+    grants = _grants(
+        _operator_role(h.template(OPERATOR_CHART, set_=["keda.enabled=true"]))["rules"]
+    )
+    managed = set()
+    for api_version, kind, optional in builders.ALL_KINDS:
+        assert kind in plural, f"operator manages {kind}: add it to the chart's RBAC"
+        group, res = plural[kind]
+        assert api_version.rpartition("/")[0] == group
+        needed = {"get", "create", "patch"} | ({"delete"} if optional else set())
+        assert needed <= grants[(group, res)], (kind, grants[(group, res)])
+        if not optional:
+            assert "delete" not in grants[(group, res)], f"{kind} is never deleted by the operator"
+        managed.add(kind)
+    rendered = set()
+    for sample in sorted((ROOT / "samples").glob("*.yaml")):
+        for doc in yaml.safe_load_all(render.render_file(sample, namespace=None)):
+            if doc:
+                rendered.add(doc["kind"])
+    assert {"Deployment", "Service"} <= rendered <= managed
+
+
+# ---- names -------------------------------------------------------------------------------
+
+
+def test_names_are_truncated_to_63_characters(h):
+    long = "a-very-long-release-name-that-goes-on-and-on-and-on-for-ever-and-ever"
+    docs = h.template(
+        OPERATOR_CHART, release=long[:53], set_=["prometheusAdapter.rules.enabled=true"]
+    )
+    for doc in docs:
+        assert len(doc["metadata"]["name"]) <= 63, doc["metadata"]["name"]
+        assert not doc["metadata"]["name"].endswith("-")
+        for v in doc["metadata"]["labels"].values():
+            assert len(v) <= 63
+    docs = h.template(OPERATOR_CHART, set_=[f"fullnameOverride={long[:63]}"])
+    names = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert all(len(n) <= 63 for _, n in names)
+    assert len(names) == len(docs)  # truncation never makes two objects of a kind collide
+
+
+def test_release_name_containing_chart_name_is_not_doubled(h):
+    docs = h.template(OPERATOR_CHART, release="sluice-operator")
+    assert one(docs, "Deployment")["metadata"]["name"] == "sluice-operator"
+
+
+# ---- values documentation ----------------------------------------------------------------
+
+
+def test_every_value_is_documented():
+    documented, undocumented = documented_keys(OPERATOR_CHART / "values.yaml")
+    assert not undocumented, f"values without a `# --` comment: {undocumented}"
+    assert len(documented) > 30
+
+
+def test_documented_keys_notices_a_missing_comment(tmp_path):
+    """Negative control for the check above."""
+    f = tmp_path / "values.yaml"
+    f.write_text("# -- documented\na: 1\nsection:\n  # -- fine\n  b: 2\n  c: 3\nd: 4\n")
+    documented, undocumented = documented_keys(f)
+    assert documented == ["a", "section.b"]
+    assert undocumented == ["section.c", "d"]
+
+
+def test_docs_table_mentions_every_value():
+    doc = (ROOT / "docs" / "helm.md").read_text()
+    documented, _ = documented_keys(OPERATOR_CHART / "values.yaml")
+    missing = [k for k in documented if f"`{k}`" not in doc]
+    assert not missing, f"docs/helm.md does not mention: {missing}"
+
+
+def test_rbac_lets_kopf_watch_everything_the_operator_handles(h):
+    """Every resource the operator's kopf handlers watch needs list and watch (kopf lists,
+    then watches); the StreamingModel also patch (kopf's annotations). Read from kopf's
+    registry after importing the real handlers, so a new watch without RBAC fails here."""
+    kopf = pytest.importorskip("kopf")
+    pytest.importorskip("sluice_operator.handlers")
+    registry = kopf.get_default_registry()
+    crd = yaml.safe_load(CRD_FILE.read_text())
+    handlers = [
+        *registry._watching.get_all_handlers(),
+        *registry._changing.get_all_handlers(),
+        *registry._spawning.get_all_handlers(),
+    ]
+    assert handlers
+    grants = _grants(_operator_role(h.template(OPERATOR_CHART))["rules"])
+    for handler in handlers:
+        sel = handler.selector
+        group = sel.group or ""
+        plural = sel.plural or (
+            crd["spec"]["names"]["plural"] if group == crd["spec"]["group"] else None
+        )
+        assert plural, f"cannot tell the resource of handler {handler.id}"
+        assert {"list", "watch"} <= grants.get((group, plural), set()), (group, plural, handler.id)
+    assert "patch" in grants[(crd["spec"]["group"], crd["spec"]["names"]["plural"])]
+
+
+# ---- packaging ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chart", [OPERATOR_CHART, MODEL_CHART], ids=lambda c: c.name)
+def test_package_holds_only_the_chart(h, tmp_path, chart):
+    h.run("package", str(chart), "--destination", str(tmp_path))
+    (tgz,) = tmp_path.glob("*.tgz")
+    with tarfile.open(tgz) as tar:
+        names = tar.getnames()
+    assert f"{chart.name}/values.schema.json" in names and f"{chart.name}/README.md" in names
+    assert not [n for n in names if "__pycache__" in n or n.endswith((".pyc", ".orig", "~"))]
+    if chart == OPERATOR_CHART:
+        assert f"{chart.name}/crds/{CRD_FILE.name}" in names
+        assert f"{chart.name}/files/prometheus-adapter-rules.yaml" in names
+
+
+@pytest.mark.parametrize("chart", [OPERATOR_CHART, MODEL_CHART], ids=lambda c: c.name)
+def test_kube_version_floor(h, chart):
+    ok = h.run("template", "sluice", str(chart), "--kube-version", "1.30.0", check=False)
+    assert ok.returncode == 0, ok.stderr
+    old = h.run("template", "sluice", str(chart), "--kube-version", "1.29.9", check=False)
+    assert old.returncode != 0 and "kubeVersion" in old.stderr
+
+
+# ---- network policy ------------------------------------------------
+
+
+def test_network_policy_set_and_not_rendered(h):
+    assert not by_kind(h.template(OPERATOR_CHART), "NetworkPolicy")
+    docs = h.template(OPERATOR_CHART, set_=["networkPolicy.enabled=true"])
+    policy = one(docs, "NetworkPolicy")
+    deploy = one(docs, "Deployment")
+    assert policy["spec"]["podSelector"]["matchLabels"] == deploy["spec"]["selector"]["matchLabels"]
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    assert policy["spec"]["ingress"] == [{"ports": [{"port": 8080, "protocol": "TCP"}]}]
+    dns, api = policy["spec"]["egress"]
+    assert {p["port"] for p in dns["ports"]} == {53}
+    assert [p["port"] for p in api["ports"]] == [443, 6443] and "to" not in api
+    docs = h.template(OPERATOR_CHART, values=[ALL_ON])
+    (_, api) = one(docs, "NetworkPolicy")["spec"]["egress"]
+    assert api["to"] == [{"ipBlock": {"cidr": "10.0.0.1/32"}}]
+
+
+def test_docs_table_defaults_match_values():
+    """The Default column of docs/helm.md's values table is what values.yaml says."""
+    values = yaml.safe_load((OPERATOR_CHART / "values.yaml").read_text())
+    rows = 0
+    for line in (ROOT / "docs" / "helm.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[0].startswith("`") or "(see values.yaml)" in cells[1]:
+            continue
+        key = cells[0].strip("`")
+        node = values
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                break
+            node = node[part]
+        else:
+            assert yaml.safe_load(cells[1].strip("`")) == node, (key, cells[1], node)
+            rows += 1
+    assert rows > 25
+
+
+@pytest.mark.parametrize(
+    "chart,values,set_",
+    [
+        (OPERATOR_CHART, [], []),
+        (OPERATOR_CHART, [ALL_ON], NAMESPACED),
+        (MODEL_CHART, [], []),
+        (MODEL_CHART, [HERE / "streaming-model-values-all-on.yaml"], []),
+    ],
+    ids=["operator", "operator-all-on-namespaced", "model", "model-all-on"],
+)
+def test_install_notes_render(h, chart, values, set_):
+    """`helm install` (client-side dry run) renders NOTES.txt, which `helm template` skips."""
+    args = ["install", "sluice", str(chart), "-n", "team-a", "--dry-run=client"]
+    for v in values:
+        args += ["-f", str(v)]
+    for s in set_:
+        args += ["--set", s]
+    out = h.run(*args).stdout
+    notes = out.split("NOTES:", 1)[1]
+    assert "kubectl" in notes and "<no value>" not in notes
+    if set_:
+        assert "team-a, team-b" in notes
+
+
+def test_common_labels_and_image_tag(h):
+    docs = h.template(OPERATOR_CHART, values=[ALL_ON])
+    for doc in docs:
+        assert doc["metadata"]["labels"]["team"] == "platform", doc["kind"]
+    docs = h.template(OPERATOR_CHART, set_=["image.tag=1.2.3"])
+    _, c = _container(docs)
+    assert c["image"] == "ghcr.io/sluice-dev/sluice-operator:1.2.3"
+    assert one(docs, "Deployment")["metadata"]["labels"]["app.kubernetes.io/version"] == "1.2.3"
+    # selector labels never carry the version: upgrades must not orphan the old pods
+    selector = one(docs, "Deployment")["spec"]["selector"]["matchLabels"]
+    assert "app.kubernetes.io/version" not in selector and "helm.sh/chart" not in selector

@@ -1,0 +1,8 @@
+"""An envtest-style harness: a real control plane on loopback, fake GPU nodes, the operator.
+
+Reusable pieces, each in its own module:
+- `control_plane.ControlPlane`: etcd + kube-apiserver + controller-manager + scheduler;
+- `fake_node.FakeGpuNode`: a Node with GPU capacity and a fake kubelet behind it;
+- `operator_process.OperatorProcess`: the operator under the Helm chart's identity;
+- `kube`: small waiting and reading helpers for tests.
+"""

@@ -1,0 +1,152 @@
+"""The operator as a subprocess, run the way the Helm chart runs it.
+
+`helm template charts/sluice-operator` is the single source for how the operator runs:
+its ServiceAccount, ClusterRole/Role and bindings are applied to the cluster as rendered,
+the operator authenticates with a token of that ServiceAccount (so a verb missing from
+the chart's RBAC fails the tests), and its command, arguments and ConfigMap environment
+are taken from the rendered Deployment.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from kubernetes import client, utils
+from kubernetes.client.rest import ApiException
+
+from .control_plane import ControlPlane, free_port
+from .process import ManagedProcess
+
+REPO = Path(__file__).resolve().parents[3]
+RBAC_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+
+
+def _find(tool: str, *extra: str) -> str | None:
+    path = os.pathsep.join([*extra, str(REPO / ".tools/bin"), os.environ.get("PATH", "")])
+    return shutil.which(tool, path=path)
+
+
+def find_helm() -> str | None:
+    return _find("helm")
+
+
+def find_kubectl() -> str | None:
+    """K8S_ASSETS/kubectl first (matches the apiserver), then .tools/bin, then PATH."""
+    return _find("kubectl", os.environ.get("K8S_ASSETS", ""))
+
+
+@dataclass
+class RenderedChart:
+    objects: list[dict]
+
+    @classmethod
+    def render(cls, namespace: str, chart: Path = REPO / "charts/sluice-operator",
+               values: dict[str, str] | None = None, release: str = "sluice") -> RenderedChart:
+        helm = find_helm()
+        if not helm:
+            raise RuntimeError("helm not found (make tools installs it into .tools/bin)")
+        argv = [helm, "template", release, str(chart), "--namespace", namespace]
+        for k, v in (values or {}).items():
+            argv += ["--set", f"{k}={v}"]
+        out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+        return cls([d for d in yaml.safe_load_all(out) if d])
+
+    def of_kind(self, *kinds: str) -> list[dict]:
+        return [o for o in self.objects if o["kind"] in kinds]
+
+    def deployment(self) -> dict:
+        (dep,) = self.of_kind("Deployment")
+        return dep
+
+    def container(self) -> dict:
+        return self.deployment()["spec"]["template"]["spec"]["containers"][0]
+
+    def config_env(self) -> dict[str, str]:
+        """The ConfigMap(s) the container reads with envFrom, as environment variables."""
+        names = {s["configMapRef"]["name"] for s in self.container().get("envFrom", []) if "configMapRef" in s}
+        env: dict[str, str] = {}
+        for cm in self.of_kind("ConfigMap"):
+            if cm["metadata"]["name"] in names:
+                env.update(cm.get("data") or {})
+        return env
+
+    def service_account(self) -> tuple[str, str]:
+        (sa,) = self.of_kind("ServiceAccount")
+        return sa["metadata"]["namespace"], sa["metadata"]["name"]
+
+
+def install_operator_identity(api: client.ApiClient, cp: ControlPlane, chart: RenderedChart) -> Path:
+    """Apply the chart's RBAC as rendered; return a kubeconfig with its ServiceAccount's token."""
+    namespace, sa = chart.service_account()
+    core = client.CoreV1Api(api)
+    try:
+        core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
+    except ApiException as e:
+        if e.status != 409:
+            raise
+    for obj in chart.of_kind(*RBAC_KINDS):
+        utils.create_from_dict(api, obj)
+    token = core.create_namespaced_service_account_token(
+        sa, namespace, client.AuthenticationV1TokenRequest(
+            spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=24 * 3600)),
+    ).status.token
+    return cp.token_kubeconfig(f"operator-{sa}", f"system:serviceaccount:{namespace}:{sa}", token)
+
+
+class OperatorProcess:
+    """`python -m sluice_operator run ...` with the chart's arguments, on loopback."""
+
+    def __init__(self, chart: RenderedChart, kubeconfig: Path, log_dir: Path, name: str = "operator") -> None:
+        container = chart.container()
+        self.name = name
+        self.health_port = free_port()
+        argv = [sys.executable if a == "python" else a for a in container["command"]]
+        for arg in container.get("args", []):
+            if arg.startswith("--liveness="):  # the pod listens on 0.0.0.0; tests stay on loopback
+                arg = f"--liveness=http://127.0.0.1:{self.health_port}/healthz"
+            argv.append(arg)
+        env = {**os.environ, **chart.config_env(), "KUBECONFIG": str(kubeconfig),
+               "SLUICE_OPERATOR_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1"}
+        env.pop("KUBERNETES_SERVICE_HOST", None)  # never fall back to an in-cluster config
+        self.argv = argv
+        self.env = env
+        self.log_dir = log_dir
+        self.process: ManagedProcess | None = None
+        self.starts = 0
+
+    def start(self, timeout: float = 60.0) -> OperatorProcess:
+        self.starts += 1
+        self.process = ManagedProcess(f"{self.name}-{self.starts}", self.argv, self.log_dir, self.env).start()
+        deadline = time.monotonic() + timeout
+        url = f"http://127.0.0.1:{self.health_port}/healthz"
+        while time.monotonic() < deadline:
+            self.process.check_alive()
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except Exception:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"operator not healthy at {url}:\n{self.process.tail()}")
+
+    def stop(self) -> None:
+        if self.process:
+            self.process.stop(timeout=15)
+
+    def restart(self) -> OperatorProcess:
+        self.stop()
+        return self.start()
+
+    def log_text(self) -> str:
+        return "\n".join(
+            p.read_text(errors="replace") for p in sorted(self.log_dir.glob(f"{self.name}-*.log"))
+        )

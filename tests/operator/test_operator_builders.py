@@ -1,0 +1,454 @@
+"""Every builder over the spec variants the issue names: TP 1/2/4/8, SSE/WebSocket/both,
+autoscaling on/off, ingress on/off, auth on/off, simulator; plus the manifests' contracts."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from operator_helpers import minimal
+from sluice_operator.builders import desired_children
+from sluice_operator.builders.args import server_args
+from sluice_operator.builders.deployment import (
+    STARTUP_FAILURE_THRESHOLD,
+    STARTUP_PERIOD_SECONDS,
+    desired_deployment,
+)
+from sluice_operator.builders.hpa import desired_hpa, ttft_metric_name
+from sluice_operator.builders.ingress import desired_ingress
+from sluice_operator.builders.pdb import desired_pdb
+from sluice_operator.builders.service import desired_service
+from sluice_operator.models.resource import StreamingModel
+
+DESIGN_LABELS = {
+    "app.kubernetes.io/name": "sluice-server",
+    "app.kubernetes.io/instance": "m",
+    "app.kubernetes.io/managed-by": "sluice-operator",
+    "app.kubernetes.io/component": "model-server",
+}
+
+
+def model(**spec) -> StreamingModel:
+    return StreamingModel.from_body(minimal(**spec))
+
+
+def container(dep):
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def flag(args, name):
+    return args[args.index(name) + 1] if name in args else None
+
+
+TP = [1, 2, 4, 8]
+PROTOCOLS = [["sse"], ["websocket"], ["sse", "websocket"]]
+VARIANTS = list(itertools.product(TP, PROTOCOLS, [False, True], [False, True], [False, True]))
+
+
+@pytest.mark.parametrize(
+    "tp,protocols,autoscaling,ingress,auth",
+    VARIANTS,
+    ids=[f"tp{t}-{'+'.join(p)}-hpa{int(a)}-ing{int(i)}-auth{int(u)}" for t, p, a, i, u in VARIANTS],
+)
+def test_variant(tp, protocols, autoscaling, ingress, auth):
+    spec = {
+        "resources": {"gpus": tp},
+        "parallelism": {"tensor": tp},
+        "streaming": {"protocols": protocols},
+        "ingress": {"enabled": ingress, "host": "m.example.com"},
+    }
+    if autoscaling:
+        spec["autoscaling"] = {"minReplicas": 1, "maxReplicas": 4, "targetTTFTMilliseconds": 750}
+    if auth:
+        spec["auth"] = {"apiKeySecretRef": {"name": "keys"}, "rateLimit": {"requestsPerMinute": 60}}
+    m = model(**spec)
+    children = desired_children(m)
+
+    dep = children["Deployment"]
+    c = container(dep)
+    args = c["args"]
+    assert flag(args, "--tensor-parallel-size") == str(tp)
+    assert (
+        c["resources"]["limits"]["nvidia.com/gpu"]
+        == str(tp)
+        == c["resources"]["requests"]["nvidia.com/gpu"]
+    )
+    assert flag(args, "--protocols") == ",".join(sorted(protocols))
+    assert ("replicas" in dep["spec"]) is (not autoscaling)
+    assert (children["HorizontalPodAutoscaler"] is not None) is autoscaling
+    assert (children["PodDisruptionBudget"] is not None) is autoscaling  # replicas: 1 otherwise
+    assert (children["Ingress"] is not None) is ingress
+    assert (flag(args, "--api-key-file") is not None) is auth
+    assert (flag(args, "--rate-limit-rpm") == "60") is auth
+    mounts = {v["mountPath"] for v in c["volumeMounts"]}
+    assert ("/etc/sluice/auth" in mounts) is auth
+    if ingress:
+        ann = children["Ingress"]["metadata"]["annotations"]
+        assert ann["nginx.ingress.kubernetes.io/proxy-buffering"] == "off"
+    for child in filter(None, children.values()):
+        assert DESIGN_LABELS.items() <= child["metadata"]["labels"].items()
+        assert child["metadata"]["name"] == "m" and child["metadata"]["namespace"] == "default"
+        assert "ownerReferences" not in child["metadata"]  # kopf.adopt in the handler
+
+
+def test_server_args_follow_design_table():
+    m = model(
+        resources={"gpus": 4},
+        parallelism={"tensor": 2, "pipeline": 2},
+        engine={
+            "maxModelLen": 4096,
+            "maxNumSeqs": 64,
+            "maxNumBatchedTokens": 8192,
+            "gpuMemoryUtilization": 0.9,
+            "swapSpaceGiB": 4,
+            "dtype": "bfloat16",
+            "quantization": "awq",
+            "extraArgs": ["--enable-prefix-caching", "--kv-cache-dtype=fp8"],
+        },
+        streaming={"heartbeatSeconds": 10, "maxConcurrentStreams": 32, "streamTimeoutSeconds": 120},
+        auth={"rateLimit": {"tokensPerMinute": 1000}},
+    )
+    args = server_args(m)
+    assert args[:2] == ["--model", "org/model"]
+    expected = {
+        "--served-model-name": "org/model",
+        "--host": "0.0.0.0",
+        "--port": "8000",
+        "--engine": "vllm",
+        "--tensor-parallel-size": "2",
+        "--pipeline-parallel-size": "2",
+        "--gpu-memory-utilization": "0.9",
+        "--max-model-len": "4096",
+        "--max-num-seqs": "64",
+        "--max-num-batched-tokens": "8192",
+        "--swap-space": "4",
+        "--dtype": "bfloat16",
+        "--quantization": "awq",
+        "--heartbeat-seconds": "10",
+        "--max-concurrent-streams": "32",
+        "--stream-timeout-seconds": "120",
+        "--drain-timeout-seconds": "120",
+        "--rate-limit-tpm": "1000",
+    }
+    for name, value in expected.items():
+        assert flag(args, name) == value, name
+    assert (
+        "--rate-limit-rpm" not in args and "--api-key-file" not in args and "--revision" not in args
+    )
+    assert args[args.index("--") :] == ["--", "--enable-prefix-caching", "--kv-cache-dtype=fp8"]
+
+
+def test_unset_engine_values_are_left_to_vllm():
+    args = server_args(model())
+    for name in (
+        "--max-model-len",
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+        "--swap-space",
+        "--quantization",
+    ):
+        assert name not in args
+    assert "--" not in args
+
+
+@pytest.mark.parametrize(
+    "uri,model_arg,revision,claim",
+    [
+        ("hf://org/name@abc123", "org/name", "abc123", None),
+        ("hf://org/name", "org/name", None, None),
+        ("pvc://store/llama/70b", "/mnt/model/llama/70b", None, "store"),
+        ("pvc://store", "/mnt/model", None, "store"),
+        ("/models/baked", "/models/baked", None, None),
+    ],
+)
+def test_model_sources(uri, model_arg, revision, claim):
+    m = model(model={"uri": uri})
+    dep = desired_deployment(m)
+    args = container(dep)["args"]
+    assert flag(args, "--model") == model_arg and flag(args, "--revision") == revision
+    volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    if claim:
+        assert volumes["model"]["persistentVolumeClaim"] == {"claimName": claim, "readOnly": True}
+        mount = next(x for x in container(dep)["volumeMounts"] if x["name"] == "model")
+        assert mount["readOnly"] is True
+    else:
+        assert "model" not in volumes
+    # Default served name: the repo id for hf://, else the resource name.
+    assert flag(args, "--served-model-name") == (model_arg if uri.startswith("hf://") else "m")
+
+
+def test_hf_token_is_env_from_secret_never_an_argument():
+    m = model(
+        model={"uri": "hf://org/gated", "hfTokenSecretRef": {"name": "hf", "key": "tok"}},
+        engine={"env": [{"name": "HF_TOKEN", "value": "leak"}, {"name": "X", "value": "1"}]},
+    )
+    c = container(desired_deployment(m))
+    env = {e["name"]: e for e in c["env"]}
+    assert env["HF_TOKEN"] == {
+        "name": "HF_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": "hf", "key": "tok"}},
+    }
+    assert env["X"]["value"] == "1" and env["HF_HOME"]["value"] == "/cache/hf"
+    assert not any("HF_TOKEN" in a or "hf_" in a.lower() for a in c["args"])
+
+
+def test_cache_pvc_or_emptydir_and_shm():
+    vols = {
+        v["name"]: v for v in desired_deployment(model())["spec"]["template"]["spec"]["volumes"]
+    }
+    assert vols["cache"] == {"name": "cache", "emptyDir": {"sizeLimit": "100Gi"}}
+    assert vols["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+    m = model(
+        model={"uri": "hf://a/b", "cache": {"pvcName": "weights"}},
+        resources={"sharedMemorySize": "16Gi"},
+    )
+    vols = {v["name"]: v for v in desired_deployment(m)["spec"]["template"]["spec"]["volumes"]}
+    assert vols["cache"]["persistentVolumeClaim"] == {"claimName": "weights"}
+    assert vols["dshm"]["emptyDir"]["sizeLimit"] == "16Gi"
+
+
+def test_api_keys_mounted_as_file():
+    m = model(auth={"apiKeySecretRef": {"name": "keys", "key": "list"}})
+    dep = desired_deployment(m)
+    vols = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert vols["api-keys"]["secret"]["items"] == [{"key": "list", "path": "api-keys"}]
+    assert flag(container(dep)["args"], "--api-key-file") == "/etc/sluice/auth/api-keys"
+
+
+def test_probes_drain_rollout_and_security():
+    m = model(streaming={"streamTimeoutSeconds": 900})
+    dep = desired_deployment(m)
+    pod = dep["spec"]["template"]["spec"]
+    c = container(dep)
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60  # tens of minutes
+    assert (
+        dep["spec"]["progressDeadlineSeconds"] > STARTUP_PERIOD_SECONDS * STARTUP_FAILURE_THRESHOLD
+    )
+    assert c["lifecycle"]["preStop"] == {"sleep": {"seconds": 5}}
+    assert pod["terminationGracePeriodSeconds"] >= 900 + 5
+    assert flag(c["args"], "--drain-timeout-seconds") == "900"
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    sc = c["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+    assert (
+        sc["seccompProfile"] == {"type": "RuntimeDefault"} and sc["readOnlyRootFilesystem"] is True
+    )
+    assert (
+        pod["securityContext"]["runAsNonRoot"] is True
+        and pod["automountServiceAccountToken"] is False
+    )
+    ann = dep["spec"]["template"]["metadata"]["annotations"]
+    assert ann == {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": "8000",
+        "prometheus.io/path": "/metrics",
+    }
+
+
+def test_pod_labels_annotations_and_placement():
+    m = model(
+        podLabels={"team": "a", "app.kubernetes.io/instance": "hijack"},
+        podAnnotations={"x": "y", "prometheus.io/port": "1"},
+        resources={
+            "gpus": 1,
+            "nodeSelector": {"gpu": "h100"},
+            "tolerations": [
+                {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+            ],
+            "affinity": {"nodeAffinity": {}},
+            "priorityClassName": "high",
+        },
+        imagePullSecrets=[{"name": "regcred"}],
+        serviceAccountName="model-sa",
+        image="example/img:1",
+        imagePullPolicy="Always",
+    )
+    dep = desired_deployment(m)
+    tpl = dep["spec"]["template"]
+    assert tpl["metadata"]["labels"]["team"] == "a"
+    assert tpl["metadata"]["labels"]["app.kubernetes.io/instance"] == "m"  # ours win
+    assert (
+        tpl["metadata"]["annotations"]["x"] == "y"
+        and tpl["metadata"]["annotations"]["prometheus.io/port"] == "8000"
+    )
+    pod = tpl["spec"]
+    assert pod["nodeSelector"] == {"gpu": "h100"} and pod["priorityClassName"] == "high"
+    assert pod["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    ]
+    assert pod["affinity"] == {"nodeAffinity": {}} and pod["imagePullSecrets"] == [
+        {"name": "regcred"}
+    ]
+    assert pod["serviceAccountName"] == "model-sa"
+    assert (
+        container(dep)["image"] == "example/img:1" and container(dep)["imagePullPolicy"] == "Always"
+    )
+    assert dep["spec"]["selector"]["matchLabels"] == {
+        "app.kubernetes.io/name": "sluice-server",
+        "app.kubernetes.io/instance": "m",
+    }
+
+
+def test_simulator_requests_no_gpu_and_passes_sim_flags():
+    m = model(
+        engine={"backend": "simulator", "simulator": {"ttftMs": 80, "itlMs": 15, "jitter": 0.1}},
+        resources={"gpus": 2},
+        parallelism={"tensor": 2},
+    )
+    c = container(desired_deployment(m))
+    assert not any("gpu" in k for k in c["resources"].get("limits", {}))
+    assert not any("gpu" in k for k in c["resources"].get("requests", {}))
+    args = c["args"]
+    assert flag(args, "--engine") == "simulator"
+    assert (
+        flag(args, "--sim-ttft-ms"),
+        flag(args, "--sim-itl-ms"),
+        flag(args, "--sim-jitter"),
+    ) == ("80", "15", "0.1")
+    assert flag(args, "--sim-ttft-per-stream-ms") == "0"
+    assert "--tensor-parallel-size" not in args
+    # Defaults when the simulator block is absent.
+    args = server_args(model(engine={"backend": "simulator"}))
+    assert flag(args, "--sim-ttft-ms") == "50" and flag(args, "--sim-itl-ms") == "20"
+
+
+def test_gpu_resource_name():
+    c = container(
+        desired_deployment(model(resources={"gpus": 1, "gpuResourceName": "amd.com/gpu"}))
+    )
+    assert c["resources"]["limits"]["amd.com/gpu"] == "1"
+
+
+def test_service():
+    svc = desired_service(model())
+    assert svc["spec"]["type"] == "ClusterIP"
+    assert svc["spec"]["ports"] == [
+        {
+            "name": "http",
+            "port": 8000,
+            "targetPort": "http",
+            "protocol": "TCP",
+            "appProtocol": "http",
+        }
+    ]
+    assert svc["spec"]["selector"] == {
+        "app.kubernetes.io/name": "sluice-server",
+        "app.kubernetes.io/instance": "m",
+    }
+
+
+def test_ingress_community_annotations_timeouts_and_user_override():
+    m = model(
+        streaming={"streamTimeoutSeconds": 900},
+        ingress={
+            "enabled": True,
+            "host": "m.example.com",
+            "path": "/llm",
+            "tlsSecretName": "tls",
+            "maxBodySize": "8m",
+            "annotations": {"nginx.ingress.kubernetes.io/proxy-body-size": "32m", "extra": "1"},
+        },
+    )
+    ing = desired_ingress(m)
+    ann = ing["metadata"]["annotations"]
+    p = "nginx.ingress.kubernetes.io/"
+    assert ann[p + "proxy-buffering"] == "off" and ann[p + "proxy-request-buffering"] == "off"
+    assert ann[p + "proxy-http-version"] == "1.1"
+    assert int(ann[p + "proxy-read-timeout"]) >= 900 and int(ann[p + "proxy-send-timeout"]) >= 900
+    assert ann[p + "proxy-body-size"] == "32m" and ann["extra"] == "1"  # user wins
+    assert not any(k.startswith("nginx.org/") for k in ann)
+    assert ing["spec"]["ingressClassName"] == "nginx"
+    assert ing["spec"]["tls"] == [{"hosts": ["m.example.com"], "secretName": "tls"}]
+    (rule,) = ing["spec"]["rules"]
+    assert rule["host"] == "m.example.com"
+    (path,) = rule["http"]["paths"]
+    assert path == {
+        "path": "/llm",
+        "pathType": "Prefix",
+        "backend": {"service": {"name": "m", "port": {"name": "http"}}},
+    }
+
+
+@pytest.mark.parametrize(
+    "ingress,f5",
+    [
+        ({"className": "nginx"}, False),
+        ({"className": "nginx-org"}, True),
+        ({"className": "nginx-plus"}, True),
+        ({"className": "nginx", "controller": "f5-nginx"}, True),
+        ({"className": "nginx-org", "controller": "ingress-nginx"}, False),
+    ],
+)
+def test_ingress_f5_annotations(ingress, f5):
+    m = model(
+        streaming={"protocols": ["sse", "websocket"], "streamTimeoutSeconds": 300},
+        ingress={"enabled": True, **ingress},
+    )
+    ann = desired_ingress(m)["metadata"]["annotations"]
+    if f5:
+        assert ann["nginx.org/proxy-buffering"] == "false"
+        assert ann["nginx.org/proxy-read-timeout"] == ann["nginx.org/proxy-send-timeout"] == "330s"
+        assert ann["nginx.org/client-max-body-size"] == "16m"
+        assert ann["nginx.org/websocket-services"] == "m"
+        assert not any(k.startswith("nginx.ingress.kubernetes.io/") for k in ann)
+    else:
+        assert not any(k.startswith("nginx.org/") for k in ann)
+
+
+def test_ingress_without_host_matches_all_hosts():
+    (rule,) = desired_ingress(model(ingress={"enabled": True}))["spec"]["rules"]
+    assert "host" not in rule
+
+
+@pytest.mark.parametrize(
+    "percentile,name", [(0.5, "p50"), (0.75, "p75"), (0.9, "p90"), (0.95, "p95"), (0.99, "p99")]
+)
+def test_hpa_metric_and_behavior(percentile, name):
+    m = model(
+        autoscaling={
+            "minReplicas": 2,
+            "maxReplicas": 8,
+            "targetTTFTMilliseconds": 1500,
+            "ttftPercentile": percentile,
+            "scaleUpStabilizationSeconds": 15,
+            "scaleDownStabilizationSeconds": 600,
+        }
+    )
+    hpa = desired_hpa(m)
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": "m",
+    }
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 8)
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "Pods"
+    assert (
+        metric["pods"]["metric"]["name"]
+        == f"sluice_ttft_{name}_seconds"
+        == ttft_metric_name(percentile)
+    )
+    assert metric["pods"]["target"] == {"type": "AverageValue", "averageValue": "1500m"}
+    assert hpa["spec"]["behavior"]["scaleUp"]["stabilizationWindowSeconds"] == 15
+    assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 600
+
+
+def test_autoscaling_disabled_flag_keeps_replicas():
+    m = model(replicas=3, autoscaling={"enabled": False, "maxReplicas": 5})
+    assert desired_hpa(m) is None
+    assert desired_deployment(m)["spec"]["replicas"] == 3
+    assert desired_pdb(m) is not None
+
+
+@pytest.mark.parametrize("replicas,pdb", [(0, False), (1, False), (2, True)])
+def test_pdb_only_when_more_than_one_replica(replicas, pdb):
+    got = desired_pdb(model(replicas=replicas))
+    assert (got is not None) is pdb
+    if got:
+        assert got["spec"]["maxUnavailable"] == 1
+        assert got["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"

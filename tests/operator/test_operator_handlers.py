@@ -1,0 +1,327 @@
+"""Converging reconcile and the kopf handlers, against a fake API server that counts calls."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from types import SimpleNamespace
+
+import kopf
+import pytest
+from kubernetes.client.exceptions import ApiException
+from operator_helpers import ROOT, FakeCluster, body_of, minimal
+from sluice_operator import handlers
+from sluice_operator.reconcile import HASH_ANNOTATION, contains, converge
+from sluice_operator.validation import SpecError
+
+LOG = logging.getLogger("test")
+NOW = "2026-11-30T06:00:00Z"
+
+
+class Events(list):
+    def __call__(self, type_, reason, message):
+        self.append((type_, reason, message))
+
+
+def with_status(body, cluster):
+    """The object as the next watch event would deliver it (status patched)."""
+    body = copy.deepcopy(body)
+    for patch in cluster.status_patches:
+        body.setdefault("status", {}).update(patch)
+    return body
+
+
+@pytest.fixture
+def cluster():
+    return FakeCluster()
+
+
+def test_create_applies_every_child_with_owner_and_hash(cluster):
+    body = body_of(ROOT / "samples/llama-70b-tp4.yaml")
+    events = Events()
+    out = converge(cluster, body, events, now=NOW)
+    assert out.applied == [
+        "Service",
+        "Deployment",
+        "Ingress",
+        "HorizontalPodAutoscaler",
+        "PodDisruptionBudget",
+    ]
+    for (_kind, ns, name), obj in cluster.objects.items():
+        assert (ns, name) == ("models", "llama-70b")
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert (
+            ref["uid"] == "uid-1" and ref["controller"] is True and ref["kind"] == "StreamingModel"
+        )
+        assert HASH_ANNOTATION in obj["metadata"]["annotations"]
+    assert events == [("Normal", "Reconciled", "applied " + ", ".join(out.applied))]
+    (status,) = cluster.status_patches
+    assert status["phase"] == "Progressing" and status["observedGeneration"] == 1
+
+
+def test_noop_resync_makes_no_write_calls(cluster):
+    body = body_of(ROOT / "samples/llama-70b-tp4.yaml")
+    converge(cluster, body, Events(), now=NOW)
+    body = with_status(body, cluster)
+    cluster.calls.clear()
+    events = Events()
+    for _ in range(3):
+        out = converge(cluster, body, events, now="2026-11-30T07:00:00Z")
+        assert not out.applied and not out.deleted and not out.status_written
+    assert cluster.writes() == [] and events == []
+    assert {verb for verb, _ in cluster.calls} <= {"get", "list"}
+
+
+def test_noop_counting_has_teeth(cluster):
+    # Negative control: the same resync after a hand edit must write exactly that child.
+    body = body_of(minimal())
+    converge(cluster, body, Events(), now=NOW)
+    body = with_status(body, cluster)
+    cluster.objects[("Service", "default", "m")]["spec"]["ports"][0]["port"] = 9999
+    cluster.calls.clear()
+    out = converge(cluster, body, Events(), now=NOW)
+    assert out.applied == ["Service"] and cluster.writes() == [("apply", "Service")]
+    assert cluster.objects[("Service", "default", "m")]["spec"]["ports"][0]["port"] == 8000
+
+
+def test_deleted_child_is_recreated(cluster):
+    body = body_of(minimal())
+    converge(cluster, body, Events(), now=NOW)
+    del cluster.objects[("Deployment", "default", "m")]
+    out = converge(cluster, with_status(body, cluster), Events(), now=NOW)
+    assert out.applied == ["Deployment"]
+
+
+def test_server_defaults_and_hpa_replicas_do_not_cause_applies(cluster):
+    body = body_of(
+        minimal(
+            autoscaling={"minReplicas": 1, "maxReplicas": 3}, resources={"requests": {"cpu": "0.5"}}
+        )
+    )
+    converge(cluster, body, Events(), now=NOW)
+    dep = cluster.objects[("Deployment", "default", "m")]
+    dep["spec"]["replicas"] = 3  # the HPA scaled it
+    dep["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["cpu"] = (
+        "500m"  # normalized
+    )
+    cluster.calls.clear()
+    out = converge(cluster, with_status(body, cluster), Events(), now=NOW)
+    assert out.applied == []
+
+
+def test_update_reapplies_changed_children_and_removes_optional_ones(cluster):
+    body = body_of(ROOT / "samples/llama-70b-tp4.yaml")
+    converge(cluster, body, Events(), now=NOW)
+    body = with_status(body, cluster)
+    body["metadata"]["generation"] = 2
+    body["spec"]["autoscaling"] = None
+    body["spec"]["replicas"] = 1
+    body["spec"]["ingress"]["enabled"] = False
+    cluster.calls.clear()
+    events = Events()
+    out = converge(cluster, body, events, now=NOW)
+    assert out.applied == ["Deployment"]
+    assert out.deleted == ["Ingress", "HorizontalPodAutoscaler", "PodDisruptionBudget"]
+    assert cluster.objects[("Deployment", "models", "llama-70b")]["spec"]["replicas"] == 1
+    assert events[0][1] == "Reconciled" and "deleted Ingress" in events[0][2]
+    assert cluster.status_patches[-1]["observedGeneration"] == 2
+
+
+def test_optional_child_not_owned_is_left_alone(cluster):
+    body = body_of(minimal())
+    cluster.objects[("Ingress", "default", "m")] = {
+        "metadata": {"name": "m", "ownerReferences": []}
+    }
+    out = converge(cluster, body, Events(), now=NOW)
+    assert "Ingress" not in out.deleted and ("Ingress", "default", "m") in cluster.objects
+
+
+def test_invalid_spec_sets_condition_posts_one_event_and_raises(cluster):
+    body = body_of(ROOT / "samples/invalid/tp-not-dividing-gpus.yaml")
+    events = Events()
+    with pytest.raises(SpecError):
+        converge(cluster, body, events, now=NOW)
+    (status,) = cluster.status_patches
+    assert status["phase"] == "Failed"
+    cond = {c["type"]: c for c in status["conditions"]}["SpecValid"]
+    assert cond["status"] == "False" and cond["reason"] == "InvalidSpec"
+    assert "resources.gpus" in cond["message"] and "set gpus: 3" in cond["message"]
+    assert [(t, r) for t, r, _ in events] == [("Warning", "InvalidSpec")]
+    assert cluster.objects == {}  # nothing applied
+    # Resync of the same invalid object: no status write, no second Event (no storm).
+    body = with_status(body, cluster)
+    cluster.calls.clear()
+    with pytest.raises(SpecError):
+        converge(cluster, body, events, now="2026-11-30T07:00:00Z")
+    assert cluster.writes() == [] and len(events) == 1
+
+
+def _kwargs(cluster, body, retry=0):
+    cluster.store(body)
+    meta = body["metadata"]
+    return dict(
+        body=body,
+        namespace=meta["namespace"],
+        name=meta["name"],
+        memo=SimpleNamespace(cluster=cluster),
+        retry=retry,
+        logger=LOG,
+    )
+
+
+def test_handler_invalid_spec_is_permanent(cluster, monkeypatch):
+    posted = []
+    monkeypatch.setattr(kopf, "event", lambda body, **kw: posted.append(kw))
+    body = body_of(ROOT / "samples/invalid/gpu-memory-utilization.yaml")
+    with pytest.raises(kopf.PermanentError, match="gpuMemoryUtilization"):
+        handlers.reconcile(**_kwargs(cluster, body))
+    assert posted and posted[0]["reason"] == "InvalidSpec"
+
+
+@pytest.mark.parametrize(
+    "exc,kind,delay",
+    [
+        (ApiException(status=500, reason="Internal"), kopf.TemporaryError, 5),
+        (ApiException(status=409, reason="Conflict"), kopf.TemporaryError, 5),
+        (ApiException(status=403, reason="Forbidden"), kopf.TemporaryError, 5),
+        (ConnectionRefusedError("refused"), kopf.TemporaryError, 5),
+        (ApiException(status=422, reason="Unprocessable"), kopf.PermanentError, None),
+    ],
+)
+def test_handler_classifies_api_errors(cluster, monkeypatch, exc, kind, delay):
+    monkeypatch.setattr(kopf, "event", lambda body, **kw: None)
+    cluster.fail_with = exc
+    with pytest.raises(kind) as info:
+        handlers.reconcile(**_kwargs(cluster, body_of(minimal())))
+    if delay is not None:
+        assert info.value.delay == delay
+
+
+def test_backoff_grows_and_is_capped():
+    assert [handlers.backoff(r) for r in range(8)] == [5, 10, 20, 40, 80, 160, 300, 300]
+
+
+def test_handler_converges_on_create_then_update(cluster, monkeypatch):
+    monkeypatch.setattr(kopf, "event", lambda body, **kw: None)
+    body = body_of(minimal())
+    handlers.reconcile(**_kwargs(cluster, body))
+    assert ("Deployment", "default", "m") in cluster.objects
+    body = with_status(body, cluster)
+    body["spec"]["streaming"] = {"protocols": ["sse"]}
+    body["metadata"]["generation"] = 2
+    cluster.calls.clear()
+    handlers.reconcile(**_kwargs(cluster, body))
+    assert cluster.writes().count(("apply", "Deployment")) == 1
+    args = cluster.objects[("Deployment", "default", "m")]["spec"]["template"]["spec"][
+        "containers"
+    ][0]["args"]
+    assert args[args.index("--protocols") + 1] == "sse"
+
+
+def test_child_event_restores_and_updates_status(cluster, monkeypatch):
+    monkeypatch.setattr(kopf, "event", lambda body, **kw: None)
+    body = body_of(minimal(replicas=2))
+    converge(cluster, body, Events(), now=NOW)
+    parent = with_status(body, cluster)
+    cluster.objects[("StreamingModel", "default", "m")] = parent
+    # The Deployment became ready and someone removed the Service.
+    cluster.set_deployment_status(
+        "default", "m", replicas=2, readyReplicas=2, updatedReplicas=2, availableReplicas=2
+    )
+    del cluster.objects[("Service", "default", "m")]
+    child = cluster.objects[("Deployment", "default", "m")]
+    handlers._owner_changed(child, "default", SimpleNamespace(cluster=cluster), LOG, "MODIFIED")
+    assert ("Service", "default", "m") in cluster.objects
+    assert cluster.status_patches[-1]["phase"] == "Ready"
+
+
+def test_child_event_for_deleted_parent_does_nothing(cluster):
+    child = {"metadata": {"name": "gone", "labels": {"app.kubernetes.io/instance": "gone"}}}
+    handlers._owner_changed(child, "default", SimpleNamespace(cluster=cluster), LOG, "DELETED")
+    assert cluster.writes() == []
+
+
+def test_handlers_registered_for_create_update_resume_and_children():
+    registry = kopf._core.intents.registries.get_default_registry()
+    ids = {h.id for h in registry._changing.get_all_handlers()}
+    assert "reconcile" in ids
+    watched = {h.id for h in registry._watching.get_all_handlers()}
+    assert {"child-deployments", "child-services", "child-ingresses", "child-pods"} <= watched
+
+
+@pytest.mark.parametrize(
+    "want,have,ok",
+    [
+        ({"a": 1}, {"a": 1, "b": 2}, True),
+        ({"a": [1, 2]}, {"a": [1]}, False),
+        ({"cpu": "0.5"}, {"cpu": "500m"}, True),
+        ({"mem": "1024Mi"}, {"mem": "1Gi"}, True),
+        ({"port": 8000}, {"port": "8000"}, True),
+        ({"x": True}, {"x": 1}, False),
+        ({"a": {"b": "c"}}, {"a": {"b": "d"}}, False),
+        ({"a": "x"}, {}, False),
+    ],
+)
+def test_contains(want, have, ok):
+    assert contains(want, have) is ok
+
+
+def test_api_server_rejecting_a_child_is_reported_as_invalid_spec(cluster, monkeypatch):
+    posted = []
+    monkeypatch.setattr(kopf, "event", lambda body, **kw: posted.append(kw))
+    exc = ApiException(status=422, reason="Unprocessable Entity")
+    exc.body = '{"kind":"Status","message":"Deployment.apps \\"m\\" is invalid: spec.template.spec.affinity: bad"}'
+    cluster.fail_with = exc
+    body = body_of(minimal(resources={"affinity": {"nodeAffinity": {"bogus": 1}}}))
+    with pytest.raises(kopf.PermanentError, match="rejected the Service"):
+        handlers.reconcile(**_kwargs(cluster, body))
+    cond = {c["type"]: c for c in cluster.status_patches[-1]["conditions"]}["SpecValid"]
+    assert cond["status"] == "False" and "spec.template.spec.affinity: bad" in cond["message"]
+    assert [p["reason"] for p in posted] == ["InvalidSpec"]
+
+
+def test_handler_reads_the_object_fresh_so_a_stale_event_body_writes_nothing(cluster, monkeypatch):
+    # The create handler and the first child events race; a handler holding the body from
+    # before the last status patch must not write the same status again.
+    monkeypatch.setattr(kopf, "event", lambda body, **kw: None)
+    body = body_of(minimal())
+    handlers.reconcile(**_kwargs(cluster, body))
+    stale = body  # no status: what an early watch event carried
+    cluster.calls.clear()
+    handlers.reconcile(
+        body=stale,
+        namespace="default",
+        name="m",
+        memo=SimpleNamespace(cluster=cluster),
+        retry=0,
+        logger=LOG,
+    )
+    child = cluster.objects[("Deployment", "default", "m")]
+    handlers._owner_changed(child, "default", SimpleNamespace(cluster=cluster), LOG, "MODIFIED")
+    assert cluster.writes() == []
+
+
+def test_converge_logs_at_info_without_breaking(cluster, caplog):
+    # Regression: a log `extra` named "name" made every applying pass raise after the apply.
+    caplog.set_level(logging.DEBUG)
+    out = converge(cluster, body_of(minimal()), Events(), now=NOW)
+    assert out.applied
+    assert any("applied Service, Deployment" in r.getMessage() for r in caplog.records)
+
+
+def test_terminating_namespace_is_not_an_error(cluster, monkeypatch):
+    monkeypatch.setattr(kopf, "event", lambda body, **kw: None)
+    exc = ApiException(status=403, reason="Forbidden")
+    exc.body = '{"message":"services \\"m\\" is forbidden: unable to create new content in namespace x because it is being terminated"}'
+    cluster.fail_with = exc
+    handlers.reconcile(**_kwargs(cluster, body_of(minimal())))  # returns quietly
+
+
+def test_turning_autoscaling_off_removes_its_status(cluster):
+    body = body_of(minimal(autoscaling={"maxReplicas": 3}))
+    converge(cluster, body, Events(), now=NOW)
+    body = with_status(body, cluster)
+    assert body["status"]["autoscaling"]["metric"] == "sluice_ttft_p90_seconds"
+    body["spec"]["autoscaling"] = None
+    converge(cluster, body, Events(), now=NOW)
+    assert cluster.status_patches[-1]["autoscaling"] is None  # JSON merge patch: removes it

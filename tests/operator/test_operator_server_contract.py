@@ -1,0 +1,44 @@
+"""The command line the operator renders is accepted by the real server's parser
+(docs/design.md is the contract; this checks both sides agree). Skipped only when the
+server package is not installed."""
+
+from __future__ import annotations
+
+import pytest
+from operator_helpers import SAMPLES, load
+from sluice_operator.builders.deployment import desired_deployment
+from sluice_operator.models.resource import StreamingModel
+
+settings_mod = pytest.importorskip("sluice_server.settings")
+
+
+def container_args(body):
+    dep = desired_deployment(StreamingModel.from_body(body))
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert c["command"] == ["sluice-server"]
+    return c["args"]
+
+
+@pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.stem)
+def test_server_parses_rendered_args(path, monkeypatch):
+    for key in [k for k in __import__("os").environ if k.startswith("SLUICE_")]:
+        monkeypatch.delenv(key)
+    body = load(path)
+    model = StreamingModel.from_body(body)
+    s = settings_mod.parse_settings(container_args(body))
+    spec = model.spec
+    assert s.port == 8000 and s.engine == spec.engine.backend
+    assert s.model_label == model.served_name
+    assert sorted(s.protocols) == sorted(spec.streaming.protocols)
+    assert s.stream_timeout_seconds == spec.streaming.stream_timeout_seconds
+    assert s.drain_timeout_seconds == spec.streaming.stream_timeout_seconds
+    assert s.max_concurrent_streams == spec.streaming.max_concurrent_streams
+    assert (s.api_key_file is not None) is (spec.auth.api_key_secret_ref is not None)
+    if spec.engine.backend == "vllm":
+        assert s.tensor_parallel_size == spec.parallelism.tensor
+        assert s.pipeline_parallel_size == spec.parallelism.pipeline
+        assert s.gpu_memory_utilization == spec.engine.gpu_memory_utilization
+        assert s.engine_args == list(spec.engine.extra_args)
+    else:
+        sim = spec.engine.simulator
+        assert s.sim_ttft_ms == sim.ttft_ms and s.sim_itl_ms == sim.itl_ms
