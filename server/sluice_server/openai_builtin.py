@@ -17,11 +17,11 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .engine.base import Engine, SamplingOptions, StreamRequest
-from .params import Message
+from .params import Message, describe_validation_error
 from .routes.common import open_stream
 from .services import Services, received_at
 from .sse import StreamingSSE
-from .streaming import FAILED, FINISHED, Meter, Stream, StreamFailed
+from .streaming import FAILED, FINISHED, Meter, Stream, StreamFailed, join_batch
 
 PROTOCOL = "openai"
 _dumps = json.dumps
@@ -61,12 +61,11 @@ def model_list(name: str) -> dict:
 
 async def handle(request: Request, svc: Services, kid: str, engine: Engine, body: dict,
                  chat: bool) -> Response:  # fmt: skip
-    from .routes.openai import _describe  # one error wording for both paths
 
     try:
         b = (ChatBody if chat else CompletionBody).model_validate(body)
     except ValidationError as e:
-        raise svc.bad_input(PROTOCOL, *_describe(e)) from None
+        raise svc.bad_input(PROTOCOL, *describe_validation_error(e)) from None
     stop = [b.stop] if isinstance(b.stop, str) else list(b.stop or [])
     max_tokens = b.max_completion_tokens or b.max_tokens or 16
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -156,8 +155,7 @@ async def _events(stream: Stream, meter: Meter, rid: str, model: str, chat: bool
             meter.finish(FAILED, stream)
             return
         last = batch[-1]
-        text = last.text if len(batch) == 1 else "".join([d.text for d in batch])
-        ntok = last.num_tokens if len(batch) == 1 else sum([d.num_tokens for d in batch])
+        text, ntok = join_batch(batch)
         if text or last.finished:
             yield piece(text, last.finish_reason if last.finished else None).encode()
             meter.wrote(ntok)

@@ -38,14 +38,15 @@ class GenerationBody(GenerationParams):
         return self
 
 
-def _message(e: ValidationError) -> tuple[str, str | None]:
+def describe_validation_error(e: ValidationError) -> tuple[str, str | None]:
+    """One readable message (and the first offending parameter) for every route's 400."""
     parts, param = [], None
     for err in e.errors():
         where = ".".join(str(x) for x in err["loc"])
         param = param or where or None
         msg = err["msg"].removeprefix("Value error, ")
         parts.append(f"{where}: {msg}" if where else msg)
-    return "; ".join(parts), param
+    return "; ".join(parts) or "Invalid request", param
 
 
 def to_stream_request(body: dict, request_id: str, engine: Engine, served: str) -> StreamRequest:
@@ -54,7 +55,7 @@ def to_stream_request(body: dict, request_id: str, engine: Engine, served: str) 
     try:
         b = GenerationBody.model_validate(body)
     except ValidationError as e:
-        message, param = _message(e)
+        message, param = describe_validation_error(e)
         raise ApiError(400, message, reason="bad_input", param=param) from None
     if b.model is not None and b.model != served:
         raise ApiError(400, f"The model `{b.model}` does not exist; this server serves "

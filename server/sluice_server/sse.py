@@ -10,7 +10,7 @@ from sse_starlette import EventSourceResponse
 from sse_starlette.sse import SendTimeoutError
 from starlette.types import Message, Receive, Scope, Send
 
-from .streaming import FAILED, FINISHED, Meter, Stream, StreamFailed
+from .streaming import FAILED, FINISHED, Meter, Stream, StreamFailed, join_batch
 
 _dumps = json.dumps
 NO_BUFFERING = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -119,11 +119,7 @@ async def token_events(stream: Stream, meter: Meter, rid: str) -> AsyncIterator[
             meter.finish(FAILED, stream)
             return
         last = batch[-1]
-        if len(batch) == 1:
-            text, ntok = last.text, last.num_tokens
-        else:
-            text = "".join([d.text for d in batch])
-            ntok = sum([d.num_tokens for d in batch])
+        text, ntok = join_batch(batch)
         if text:
             yield f'id: {seq}\ndata: {head}{seq},"token":{_dumps(text)},"finished":false}}\n\n'.encode()
             meter.wrote(ntok)  # resumed: the bytes were handed to the socket

@@ -15,9 +15,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Generic, TypeVar
 
+from .engine.base import Delta
 from .metrics import Bound
 
 log = logging.getLogger(__name__)
@@ -139,6 +140,13 @@ class Stream(Generic[T]):
 
 class StreamFailed(Exception):
     pass
+
+
+def join_batch(batch: Sequence[Delta]) -> tuple[str, int]:
+    """Text and token count of the deltas a slow reader let pile up (one event for all)."""
+    if len(batch) == 1:
+        return batch[0].text, batch[0].num_tokens
+    return "".join([d.text for d in batch]), sum([d.num_tokens for d in batch])
 
 
 class Meter:

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from ..errors import error_body
 from ..metrics import bind
+from ..params import describe_validation_error
 from ..services import Services, api_key_of, read_json, received_at, services
 from ..sse import StreamingSSE
 from ..streaming import FAILED, FINISHED, Meter, Stream, StreamFailed
@@ -90,7 +91,7 @@ async def _generate(request: Request, path: str, chat: bool) -> Response:
     try:
         req = (ChatCompletionRequest if chat else CompletionRequest).model_validate(body)
     except ValidationError as e:
-        raise svc.bad_input(PROTOCOL, *_describe(e)) from None
+        raise svc.bad_input(PROTOCOL, *describe_validation_error(e)) from None
     svc.admit(PROTOCOL, kid)
     tap = UsageTap()
     usage_tap.set(tap)  # this request's context; the producer task copies it
@@ -160,16 +161,6 @@ async def _unless_disconnected(request: Request, work):
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await task
     return None
-
-
-def _describe(e: ValidationError) -> tuple[str, str | None]:
-    parts, param = [], None
-    for err in e.errors():
-        where = ".".join(str(x) for x in err["loc"])
-        param = param or where or None
-        msg = err["msg"].removeprefix("Value error, ")
-        parts.append(f"{where}: {msg}" if where else msg)
-    return "; ".join(parts) or "Invalid request", param
 
 
 def _error_event(message: str, code: str = "stream_error") -> bytes:

@@ -25,7 +25,16 @@ from ..errors import ApiError, error_body
 from ..params import to_stream_request
 from ..services import Services, api_key_of, services
 from ..sse import usage_of
-from ..streaming import DISCONNECTED, FAILED, FINISHED, STOPPED, Meter, Stream, StreamFailed
+from ..streaming import (
+    DISCONNECTED,
+    FAILED,
+    FINISHED,
+    STOPPED,
+    Meter,
+    Stream,
+    StreamFailed,
+    join_batch,
+)
 from .common import open_stream
 
 router = APIRouter()
@@ -175,11 +184,7 @@ class Connection:
                     )
                     return
                 last = batch[-1]
-                if len(batch) == 1:
-                    text, ntok = last.text, last.num_tokens
-                else:
-                    text = "".join([d.text for d in batch])
-                    ntok = sum([d.num_tokens for d in batch])
+                text, ntok = join_batch(batch)
                 if text:
                     await self.send(f'{head}{seq},"token":{_dumps(text)},"finished":false}}')
                     meter.wrote(ntok)
