@@ -66,6 +66,21 @@ def minimal(**spec) -> dict:
     return {"metadata": {"name": "m", "namespace": "default"}, "spec": base}
 
 
+class Events(list):
+    """Records the Events a converge pass posts: (type, reason, message)."""
+
+    def __call__(self, type_, reason, message):
+        self.append((type_, reason, message))
+
+
+def with_status(body, cluster):
+    """The object as the next watch event would deliver it (status patched)."""
+    body = copy.deepcopy(body)
+    for patch in cluster.status_patches:
+        body.setdefault("status", {}).update(patch)
+    return body
+
+
 class FakeCluster:
     """In-memory API server stand-in: stores applied objects, adds server-side defaults and a
     status like a real one would, and counts every call by verb."""

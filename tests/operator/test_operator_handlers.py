@@ -2,33 +2,19 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 from types import SimpleNamespace
 
 import kopf
 import pytest
 from kubernetes.client.exceptions import ApiException
-from operator_helpers import ROOT, FakeCluster, body_of, minimal
+from operator_helpers import ROOT, Events, FakeCluster, body_of, minimal, with_status
 from sluice_operator import handlers
 from sluice_operator.reconcile import HASH_ANNOTATION, contains, converge
 from sluice_operator.validation import SpecError
 
 LOG = logging.getLogger("test")
 NOW = "2026-11-30T06:00:00Z"
-
-
-class Events(list):
-    def __call__(self, type_, reason, message):
-        self.append((type_, reason, message))
-
-
-def with_status(body, cluster):
-    """The object as the next watch event would deliver it (status patched)."""
-    body = copy.deepcopy(body)
-    for patch in cluster.status_patches:
-        body.setdefault("status", {}).update(patch)
-    return body
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ the rendered object is checked against a schema written from KEDA's documented s
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 import shutil
@@ -16,7 +15,16 @@ import jsonschema
 import pytest
 import yaml
 from kubernetes.client.exceptions import ApiException
-from operator_helpers import KEDA_SCHEMA, ROOT, FakeCluster, body_of, load, minimal
+from operator_helpers import (
+    KEDA_SCHEMA,
+    ROOT,
+    Events,
+    FakeCluster,
+    body_of,
+    load,
+    minimal,
+    with_status,
+)
 from sluice_operator import handlers
 from sluice_operator.builders import ALL_KINDS, CHILD_KINDS, KEDA_KIND, desired_children
 from sluice_operator.builders.hpa import desired_hpa
@@ -51,18 +59,6 @@ def keda_model(name="m", namespace="default", **autoscaling) -> StreamingModel:
     body = minimal(autoscaling={"backend": "keda", **autoscaling})
     body["metadata"] = {"name": name, "namespace": namespace}
     return StreamingModel.from_body(body)
-
-
-class Events(list):
-    def __call__(self, type_, reason, message):
-        self.append((type_, reason, message))
-
-
-def with_status(body, cluster):
-    body = copy.deepcopy(body)
-    for patch in cluster.status_patches:
-        body.setdefault("status", {}).update(patch)
-    return body
 
 
 # ---- the query: one template, the chart's adapter rule ----------------------------------

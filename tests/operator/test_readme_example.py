@@ -4,7 +4,6 @@ import re
 from pathlib import Path
 
 import yaml
-
 from sluice_operator.render import render_objects
 
 README = Path(__file__).resolve().parents[2] / "README.md"
