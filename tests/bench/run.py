@@ -32,7 +32,15 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 
-from procs import PY, ProcGroup, Server, Worker, engine_env, free_port  # noqa: E402
+from procs import (  # noqa: E402
+    PY,
+    ProcGroup,
+    Server,
+    Worker,
+    engine_env,
+    free_port,
+    separate_engines,
+)
 
 MODEL_NAME = "tiny"
 # The same engine arguments for all three vLLM-backed systems (CPU: explicit KV size,
@@ -80,7 +88,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--min-requests", type=int, default=8)
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--crosscheck-concurrency", type=int, default=32)
-    p.add_argument("--crosscheck-rounds", type=int, default=2)
+    p.add_argument("--crosscheck-rounds", type=int, default=3)
+    p.add_argument(
+        "--settle-s",
+        type=float,
+        default=1.5,
+        help="idle time before each point (vLLM's engine processes busy-poll for 1 s after work)",
+    )
     p.add_argument("--fanout-stages", default="250,500,1000,2000,3000")
     p.add_argument(
         "--fanout-itl-ms",
@@ -184,8 +198,20 @@ def start_engine_systems(group: ProcGroup, model_path: Path, env, logs: Path, wa
     return started
 
 
-def point_runner(started: dict, loadgen: Worker, max_tokens: int, prompt_list):
+def settle(seconds: float) -> None:
+    """Let the last point's engine go idle before the next point starts.
+
+    vLLM's engine-core and worker processes busy-poll (`sched_yield`) for 1 s after their
+    last message; all engines share the engine core(s), so a point that starts inside that
+    second competes with the previous system's spinning processes (measured: TTFT 0.6-1 s
+    instead of 40-60 ms on the first point after switching engines, none after a point on
+    the same engine)."""
+    time.sleep(seconds)
+
+
+def point_runner(started: dict, loadgen: Worker, max_tokens: int, prompt_list, settle_s: float):
     def run(system: str, concurrency: int, num_requests: int) -> dict:
+        settle(settle_s)
         cmd = {
             "concurrency": concurrency,
             "num_requests": num_requests,
@@ -223,7 +249,7 @@ def run_matrix(args, run_point) -> list[dict]:
     return rows
 
 
-def run_crosscheck(args, group, started, loadgen_run, model_path, env, scratch: Path) -> dict:
+def run_crosscheck(args, group, started, loadgen_run, model_path, env, scratch: Path, cpus) -> dict:
     """vLLM's benchmark client and ours, alternating on the same point and prompts.
 
     The machine's load moves within seconds, so one back-to-back pair can differ by tens of
@@ -251,9 +277,12 @@ def run_crosscheck(args, group, started, loadgen_run, model_path, env, scratch: 
             "--num-warmups", "0", "--disable-tqdm",
         ]  # fmt: skip
         if bench is None:  # one worker: vLLM is imported once for every round
-            bench = group.add(Worker("vllm-bench", [PY, str(HERE / "vllm_bench.py")], env, logs))
+            bench = group.add(
+                Worker("vllm-bench", [PY, str(HERE / "vllm_bench.py")], env, logs, cpus=cpus)
+            )
         theirs_rounds, ours_rounds = [], []
         for _ in range(args.crosscheck_rounds):
+            settle(args.settle_s)
             try:
                 theirs_rounds.append(bench.call({"argv": cmd[2:]}, timeout=300))
             except (RuntimeError, TimeoutError) as exc:
@@ -349,8 +378,13 @@ def main(argv=None) -> int:
             print("bench: starting engines (vLLM server, our server, bare engine)...", flush=True)
             started = start_engine_systems(group, model_path, env, logs, wanted)
             results["phases_s"]["start"] = time.time() - t
-            loadgen = group.add(Worker("loadgen", [PY, str(HERE / "loadgen.py")], env, logs))
-            run_point = point_runner(started, loadgen, args.max_tokens, prompts())
+            layout = separate_engines(list(started.values()))
+            results["settings"]["cpu_layout"] = layout
+            front_cpus = set(layout.get("front_cpus", ())) or None
+            loadgen = group.add(
+                Worker("loadgen", [PY, str(HERE / "loadgen.py")], env, logs, cpus=front_cpus)
+            )
+            run_point = point_runner(started, loadgen, args.max_tokens, prompts(), args.settle_s)
             t = time.time()
             for system in args.systems:  # warm-up, not recorded
                 run_point(system, 4, 8)
@@ -363,7 +397,7 @@ def main(argv=None) -> int:
                 t = time.time()
                 print("bench: cross-check with vLLM's benchmark client...", flush=True)
                 results["crosscheck"] = run_crosscheck(
-                    args, group, started, run_point, model_path, env, scratch
+                    args, group, started, run_point, model_path, env, scratch, front_cpus
                 )
                 results["phases_s"]["crosscheck"] = time.time() - t
             for proc in list(group.procs):  # free the cores before the fan-out
