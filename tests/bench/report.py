@@ -116,6 +116,12 @@ def ratio_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# The two clients measure the same server on the same point: they "agree" when their
+# medians of output tok/s are within 10% and of TTFT p50 within 20% (TTFT at c=32 is ~100 ms,
+# where one engine step more or less before the first token is already ~10%).
+AGREE_TPS, AGREE_TTFT = 0.10, 0.20
+
+
 def crosscheck_table(cc: dict) -> str:
     rounds = cc.get("rounds", 1)
     lines = [
@@ -153,7 +159,18 @@ def crosscheck_table(cc: dict) -> str:
         )
         if theirs and _med(tps):
             d = _med(tps_o) / _med(tps) - 1
-            lines.append(f"| | ours / theirs - 1 (medians) | {d:+.1%} | | | | |")
+            ttft_t = _med([r["median_ttft_ms"] for r in theirs])
+            ttft_o = _med([r["ttft_p50_ms"] for r in ours])
+            d_ttft = ttft_o / ttft_t - 1 if ttft_t else None
+            lines.append(
+                f"| | ours / theirs - 1 (medians) | {d:+.1%} | "
+                f"{'' if d_ttft is None else f'{d_ttft:+.1%}'} | | | |"
+            )
+            agree = abs(d) <= AGREE_TPS and d_ttft is not None and abs(d_ttft) <= AGREE_TTFT
+            lines.append(
+                f"| | agree (tok/s within {AGREE_TPS:.0%}, TTFT p50 within {AGREE_TTFT:.0%}) | "
+                f"{'yes' if agree else '**no**'} | | | | |"
+            )
     first = next(iter(cc["targets"].values()), None)
     if first:
         lines += ["", f"vLLM's client was run as `{first['command']}` (base URL per server)."]
@@ -222,6 +239,18 @@ def plot(agg: dict, concs: list[int], systems: list[str], path: Path) -> None:
     plt.close(fig)
 
 
+def _layout_line(st: dict) -> str:
+    layout = st.get("cpu_layout") or {}
+    where = (
+        f"vLLM engine processes (engine core and worker) on CPU {layout['engine_cpus']}, "
+        f"servers' front ends, the bare-engine process and the clients on CPU "
+        f"{layout['front_cpus']}"
+        if layout
+        else "no CPU separation (one core)"
+    )
+    return f"Layout: {where}; {st.get('settle_s', 0):g} s idle before each point (see Method)."
+
+
 def generated_section(results: dict, out_dir: Path) -> str:
     m, v, st = results["machine"], results["versions"], results["settings"]
     lines = [
@@ -252,6 +281,8 @@ def generated_section(results: dict, out_dir: Path) -> str:
             "interleaved; requests per point: "
             + ", ".join(f"c={c}: {n}" for c, n in st["requests_per_point"].items())
             + ". Cells are medians over repeats (tok/s also min-max).",
+            "",
+            _layout_line(st),
             "",
             "### Results",
             "",

@@ -359,6 +359,7 @@ def main(argv=None) -> int:
             "temperature": 0.0,
             "concurrency": args.concurrency,
             "repeats": args.repeats,
+            "settle_s": args.settle_s,
             "requests_per_point": {
                 c: max(args.min_requests, int(args.requests_per_stream * c))
                 for c in args.concurrency
