@@ -117,3 +117,23 @@ async def test_engine_failure_is_503_and_not_ready():
             "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}
         )
         assert r.status_code == 503
+
+
+async def test_heartbeat_during_a_long_prefill():
+    """The simulator's 0.6 s time to first token stands in for a long prefill: comments
+    keep the connection busy until the first token, none once tokens flow."""
+    engine = SimulatorEngine(model_name="sim", ttft_ms=600, itl_ms=2, ttft_per_stream_ms=0,
+                             jitter=0)  # fmt: skip
+    try:
+        async with serve(engine, heartbeat_seconds=0.1) as url:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+                async with c.stream(
+                    "POST", "/v1/stream", json={"prompt": "h", "max_tokens": 100}
+                ) as r:
+                    lines = [line async for line in r.aiter_lines() if line]
+    finally:
+        await engine.shutdown()
+    first_token = next(i for i, line in enumerate(lines) if line.startswith("data:"))
+    assert 4 <= len([x for x in lines[:first_token] if x.startswith(":")]) <= 7, lines[:10]
+    assert not [x for x in lines[first_token:] if x.startswith(":")]
+    assert lines[-1] == "data: [DONE]"

@@ -1,5 +1,6 @@
-"""StreamingSSE's send path: direct sends, and the per-response watchdog that enforces the
-send timeout (a send pending that long ends the response and runs the cleanup)."""
+"""StreamingSSE's send path: direct sends, the per-response watchdog that enforces the
+send timeout (a send pending that long ends the response and runs the cleanup), the
+app-wide heartbeat, and the disconnect listener."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 
 import pytest
 import sse_starlette.sse as sse_mod
-from sluice_server.sse import StreamingSSE
+from sluice_server.sse import Heartbeat, StreamingSSE
 from sse_starlette.sse import SendTimeoutError
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -146,3 +147,97 @@ async def test_watchdog_is_idle_while_sends_complete():
     elapsed = time.perf_counter() - t0
     assert len(got) == 301
     assert len(checks) <= elapsed / 0.1 * 2 + 2, (len(checks), elapsed)
+
+
+def timed_client():
+    """ASGI send that records (loop time, body) for every body message."""
+    got: list[tuple[float, bytes]] = []
+    loop = asyncio.get_running_loop()
+
+    async def send(message):
+        if message["type"] == "http.response.body":
+            got.append((loop.time(), message["body"]))
+
+    async def receive():
+        await asyncio.Event().wait()
+
+    return got, send, receive
+
+
+async def test_idle_stream_gets_heartbeats_no_gap_longer_than_the_interval():
+    """A long 'prefill' (0.5 s before the first event): comments at most one interval apart."""
+    body, cleaned = Body(3, gap=0.5), []
+    got, send, receive = timed_client()
+    t0 = asyncio.get_running_loop().time()
+    await response(body, cleaned, ping=0.05)(SCOPE, receive, send)
+    pings = [t for t, b in got if b.startswith(b":")]
+    assert len(pings) >= 8, got
+    times = [t0] + [t for t, _ in got]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    assert max(gaps) < 0.05 * 1.8, max(gaps)  # timer slack on a busy machine
+    assert cleaned == [True]
+
+
+async def test_busy_stream_gets_no_heartbeats():
+    body, cleaned = Body(100, gap=0.005), []
+    got, send, receive = timed_client()
+    await response(body, cleaned, ping=0.05)(SCOPE, receive, send)
+    assert not [b for _, b in got if b.startswith(b":")]
+    assert len(got) == 101
+
+
+async def test_one_timer_for_all_responses_and_none_when_idle():
+    loop = asyncio.get_running_loop()
+    bodies = [Body(2, gap=0.2) for _ in range(50)]
+    cleaned: list = []
+    clients = [timed_client() for _ in bodies]
+    tasks = [
+        asyncio.create_task(response(b, cleaned, ping=0.04)(SCOPE, r, s))
+        for b, (_, s, r) in zip(bodies, clients, strict=True)
+    ]
+    await asyncio.sleep(0.1)
+    beat = Heartbeat.on(loop, 0.04)
+    assert len(beat.responses) == 50 and beat._timer is not None
+    await asyncio.gather(*tasks)
+    assert not beat.responses and beat._timer is None  # stopped with the last response
+    assert all(any(b.startswith(b":") for _, b in got) for got, _, _ in clients)
+
+
+async def test_stalled_client_does_not_hold_other_streams_heartbeats():
+    stalled_body, idle_body, cleaned = Body(2, gap=10), Body(2, gap=0.4), []
+    _, stalled_send, stalled_receive = client(stall_after=1)
+    got, send, receive = timed_client()
+    stalled = asyncio.create_task(
+        response(stalled_body, cleaned, ping=0.05, send_timeout=5)(
+            SCOPE, stalled_receive, stalled_send
+        )
+    )
+    await response(idle_body, cleaned, ping=0.05)(SCOPE, receive, send)
+    assert len([b for _, b in got if b.startswith(b":")]) >= 5
+    stalled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await stalled
+
+
+async def test_disconnect_while_waiting_for_the_first_event_ends_at_once():
+    """The client leaves during a long prefill: the body is closed and the cleanup (engine
+    abort) runs right away, not when the first token would have been sent."""
+    body, cleaned = Body(2, gap=30), []
+    got, send, receive = client(disconnect_at=0.1)
+    t0 = time.perf_counter()
+    await asyncio.wait_for(response(body, cleaned, ping=0.05)(SCOPE, receive, send), 5)
+    assert time.perf_counter() - t0 < 1.0
+    assert cleaned == [True] and body.closed
+    assert asyncio.current_task().cancelling() == 0
+
+
+async def test_outside_cancel_still_propagates():
+    """Server shutdown cancels the request task: not swallowed as a disconnect."""
+    body, cleaned = Body(2, gap=30), []
+    got, send, receive = client()
+    task = asyncio.create_task(response(body, cleaned, ping=0.05)(SCOPE, receive, send))
+    await asyncio.sleep(0.1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert cleaned == [True] and body.closed
