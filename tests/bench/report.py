@@ -192,15 +192,26 @@ def fanout_tables(fanout: list[dict]) -> str:
         )
         parts.append("")
         parts.append(
-            "| streams | errors | tok/s (expected) | lag p50 ms | lag p99 ms | lag max ms | server RSS MB | KB / stream | server cores | cores per 1k tok/s | machine busy |"
+            "| streams | errors | tok/s (expected) | lag p50 ms | lag p99 ms | lag max ms | server RSS MB | KB / stream | KB / added stream | server cores | cores per 1k tok/s | machine busy |"
         )
-        parts.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        parts.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        prev = None
         for s in f["stages"]:
             busy = s.get("machine_busy_pct")
+            # RSS growth over idle / streams includes one-time growth (allocator arenas,
+            # first use of code paths); the slope between stages is what each stream adds.
+            added = (
+                (s["server_rss_mb"] - prev["server_rss_mb"])
+                * 1024
+                / (s["streams"] - prev["streams"])
+                if prev and s["streams"] > prev["streams"]
+                else None
+            )
+            prev = s
             parts.append(
                 f"| {s['streams']:,} | {s['errors']} | {_f(s['tokens_per_s'])} ({_f(s['expected_tokens_per_s'])}) | "
                 f"{_f(s['lag_p50_ms'], 1)} | {_f(s['lag_p99_ms'], 1)} | {_f(s['lag_max_ms'], 1)} | "
-                f"{_f(s['server_rss_mb'])} | {_f(s['rss_per_stream_kb'], 1)} | {_f(s['server_cores'], 2)} | "
+                f"{_f(s['server_rss_mb'])} | {_f(s['rss_per_stream_kb'], 1)} | {_f(added, 1)} | {_f(s['server_cores'], 2)} | "
                 f"{_f(s['cores_per_1k_tps'], 3)} | {_f(busy)}{'%' if busy is not None else ''} |"
             )
         if f.get("error_samples"):
