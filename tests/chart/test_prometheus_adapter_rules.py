@@ -94,11 +94,12 @@ def test_rules_not_rendered_by_default(h):
 #
 # Three pods in namespace llm: "busy" served 10 SSE streams per 15 s with TTFT in
 # (0.05, 0.1] s and 5 WebSocket streams in (0.1, 0.25] s; "idle" served before but nothing
-# in the last minute; "fresh" is scraped (up == 1) but never served. histogram_quantile over
+# in the last minute; "fresh" is scraped (up == 1) but never served; "down" has a target that
+# fails to scrape (up == 0) and no TTFT series in the window. histogram_quantile over
 # the 15 streams per step interpolates inside the buckets (expected values below).
 
 EXPECTED_BUSY = {0.5: 0.0875, 0.75: 0.1375, 0.9: 0.205, 0.95: 0.2275, 0.99: 0.2455}
-LABEL_MATCHERS = 'namespace="llm",pod=~"busy|idle|fresh"'
+LABEL_MATCHERS = 'namespace="llm",pod=~"busy|idle|fresh|down"'
 
 SERIES = [
     *[
@@ -136,11 +137,12 @@ SERIES = [
         (f'up{{namespace="llm",pod="{p}",job="kubernetes-pods"}}', "1+0x40")
         for p in ("busy", "idle", "fresh")
     ],
+    ('up{namespace="llm",pod="down",job="kubernetes-pods"}', "0+0x40"),
 ]
 
 
 def adapter_expand(query: str) -> str:
-    """What prometheus-adapter sends for pods busy/idle/fresh in namespace llm."""
+    """What prometheus-adapter sends for pods busy/idle/fresh/down in namespace llm."""
     out = query.replace("<<.LabelMatchers>>", LABEL_MATCHERS).replace("<<.GroupBy>>", "pod")
     assert "<<" not in out and ">>" not in out
     return out
@@ -228,3 +230,17 @@ def test_docs_values_snippet_is_the_rules_file():
         .split("```", 1)[0]
     )
     assert yaml.safe_load(block)["rules"]["custom"] == _rules()
+
+
+def test_pod_that_cannot_be_scraped_has_no_value_not_zero(tmp_path):
+    """`down` (up == 0) is absent from the result (the HPA counts it as missing, not idle);
+    negative control: the `up` branch without `== 1` reports it as 0."""
+    query = adapter_expand(_by_name()["sluice_ttft_p90_seconds"]["metricsQuery"])
+    expected = {"busy": EXPECTED_BUSY[0.9], "idle": 0, "fresh": 0}
+    proc = _run_promtool(tmp_path, [_promtool_case(query, expected)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    assert " == 1))" in query
+    lenient = query.replace(" == 1))", "))")
+    proc = _run_promtool(tmp_path, [_promtool_case(lenient, expected)])
+    assert proc.returncode != 0 and 'pod="down"' in proc.stdout + proc.stderr
