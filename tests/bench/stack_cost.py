@@ -6,14 +6,16 @@ with a send() that drops the bytes. Two measurements:
 
 * `cpu`: N streams x T tokens paced by the simulator; process CPU time per token and per
   event (an event can carry several coalesced tokens when the consumer falls behind).
-  `--variant engine` iterates the simulator alone (the floor); `--variant direct-send`
-  replaces sse-starlette's per-send timeout (an anyio cancel scope per event) with a plain
-  `await send(...)`, the A/B behind the suggested fix in docs/benchmarks.md.
+  `--variant engine` iterates the simulator alone (the floor); `--variant no-timeout`
+  replaces our SSE send (a direct send watched by one timer per response) with a plain
+  `await send(...)`: what the send-timeout protection costs per event. (The A/B behind the
+  fix in docs/benchmarks.md "Hot spots" compared sse-starlette's cancel scope per send with
+  a plain send the same way.)
 * `mem`: N streams held open; tracemalloc growth per stream, top allocation sites, and
   asyncio tasks per stream.
 
     python tests/bench/stack_cost.py cpu --protocol sse --variant base
-    python tests/bench/stack_cost.py cpu --protocol sse --variant direct-send
+    python tests/bench/stack_cost.py cpu --protocol sse --variant no-timeout
     python tests/bench/stack_cost.py mem --protocol websocket
 """
 
@@ -32,13 +34,13 @@ from sluice_server.engine.simulator import SimulatorEngine
 from sluice_server.settings import Settings
 
 
-def patch_direct_send() -> None:
-    import sse_starlette.sse as sse
+def patch_no_timeout() -> None:
+    from sluice_server.sse import StreamingSSE
 
     async def direct(self, send, message):
         await send(message)
 
-    sse.EventSourceResponse._send_with_timeout = direct
+    StreamingSSE._send_with_timeout = direct
 
 
 def drivers(app, max_tokens: int, ends: list[asyncio.Event], counter: list[int]):
@@ -177,14 +179,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("what", choices=["cpu", "mem"])
     p.add_argument("--protocol", choices=["sse", "websocket"], default="sse")
-    p.add_argument("--variant", choices=["base", "direct-send", "engine"], default="base")
+    p.add_argument("--variant", choices=["base", "no-timeout", "engine"], default="base")
     p.add_argument("--streams", type=int, default=100)
     p.add_argument("--tokens", type=int, default=300)
     p.add_argument("--itl-ms", type=float, default=10.0)
     p.add_argument("--top", type=int, default=12)
     args = p.parse_args()
-    if args.variant == "direct-send":
-        patch_direct_send()
+    if args.variant == "no-timeout":
+        patch_no_timeout()
     if args.what == "mem" and args.streams == 100:
         args.streams = 500
     coro = cpu(args) if args.what == "cpu" else mem(args)
