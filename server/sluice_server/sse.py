@@ -11,6 +11,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from sse_starlette.sse import SendTimeoutError, ensure_bytes
 from starlette.types import Message, Receive, Scope, Send
 
+from .sendwatch import SendWatchdog
 from .streaming import FAILED, FINISHED, Meter, Stream, StreamFailed, join_batch
 
 _dumps = json.dumps
@@ -62,7 +63,7 @@ class Heartbeat:
     def _tick(self) -> None:
         idle_since = self.loop.time() - self.interval / 2
         for response, send in self.responses.items():
-            if response.last_send <= idle_since and response.ping_task is None:
+            if response.watchdog.last_send <= idle_since and response.ping_task is None:
                 response.ping_task = self.loop.create_task(response.ping_once(send))
         self._timer = self.loop.call_later(self.interval, self._tick)
 
@@ -80,25 +81,18 @@ class StreamingSSE(EventSourceResponse):
     app-wide `Heartbeat`, and shutdown is ours (`drain.py` drains streams before uvicorn
     is told to exit).
 
-    The send timeout is enforced by one watchdog timer per response instead of
-    sse-starlette's anyio cancel scope per message (about a third of the server's CPU under
-    SSE fan-out, docs/benchmarks.md "Hot spots"): each send records when it started, and
-    the watchdog cancels a send pending longer than `send_timeout`, which then raises
-    `SendTimeoutError` as before (the response ends, `cleanup` aborts the engine request).
-    The watchdog fires about once per `send_timeout` while sends complete, and at the
-    oldest pending send's deadline otherwise. asyncio only (uvicorn)."""
+    The send timeout is enforced by one `SendWatchdog` per response instead of
+    sse-starlette's anyio cancel scope per message: a send pending longer than
+    `send_timeout` raises `SendTimeoutError` as before (the response ends, `cleanup` aborts
+    the engine request). asyncio only (uvicorn)."""
 
     def __init__(self, content: AsyncIterator[bytes], cleanup: Callable[[], None], **kw):
         headers = {**NO_BUFFERING, **kw.pop("headers", {})}
         super().__init__(content, headers=headers, **kw)
         self._cleanup = cleanup
-        self._pending: dict[asyncio.Task, float] = {}  # task -> when its send started
-        self._expired: asyncio.Task | None = None  # the task whose send the watchdog cut
-        self._watchdog: asyncio.TimerHandle | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self.watchdog = SendWatchdog(self.send_timeout, SendTimeoutError)
         self._task: asyncio.Task | None = None  # the task streaming the response
         self._ended_by: BaseException | None = None  # why the stream task was cancelled
-        self.last_send = 0.0  # loop time of the last send (the heartbeat's idle test)
         self.ping_task: asyncio.Task | None = None
 
     __hash__ = object.__hash__  # a dict key in the heartbeat
@@ -110,11 +104,9 @@ class StreamingSSE(EventSourceResponse):
             finally:
                 self._cleanup()
             return
-        self._loop = loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
         self._task = asyncio.current_task()
-        self.last_send = loop.time()
-        if self.send_timeout is not None:
-            self._watchdog = loop.call_at(loop.time() + self.send_timeout, self._check_sends)
+        self.watchdog.start()
         heartbeat = Heartbeat.on(loop, self.ping_interval) if self.ping_interval > 0 else None
         if heartbeat is not None:
             heartbeat.add(self, send)
@@ -133,9 +125,7 @@ class StreamingSSE(EventSourceResponse):
                 heartbeat.discard(self)
             if self.ping_task is not None:
                 self.ping_task.cancel()
-            if self._watchdog is not None:
-                self._watchdog.cancel()
-                self._watchdog = None
+            self.watchdog.stop()
             self._cleanup()
         if self.background is not None:
             await self.background()
@@ -170,41 +160,7 @@ class StreamingSSE(EventSourceResponse):
 
     async def _send_with_timeout(self, send: Send, message: Message) -> None:
         """One ASGI send, awaited directly; the watchdog enforces the send timeout."""
-        if self._watchdog is None:  # no send timeout
-            self.last_send = self._loop.time() if self._loop else 0.0
-            await send(message)
-            return
-        task = asyncio.current_task()
-        pending = self._pending
-        pending[task] = self.last_send = self._loop.time()
-        try:
-            await send(message)
-        except asyncio.CancelledError:
-            if task is not self._expired:
-                raise
-            self._expired = None
-            if task.uncancel() > 0:  # also cancelled by someone else: let that win
-                raise
-            raise SendTimeoutError() from None
-        finally:
-            del pending[task]
-
-    def _check_sends(self) -> None:
-        """Watchdog: cancel a send pending for `send_timeout`; re-arm for the next deadline."""
-        loop, timeout = self._loop, self.send_timeout
-        now = loop.time()
-        next_at = now + timeout
-        for task, since in self._pending.items():
-            if task is self._expired:
-                continue  # already cancelled, unwinding
-            deadline = since + timeout
-            if deadline <= now + 1e-3:
-                if self._expired is None:
-                    self._expired = task
-                    task.cancel()  # raises in its `await send(...)`, never elsewhere
-            elif deadline < next_at:
-                next_at = deadline
-        self._watchdog = loop.call_at(next_at, self._check_sends)
+        await self.watchdog.send(send, message)
 
 
 def usage_of(last) -> dict:

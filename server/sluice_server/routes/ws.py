@@ -23,6 +23,7 @@ from starlette.websockets import WebSocketDisconnect
 
 from ..errors import ApiError, error_body
 from ..params import to_stream_request
+from ..sendwatch import SendWatchdog
 from ..services import Services, api_key_of, services
 from ..sse import usage_of
 from ..streaming import (
@@ -78,9 +79,13 @@ class Connection:
         self.streams: dict[str, Stream] = {}
         self.lock = asyncio.Lock()
         self.send_timeout = svc.settings.send_timeout_seconds
+        # One timer per socket bounds every send (a reader that stops reading), not a
+        # timeout scope per frame (server/sluice_server/sendwatch.py).
+        self.watchdog = SendWatchdog(self.send_timeout, TimeoutError)
         self.closer: asyncio.Future | None = None
 
     async def run(self) -> None:
+        self.watchdog.start()
         try:
             while True:
                 message = await self.ws.receive()
@@ -99,6 +104,7 @@ class Connection:
                 task.cancel()
             if self.tasks:
                 await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+            self.watchdog.stop()
 
     async def handle(self, text: str, t0: float) -> None:
         try:
@@ -153,8 +159,8 @@ class Connection:
             stream.stop()
 
     async def send(self, text: str) -> None:
-        async with self.lock, asyncio.timeout(self.send_timeout):
-            await self.ws.send_text(text)
+        async with self.lock:
+            await self.watchdog.send(self.ws.send_text, text)
 
     async def error(self, rid, status: int, message: str, code: str | None) -> None:
         body = error_body(status or 400, message, code=code)

@@ -75,7 +75,7 @@ async def test_sends_directly_and_delivers_everything(no_cancel_scopes):
     resp = response(body, cleaned, send_timeout=5, ping=0)
     await resp(SCOPE, receive, send)
     assert got[:-1] == [f"data: {i}\n\n".encode() for i in range(200)] and got[-1] == b""
-    assert cleaned == [True] and resp._watchdog is None and not resp._pending
+    assert cleaned == [True] and resp.watchdog._timer is None and not resp.watchdog._pending
 
 
 async def test_timeout_is_per_send_not_per_stream():
@@ -96,7 +96,7 @@ async def test_stalled_send_is_cut_off_after_the_timeout():
     took = time.perf_counter() - t0
     assert len(got) == 4 and body.closed and cleaned == [True]
     assert 0.3 <= took < 1.5, took
-    assert resp._watchdog is None and not resp._pending
+    assert resp.watchdog._timer is None and not resp.watchdog._pending
     assert asyncio.current_task().cancelling() == 0
 
 
@@ -116,9 +116,9 @@ async def test_disconnect_during_a_pending_send_is_not_a_timeout():
     got, send, receive = client(stall_after=3, disconnect_at=0.05)
     resp = response(body, cleaned, send_timeout=0.5, ping=0)
     await asyncio.wait_for(resp(SCOPE, receive, send), 5)  # ends quietly
-    assert cleaned == [True] and body.closed and resp._expired is None
+    assert cleaned == [True] and body.closed and resp.watchdog._expired is None
     await asyncio.sleep(0.6)  # the watchdog is gone: nothing fires later
-    assert resp._watchdog is None
+    assert resp.watchdog._timer is None
 
 
 async def test_without_send_timeout_no_watchdog():
@@ -126,7 +126,7 @@ async def test_without_send_timeout_no_watchdog():
     got, send, receive = client()
     resp = response(body, cleaned, ping=0)
     await resp(SCOPE, receive, send)
-    assert len(got) == 4 and resp._watchdog is None and cleaned == [True]
+    assert len(got) == 4 and resp.watchdog._timer is None and cleaned == [True]
 
 
 async def test_watchdog_is_idle_while_sends_complete():
@@ -135,13 +135,13 @@ async def test_watchdog_is_idle_while_sends_complete():
     got, send, receive = client()
     resp = response(body, cleaned, send_timeout=0.1, ping=0)
     checks = []
-    orig = resp._check_sends
+    orig = resp.watchdog._check
 
     def counting():
         checks.append(1)
         orig()
 
-    resp._check_sends = counting
+    resp.watchdog._check = counting
     t0 = time.perf_counter()
     await resp(SCOPE, receive, send)
     elapsed = time.perf_counter() - t0
