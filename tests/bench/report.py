@@ -22,7 +22,8 @@ LABELS = {
     "websocket": "Sluice /ws/stream (WebSocket)",
 }
 OURS = ["openai", "sse", "websocket"]
-METRICS = ["ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tokens_per_s"]
+METRICS = ["ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tokens_per_s",
+           "front_cpu_us_per_token"]  # fmt: skip
 
 
 def _med(values):
@@ -59,8 +60,8 @@ def _ratio(a, b) -> float | None:
 
 def matrix_table(agg: dict, concs: list[int], systems: list[str]) -> str:
     lines = [
-        "| concurrency | system | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | output tok/s (min-max) | errors / requests |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| concurrency | system | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | output tok/s (min-max) | front-end CPU us / token | errors / requests |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in concs:
         for s in systems:
@@ -71,7 +72,7 @@ def matrix_table(agg: dict, concs: list[int], systems: list[str]) -> str:
                 f"| {c} | {LABELS[s]} | {_f(a['ttft_p50_ms'], 1)} | {_f(a['ttft_p99_ms'], 1)} | "
                 f"{_f(a['itl_p50_ms'], 2)} | {_f(a['itl_p99_ms'], 2)} | "
                 f"{_f(a['tokens_per_s'])} ({_f(a['tokens_per_s_min'])}-{_f(a['tokens_per_s_max'])}) | "
-                f"{a['errors']} / {a['requests']} |"
+                f"{_f(a.get('front_cpu_us_per_token'))} | {a['errors']} / {a['requests']} |"
             )
     return "\n".join(lines)
 
@@ -86,6 +87,7 @@ def ratio_rows(agg: dict, concs: list[int]) -> list[dict]:
             tps_v = _ratio(a["tokens_per_s"], v and v["tokens_per_s"])
             tps_e = _ratio(a["tokens_per_s"], e and e["tokens_per_s"])
             ttft_v = _ratio(a["ttft_p50_ms"], v and v["ttft_p50_ms"])
+            cpu_v = _ratio(a.get("front_cpu_us_per_token"), v and v.get("front_cpu_us_per_token"))
             if s == "openai":
                 target = "tok/s >= 1.0x vLLM, TTFT p50 <= vLLM"
                 met = tps_v is not None and tps_v >= 1.0 and ttft_v is not None and ttft_v <= 1.0
@@ -98,19 +100,20 @@ def ratio_rows(agg: dict, concs: list[int]) -> list[dict]:
             met = met and a["errors"] == 0
             rows.append({"system": s, "concurrency": c, "tps_vs_vllm": tps_v,
                          "tps_vs_engine": tps_e, "ttft_p50_vs_vllm": ttft_v,
-                         "target": target, "met": met})  # fmt: skip
+                         "cpu_vs_vllm": cpu_v, "target": target, "met": met})  # fmt: skip
     return rows
 
 
 def ratio_table(rows: list[dict]) -> str:
     lines = [
-        "| route | concurrency | tok/s vs vLLM server | tok/s vs bare engine | TTFT p50 vs vLLM server | target | met |",
-        "|---|---:|---:|---:|---:|---|:---:|",
+        "| route | concurrency | tok/s vs vLLM server | tok/s vs bare engine | TTFT p50 vs vLLM server | front-end CPU per token vs vLLM server | target | met |",
+        "|---|---:|---:|---:|---:|---:|---|:---:|",
     ]
     for r in rows:
         lines.append(
             f"| {LABELS[r['system']]} | {r['concurrency']} | {_f(r['tps_vs_vllm'], 2)}x | "
-            f"{_f(r['tps_vs_engine'], 2)}x | {_f(r['ttft_p50_vs_vllm'], 2)}x | {r['target']} | "
+            f"{_f(r['tps_vs_engine'], 2)}x | {_f(r['ttft_p50_vs_vllm'], 2)}x | "
+            f"{_f(r.get('cpu_vs_vllm'), 2)}x | {r['target']} | "
             f"{'yes' if r['met'] else '**no**'} |"
         )
     return "\n".join(lines)

@@ -209,9 +209,30 @@ def settle(seconds: float) -> None:
     time.sleep(seconds)
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU time (user + system, all threads) of one process, not of its children."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def point_runner(started: dict, loadgen: Worker, max_tokens: int, prompt_list, settle_s: float):
+    """Runs one point; also records the CPU the system's front end spent per output token:
+    the HTTP server's main process (vLLM's API server, ours) or the bare-engine process (its
+    AsyncLLM front end), never the engine-core and worker processes below them. That is the
+    serving layer's own cost, which tokens/s (bound by the engine here) cannot show."""
+
     def run(system: str, concurrency: int, num_requests: int) -> dict:
         settle(settle_s)
+        front = started[{"engine": "engine", "vllm": "vllm"}.get(system, "sluice")]
+        cpu0 = process_cpu_s(front.pid)
+        res = _run(system, concurrency, num_requests)
+        if res.get("output_tokens"):
+            res["front_cpu_us_per_token"] = (
+                (process_cpu_s(front.pid) - cpu0) / res["output_tokens"] * 1e6
+            )
+        return res
+
+    def _run(system: str, concurrency: int, num_requests: int) -> dict:
         cmd = {
             "concurrency": concurrency,
             "num_requests": num_requests,
