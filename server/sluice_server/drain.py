@@ -46,12 +46,8 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(settings: Settings) -> int:
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
-    app = build_app(settings)
-    config = uvicorn.Config(
+def uvicorn_config(settings: Settings, app) -> uvicorn.Config:
+    return uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
@@ -60,9 +56,17 @@ def serve(settings: Settings) -> int:
         ws_ping_interval=settings.heartbeat_seconds,
         ws_ping_timeout=settings.heartbeat_seconds,
         ws_max_size=settings.max_body_bytes,  # one limit for bodies and frames
+        timeout_keep_alive=settings.keep_alive_seconds,
         timeout_graceful_shutdown=5,
         access_log=False,
     )
+
+
+def serve(settings: Settings) -> int:
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    config = uvicorn_config(settings, build_app(settings))
     server = DrainingServer(config, settings)
     server.run()
     # uvicorn returns normally after a signal-initiated shutdown; a failed start-up
@@ -70,4 +74,4 @@ def serve(settings: Settings) -> int:
     return 0 if server.started else 1
 
 
-__all__ = ["DrainingServer", "serve", "signal"]
+__all__ = ["DrainingServer", "serve", "signal", "uvicorn_config"]

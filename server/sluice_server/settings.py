@@ -54,6 +54,10 @@ class Settings(BaseSettings):
     # Per-stream buffer of undelivered tokens; over it the stream is aborted (stalled reader).
     stream_buffer_tokens: int = Field(4096, ge=1)
     max_body_bytes: int = Field(1 << 20, ge=1024)
+    # Idle time before the server closes a kept-alive HTTP connection. It must be longer than
+    # the proxy's upstream keep-alive (ingress-nginx: 60 s): otherwise the proxy can send a
+    # request into a connection the server is just closing and answer that POST with 502.
+    keep_alive_seconds: float = Field(75.0, gt=0)
     drain_timeout_seconds: float = Field(30.0, ge=0)
 
     # Security
