@@ -182,7 +182,7 @@ class ResourcesSpec(ApiModel):
     )
     limits: ComputeResources = Field(
         default_factory=lambda: ComputeResources(memory="64Gi"),
-        description="CPU/memory limits of the server container (no CPU limit by default: throttling hurts token latency).",
+        description="CPU/memory limits of the server container (no CPU limit by default: throttling hurts token latency; vLLM's engine-core process busy-polls a whole core while it generates, so keep any CPU limit at 2 or more).",
         json_schema_extra={"default": {"memory": "64Gi"}},
     )
     shared_memory_size: Quantity = Field(
