@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from testkit.live_cluster import live_control_plane
 
 from .chartlib import Helm, find_helm
 
@@ -46,38 +47,4 @@ def h(helm: str) -> Helm:
 def live_cluster(tmp_path_factory):
     """A real control plane (tests/e2e's harness) for the chart tests that need an API
     server, with the CRD installed; skipped with one line without K8S_ASSETS/etcd."""
-    import os
-
-    harness = pytest.importorskip(
-        "e2e.harness.control_plane", reason="tests/e2e harness not present"
-    )
-    if reason := harness.missing_prerequisites():
-        pytest.skip(reason)
-    import yaml
-    from e2e.harness.kube import CRD_FILE, wait_for
-    from kubernetes import client, config, utils
-
-    cp = harness.ControlPlane(
-        tmp_path_factory.mktemp("chart-cp"),
-        Path(os.environ["K8S_ASSETS"]),
-        audited_namespace="sluice-system",
-    )
-    try:
-        cp.start()
-        admin = config.new_client_from_config(config_file=str(cp.kubeconfigs["admin"]))
-        utils.create_from_dict(admin, yaml.safe_load(CRD_FILE.read_text()))
-        ext = client.ApiextensionsV1Api(admin)
-        wait_for(
-            lambda: any(
-                c.type == "Established" and c.status == "True"
-                for c in ext.read_custom_resource_definition(
-                    "streamingmodels.serving.sluice.dev"
-                ).status.conditions
-                or []
-            ),
-            timeout=30,
-            what="the CRD",
-        )
-        yield cp, admin
-    finally:
-        cp.stop()
+    yield from live_control_plane(tmp_path_factory.mktemp("chart-cp"))

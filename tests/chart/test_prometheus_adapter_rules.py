@@ -5,11 +5,11 @@ that their metric names are the ones the operator's HPA asks for."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 
 import pytest
 import yaml
+from testkit.promtool import run_tests
 
 from .chartlib import HERE, OPERATOR_CHART, ROOT, by_kind, load_crd
 
@@ -158,35 +158,7 @@ def _promtool_case(expr: str, expected: dict[str, float]) -> dict:
 
 
 def _run_promtool(tmp_path, cases: list[dict]) -> subprocess.CompletedProcess[str]:
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip(
-            "promtool not found (Debian package `prometheus`): adapter queries not evaluated"
-        )
-    test_file = tmp_path / "adapter-rules-test.yaml"
-    test_file.write_text(
-        yaml.safe_dump(
-            {
-                "rule_files": [],
-                "evaluation_interval": "15s",
-                "tests": [
-                    {
-                        "interval": "15s",
-                        "input_series": [{"series": s, "values": v} for s, v in SERIES],
-                        "promql_expr_test": cases,
-                    }
-                ],
-            },
-            sort_keys=False,
-        )
-    )
-    return subprocess.run(
-        [promtool, "test", "rules", str(test_file)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=tmp_path,
-    )
+    return run_tests(tmp_path, SERIES, what="adapter queries not evaluated", expr_cases=cases)
 
 
 def test_queries_give_quantiles_for_busy_pods_and_zero_for_idle_ones(tmp_path):

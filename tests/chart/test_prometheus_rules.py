@@ -17,6 +17,7 @@ import subprocess
 
 import pytest
 import yaml
+from testkit.promtool import promtool, run_tests
 
 from .chartlib import OPERATOR_CHART, Helm, by_kind
 
@@ -30,13 +31,7 @@ ALERTS = {
 }
 LE = ("0.1", "0.3", "0.5", "0.75", "1", "+Inf")
 STEPS = 100  # 15 s steps: 25 minutes of series
-
-
-def _promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        pytest.skip("promtool not found (Debian package `prometheus`): rules not checked")
-    return path
+WHAT = "rules not checked"
 
 
 def _groups() -> list[dict]:
@@ -146,32 +141,8 @@ def _without_annotations(groups: list[dict]) -> list[dict]:
 
 
 def _run(tmp_path, groups, *, alert_cases=(), expr_cases=()) -> subprocess.CompletedProcess:
-    promtool = _promtool()
-    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": groups}, sort_keys=False))
-    (tmp_path / "test.yaml").write_text(
-        yaml.safe_dump(
-            {
-                "rule_files": ["rules.yaml"],
-                "evaluation_interval": "15s",
-                "tests": [
-                    {
-                        "interval": "15s",
-                        "input_series": [{"series": s, "values": v} for s, v in SERIES],
-                        "alert_rule_test": list(alert_cases),
-                        "promql_expr_test": list(expr_cases),
-                    }
-                ],
-            },
-            sort_keys=False,
-        )
-    )
-    return subprocess.run(
-        [promtool, "test", "rules", "test.yaml"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
+    return run_tests(tmp_path, SERIES, what=WHAT, rule_groups=groups, alert_cases=alert_cases,
+                     expr_cases=expr_cases)  # fmt: skip
 
 
 def _ok(proc: subprocess.CompletedProcess) -> None:
@@ -192,7 +163,10 @@ def _alert(name: str, at: str, *alerts: dict) -> dict:
 
 def test_promtool_check_rules():
     proc = subprocess.run(
-        [_promtool(), "check", "rules", str(RULES_FILE)], capture_output=True, text=True, timeout=60
+        [promtool(WHAT), "check", "rules", str(RULES_FILE)],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "SUCCESS: 12 rules found" in proc.stdout

@@ -12,13 +12,12 @@ Needs K8S_ASSETS and etcd like tests/e2e (its harness is reused); skipped with o
 
 from __future__ import annotations
 
-import os
 import sys
-from pathlib import Path
 
 import jsonschema
 import pytest
 from operator_helpers import KEDA_SCHEMA, ROOT
+from testkit.live_cluster import live_control_plane
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 sys.path.insert(0, str(ROOT / "tests"))  # tests/e2e's harness, as tests/chart uses it
@@ -52,34 +51,7 @@ STAND_IN_CRD = {
 
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory):
-    harness = pytest.importorskip("e2e.harness.control_plane", reason="tests/e2e harness absent")
-    if reason := harness.missing_prerequisites():
-        pytest.skip(reason)
-    import yaml
-    from e2e.harness.kube import CRD_FILE, wait_for
-    from kubernetes import client, config, utils
-
-    cp = harness.ControlPlane(
-        tmp_path_factory.mktemp("keda-cp"),
-        Path(os.environ["K8S_ASSETS"]),
-        audited_namespace="sluice-system",
-    )
-    try:
-        cp.start()
-        admin = config.new_client_from_config(config_file=str(cp.kubeconfigs["admin"]))
-        utils.create_from_dict(admin, yaml.safe_load(CRD_FILE.read_text()))
-        ext = client.ApiextensionsV1Api(admin)
-        ext.create_custom_resource_definition(STAND_IN_CRD)
-
-        def established(name):
-            conds = ext.read_custom_resource_definition(name).status.conditions or []
-            return any(c.type == "Established" and c.status == "True" for c in conds)
-
-        for name in ("streamingmodels.serving.sluice.dev", "scaledobjects.keda.sh"):
-            wait_for(lambda n=name: established(n), timeout=30, what=name)
-        yield cp, admin
-    finally:
-        cp.stop()
+    yield from live_control_plane(tmp_path_factory.mktemp("keda-cp"), (STAND_IN_CRD,))
 
 
 def test_keda_backend_on_a_real_api_server(plane):

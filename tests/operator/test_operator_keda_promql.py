@@ -5,14 +5,12 @@ out. Skipped with one line without promtool (Debian package `prometheus`)."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 
-import pytest
-import yaml
 from operator_helpers import minimal
 from sluice_operator.builders.keda import keda_query
 from sluice_operator.models.resource import StreamingModel
+from testkit.promtool import run_tests
 
 BUSY, IDLE, FRESH = "chat-5d8f7c9b6-b2k4p", "chat-5d8f7c9b6-x7z9q", "chat-6c7d8e9f0-fr3sh"
 OTHER_MODEL = "chat-v2-5d8f7c9b6-b2k4p"  # a model named chat-v2: slow, must not count
@@ -53,40 +51,19 @@ def _query(percentile: float) -> str:
 
 
 def _promtool(tmp_path, cases: list[tuple[str, float]]) -> subprocess.CompletedProcess[str]:
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool not found (Debian package `prometheus`): KEDA query not evaluated")
-    test_file = tmp_path / "keda-query-test.yaml"
-    test_file.write_text(
-        yaml.safe_dump(
+    return run_tests(
+        tmp_path,
+        SERIES,
+        what="KEDA query not evaluated",
+        expr_cases=[
             {
-                "rule_files": [],
-                "evaluation_interval": "15s",
-                "tests": [
-                    {
-                        "interval": "15s",
-                        "input_series": [{"series": s, "values": v} for s, v in SERIES],
-                        "promql_expr_test": [
-                            {
-                                "expr": f"round({expr}, 0.0001)",
-                                "eval_time": "5m",
-                                # one sample, no labels: what KEDA's prometheus scaler needs
-                                "exp_samples": [{"labels": "{}", "value": value}],
-                            }
-                            for expr, value in cases
-                        ],
-                    }
-                ],
-            },
-            sort_keys=False,
-        )
-    )
-    return subprocess.run(
-        [promtool, "test", "rules", str(test_file)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=tmp_path,
+                "expr": f"round({expr}, 0.0001)",
+                "eval_time": "5m",
+                # one sample, no labels: what KEDA's prometheus scaler needs
+                "exp_samples": [{"labels": "{}", "value": value}],
+            }
+            for expr, value in cases
+        ],
     )
 
 
@@ -102,4 +79,6 @@ def test_negative_control_a_namespace_only_matcher_lets_the_other_model_in(tmp_p
     assert leaky != _query(0.9)
     proc = _promtool(tmp_path, [(leaky, EXPECTED_BUSY[0.9])])
     assert proc.returncode != 0
-    assert "2.555" in (proc.stdout + proc.stderr).split("got:")[1]  # 0.205 + chat-v2's slow pod's 2.35 s
+    assert (
+        "2.555" in (proc.stdout + proc.stderr).split("got:")[1]
+    )  # 0.205 + chat-v2's slow pod's 2.35 s

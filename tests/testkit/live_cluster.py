@@ -1,0 +1,44 @@
+"""A real control plane (tests/e2e's harness) for the suites outside tests/e2e that need an
+API server: the StreamingModel CRD and any extra CRDs installed and Established. Skips with
+one line without K8S_ASSETS and etcd (docs/e2e.md)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+SLUICE_CRD = "streamingmodels.serving.sluice.dev"
+
+
+def live_control_plane(workdir: Path, extra_crds: tuple[dict, ...] = ()) -> Iterator[tuple]:
+    """Generator for a fixture (`yield from`): yields (ControlPlane, admin ApiClient)."""
+    harness = pytest.importorskip("e2e.harness.control_plane", reason="tests/e2e harness absent")
+    if reason := harness.missing_prerequisites():
+        pytest.skip(reason)
+    import yaml
+    from e2e.harness.kube import CRD_FILE, wait_for
+    from kubernetes import client, config, utils
+
+    cp = harness.ControlPlane(
+        workdir, Path(os.environ["K8S_ASSETS"]), audited_namespace="sluice-system"
+    )
+    try:
+        cp.start()
+        admin = config.new_client_from_config(config_file=str(cp.kubeconfigs["admin"]))
+        utils.create_from_dict(admin, yaml.safe_load(CRD_FILE.read_text()))
+        ext = client.ApiextensionsV1Api(admin)
+        for crd in extra_crds:
+            ext.create_custom_resource_definition(crd)
+
+        def established(name: str) -> bool:
+            conds = ext.read_custom_resource_definition(name).status.conditions or []
+            return any(c.type == "Established" and c.status == "True" for c in conds)
+
+        for name in (SLUICE_CRD, *(crd["metadata"]["name"] for crd in extra_crds)):
+            wait_for(lambda n=name: established(n), timeout=30, what=name)
+        yield cp, admin
+    finally:
+        cp.stop()
