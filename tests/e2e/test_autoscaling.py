@@ -289,8 +289,11 @@ def run(kube, cp, node, prometheus, adapter, operator, workdir):
         a["desired_raised_s"] = wait(lambda: (_hpa(kube).status.desired_replicas or 0) >= 2, 90,
                                      origin=t_load)  # fmt: skip
         a["ready_2_s"] = wait(lambda: ready() >= 2, 120, interval=0.5, origin=t_load)
+        # Streams that started while one replica was Ready. The closed loop starts all of
+        # them at once, so a window that skipped the first seconds (as it once did) is empty
+        # when the second replica is Ready within 4.5 s (seen once).
         a["one_replica_client_p90_ms"] = client_p90_ms(
-            t_load_wall + 2, t_load_wall + (a["ready_2_s"] or 10)
+            t_load_wall, t_load_wall + (a["ready_2_s"] or 10)
         )
         a["ready_3_s"] = wait(lambda: ready() >= 3, 120, interval=0.5, origin=t_load)
 
