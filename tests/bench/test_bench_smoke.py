@@ -1,0 +1,52 @@
+"""`make bench` end to end in its short form (`run.py --quick`): every phase (vLLM's server,
+our server and the bare engine on the tiny model, the matrix, the cross-check with vLLM's
+own benchmark client, both fan-out ramps) runs on a fresh machine and writes its outputs.
+No speed is asserted here (numbers live in docs/benchmarks.md); errors are, because a
+benchmark request that fails is a bug, not noise."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
+
+
+def test_quick_bench_runs_end_to_end(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests/bench/run.py"), "--quick", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((tmp_path / "bench-results.json").read_text())
+
+    matrix = results["matrix"]
+    assert {r["system"] for r in matrix} == {"engine", "vllm", "openai", "sse", "websocket"}
+    for row in matrix:
+        assert row["errors"] == 0 and row["ok"] == row["requests"] > 0, row
+        assert row["output_tokens"] == row["requests"] * 128, row  # max_tokens with ignore_eos
+        assert row["front_cpu_us_per_token"] > 0, row
+    assert results["settings"]["cpu_layout"], "engine processes were not separated"
+
+    for target in results["crosscheck"]["targets"].values():
+        for theirs in target["vllm_bench"]:
+            assert "error" not in theirs and theirs["failed"] == 0, theirs
+        assert all(r["errors"] == 0 for r in target["ours"])
+
+    for ramp in results["fanout"]:
+        assert ramp["stages"] and all(s["errors"] == 0 for s in ramp["stages"]), ramp
+
+    for name in ("bench-results.md", "bench-throughput.png", "bench-fanout.md", "benchmarks.md"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    assert (
+        "### Cross-check with vLLM's benchmark client" in (tmp_path / "benchmarks.md").read_text()
+    )
