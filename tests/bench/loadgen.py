@@ -117,6 +117,21 @@ def _sse_events(buffer: bytearray, chunk: bytes) -> list[bytes]:
             out.append(b"\n".join(data))
 
 
+async def _post_sse(session, url: str, payload: dict, rec: Record):
+    """POST and yield (arrival time, decoded event) for each SSE data event but [DONE];
+    a non-200 answer is recorded as the request's error."""
+    buffer = bytearray()
+    async with session.post(url, json=payload) as resp:
+        if resp.status != 200:
+            rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+            return
+        async for raw in resp.content.iter_any():
+            now = time.perf_counter()
+            for data in _sse_events(buffer, raw):
+                if data != b"[DONE]":
+                    yield now, json.loads(data)
+
+
 async def openai_chat(session, base: str, model: str, messages, max_tokens: int) -> Record:
     """POST /v1/chat/completions, stream=true; tokens from the final usage chunk."""
     payload = {
@@ -130,29 +145,19 @@ async def openai_chat(session, base: str, model: str, messages, max_tokens: int)
     }
     rec = Record(start=time.perf_counter())
     chunks = 0
-    buffer = bytearray()
-    async with session.post(f"{base}/v1/chat/completions", json=payload) as resp:
-        if resp.status != 200:
-            rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-            return rec
-        async for raw in resp.content.iter_any():
-            now = time.perf_counter()
-            for data in _sse_events(buffer, raw):
-                if data == b"[DONE]":
-                    continue
-                msg = json.loads(data)
-                if "error" in msg:
-                    rec.error = str(msg["error"])[:200]
-                    continue
-                choices = msg.get("choices")
-                if choices:
-                    if choices[0].get("delta", {}).get("content"):
-                        chunks += 1
-                        if rec.ttft is None:
-                            rec.ttft = now - rec.start
-                        rec.chunk_times.append(now)
-                elif msg.get("usage"):
-                    rec.tokens = msg["usage"]["completion_tokens"]
+    async for now, msg in _post_sse(session, f"{base}/v1/chat/completions", payload, rec):
+        if "error" in msg:
+            rec.error = str(msg["error"])[:200]
+            continue
+        choices = msg.get("choices")
+        if choices:
+            if choices[0].get("delta", {}).get("content"):
+                chunks += 1
+                if rec.ttft is None:
+                    rec.ttft = now - rec.start
+                rec.chunk_times.append(now)
+        elif msg.get("usage"):
+            rec.tokens = msg["usage"]["completion_tokens"]
     if not rec.tokens:
         rec.tokens = chunks
     return rec
@@ -189,17 +194,8 @@ async def token_sse(session, base: str, model: str, messages, max_tokens: int) -
         "temperature": 0.0,
     }
     rec = Record(start=time.perf_counter())
-    buffer = bytearray()
-    async with session.post(f"{base}/v1/stream", json=payload) as resp:
-        if resp.status != 200:
-            rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-            return rec
-        async for raw in resp.content.iter_any():
-            now = time.perf_counter()
-            for data in _sse_events(buffer, raw):
-                if data == b"[DONE]":
-                    continue
-                _token_event(rec, json.loads(data), now)
+    async for now, msg in _post_sse(session, f"{base}/v1/stream", payload, rec):
+        _token_event(rec, msg, now)
     return rec
 
 

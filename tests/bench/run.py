@@ -41,6 +41,7 @@ from procs import (  # noqa: E402
     free_port,
     separate_engines,
 )
+from report import SYSTEMS, write_all  # noqa: E402 (systems and their labels: report.py)
 
 MODEL_NAME = "tiny"
 # The same engine arguments for all three vLLM-backed systems (CPU: explicit KV size,
@@ -51,14 +52,6 @@ ENGINE_ARGS = [
     "--max-num-seqs", "128",
     "--max-model-len", "1024",
 ]  # fmt: skip
-SYSTEMS = ["engine", "vllm", "openai", "sse", "websocket"]
-LABELS = {
-    "engine": "bare engine (AsyncLLM.generate)",
-    "vllm": "vLLM OpenAI server",
-    "openai": "Sluice /v1/chat/completions",
-    "sse": "Sluice /v1/stream (SSE)",
-    "websocket": "Sluice /ws/stream (WebSocket)",
-}
 
 _TOPICS = ("rivers", "servers", "foxes", "queues", "tea", "bridges", "clocks", "gardens")
 _ASKS = ("Write a short story about", "Explain to a child how", "List some facts about",
@@ -215,6 +208,11 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def process_of(system: str) -> str:
+    """Which started process serves `system` (our three routes share one server)."""
+    return {"engine": "engine", "vllm": "vllm"}.get(system, "sluice")
+
+
 def point_runner(started: dict, loadgen: Worker, max_tokens: int, prompt_list, settle_s: float):
     """Runs one point; also records the CPU the system's front end spent per output token:
     the HTTP server's main process (vLLM's API server, ours) or the bare-engine process (its
@@ -222,17 +220,6 @@ def point_runner(started: dict, loadgen: Worker, max_tokens: int, prompt_list, s
     serving layer's own cost, which tokens/s (bound by the engine here) cannot show."""
 
     def run(system: str, concurrency: int, num_requests: int) -> dict:
-        settle(settle_s)
-        front = started[{"engine": "engine", "vllm": "vllm"}.get(system, "sluice")]
-        cpu0 = process_cpu_s(front.pid)
-        res = _run(system, concurrency, num_requests)
-        if res.get("output_tokens"):
-            res["front_cpu_us_per_token"] = (
-                (process_cpu_s(front.pid) - cpu0) / res["output_tokens"] * 1e6
-            )
-        return res
-
-    def _run(system: str, concurrency: int, num_requests: int) -> dict:
         cmd = {
             "concurrency": concurrency,
             "num_requests": num_requests,
@@ -241,11 +228,20 @@ def point_runner(started: dict, loadgen: Worker, max_tokens: int, prompt_list, s
             "model": MODEL_NAME,
             "point_timeout_s": 120,
         }
+        front = started[process_of(system)]
+        settle(settle_s)
+        cpu0 = process_cpu_s(front.pid)
         if system == "engine":
-            return started["engine"].call(cmd, timeout=180)
-        server = started["vllm"] if system == "vllm" else started["sluice"]
-        protocol = "openai" if system in ("vllm", "openai") else system
-        return loadgen.call({**cmd, "base_url": server.base_url, "protocol": protocol}, timeout=180)
+            res = front.call(cmd, timeout=180)
+        else:
+            protocol = "openai" if system in ("vllm", "openai") else system
+            res = loadgen.call({**cmd, "base_url": front.base_url, "protocol": protocol},
+                               timeout=180)  # fmt: skip
+        if res.get("output_tokens"):
+            res["front_cpu_us_per_token"] = (
+                (process_cpu_s(front.pid) - cpu0) / res["output_tokens"] * 1e6
+            )
+        return res
 
     return run
 
@@ -285,7 +281,7 @@ def run_crosscheck(args, group, started, loadgen_run, model_path, env, scratch: 
     out: dict = {"concurrency": conc, "num_requests": n, "rounds": args.crosscheck_rounds,
                  "targets": {}}  # fmt: skip
     for system in ("vllm", "openai"):
-        server = started.get("vllm" if system == "vllm" else "sluice")
+        server = started.get(process_of(system))
         if server is None:
             continue
         cmd = [
@@ -431,9 +427,7 @@ def main(argv=None) -> int:
     results["phases_s"]["total"] = time.time() - t_start
     (out_dir / "bench-results.json").write_text(json.dumps(results, indent=1))
     if not args.no_docs:
-        import report
-
-        report.write_all(results, out_dir)
+        write_all(results, out_dir)
     print(f"bench: done in {results['phases_s']['total']:.0f} s; results in {out_dir}", flush=True)
     return 0
 
