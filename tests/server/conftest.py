@@ -47,6 +47,7 @@ def engine_settings(tiny_model_path: Path, **overrides):
         model=str(tiny_model_path),
         served_model_name="tiny",
         host="127.0.0.1",
+        log_level="warning",
         max_model_len=512,
         max_num_seqs=64,
         engine_args=["--enforce-eager", "--kv-cache-memory-bytes", str(ENGINE_KV_BYTES)],
@@ -78,32 +79,13 @@ class _TestServer:
         return Server(config)
 
 
-@pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def make_server(engine, tiny_model_path):
-    """`await make_server(**settings_overrides) -> base_url` (http://127.0.0.1:PORT).
-
-    Each call builds an app with its own settings (limits, keys, protocols, metrics)
-    around the shared engine and serves it on a free loopback port until session end.
-    Also reachable: `make_server.apps[base_url]` -> the FastAPI app (for its services).
-    """
-    import uvicorn
-    from sluice_server.app import build_app
-
-    servers: list[tuple[object, asyncio.Task]] = []
-    apps: dict[str, object] = {}
-
-    async def factory(**overrides) -> str:
-        port = free_port()
-        settings = engine_settings(tiny_model_path, port=port, **overrides)
-        app = build_app(settings, engine)
-        config = uvicorn.Config(
-            app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
-            ws_ping_interval=settings.heartbeat_seconds, ws_ping_timeout=settings.heartbeat_seconds,
-            ws_max_size=settings.max_body_bytes,
-        )  # fmt: skip
-        server = _TestServer.make(config)
-        task = asyncio.create_task(server.serve())
-        for _ in range(500):  # bounded: 10 s
+@contextlib.asynccontextmanager
+async def serving(config, sockets=None):
+    """Serve `config` in this event loop (bounded start-up wait: 10 s) until the block ends."""
+    server = _TestServer.make(config)
+    task = asyncio.create_task(server.serve(sockets=sockets))
+    try:
+        for _ in range(500):
             if server.started:
                 break
             if task.done():
@@ -111,18 +93,55 @@ async def make_server(engine, tiny_model_path):
             await asyncio.sleep(0.02)
         else:
             raise RuntimeError("test server did not start")
-        servers.append((server, task))
-        url = f"http://127.0.0.1:{port}"
-        apps[url] = app
-        return url
-
-    factory.apps = apps
-    yield factory
-    for server, _ in servers:
+        yield server
+    finally:
         server.should_exit = True
-    for _, task in servers:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(task, 15)
+
+
+@contextlib.asynccontextmanager
+async def serve_simulator(engine, **overrides):
+    """An app over a simulator `engine` with the server's own uvicorn configuration on a free
+    loopback port; yields its URL."""
+    from sluice_server.app import build_app
+    from sluice_server.drain import uvicorn_config
+    from sluice_server.settings import Settings
+
+    port = free_port()
+    overrides = {"log_level": "warning", **overrides}
+    settings = Settings(model="sim", engine="simulator", host="127.0.0.1", port=port, **overrides)
+    async with serving(uvicorn_config(settings, build_app(settings, engine))):
+        yield f"http://127.0.0.1:{port}"
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def make_server(engine, tiny_model_path):
+    """`await make_server(**settings_overrides) -> base_url` (http://127.0.0.1:PORT).
+
+    Each call builds an app with its own settings (limits, keys, protocols, metrics)
+    around the shared engine and serves it, with the server's own uvicorn configuration
+    (`drain.uvicorn_config`), on a free loopback port until session end.
+    Also reachable: `make_server.apps[base_url]` -> the FastAPI app (for its services).
+    """
+    from sluice_server.app import build_app
+    from sluice_server.drain import uvicorn_config
+
+    apps: dict[str, object] = {}
+
+    async with contextlib.AsyncExitStack() as servers:
+
+        async def factory(**overrides) -> str:
+            port = free_port()
+            settings = engine_settings(tiny_model_path, port=port, **overrides)
+            app = build_app(settings, engine)
+            await servers.enter_async_context(serving(uvicorn_config(settings, app)))
+            url = f"http://127.0.0.1:{port}"
+            apps[url] = app
+            return url
+
+        factory.apps = apps
+        yield factory
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")

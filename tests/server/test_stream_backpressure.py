@@ -46,7 +46,7 @@ def _small_buffer_protocol():
 @contextlib.asynccontextmanager
 async def small_buffer_server(engine, tiny_model_path, **overrides):
     import uvicorn
-    from conftest import _TestServer, engine_settings
+    from conftest import engine_settings, serving
     from sluice_server.app import build_app
 
     sock = socket.socket()
@@ -57,20 +57,10 @@ async def small_buffer_server(engine, tiny_model_path, **overrides):
     settings = engine_settings(tiny_model_path, port=port, **overrides)
     config = uvicorn.Config(build_app(settings, engine), log_level="warning", lifespan="on",
                             http=_small_buffer_protocol())  # fmt: skip
-    server = _TestServer.make(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
-        for _ in range(500):
-            if server.started:
-                break
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.02)
-        yield port
+        async with serving(config, sockets=[sock]):
+            yield port
     finally:
-        server.should_exit = True
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 15)
         sock.close()
 
 

@@ -4,45 +4,15 @@ the official SDK, coalescing under a slow reader, and engine failure -> 503 + /r
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import socket
 
 import httpx
 import pytest
 import pytest_asyncio
-import uvicorn
-from sluice_server.app import build_app
+from conftest import serve_simulator as serve
 from sluice_server.engine.simulator import SimulatorEngine
-from sluice_server.settings import Settings
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
-
-
-class QuietServer(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield
-
-
-@contextlib.asynccontextmanager
-async def serve(engine, **overrides):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    settings = Settings(model="sim", engine="simulator", host="127.0.0.1", port=port, **overrides)
-    app = build_app(settings, engine)
-    server = QuietServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    for _ in range(250):
-        if server.started:
-            break
-        await asyncio.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
 
 
 @pytest_asyncio.fixture(loop_scope="session")
