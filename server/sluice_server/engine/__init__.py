@@ -17,7 +17,7 @@ __all__ = ["Delta", "Engine", "SamplingOptions", "StreamRequest", "open_engine",
 def resolve_model(model: str) -> str:
     """`tiny` means the tiny random model made locally (CPU tests, demo)."""
     if model == "tiny":
-        from ..tiny_model import ensure_tiny_model
+        from .tiny_model import ensure_tiny_model
 
         return str(ensure_tiny_model())
     return model

@@ -42,7 +42,8 @@ import zlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from sluice_server.engine.base import Delta, StreamRequest
+from .base import Delta, StreamRequest
+from .openai_builtin import BuiltinOpenAI
 
 DEFAULT_WORDS: tuple[str, ...] = (
     "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while",
@@ -104,6 +105,7 @@ class SimulatorEngine:
         self._words = tuple(" " + w for w in words)
         self._streams: dict[str, _Stream] = {}
         self._dead = False
+        self.openai = BuiltinOpenAI(model_name, self.generate)
 
     # -- Engine protocol -------------------------------------------------------------
 

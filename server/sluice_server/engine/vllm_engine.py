@@ -1,8 +1,9 @@
 """The Engine protocol over vLLM's `AsyncLLM`, plus vLLM's own OpenAI serving layer.
 
-The OpenAI routes compose vLLM's `OpenAIServingChat`/`OpenAIServingCompletion`/
-`OpenAIServingModels` (chat templates, parameter mapping, tools, usage) built by vLLM's
-own `init_app_state` on a private `State`; this module owns creating and shutting them down.
+The OpenAI routes reach vLLM's `OpenAIServingChat`/`OpenAIServingCompletion`/
+`OpenAIServingModels` (chat templates, parameter mapping, tools, usage), built by vLLM's
+own `init_app_state` on a private `State`, through `VllmEngine.openai`; this module owns
+creating and shutting them down.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .base import Delta, StreamRequest
+from .base import Delta, OpenAIKind, OpenAIReply, OpenAIRequestError, OpenAIStream, StreamRequest
 
 if TYPE_CHECKING:
     from ..settings import Settings
@@ -94,13 +95,71 @@ def vllm_cli_args(settings: Settings, model_path: str, cpu_defaults: bool) -> li
     return args + list(settings.engine_args)
 
 
+class VllmOpenAI:
+    """`engine.base.OpenAIServing` on vLLM's own serving layer (`OpenAIServingChat`,
+    `OpenAIServingCompletion`, `OpenAIServingModels` from `init_app_state`)."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+
+    async def models(self) -> dict:
+        return (await self.state.openai_serving_models.show_available_models()).model_dump()
+
+    def parse(self, body: dict, kind: OpenAIKind) -> Any:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+        return (ChatCompletionRequest if kind == "chat" else CompletionRequest).model_validate(body)
+
+    async def respond(self, request: Any, kind: OpenAIKind, http_request: Any):
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.entrypoints.serve.exception_handling.error_response import (
+            create_error_response,
+        )
+
+        tap = UsageTap()
+        usage_tap.set(tap)  # a non-streamed request generates in this task
+        state = self.state
+        if kind == "chat":
+            create = state.openai_serving_chat.create_chat_completion
+        else:
+            create = state.openai_serving_completion.create_completion
+        try:
+            result = await create(request, http_request)
+        except Exception as e:  # vLLM raises its validation errors; map them as vLLM does
+            result = create_error_response(e)
+        if isinstance(result, ErrorResponse):
+            err = result.error
+            raise OpenAIRequestError(err.code, err.message, err.param)
+        if not hasattr(result, "__aiter__"):  # a whole (non-streamed) response
+            return OpenAIReply(result.model_dump(), 200, tap.prompt_tokens, tap.completion_tokens)
+        return OpenAIStream(_chunks(result, tap), lambda: tap.prompt_tokens)
+
+
+async def _chunks(sse: AsyncIterator[str], tap: UsageTap) -> AsyncIterator[Delta]:
+    """vLLM's framed chunks as Deltas, token counts from the tap; a finished Delta last."""
+    usage_tap.set(tap)  # vLLM's generator runs in this (the stream's producer) task
+    seen = 0
+    try:
+        async for chunk in sse:
+            n = tap.completion_tokens - seen
+            seen += n
+            yield Delta(chunk, n, False, None, tap.prompt_tokens, seen)
+        yield Delta("", tap.completion_tokens - seen, True, "stop", tap.prompt_tokens,
+                    tap.completion_tokens)  # fmt: skip
+    finally:
+        aclose = getattr(sse, "aclose", None)
+        if aclose is not None:
+            await aclose()  # aborts an unfinished engine request at once
+
+
 class VllmEngine:
-    """Adapter: `Engine` protocol methods plus `openai_state` for the OpenAI routes."""
+    """Adapter: `Engine` protocol methods; `openai` is vLLM's own OpenAI serving layer."""
 
     def __init__(self, llm: Any, args: Any, openai_state: Any, model_name: str) -> None:
         self.llm = llm
         self.args = args
-        self.openai_state = openai_state
+        self.openai = VllmOpenAI(openai_state)
         self.model_name = model_name
         self.max_model_len: int = llm.model_config.max_model_len
         self._tokenizer = llm.get_tokenizer()

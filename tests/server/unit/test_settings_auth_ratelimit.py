@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from sluice_server.auth import KeyStore, authenticate, bearer, key_id
-from sluice_server.errors import ApiError
-from sluice_server.ratelimit import RateLimiter
+from sluice_server.core.auth import KeyStore, authenticate, bearer, key_id
+from sluice_server.core.errors import ApiError
+from sluice_server.core.ratelimit import RateLimiter
 from sluice_server.settings import parse_settings
 
 

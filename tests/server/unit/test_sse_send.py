@@ -1,4 +1,4 @@
-"""StreamingSSE's send path: direct sends, the per-response watchdog that enforces the
+"""SSEResponse's send path: direct sends, the per-response watchdog that enforces the
 send timeout (a send pending that long ends the response and runs the cleanup), the
 app-wide heartbeat, and the disconnect listener."""
 
@@ -8,9 +8,7 @@ import asyncio
 import time
 
 import pytest
-import sse_starlette.sse as sse_mod
-from sluice_server.sse import Heartbeat, StreamingSSE
-from sse_starlette.sse import SendTimeoutError
+from sluice_server.transport.sse import Heartbeat, SendTimeoutError, SSEResponse
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -55,18 +53,19 @@ def client(stall_after: int | None = None, delay: float = 0.0, disconnect_at: fl
     return got, send, receive
 
 
-def response(body: Body, cleaned: list, **kw) -> StreamingSSE:
-    return StreamingSSE(body.gen(), lambda: cleaned.append(True), **kw)
+def response(body: Body, cleaned: list, **kw) -> SSEResponse:
+    return SSEResponse(body.gen(), lambda: cleaned.append(True), **kw)
 
 
 @pytest.fixture
 def no_cancel_scopes(monkeypatch):
-    """Fail if a send still goes through sse-starlette's per-send anyio scope."""
+    """Fail if a send goes through a per-send timeout scope."""
 
     def boom(*a, **k):
-        raise AssertionError("per-send move_on_after used")
+        raise AssertionError("per-send timeout scope used")
 
-    monkeypatch.setattr(sse_mod.anyio, "move_on_after", boom)
+    monkeypatch.setattr(asyncio, "timeout", boom)
+    monkeypatch.setattr(asyncio, "wait_for", boom)
 
 
 async def test_sends_directly_and_delivers_everything(no_cancel_scopes):

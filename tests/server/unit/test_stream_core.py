@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from sluice_server.core.stream import Stream, StreamFailed
 from sluice_server.engine.base import Delta
-from sluice_server.streaming import Stream, StreamFailed
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -1,4 +1,4 @@
-"""The streaming core shared by every protocol.
+"""The per-stream buffer between the engine and the socket writer.
 
 `Stream` moves engine output into a bounded per-stream buffer on a producer task; the
 consumer (the socket writer) takes everything buffered at once, so a slow reader gets
@@ -7,7 +7,8 @@ the whole-stream deadline, a drain timeout or an engine error the stream *fails*
 producer is cancelled (which aborts the engine request) and the consumer ends with an
 error event. Cancelling the consumer (client gone) cancels the producer the same way.
 
-`Meter` records the edge metrics of one stream; writers call it after bytes are written.
+The protocols read a Stream through `events.events`, the one loop that turns it into
+typed events and records the edge metrics.
 """
 
 from __future__ import annotations
@@ -18,14 +19,10 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Generic, TypeVar
 
-from .engine.base import Delta
-from .metrics import Bound
+from ..engine.base import Delta
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-# Outcomes (for logs and metrics)
-FINISHED, DISCONNECTED, FAILED, STOPPED = "finished", "disconnected", "failed", "stopped"
 
 
 class Stream(Generic[T]):
@@ -147,50 +144,3 @@ def join_batch(batch: Sequence[Delta]) -> tuple[str, int]:
     if len(batch) == 1:
         return batch[0].text, batch[0].num_tokens
     return "".join([d.text for d in batch]), sum([d.num_tokens for d in batch])
-
-
-class Meter:
-    """Edge timings for one stream. `t0` is when the request arrived (middleware)."""
-
-    __slots__ = ("m", "t0", "first_write", "last_write", "tokens", "outcome")
-
-    def __init__(self, bound: Bound, t0: float) -> None:
-        self.m = bound
-        self.t0 = t0
-        self.first_write: float | None = None
-        self.last_write = 0.0
-        self.tokens = 0
-        self.outcome: str | None = None
-        bound.requests.inc()
-        bound.active.inc()
-
-    def wrote(self, tokens: int) -> None:
-        """Call right after a token event's bytes were handed to the socket."""
-        now = time.perf_counter()
-        if self.first_write is None:
-            self.first_write = now
-            self.m.ttft.observe(now - self.t0)
-        else:
-            self.m.itl.observe(now - self.last_write)
-        self.last_write = now
-        self.tokens += tokens
-
-    def finish(self, outcome: str, stream: Stream | None = None) -> None:
-        if self.outcome is not None:
-            return
-        self.outcome = outcome
-        m = self.m
-        m.active.dec()
-        m.e2e.observe(time.perf_counter() - self.t0)
-        if self.tokens:
-            m.output_tokens.inc(self.tokens)
-        if stream is not None and stream.first_output_at is not None:
-            m.queue_wait.observe(stream.first_output_at - self.t0)
-        if outcome == DISCONNECTED:
-            m.disconnects.inc()
-            m.aborts.inc()
-        elif outcome == FAILED:
-            m.stream_errors.inc()
-            m.aborts.inc()
-        elif outcome == STOPPED:
-            m.aborts.inc()

@@ -21,22 +21,13 @@ from fastapi import APIRouter, WebSocket
 from fastapi.responses import JSONResponse
 from starlette.websockets import WebSocketDisconnect
 
-from ..errors import ApiError, error_body
-from ..params import to_stream_request
-from ..sendwatch import SendWatchdog
-from ..services import Services, api_key_of, services
-from ..sse import usage_of
-from ..streaming import (
-    DISCONNECTED,
-    FAILED,
-    FINISHED,
-    STOPPED,
-    Meter,
-    Stream,
-    StreamFailed,
-    join_batch,
-)
-from .common import open_stream
+from ..core.errors import ApiError, error_body
+from ..core.events import DISCONNECTED, FAILED, Failed, Finished, Meter, Stopped, Tokens, events
+from ..core.lifecycle import open_stream
+from ..core.params import to_stream_request
+from ..core.services import Services, api_key_of, services
+from ..core.stream import Stream
+from ..transport.sendwatch import SendWatchdog
 
 router = APIRouter()
 log = logging.getLogger(__name__)
@@ -170,39 +161,20 @@ class Connection:
         head = '{"id":' + _dumps(rid) + ',"index":'
         seq = 0
         try:
-            while True:
-                try:
-                    batch = await stream.next_batch()
-                except StreamFailed as e:
-                    meter.finish(FAILED, stream)
-                    await self.error(rid, 500, str(e), "stream_error")
-                    return
-                if batch is None:
-                    if stream.stopped:
-                        final = {"id": rid, "index": seq, "token": "", "finished": True,
-                                 "finish_reason": "abort", "usage": None}  # fmt: skip
-                        meter.finish(STOPPED, stream)
-                        await self.send(_dumps(final))
-                        return
-                    meter.finish(FAILED, stream)
-                    await self.error(
-                        rid, 500, "Engine stream ended without finishing.", "stream_error"
-                    )
-                    return
-                last = batch[-1]
-                text, ntok = join_batch(batch)
-                if text:
-                    await self.send(f'{head}{seq},"token":{_dumps(text)},"finished":false}}')
-                    meter.wrote(ntok)
+            async for ev in events(stream, meter):
+                if type(ev) is Tokens:
+                    await self.send(f'{head}{seq},"token":{_dumps(ev.text)},"finished":false}}')
                     seq += 1
-                else:
-                    meter.tokens += ntok
-                if last.finished:
+                elif type(ev) is Finished:
                     final = {"id": rid, "index": seq, "token": "", "finished": True,
-                             "finish_reason": last.finish_reason, "usage": usage_of(last)}  # fmt: skip
-                    meter.finish(FINISHED, stream)
+                             "finish_reason": ev.reason, "usage": ev.usage}  # fmt: skip
                     await self.send(_dumps(final))
-                    return
+                elif type(ev) is Stopped:
+                    final = {"id": rid, "index": seq, "token": "", "finished": True,
+                             "finish_reason": "abort", "usage": None}  # fmt: skip
+                    await self.send(_dumps(final))
+                elif type(ev) is Failed:
+                    await self.error(rid, 500, ev.message, ev.code)
         except (TimeoutError, WebSocketDisconnect, RuntimeError) as e:
             # The client stopped reading (send timeout) or went away: abort (cleanup).
             log.info("websocket stream %s ended: %s", rid, type(e).__name__)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 
 import uvicorn
 
@@ -72,6 +71,3 @@ def serve(settings: Settings) -> int:
     # uvicorn returns normally after a signal-initiated shutdown; a failed start-up
     # (engine error in the lifespan) leaves `started` false.
     return 0 if server.started else 1
-
-
-__all__ = ["DrainingServer", "serve", "signal", "uvicorn_config"]

@@ -6,9 +6,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
-from ..services import services
+from ..core.services import services
 
-router = APIRouter()
+router = APIRouter(tags=["probes"])
 
 
 async def _engine_ok(request: Request) -> tuple[bool, str]:

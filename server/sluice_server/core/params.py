@@ -2,18 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
-
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .engine.base import Engine, SamplingOptions, StreamRequest
+from ..engine.base import Engine, Message, SamplingOptions, StreamRequest
 from .errors import ApiError
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[Any] | None = None
 
 
 class GenerationParams(BaseModel):
@@ -68,14 +60,12 @@ def to_stream_request(body: dict, request_id: str, engine: Engine, served: str) 
         messages=[m.model_dump(exclude_none=True) for m in b.messages] if b.messages else None,
         options=SamplingOptions(b.max_tokens, b.temperature, b.top_p, b.seed, stop, b.ignore_eos),
     )
-    prepare = getattr(engine, "prepare", None)
-    if prepare is not None:
-        try:
-            prepare(req)
-        except ValueError as e:
-            raise ApiError(400, str(e), reason="bad_input", param="prompt",
-                           code="context_length_exceeded") from None  # fmt: skip
-        except Exception as e:  # chat template rejected the messages
-            raise ApiError(400, f"Cannot render the prompt: {type(e).__name__}: {e}",
-                           reason="bad_input", param="messages") from None  # fmt: skip
+    try:
+        engine.prepare(req)
+    except ValueError as e:
+        raise ApiError(400, str(e), reason="bad_input", param="prompt",
+                       code="context_length_exceeded") from None  # fmt: skip
+    except Exception as e:  # chat template rejected the messages
+        raise ApiError(400, f"Cannot render the prompt: {type(e).__name__}: {e}",
+                       reason="bad_input", param="messages") from None  # fmt: skip
     return req

@@ -1,7 +1,7 @@
 """OpenAI-shaped errors, registered in one place.
 
 Before the 200 every failure is `{"error": {"message", "type", "param", "code"}}` with the
-right status; after the 200 it becomes an error event (see streaming.py).
+right status; after the 200 it becomes an error event (core/events.py, in each protocol's shape).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .metrics import Metrics
 
 _TYPES = {
     400: "invalid_request_error",
@@ -83,15 +85,23 @@ def describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "Invalid request", param
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
+    """Every error before the 200 becomes the error object above; a refusal not counted
+    yet is counted under the protocol the route set on `request.state.protocol`."""
+
+    def count(request: Request, reason: str | None) -> None:
+        protocol = getattr(request.state, "protocol", None)
+        if reason is not None and protocol is not None:
+            metrics.reject(protocol, reason)
+
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        _count_rejection(request, exc.reason)
+        count(request, exc.reason)
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        _count_rejection(request, "bad_input")
+        count(request, "bad_input")
         message, param = describe_validation(exc)
         return JSONResponse(error_body(400, message, param), status_code=400)
 
@@ -102,12 +112,3 @@ def install_error_handlers(app: FastAPI) -> None:
             status_code=exc.status_code,
             headers=getattr(exc, "headers", None),
         )
-
-
-def _count_rejection(request: Request, reason: str | None) -> None:
-    if reason is None:
-        return
-    metrics = getattr(request.app.state, "metrics", None)
-    protocol = getattr(request.state, "protocol", None)
-    if metrics is not None and protocol is not None:
-        metrics.reject(protocol, reason)

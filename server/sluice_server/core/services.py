@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from starlette.requests import HTTPConnection, Request
 
+from ..engine.base import Engine
+from ..settings import Settings
 from .auth import KeyStore, authenticate, bearer
-from .engine.base import Engine
 from .errors import ApiError
 from .gate import Gate
 from .metrics import Metrics
 from .ratelimit import RateLimiter
-from .settings import Settings
 
 
 @dataclass
@@ -26,7 +26,6 @@ class Services:
     keys: KeyStore | None
     engine: Engine | None = None
     engine_error: str | None = None
-    extra: dict = field(default_factory=dict)
 
     async def require_engine(self) -> Engine:
         """The engine, or 503 when it is not loaded or has failed (then /ready is 503 too,

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 
-from ..metrics import bind
-from ..services import Services
-from ..streaming import DISCONNECTED, Meter, Stream
+from .events import DISCONNECTED, Meter
+from .metrics import bind
+from .services import Services
+from .stream import Stream
 
 
 def open_stream(

@@ -1,0 +1,149 @@
+"""The one loop every protocol streams through: a `Stream` of engine deltas in, typed events
+out, with the edge metrics recorded once (`Meter`).
+
+Protocols only format: `async for event in events(stream, meter)` and write each event in
+their wire format. The loop records a token event's timing when the protocol asks for the
+next event, that is right after the event's bytes were handed to the socket (TTFT and
+inter-token latency at the edge). Outcomes are recorded before a terminal event is
+written, except `Finished`, which counts once the final event went out (a client that
+leaves during the last write is a disconnect, as for any other write).
+
+Events:
+- `Tokens(text)`: new text (everything a slow reader let pile up, as one event);
+- `Finished(reason, usage)`: the engine finished ("stop", "length", ...);
+- `Failed(message, code)`: after the 200 the stream cannot go on (buffer cap, time limit,
+  drain, engine error, engine-side abort, engine ended without finishing);
+- `Stopped()`: the client asked to stop (WebSocket); the engine request is aborted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from .stream import Stream, StreamFailed, join_batch
+
+if TYPE_CHECKING:
+    from .metrics import Bound
+
+# Outcomes (for logs and metrics)
+FINISHED, DISCONNECTED, FAILED, STOPPED = "finished", "disconnected", "failed", "stopped"
+ENDED_EARLY = "Engine stream ended without finishing."
+ABORTED_BY_SERVER = "Generation was aborted by the server."
+
+
+class Tokens:
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+class Finished:
+    __slots__ = ("reason", "usage")
+
+    def __init__(self, reason: str | None, usage: dict) -> None:
+        self.reason, self.usage = reason, usage
+
+
+class Failed:
+    __slots__ = ("message", "code")
+
+    def __init__(self, message: str, code: str = "stream_error") -> None:
+        self.message, self.code = message, code
+
+
+class Stopped:
+    __slots__ = ()
+
+
+Event = Tokens | Finished | Failed | Stopped
+
+
+def usage_of(last) -> dict:
+    """OpenAI-style usage from the last delta of a stream."""
+    p = last.prompt_tokens if last is not None else 0
+    c = last.completion_tokens if last is not None else 0
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+class Meter:
+    """Edge timings for one stream. `t0` is when the request arrived (middleware)."""
+
+    __slots__ = ("m", "t0", "first_write", "last_write", "tokens", "outcome")
+
+    def __init__(self, bound: Bound, t0: float) -> None:
+        self.m = bound
+        self.t0 = t0
+        self.first_write: float | None = None
+        self.last_write = 0.0
+        self.tokens = 0
+        self.outcome: str | None = None
+        bound.requests.inc()
+        bound.active.inc()
+
+    def wrote(self, tokens: int) -> None:
+        """Call right after a token event's bytes were handed to the socket."""
+        now = time.perf_counter()
+        if self.first_write is None:
+            self.first_write = now
+            self.m.ttft.observe(now - self.t0)
+        else:
+            self.m.itl.observe(now - self.last_write)
+        self.last_write = now
+        self.tokens += tokens
+
+    def finish(self, outcome: str, stream: Stream | None = None) -> None:
+        if self.outcome is not None:
+            return
+        self.outcome = outcome
+        m = self.m
+        m.active.dec()
+        m.e2e.observe(time.perf_counter() - self.t0)
+        if self.tokens:
+            m.output_tokens.inc(self.tokens)
+        if stream is not None and stream.first_output_at is not None:
+            m.queue_wait.observe(stream.first_output_at - self.t0)
+        if outcome == DISCONNECTED:
+            m.disconnects.inc()
+            m.aborts.inc()
+        elif outcome == FAILED:
+            m.stream_errors.inc()
+            m.aborts.inc()
+        elif outcome == STOPPED:
+            m.aborts.inc()
+
+
+async def events(stream: Stream, meter: Meter) -> AsyncIterator[Event]:
+    """Typed events of one stream; see the module docstring for when metrics are taken."""
+    while True:
+        try:
+            batch = await stream.next_batch()
+        except StreamFailed as e:
+            meter.finish(FAILED, stream)
+            yield Failed(str(e))
+            return
+        if batch is None:
+            if stream.stopped:
+                meter.finish(STOPPED, stream)
+                yield Stopped()
+            else:
+                meter.finish(FAILED, stream)
+                yield Failed(ENDED_EARLY)
+            return
+        last = batch[-1]
+        text, ntok = join_batch(batch)
+        if text:
+            yield Tokens(text)
+            meter.wrote(ntok)  # resumed: the bytes were handed to the socket
+        else:
+            meter.tokens += ntok
+        if last.finished:
+            if last.finish_reason == "abort":
+                meter.finish(FAILED, stream)
+                yield Failed(ABORTED_BY_SERVER, "aborted")
+                return
+            yield Finished(last.finish_reason, usage_of(last))
+            meter.finish(FINISHED, stream)
+            return

@@ -1,0 +1,1 @@
+"""Wire protocols, one module each (route plus formatter) on the core's event loop."""

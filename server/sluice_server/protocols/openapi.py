@@ -1,0 +1,108 @@
+"""What `/openapi.json` says about the routes that read their body themselves.
+
+The streaming routes read raw JSON (their own size limit and error wording, and no
+validation work before auth), so FastAPI cannot see their bodies: the schemas are given
+here from the same pydantic models that validate them, together with the event-stream
+responses and the error object every refusal uses (with `Retry-After` where it is sent).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+from ..core.params import GenerationBody
+from ..engine.openai_builtin import ChatBody, CompletionBody
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorBody(BaseModel):
+    """Every refusal before the stream starts (OpenAI's error object)."""
+
+    error: ErrorDetail
+
+
+# Schemas the models refer to (`$ref`), added to the document's components by `install`.
+COMPONENTS: dict[str, Any] = {}
+
+
+def schema_of(model: type[BaseModel]) -> dict[str, Any]:
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    COMPONENTS.update(schema.pop("$defs", {}))
+    return schema
+
+
+_ERROR = {"application/json": {"schema": schema_of(ErrorBody)}}
+_RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.",
+                                "schema": {"type": "integer"}}}  # fmt: skip
+_EVENT_STREAM = {"text/event-stream": {"schema": {"type": "string"}}}
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"description": "Invalid request (the message names the parameter).", "content": _ERROR},
+    401: {"description": "Missing or invalid API key.", "content": _ERROR},
+    404: {"description": "Protocol disabled on this server.", "content": _ERROR},
+    413: {"description": "Request body over the size limit.", "content": _ERROR},
+    429: {"description": "Rate limit or capacity reached.", "content": _ERROR,
+          "headers": _RETRY_AFTER},
+    503: {"description": "Engine not ready, or the server is draining.", "content": _ERROR,
+          "headers": _RETRY_AFTER},
+}  # fmt: skip
+
+
+def streamed(stream: bool = True) -> dict[int | str, dict[str, Any]]:
+    """Responses of a route that may stream (`text/event-stream`) and may refuse."""
+    ok: dict[str, Any] = {"description": "The answer (JSON), or its events when streamed."}
+    if stream:
+        ok["content"] = {"application/json": {"schema": {"type": "object"}}, **_EVENT_STREAM}
+    return {200: ok, **ERRORS}
+
+
+def _body(model: type[BaseModel]) -> dict[str, Any]:
+    content = {"application/json": {"schema": schema_of(model)}}
+    return {"requestBody": {"required": True, "content": content}}
+
+
+def openai_body(kind: str) -> dict[str, Any]:
+    return _body(ChatBody if kind == "chat" else CompletionBody)
+
+
+def stream_body() -> dict[str, Any]:
+    return _body(GenerationBody)
+
+
+def stream_query() -> dict[str, Any]:
+    """`GET /v1/stream`: the body's fields as query parameters (EventSource)."""
+    params = [{"name": "prompt", "in": "query", "schema": {"type": "string"}},
+              {"name": "messages", "in": "query", "description": "JSON array of messages.",
+               "schema": {"type": "string"}},
+              {"name": "api_key", "in": "query", "description": "For EventSource, which "
+               "cannot send headers.", "schema": {"type": "string"}}]  # fmt: skip
+    for name, field in GenerationBody.model_fields.items():
+        if name in ("prompt", "messages"):
+            continue
+        params.append({"name": name, "in": "query", "description": field.description or name,
+                       "schema": {"type": "string"}})  # fmt: skip
+    return {"parameters": params}
+
+
+def install(app) -> None:
+    """Add the models' shared schemas to the document's components, so every `$ref`
+    resolves."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                              description=app.description)  # fmt: skip
+            doc.setdefault("components", {}).setdefault("schemas", {}).update(COMPONENTS)
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi

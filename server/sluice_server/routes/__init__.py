@@ -1,1 +1,0 @@
-"""HTTP and WebSocket routes, one module per protocol."""

@@ -1,0 +1,1 @@
+"""HTTP plumbing below the protocols: the SSE response and the send timeout."""
