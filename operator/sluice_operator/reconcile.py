@@ -25,9 +25,8 @@ from .builders import CHILD_KINDS, KEDA_KIND, desired_children
 from .builders.common import selector_string
 from .builders.keda import keda_hpa_name
 from .cluster import Cluster
-from .models.resource import StreamingModel
 from .status import compute_status, invalid_status
-from .validation import SpecError
+from .validation import SpecError, load_model
 
 HASH_ANNOTATION = "serving.sluice.dev/applied-hash"
 log = logging.getLogger("sluice_operator.reconcile")
@@ -149,7 +148,7 @@ def converge(
     namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid")
     outcome = Outcome()
     try:
-        model = StreamingModel.from_body(body)
+        model = load_model(body)
     except SpecError as exc:
         outcome.status_written = report_invalid(cluster, body, str(exc), post_event, now)
         outcome.phase = "Failed"

@@ -44,6 +44,7 @@ from sluice_operator.models.resource import StreamingModel
 from sluice_operator.models.spec import AutoscalingSpec
 from sluice_operator.reconcile import converge
 from sluice_operator.render import render_objects
+from sluice_operator.validation import load_model
 
 NOW = "2026-11-30T06:00:00Z"
 SCHEMA = json.loads(KEDA_SCHEMA.read_text())
@@ -58,7 +59,7 @@ def validate(manifest: dict) -> None:
 def keda_model(name="m", namespace="default", **autoscaling) -> StreamingModel:
     body = minimal(autoscaling={"backend": "keda", **autoscaling})
     body["metadata"] = {"name": name, "namespace": namespace}
-    return StreamingModel.from_body(body)
+    return load_model(body)
 
 
 # ---- the query: one template, the chart's adapter rule ----------------------------------
@@ -151,7 +152,7 @@ def test_scaled_object(settings):
     assert md["query"] == keda_query(m)
     assert all(isinstance(v, str) for v in md.values())  # KEDA trigger metadata is strings
     # The same behavior (stabilization windows, policies) our own HPA would get.
-    hpa = desired_hpa(StreamingModel.from_body(minimal(autoscaling={**settings, "backend": "hpa"})))
+    hpa = desired_hpa(load_model(minimal(autoscaling={**settings, "backend": "hpa"})))
     assert spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"] == hpa["spec"]["behavior"]
     assert "name" not in spec["advanced"]["horizontalPodAutoscalerConfig"]  # keda-hpa-<name>
     assert keda_hpa_name(m) == "keda-hpa-m"
@@ -174,7 +175,7 @@ def test_default_server_address_and_polling():
     ],
 )
 def test_exactly_one_autoscaler_per_backend(autoscaling, hpa, keda):
-    children = desired_children(StreamingModel.from_body(minimal(autoscaling=autoscaling)))
+    children = desired_children(load_model(minimal(autoscaling=autoscaling)))
     assert (children["HorizontalPodAutoscaler"] is not None) is hpa
     assert (children["ScaledObject"] is not None) is keda
     # The Deployment leaves replicas to whichever autoscaler there is.
@@ -194,7 +195,7 @@ def test_bad_keda_settings_are_rejected(bad):
     from sluice_operator.validation import SpecError
 
     with pytest.raises(SpecError):
-        StreamingModel.from_body(minimal(autoscaling=bad))
+        load_model(minimal(autoscaling=bad))
 
 
 @pytest.mark.parametrize(
