@@ -11,8 +11,8 @@ from typing import Any
 
 import yaml
 
-from .builders import desired_children
 from .crd import dump_yaml
+from .kinds import desired_children
 from .validation import load_model
 
 

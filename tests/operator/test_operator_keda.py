@@ -26,7 +26,6 @@ from operator_helpers import (
     with_status,
 )
 from sluice_operator import handlers
-from sluice_operator.builders import ALL_KINDS, CHILD_KINDS, KEDA_KIND, desired_children
 from sluice_operator.builders.hpa import desired_hpa
 from sluice_operator.builders.keda import (
     desired_scaled_object,
@@ -40,6 +39,7 @@ from sluice_operator.builders.metrics import (
     ttft_metric_name,
     ttft_metrics_query,
 )
+from sluice_operator.kinds import ALL_KINDS, CHILD_KINDS, KEDA_KIND, desired_children
 from sluice_operator.models.resource import StreamingModel
 from sluice_operator.models.spec import AutoscalingSpec
 from sluice_operator.reconcile import converge
@@ -478,14 +478,14 @@ def test_chart_with_keda_enabled_grants_what_the_operator_calls_on_scaled_object
         for v in r["verbs"]
     }
     assert verbs == {"get", "create", "patch", "delete"}  # exactly what converge calls
-    api_version, kind, optional = KEDA_KIND
+    api_version, kind, optional = KEDA_KIND.api_version, KEDA_KIND.kind, KEDA_KIND.optional
     assert api_version.startswith("keda.sh/") and kind == "ScaledObject" and optional
 
 
 def test_scaled_object_url_is_kedas_namespaced_collection():
     from sluice_operator.cluster import collection_path
 
-    api_version, kind, _ = KEDA_KIND
+    api_version, kind = KEDA_KIND.api_version, KEDA_KIND.kind
     assert (
         collection_path(api_version, kind, "team-a")
         == "/apis/keda.sh/v1alpha1/namespaces/team-a/scaledobjects"
