@@ -45,9 +45,8 @@ lint: venv tools ## ruff, yamllint, hadolint, helm lint
 	$(VENV)/bin/hadolint server/Dockerfile operator/Dockerfile
 	$(TOOLS)/helm lint charts/*
 
-crds: venv ## Regenerate crds/ (and the chart's copy) from the typed spec models
+crds: venv ## Regenerate the CRD (crds/, the chart's copy), docs/api.md and the model chart's values schema
 	$(PY) -m sluice_operator crds --write
-	$(PY) tests/chart/sync_streaming_model_schema.py
 
 chart: venv tools ## Lint and render the charts
 	$(TOOLS)/helm lint charts/*

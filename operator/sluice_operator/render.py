@@ -11,9 +11,9 @@ from typing import Any
 
 import yaml
 
-from .crd import dump_yaml
 from .kinds import desired_children
 from .validation import load_model
+from .yamldump import dump_yaml
 
 
 def render_objects(body: dict[str, Any], namespace: str | None = None) -> list[dict[str, Any]]:

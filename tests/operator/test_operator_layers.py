@@ -12,7 +12,8 @@ import sluice_operator
 PKG = Path(sluice_operator.__file__).parent
 PURE = sorted(
     [*PKG.glob("models/*.py"), *PKG.glob("builders/*.py")]
-    + [PKG / n for n in ("validation.py", "status.py", "render.py", "crd.py", "apidocs.py")]
+    + [PKG / n for n in ("validation.py", "status.py", "render.py", "yamldump.py")]
+    + [*PKG.glob("generate/*.py")]
 )
 FORBIDDEN = ("kopf", "kubernetes")
 
