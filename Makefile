@@ -39,15 +39,15 @@ test: venv tools ## All tests (unit, real-engine, nginx, helm); e2e runs when K8
 test-e2e: venv tools ## End-to-end tests against a real control plane (needs K8S_ASSETS)
 	$(PY) -m pytest tests/e2e -m e2e
 
-lint: venv tools ## ruff, yamllint, hadolint, helm lint
+lint: venv tools ## ruff, import contracts (pyproject.toml), yamllint, hadolint, helm lint
 	$(PY) -m ruff check server operator tests
+	PYTHONPATH=operator:server $(VENV)/bin/lint-imports --no-cache
 	$(PY) -m yamllint -c tests/yamllint.yaml crds samples
 	$(VENV)/bin/hadolint server/Dockerfile operator/Dockerfile
 	$(TOOLS)/helm lint charts/*
 
-crds: venv ## Regenerate crds/ (and the chart's copy) from the typed spec models
+crds: venv ## Regenerate the CRD (crds/, the chart's copy), docs/api.md and the model chart's values schema
 	$(PY) -m sluice_operator crds --write
-	$(PY) tests/chart/sync_streaming_model_schema.py
 
 chart: venv tools ## Lint and render the charts
 	$(TOOLS)/helm lint charts/*

@@ -1,4 +1,4 @@
-"""Command line: `crds` (generate the CRD), `render` (print manifests), `run` (the operator).
+"""Command line: `crds` (generated files), `render` (print manifests), `run` (the operator).
 
 Nothing here talks to a cluster except `run`, and that only after argument parsing, so the
 first two work on a laptop without a kubeconfig (GitOps users render and commit the output).
@@ -17,15 +17,16 @@ def _repo_root() -> Path:
 
 
 def _cmd_crds(args: argparse.Namespace) -> int:
-    from .crd import render_crd, stale_crds, write_crds
+    from .generate.crd import render_crd
+    from .generate.outputs import stale_files, write_files
 
     root = Path(args.root) if args.root else _repo_root()
     if args.write:
-        for path in write_crds(root):
+        for path in write_files(root):
             print(f"wrote {path}")
         return 0
     if args.check:
-        stale = stale_crds(root)
+        stale = stale_files(root)
         for path in stale:
             print(f"stale: {path} (run `make crds`)", file=sys.stderr)
         return 1 if stale else 0
@@ -64,13 +65,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice-operator", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
-    crds = commands.add_parser("crds", help="print, write or check the generated CRD")
+    crds = commands.add_parser(
+        "crds",
+        help="print the generated CRD, or write or check every file generated from the models",
+    )
     mode = crds.add_mutually_exclusive_group()
     mode.add_argument(
-        "--write", action="store_true", help="write crds/ and charts/sluice-operator/crds/"
+        "--write",
+        action="store_true",
+        help="write crds/, charts/sluice-operator/crds/, docs/api.md and "
+        "charts/streaming-model/values.schema.json",
     )
     mode.add_argument(
-        "--check", action="store_true", help="exit 1 when the checked-in CRD files are stale"
+        "--check", action="store_true", help="exit 1 when a checked-in generated file is stale"
     )
     crds.add_argument(
         "--root", help="repository root (default: the checkout this package lives in)"

@@ -10,26 +10,15 @@ from __future__ import annotations
 import json
 from typing import Any, Protocol
 
-from .models import GROUP, PLURAL, VERSION
+from .kinds import POD, STREAMING_MODEL, plural_of
 
 FIELD_MANAGER = "sluice-operator"
 
-# (apiVersion, kind) -> URL collection segment under /api or /apis.
-_PLURALS = {
-    ("v1", "Service"): "services",
-    ("v1", "Pod"): "pods",
-    ("apps/v1", "Deployment"): "deployments",
-    ("networking.k8s.io/v1", "Ingress"): "ingresses",
-    ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
-    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
-    ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
-    (f"{GROUP}/{VERSION}", "StreamingModel"): PLURAL,
-}
-
 
 def collection_path(api_version: str, kind: str, namespace: str) -> str:
+    """URL of a namespaced collection under /api or /apis; the plural comes from `kinds`."""
     prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
-    return f"{prefix}/namespaces/{namespace}/{_PLURALS[(api_version, kind)]}"
+    return f"{prefix}/namespaces/{namespace}/{plural_of(api_version, kind)}"
 
 
 class Cluster(Protocol):
@@ -116,12 +105,15 @@ class KubeCluster:
 
     def list_pods(self, namespace, selector):
         data = self._call(
-            "GET", collection_path("v1", "Pod", namespace), query=[("labelSelector", selector)]
+            "GET",
+            collection_path(POD.api_version, POD.kind, namespace),
+            query=[("labelSelector", selector)],
         )
         return (data or {}).get("items") or []
 
     def patch_status(self, namespace, name, status):
-        path = f"{collection_path(f'{GROUP}/{VERSION}', 'StreamingModel', namespace)}/{name}/status"
+        sm = STREAMING_MODEL
+        path = f"{collection_path(sm.api_version, sm.kind, namespace)}/{name}/status"
         self._call(
             "PATCH", path, body={"status": status}, content_type="application/merge-patch+json"
         )

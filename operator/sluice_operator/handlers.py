@@ -18,19 +18,14 @@ import kopf
 
 from .builders.common import INSTANCE_LABEL, MANAGED_BY_LABEL, MANAGER
 from .cluster import Cluster, KubeCluster
+from .kinds import STREAMING_MODEL, WATCHED_KINDS
 from .models import GROUP, PLURAL, VERSION
 from .reconcile import converge
 from .validation import SpecError
 
 OURS = {MANAGED_BY_LABEL: MANAGER}
-CHILD_RESOURCES = (
-    ("apps", "v1", "deployments"),
-    ("", "v1", "services"),
-    ("networking.k8s.io", "v1", "ingresses"),
-    ("autoscaling", "v2", "horizontalpodautoscalers"),
-    ("policy", "v1", "poddisruptionbudgets"),
-    ("", "v1", "pods"),
-)
+# (group, version, plural) of every child watch, from the one table of kinds.
+CHILD_RESOURCES = tuple((k.group, k.version, k.plural) for k in WATCHED_KINDS)
 MAX_BACKOFF_SECONDS = 300
 
 # One converge at a time per StreamingModel: child events arrive in bursts during rollouts.
@@ -97,7 +92,7 @@ def _converge(
 
     with _locks[(namespace, name)]:
         try:
-            body = cluster.get(f"{GROUP}/{VERSION}", "StreamingModel", namespace, name)
+            body = cluster.get(STREAMING_MODEL.api_version, STREAMING_MODEL.kind, namespace, name)
             if body is None or body["metadata"].get("deletionTimestamp"):
                 return  # gone or going: the garbage collector removes the children
             outcome = converge(cluster, body, _poster(body))

@@ -21,13 +21,12 @@ from typing import Any
 
 import kopf
 
-from .builders import CHILD_KINDS, KEDA_KIND, desired_children
 from .builders.common import selector_string
 from .builders.keda import keda_hpa_name
 from .cluster import Cluster
-from .models.resource import StreamingModel
+from .kinds import CHILD_KINDS, HPA, KEDA_KIND, Kind, desired_children
 from .status import compute_status, invalid_status
-from .validation import SpecError
+from .validation import SpecError, load_model
 
 HASH_ANNOTATION = "serving.sluice.dev/applied-hash"
 log = logging.getLogger("sluice_operator.reconcile")
@@ -149,7 +148,7 @@ def converge(
     namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid")
     outcome = Outcome()
     try:
-        model = StreamingModel.from_body(body)
+        model = load_model(body)
     except SpecError as exc:
         outcome.status_written = report_invalid(cluster, body, str(exc), post_event, now)
         outcome.phase = "Failed"
@@ -158,12 +157,13 @@ def converge(
     desired = desired_children(model)
     live: dict[str, dict[str, Any] | None] = {}
 
-    def converge_child(api_version: str, kind: str) -> None:
+    def converge_child(child: Kind) -> None:
+        kind = child.kind
         manifest = desired[kind]
-        current = cluster.get(api_version, kind, namespace, name)
+        current = cluster.get(child.api_version, kind, namespace, name)
         if manifest is None:
             if current is not None and _owned_by(current, uid):
-                cluster.delete(api_version, kind, namespace, name)
+                cluster.delete(child.api_version, kind, namespace, name)
                 outcome.deleted.append(kind)
             live[kind] = None
             return
@@ -189,14 +189,13 @@ def converge(
     # remembers): clusters without KEDA have no such resource and no RBAC for it. Order
     # matters so two HPAs never fight: ours is deleted before the ScaledObject (whose HPA
     # KEDA makes) is applied, and the ScaledObject deleted before ours is applied.
-    keda_api, keda_kind, _ = KEDA_KIND
     was_keda = (current_status.get("autoscaling") or {}).get("backend") == "keda"
     keda_error: Exception | None = None
 
     def converge_keda() -> None:
         nonlocal keda_error
         try:
-            converge_child(keda_api, keda_kind)
+            converge_child(KEDA_KIND)
         except Exception as exc:
             if getattr(exc, "status", None) not in (403, 404):
                 raise
@@ -204,12 +203,12 @@ def converge(
             # converge everything else, say why in the status, then fail the pass so the
             # handler retries with backoff and picks KEDA up once it is there.
             keda_error = exc
-            live[keda_kind] = None
+            live[KEDA_KIND.kind] = None
 
     if backend != "keda" and was_keda:
         converge_keda()
-    for api_version, kind, _optional in CHILD_KINDS:
-        converge_child(api_version, kind)
+    for child in CHILD_KINDS:
+        converge_child(child)
     if backend == "keda":
         converge_keda()
 
@@ -222,11 +221,9 @@ def converge(
         if dstat.get("readyReplicas", 0) >= want
         else cluster.list_pods(namespace, selector_string(model))
     )
-    hpa = live.get("HorizontalPodAutoscaler")
+    hpa = live.get(HPA.kind)
     if backend == "keda":  # KEDA's own HPA has the reading and the decision
-        hpa = cluster.get(
-            "autoscaling/v2", "HorizontalPodAutoscaler", namespace, keda_hpa_name(model)
-        )
+        hpa = cluster.get(HPA.api_version, HPA.kind, namespace, keda_hpa_name(model))
     new_status = compute_status(
         model,
         meta.get("generation"),

@@ -11,13 +11,13 @@ from typing import Any
 
 import yaml
 
-from .builders import desired_children
-from .crd import dump_yaml
-from .models.resource import StreamingModel
+from .kinds import desired_children
+from .validation import load_model
+from .yamldump import dump_yaml
 
 
 def render_objects(body: dict[str, Any], namespace: str | None = None) -> list[dict[str, Any]]:
-    model = StreamingModel.from_body(body, namespace=namespace)
+    model = load_model(body, namespace=namespace)
     return [m for m in desired_children(model).values() if m is not None]
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from .models.resource import StreamingModel
 from .models.spec import StreamingModelSpec
 
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -66,3 +67,16 @@ def parse_spec(spec: Mapping[str, Any] | None, name: str | None = None) -> Strea
 def parse_object(body: Mapping[str, Any]) -> StreamingModelSpec:
     meta = body.get("metadata") or {}
     return parse_spec(body.get("spec"), name=meta.get("name"))
+
+
+def load_model(body: Mapping[str, Any], namespace: str | None = None) -> StreamingModel:
+    """A StreamingModel object (as the API server or a file holds it) -> what builders take.
+
+    `namespace` is used when the object has none (a file rendered offline); else "default".
+    """
+    meta = body.get("metadata") or {}
+    return StreamingModel(
+        name=meta["name"],
+        namespace=meta.get("namespace") or namespace or "default",
+        spec=parse_object(body),
+    )

@@ -7,7 +7,6 @@ import itertools
 
 import pytest
 from operator_helpers import minimal
-from sluice_operator.builders import desired_children
 from sluice_operator.builders.args import server_args
 from sluice_operator.builders.deployment import (
     STARTUP_FAILURE_THRESHOLD,
@@ -18,7 +17,9 @@ from sluice_operator.builders.hpa import desired_hpa, ttft_metric_name
 from sluice_operator.builders.ingress import desired_ingress
 from sluice_operator.builders.pdb import desired_pdb
 from sluice_operator.builders.service import desired_service
+from sluice_operator.kinds import desired_children
 from sluice_operator.models.resource import StreamingModel
+from sluice_operator.validation import load_model
 
 DESIGN_LABELS = {
     "app.kubernetes.io/name": "sluice-server",
@@ -29,7 +30,7 @@ DESIGN_LABELS = {
 
 
 def model(**spec) -> StreamingModel:
-    return StreamingModel.from_body(minimal(**spec))
+    return load_model(minimal(**spec))
 
 
 def container(dep):

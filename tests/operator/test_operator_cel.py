@@ -12,7 +12,7 @@ from typing import Any
 import jsonschema
 import pytest
 from operator_helpers import INVALID_SAMPLES, SAMPLES, expectations, load
-from sluice_operator.crd import build_crd
+from sluice_operator.generate.crd import build_crd
 
 celpy = pytest.importorskip("celpy", reason="cel-python not installed (tests/requirements.txt)")
 

@@ -9,7 +9,8 @@ import kubernetes_validate
 import pytest
 import yaml
 from operator_helpers import INVALID_SAMPLES, K8S_VERSIONS, ROOT, SAMPLES, expectations, load
-from sluice_operator.crd import CRD_PATHS, build_crd, render_crd, stale_crds
+from sluice_operator.generate.crd import build_crd, render_crd
+from sluice_operator.generate.outputs import CRD_PATHS, stale_files
 from sluice_operator.models.spec import _RESERVED_RE, MODEL_URI_PATTERN
 from sluice_operator.validation import SpecError, parse_object
 
@@ -38,7 +39,7 @@ def walk(node: dict[str, Any], path: str = ""):
 
 
 def test_checked_in_crd_is_up_to_date():
-    stale = stale_crds(ROOT)
+    stale = stale_files(ROOT)
     assert not stale, f"regenerate with `make crds`: {stale}"
 
 
@@ -54,7 +55,12 @@ def test_stale_detection_has_teeth(tmp_path):
         (tmp_path / rel).write_text(
             render_crd().replace("Which model to serve.", "Edited by hand.")
         )
-    assert {p.name for p in stale_crds(tmp_path)} == {CRD_PATHS[0].name, "api.md"}
+    # The hand-edited CRD, and the other generated files, missing from the copy.
+    assert {p.name for p in stale_files(tmp_path)} == {
+        CRD_PATHS[0].name,
+        "api.md",
+        "values.schema.json",
+    }
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,6 @@ from operator_helpers import (
     with_status,
 )
 from sluice_operator import handlers
-from sluice_operator.builders import ALL_KINDS, CHILD_KINDS, KEDA_KIND, desired_children
 from sluice_operator.builders.hpa import desired_hpa
 from sluice_operator.builders.keda import (
     desired_scaled_object,
@@ -40,10 +39,12 @@ from sluice_operator.builders.metrics import (
     ttft_metric_name,
     ttft_metrics_query,
 )
+from sluice_operator.kinds import ALL_KINDS, CHILD_KINDS, KEDA_KIND, desired_children
 from sluice_operator.models.resource import StreamingModel
 from sluice_operator.models.spec import AutoscalingSpec
 from sluice_operator.reconcile import converge
 from sluice_operator.render import render_objects
+from sluice_operator.validation import load_model
 
 NOW = "2026-11-30T06:00:00Z"
 SCHEMA = json.loads(KEDA_SCHEMA.read_text())
@@ -58,7 +59,7 @@ def validate(manifest: dict) -> None:
 def keda_model(name="m", namespace="default", **autoscaling) -> StreamingModel:
     body = minimal(autoscaling={"backend": "keda", **autoscaling})
     body["metadata"] = {"name": name, "namespace": namespace}
-    return StreamingModel.from_body(body)
+    return load_model(body)
 
 
 # ---- the query: one template, the chart's adapter rule ----------------------------------
@@ -151,7 +152,7 @@ def test_scaled_object(settings):
     assert md["query"] == keda_query(m)
     assert all(isinstance(v, str) for v in md.values())  # KEDA trigger metadata is strings
     # The same behavior (stabilization windows, policies) our own HPA would get.
-    hpa = desired_hpa(StreamingModel.from_body(minimal(autoscaling={**settings, "backend": "hpa"})))
+    hpa = desired_hpa(load_model(minimal(autoscaling={**settings, "backend": "hpa"})))
     assert spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"] == hpa["spec"]["behavior"]
     assert "name" not in spec["advanced"]["horizontalPodAutoscalerConfig"]  # keda-hpa-<name>
     assert keda_hpa_name(m) == "keda-hpa-m"
@@ -174,7 +175,7 @@ def test_default_server_address_and_polling():
     ],
 )
 def test_exactly_one_autoscaler_per_backend(autoscaling, hpa, keda):
-    children = desired_children(StreamingModel.from_body(minimal(autoscaling=autoscaling)))
+    children = desired_children(load_model(minimal(autoscaling=autoscaling)))
     assert (children["HorizontalPodAutoscaler"] is not None) is hpa
     assert (children["ScaledObject"] is not None) is keda
     # The Deployment leaves replicas to whichever autoscaler there is.
@@ -194,7 +195,7 @@ def test_bad_keda_settings_are_rejected(bad):
     from sluice_operator.validation import SpecError
 
     with pytest.raises(SpecError):
-        StreamingModel.from_body(minimal(autoscaling=bad))
+        load_model(minimal(autoscaling=bad))
 
 
 @pytest.mark.parametrize(
@@ -477,14 +478,14 @@ def test_chart_with_keda_enabled_grants_what_the_operator_calls_on_scaled_object
         for v in r["verbs"]
     }
     assert verbs == {"get", "create", "patch", "delete"}  # exactly what converge calls
-    api_version, kind, optional = KEDA_KIND
+    api_version, kind, optional = KEDA_KIND.api_version, KEDA_KIND.kind, KEDA_KIND.optional
     assert api_version.startswith("keda.sh/") and kind == "ScaledObject" and optional
 
 
 def test_scaled_object_url_is_kedas_namespaced_collection():
     from sluice_operator.cluster import collection_path
 
-    api_version, kind, _ = KEDA_KIND
+    api_version, kind = KEDA_KIND.api_version, KEDA_KIND.kind
     assert (
         collection_path(api_version, kind, "team-a")
         == "/apis/keda.sh/v1alpha1/namespaces/team-a/scaledobjects"

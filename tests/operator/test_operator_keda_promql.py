@@ -9,7 +9,7 @@ import subprocess
 
 from operator_helpers import minimal
 from sluice_operator.builders.keda import keda_query
-from sluice_operator.models.resource import StreamingModel
+from sluice_operator.validation import load_model
 from testkit.promtool import run_tests
 
 BUSY, IDLE, FRESH = "chat-5d8f7c9b6-b2k4p", "chat-5d8f7c9b6-x7z9q", "chat-6c7d8e9f0-fr3sh"
@@ -47,7 +47,7 @@ SERIES = [
 def _query(percentile: float) -> str:
     body = minimal(autoscaling={"backend": "keda", "ttftPercentile": percentile})
     body["metadata"] = {"name": "chat", "namespace": "llm"}
-    return keda_query(StreamingModel.from_body(body))
+    return keda_query(load_model(body))
 
 
 def _promtool(tmp_path, cases: list[tuple[str, float]]) -> subprocess.CompletedProcess[str]:

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 from operator_helpers import SAMPLES, load
 from sluice_operator.builders.deployment import desired_deployment
-from sluice_operator.models.resource import StreamingModel
+from sluice_operator.validation import load_model
 
 settings_mod = pytest.importorskip("sluice_server.settings")
 
 
 def container_args(body):
-    dep = desired_deployment(StreamingModel.from_body(body))
+    dep = desired_deployment(load_model(body))
     (c,) = dep["spec"]["template"]["spec"]["containers"]
     assert c["command"] == ["sluice-server"]
     return c["args"]
@@ -24,7 +24,7 @@ def test_server_parses_rendered_args(path, monkeypatch):
     for key in [k for k in __import__("os").environ if k.startswith("SLUICE_")]:
         monkeypatch.delenv(key)
     body = load(path)
-    model = StreamingModel.from_body(body)
+    model = load_model(body)
     s = settings_mod.parse_settings(container_args(body))
     spec = model.spec
     assert s.port == 8000 and s.engine == spec.engine.backend

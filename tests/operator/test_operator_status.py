@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 from operator_helpers import minimal
-from sluice_operator.models.resource import StreamingModel
 from sluice_operator.models.status import StreamingModelStatus
 from sluice_operator.status import compute_status, invalid_status
+from sluice_operator.validation import load_model
 
 NOW = "2026-11-30T06:00:00Z"
 
 
 def model(**spec):
-    return StreamingModel.from_body(minimal(**spec))
+    return load_model(minimal(**spec))
 
 
 def deployment(

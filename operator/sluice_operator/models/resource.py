@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from .spec import StreamingModelSpec
 
@@ -44,22 +43,12 @@ def parse_model_uri(uri: str) -> ModelSource:
 @dataclass(frozen=True)
 class StreamingModel:
     """What every builder takes: identity plus the validated spec. No owner data: `kopf.adopt`
-    adds owner references in the handler, so builders stay pure and testable offline."""
+    adds owner references in the handler, so builders stay pure and testable offline.
+    Made from an object by `validation.load_model`, which owns the readable errors."""
 
     name: str
     namespace: str
     spec: StreamingModelSpec
-
-    @classmethod
-    def from_body(cls, body: Mapping[str, Any], namespace: str | None = None) -> StreamingModel:
-        from ..validation import parse_object
-
-        meta = body.get("metadata") or {}
-        return cls(
-            name=meta["name"],
-            namespace=meta.get("namespace") or namespace or "default",
-            spec=parse_object(body),
-        )
 
     @property
     def source(self) -> ModelSource:

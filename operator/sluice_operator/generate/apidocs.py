@@ -1,14 +1,13 @@
-"""docs/api.md: the API reference, generated from the same schema as the CRD."""
+"""docs/api.md: the API reference, a reading of the generated CRD.
+
+It takes the CRD as a dict instead of importing the generator, so the CRD, the reference
+and the chart's values schema stay three independent translations of one object.
+"""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
-
-from .crd import PRINTER_COLUMNS, build_crd
-
-DOC_PATH = Path("docs/api.md")
 
 
 def _type(node: dict[str, Any]) -> str:
@@ -77,8 +76,7 @@ def _cel(node: dict[str, Any], path: str) -> list[str]:
     return out
 
 
-def render_api_doc() -> str:
-    crd = build_crd()
+def render_api_doc(crd: dict[str, Any]) -> str:
     version = crd["spec"]["versions"][0]
     schema = version["schema"]["openAPIV3Schema"]
     spec, status = schema["properties"]["spec"], schema["properties"]["status"]
@@ -117,7 +115,7 @@ def render_api_doc() -> str:
         "|---|---|---|",
         *[
             f"| {c['name']} | `{c['jsonPath']}` | {'`-o wide`' if c.get('priority') else 'always'} |"
-            for c in PRINTER_COLUMNS
+            for c in version["additionalPrinterColumns"]
         ],
         "",
         "Scale subresource: `.spec.replicas` / `.status.replicas`, selector `.status.selector`"

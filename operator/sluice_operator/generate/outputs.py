@@ -1,0 +1,50 @@
+"""Every file generated from the typed models: where it goes and what it holds.
+
+`python -m sluice_operator crds --write` writes them all and `--check` lists the stale
+ones, so one command keeps the CRD (two identical copies), the API reference and the
+streaming-model chart's values schema in step with the models; a test runs the check.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .apidocs import render_api_doc
+from .crd import CRD_FILENAME, build_crd, render_crd
+from .values_schema import render_values_schema
+
+# Repository-relative places the CRD is written to (identical copies: the plain manifests
+# and the operator chart's crds/, which Helm installs before the templates).
+CRD_PATHS = (Path("crds") / CRD_FILENAME, Path("charts/sluice-operator/crds") / CRD_FILENAME)
+DOC_PATH = Path("docs/api.md")
+VALUES_SCHEMA_PATH = Path("charts/streaming-model/values.schema.json")
+
+
+def generated_files() -> dict[Path, str]:
+    """Repository-relative path -> content of everything generated from the models."""
+    crd = build_crd()
+    text = render_crd()
+    return {
+        **{rel: text for rel in CRD_PATHS},
+        DOC_PATH: render_api_doc(crd),
+        VALUES_SCHEMA_PATH: render_values_schema(crd),
+    }
+
+
+def write_files(root: Path) -> list[Path]:
+    written = []
+    for rel, text in generated_files().items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        written.append(path)
+    return written
+
+
+def stale_files(root: Path) -> list[Path]:
+    """Checked-in generated files that are missing or differ from what the models generate."""
+    return [
+        root / rel
+        for rel, text in generated_files().items()
+        if not (root / rel).is_file() or (root / rel).read_text() != text
+    ]

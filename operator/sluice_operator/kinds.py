@@ -1,0 +1,99 @@
+"""Every kind the operator touches, listed once: API coordinates, URL plural, builder.
+
+One table so the places that need a kind cannot drift apart: the handlers watch
+`WATCHED_KINDS`, the cluster client builds URLs from `plural_of`, reconcile applies
+`CHILD_KINDS` in order (and `KEDA_KIND` apart), `render` and reconcile build through
+`desired_children`, and a chart test checks every entry against the operator chart's RBAC,
+so a kind added here without a matching rule fails that test.
+
+Pure: builders in, no kopf and no API client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .builders.deployment import desired_deployment
+from .builders.hpa import desired_hpa
+from .builders.ingress import desired_ingress
+from .builders.keda import desired_scaled_object
+from .builders.pdb import desired_pdb
+from .builders.service import desired_service
+from .models import GROUP, KIND, PLURAL, VERSION
+from .models.resource import StreamingModel
+
+Builder = Callable[[StreamingModel], dict[str, Any] | None]
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One Kubernetes kind as the operator addresses it.
+
+    `builder` is set for children (what the StreamingModel becomes); `optional` children
+    are deleted when their builder returns None (the spec no longer asks for them), the
+    others are never deleted by the operator (the garbage collector does it).
+    """
+
+    api_version: str
+    kind: str
+    plural: str
+    builder: Builder | None = None
+    optional: bool = False
+
+    @property
+    def group(self) -> str:
+        """API group ("" for the core group), as RBAC rules and kopf watches name it."""
+        return self.api_version.rpartition("/")[0]
+
+    @property
+    def version(self) -> str:
+        return self.api_version.rpartition("/")[2]
+
+
+SERVICE = Kind("v1", "Service", "services", desired_service)
+DEPLOYMENT = Kind("apps/v1", "Deployment", "deployments", desired_deployment)
+INGRESS = Kind("networking.k8s.io/v1", "Ingress", "ingresses", desired_ingress, optional=True)
+HPA = Kind(
+    "autoscaling/v2",
+    "HorizontalPodAutoscaler",
+    "horizontalpodautoscalers",
+    desired_hpa,
+    optional=True,
+)
+PDB = Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets", desired_pdb, optional=True)
+
+# Children applied on every pass, in apply order (the Service before the Deployment whose
+# pods it selects).
+CHILD_KINDS: tuple[Kind, ...] = (SERVICE, DEPLOYMENT, INGRESS, HPA, PDB)
+
+# KEDA's ScaledObject (autoscaling.backend: keda) is kept apart: its CRD exists only where
+# KEDA is installed and the chart grants it only with keda.enabled, so the operator neither
+# watches it nor reads it unless a model uses (or last used) the keda backend.
+KEDA_KIND = Kind(
+    "keda.sh/v1alpha1", "ScaledObject", "scaledobjects", desired_scaled_object, optional=True
+)
+ALL_KINDS: tuple[Kind, ...] = (*CHILD_KINDS, KEDA_KIND)
+
+# Not children, but addressed by the cluster client: pods are listed (why they are Pending)
+# and watched (status follows them); the StreamingModel is read and its status patched.
+POD = Kind("v1", "Pod", "pods")
+STREAMING_MODEL = Kind(f"{GROUP}/{VERSION}", KIND, PLURAL)
+
+# What the handlers watch (by the managed-by label) to converge the owner on any change.
+WATCHED_KINDS: tuple[Kind, ...] = (*CHILD_KINDS, POD)
+
+# Everything the cluster client may address.
+RESOURCES: tuple[Kind, ...] = (*ALL_KINDS, POD, STREAMING_MODEL)
+_PLURALS = {(k.api_version, k.kind): k.plural for k in RESOURCES}
+
+
+def plural_of(api_version: str, kind: str) -> str:
+    """The URL collection segment of a kind; KeyError for a kind the operator never touches."""
+    return _PLURALS[(api_version, kind)]
+
+
+def desired_children(model: StreamingModel) -> dict[str, dict[str, Any] | None]:
+    """Kind -> manifest, or None when that optional child must not exist."""
+    return {k.kind: k.builder(model) for k in ALL_KINDS}  # type: ignore[misc]
