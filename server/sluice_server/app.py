@@ -77,6 +77,6 @@ def build_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     install_error_handlers(app, svc.metrics)
     for protocol in (probes, openai, token_sse, websocket):
         app.include_router(protocol.router)
-    openapi.install(app)
+    openapi.install(app, settings.model_label)
     app.add_middleware(StampArrival)
     return app

@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from .metrics import Metrics
 
@@ -107,8 +108,20 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:  # Starlette names only the first route of the path
+            headers["Allow"] = ", ".join(allowed_methods(request))
         return JSONResponse(
             error_body(exc.status_code, str(exc.detail)),
             status_code=exc.status_code,
-            headers=getattr(exc, "headers", None),
+            headers=headers,
         )
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at this request's path."""
+    methods: set[str] = set()
+    for route in request.app.routes:
+        if route.matches(request.scope)[0] != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return sorted(methods)

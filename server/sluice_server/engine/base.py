@@ -14,9 +14,31 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Annotated, Any, Literal, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict
+
+
+def _flag(value: object) -> object:
+    """A JSON boolean (or the query-string spellings `true`/`false`), not 0/1 or "yes"."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value in ("true", "false"):
+        return value == "true"
+    raise ValueError("must be a boolean (true or false)")
+
+
+def not_a_flag(value: object) -> object:
+    """A `mode="before"` field validator for numbers: pydantic's lax int and float would
+    take true and false. (A validator, not an Annotated type: those lose the field's
+    bounds in the JSON schema.)"""
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not a boolean")
+    return value
+
+
+# Request fields that are switches: pydantic's lax bool would take 0, 1, "yes", "off".
+Flag = Annotated[bool, BeforeValidator(_flag)]
 
 
 class Message(BaseModel):

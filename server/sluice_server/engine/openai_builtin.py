@@ -13,23 +13,25 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .base import (
     Delta,
+    Flag,
     Message,
     OpenAIKind,
     OpenAIReply,
     OpenAIStream,
     SamplingOptions,
     StreamRequest,
+    not_a_flag,
 )
 
 _dumps = json.dumps
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: Flag = False
 
 
 class _Common(BaseModel):
@@ -42,9 +44,12 @@ class _Common(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=1)
-    stream: bool = False
+    stream: Flag = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
+    ignore_eos: Flag = False
+
+    _numbers = field_validator("max_tokens", "max_completion_tokens", "temperature", "top_p",
+                               "seed", "n", mode="before")(not_a_flag)  # fmt: skip
 
 
 class ChatBody(_Common):

@@ -68,7 +68,8 @@ def _precheck(svc: Services, body: dict) -> None:
                             f"serves `{served}`.", "model", code="model_not_found")  # fmt: skip
     for name in ("max_tokens", "max_completion_tokens"):
         v = body.get(name)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+        integral = isinstance(v, int) or (isinstance(v, float) and v.is_integer())
+        if v is not None and (not integral or isinstance(v, bool) or v < 1):
             raise svc.bad_input(PROTOCOL, f"{name}: must be a positive integer, got {v!r}.",
                                 name)  # fmt: skip
 

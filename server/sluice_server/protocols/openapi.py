@@ -42,7 +42,11 @@ def schema_of(model: type[BaseModel]) -> dict[str, Any]:
 _ERROR = {"application/json": {"schema": schema_of(ErrorBody)}}
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.",
                                 "schema": {"type": "integer"}}}  # fmt: skip
-_EVENT_STREAM = {"text/event-stream": {"schema": {"type": "string"}}}
+# One server-sent event (schemathesis and other tools check each event against it).
+_EVENT = {"type": "object", "properties": {"data": {"type": "string"},
+          "event": {"type": "string"}, "id": {"type": "string"},
+          "retry": {"type": "integer"}}}  # fmt: skip
+_EVENT_STREAM = {"text/event-stream": {"schema": _EVENT}}
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"description": "Invalid request (the message names the parameter).", "content": _ERROR},
@@ -78,23 +82,44 @@ def stream_body() -> dict[str, Any]:
 
 
 def stream_query() -> dict[str, Any]:
-    """`GET /v1/stream`: the body's fields as query parameters (EventSource)."""
-    params = [{"name": "prompt", "in": "query", "schema": {"type": "string"}},
-              {"name": "messages", "in": "query", "description": "JSON array of messages.",
-               "schema": {"type": "string"}},
+    """`GET /v1/stream`: the body's fields as query parameters (EventSource). A query cannot
+    say "prompt or messages", so `prompt` is the documented one and `messages` (a JSON
+    array, instead of `prompt`) is described in the operation."""
+    props = schema_of(GenerationBody)["properties"]
+    params = [{"name": "prompt", "in": "query", "required": True, "schema": props["prompt"]},
               {"name": "api_key", "in": "query", "description": "For EventSource, which "
                "cannot send headers.", "schema": {"type": "string"}}]  # fmt: skip
-    for name, field in GenerationBody.model_fields.items():
-        if name in ("prompt", "messages"):
-            continue
-        params.append({"name": name, "in": "query", "description": field.description or name,
-                       "schema": {"type": "string"}})  # fmt: skip
-    return {"parameters": params}
+    for name, schema in props.items():
+        if name not in ("prompt", "messages"):
+            params.append({"name": name, "in": "query", "schema": schema})
+    return {
+        "parameters": params,
+        "description": "The POST body's fields as query "
+        "parameters; `messages` (a JSON array) may replace `prompt`; `stop` may repeat.",
+    }
 
 
-def install(app) -> None:
-    """Add the models' shared schemas to the document's components, so every `$ref`
-    resolves."""
+METRICS = {200: {"description": "Prometheus text format.",
+                 "content": {"text/plain": {"schema": {"type": "string"}}}}}  # fmt: skip
+
+
+def _served_model_only(doc: dict[str, Any], served: str) -> None:
+    """`model` may only name the served model (anything else is a 400 model_not_found)."""
+    only = {"anyOf": [{"type": "string", "enum": [served]}, {"type": "null"}], "title": "Model"}
+    for path in doc.get("paths", {}).values():
+        for op in path.values():
+            body = op.get("requestBody", {}).get("content", {}).get("application/json", {})
+            props = body.get("schema", {}).get("properties", {})
+            if "model" in props:
+                props["model"] = only
+            for param in op.get("parameters", []):
+                if param["name"] == "model":
+                    param["schema"] = only
+
+
+def install(app, served_model: str) -> None:
+    """Add the models' shared schemas to the document's components (every `$ref`
+    resolves) and pin `model` to the served model."""
     from fastapi.openapi.utils import get_openapi
 
     def openapi() -> dict[str, Any]:
@@ -102,6 +127,7 @@ def install(app) -> None:
             doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
                               description=app.description)  # fmt: skip
             doc.setdefault("components", {}).setdefault("schemas", {}).update(COMPONENTS)
+            _served_model_only(doc, served_model)
             app.openapi_schema = doc
         return app.openapi_schema
 

@@ -7,6 +7,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from ..core.services import services
+from .openapi import METRICS
 
 router = APIRouter(tags=["probes"])
 
@@ -42,7 +43,7 @@ async def ready(request: Request) -> Response:
     return JSONResponse({"status": "ready" if ok else why}, status_code=200 if ok else 503)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=Response, responses=METRICS)
 async def metrics(request: Request) -> Response:
     """Our `sluice_*` metrics, then the process-wide default registry: process/GC metrics
     and, on vLLM, the engine's own `vllm:*` metrics (KV cache use, running/waiting)."""
