@@ -15,16 +15,7 @@ import jsonschema
 import pytest
 import yaml
 from kubernetes.client.exceptions import ApiException
-from operator_helpers import (
-    KEDA_SCHEMA,
-    ROOT,
-    Events,
-    FakeCluster,
-    body_of,
-    load,
-    minimal,
-    with_status,
-)
+from operator_helpers import KEDA_SCHEMA, Events, FakeCluster, body_of, load, minimal, with_status
 from sluice_operator import handlers
 from sluice_operator.builders import ALL_KINDS, CHILD_KINDS, KEDA_KIND, desired_children
 from sluice_operator.builders.hpa import desired_hpa
@@ -44,6 +35,7 @@ from sluice_operator.models.resource import StreamingModel
 from sluice_operator.models.spec import AutoscalingSpec
 from sluice_operator.reconcile import converge
 from sluice_operator.render import render_objects
+from testkit.repo import ROOT
 
 NOW = "2026-11-30T06:00:00Z"
 SCHEMA = json.loads(KEDA_SCHEMA.read_text())
