@@ -10,7 +10,7 @@ export SLUICE_CACHE ?= $(CURDIR)/.cache
 
 SAMPLE ?= samples/chat-small.yaml
 
-.PHONY: help venv tools demo run test test-unit test-e2e lint crds chart render bench clean
+.PHONY: help venv tools demo run test test-e2e lint crds chart render bench clean
 
 help:
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
@@ -36,8 +36,8 @@ run: venv ## Start just the server on the tiny local model (port 8000)
 test: venv tools ## All tests (unit, real-engine, nginx, helm); e2e runs when K8S_ASSETS is set
 	$(PY) -m pytest tests
 
-test-e2e: venv tools ## End-to-end tests against a real control plane (needs K8S_ASSETS)
-	$(PY) -m pytest tests/e2e -m e2e
+test-e2e: venv tools ## Every test that needs a real control plane (marked e2e, anywhere in tests/; needs K8S_ASSETS)
+	$(PY) -m pytest tests -m e2e
 
 lint: venv tools ## ruff, import contracts (pyproject.toml), yamllint, hadolint, helm lint
 	$(PY) -m ruff check server operator tests

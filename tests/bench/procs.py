@@ -1,31 +1,25 @@
 """Processes the benchmark starts: servers, the bare-engine worker, the load generator.
 
-Each runs in its own session (process group) so stopping it also stops the engine-core
-processes vLLM spawns; `ProcGroup` stops everything it started, newest first, on exit.
-Everything listens on 127.0.0.1 only.
+Each is a `testkit.process.ManagedProcess` (its own session and process group), so stopping
+it also stops the engine-core processes vLLM spawns; `ProcGroup` stops everything it
+started, newest first, on exit. Everything listens on 127.0.0.1 only.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
-import urllib.request
 from pathlib import Path
 
+from testkit.net import wait_http
+from testkit.process import ManagedProcess
+
 PY = sys.executable
-HERE = Path(__file__).resolve().parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# How long a server or worker may take to exit on SIGTERM (vLLM shuts its engine down).
+STOP_GRACE_S = 15.0
 
 
 def engine_env(scratch: Path) -> dict[str, str]:
@@ -55,7 +49,7 @@ def _pin_threads(pid: int, cpus: set[int]) -> None:
             pass  # a thread that just ended
 
 
-def separate_engines(fronts: list[Proc]) -> dict:
+def separate_engines(fronts: list[ManagedProcess]) -> dict:
     """Keep vLLM's engine processes off the cores the HTTP servers and clients use.
 
     vLLM's CPU build pins each engine's model worker (`VLLM::Worker`) to its compute cores
@@ -90,93 +84,35 @@ def separate_engines(fronts: list[Proc]) -> dict:
     return {"engine_cpus": sorted(engine_cpus), "front_cpus": sorted(front_cpus)}
 
 
-class Proc:
-    """A child process in its own session, output to a log file (started on `cpus` when
-    given: its threads and children inherit them)."""
+class Server(ManagedProcess):
+    """An HTTP server, started at once; `wait_ready` polls `ready_path` for a 200."""
 
-    def __init__(
-        self, name: str, argv: list[str], env: dict, log_dir: Path, cpus=None, **popen
-    ) -> None:
-        self.name = name
-        self.log_path = log_dir / f"{name}.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        popen.setdefault("stdout", self._log)
-        if cpus:
-            popen["preexec_fn"] = lambda: os.sched_setaffinity(0, cpus)
-        self.p = subprocess.Popen(argv, env=env, stderr=self._log, start_new_session=True, **popen)
-
-    @property
-    def pid(self) -> int:
-        return self.p.pid
-
-    def alive(self) -> bool:
-        return self.p.poll() is None
-
-    def tail(self, n: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def stop(self, grace: float = 15.0) -> None:
-        if self.p.poll() is None:
-            try:
-                os.killpg(self.p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.p.wait(grace)
-            except subprocess.TimeoutExpired:
-                pass
-        # The group may outlive its leader (engine-core children): make sure it is gone.
-        try:
-            os.killpg(self.p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            self.p.wait(5)
-        except subprocess.TimeoutExpired:
-            pass
-        self._log.close()
-
-
-class Server(Proc):
     def __init__(self, name, argv, env, log_dir, port: int, ready_path: str) -> None:
-        super().__init__(name, argv, env, log_dir)
+        super().__init__(name, argv, log_dir, env)
         self.port = port
         self.base_url = f"http://127.0.0.1:{port}"
         self.ready_path = ready_path
+        self.start()
 
     def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self.alive():
-                raise RuntimeError(f"{self.name} exited:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(self.base_url + self.ready_path, timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{self.name} not ready after {timeout:.0f} s:\n{self.tail()}")
+        wait_http(self.base_url + self.ready_path, timeout=timeout, process=self, interval=0.5)
 
 
-class Worker(Proc):
-    """JSON lines over stdin/stdout (loadgen.py, bare_engine.py, fanout.py)."""
+class Worker(ManagedProcess):
+    """JSON lines over stdin/stdout (loadgen.py, bare_engine.py, fanout.py), started at once
+    (on `cpus` when given)."""
 
     def __init__(self, name, argv, env, log_dir, cpus=None) -> None:
-        super().__init__(
-            name, argv, env, log_dir, cpus, stdin=subprocess.PIPE, stdout=subprocess.PIPE
-        )
+        super().__init__(name, argv, log_dir, env, cpus=cpus, pipes=True)
         self._lock = threading.Lock()
+        self.start()
 
     def call(self, cmd: dict, timeout: float = 600.0) -> dict:
         with self._lock:
-            self.p.stdin.write((json.dumps(cmd) + "\n").encode())
-            self.p.stdin.flush()
+            self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+            self.proc.stdin.flush()
             box: list[bytes] = []
-            reader = threading.Thread(target=lambda: box.append(self.p.stdout.readline()))
+            reader = threading.Thread(target=lambda: box.append(self.proc.stdout.readline()))
             reader.daemon = True
             reader.start()
             reader.join(timeout)
@@ -189,28 +125,29 @@ class Worker(Proc):
             raise RuntimeError(f"{self.name}: {result['fatal']}")
         return result
 
-    def stop(self, grace: float = 15.0) -> None:
+    def stop(self, timeout: float = STOP_GRACE_S) -> None:
+        """Close stdin first (a worker's clean exit), then stop the group."""
         try:
-            if self.p.stdin:
-                self.p.stdin.close()
-            self.p.wait(3)
+            if self.proc is not None and self.proc.stdin and not self.proc.stdin.closed:
+                self.proc.stdin.close()
+                self.proc.wait(3)
         except (OSError, subprocess.TimeoutExpired):
             pass
-        super().stop(grace)
+        super().stop(timeout)
 
 
 class ProcGroup:
     """Stops every process it started, newest first, however the run ends."""
 
     def __init__(self) -> None:
-        self.procs: list[Proc] = []
+        self.procs: list[ManagedProcess] = []
 
-    def add(self, proc: Proc) -> Proc:
+    def add(self, proc: ManagedProcess) -> ManagedProcess:
         self.procs.append(proc)
         return proc
 
-    def stop(self, proc: Proc) -> None:
-        proc.stop()
+    def stop(self, proc: ManagedProcess) -> None:
+        proc.stop(STOP_GRACE_S)
         if proc in self.procs:
             self.procs.remove(proc)
 
@@ -219,5 +156,5 @@ class ProcGroup:
 
     def __exit__(self, *exc) -> None:
         for proc in reversed(self.procs):
-            proc.stop()
+            proc.stop(STOP_GRACE_S)
         self.procs.clear()

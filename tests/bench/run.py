@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
-sys.path.insert(0, str(HERE))
+# This folder (procs, report) and tests/ (the shared testkit), as pytest's pythonpath has it.
+sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 from procs import (  # noqa: E402
     PY,
@@ -38,10 +38,11 @@ from procs import (  # noqa: E402
     Server,
     Worker,
     engine_env,
-    free_port,
     separate_engines,
 )
 from report import SYSTEMS, write_all  # noqa: E402 (systems and their labels: report.py)
+from testkit.net import free_port  # noqa: E402
+from testkit.repo import ROOT  # noqa: E402
 
 MODEL_NAME = "tiny"
 # The same engine arguments for all three vLLM-backed systems (CPU: explicit KV size,

@@ -9,11 +9,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from testkit.repo import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 

@@ -2,34 +2,27 @@
 
 helm comes from `.tools/bin/helm` (installed by `make tools`) or PATH; without it the helm
 tests skip with one line. Other tests here (Dockerfile, adapter rules) need no helm.
+The repository root, tool lookup and Kubernetes versions come from tests/testkit.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import yaml
+from testkit.k8s import K8S_VERSIONS
+from testkit.repo import ROOT, find_tool
 
-ROOT = Path(__file__).resolve().parents[2]
 CHARTS = ROOT / "charts"
 OPERATOR_CHART = CHARTS / "sluice-operator"
 MODEL_CHART = CHARTS / "streaming-model"
 HERE = Path(__file__).resolve().parent
 CRD_FILE = ROOT / "crds" / "streamingmodels.serving.sluice.dev.yaml"
 
-# Kubernetes versions the rendered manifests must validate against (schemas shipped in
-# kubernetes-validate; the chart's kubeVersion is >=1.30, the e2e control plane is 1.36).
-K8S_VERSIONS = ("1.33.0", "1.36.0")
-
 
 def find_helm() -> str | None:
-    local = ROOT / ".tools" / "bin" / "helm"
-    if local.is_file() and os.access(local, os.X_OK):
-        return str(local)
-    return shutil.which("helm")
+    return find_tool("helm")
 
 
 class Helm:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from testkit.live_cluster import live_control_plane
+from testkit.live_cluster import live_control_plane, skip_without_control_plane
 
 from .chartlib import Helm, find_helm
 
@@ -15,19 +15,7 @@ _HERE = Path(__file__).parent
 def pytest_collection_modifyitems(config, items):
     """Without a control plane, the live tests here (marked e2e) report one skip line."""
     live = [i for i in items if Path(i.fspath).parent == _HERE and i.get_closest_marker("e2e")]
-    if not live:
-        return
-    try:
-        from e2e.harness.control_plane import missing_prerequisites
-    except ImportError:
-        reason = "tests/e2e harness not present: live chart tests skipped"
-    else:
-        reason = missing_prerequisites()
-    if reason:
-        live[0].add_marker(pytest.mark.skip(reason=reason))
-        rest = {id(i) for i in live[1:]}
-        config.hook.pytest_deselected(items=live[1:])
-        items[:] = [i for i in items if id(i) not in rest]
+    skip_without_control_plane(config, items, live)
 
 
 @pytest.fixture(scope="session")

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from testkit.repo import ROOT
 
-from .chartlib import OPERATOR_CHART, ROOT
+from .chartlib import OPERATOR_CHART
 
 DOCKERFILE = ROOT / "operator" / "Dockerfile"
 CONTEXT = ROOT / "operator"

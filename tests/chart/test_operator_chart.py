@@ -9,13 +9,13 @@ import tarfile
 
 import pytest
 import yaml
+from testkit.repo import ROOT
 
 from .chartlib import (
     CRD_FILE,
     HERE,
     MODEL_CHART,
     OPERATOR_CHART,
-    ROOT,
     by_kind,
     documented_keys,
     one,

@@ -15,8 +15,6 @@ import http.server
 import json
 import math
 import shutil
-import socket
-import subprocess
 import threading
 import time
 import urllib.parse
@@ -24,6 +22,8 @@ import urllib.request
 
 import pytest
 import yaml
+from testkit.net import free_port, wait_http
+from testkit.process import ManagedProcess
 
 from .test_prometheus_adapter_rules import PERCENTILES, _by_name
 
@@ -38,12 +38,6 @@ EXPECTED_RANGE = {
     0.95: (0.15, 0.2),
     0.99: (0.15, 0.2),
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Exporter:
@@ -103,7 +97,7 @@ def prometheus(tmp_path):
     loader = threading.Thread(target=traffic, daemon=True)
     loader.start()
 
-    port = _free_port()
+    port = free_port()
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "scrape_configs": [
@@ -123,40 +117,24 @@ def prometheus(tmp_path):
         ],
     }
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    log = (tmp_path / "prometheus.log").open("w")
-    proc = subprocess.Popen(
+    proc = ManagedProcess(
+        "prometheus",
         [
             binary,
             f"--config.file={tmp_path / 'prometheus.yml'}",
             f"--storage.tsdb.path={tmp_path / 'data'}",
             f"--web.listen-address=127.0.0.1:{port}",
         ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
+        tmp_path,
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()[-2000:]
-            try:
-                with urllib.request.urlopen(f"{base}/-/ready", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "prometheus not ready in 60 s"
-            time.sleep(0.2)
+        proc.start()
+        wait_http(f"{base}/-/ready", timeout=60, process=proc)
         yield base
     finally:
         stop.set()
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
-        log.close()
+        proc.stop(timeout=15)
         loader.join(timeout=5)
         busy.close()
         fresh.close()

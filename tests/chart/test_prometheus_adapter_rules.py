@@ -10,8 +10,9 @@ import subprocess
 import pytest
 import yaml
 from testkit.promtool import run_tests
+from testkit.repo import ROOT
 
-from .chartlib import HERE, OPERATOR_CHART, ROOT, by_kind, load_crd
+from .chartlib import HERE, OPERATOR_CHART, by_kind, load_crd
 
 RULES_FILE = OPERATOR_CHART / "files" / "prometheus-adapter-rules.yaml"
 PERCENTILES = {"p50": 0.5, "p75": 0.75, "p90": 0.9, "p95": 0.95, "p99": 0.99}

@@ -17,8 +17,9 @@ from pathlib import Path
 import psutil
 import pytest
 from kubernetes import client, config, utils
+from testkit.live_cluster import skip_without_control_plane
 
-from .harness.control_plane import ControlPlane, missing_prerequisites
+from .harness.control_plane import ControlPlane
 from .harness.fake_node import FakeGpuNode
 from .harness.kube import CRD_FILE, Models, wait_for
 from .harness.operator_process import OperatorProcess, RenderedChart, install_operator_identity
@@ -32,14 +33,8 @@ def pytest_collection_modifyitems(config, items):
     mine = [item for item in items if _E2E_DIR in Path(item.fspath).parents]
     for item in mine:
         item.add_marker(pytest.mark.e2e)
-    missing = missing_prerequisites()
-    if missing and mine:
-        # One clear line in the summary instead of one per test: the first test is skipped
-        # with the reason, the rest are deselected.
-        mine[0].add_marker(pytest.mark.skip(reason=missing))
-        rest = set(map(id, mine[1:]))
-        config.hook.pytest_deselected(items=mine[1:])
-        items[:] = [item for item in items if id(item) not in rest]
+    # One clear line in the summary instead of one per test.
+    skip_without_control_plane(config, items, mine)
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -52,7 +47,9 @@ def pytest_terminal_summary(terminalreporter):
 @pytest.fixture(scope="session")
 def control_plane(tmp_path_factory):
     workdir = Path(os.environ.get("SLUICE_E2E_WORKDIR") or tmp_path_factory.mktemp("control-plane"))
-    cp = ControlPlane(workdir, Path(os.environ["K8S_ASSETS"]), audited_namespace=OPERATOR_NAMESPACE).start()
+    cp = ControlPlane(
+        workdir, Path(os.environ["K8S_ASSETS"]), audited_namespace=OPERATOR_NAMESPACE
+    ).start()
     TIMINGS["control plane start-up (s)"] = round(cp.startup_seconds, 2)
     TIMINGS["logs"] = str(cp.logs)
     pids = cp.pids()
@@ -60,7 +57,11 @@ def control_plane(tmp_path_factory):
         yield cp
     finally:
         cp.stop()
-        strays = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        strays = [
+            p
+            for p in pids
+            if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+        ]
         (workdir / "timings.json").write_text(json.dumps(TIMINGS, indent=2))
         assert not strays, f"control-plane processes left running: {strays}"
 
@@ -68,12 +69,17 @@ def control_plane(tmp_path_factory):
 @pytest.fixture(scope="session")
 def admin(control_plane) -> client.ApiClient:
     configuration = client.Configuration()
-    config.load_kube_config(str(control_plane.kubeconfigs["admin"]), client_configuration=configuration)
+    config.load_kube_config(
+        str(control_plane.kubeconfigs["admin"]), client_configuration=configuration
+    )
     configuration.connection_pool_maxsize = 32  # tests apply from a thread pool
     api = client.ApiClient(configuration)
     # The default namespace's ServiceAccount is made by the controller manager; pods need it.
-    wait_for(lambda: client.CoreV1Api(api).read_namespaced_service_account("default", "default"),
-             timeout=30, what="the default ServiceAccount")
+    wait_for(
+        lambda: client.CoreV1Api(api).read_namespaced_service_account("default", "default"),
+        timeout=30,
+        what="the default ServiceAccount",
+    )
     return api
 
 
@@ -93,7 +99,9 @@ def crd(admin) -> dict:
 
     def established():
         got = ext.read_custom_resource_definition(body["metadata"]["name"])
-        return any(c.type == "Established" and c.status == "True" for c in got.status.conditions or [])
+        return any(
+            c.type == "Established" and c.status == "True" for c in got.status.conditions or []
+        )
 
     wait_for(established, timeout=30, what="the CRD to be Established")
     return body
@@ -113,7 +121,10 @@ def gpu_node(admin):
     yield node
     node.stop()
     if node.errors:  # relists after a watch expired are normal; many of them are not
-        warnings.warn(f"fake kubelet {node.name}: {len(node.errors)} errors, last: {node.errors[-1]}", stacklevel=1)
+        warnings.warn(
+            f"fake kubelet {node.name}: {len(node.errors)} errors, last: {node.errors[-1]}",
+            stacklevel=1,
+        )
 
 
 @pytest.fixture(scope="session")
@@ -139,17 +150,25 @@ def operator_user(chart) -> str:
 
 @pytest.fixture
 def namespace(admin, request):
-    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.removeprefix("test_").lower())[:40].strip("-")
+    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.removeprefix("test_").lower())[:40].strip(
+        "-"
+    )
     name = f"e2e-{slug}-{uuid.uuid4().hex[:5]}"
     core = client.CoreV1Api(admin)
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
-    wait_for(lambda: core.read_namespaced_service_account("default", name), timeout=30,
-             what=f"the default ServiceAccount in {name}")
+    wait_for(
+        lambda: core.read_namespaced_service_account("default", name),
+        timeout=30,
+        what=f"the default ServiceAccount in {name}",
+    )
     yield name
     core.delete_namespace(name)
     # Pods hold GPUs of the shared fake node: wait until the fake kubelet has removed them.
-    wait_for(lambda: not core.list_namespaced_pod(name).items, timeout=60,
-             what=f"pods of namespace {name} to be gone")
+    wait_for(
+        lambda: not core.list_namespaced_pod(name).items,
+        timeout=60,
+        what=f"pods of namespace {name} to be gone",
+    )
 
 
 @pytest.fixture

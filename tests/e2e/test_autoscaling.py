@@ -35,7 +35,7 @@ from kubernetes import client, config, utils
 
 from .autoscaling.adapter import USER as ADAPTER_USER
 from .autoscaling.adapter import CustomMetricsAdapter
-from .autoscaling.cluster import AggregatingControlPlane
+from .autoscaling.cluster import aggregating_control_plane
 from .autoscaling.loadgen import LoadGenerator
 from .autoscaling.pod_sd import PodDiscovery
 from .autoscaling.prometheus import USER as PROMETHEUS_USER
@@ -100,8 +100,8 @@ def workdir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def cp(workdir):
-    plane = AggregatingControlPlane(workdir / "cluster", Path(os.environ["K8S_ASSETS"]),
-                                    audited_namespace=OPERATOR_NAMESPACE).start()  # fmt: skip
+    plane = aggregating_control_plane(workdir / "cluster", Path(os.environ["K8S_ASSETS"]),
+                                      audited_namespace=OPERATOR_NAMESPACE).start()  # fmt: skip
     try:
         yield plane
     finally:

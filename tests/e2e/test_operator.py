@@ -11,11 +11,12 @@ import time
 import pytest
 import yaml
 from kubernetes import client
+from testkit.repo import ROOT
 
 from .conftest import TIMINGS
 from .harness.control_plane import is_write
 from .harness.expect import CHECKS, TTFT_METRIC, children_present, expected_kinds
-from .harness.kube import GROUP, PLURAL, REPO, SAMPLES, VERSION, load_sample, wait_for
+from .harness.kube import GROUP, PLURAL, SAMPLES, VERSION, load_sample, wait_for
 from .harness.operator_process import find_kubectl
 
 SAMPLE_FILES = sorted(p.name for p in SAMPLES.glob("*.yaml"))
@@ -24,6 +25,7 @@ _latencies: list[float] = []
 
 def converge(models, namespace: str, name: str, timeout: float = 20.0) -> tuple[dict, dict]:
     """Wait until exactly the expected children exist; return (model, children)."""
+
     def ready():
         model = models.get(namespace, name)
         children = models.children(namespace, name)
@@ -41,7 +43,8 @@ def test_sample_children_appear_with_expected_fields(operator, models, namespace
     model, children = converge(models, namespace, name)
     _latencies.append(time.monotonic() - started)
     TIMINGS["apply -> all children present, per sample (s)"] = (
-        f"median {statistics.median(_latencies):.2f}, worst {max(_latencies):.2f} (n={len(_latencies)})")
+        f"median {statistics.median(_latencies):.2f}, worst {max(_latencies):.2f} (n={len(_latencies)})"
+    )
     for kind in expected_kinds(model["spec"]):
         CHECKS[kind](children[kind], model)
 
@@ -63,7 +66,8 @@ def settle(models, namespace: str, name: str, quiet: float = 4.0, timeout: float
 def _table(admin: client.ApiClient, namespace: str) -> dict:
     """What `kubectl get streamingmodels` shows: the server-side Table with the printer columns."""
     method, url, headers, body, _ = admin.param_serialize(
-        "GET", f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}",
+        "GET",
+        f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}",
         header_params={"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"},
     )
     response = admin.call_api(method, url, header_params=headers, body=body)
@@ -71,14 +75,20 @@ def _table(admin: client.ApiClient, namespace: str) -> dict:
     return json.loads(response.data)
 
 
-def test_pods_run_on_the_gpu_node_and_status_turns_ready(operator, admin, models, namespace, gpu_node, control_plane):
+def test_pods_run_on_the_gpu_node_and_status_turns_ready(
+    operator, admin, models, namespace, gpu_node, control_plane
+):
     # chat-small with 2 replicas x 2 GPUs behind an Ingress (the mistral sample's PVC has no
     # volume here, so its pods could not schedule).
     body = load_sample("chat-small.yaml", namespace, new_name="chat")
-    body["spec"].update({
-        "replicas": 2, "resources": {"gpus": 2}, "parallelism": {"tensor": 2},
-        "ingress": {"enabled": True, "host": "chat.example.com", "path": "/chat"},
-    })
+    body["spec"].update(
+        {
+            "replicas": 2,
+            "resources": {"gpus": 2},
+            "parallelism": {"tensor": 2},
+            "ingress": {"enabled": True, "host": "chat.example.com", "path": "/chat"},
+        }
+    )
     name = body["metadata"]["name"]
     started = time.monotonic()
     models.create(body)
@@ -88,7 +98,9 @@ def test_pods_run_on_the_gpu_node_and_status_turns_ready(operator, admin, models
         return status.get("phase") == "Ready" and status.get("readyReplicas") == 2 and status
 
     status = wait_for(ready, timeout=30, what="status Ready with 2 ready replicas")
-    TIMINGS["apply -> status Ready, 2 pods on the fake node (s)"] = round(time.monotonic() - started, 2)
+    TIMINGS["apply -> status Ready, 2 pods on the fake node (s)"] = round(
+        time.monotonic() - started, 2
+    )
     pods = models.pods(namespace, name)
     assert len(pods) == 2
     for pod in pods:
@@ -111,25 +123,50 @@ def test_pods_run_on_the_gpu_node_and_status_turns_ready(operator, admin, models
     assert "2/2" in str(row.values()) and str(status["url"]) in row.values(), row
     kubectl = find_kubectl()
     if kubectl:  # the same through a real kubectl, for the eye
-        out = subprocess.run([kubectl, "--kubeconfig", str(control_plane.kubeconfigs["admin"]), "get",
-                              "streamingmodels", "-n", namespace, "-o", "wide"],
-                             check=True, capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [
+                kubectl,
+                "--kubeconfig",
+                str(control_plane.kubeconfigs["admin"]),
+                "get",
+                "streamingmodels",
+                "-n",
+                namespace,
+                "-o",
+                "wide",
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         print(out)
         assert name in out and "2/2" in out
 
 
 def test_edit_converges_and_observed_generation_follows(operator, models, namespace):
     body = load_sample("chat-small.yaml", namespace)
-    body["spec"].update({"resources": {"gpus": 2}, "parallelism": {"tensor": 2},
-                         "autoscaling": {"minReplicas": 1, "maxReplicas": 2}})
+    body["spec"].update(
+        {
+            "resources": {"gpus": 2},
+            "parallelism": {"tensor": 2},
+            "autoscaling": {"minReplicas": 1, "maxReplicas": 2},
+        }
+    )
     name = body["metadata"]["name"]
     models.create(body)
     converge(models, namespace, name)
-    models.patch(namespace, name, {"spec": {
-        "resources": {"gpus": 4}, "parallelism": {"tensor": 4},
-        "streaming": {"protocols": ["websocket"]},
-        "autoscaling": {"minReplicas": 2, "maxReplicas": 3},
-    }})
+    models.patch(
+        namespace,
+        name,
+        {
+            "spec": {
+                "resources": {"gpus": 4},
+                "parallelism": {"tensor": 4},
+                "streaming": {"protocols": ["websocket"]},
+                "autoscaling": {"minReplicas": 2, "maxReplicas": 3},
+            }
+        },
+    )
 
     def converged():
         model = models.get(namespace, name)
@@ -139,7 +176,8 @@ def test_edit_converges_and_observed_generation_follows(operator, models, namesp
         args = " ".join((server.command or []) + (server.args or []))
         return (
             server.resources.limits.get("nvidia.com/gpu") == "4"
-            and "websocket" in args and "sse" not in args.split("--protocols")[1].split("--")[0]
+            and "websocket" in args
+            and "sse" not in args.split("--protocols")[1].split("--")[0]
             and (hpa.spec.min_replicas, hpa.spec.max_replicas) == (2, 3)
             and model.get("status", {}).get("observedGeneration") == model["metadata"]["generation"]
             and (model, children)
@@ -159,42 +197,89 @@ def test_children_edited_or_deleted_by_hand_are_restored(operator, admin, models
     old_uid = children["Service"].metadata.uid
     models.core.delete_namespaced_service(name, namespace)
     restored = wait_for(
-        lambda: (s := models.children(namespace, name)["Service"]) and s.metadata.uid != old_uid and s,
-        timeout=15, what="the deleted Service to come back")
+        lambda: (
+            (s := models.children(namespace, name)["Service"]) and s.metadata.uid != old_uid and s
+        ),
+        timeout=15,
+        what="the deleted Service to come back",
+    )
     assert restored.spec.ports[0].port == 8000
 
     image = children["Deployment"].spec.template.spec.containers[0].image
     container = children["Deployment"].spec.template.spec.containers[0].name
-    models.apps.patch_namespaced_deployment(name, namespace, {"spec": {"template": {"spec": {
-        "containers": [{"name": container, "image": "example.invalid/hijacked:1"}]}}}})
-    wait_for(lambda: models.apps.read_namespaced_deployment(name, namespace)
-             .spec.template.spec.containers[0].image == image,
-             timeout=15, what="the hand-edited image to be put back")
+    models.apps.patch_namespaced_deployment(
+        name,
+        namespace,
+        {
+            "spec": {
+                "template": {
+                    "spec": {
+                        "containers": [{"name": container, "image": "example.invalid/hijacked:1"}]
+                    }
+                }
+            }
+        },
+    )
+    wait_for(
+        lambda: (
+            models.apps.read_namespaced_deployment(name, namespace)
+            .spec.template.spec.containers[0]
+            .image
+            == image
+        ),
+        timeout=15,
+        what="the hand-edited image to be put back",
+    )
 
 
-def test_resync_without_change_makes_no_writes(operator, models, namespace, control_plane, operator_user):
+def test_resync_without_change_makes_no_writes(
+    operator, models, namespace, control_plane, operator_user
+):
     body = load_sample("chat-small.yaml", namespace)
-    body["spec"].update({"autoscaling": {"minReplicas": 1, "maxReplicas": 2},
-                         "ingress": {"enabled": True, "host": "chat.example.com"}})  # every child kind
+    body["spec"].update(
+        {
+            "autoscaling": {"minReplicas": 1, "maxReplicas": 2},
+            "ingress": {"enabled": True, "host": "chat.example.com"},
+        }
+    )  # every child kind
     name = body["metadata"]["name"]
     models.create(body)
     converge(models, namespace, name)
-    wait_for(lambda: (models.get(namespace, name).get("status") or {}).get("phase") == "Ready",
-             timeout=30, what="the model to be Ready")
+    wait_for(
+        lambda: (models.get(namespace, name).get("status") or {}).get("phase") == "Ready",
+        timeout=30,
+        what="the model to be Ready",
+    )
     # The HPA controller's first evaluation (within its 15 s sync period) changes the HPA's
     # status, which the operator mirrors: a real change. Wait for it, then for quiet.
-    wait_for(lambda: models.autoscaling.read_namespaced_horizontal_pod_autoscaler(name, namespace)
-             .status.conditions, timeout=45, interval=1, what="the HPA controller's first evaluation")
+    wait_for(
+        lambda: (
+            models.autoscaling.read_namespaced_horizontal_pod_autoscaler(
+                name, namespace
+            ).status.conditions
+        ),
+        timeout=45,
+        interval=1,
+        what="the HPA controller's first evaluation",
+    )
     settle(models, namespace, name)
     mark = control_plane.audit_mark()
     operator.restart()  # resume: a full reconcile of every existing StreamingModel
     time.sleep(8)
-    calls = [e for e in control_plane.audit_events(operator_user, since=mark)
-             if e.get("objectRef", {}).get("namespace") == namespace]
-    writes = [f"{e['verb']} {e['objectRef'].get('resource')}/{e['objectRef'].get('subresource', '')}"
-              for e in calls if is_write(e)]
+    calls = [
+        e
+        for e in control_plane.audit_events(operator_user, since=mark)
+        if e.get("objectRef", {}).get("namespace") == namespace
+    ]
+    writes = [
+        f"{e['verb']} {e['objectRef'].get('resource')}/{e['objectRef'].get('subresource', '')}"
+        for e in calls
+        if is_write(e)
+    ]
     reads = [e for e in calls if not is_write(e)]
-    TIMINGS["resync after restart: writes / reads in the model's namespace"] = f"{len(writes)} / {len(reads)}"
+    TIMINGS["resync after restart: writes / reads in the model's namespace"] = (
+        f"{len(writes)} / {len(reads)}"
+    )
     assert writes == [], writes
 
 
@@ -204,15 +289,22 @@ def test_delete_garbage_collects_every_child(operator, models, namespace):
     models.create(body)
     converge(models, namespace, name)
     models.delete(namespace, name)
-    wait_for(lambda: all(v is None for v in models.children(namespace, name).values()),
-             timeout=30, what="the garbage collector to remove every child")
+    wait_for(
+        lambda: all(v is None for v in models.children(namespace, name).values()),
+        timeout=30,
+        what="the garbage collector to remove every child",
+    )
     assert models.apps.list_namespaced_replica_set(namespace).items == []
 
 
 def test_hpa_is_accepted_and_targets_the_server_metric(operator, models, namespace):
     body = load_sample("chat-small.yaml", namespace)
-    body["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 3, "targetTTFTMilliseconds": 800,
-                                   "ttftPercentile": 0.95}
+    body["spec"]["autoscaling"] = {
+        "minReplicas": 1,
+        "maxReplicas": 3,
+        "targetTTFTMilliseconds": 800,
+        "ttftPercentile": 0.95,
+    }
     name = body["metadata"]["name"]
     models.create(body)
     _, children = converge(models, namespace, name)
@@ -222,7 +314,9 @@ def test_hpa_is_accepted_and_targets_the_server_metric(operator, models, namespa
 
     # The name is one the chart's prometheus-adapter rules serve, computed from a histogram
     # the server registers: the HPA can only ever get a value if all three agree.
-    rules = yaml.safe_load((REPO / "charts/sluice-operator/files/prometheus-adapter-rules.yaml").read_text())
+    rules = yaml.safe_load(
+        (ROOT / "charts/sluice-operator/files/prometheus-adapter-rules.yaml").read_text()
+    )
     (rule,) = [r for r in rules["rules"] if r["name"]["as"] == target.metric.name]
     source = re.match(r"\^?(\w+?)_(count|bucket|sum)\$?", rule["name"]["matches"]).group(1)
     server_metrics = pytest.importorskip("sluice_server.core.metrics")
@@ -233,7 +327,13 @@ def test_hpa_is_accepted_and_targets_the_server_metric(operator, models, namespa
     # adapter runs here, so it reports that it cannot get it: the pods are Running).
     def controller_tried():
         got = models.autoscaling.read_namespaced_horizontal_pod_autoscaler(name, namespace)
-        return [c for c in got.status.conditions or [] if c.type == "ScalingActive" and c.status == "False"]
+        return [
+            c
+            for c in got.status.conditions or []
+            if c.type == "ScalingActive" and c.status == "False"
+        ]
 
-    (active,) = wait_for(controller_tried, timeout=45, interval=1, what="the HPA controller to evaluate the HPA")
+    (active,) = wait_for(
+        controller_tried, timeout=45, interval=1, what="the HPA controller to evaluate the HPA"
+    )
     assert target.metric.name in active.message, active

@@ -1,4 +1,5 @@
-"""Helpers shared by the operator tests (a plain module: conftest.py names collide across test dirs)."""
+"""Helpers shared by the operator tests (a plain module: conftest.py names collide across test
+dirs). The repository root and Kubernetes versions come from tests/testkit."""
 
 from __future__ import annotations
 
@@ -7,13 +8,10 @@ import json
 from pathlib import Path
 
 import yaml
+from testkit.repo import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = sorted((ROOT / "samples").glob("*.yaml"))
 INVALID_SAMPLES = sorted((ROOT / "samples" / "invalid").glob("*.yaml"))
-# Kubernetes versions the rendered manifests are validated against (schemas ship offline in
-# kubernetes-validate); the oldest and newest minor we support.
-K8S_VERSIONS = ("1.33", "1.35")
 # KEDA's ScaledObject is not a built-in kind (kubernetes-validate has no schema for it): a
 # minimal strict schema written from KEDA's documented spec stands in.
 KEDA_SCHEMA = ROOT / "tests" / "operator" / "schemas" / "keda-scaledobject.schema.json"

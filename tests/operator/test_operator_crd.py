@@ -8,11 +8,13 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from operator_helpers import INVALID_SAMPLES, K8S_VERSIONS, ROOT, SAMPLES, expectations, load
+from operator_helpers import INVALID_SAMPLES, SAMPLES, expectations, load
 from sluice_operator.generate.crd import build_crd, render_crd
 from sluice_operator.generate.outputs import CRD_PATHS, stale_files
 from sluice_operator.models.spec import _RESERVED_RE, MODEL_URI_PATTERN
 from sluice_operator.validation import SpecError, parse_object
+from testkit.k8s import K8S_VERSIONS
+from testkit.repo import ROOT
 
 CRD = build_crd()
 SCHEMA = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]

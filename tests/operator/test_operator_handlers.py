@@ -8,10 +8,11 @@ from types import SimpleNamespace
 import kopf
 import pytest
 from kubernetes.client.exceptions import ApiException
-from operator_helpers import ROOT, Events, FakeCluster, body_of, minimal, with_status
+from operator_helpers import Events, FakeCluster, body_of, minimal, with_status
 from sluice_operator import handlers
 from sluice_operator.reconcile import HASH_ANNOTATION, contains, converge
 from sluice_operator.validation import SpecError
+from testkit.repo import ROOT
 
 LOG = logging.getLogger("test")
 NOW = "2026-11-30T06:00:00Z"

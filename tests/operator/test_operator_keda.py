@@ -15,16 +15,7 @@ import jsonschema
 import pytest
 import yaml
 from kubernetes.client.exceptions import ApiException
-from operator_helpers import (
-    KEDA_SCHEMA,
-    ROOT,
-    Events,
-    FakeCluster,
-    body_of,
-    load,
-    minimal,
-    with_status,
-)
+from operator_helpers import KEDA_SCHEMA, Events, FakeCluster, body_of, load, minimal, with_status
 from sluice_operator import handlers
 from sluice_operator.builders.hpa import desired_hpa
 from sluice_operator.builders.keda import (
@@ -45,6 +36,7 @@ from sluice_operator.models.spec import AutoscalingSpec
 from sluice_operator.reconcile import converge
 from sluice_operator.render import render_objects
 from sluice_operator.validation import load_model
+from testkit.repo import ROOT
 
 NOW = "2026-11-30T06:00:00Z"
 SCHEMA = json.loads(KEDA_SCHEMA.read_text())

@@ -12,15 +12,12 @@ Needs K8S_ASSETS and etcd like tests/e2e (its harness is reused); skipped with o
 
 from __future__ import annotations
 
-import sys
-
 import jsonschema
 import pytest
-from operator_helpers import KEDA_SCHEMA, ROOT
+from operator_helpers import KEDA_SCHEMA
 from testkit.live_cluster import live_control_plane
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-sys.path.insert(0, str(ROOT / "tests"))  # tests/e2e's harness, as tests/chart uses it
 
 NS = "keda-live"
 STAND_IN_CRD = {

@@ -9,17 +9,11 @@ import sys
 import kubernetes_validate
 import pytest
 import yaml
-from operator_helpers import (
-    K8S_VERSIONS,
-    ROOT,
-    SAMPLES,
-    FakeCluster,
-    body_of,
-    load,
-    validate_manifest,
-)
+from operator_helpers import SAMPLES, FakeCluster, body_of, load, validate_manifest
 from sluice_operator.reconcile import converge
 from sluice_operator.render import render_objects
+from testkit.k8s import K8S_VERSIONS
+from testkit.repo import ROOT
 
 CASES = [(p, v) for p in SAMPLES for v in K8S_VERSIONS]
 

@@ -1,12 +1,12 @@
 """The StreamingModel shown in README.md is one the operator accepts and renders fully."""
 
 import re
-from pathlib import Path
 
 import yaml
 from sluice_operator.render import render_objects
+from testkit.repo import ROOT
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = ROOT / "README.md"
 
 
 def test_readme_example_renders_every_child():

@@ -1,10 +1,17 @@
-"""Small clients shared by the server tests (plain httpx / websockets, no magic)."""
+"""Plain helpers shared by the server tests: small clients (httpx / websockets, no magic),
+the engine settings every app in the session uses, and serving an app in the test loop."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+from pathlib import Path
 
 import httpx
+from testkit.net import free_port
+
+ENGINE_KV_BYTES = 256 * 2**20
 
 
 async def sse_events(client: httpx.AsyncClient, method: str, path: str, **kw) -> list[dict]:
@@ -41,3 +48,69 @@ def error_of(r: httpx.Response) -> dict:
 
 def ws_url(base_url: str, path: str = "/ws/stream") -> str:
     return base_url.replace("http://", "ws://") + path
+
+
+def engine_settings(tiny_model_path: Path, **overrides):
+    from sluice_server.settings import Settings
+
+    base = dict(
+        model=str(tiny_model_path),
+        served_model_name="tiny",
+        host="127.0.0.1",
+        log_level="warning",
+        max_model_len=512,
+        max_num_seqs=64,
+        engine_args=["--enforce-eager", "--kv-cache-memory-bytes", str(ENGINE_KV_BYTES)],
+    )
+    return Settings(**{**base, **overrides})
+
+
+class _TestServer:
+    """uvicorn.Server without signal handlers (the test process keeps its own)."""
+
+    @staticmethod
+    def make(config):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):
+                yield
+
+        return Server(config)
+
+
+@contextlib.asynccontextmanager
+async def serving(config, sockets=None):
+    """Serve `config` in this event loop (bounded start-up wait: 10 s) until the block ends."""
+    server = _TestServer.make(config)
+    task = asyncio.create_task(server.serve(sockets=sockets))
+    try:
+        for _ in range(500):
+            if server.started:
+                break
+            if task.done():
+                task.result()
+            await asyncio.sleep(0.02)
+        else:
+            raise RuntimeError("test server did not start")
+        yield server
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 15)
+
+
+@contextlib.asynccontextmanager
+async def serve_simulator(engine, **overrides):
+    """An app over a simulator `engine` with the server's own uvicorn configuration on a free
+    loopback port; yields its URL."""
+    from sluice_server.app import build_app
+    from sluice_server.serve import uvicorn_config
+    from sluice_server.settings import Settings
+
+    port = free_port()
+    overrides = {"log_level": "warning", **overrides}
+    settings = Settings(model="sim", engine="simulator", host="127.0.0.1", port=port, **overrides)
+    async with serving(uvicorn_config(settings, build_app(settings, engine))):
+        yield f"http://127.0.0.1:{port}"

@@ -2,20 +2,22 @@
 the whole session, and a factory of uvicorn servers on loopback around it.
 
 Names are a contract with the other server test files: `tiny_model_path`, `engine`,
-`make_server`, `server_url`. Everything runs in pytest-asyncio's session loop.
+`make_server`, `server_url`. Everything runs in pytest-asyncio's session loop. Plain
+helpers (settings, serving an app in the test loop) live in app_helpers.py, so tests
+import them from there and never from this file.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
-import socket
 import tempfile
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from app_helpers import engine_settings, serving
+from testkit.net import free_port
 
 # Engine sockets on loopback; scratch files (ZMQ sockets, compile caches) in one folder.
 _SCRATCH = Path(tempfile.mkdtemp(prefix="sluice-test-"))
@@ -23,14 +25,6 @@ os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 os.environ.setdefault("VLLM_CACHE_ROOT", str(_SCRATCH / "vllm-cache"))
 os.environ["TMPDIR"] = str(_SCRATCH)
 tempfile.tempdir = None  # re-read TMPDIR
-
-ENGINE_KV_BYTES = 256 * 2**20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -40,21 +34,6 @@ def tiny_model_path() -> Path:
     return ensure_tiny_model()
 
 
-def engine_settings(tiny_model_path: Path, **overrides):
-    from sluice_server.settings import Settings
-
-    base = dict(
-        model=str(tiny_model_path),
-        served_model_name="tiny",
-        host="127.0.0.1",
-        log_level="warning",
-        max_model_len=512,
-        max_num_seqs=64,
-        engine_args=["--enforce-eager", "--kv-cache-memory-bytes", str(ENGINE_KV_BYTES)],
-    )
-    return Settings(**{**base, **overrides})
-
-
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def engine(tiny_model_path):
     """The real vLLM engine (AsyncLLM), shared by every app in the session."""
@@ -62,57 +41,6 @@ async def engine(tiny_model_path):
 
     async with open_engine(engine_settings(tiny_model_path)) as eng:
         yield eng
-
-
-class _TestServer:
-    """uvicorn.Server without signal handlers (the test process keeps its own)."""
-
-    @staticmethod
-    def make(config):
-        import uvicorn
-
-        class Server(uvicorn.Server):
-            @contextlib.contextmanager
-            def capture_signals(self):
-                yield
-
-        return Server(config)
-
-
-@contextlib.asynccontextmanager
-async def serving(config, sockets=None):
-    """Serve `config` in this event loop (bounded start-up wait: 10 s) until the block ends."""
-    server = _TestServer.make(config)
-    task = asyncio.create_task(server.serve(sockets=sockets))
-    try:
-        for _ in range(500):
-            if server.started:
-                break
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.02)
-        else:
-            raise RuntimeError("test server did not start")
-        yield server
-    finally:
-        server.should_exit = True
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 15)
-
-
-@contextlib.asynccontextmanager
-async def serve_simulator(engine, **overrides):
-    """An app over a simulator `engine` with the server's own uvicorn configuration on a free
-    loopback port; yields its URL."""
-    from sluice_server.app import build_app
-    from sluice_server.serve import uvicorn_config
-    from sluice_server.settings import Settings
-
-    port = free_port()
-    overrides = {"log_level": "warning", **overrides}
-    settings = Settings(model="sim", engine="simulator", host="127.0.0.1", port=port, **overrides)
-    async with serving(uvicorn_config(settings, build_app(settings, engine))):
-        yield f"http://127.0.0.1:{port}"
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")

@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
+from testkit.net import free_port
+
 Mode = Literal["ingress", "nginx-default", "buffered"]
 
 NGINX_CANDIDATES = ("/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/local/bin/nginx")
@@ -43,12 +45,6 @@ def find_nginx() -> str | None:
     if found:
         return found
     return next((p for p in NGINX_CANDIDATES if os.access(p, os.X_OK)), None)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def render_config(
@@ -147,7 +143,7 @@ class NginxProxy:
 
     def start(self, wait_seconds: float = 10.0) -> NginxProxy:
         for attempt in range(3):  # the free port can be taken between probe and bind
-            self.port = _free_port()
+            self.port = free_port()
             conf = self.prefix / "nginx.conf"
             conf.write_text(
                 render_config(self.prefix, self.port, self.upstream, self.mode, **self.render_kw)

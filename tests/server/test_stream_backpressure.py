@@ -46,7 +46,7 @@ def _small_buffer_protocol():
 @contextlib.asynccontextmanager
 async def small_buffer_server(engine, tiny_model_path, **overrides):
     import uvicorn
-    from conftest import engine_settings, serving
+    from app_helpers import engine_settings, serving
     from sluice_server.app import build_app
 
     sock = socket.socket()

@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from testkit.repo import ROOT
 
-DOCKERFILE = Path(__file__).resolve().parents[2] / "server" / "Dockerfile"
+DOCKERFILE = ROOT / "server" / "Dockerfile"
 
 
 def hadolint() -> str:

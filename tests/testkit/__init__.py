@@ -1,2 +1,19 @@
-"""Helpers shared by test suites that live in different folders (tests/ is on pytest's
-`pythonpath`, so `from testkit.promtool import ...` works from every suite)."""
+"""Helpers shared by test suites that live in different folders and by the benchmark
+scripts (tests/ is on pytest's `pythonpath`, so `from testkit.net import ...` works from
+every suite; tests/bench/run.py puts tests/ on sys.path itself).
+
+- `repo`: the repository root, tools from `.tools/bin` before PATH;
+- `net`: `free_port()`, `wait_http()` (poll a URL until 200, failing fast when the process
+  behind it exits);
+- `process`: `ManagedProcess`, every child process the tests and the bench start, stopped
+  by PID and process group;
+- `k8s`: the Kubernetes versions manifests are validated against;
+- `clock`: a virtual-time event loop for code that runs on the loop's timers;
+- `live_cluster`: a control plane with the CRD for suites outside tests/e2e, and the
+  one-line skip of e2e-marked tests without one;
+- `promtool`: Prometheus's rule-test runner.
+
+Suite-specific helpers stay with their suite: tests/e2e/harness (the control plane, fake
+nodes, the operator process), tests/operator/operator_helpers.py,
+tests/server/app_helpers.py, tests/chart/chartlib.py.
+"""

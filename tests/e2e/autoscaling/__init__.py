@@ -1,8 +1,8 @@
-"""Autoscaling on time to first token, end to end (issue 6): the pieces the test composes.
+"""Autoscaling on time to first token, end to end: the pieces the test composes.
 
-Each builds on the e2e harness (tests/e2e/harness) by subclassing or composing, never by
-changing it:
-- `cluster.AggregatingControlPlane`: the harness's control plane plus the API aggregation
+Each builds on the e2e harness (tests/e2e/harness) through its public options or by
+composing, never by changing it:
+- `cluster.aggregating_control_plane`: the harness's control plane with the API aggregation
   layer's front-proxy certificates and a 5 s HPA sync period;
 - `serving_node.ServingNode`: a fake GPU node whose pods really run `python -m sluice_server`
   (simulator engine) on a loopback address of their own; Ready follows `/ready`;

@@ -39,13 +39,13 @@ from pathlib import Path
 import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
+from testkit.repo import ROOT
 
-from ..harness.kube import REPO
 from ..harness.pki import CertificateAuthority
 from .cluster import FRONT_PROXY_USER
 from .prometheus import Prometheus
 
-RULES_FILE = REPO / "charts/sluice-operator/files/prometheus-adapter-rules.yaml"
+RULES_FILE = ROOT / "charts/sluice-operator/files/prometheus-adapter-rules.yaml"
 GROUP, VERSION = "custom.metrics.k8s.io", "v1beta2"
 NAMESPACE, SERVICE = "custom-metrics", "sluice-test-adapter"
 USER = "e2e-metrics-adapter"

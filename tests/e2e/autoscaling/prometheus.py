@@ -17,19 +17,17 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
 import yaml
 from kubernetes import client
+from testkit.net import free_port, wait_http
+from testkit.process import ManagedProcess
+from testkit.repo import ROOT
 
-from ..harness.control_plane import free_port
-from ..harness.kube import REPO
-from ..harness.process import ManagedProcess
-
-RULES_FILE = REPO / "charts/sluice-operator/files/prometheus-rules.yaml"
+RULES_FILE = ROOT / "charts/sluice-operator/files/prometheus-rules.yaml"
 SCRAPE_INTERVAL = "2s"
 USER = "e2e-prometheus"
 
@@ -125,17 +123,8 @@ class Prometheus:
 
     def start(self, timeout: float = 30.0) -> Prometheus:
         self.process.start()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self.process.check_alive()
-            try:
-                with urllib.request.urlopen(self.url + "/-/ready", timeout=1) as r:
-                    if r.status == 200:
-                        return self
-            except Exception:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"prometheus not ready:\n{self.process.tail()}")
+        wait_http(self.url + "/-/ready", timeout=timeout, process=self.process)
+        return self
 
     def stop(self) -> None:
         self.process.stop(timeout=10)

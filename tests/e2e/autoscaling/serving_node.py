@@ -31,9 +31,9 @@ from pathlib import Path
 
 from kubernetes import client
 from kubernetes.client.rest import ApiException
+from testkit.process import ManagedProcess
 
 from ..harness.fake_node import FakeGpuNode, _now, _rfc3339
-from ..harness.process import ManagedProcess
 
 POD_NETWORK = ipaddress.ip_network("127.0.1.0/24")
 SERVER_PORT = 8000

@@ -5,4 +5,6 @@ Reusable pieces, each in its own module:
 - `fake_node.FakeGpuNode`: a Node with GPU capacity and a fake kubelet behind it;
 - `operator_process.OperatorProcess`: the operator under the Helm chart's identity;
 - `kube`: small waiting and reading helpers for tests.
+
+Generic helpers (processes, ports, HTTP readiness, the repository root) are in tests/testkit.
 """

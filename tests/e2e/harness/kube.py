@@ -5,21 +5,22 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TypeVar
 
 import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
+from testkit.repo import ROOT
 
 T = TypeVar("T")
 GROUP, VERSION, PLURAL = "serving.sluice.dev", "v1alpha1", "streamingmodels"
-REPO = Path(__file__).resolve().parents[3]
-SAMPLES = REPO / "samples"
-CRD_FILE = REPO / "crds/streamingmodels.serving.sluice.dev.yaml"
+SAMPLES = ROOT / "samples"
+CRD_FILE = ROOT / "crds/streamingmodels.serving.sluice.dev.yaml"
 
 
-def wait_for(fn: Callable[[], T], timeout: float = 15.0, interval: float = 0.1, what: str = "") -> T:
+def wait_for(
+    fn: Callable[[], T], timeout: float = 15.0, interval: float = 0.1, what: str = ""
+) -> T:
     """Poll `fn` until it returns something truthy; fail with the last value or error."""
     deadline = time.monotonic() + timeout
     last: object = None
@@ -32,7 +33,9 @@ def wait_for(fn: Callable[[], T], timeout: float = 15.0, interval: float = 0.1, 
         except (ApiException, KeyError, AssertionError, TypeError) as e:
             last = e
         if time.monotonic() > deadline:
-            raise TimeoutError(f"gave up after {timeout:.0f}s waiting for {what or fn}: last {last!r}")
+            raise TimeoutError(
+                f"gave up after {timeout:.0f}s waiting for {what or fn}: last {last!r}"
+            )
         time.sleep(interval)
 
 
@@ -49,8 +52,12 @@ def model_body(name: str, namespace: str, **spec) -> dict:
     """A minimal StreamingModel; keyword arguments are merged into the spec."""
     base = {"model": {"uri": "hf://org/model"}}
     base.update(copy.deepcopy(spec))
-    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "StreamingModel",
-            "metadata": {"name": name, "namespace": namespace}, "spec": base}
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "StreamingModel",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": base,
+    }
 
 
 class Models:
@@ -72,7 +79,9 @@ class Models:
         return self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
 
     def patch(self, namespace: str, name: str, patch: dict) -> dict:
-        return self.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, patch)
+        return self.custom.patch_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, name, patch
+        )
 
     def delete(self, namespace: str, name: str) -> None:
         self.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
@@ -103,8 +112,11 @@ class Models:
 
     def pods(self, namespace: str, name: str) -> list[client.V1Pod]:
         return self.core.list_namespaced_pod(
-            namespace, label_selector=f"app.kubernetes.io/instance={name}").items
+            namespace, label_selector=f"app.kubernetes.io/instance={name}"
+        ).items
 
     def events_for(self, namespace: str, name: str) -> list[client.CoreV1Event]:
         return self.core.list_namespaced_event(
-            namespace, field_selector=f"involvedObject.name={name},involvedObject.kind=StreamingModel").items
+            namespace,
+            field_selector=f"involvedObject.name={name},involvedObject.kind=StreamingModel",
+        ).items

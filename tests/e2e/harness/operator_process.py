@@ -10,37 +10,30 @@ are taken from the rendered Deployment.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 from kubernetes import client, utils
 from kubernetes.client.rest import ApiException
+from testkit.net import free_port, wait_http
+from testkit.process import ManagedProcess
+from testkit.repo import ROOT, find_tool
 
-from .control_plane import ControlPlane, free_port
-from .process import ManagedProcess
+from .control_plane import ControlPlane
 
-REPO = Path(__file__).resolve().parents[3]
 RBAC_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
 
 
-def _find(tool: str, *extra: str) -> str | None:
-    path = os.pathsep.join([*extra, str(REPO / ".tools/bin"), os.environ.get("PATH", "")])
-    return shutil.which(tool, path=path)
-
-
 def find_helm() -> str | None:
-    return _find("helm")
+    return find_tool("helm")
 
 
 def find_kubectl() -> str | None:
     """K8S_ASSETS/kubectl first (matches the apiserver), then .tools/bin, then PATH."""
-    return _find("kubectl", os.environ.get("K8S_ASSETS", ""))
+    return find_tool("kubectl", os.environ.get("K8S_ASSETS", ""))
 
 
 @dataclass
@@ -48,8 +41,13 @@ class RenderedChart:
     objects: list[dict]
 
     @classmethod
-    def render(cls, namespace: str, chart: Path = REPO / "charts/sluice-operator",
-               values: dict[str, str] | None = None, release: str = "sluice") -> RenderedChart:
+    def render(
+        cls,
+        namespace: str,
+        chart: Path = ROOT / "charts/sluice-operator",
+        values: dict[str, str] | None = None,
+        release: str = "sluice",
+    ) -> RenderedChart:
         helm = find_helm()
         if not helm:
             raise RuntimeError("helm not found (make tools installs it into .tools/bin)")
@@ -71,7 +69,11 @@ class RenderedChart:
 
     def config_env(self) -> dict[str, str]:
         """The ConfigMap(s) the container reads with envFrom, as environment variables."""
-        names = {s["configMapRef"]["name"] for s in self.container().get("envFrom", []) if "configMapRef" in s}
+        names = {
+            s["configMapRef"]["name"]
+            for s in self.container().get("envFrom", [])
+            if "configMapRef" in s
+        }
         env: dict[str, str] = {}
         for cm in self.of_kind("ConfigMap"):
             if cm["metadata"]["name"] in names:
@@ -83,7 +85,9 @@ class RenderedChart:
         return sa["metadata"]["namespace"], sa["metadata"]["name"]
 
 
-def install_operator_identity(api: client.ApiClient, cp: ControlPlane, chart: RenderedChart) -> Path:
+def install_operator_identity(
+    api: client.ApiClient, cp: ControlPlane, chart: RenderedChart
+) -> Path:
     """Apply the chart's RBAC as rendered; return a kubeconfig with its ServiceAccount's token."""
     namespace, sa = chart.service_account()
     core = client.CoreV1Api(api)
@@ -95,8 +99,11 @@ def install_operator_identity(api: client.ApiClient, cp: ControlPlane, chart: Re
     for obj in chart.of_kind(*RBAC_KINDS):
         utils.create_from_dict(api, obj)
     token = core.create_namespaced_service_account_token(
-        sa, namespace, client.AuthenticationV1TokenRequest(
-            spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=24 * 3600)),
+        sa,
+        namespace,
+        client.AuthenticationV1TokenRequest(
+            spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=24 * 3600)
+        ),
     ).status.token
     return cp.token_kubeconfig(f"operator-{sa}", f"system:serviceaccount:{namespace}:{sa}", token)
 
@@ -104,7 +111,9 @@ def install_operator_identity(api: client.ApiClient, cp: ControlPlane, chart: Re
 class OperatorProcess:
     """`python -m sluice_operator run ...` with the chart's arguments, on loopback."""
 
-    def __init__(self, chart: RenderedChart, kubeconfig: Path, log_dir: Path, name: str = "operator") -> None:
+    def __init__(
+        self, chart: RenderedChart, kubeconfig: Path, log_dir: Path, name: str = "operator"
+    ) -> None:
         container = chart.container()
         self.name = name
         self.health_port = free_port()
@@ -113,8 +122,13 @@ class OperatorProcess:
             if arg.startswith("--liveness="):  # the pod listens on 0.0.0.0; tests stay on loopback
                 arg = f"--liveness=http://127.0.0.1:{self.health_port}/healthz"
             argv.append(arg)
-        env = {**os.environ, **chart.config_env(), "KUBECONFIG": str(kubeconfig),
-               "SLUICE_OPERATOR_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1"}
+        env = {
+            **os.environ,
+            **chart.config_env(),
+            "KUBECONFIG": str(kubeconfig),
+            "SLUICE_OPERATOR_LOG_FORMAT": "json",
+            "PYTHONUNBUFFERED": "1",
+        }
         env.pop("KUBERNETES_SERVICE_HOST", None)  # never fall back to an in-cluster config
         self.argv = argv
         self.env = env
@@ -124,19 +138,12 @@ class OperatorProcess:
 
     def start(self, timeout: float = 60.0) -> OperatorProcess:
         self.starts += 1
-        self.process = ManagedProcess(f"{self.name}-{self.starts}", self.argv, self.log_dir, self.env).start()
-        deadline = time.monotonic() + timeout
-        url = f"http://127.0.0.1:{self.health_port}/healthz"
-        while time.monotonic() < deadline:
-            self.process.check_alive()
-            try:
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except Exception:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"operator not healthy at {url}:\n{self.process.tail()}")
+        self.process = ManagedProcess(
+            f"{self.name}-{self.starts}", self.argv, self.log_dir, self.env
+        ).start()
+        wait_http(f"http://127.0.0.1:{self.health_port}/healthz", timeout=timeout,
+                  process=self.process, what="operator")  # fmt: skip
+        return self
 
     def stop(self) -> None:
         if self.process:

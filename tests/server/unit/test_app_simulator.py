@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 import pytest_asyncio
-from conftest import serve_simulator as serve
+from app_helpers import serve_simulator as serve
 from sluice_server.engine.simulator import SimulatorEngine
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from conftest import serve_simulator
+from app_helpers import serve_simulator
 from sluice_server.engine.simulator import SimulatorEngine
 from sluice_server.settings import Settings
 

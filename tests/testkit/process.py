@@ -1,0 +1,110 @@
+"""Child processes that are always stopped: by PID and process group, never by name.
+
+One helper for everything the tests and the benchmark start: the e2e control plane
+(etcd, kube-apiserver, ...), the operator, Prometheus, the serving "pods" of the
+autoscaling test, and the benchmark's servers and JSON-lines workers.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Collection
+from pathlib import Path
+
+
+class ManagedProcess:
+    """One child process with its output in `log_dir/<name>.log` (appended, so a restarted
+    process keeps its earlier lines).
+
+    Each child leads its own process group (`start_new_session`), so stopping it also stops
+    anything it spawned (vLLM's engine-core processes, for one), and nothing is found or
+    killed by name. `cpus` pins the child (its threads and children inherit the mask);
+    `pipes=True` gives the parent `proc.stdin`/`proc.stdout` (JSON-lines workers) and sends
+    only stderr to the log.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+        *,
+        cpus: Collection[int] | None = None,
+        pipes: bool = False,
+    ):
+        self.name = name
+        self.argv = argv
+        self.env = env
+        self.cpus = set(cpus) if cpus else None
+        self.pipes = pipes
+        self.log_path = Path(log_dir) / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> ManagedProcess:
+        cpus = self.cpus
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.PIPE if self.pipes else subprocess.DEVNULL,
+                stdout=subprocess.PIPE if self.pipes else log,
+                stderr=log if self.pipes else subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+            )
+        # Belt and braces: if the run dies before its fixtures' teardown, stop it anyway.
+        atexit.register(self.stop)
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def check_alive(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(
+                f"{self.name} exited with {self.proc.returncode}; last log lines:\n{self.tail()}"
+            )
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM the process group, wait `timeout`, then SIGKILL; then make sure nothing
+        of the group is left (children can outlive their leader). Safe to call twice."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # the child leads its own session, so its pid is the group id
+        if self.proc.poll() is None:
+            for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+                try:
+                    os.killpg(pgid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.proc.wait(wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        # Reap whatever else was left in the group (children that ignored SIGTERM).
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                break
+            time.sleep(0.05)
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None and not pipe.closed:
+                pipe.close()
