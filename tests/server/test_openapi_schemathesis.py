@@ -9,48 +9,31 @@ rejected; status codes, content types (`text/event-stream` per event) and header
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
+from testkit.net import free_port, wait_http
+from testkit.process import ManagedProcess
 
 pytestmark = pytest.mark.slow
 SCHEMATHESIS = Path(sys.executable).with_name("schemathesis")
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def sim_server(tmp_path_factory):
-    port = _port()
-    log = (tmp_path_factory.mktemp("schemathesis") / "server.log").open("wb")
+    port = free_port()
     cmd = [sys.executable, "-m", "sluice_server", "--engine", "simulator", "--model", "sim",
            "--sim-ttft-ms", "0", "--sim-itl-ms", "0", "--host", "127.0.0.1", "--port",
            str(port), "--log-level", "warning"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    server = ManagedProcess("sim-server", cmd, tmp_path_factory.mktemp("schemathesis")).start()
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.2)
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/ready", timeout=60, process=server)
         yield url
     finally:
-        proc.terminate()
-        proc.wait(30)
+        server.stop()
 
 
 @pytest.mark.skipif(not SCHEMATHESIS.exists() and not shutil.which("schemathesis"),

@@ -5,12 +5,18 @@ app-wide heartbeat, and the disconnect listener."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 from sluice_server.transport.sse import Heartbeat, SendTimeoutError, SSEResponse
+from testkit.clock import virtual_time
 
-pytestmark = pytest.mark.asyncio(loop_scope="session")
+# Every test runs on a virtual clock (testkit.clock): the timers under test (send timeout,
+# heartbeat, simulator pacing) fire exactly when they ask to, however busy the machine is.
+
+
+def now() -> float:
+    return asyncio.get_running_loop().time()
+
 
 SCOPE = {"type": "http", "method": "GET", "path": "/", "headers": []}
 
@@ -68,6 +74,7 @@ def no_cancel_scopes(monkeypatch):
     monkeypatch.setattr(asyncio, "wait_for", boom)
 
 
+@virtual_time
 async def test_sends_directly_and_delivers_everything(no_cancel_scopes):
     body, cleaned = Body(200), []
     got, send, receive = client()
@@ -77,6 +84,7 @@ async def test_sends_directly_and_delivers_everything(no_cancel_scopes):
     assert cleaned == [True] and resp.watchdog._timer is None and not resp.watchdog._pending
 
 
+@virtual_time
 async def test_timeout_is_per_send_not_per_stream():
     """Each send takes 0.4 of the timeout; the stream as a whole takes several timeouts."""
     body, cleaned = Body(8), []
@@ -85,31 +93,34 @@ async def test_timeout_is_per_send_not_per_stream():
     assert len(got) == 9 and cleaned == [True]
 
 
+@virtual_time
 async def test_stalled_send_is_cut_off_after_the_timeout():
     body, cleaned = Body(10_000, gap=0.001), []
     got, send, receive = client(stall_after=5)
     resp = response(body, cleaned, send_timeout=0.3, ping=0)
-    t0 = time.perf_counter()
+    t0 = now()
     with pytest.raises(SendTimeoutError):
         await asyncio.wait_for(resp(SCOPE, receive, send), 5)
-    took = time.perf_counter() - t0
+    took = now() - t0
     assert len(got) == 4 and body.closed and cleaned == [True]
     assert 0.3 <= took < 1.5, took
     assert resp.watchdog._timer is None and not resp.watchdog._pending
     assert asyncio.current_task().cancelling() == 0
 
 
+@virtual_time
 async def test_stalled_ping_on_an_idle_stream_is_cut_off():
     """No data for a while, the heartbeat's send stalls: the watchdog covers it too."""
     body, cleaned = Body(2, gap=10), []
     got, send, receive = client(stall_after=1)
     resp = response(body, cleaned, send_timeout=0.2, ping=0.05)
-    t0 = time.perf_counter()
+    t0 = now()
     with pytest.raises(SendTimeoutError):
         await asyncio.wait_for(resp(SCOPE, receive, send), 5)
-    assert time.perf_counter() - t0 < 1.5 and cleaned == [True]
+    assert now() - t0 < 1.5 and cleaned == [True]
 
 
+@virtual_time
 async def test_disconnect_during_a_pending_send_is_not_a_timeout():
     body, cleaned = Body(100), []
     got, send, receive = client(stall_after=3, disconnect_at=0.05)
@@ -120,6 +131,7 @@ async def test_disconnect_during_a_pending_send_is_not_a_timeout():
     assert resp.watchdog._timer is None
 
 
+@virtual_time
 async def test_without_send_timeout_no_watchdog():
     body, cleaned = Body(3), []
     got, send, receive = client()
@@ -128,6 +140,7 @@ async def test_without_send_timeout_no_watchdog():
     assert len(got) == 4 and resp.watchdog._timer is None and cleaned == [True]
 
 
+@virtual_time
 async def test_watchdog_is_idle_while_sends_complete():
     """One timer per response, re-armed about once per timeout, not once per event."""
     body, cleaned = Body(300, gap=0.001), []
@@ -141,9 +154,9 @@ async def test_watchdog_is_idle_while_sends_complete():
         orig()
 
     resp.watchdog._check = counting
-    t0 = time.perf_counter()
+    t0 = now()
     await resp(SCOPE, receive, send)
-    elapsed = time.perf_counter() - t0
+    elapsed = now() - t0
     assert len(got) == 301
     assert len(checks) <= elapsed / 0.1 * 2 + 2, (len(checks), elapsed)
 
@@ -163,6 +176,7 @@ def timed_client():
     return got, send, receive
 
 
+@virtual_time
 async def test_idle_stream_gets_heartbeats_no_gap_longer_than_the_interval():
     """A long 'prefill' (0.5 s before the first event): comments at most one interval apart."""
     body, cleaned = Body(3, gap=0.5), []
@@ -177,6 +191,7 @@ async def test_idle_stream_gets_heartbeats_no_gap_longer_than_the_interval():
     assert cleaned == [True]
 
 
+@virtual_time
 async def test_busy_stream_gets_no_heartbeats():
     body, cleaned = Body(100, gap=0.005), []
     got, send, receive = timed_client()
@@ -185,6 +200,7 @@ async def test_busy_stream_gets_no_heartbeats():
     assert len(got) == 101
 
 
+@virtual_time
 async def test_one_timer_for_all_responses_and_none_when_idle():
     loop = asyncio.get_running_loop()
     bodies = [Body(2, gap=0.2) for _ in range(50)]
@@ -202,6 +218,7 @@ async def test_one_timer_for_all_responses_and_none_when_idle():
     assert all(any(b.startswith(b":") for _, b in got) for got, _, _ in clients)
 
 
+@virtual_time
 async def test_stalled_client_does_not_hold_other_streams_heartbeats():
     stalled_body, idle_body, cleaned = Body(2, gap=10), Body(2, gap=0.4), []
     _, stalled_send, stalled_receive = client(stall_after=1)
@@ -218,18 +235,20 @@ async def test_stalled_client_does_not_hold_other_streams_heartbeats():
         await stalled
 
 
+@virtual_time
 async def test_disconnect_while_waiting_for_the_first_event_ends_at_once():
     """The client leaves during a long prefill: the body is closed and the cleanup (engine
     abort) runs right away, not when the first token would have been sent."""
     body, cleaned = Body(2, gap=30), []
     got, send, receive = client(disconnect_at=0.1)
-    t0 = time.perf_counter()
+    t0 = now()
     await asyncio.wait_for(response(body, cleaned, ping=0.05)(SCOPE, receive, send), 5)
-    assert time.perf_counter() - t0 < 1.0
+    assert now() - t0 < 1.0
     assert cleaned == [True] and body.closed
     assert asyncio.current_task().cancelling() == 0
 
 
+@virtual_time
 async def test_outside_cancel_still_propagates():
     """Server shutdown cancels the request task: not swallowed as a disconnect."""
     body, cleaned = Body(2, gap=30), []

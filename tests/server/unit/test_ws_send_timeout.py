@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
-import pytest
 from sluice_server.app import build_app
 from sluice_server.engine.simulator import SimulatorEngine
 from sluice_server.settings import Settings
+from testkit.clock import virtual_time
 
-pytestmark = pytest.mark.asyncio(loop_scope="session")
+# Every test runs on a virtual clock (testkit.clock): the timers under test (send timeout,
+# heartbeat, simulator pacing) fire exactly when they ask to, however busy the machine is.
+
+
+def now() -> float:
+    return asyncio.get_running_loop().time()
+
 
 SCOPE = {"type": "websocket", "asgi": {"version": "3.0"}, "http_version": "1.1",
          "scheme": "ws", "path": "/ws/stream", "raw_path": b"/ws/stream", "query_string": b"",
@@ -59,9 +64,9 @@ async def run_socket(
             closed.set()
 
     async with app.router.lifespan_context(app):
-        t0 = time.perf_counter()
+        t0 = now()
         await asyncio.wait_for(app(SCOPE, receive, send), 10)
-        took = time.perf_counter() - t0
+        took = now() - t0
         await asyncio.sleep(0.05)
         in_flight = engine.num_unfinished_requests()
     await engine.shutdown()
@@ -70,6 +75,7 @@ async def run_socket(
     return frames, close, took, in_flight
 
 
+@virtual_time
 async def test_stalled_reader_is_cut_off_and_the_engine_freed():
     frames, close, took, in_flight = await run_socket(send_timeout=0.3, stall_after=20)
     assert len(frames) == 20
@@ -78,6 +84,7 @@ async def test_stalled_reader_is_cut_off_and_the_engine_freed():
     assert in_flight == 0  # both generations aborted
 
 
+@virtual_time
 async def test_reader_that_keeps_up_is_not_cut_off():
     """Negative control: without the stall, two streams of 400 tokens (about 0.8 s, several
     send timeouts long) finish normally; the watchdog re-arms and never closes the socket."""
