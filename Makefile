@@ -10,7 +10,7 @@ export SLUICE_CACHE ?= $(CURDIR)/.cache
 
 SAMPLE ?= samples/chat-small.yaml
 
-.PHONY: help venv tools demo run test test-e2e lint crds chart render bench clean
+.PHONY: help venv tools demo run test test-e2e lint docs crds chart render bench clean
 
 help:
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
@@ -33,18 +33,22 @@ demo: venv ## Start the server on a tiny local model (CPU) and stream a chat ans
 run: venv ## Start just the server on the tiny local model (port 8000)
 	$(PY) -m sluice_server --model tiny --port 8000
 
-test: venv tools ## All tests (unit, real-engine, nginx, helm); e2e runs when K8S_ASSETS is set
+test: lint ## Lint, then all tests (unit, real-engine, nginx, helm, schemathesis); e2e runs when K8S_ASSETS is set
 	$(PY) -m pytest tests
 
 test-e2e: venv tools ## Every test that needs a real control plane (marked e2e, anywhere in tests/; needs K8S_ASSETS)
 	$(PY) -m pytest tests -m e2e
 
-lint: venv tools ## ruff, import contracts (pyproject.toml), yamllint, hadolint, helm lint
+lint: venv tools ## ruff (checks and formatting), import contracts (pyproject.toml), yamllint, hadolint, helm lint
 	$(PY) -m ruff check server operator tests
+	$(PY) -m ruff format --check server operator tests
 	PYTHONPATH=operator:server $(VENV)/bin/lint-imports --no-cache
 	$(PY) -m yamllint -c tests/yamllint.yaml crds samples
 	$(VENV)/bin/hadolint server/Dockerfile operator/Dockerfile
 	$(TOOLS)/helm lint charts/*
+
+docs: venv ## Regenerate the server's flag tables (server/README.md, docs/design.md) and module map
+	$(PY) -m sluice_server.docgen --write
 
 crds: venv ## Regenerate the CRD (crds/, the chart's copy), docs/api.md and the model chart's values schema
 	$(PY) -m sluice_operator crds --write

@@ -78,7 +78,9 @@ def prometheus(tmp_path):
         pytest.skip(
             "prometheus not found (Debian package `prometheus`): live adapter query test skipped"
         )
-    metrics_mod = pytest.importorskip("sluice_server.core.metrics", reason="sluice_server not installed")
+    metrics_mod = pytest.importorskip(
+        "sluice_server.core.metrics", reason="sluice_server not installed"
+    )
 
     busy_metrics = metrics_mod.Metrics("chat")
     fresh_metrics = metrics_mod.Metrics("chat")

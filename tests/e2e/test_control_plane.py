@@ -11,10 +11,15 @@ from .harness.kube import wait_for
 def _pod(name: str, gpus: int) -> client.V1Pod:
     return client.V1Pod(
         metadata=client.V1ObjectMeta(name=name),
-        spec=client.V1PodSpec(containers=[client.V1Container(
-            name="c", image="example.invalid/none:0",
-            resources=client.V1ResourceRequirements(limits={"nvidia.com/gpu": str(gpus)}),
-        )]),
+        spec=client.V1PodSpec(
+            containers=[
+                client.V1Container(
+                    name="c",
+                    image="example.invalid/none:0",
+                    resources=client.V1ResourceRequirements(limits={"nvidia.com/gpu": str(gpus)}),
+                )
+            ]
+        ),
     )
 
 
@@ -29,10 +34,14 @@ def test_control_plane_is_ready_and_fast(control_plane, admin):
 def test_rbac_is_enforced(control_plane, admin):
     """Negative control: an identity with no bindings is forbidden, so RBAC really decides."""
     core = client.CoreV1Api(admin)
-    core.create_namespaced_service_account("default", client.V1ServiceAccount(
-        metadata=client.V1ObjectMeta(name="nobody")))
-    token = core.create_namespaced_service_account_token("nobody", "default", client.AuthenticationV1TokenRequest(
-        spec=client.V1TokenRequestSpec(audiences=[]))).status.token
+    core.create_namespaced_service_account(
+        "default", client.V1ServiceAccount(metadata=client.V1ObjectMeta(name="nobody"))
+    )
+    token = core.create_namespaced_service_account_token(
+        "nobody",
+        "default",
+        client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(audiences=[])),
+    ).status.token
     from kubernetes import config
 
     path = control_plane.token_kubeconfig("nobody", "nobody", token)
@@ -55,21 +64,28 @@ def test_fake_node_runs_and_removes_pods(admin, gpu_node):
     assert lease.spec.holder_identity == gpu_node.name
 
     core.create_namespaced_pod("default", _pod("fits", 2))
-    pod = wait_for(lambda: (p := core.read_namespaced_pod("fits", "default")).status.pod_ip and p,
-                   timeout=20, what="the pod to be scheduled and running")
+    pod = wait_for(
+        lambda: (p := core.read_namespaced_pod("fits", "default")).status.pod_ip and p,
+        timeout=20,
+        what="the pod to be scheduled and running",
+    )
     assert pod.spec.node_name == gpu_node.name
     assert pod.status.phase == "Running"
     assert any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions)
 
     core.delete_namespaced_pod("fits", "default")
-    wait_for(lambda: not core.list_namespaced_pod("default", field_selector="metadata.name=fits").items,
-             timeout=20, what="the deleted pod to be removed by the fake kubelet")
+    wait_for(
+        lambda: not core.list_namespaced_pod("default", field_selector="metadata.name=fits").items,
+        timeout=20,
+        what="the deleted pod to be removed by the fake kubelet",
+    )
 
 
 def test_pod_needing_more_gpus_than_any_node_stays_pending(admin, gpu_node):
     core = client.CoreV1Api(admin)
     core.create_namespaced_pod("default", _pod("too-big", 9))
     try:
+
         def unschedulable():
             pod = core.read_namespaced_pod("too-big", "default")
             cond = next((c for c in pod.status.conditions or [] if c.type == "PodScheduled"), None)
@@ -85,7 +101,9 @@ def test_more_nodes_on_demand(admin, gpu_node):
     extra = FakeGpuNode(admin, "gpu-node-extra", gpus=4).start()
     try:
         core = client.CoreV1Api(admin)
-        wait_for(lambda: core.read_node(extra.name).status.allocatable["nvidia.com/gpu"] == "4",
-                 what="the extra node")
+        wait_for(
+            lambda: core.read_node(extra.name).status.allocatable["nvidia.com/gpu"] == "4",
+            what="the extra node",
+        )
     finally:
         extra.stop()

@@ -31,8 +31,13 @@ def _create(admin, body: dict, dry_run: bool = True) -> dict:
     body = copy.deepcopy(body)
     body["metadata"]["namespace"] = "default"
     return client.CustomObjectsApi(admin).create_namespaced_custom_object(
-        GROUP, VERSION, "default", PLURAL, body,
-        dry_run="All" if dry_run else None, field_validation="Strict",
+        GROUP,
+        VERSION,
+        "default",
+        PLURAL,
+        body,
+        dry_run="All" if dry_run else None,
+        field_validation="Strict",
     )
 
 
@@ -48,7 +53,8 @@ def test_valid_samples_are_accepted(admin, crd, path):
     created = _create(admin, yaml.safe_load(path.read_text()))
     # Defaults from the schema are filled in by the API server.
     assert created["spec"]["engine"]["gpuMemoryUtilization"] == pytest.approx(
-        yaml.safe_load(path.read_text())["spec"].get("engine", {}).get("gpuMemoryUtilization", 0.92))
+        yaml.safe_load(path.read_text())["spec"].get("engine", {}).get("gpuMemoryUtilization", 0.92)
+    )
 
 
 @pytest.mark.parametrize("path", INVALID, ids=lambda p: p.name)
@@ -58,17 +64,33 @@ def test_invalid_samples_are_rejected_with_readable_messages(admin, crd, path):
     assert _expected(path) in message, message
 
 
-BASE = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "StreamingModel",
-        "metadata": {"name": "probe"}, "spec": {"model": {"uri": "hf://org/model"}}}
+BASE = {
+    "apiVersion": f"{GROUP}/{VERSION}",
+    "kind": "StreamingModel",
+    "metadata": {"name": "probe"},
+    "spec": {"model": {"uri": "hf://org/model"}},
+}
 
 
 @pytest.mark.parametrize(
     ("spec", "field", "words"),
     [
-        ({"resources": {"gpus": 4}, "parallelism": {"tensor": 3}}, "spec", "must equal resources.gpus"),
-        ({"resources": {"gpus": 4}, "parallelism": {"tensor": 2, "pipeline": 3}}, "spec", "must equal resources.gpus"),
+        (
+            {"resources": {"gpus": 4}, "parallelism": {"tensor": 3}},
+            "spec",
+            "must equal resources.gpus",
+        ),
+        (
+            {"resources": {"gpus": 4}, "parallelism": {"tensor": 2, "pipeline": 3}},
+            "spec",
+            "must equal resources.gpus",
+        ),
         ({"streaming": {"protocols": []}}, "spec.streaming.protocols", "at least 1"),
-        ({"streaming": {"protocols": ["sse", "grpc"]}}, "spec.streaming.protocols", "supported values"),
+        (
+            {"streaming": {"protocols": ["sse", "grpc"]}},
+            "spec.streaming.protocols",
+            "supported values",
+        ),
         ({"engine": {"gpuMemoryUtilization": 1.5}}, "spec.engine.gpuMemoryUtilization", "0.98"),
         ({"engine": {"gpuMemoryUtilization": 0.2}}, "spec.engine.gpuMemoryUtilization", "0.5"),
     ],

@@ -15,15 +15,23 @@ from .harness.operator_process import OperatorProcess, RenderedChart, install_op
 
 
 def test_model_larger_than_any_node_is_pending_with_the_schedulers_reason(
-        operator, models, namespace, control_plane, operator_user):
+    operator, models, namespace, control_plane, operator_user
+):
     body = load_sample("chat-small.yaml", namespace, new_name="too-big")
     body["spec"].update({"resources": {"gpus": 16}, "parallelism": {"tensor": 16}})
     models.create(body)
 
     def explained():
         status = models.get(namespace, "too-big").get("status") or {}
-        text = " ".join([status.get("message") or ""] + [c.get("message", "") for c in status.get("conditions", [])])
-        return status.get("phase") in ("Progressing", "Degraded", "Pending") and "nvidia.com/gpu" in text and status
+        text = " ".join(
+            [status.get("message") or ""]
+            + [c.get("message", "") for c in status.get("conditions", [])]
+        )
+        return (
+            status.get("phase") in ("Progressing", "Degraded", "Pending")
+            and "nvidia.com/gpu" in text
+            and status
+        )
 
     status = wait_for(explained, timeout=30, what="status to carry the scheduler's reason")
     print(status)
@@ -35,8 +43,11 @@ def test_model_larger_than_any_node_is_pending_with_the_schedulers_reason(
     mark = control_plane.audit_mark()
     time.sleep(10)
     operator.process.check_alive()
-    writes = [e for e in control_plane.audit_events(operator_user, since=mark) if is_write(e)
-              and e.get("objectRef", {}).get("namespace") == namespace]
+    writes = [
+        e
+        for e in control_plane.audit_events(operator_user, since=mark)
+        if is_write(e) and e.get("objectRef", {}).get("namespace") == namespace
+    ]
     assert len(writes) <= 1, [(e["verb"], e["objectRef"]) for e in writes]
 
 
@@ -49,7 +60,9 @@ def _without_cel(schema: dict) -> dict:
     return schema
 
 
-def test_spec_the_api_server_accepts_but_the_operator_rejects(operator, admin, crd, models, namespace):
+def test_spec_the_api_server_accepts_but_the_operator_rejects(
+    operator, admin, crd, models, namespace
+):
     """An object stored before the CEL rules existed (or on a server without CEL) must still
     get SpecValid=False and an Event, not a broken Deployment and not a retry storm."""
     ext = client.ApiextensionsV1Api(admin)
@@ -63,7 +76,9 @@ def test_spec_the_api_server_accepts_but_the_operator_rejects(operator, admin, c
     body["spec"].update({"resources": {"gpus": 4}, "parallelism": {"tensor": 3}})
     try:
         # The relaxed schema takes a moment to reach the API server's validators.
-        wait_for(lambda: models.create(body), timeout=15, what="the relaxed CRD to accept TP 3 on 4 GPUs")
+        wait_for(
+            lambda: models.create(body), timeout=15, what="the relaxed CRD to accept TP 3 on 4 GPUs"
+        )
     finally:
         current = ext.read_custom_resource_definition(name)
         restored = copy.deepcopy(crd)
@@ -77,24 +92,34 @@ def test_spec_the_api_server_accepts_but_the_operator_rejects(operator, admin, c
     cond = wait_for(rejected, timeout=20, what="SpecValid=False")
     assert "parallelism.tensor" in cond["message"] and "resources.gpus" in cond["message"], cond
     assert (models.get(namespace, "bad-tp").get("status") or {}).get("phase") == "Failed"
-    events = wait_for(lambda: models.events_for(namespace, "bad-tp"), what="an Event on the StreamingModel")
-    assert any(e.type == "Warning" and "parallelism.tensor" in (e.message or "") for e in events), \
-        [(e.type, e.reason, e.message) for e in events]
+    events = wait_for(
+        lambda: models.events_for(namespace, "bad-tp"), what="an Event on the StreamingModel"
+    )
+    assert any(e.type == "Warning" and "parallelism.tensor" in (e.message or "") for e in events), [
+        (e.type, e.reason, e.message) for e in events
+    ]
     assert models.children(namespace, "bad-tp")["Deployment"] is None
 
 
-def test_operator_restart_mid_rollout_resumes_without_duplicates(operator, models, namespace, gpu_node):
+def test_operator_restart_mid_rollout_resumes_without_duplicates(
+    operator, models, namespace, gpu_node
+):
     names = [f"m{i}" for i in range(4)]
     for n in names:
         models.create(load_sample("chat-small.yaml", namespace, new_name=n))
     # Stop the operator as soon as it has made the first Deployment: the others are half done.
-    wait_for(lambda: models.apps.list_namespaced_deployment(namespace).items, timeout=20,
-             what="the first Deployment")
+    wait_for(
+        lambda: models.apps.list_namespaced_deployment(namespace).items,
+        timeout=20,
+        what="the first Deployment",
+    )
     operator.process.proc.kill()  # no graceful shutdown: as if the node died
     operator.process.proc.wait()
     made_before = len(models.apps.list_namespaced_deployment(namespace).items)
     # An edit lands while no operator runs.
-    models.patch(namespace, "m0", {"spec": {"resources": {"gpus": 2}, "parallelism": {"tensor": 2}}})
+    models.patch(
+        namespace, "m0", {"spec": {"resources": {"gpus": 2}, "parallelism": {"tensor": 2}}}
+    )
     started = time.monotonic()
     operator.start()
 
@@ -103,7 +128,9 @@ def test_operator_restart_mid_rollout_resumes_without_duplicates(operator, model
             model = models.get(namespace, n)
             if not children_present(models.children(namespace, n), model["spec"]):
                 return False
-            if (model.get("status") or {}).get("observedGeneration") != model["metadata"]["generation"]:
+            if (model.get("status") or {}).get("observedGeneration") != model["metadata"][
+                "generation"
+            ]:
                 return False
         return True
 
@@ -140,10 +167,16 @@ def test_rbac_gap_in_the_chart_fails_visibly(operator, admin, control_plane, mod
         models.create(load_sample("chat-small.yaml", namespace))
 
         def refused():
-            return [e for e in control_plane.audit_events(user, since=mark)
-                    if e["responseStatus"]["code"] == 403 and e["objectRef"].get("resource") == "deployments"]
+            return [
+                e
+                for e in control_plane.audit_events(user, since=mark)
+                if e["responseStatus"]["code"] == 403
+                and e["objectRef"].get("resource") == "deployments"
+            ]
 
-        denials = wait_for(refused, timeout=20, what="the API server to refuse the Deployment patch")
+        denials = wait_for(
+            refused, timeout=20, what="the API server to refuse the Deployment patch"
+        )
         assert denials[0]["verb"] == "patch"
         assert models.children(namespace, "chat-small")["Deployment"] is None
     finally:

@@ -40,17 +40,29 @@ def _what(event: dict) -> str:
 def _present(models, namespace: str) -> dict[str, set[str]]:
     """Child kind -> names present, from one list call per kind."""
     return {
-        "Deployment": {o.metadata.name for o in models.apps.list_namespaced_deployment(namespace).items},
+        "Deployment": {
+            o.metadata.name for o in models.apps.list_namespaced_deployment(namespace).items
+        },
         "Service": {o.metadata.name for o in models.core.list_namespaced_service(namespace).items},
-        "HorizontalPodAutoscaler": {o.metadata.name for o in models.autoscaling.list_namespaced_horizontal_pod_autoscaler(namespace).items},
-        "PodDisruptionBudget": {o.metadata.name for o in models.policy.list_namespaced_pod_disruption_budget(namespace).items},
-        "Ingress": {o.metadata.name for o in models.networking.list_namespaced_ingress(namespace).items},
+        "HorizontalPodAutoscaler": {
+            o.metadata.name
+            for o in models.autoscaling.list_namespaced_horizontal_pod_autoscaler(namespace).items
+        },
+        "PodDisruptionBudget": {
+            o.metadata.name
+            for o in models.policy.list_namespaced_pod_disruption_budget(namespace).items
+        },
+        "Ingress": {
+            o.metadata.name for o in models.networking.list_namespaced_ingress(namespace).items
+        },
     }
 
 
 # more_gpu_nodes comes before namespace: fixtures are torn down in reverse, so the nodes'
 # kubelets are still there to remove the pods when the namespace goes.
-def test_fifty_models_converge(operator, models, more_gpu_nodes, namespace, control_plane, operator_user):
+def test_fifty_models_converge(
+    operator, models, more_gpu_nodes, namespace, control_plane, operator_user
+):
     bodies = []
     for i in range(COUNT):
         body = load_sample("chat-small.yaml", namespace, new_name=f"model-{i:02d}")
@@ -83,25 +95,32 @@ def test_fifty_models_converge(operator, models, more_gpu_nodes, namespace, cont
 
     def all_ready():
         items = models.custom.list_namespaced_custom_object(
-            "serving.sluice.dev", "v1alpha1", namespace, "streamingmodels")["items"]
+            "serving.sluice.dev", "v1alpha1", namespace, "streamingmodels"
+        )["items"]
         return sum((m.get("status") or {}).get("phase") == "Ready" for m in items) == COUNT
 
     wait_for(all_ready, timeout=180, interval=1, what=f"all {COUNT} models Ready")
     all_ready_seconds = time.monotonic() - began
     time.sleep(2)
-    calls = [e for e in control_plane.audit_events(operator_user, since=mark)
-             if e.get("objectRef", {}).get("namespace") in (namespace, None)]
+    calls = [
+        e
+        for e in control_plane.audit_events(operator_user, since=mark)
+        if e.get("objectRef", {}).get("namespace") in (namespace, None)
+    ]
     writes = [e for e in calls if is_write(e)]
     by_kind = Counter(_what(e) for e in writes)
     latencies = sorted(converged.values())
     TIMINGS["50 models: create calls took (s)"] = round(apply_seconds, 2)
     TIMINGS["50 models: machine load average (1 min) at the end"] = round(os.getloadavg()[0], 1)
     TIMINGS["50 models: apply -> all children present, per model (s)"] = (
-        f"median {statistics.median(latencies):.2f}, worst {latencies[-1]:.2f}")
+        f"median {statistics.median(latencies):.2f}, worst {latencies[-1]:.2f}"
+    )
     TIMINGS["50 models: first apply -> last model's children / all Ready (s)"] = (
-        f"{all_children:.1f} / {all_ready_seconds:.1f}")
+        f"{all_children:.1f} / {all_ready_seconds:.1f}"
+    )
     TIMINGS["50 models: operator API calls per model (writes / all)"] = (
-        f"{len(writes) / COUNT:.1f} / {len(calls) / COUNT:.1f}")
+        f"{len(writes) / COUNT:.1f} / {len(calls) / COUNT:.1f}"
+    )
     TIMINGS["50 models: operator writes by verb and resource"] = dict(by_kind)
     reads = Counter(_what(e) for e in calls if not is_write(e))
     TIMINGS["50 models: operator reads by verb and resource"] = dict(reads.most_common(8))

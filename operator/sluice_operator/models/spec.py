@@ -333,7 +333,10 @@ class StreamingSpec(ApiModel):
         json_schema_extra={"x-kubernetes-list-type": "set", "default": ["sse", "websocket"]},
     )
     heartbeat_seconds: int = Field(
-        default=15, ge=1, le=300, description="Longest silence on a stream in seconds: an SSE comment goes to a stream idle that long (a long prefill), and the WebSocket ping interval."
+        default=15,
+        ge=1,
+        le=300,
+        description="Longest silence on a stream in seconds: an SSE comment goes to a stream idle that long (a long prefill), and the WebSocket ping interval.",
     )
     max_concurrent_streams: int = Field(
         default=256,

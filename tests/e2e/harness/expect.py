@@ -29,7 +29,8 @@ def expected_kinds(spec: dict) -> set[str]:
 def children_present(children: dict[str, object], spec: dict) -> bool:
     want = expected_kinds(spec)
     return all(children[k] is not None for k in want) and all(
-        children[k] is None for k in children if k not in want)
+        children[k] is None for k in children if k not in want
+    )
 
 
 def owned_by(obj, model: dict) -> None:
@@ -47,7 +48,9 @@ def check_deployment(dep: client.V1Deployment, model: dict) -> None:
     owned_by(dep, model)
     pod = dep.spec.template
     assert pod.metadata.annotations.get("prometheus.io/scrape") == "true"
-    (server,) = [c for c in pod.spec.containers if c.ports and any(p.container_port == 8000 for p in c.ports)]
+    (server,) = [
+        c for c in pod.spec.containers if c.ports and any(p.container_port == 8000 for p in c.ports)
+    ]
     resources = spec.get("resources", {})
     gpu_name = resources.get("gpuResourceName", "nvidia.com/gpu")
     simulator = spec.get("engine", {}).get("backend") == "simulator"
@@ -59,7 +62,9 @@ def check_deployment(dep: client.V1Deployment, model: dict) -> None:
     args = " ".join((server.command or []) + (server.args or []))
     if not simulator:  # the simulator takes no vLLM flags
         tensor = spec.get("parallelism", {}).get("tensor", 1)
-        assert f"--tensor-parallel-size={tensor}" in args or f"--tensor-parallel-size {tensor}" in args, args
+        assert (
+            f"--tensor-parallel-size={tensor}" in args or f"--tensor-parallel-size {tensor}" in args
+        ), args
     assert server.readiness_probe.http_get.path == "/ready"
     assert server.liveness_probe.http_get.path == "/health"
     assert server.security_context.allow_privilege_escalation is False
@@ -88,13 +93,18 @@ def check_ingress(ing: client.V1Ingress, model: dict) -> None:
         assert notes[k] == v
     backend = ing.spec.rules[0].http.paths[0].backend.service
     assert (backend.name, backend.port.number or backend.port.name) in (
-        (model["metadata"]["name"], 8000), (model["metadata"]["name"], "http"))
+        (model["metadata"]["name"], 8000),
+        (model["metadata"]["name"], "http"),
+    )
 
 
 def check_hpa(hpa: client.V2HorizontalPodAutoscaler, model: dict) -> None:
     owned_by(hpa, model)
     scaling = model["spec"]["autoscaling"]
-    assert (hpa.spec.min_replicas, hpa.spec.max_replicas) == (scaling.get("minReplicas", 1), scaling.get("maxReplicas", 4))
+    assert (hpa.spec.min_replicas, hpa.spec.max_replicas) == (
+        scaling.get("minReplicas", 1),
+        scaling.get("maxReplicas", 4),
+    )
     assert hpa.spec.scale_target_ref.kind == "Deployment"
     assert hpa.spec.scale_target_ref.name == model["metadata"]["name"]
     (metric,) = hpa.spec.metrics
@@ -111,6 +121,9 @@ def check_pdb(pdb: client.V1PodDisruptionBudget, model: dict) -> None:
 
 
 CHECKS = {
-    "Deployment": check_deployment, "Service": check_service, "Ingress": check_ingress,
-    "HorizontalPodAutoscaler": check_hpa, "PodDisruptionBudget": check_pdb,
+    "Deployment": check_deployment,
+    "Service": check_service,
+    "Ingress": check_ingress,
+    "HorizontalPodAutoscaler": check_hpa,
+    "PodDisruptionBudget": check_pdb,
 }

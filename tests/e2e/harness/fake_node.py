@@ -47,8 +47,12 @@ class FakeGpuNode:
         self.coordination = client.CoordinationV1Api(api)
         self.name = name
         self.capacity = {gpu_resource: str(gpus), "cpu": cpu, "memory": memory, "pods": "250"}
-        self.labels = {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
-                       "kubernetes.io/arch": "amd64", **(labels or {})}
+        self.labels = {
+            "kubernetes.io/hostname": name,
+            "kubernetes.io/os": "linux",
+            "kubernetes.io/arch": "amd64",
+            **(labels or {}),
+        }
         self.heartbeat = heartbeat
         self.host_ip = "127.0.0.1"
         self._stop = threading.Event()
@@ -57,7 +61,9 @@ class FakeGpuNode:
 
     # --- lifecycle --------------------------------------------------------------------
     def start(self) -> FakeGpuNode:
-        self.core.create_node(client.V1Node(metadata=client.V1ObjectMeta(name=self.name, labels=self.labels)))
+        self.core.create_node(
+            client.V1Node(metadata=client.V1ObjectMeta(name=self.name, labels=self.labels))
+        )
         self._report_status()
         self._renew_lease()
         for target in (self._heartbeat_loop, self._pod_loop):
@@ -87,37 +93,81 @@ class FakeGpuNode:
                 self.errors.append(f"heartbeat: {e}")
 
     def _renew_lease(self) -> None:
-        spec = client.V1LeaseSpec(holder_identity=self.name, lease_duration_seconds=40, renew_time=_now())
+        spec = client.V1LeaseSpec(
+            holder_identity=self.name, lease_duration_seconds=40, renew_time=_now()
+        )
         try:
-            self.coordination.patch_namespaced_lease(self.name, "kube-node-lease", {"spec": {
-                "holderIdentity": self.name, "leaseDurationSeconds": 40,
-                "renewTime": _now().strftime("%Y-%m-%dT%H:%M:%S.%fZ")}})
+            self.coordination.patch_namespaced_lease(
+                self.name,
+                "kube-node-lease",
+                {
+                    "spec": {
+                        "holderIdentity": self.name,
+                        "leaseDurationSeconds": 40,
+                        "renewTime": _now().strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+                    }
+                },
+            )
         except ApiException as e:
             if e.status != 404:
                 raise
-            self.coordination.create_namespaced_lease("kube-node-lease", client.V1Lease(
-                metadata=client.V1ObjectMeta(name=self.name), spec=spec))
+            self.coordination.create_namespaced_lease(
+                "kube-node-lease",
+                client.V1Lease(metadata=client.V1ObjectMeta(name=self.name), spec=spec),
+            )
 
     def _report_status(self) -> None:
         now = _rfc3339(_now())
-        self.core.patch_node_status(self.name, {"status": {
-            "capacity": self.capacity,
-            "allocatable": self.capacity,
-            "addresses": [{"type": "InternalIP", "address": self.host_ip},
-                          {"type": "Hostname", "address": self.name}],
-            "conditions": [
-                {"type": t, "status": "False", "reason": f"Kubelet{r}", "message": "fake kubelet",
-                 "lastHeartbeatTime": now, "lastTransitionTime": now}
-                for t, r in (("MemoryPressure", "HasSufficientMemory"), ("DiskPressure", "HasNoDiskPressure"),
-                             ("PIDPressure", "HasSufficientPID"))
-            ] + [{"type": "Ready", "status": "True", "reason": "KubeletReady",
-                  "message": "fake kubelet is posting ready status",
-                  "lastHeartbeatTime": now, "lastTransitionTime": now}],
-            "nodeInfo": {"kubeletVersion": "v1.36.0-fake", "containerRuntimeVersion": "fake://0",
-                         "operatingSystem": "linux", "architecture": "amd64", "kernelVersion": "",
-                         "osImage": "fake", "kubeProxyVersion": "", "machineID": "", "systemUUID": "",
-                         "bootID": ""},
-        }})
+        self.core.patch_node_status(
+            self.name,
+            {
+                "status": {
+                    "capacity": self.capacity,
+                    "allocatable": self.capacity,
+                    "addresses": [
+                        {"type": "InternalIP", "address": self.host_ip},
+                        {"type": "Hostname", "address": self.name},
+                    ],
+                    "conditions": [
+                        {
+                            "type": t,
+                            "status": "False",
+                            "reason": f"Kubelet{r}",
+                            "message": "fake kubelet",
+                            "lastHeartbeatTime": now,
+                            "lastTransitionTime": now,
+                        }
+                        for t, r in (
+                            ("MemoryPressure", "HasSufficientMemory"),
+                            ("DiskPressure", "HasNoDiskPressure"),
+                            ("PIDPressure", "HasSufficientPID"),
+                        )
+                    ]
+                    + [
+                        {
+                            "type": "Ready",
+                            "status": "True",
+                            "reason": "KubeletReady",
+                            "message": "fake kubelet is posting ready status",
+                            "lastHeartbeatTime": now,
+                            "lastTransitionTime": now,
+                        }
+                    ],
+                    "nodeInfo": {
+                        "kubeletVersion": "v1.36.0-fake",
+                        "containerRuntimeVersion": "fake://0",
+                        "operatingSystem": "linux",
+                        "architecture": "amd64",
+                        "kernelVersion": "",
+                        "osImage": "fake",
+                        "kubeProxyVersion": "",
+                        "machineID": "",
+                        "systemUUID": "",
+                        "bootID": "",
+                    },
+                }
+            },
+        )
 
     # --- pods -------------------------------------------------------------------------
     def _pod_loop(self) -> None:
@@ -128,8 +178,10 @@ class FakeGpuNode:
                 for pod in listing.items:
                     self._sync_pod(pod)
                 stream = watch.Watch().stream(
-                    self.core.list_pod_for_all_namespaces, field_selector=selector,
-                    resource_version=listing.metadata.resource_version, timeout_seconds=2,
+                    self.core.list_pod_for_all_namespaces,
+                    field_selector=selector,
+                    resource_version=listing.metadata.resource_version,
+                    timeout_seconds=2,
                 )
                 for event in stream:
                     if self._stop.is_set():
@@ -157,15 +209,38 @@ class FakeGpuNode:
         now = _rfc3339(_now())
         n = next(_pod_ips)
         ip = f"10.244.{n // 250}.{n % 250 + 1}"
-        conditions = [{"type": t, "status": "True", "lastTransitionTime": now}
-                      for t in ("PodReadyToStartContainers", "Initialized", "ContainersReady", "Ready", "PodScheduled")]
-        containers = [{
-            "name": c.name, "image": c.image, "imageID": f"fake://{c.image}",
-            "containerID": f"fake://{pod.metadata.uid}/{c.name}", "ready": True, "started": True,
-            "restartCount": 0, "state": {"running": {"startedAt": now}},
-        } for c in pod.spec.containers]
-        return {"status": {
-            "phase": "Running", "conditions": conditions, "hostIP": self.host_ip,
-            "hostIPs": [{"ip": self.host_ip}], "podIP": ip, "podIPs": [{"ip": ip}],
-            "startTime": now, "containerStatuses": containers,
-        }}
+        conditions = [
+            {"type": t, "status": "True", "lastTransitionTime": now}
+            for t in (
+                "PodReadyToStartContainers",
+                "Initialized",
+                "ContainersReady",
+                "Ready",
+                "PodScheduled",
+            )
+        ]
+        containers = [
+            {
+                "name": c.name,
+                "image": c.image,
+                "imageID": f"fake://{c.image}",
+                "containerID": f"fake://{pod.metadata.uid}/{c.name}",
+                "ready": True,
+                "started": True,
+                "restartCount": 0,
+                "state": {"running": {"startedAt": now}},
+            }
+            for c in pod.spec.containers
+        ]
+        return {
+            "status": {
+                "phase": "Running",
+                "conditions": conditions,
+                "hostIP": self.host_ip,
+                "hostIPs": [{"ip": self.host_ip}],
+                "podIP": ip,
+                "podIPs": [{"ip": ip}],
+                "startTime": now,
+                "containerStatuses": containers,
+            }
+        }

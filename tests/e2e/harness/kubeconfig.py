@@ -26,7 +26,9 @@ def write_kubeconfig(
     config = {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [{"name": "e2e", "cluster": {"server": server, "certificate-authority": str(ca)}}],
+        "clusters": [
+            {"name": "e2e", "cluster": {"server": server, "certificate-authority": str(ca)}}
+        ],
         "users": [{"name": user, "user": credentials}],
         "contexts": [{"name": user, "context": {"cluster": "e2e", "user": user}}],
         "current-context": user,

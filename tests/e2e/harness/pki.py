@@ -58,9 +58,15 @@ class CertificateAuthority:
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
             .add_extension(
                 x509.KeyUsage(
-                    digital_signature=True, key_cert_sign=True, crl_sign=True,
-                    content_commitment=False, key_encipherment=False, data_encipherment=False,
-                    key_agreement=False, encipher_only=False, decipher_only=False,
+                    digital_signature=True,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    encipher_only=False,
+                    decipher_only=False,
                 ),
                 critical=True,
             )
@@ -92,7 +98,9 @@ class CertificateAuthority:
         return files
 
     def serving(self, name: str, dns: list[str], ips: list[str]) -> CertFiles:
-        sans = [x509.DNSName(d) for d in dns] + [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
+        sans = [x509.DNSName(d) for d in dns] + [
+            x509.IPAddress(ipaddress.ip_address(i)) for i in ips
+        ]
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
         return self._issue(name, subject, ExtendedKeyUsageOID.SERVER_AUTH, sans)
 
