@@ -113,7 +113,6 @@ class SSEResponse(Response):
         self.watchdog = SendWatchdog(send_timeout, SendTimeoutError)
         self.active = True
         self.ping_task: asyncio.Task | None = None
-        self._send_lock = asyncio.Lock()
         self._task: asyncio.Task | None = None  # the task streaming the response
         self._ended_by: BaseException | None = None  # why the stream task was cancelled
 
@@ -164,18 +163,15 @@ class SSEResponse(Response):
             self.watchdog.stop()
 
     async def _send_all(self, send: Send) -> None:
+        """Each chunk is one whole event (or several), written with one ASGI send: a ping
+        sent from its own task between two of them cannot split an event."""
         watched = self.watchdog.send
-        lock = self._send_lock
-        async with lock:
-            await watched(send, {"type": "http.response.start", "status": self.status_code,
-                                 "headers": self.raw_headers})  # fmt: skip
+        await watched(send, {"type": "http.response.start", "status": self.status_code,
+                             "headers": self.raw_headers})  # fmt: skip
         async for chunk in self.body_iterator:
-            async with lock:
-                await watched(send, {"type": "http.response.body", "body": chunk,
-                                     "more_body": True})  # fmt: skip
-        async with lock:
-            await watched(send, {"type": "http.response.body", "body": b"", "more_body": False})
+            await watched(send, {"type": "http.response.body", "body": chunk, "more_body": True})
         self.active = False
+        await watched(send, {"type": "http.response.body", "body": b"", "more_body": False})
 
     def _end(self, reason: BaseException) -> None:
         """Stop the streaming task (from the listener or a ping task)."""
@@ -194,11 +190,10 @@ class SSEResponse(Response):
     async def ping_once(self, send: Send) -> None:
         """One heartbeat comment (a task started by `Heartbeat`)."""
         try:
-            async with self._send_lock:
-                if self.active:
-                    await self.watchdog.send(
-                        send, {"type": "http.response.body", "body": PING, "more_body": True}
-                    )
+            if self.active:  # not after the final (empty) body message
+                await self.watchdog.send(
+                    send, {"type": "http.response.body", "body": PING, "more_body": True}
+                )
         except Exception as e:  # a stalled or gone client: end the response like a data send
             self._end(e)
         finally:
