@@ -171,6 +171,36 @@ def invalid_status(
     }
 
 
+def status_patch(current: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch (RFC 7386) that turns `current` into `new`; empty when equal.
+
+    Nested objects are diffed key by key, so a key that vanished from `new` (at any depth:
+    `autoscaling.message`, one entry of `endpoints`, all of `autoscaling`) becomes `null`,
+    which deletes it. Lists (conditions) are replaced whole, as RFC 7386 does. A `None` in
+    `new` means "absent". Sending the whole new status as a merge patch instead only ever
+    adds keys: a vanished one stays forever and the status differs on every pass.
+    """
+    patch: dict[str, Any] = {}
+    for key in current.keys() | new.keys():
+        have, want = current.get(key), new.get(key)
+        if want is None:
+            if have is not None:
+                patch[key] = None
+        elif isinstance(want, Mapping) and isinstance(have, Mapping):
+            sub = status_patch(have, want)
+            if sub:
+                patch[key] = sub
+        elif want != have:
+            patch[key] = _without_nulls(want)
+    return patch
+
+
+def _without_nulls(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    return value
+
+
 def compute_status(
     model: StreamingModel,
     generation: int | None,
