@@ -11,7 +11,8 @@ import yaml
 from operator_helpers import INVALID_SAMPLES, K8S_VERSIONS, ROOT, SAMPLES, expectations, load
 from sluice_operator.generate.crd import build_crd, render_crd
 from sluice_operator.generate.outputs import CRD_PATHS, stale_files
-from sluice_operator.models.spec import _RESERVED_RE, MODEL_URI_PATTERN
+from sluice_operator.models.flags import RESERVED_RE
+from sluice_operator.models.spec import MODEL_URI_PATTERN
 from sluice_operator.validation import SpecError, parse_object
 
 CRD = build_crd()
@@ -185,10 +186,10 @@ def test_model_uri_pattern(uri, ok):
 
 
 def test_reserved_flag_pattern():
-    assert re.match(_RESERVED_RE, "--tensor-parallel-size=2")
-    assert re.match(_RESERVED_RE, "--model")
-    assert not re.match(_RESERVED_RE, "--enable-prefix-caching")
-    assert not re.match(_RESERVED_RE, "--model-loader-extra-config={}")
+    assert re.match(RESERVED_RE, "--tensor-parallel-size=2")
+    assert re.match(RESERVED_RE, "--model")
+    assert not re.match(RESERVED_RE, "--enable-prefix-caching")
+    assert not re.match(RESERVED_RE, "--model-loader-extra-config={}")
 
 
 @pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.stem)

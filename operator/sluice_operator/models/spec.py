@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import Field, StringConstraints, field_validator, model_validator
 
 from .base import ApiModel, FreeForm, Quantity, cel, sub
+from .flags import RESERVED_RE, reserved_flag
 
 # Object names (Secrets, PVCs, ...): DNS-1123 subdomain.
 Name = Annotated[
@@ -36,29 +37,6 @@ MODEL_URI_HELP = (
     "use hf://org/name (optionally @revision), pvc://claim/path/in/claim, "
     "an absolute path inside the image, or tiny"
 )
-
-# Flags the operator derives from the spec; passing them again through extraArgs would make
-# the pod disagree with the resource, so both CEL and the operator refuse them.
-RESERVED_FLAGS = (
-    "model",
-    "revision",
-    "served-model-name",
-    "host",
-    "port",
-    "engine",
-    "tensor-parallel-size",
-    "pipeline-parallel-size",
-    "gpu-memory-utilization",
-    "max-model-len",
-    "max-num-seqs",
-    "max-num-batched-tokens",
-    "swap-space",
-    "dtype",
-    "quantization",
-    "api-key",
-    "api-key-file",
-)
-_RESERVED_RE = r"^--(" + "|".join(RESERVED_FLAGS) + r")(=.*)?$"  # no escapes: goes into CEL
 
 
 class SecretKeyRef(ApiModel):
@@ -254,7 +232,7 @@ class EngineSpec(ApiModel):
         "json_schema_extra": {
             "x-kubernetes-validations": [
                 cel(
-                    f"!has(self.extraArgs) || self.extraArgs.all(a, !a.matches('{_RESERVED_RE}'))",
+                    f"!has(self.extraArgs) || self.extraArgs.all(a, !a.matches('{RESERVED_RE}'))",
                     "engine.extraArgs must not repeat flags the operator sets from the spec "
                     "(model, parallelism, engine, auth...); set the spec field instead",
                     ".extraArgs",
@@ -299,7 +277,10 @@ class EngineSpec(ApiModel):
     )
     extra_args: Annotated[list[Arg], Field(max_length=64)] = Field(
         default_factory=list,
-        description="Extra vLLM engine arguments, passed unchanged after `--`.",
+        description="Extra vLLM engine arguments, passed unchanged after `--`. Flags the spec "
+        "sets (model, served name, host, port, tensor/pipeline/data parallel size, GPU memory, "
+        "batch limits, dtype, quantization, API key) are refused in every spelling vLLM accepts: "
+        "aliases (-tp, -pp, -dp, -q), underscores (--tensor_parallel_size) and abbreviations.",
     )
     env: list[EnvVar] = Field(
         default_factory=list, description="Extra environment variables of the server container."
@@ -312,10 +293,12 @@ class EngineSpec(ApiModel):
     @field_validator("extra_args")
     @classmethod
     def _no_reserved(cls, v: list[str]) -> list[str]:
-        bad = [a for a in v if re.match(_RESERVED_RE, a)]
+        bad = [a for a in v if reserved_flag(a)]
         if bad:
             raise ValueError(
-                f"{', '.join(bad)} is set by the operator from the spec; use the spec field instead of extraArgs"
+                f"{', '.join(bad)} is set by the operator from the spec (vLLM reads aliases, "
+                "underscores and abbreviations of a flag as the flag); use the spec field "
+                "instead of extraArgs"
             )
         return v
 
@@ -333,7 +316,10 @@ class StreamingSpec(ApiModel):
         json_schema_extra={"x-kubernetes-list-type": "set", "default": ["sse", "websocket"]},
     )
     heartbeat_seconds: int = Field(
-        default=15, ge=1, le=300, description="Longest silence on a stream in seconds: an SSE comment goes to a stream idle that long (a long prefill), and the WebSocket ping interval."
+        default=15,
+        ge=1,
+        le=300,
+        description="Longest silence on a stream in seconds: an SSE comment goes to a stream idle that long (a long prefill), and the WebSocket ping interval.",
     )
     max_concurrent_streams: int = Field(
         default=256,
