@@ -278,3 +278,18 @@ def test_unguarded_optional_reference_is_caught():
     node = {"properties": {"x": {"type": "array"}}}
     assert not _present_after_defaulting(node, ["x"], "self.x.all(a, a != '')")
     assert _present_after_defaulting(node, ["x"], "!has(self.x) || self.x.all(a, a != '')")
+
+
+def test_readme_names_the_printer_columns_kubectl_shows():
+    """The README's `kubectl get streamingmodels` lines list exactly the default columns, and
+    the `-o wide` line exactly the wide-only (priority 1) ones, in the CRD's order."""
+    from sluice_operator.generate.crd import PRINTER_COLUMNS
+
+    text = (ROOT / "README.md").read_text()
+    default = re.search(r"^kubectl get streamingmodels +# (.+)$", text, re.M)
+    wide = re.search(r"^kubectl get streamingmodels -o wide +# adds (.+)$", text, re.M)
+    assert default and wide, "README.md lost its kubectl get streamingmodels lines"
+    assert default.group(1).split(", ") == [
+        c["name"] for c in PRINTER_COLUMNS if not c.get("priority")
+    ]
+    assert wide.group(1).split(", ") == [c["name"] for c in PRINTER_COLUMNS if c.get("priority")]

@@ -39,6 +39,15 @@ MODEL_URI_HELP = (
 )
 
 
+# nginx's size syntax (client_max_body_size): bytes, or k/m/g (binary multiples).
+NGINX_SIZE_PATTERN = r"^[0-9]{1,10}[kKmMgG]?$"
+
+
+def nginx_size_bytes(size: str) -> int:
+    factor = {"k": 2**10, "m": 2**20, "g": 2**30}.get(size[-1].lower(), 1)
+    return int(size.rstrip("kKmMgG")) * factor
+
+
 class SecretKeyRef(ApiModel):
     """A key in a Secret in the StreamingModel's namespace."""
 
@@ -496,9 +505,13 @@ class IngressSpec(ApiModel):
     tls_secret_name: Name | None = Field(
         default=None, description="Secret with the TLS certificate for host; unset: plain HTTP."
     )
-    max_body_size: Quantity = Field(
-        default="16m",
-        description="Largest request body the ingress accepts (nginx size, e.g. 16m).",
+    max_body_size: (
+        Annotated[str, StringConstraints(max_length=32, pattern=NGINX_SIZE_PATTERN)] | None
+    ) = Field(
+        default=None,
+        description="Deprecated: set spec.limits.maxRequestBytes, which sets the server's limit "
+        "and the ingress's together. Still honoured (nginx size, e.g. 16m) when "
+        "limits.maxRequestBytes is unset.",
     )
     annotations: dict[str, str] = Field(
         default_factory=dict,
@@ -512,6 +525,36 @@ class IngressSpec(ApiModel):
                 "ingress.tlsSecretName needs ingress.host (the name on the certificate)"
             )
         return self
+
+
+DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
+
+
+class LimitsSpec(ApiModel):
+    """Request limits, applied alike by the server and the proxy in front of it."""
+
+    max_request_bytes: int | None = Field(
+        default=None,
+        ge=1024,
+        le=2**30,
+        description="Largest request body (and WebSocket frame) in bytes; default 16 MiB "
+        "(16777216). Sets the server's --max-body-bytes, the Ingress's body-size annotation "
+        "(proxy-body-size or client-max-body-size) and, with spec.gateway, is the limit the "
+        "server enforces behind the route (Gateway API has no body-size field).",
+    )
+
+
+class StartupSpec(ApiModel):
+    """How long a new pod may take to load its model before it counts as failed."""
+
+    timeout_seconds: int = Field(
+        default=1800,
+        ge=60,
+        le=86400,
+        description="Startup budget in seconds (download, weights into GPU memory, warm-up): "
+        "the startup probe holds liveness off this long; the Deployment's progress deadline "
+        "is 10 minutes longer. Default 30 minutes.",
+    )
 
 
 class LocalObjectReference(ApiModel):
@@ -560,6 +603,8 @@ class StreamingModelSpec(ApiModel):
         default=None, description="TTFT autoscaling; unset: fixed spec.replicas."
     )
     ingress: IngressSpec = sub(IngressSpec, "Ingress settings.")
+    limits: LimitsSpec = sub(LimitsSpec, "Request size limits (server and proxy alike).")
+    startup: StartupSpec = sub(StartupSpec, "Startup budget of a new pod.")
     image: Annotated[str, StringConstraints(min_length=1, max_length=512)] = Field(
         default=DEFAULT_IMAGE, description="Serving image (the Sluice server)."
     )
@@ -588,6 +633,16 @@ class StreamingModelSpec(ApiModel):
                 f"must equal resources.gpus ({g}); set gpus: {p.tensor * p.pipeline} or change the parallelism"
             )
         return self
+
+    @property
+    def max_request_bytes(self) -> int:
+        """The one request body limit: limits.maxRequestBytes, else the deprecated
+        ingress.maxBodySize, else 16 MiB."""
+        if self.limits.max_request_bytes is not None:
+            return self.limits.max_request_bytes
+        if self.ingress.max_body_size is not None:
+            return nginx_size_bytes(self.ingress.max_body_size)
+        return DEFAULT_MAX_REQUEST_BYTES
 
     @property
     def autoscaling_enabled(self) -> bool:
