@@ -25,7 +25,7 @@ from .builders.common import selector_string
 from .builders.keda import keda_hpa_name
 from .cluster import Cluster
 from .kinds import CHILD_KINDS, HPA, KEDA_KIND, Kind, desired_children
-from .status import compute_status, invalid_status, status_patch
+from .status import compute_status, deployment_settled, invalid_status, status_patch
 from .validation import SpecError, load_model
 
 HASH_ANNOTATION = "serving.sluice.dev/applied-hash"
@@ -209,13 +209,12 @@ def converge(
         converge_keda()
 
     deployment = live["Deployment"]
-    dstat = (deployment or {}).get("status") or {}
-    want = ((deployment or {}).get("spec") or {}).get("replicas", 1)
-    # Pods are only read when something is missing: they explain why (no GPUs, crash loop).
+    # Pods are only read when something is missing or a rollout is under way: they explain
+    # why (no GPUs for the new or the surge pod, crash loop).
     pods = (
-        []
-        if dstat.get("readyReplicas", 0) >= want
-        else cluster.list_pods(namespace, selector_string(model))
+        cluster.list_pods(namespace, selector_string(model))
+        if deployment is not None and not deployment_settled(deployment)
+        else []
     )
     hpa = live.get(HPA.kind)
     if backend == "keda":  # KEDA's own HPA has the reading and the decision

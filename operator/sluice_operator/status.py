@@ -201,6 +201,27 @@ def _without_nulls(value: Any) -> Any:
     return value
 
 
+def _rolling(deployment: Mapping[str, Any]) -> bool:
+    """A rollout is under way: new spec not yet seen, not all pods updated, old ones left."""
+    dspec = deployment.get("spec") or {}
+    dstat = deployment.get("status") or {}
+    desired = dspec.get("replicas", 1)
+    dgen = (deployment.get("metadata") or {}).get("generation")
+    seen = dstat.get("observedGeneration")
+    return (
+        (dgen is not None and seen is not None and seen < dgen)
+        or dstat.get("updatedReplicas", 0) < desired
+        or dstat.get("replicas", 0) > desired  # old pods still terminating, or a surge pod
+    )
+
+
+def deployment_settled(deployment: Mapping[str, Any]) -> bool:
+    """All wanted replicas ready and no rollout under way: the pods have nothing to explain."""
+    desired = (deployment.get("spec") or {}).get("replicas", 1)
+    ready = (deployment.get("status") or {}).get("readyReplicas", 0)
+    return ready >= desired and not _rolling(deployment)
+
+
 def compute_status(
     model: StreamingModel,
     generation: int | None,
@@ -247,22 +268,25 @@ def compute_status(
     current = dstat.get("replicas", 0)
     ready = dstat.get("readyReplicas", 0)
     updated = dstat.get("updatedReplicas", 0)
-    dgen = (deployment.get("metadata") or {}).get("generation")
-    seen = dstat.get("observedGeneration")
     progressing = _dep_condition(deployment, "Progressing")
     deadline = progressing.get("reason") == "ProgressDeadlineExceeded"
-    rolling = (
-        (dgen is not None and seen is not None and seen < dgen)
-        or updated < desired
-        or current > desired  # old pods still terminating
-    )
+    rolling = _rolling(deployment)
     unschedulable, stuck = pod_problems(pods)
+    # A surge rollout whose new pod finds no room: every old replica still serves.
+    waiting_for_room = rolling and ready >= desired > 0 and unschedulable and not stuck
 
     out.update(replicas=current, readyReplicas=ready, ready=f"{ready}/{desired}")
     if desired == 0:
         phase, message = "Pending", "scaled to 0 replicas"
     elif ready >= desired and not rolling:
         phase, message = "Ready", f"{ready}/{desired} replicas ready"
+    elif waiting_for_room:
+        phase = "Progressing"
+        message = (
+            f"rollout waiting: the new pod cannot be scheduled, {ready}/{desired} old replicas "
+            "keep serving; " + "; ".join(unschedulable[:3]) + " (free a GPU, or set "
+            "spec.rollout.maxSurge: 0 and maxUnavailable: 1 to replace pods in place)"
+        )
     elif ready > 0 and (stuck or deadline or unschedulable):
         phase = "Degraded"
         message = f"{ready}/{desired} replicas ready; " + "; ".join(
@@ -292,6 +316,8 @@ def compute_status(
         )
     elif phase == "Failed":
         prog = _cond("Progressing", False, "ContainersFailing", message)
+    elif waiting_for_room:
+        prog = _cond("Progressing", True, "SurgePodUnschedulable", message)
     elif rolling or phase == "Progressing":
         prog = _cond("Progressing", True, "RollingOut", message)
     elif phase == "Pending" and desired > 0:

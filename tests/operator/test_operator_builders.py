@@ -15,7 +15,7 @@ from sluice_operator.builders.pdb import desired_pdb
 from sluice_operator.builders.service import desired_service
 from sluice_operator.kinds import desired_children
 from sluice_operator.models.resource import StreamingModel
-from sluice_operator.validation import load_model
+from sluice_operator.validation import SpecError, load_model
 
 DESIGN_LABELS = {
     "app.kubernetes.io/name": "sluice-server",
@@ -226,7 +226,8 @@ def test_probes_drain_rollout_and_security():
     assert c["lifecycle"]["preStop"] == {"sleep": {"seconds": 5}}
     assert pod["terminationGracePeriodSeconds"] >= 900 + 5
     assert flag(c["args"], "--drain-timeout-seconds") == "900"
-    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    # Default: surge one pod, none unavailable (the old pods serve while the new one loads).
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
     sc = c["securityContext"]
     assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
     assert (
@@ -437,6 +438,29 @@ def test_autoscaling_disabled_flag_keeps_replicas():
     assert desired_hpa(m) is None
     assert desired_deployment(m)["spec"]["replicas"] == 3
     assert desired_pdb(m) is not None
+
+
+@pytest.mark.parametrize(
+    "rollout, strategy, pdb_unavailable",
+    [
+        ({}, {"maxSurge": 1, "maxUnavailable": 0}, 1),  # a PDB of 0 would block drains forever
+        ({"maxSurge": 0, "maxUnavailable": 1}, {"maxSurge": 0, "maxUnavailable": 1}, 1),
+        ({"maxSurge": 2, "maxUnavailable": 2}, {"maxSurge": 2, "maxUnavailable": 2}, 2),
+    ],
+)
+def test_rollout_sets_the_strategy_and_the_pdb(rollout, strategy, pdb_unavailable):
+    m = model(replicas=3, rollout=rollout)
+    assert desired_deployment(m)["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": strategy,
+    }
+    assert desired_pdb(m)["spec"]["maxUnavailable"] == pdb_unavailable
+    assert desired_pdb(m)["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+
+
+def test_rollout_needs_surge_or_unavailable():
+    with pytest.raises(SpecError, match="cannot both be 0"):
+        load_model(minimal(rollout={"maxSurge": 0, "maxUnavailable": 0}))
 
 
 @pytest.mark.parametrize("replicas,pdb", [(0, False), (1, False), (2, True)])

@@ -383,3 +383,41 @@ def test_whole_status_as_merge_patch_never_forgets(cluster):
     }
     cluster.patch_status("default", "m", {"autoscaling": {"backend": "hpa"}})
     assert cluster.stored_status[("default", "m")]["autoscaling"]["message"] == "unable"
+
+
+def test_surge_rollout_reads_pods_and_reports_the_unschedulable_surge_pod(cluster):
+    """All wanted replicas ready but a rollout under way: the pods are read, so a surge pod
+    that found no GPU is named in status with the scheduler's reason."""
+    body = body_of(minimal())
+    converge(cluster, body, Events(), now=NOW)
+    cluster.set_deployment_status(
+        "default", "m", replicas=2, readyReplicas=1, updatedReplicas=0, availableReplicas=1
+    )
+    cluster.pods = [
+        {
+            "metadata": {"name": "m-new"},
+            "status": {
+                "conditions": [
+                    {
+                        "type": "PodScheduled",
+                        "status": "False",
+                        "reason": "Unschedulable",
+                        "message": "0/1 nodes are available: 1 Insufficient nvidia.com/gpu.",
+                    }
+                ]
+            },
+        }
+    ]
+    cluster.calls.clear()
+    converge(cluster, with_status(body, cluster), Events(), now=NOW)
+    assert ("list", "Pod") in cluster.calls
+    status = cluster.statuses[-1]
+    assert status["phase"] == "Progressing" and "Insufficient nvidia.com/gpu" in status["message"]
+    # Settled (rollout done): no pod reads at all.
+    cluster.set_deployment_status(
+        "default", "m", replicas=1, readyReplicas=1, updatedReplicas=1, availableReplicas=1
+    )
+    converge(cluster, with_status(body, cluster), Events(), now=NOW)
+    cluster.calls.clear()
+    converge(cluster, with_status(body, cluster), Events(), now=NOW)
+    assert ("list", "Pod") not in cluster.calls and cluster.writes() == []

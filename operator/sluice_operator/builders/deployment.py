@@ -182,10 +182,14 @@ def desired_deployment(model: StreamingModel) -> dict[str, Any]:
 
     deployment_spec: dict[str, Any] = {
         "selector": {"matchLabels": selector_labels(model)},
-        # GPUs are scarce: replace pods one at a time instead of surging a spare one.
+        # Default surge 1 / unavailable 0: the old pods serve until the new one has loaded
+        # its model (minutes). maxSurge 0 replaces in place where no GPU is free for a surge.
         "strategy": {
             "type": "RollingUpdate",
-            "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+            "rollingUpdate": {
+                "maxSurge": spec.rollout.max_surge,
+                "maxUnavailable": spec.rollout.max_unavailable,
+            },
         },
         "revisionHistoryLimit": 3,
         "progressDeadlineSeconds": progress_deadline_seconds(model),

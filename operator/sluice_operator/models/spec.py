@@ -557,6 +557,50 @@ class StartupSpec(ApiModel):
     )
 
 
+class RolloutSpec(ApiModel):
+    """How a spec change replaces pods (the Deployment's rolling update)."""
+
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                cel(
+                    "self.maxSurge + self.maxUnavailable > 0",
+                    "rollout.maxSurge and rollout.maxUnavailable cannot both be 0 (nothing "
+                    "could be replaced); surge: maxSurge: 1; in place: maxUnavailable: 1",
+                ),
+            ]
+        }
+    }
+
+    max_surge: int = Field(
+        default=1,
+        ge=0,
+        le=100,
+        description="Extra pods started (with their GPUs) before old ones stop. The default 1 "
+        "keeps every ready replica serving while the new pod loads its model; it needs room "
+        "for one more pod. On a full cluster the surge pod waits (status says why): set 0 to "
+        "replace in place.",
+    )
+    max_unavailable: int = Field(
+        default=0,
+        ge=0,
+        le=100,
+        description="Ready pods that may stop before their replacement is ready. 0 (default): "
+        "never fewer than the current ready replicas. maxSurge: 0 with maxUnavailable: 1 "
+        "replaces in place (a one-replica model is down while the new pod loads). Also the "
+        "PodDisruptionBudget's maxUnavailable (at least 1, so node drains never block).",
+    )
+
+    @model_validator(mode="after")
+    def _something_moves(self) -> RolloutSpec:
+        if self.max_surge + self.max_unavailable == 0:
+            raise ValueError(
+                "rollout.maxSurge and rollout.maxUnavailable cannot both be 0 (nothing could be "
+                "replaced); surge: maxSurge: 1; in place: maxUnavailable: 1"
+            )
+        return self
+
+
 class LocalObjectReference(ApiModel):
     """A reference to an object by name in the same namespace."""
 
@@ -605,6 +649,9 @@ class StreamingModelSpec(ApiModel):
     ingress: IngressSpec = sub(IngressSpec, "Ingress settings.")
     limits: LimitsSpec = sub(LimitsSpec, "Request size limits (server and proxy alike).")
     startup: StartupSpec = sub(StartupSpec, "Startup budget of a new pod.")
+    rollout: RolloutSpec = sub(
+        RolloutSpec, "How spec changes replace pods: surge (default) or in place."
+    )
     image: Annotated[str, StringConstraints(min_length=1, max_length=512)] = Field(
         default=DEFAULT_IMAGE, description="Serving image (the Sluice server)."
     )
