@@ -32,7 +32,9 @@ class Cluster(Protocol):
 
     def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]: ...
 
-    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None: ...
+    def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        """Apply a JSON merge patch (RFC 7386: `null` deletes) to the status subresource."""
+        ...
 
 
 class KubeCluster:
@@ -111,9 +113,19 @@ class KubeCluster:
         )
         return (data or {}).get("items") or []
 
-    def patch_status(self, namespace, name, status):
+    def patch_status(self, namespace, name, patch):
+        """A merge patch of only what changed, nulls for what vanished (`status.status_patch`).
+
+        Why this and not the alternatives: server-side apply on /status would only remove
+        fields this manager applied before, not those earlier operator versions wrote with
+        merge patches (another managedFields entry), so upgraded clusters would keep stale
+        keys; a PUT of the object with its resourceVersion conflicts with kopf's own
+        annotation patches and sends the whole object. The diff is taken against the status
+        read under the model's lock, and the operator is the only writer of this status, so
+        it is exact; were it ever computed from a stale read, the next pass diffs again.
+        """
         sm = STREAMING_MODEL
         path = f"{collection_path(sm.api_version, sm.kind, namespace)}/{name}/status"
         self._call(
-            "PATCH", path, body={"status": status}, content_type="application/merge-patch+json"
+            "PATCH", path, body={"status": patch}, content_type="application/merge-patch+json"
         )

@@ -25,7 +25,7 @@ from .builders.common import selector_string
 from .builders.keda import keda_hpa_name
 from .cluster import Cluster
 from .kinds import CHILD_KINDS, HPA, KEDA_KIND, Kind, desired_children
-from .status import compute_status, invalid_status
+from .status import compute_status, deployment_settled, invalid_status, status_patch
 from .validation import SpecError, load_model
 
 HASH_ANNOTATION = "serving.sluice.dev/applied-hash"
@@ -109,10 +109,6 @@ def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _status_differs(current: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
-    return any(current.get(k) != v for k, v in new.items())
-
-
 def _spec_valid_message(status: Mapping[str, Any]) -> str | None:
     for c in status.get("conditions") or []:
         if c.get("type") == "SpecValid" and c.get("status") == "False":
@@ -130,14 +126,14 @@ def report_invalid(
     """SpecValid=False + one Event, once per distinct message (no storm on resync)."""
     meta = body["metadata"]
     current = body.get("status") or {}
-    new = invalid_status(message, meta.get("generation"), current, now or _now())
-    written = False
-    if _status_differs(current, new):
-        cluster.patch_status(meta["namespace"], meta["name"], new)
-        written = True
+    # The rest of the status (replicas, URL) still describes the pods of the last valid spec.
+    new = {**current, **invalid_status(message, meta.get("generation"), current, now or _now())}
+    patch = status_patch(current, new)
+    if patch:
+        cluster.patch_status(meta["namespace"], meta["name"], patch)
     if _spec_valid_message(current) != message:
         post_event("Warning", "InvalidSpec", message)
-    return written
+    return bool(patch)
 
 
 def converge(
@@ -213,13 +209,12 @@ def converge(
         converge_keda()
 
     deployment = live["Deployment"]
-    dstat = (deployment or {}).get("status") or {}
-    want = ((deployment or {}).get("spec") or {}).get("replicas", 1)
-    # Pods are only read when something is missing: they explain why (no GPUs, crash loop).
+    # Pods are only read when something is missing or a rollout is under way: they explain
+    # why (no GPUs for the new or the surge pod, crash loop).
     pods = (
-        []
-        if dstat.get("readyReplicas", 0) >= want
-        else cluster.list_pods(namespace, selector_string(model))
+        cluster.list_pods(namespace, selector_string(model))
+        if deployment is not None and not deployment_settled(deployment)
+        else []
     )
     hpa = live.get(HPA.kind)
     if backend == "keda":  # KEDA's own HPA has the reading and the decision
@@ -234,8 +229,6 @@ def converge(
         now or _now(),
         hpa=hpa,
     )
-    if "autoscaling" not in new_status and current_status.get("autoscaling") is not None:
-        new_status["autoscaling"] = None  # merge patch: null removes it
     if keda_error is not None:
         scaling = dict(new_status.get("autoscaling") or {})
         scaling["message"] = keda_problem(keda_error)
@@ -243,11 +236,10 @@ def converge(
             scaling["backend"] = "keda"  # a ScaledObject may still exist: keep cleaning up
         new_status["autoscaling"] = scaling
     outcome.phase = new_status["phase"]
-    if _status_differs(current_status, new_status):
-        changed = sorted(k for k, v in new_status.items() if current_status.get(k) != v)
-        diff = {k: (current_status.get(k), new_status[k]) for k in changed}
-        log.info(f"status of {namespace}/{name} changed: {str(diff)[:2000]}")
-        cluster.patch_status(namespace, name, new_status)
+    patch = status_patch(current_status, new_status)
+    if patch:
+        log.info(f"status of {namespace}/{name} changed: {str(patch)[:2000]}")
+        cluster.patch_status(namespace, name, patch)
         outcome.status_written = True
 
     if outcome.applied or outcome.deleted:

@@ -171,6 +171,57 @@ def invalid_status(
     }
 
 
+def status_patch(current: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch (RFC 7386) that turns `current` into `new`; empty when equal.
+
+    Nested objects are diffed key by key, so a key that vanished from `new` (at any depth:
+    `autoscaling.message`, one entry of `endpoints`, all of `autoscaling`) becomes `null`,
+    which deletes it. Lists (conditions) are replaced whole, as RFC 7386 does. A `None` in
+    `new` means "absent". Sending the whole new status as a merge patch instead only ever
+    adds keys: a vanished one stays forever and the status differs on every pass.
+    """
+    patch: dict[str, Any] = {}
+    for key in current.keys() | new.keys():
+        have, want = current.get(key), new.get(key)
+        if want is None:
+            if have is not None:
+                patch[key] = None
+        elif isinstance(want, Mapping) and isinstance(have, Mapping):
+            sub = status_patch(have, want)
+            if sub:
+                patch[key] = sub
+        elif want != have:
+            patch[key] = _without_nulls(want)
+    return patch
+
+
+def _without_nulls(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    return value
+
+
+def _rolling(deployment: Mapping[str, Any]) -> bool:
+    """A rollout is under way: new spec not yet seen, not all pods updated, old ones left."""
+    dspec = deployment.get("spec") or {}
+    dstat = deployment.get("status") or {}
+    desired = dspec.get("replicas", 1)
+    dgen = (deployment.get("metadata") or {}).get("generation")
+    seen = dstat.get("observedGeneration")
+    return (
+        (dgen is not None and seen is not None and seen < dgen)
+        or dstat.get("updatedReplicas", 0) < desired
+        or dstat.get("replicas", 0) > desired  # old pods still terminating, or a surge pod
+    )
+
+
+def deployment_settled(deployment: Mapping[str, Any]) -> bool:
+    """All wanted replicas ready and no rollout under way: the pods have nothing to explain."""
+    desired = (deployment.get("spec") or {}).get("replicas", 1)
+    ready = (deployment.get("status") or {}).get("readyReplicas", 0)
+    return ready >= desired and not _rolling(deployment)
+
+
 def compute_status(
     model: StreamingModel,
     generation: int | None,
@@ -217,22 +268,25 @@ def compute_status(
     current = dstat.get("replicas", 0)
     ready = dstat.get("readyReplicas", 0)
     updated = dstat.get("updatedReplicas", 0)
-    dgen = (deployment.get("metadata") or {}).get("generation")
-    seen = dstat.get("observedGeneration")
     progressing = _dep_condition(deployment, "Progressing")
     deadline = progressing.get("reason") == "ProgressDeadlineExceeded"
-    rolling = (
-        (dgen is not None and seen is not None and seen < dgen)
-        or updated < desired
-        or current > desired  # old pods still terminating
-    )
+    rolling = _rolling(deployment)
     unschedulable, stuck = pod_problems(pods)
+    # A surge rollout whose new pod finds no room: every old replica still serves.
+    waiting_for_room = rolling and ready >= desired > 0 and unschedulable and not stuck
 
     out.update(replicas=current, readyReplicas=ready, ready=f"{ready}/{desired}")
     if desired == 0:
         phase, message = "Pending", "scaled to 0 replicas"
     elif ready >= desired and not rolling:
         phase, message = "Ready", f"{ready}/{desired} replicas ready"
+    elif waiting_for_room:
+        phase = "Progressing"
+        message = (
+            f"rollout waiting: the new pod cannot be scheduled, {ready}/{desired} old replicas "
+            "keep serving; " + "; ".join(unschedulable[:3]) + " (free a GPU, or set "
+            "spec.rollout.maxSurge: 0 and maxUnavailable: 1 to replace pods in place)"
+        )
     elif ready > 0 and (stuck or deadline or unschedulable):
         phase = "Degraded"
         message = f"{ready}/{desired} replicas ready; " + "; ".join(
@@ -262,6 +316,8 @@ def compute_status(
         )
     elif phase == "Failed":
         prog = _cond("Progressing", False, "ContainersFailing", message)
+    elif waiting_for_room:
+        prog = _cond("Progressing", True, "SurgePodUnschedulable", message)
     elif rolling or phase == "Progressing":
         prog = _cond("Progressing", True, "RollingOut", message)
     elif phase == "Pending" and desired > 0:

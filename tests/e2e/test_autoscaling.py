@@ -507,11 +507,6 @@ def test_4_status_shows_desired_replicas_and_last_ttft_reading(run):
     assert run["phases"]["C"]["status"]["autoscaling"]["currentTTFTMilliseconds"] == 0
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="intermittent (1 run of 2): the operator kept status.autoscaling.message from the "
-    "HPA's first sync ('no metrics returned') after the metric was read; reported to O1",
-)
 def test_4_status_message_clears_once_the_metric_is_read(run):
     c = run["phases"]["C"]
     assert ("ScalingActive", "True", "ValidMetricFound") in c["hpa_conditions_now"]

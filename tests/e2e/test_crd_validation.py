@@ -109,3 +109,42 @@ def test_tp_times_pp_equal_to_gpus_is_accepted(admin, crd):
     body = copy.deepcopy(BASE)
     body["spec"].update({"resources": {"gpus": 8}, "parallelism": {"tensor": 4, "pipeline": 2}})
     assert _create(admin, body)["spec"]["parallelism"] == {"tensor": 4, "pipeline": 2}
+
+
+def _vllm_reserved_spellings() -> list[str]:
+    """Every option string vLLM's parser has for a flag the operator sets, its underscore
+    spelling and its shortest abbreviations (read from vLLM, not from our list)."""
+    try:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:
+        return []
+    from sluice_operator.models.flags import RESERVED_VLLM_DESTS
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    out = []
+    for action in parser._actions:
+        if action.dest in RESERVED_VLLM_DESTS:
+            for option in action.option_strings:
+                out += [option, f"{option}=2"]
+                if option.startswith("--"):
+                    out += ["--" + option[2:].replace("-", "_"), option[:-1]]
+    return sorted(set(out))
+
+
+def test_every_vllm_spelling_of_a_reserved_flag_is_rejected(admin, crd):
+    spellings = _vllm_reserved_spellings()
+    if not spellings:
+        pytest.skip("vllm is not installed")
+    body = yaml.safe_load((SAMPLES / "chat-small.yaml").read_text())
+    accepted = []
+    for arg in spellings:
+        bad = copy.deepcopy(body)
+        bad["spec"].setdefault("engine", {})["extraArgs"] = [arg]
+        try:
+            status, message = _rejection(admin, bad)
+        except pytest.fail.Exception:
+            accepted.append(arg)
+            continue
+        assert status == 422 and "engine.extraArgs must not repeat flags" in message, message
+    assert accepted == [], accepted

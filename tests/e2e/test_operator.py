@@ -337,3 +337,45 @@ def test_hpa_is_accepted_and_targets_the_server_metric(operator, models, namespa
         controller_tried, timeout=45, interval=1, what="the HPA controller to evaluate the HPA"
     )
     assert target.metric.name in active.message, active
+
+
+def test_removed_endpoint_leaves_status_and_status_then_settles(
+    operator, models, namespace, control_plane, operator_user
+):
+    """Status is written as a diff with nulls for what vanished: dropping WebSocket removes
+    its endpoint from status (a whole-status merge patch kept it forever and re-wrote the
+    status on every pass), and a resync afterwards writes nothing."""
+    body = load_sample("chat-small.yaml", namespace)
+    body["spec"]["streaming"] = {"protocols": ["sse", "websocket"]}
+    name = body["metadata"]["name"]
+    models.create(body)
+    wait_for(
+        lambda: (
+            "websocket"
+            in ((models.get(namespace, name).get("status") or {}).get("endpoints") or {})
+        ),
+        timeout=20,
+        what="the WebSocket endpoint in status",
+    )
+    models.patch(namespace, name, {"spec": {"streaming": {"protocols": ["sse"]}}})
+    status = wait_for(
+        lambda: (
+            (s := models.get(namespace, name).get("status") or {})
+            and s.get("observedGeneration") == 2
+            and "websocket" not in (s.get("endpoints") or {})
+            and s
+        ),
+        timeout=20,
+        what="the WebSocket endpoint to leave status",
+    )
+    assert set(status["endpoints"]) == {"openai", "sse"}
+    settle(models, namespace, name)
+    mark = control_plane.audit_mark()
+    operator.restart()
+    time.sleep(8)
+    writes = [
+        e
+        for e in control_plane.audit_events(operator_user, since=mark)
+        if e.get("objectRef", {}).get("namespace") == namespace and is_write(e)
+    ]
+    assert writes == [], [f"{e['verb']} {e['objectRef']}" for e in writes]

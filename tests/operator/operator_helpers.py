@@ -71,11 +71,28 @@ class Events(list):
         self.append((type_, reason, message))
 
 
+def merge_patch(target, patch):
+    """RFC 7386 JSON merge patch, as the API server applies `application/merge-patch+json`:
+    objects merge key by key (recursively), `null` deletes the key, anything else (lists
+    included) replaces the value."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = copy.deepcopy(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out
+
+
 def with_status(body, cluster):
-    """The object as the next watch event would deliver it (status patched)."""
+    """The object as the next watch event would deliver it (status as the fake stores it)."""
     body = copy.deepcopy(body)
-    for patch in cluster.status_patches:
-        body.setdefault("status", {}).update(patch)
+    meta = body["metadata"]
+    key = (meta["namespace"], meta["name"])
+    if key in cluster.stored_status:
+        body["status"] = copy.deepcopy(cluster.stored_status[key])
     return body
 
 
@@ -87,7 +104,9 @@ class FakeCluster:
         self.objects: dict[tuple[str, str, str], dict] = {}
         self.pods: list[dict] = []
         self.calls: list[tuple[str, str]] = []
-        self.status_patches: list[dict] = []
+        self.status_patches: list[dict] = []  # the merge patches, as sent
+        self.statuses: list[dict] = []  # the whole status after each patch
+        self.stored_status: dict[tuple[str, str], dict] = {}  # (namespace, name) -> stored status
         self.fail_with = None  # exception to raise on the next write
 
     def _key(self, kind, namespace, name):
@@ -130,12 +149,16 @@ class FakeCluster:
         self.calls.append(("list", "Pod"))
         return copy.deepcopy(self.pods)
 
-    def patch_status(self, namespace, name, status):
+    def patch_status(self, namespace, name, patch):
         self.calls.append(("patch_status", "StreamingModel"))
-        self.status_patches.append(copy.deepcopy(status))
+        self.status_patches.append(copy.deepcopy(patch))
         stored = self.objects.get(("StreamingModel", namespace, name))
-        if stored is not None:  # a JSON merge patch of .status
-            stored.setdefault("status", {}).update(copy.deepcopy(status))
+        before = self.stored_status.get((namespace, name), (stored or {}).get("status") or {})
+        after = merge_patch(before, patch)
+        self.stored_status[(namespace, name)] = after
+        self.statuses.append(copy.deepcopy(after))
+        if stored is not None:
+            stored["status"] = copy.deepcopy(after)
 
     def store(self, body: dict) -> dict:
         """Put a StreamingModel into the fake API server (handlers read it fresh)."""

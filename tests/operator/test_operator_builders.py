@@ -8,18 +8,14 @@ import itertools
 import pytest
 from operator_helpers import minimal
 from sluice_operator.builders.args import server_args
-from sluice_operator.builders.deployment import (
-    STARTUP_FAILURE_THRESHOLD,
-    STARTUP_PERIOD_SECONDS,
-    desired_deployment,
-)
+from sluice_operator.builders.deployment import desired_deployment
 from sluice_operator.builders.hpa import desired_hpa, ttft_metric_name
 from sluice_operator.builders.ingress import desired_ingress
 from sluice_operator.builders.pdb import desired_pdb
 from sluice_operator.builders.service import desired_service
 from sluice_operator.kinds import desired_children
 from sluice_operator.models.resource import StreamingModel
-from sluice_operator.validation import load_model
+from sluice_operator.validation import SpecError, load_model
 
 DESIGN_LABELS = {
     "app.kubernetes.io/name": "sluice-server",
@@ -225,14 +221,13 @@ def test_probes_drain_rollout_and_security():
     assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     startup = c["startupProbe"]
-    assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60  # tens of minutes
-    assert (
-        dep["spec"]["progressDeadlineSeconds"] > STARTUP_PERIOD_SECONDS * STARTUP_FAILURE_THRESHOLD
-    )
+    assert startup["periodSeconds"] * startup["failureThreshold"] == 30 * 60  # the default
+    assert dep["spec"]["progressDeadlineSeconds"] > 30 * 60
     assert c["lifecycle"]["preStop"] == {"sleep": {"seconds": 5}}
     assert pod["terminationGracePeriodSeconds"] >= 900 + 5
     assert flag(c["args"], "--drain-timeout-seconds") == "900"
-    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    # Default: surge one pod, none unavailable (the old pods serve while the new one loads).
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
     sc = c["securityContext"]
     assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
     assert (
@@ -350,7 +345,6 @@ def test_ingress_community_annotations_timeouts_and_user_override():
             "host": "m.example.com",
             "path": "/llm",
             "tlsSecretName": "tls",
-            "maxBodySize": "8m",
             "annotations": {"nginx.ingress.kubernetes.io/proxy-body-size": "32m", "extra": "1"},
         },
     )
@@ -393,7 +387,7 @@ def test_ingress_f5_annotations(ingress, f5):
     if f5:
         assert ann["nginx.org/proxy-buffering"] == "false"
         assert ann["nginx.org/proxy-read-timeout"] == ann["nginx.org/proxy-send-timeout"] == "330s"
-        assert ann["nginx.org/client-max-body-size"] == "16m"
+        assert ann["nginx.org/client-max-body-size"] == str(16 * 2**20)
         assert ann["nginx.org/websocket-services"] == "m"
         assert not any(k.startswith("nginx.ingress.kubernetes.io/") for k in ann)
     else:
@@ -446,6 +440,29 @@ def test_autoscaling_disabled_flag_keeps_replicas():
     assert desired_pdb(m) is not None
 
 
+@pytest.mark.parametrize(
+    "rollout, strategy, pdb_unavailable",
+    [
+        ({}, {"maxSurge": 1, "maxUnavailable": 0}, 1),  # a PDB of 0 would block drains forever
+        ({"maxSurge": 0, "maxUnavailable": 1}, {"maxSurge": 0, "maxUnavailable": 1}, 1),
+        ({"maxSurge": 2, "maxUnavailable": 2}, {"maxSurge": 2, "maxUnavailable": 2}, 2),
+    ],
+)
+def test_rollout_sets_the_strategy_and_the_pdb(rollout, strategy, pdb_unavailable):
+    m = model(replicas=3, rollout=rollout)
+    assert desired_deployment(m)["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": strategy,
+    }
+    assert desired_pdb(m)["spec"]["maxUnavailable"] == pdb_unavailable
+    assert desired_pdb(m)["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+
+
+def test_rollout_needs_surge_or_unavailable():
+    with pytest.raises(SpecError, match="cannot both be 0"):
+        load_model(minimal(rollout={"maxSurge": 0, "maxUnavailable": 0}))
+
+
 @pytest.mark.parametrize("replicas,pdb", [(0, False), (1, False), (2, True)])
 def test_pdb_only_when_more_than_one_replica(replicas, pdb):
     got = desired_pdb(model(replicas=replicas))
@@ -453,3 +470,35 @@ def test_pdb_only_when_more_than_one_replica(replicas, pdb):
     if got:
         assert got["spec"]["maxUnavailable"] == 1
         assert got["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+
+
+@pytest.mark.parametrize("timeout, failures", [(60, 6), (1800, 180), (3605, 361), (7200, 720)])
+def test_startup_budget_sets_the_probe_and_the_progress_deadline(timeout, failures):
+    dep = desired_deployment(model(startup={"timeoutSeconds": timeout}))
+    startup = container(dep)["startupProbe"]
+    assert startup["failureThreshold"] == failures and startup["periodSeconds"] == 10
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= timeout
+    assert dep["spec"]["progressDeadlineSeconds"] == 10 * failures + 600
+
+
+@pytest.mark.parametrize(
+    "spec, want",
+    [
+        ({}, 16 * 2**20),
+        ({"limits": {"maxRequestBytes": 4_000_000}}, 4_000_000),
+        ({"ingress": {"maxBodySize": "8m"}}, 8 * 2**20),  # deprecated field still honoured
+        ({"ingress": {"maxBodySize": "512k"}, "limits": {"maxRequestBytes": 2048}}, 2048),
+    ],
+)
+@pytest.mark.parametrize("ingress_class", ["nginx", "nginx-org"])
+def test_one_request_body_limit_for_server_and_ingress(spec, want, ingress_class):
+    ingress = {**spec.get("ingress", {}), "enabled": True, "className": ingress_class}
+    m = model(**{**spec, "ingress": ingress})
+    assert flag(container(desired_deployment(m))["args"], "--max-body-bytes") == str(want)
+    ann = desired_ingress(m)["metadata"]["annotations"]
+    key = (
+        "nginx.org/client-max-body-size"
+        if ingress_class == "nginx-org"
+        else "nginx.ingress.kubernetes.io/proxy-body-size"
+    )
+    assert ann[key] == str(want)

@@ -11,7 +11,8 @@ import yaml
 from operator_helpers import INVALID_SAMPLES, SAMPLES, expectations, load
 from sluice_operator.generate.crd import build_crd, render_crd
 from sluice_operator.generate.outputs import CRD_PATHS, stale_files
-from sluice_operator.models.spec import _RESERVED_RE, MODEL_URI_PATTERN
+from sluice_operator.models.flags import RESERVED_RE
+from sluice_operator.models.spec import MODEL_URI_PATTERN
 from sluice_operator.validation import SpecError, parse_object
 from testkit.k8s import K8S_VERSIONS
 from testkit.repo import ROOT
@@ -187,10 +188,10 @@ def test_model_uri_pattern(uri, ok):
 
 
 def test_reserved_flag_pattern():
-    assert re.match(_RESERVED_RE, "--tensor-parallel-size=2")
-    assert re.match(_RESERVED_RE, "--model")
-    assert not re.match(_RESERVED_RE, "--enable-prefix-caching")
-    assert not re.match(_RESERVED_RE, "--model-loader-extra-config={}")
+    assert re.match(RESERVED_RE, "--tensor-parallel-size=2")
+    assert re.match(RESERVED_RE, "--model")
+    assert not re.match(RESERVED_RE, "--enable-prefix-caching")
+    assert not re.match(RESERVED_RE, "--model-loader-extra-config={}")
 
 
 @pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.stem)
@@ -279,3 +280,18 @@ def test_unguarded_optional_reference_is_caught():
     node = {"properties": {"x": {"type": "array"}}}
     assert not _present_after_defaulting(node, ["x"], "self.x.all(a, a != '')")
     assert _present_after_defaulting(node, ["x"], "!has(self.x) || self.x.all(a, a != '')")
+
+
+def test_readme_names_the_printer_columns_kubectl_shows():
+    """The README's `kubectl get streamingmodels` lines list exactly the default columns, and
+    the `-o wide` line exactly the wide-only (priority 1) ones, in the CRD's order."""
+    from sluice_operator.generate.crd import PRINTER_COLUMNS
+
+    text = (ROOT / "README.md").read_text()
+    default = re.search(r"^kubectl get streamingmodels +# (.+)$", text, re.M)
+    wide = re.search(r"^kubectl get streamingmodels -o wide +# adds (.+)$", text, re.M)
+    assert default and wide, "README.md lost its kubectl get streamingmodels lines"
+    assert default.group(1).split(", ") == [
+        c["name"] for c in PRINTER_COLUMNS if not c.get("priority")
+    ]
+    assert wide.group(1).split(", ") == [c["name"] for c in PRINTER_COLUMNS if c.get("priority")]

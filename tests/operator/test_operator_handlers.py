@@ -8,7 +8,14 @@ from types import SimpleNamespace
 import kopf
 import pytest
 from kubernetes.client.exceptions import ApiException
-from operator_helpers import Events, FakeCluster, body_of, minimal, with_status
+from operator_helpers import (
+    Events,
+    FakeCluster,
+    body_of,
+    merge_patch,
+    minimal,
+    with_status,
+)
 from sluice_operator import handlers
 from sluice_operator.reconcile import HASH_ANNOTATION, contains, converge
 from sluice_operator.validation import SpecError
@@ -111,7 +118,7 @@ def test_update_reapplies_changed_children_and_removes_optional_ones(cluster):
     assert out.deleted == ["Ingress", "HorizontalPodAutoscaler", "PodDisruptionBudget"]
     assert cluster.objects[("Deployment", "models", "llama-70b")]["spec"]["replicas"] == 1
     assert events[0][1] == "Reconciled" and "deleted Ingress" in events[0][2]
-    assert cluster.status_patches[-1]["observedGeneration"] == 2
+    assert cluster.statuses[-1]["observedGeneration"] == 2
 
 
 def test_optional_child_not_owned_is_left_alone(cluster):
@@ -219,7 +226,7 @@ def test_child_event_restores_and_updates_status(cluster, monkeypatch):
     child = cluster.objects[("Deployment", "default", "m")]
     handlers._owner_changed(child, "default", SimpleNamespace(cluster=cluster), LOG, "MODIFIED")
     assert ("Service", "default", "m") in cluster.objects
-    assert cluster.status_patches[-1]["phase"] == "Ready"
+    assert cluster.statuses[-1]["phase"] == "Ready"
 
 
 def test_child_event_for_deleted_parent_does_nothing(cluster):
@@ -262,7 +269,7 @@ def test_api_server_rejecting_a_child_is_reported_as_invalid_spec(cluster, monke
     body = body_of(minimal(resources={"affinity": {"nodeAffinity": {"bogus": 1}}}))
     with pytest.raises(kopf.PermanentError, match="rejected the Service"):
         handlers.reconcile(**_kwargs(cluster, body))
-    cond = {c["type"]: c for c in cluster.status_patches[-1]["conditions"]}["SpecValid"]
+    cond = {c["type"]: c for c in cluster.statuses[-1]["conditions"]}["SpecValid"]
     assert cond["status"] == "False" and "spec.template.spec.affinity: bad" in cond["message"]
     assert [p["reason"] for p in posted] == ["InvalidSpec"]
 
@@ -311,4 +318,106 @@ def test_turning_autoscaling_off_removes_its_status(cluster):
     assert body["status"]["autoscaling"]["metric"] == "sluice_ttft_p90_seconds"
     body["spec"]["autoscaling"] = None
     converge(cluster, body, Events(), now=NOW)
-    assert cluster.status_patches[-1]["autoscaling"] is None  # JSON merge patch: removes it
+    assert cluster.status_patches[-1]["autoscaling"] is None  # merge patch: null removes it
+    assert "autoscaling" not in cluster.statuses[-1]
+
+
+# RFC 7386's own examples (appendix A): the fake applies status patches exactly like this.
+@pytest.mark.parametrize(
+    "target, patch, result",
+    [
+        ({"a": "b"}, {"a": "c"}, {"a": "c"}),
+        ({"a": "b"}, {"b": "c"}, {"a": "b", "b": "c"}),
+        ({"a": "b"}, {"a": None}, {}),
+        ({"a": "b", "b": "c"}, {"a": None}, {"b": "c"}),
+        ({"a": ["b"]}, {"a": "c"}, {"a": "c"}),
+        ({"a": "c"}, {"a": ["b"]}, {"a": ["b"]}),
+        ({"a": {"b": "c"}}, {"a": {"b": "d", "c": None}}, {"a": {"b": "d"}}),
+        ({"a": [{"b": "c"}]}, {"a": [1]}, {"a": [1]}),
+        ({"e": None}, {"a": 1}, {"e": None, "a": 1}),
+        ({}, {"a": {"bb": {"ccc": None}}}, {"a": {"bb": {}}}),
+    ],
+)
+def test_fake_applies_rfc7386_merge_patches(target, patch, result):
+    assert merge_patch(target, patch) == result
+
+
+def _hpa_with_message(cluster, message):
+    cluster.objects[("HorizontalPodAutoscaler", "default", "m")]["status"] = {
+        "currentReplicas": 1,
+        "conditions": [{"type": "ScalingActive", "status": "False", "message": message}]
+        if message
+        else [{"type": "ScalingActive", "status": "True", "reason": "ValidMetricFound"}],
+    }
+
+
+def test_vanished_status_keys_are_removed_and_status_settles(cluster):
+    """The HPA's 'no metrics' message and a dropped endpoint leave status, and the pass after
+    that writes nothing: the status the operator wants is the status stored."""
+    body = body_of(minimal(autoscaling={"maxReplicas": 3}))
+    converge(cluster, body, Events(), now=NOW)
+    _hpa_with_message(cluster, "unable to get metric: no metrics returned")
+    converge(cluster, with_status(body, cluster), Events(), now=NOW)
+    body = with_status(body, cluster)
+    assert body["status"]["autoscaling"]["message"].startswith("unable to get metric")
+    assert set(body["status"]["endpoints"]) == {"openai", "sse", "websocket"}
+
+    _hpa_with_message(cluster, None)
+    body["spec"]["streaming"] = {"protocols": ["sse"]}
+    converge(cluster, body, Events(), now=NOW)
+    assert cluster.status_patches[-1]["autoscaling"]["message"] is None
+    assert cluster.status_patches[-1]["endpoints"] == {"websocket": None}
+    body = with_status(body, cluster)
+    assert "message" not in body["status"]["autoscaling"]
+    assert set(body["status"]["endpoints"]) == {"openai", "sse"}
+    cluster.calls.clear()
+    out = converge(cluster, body, Events(), now=NOW)
+    assert not out.status_written and cluster.writes() == []
+
+
+def test_whole_status_as_merge_patch_never_forgets(cluster):
+    """Negative control: the fake has the API server's merge semantics, so the old write (the
+    whole new status as a merge patch) keeps the vanished key and differs on every pass."""
+    cluster.stored_status[("default", "m")] = {
+        "autoscaling": {"backend": "hpa", "message": "unable"}
+    }
+    cluster.patch_status("default", "m", {"autoscaling": {"backend": "hpa"}})
+    assert cluster.stored_status[("default", "m")]["autoscaling"]["message"] == "unable"
+
+
+def test_surge_rollout_reads_pods_and_reports_the_unschedulable_surge_pod(cluster):
+    """All wanted replicas ready but a rollout under way: the pods are read, so a surge pod
+    that found no GPU is named in status with the scheduler's reason."""
+    body = body_of(minimal())
+    converge(cluster, body, Events(), now=NOW)
+    cluster.set_deployment_status(
+        "default", "m", replicas=2, readyReplicas=1, updatedReplicas=0, availableReplicas=1
+    )
+    cluster.pods = [
+        {
+            "metadata": {"name": "m-new"},
+            "status": {
+                "conditions": [
+                    {
+                        "type": "PodScheduled",
+                        "status": "False",
+                        "reason": "Unschedulable",
+                        "message": "0/1 nodes are available: 1 Insufficient nvidia.com/gpu.",
+                    }
+                ]
+            },
+        }
+    ]
+    cluster.calls.clear()
+    converge(cluster, with_status(body, cluster), Events(), now=NOW)
+    assert ("list", "Pod") in cluster.calls
+    status = cluster.statuses[-1]
+    assert status["phase"] == "Progressing" and "Insufficient nvidia.com/gpu" in status["message"]
+    # Settled (rollout done): no pod reads at all.
+    cluster.set_deployment_status(
+        "default", "m", replicas=1, readyReplicas=1, updatedReplicas=1, availableReplicas=1
+    )
+    converge(cluster, with_status(body, cluster), Events(), now=NOW)
+    cluster.calls.clear()
+    converge(cluster, with_status(body, cluster), Events(), now=NOW)
+    assert ("list", "Pod") not in cluster.calls and cluster.writes() == []

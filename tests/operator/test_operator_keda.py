@@ -257,7 +257,7 @@ def test_keda_model_gets_a_scaled_object_and_no_hpa_then_noop_resync_writes_noth
     assert ("HorizontalPodAutoscaler", "default", "m") not in cluster.objects
     so = cluster.objects[("ScaledObject", "default", "m")]
     assert so["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
-    assert cluster.status_patches[-1]["autoscaling"]["backend"] == "keda"
+    assert cluster.statuses[-1]["autoscaling"]["backend"] == "keda"
     # KEDA's HPA (not ours) is read for the status.
     assert ("get", "HorizontalPodAutoscaler") in cluster.calls
     body = with_status(body, cluster)
@@ -289,7 +289,7 @@ def test_kedas_hpa_status_is_mirrored():
         },
     }
     converge(cluster, body, Events(), now=NOW)
-    scaling = cluster.status_patches[-1]["autoscaling"]
+    scaling = cluster.statuses[-1]["autoscaling"]
     assert (scaling["desiredReplicas"], scaling["currentTTFTMilliseconds"]) == (2, 812)
     assert ("HorizontalPodAutoscaler", "default", "keda-hpa-m") in cluster.objects
 
@@ -330,7 +330,7 @@ def test_switching_backends_never_leaves_two_autoscalers():
     body, out, writes = _switch(cluster, body, {"maxReplicas": 3, "backend": "hpa"})
     assert writes == [("delete", "ScaledObject"), ("apply", "HorizontalPodAutoscaler")]
     assert ("ScaledObject", "default", "m") not in cluster.objects
-    assert cluster.status_patches[-1]["autoscaling"]["backend"] == "hpa"
+    assert cluster.statuses[-1]["autoscaling"]["backend"] == "hpa"
 
     # hpa -> keda -> off: the ScaledObject goes, replicas come back to the Deployment.
     body, out, writes = _switch(cluster, body, {"maxReplicas": 3, "backend": "keda"})
@@ -340,7 +340,7 @@ def test_switching_backends_never_leaves_two_autoscalers():
         "default",
         "m",
     ) not in cluster.objects
-    assert cluster.status_patches[-1]["autoscaling"] is None
+    assert "autoscaling" not in cluster.statuses[-1]
     # ...and once the status forgot KEDA, later passes do not look for ScaledObjects again.
     cluster.calls.clear()
     converge(cluster, with_status(body, cluster), Events(), now=NOW)
@@ -398,7 +398,7 @@ def test_missing_keda_is_reported_the_rest_converges_and_the_pass_is_retried(sta
     with pytest.raises(ApiException):
         converge(cluster, body, events, now=NOW)
     assert {k[0] for k in cluster.objects} == {"Service", "Deployment", "PodDisruptionBudget"}
-    scaling = cluster.status_patches[-1]["autoscaling"]
+    scaling = cluster.statuses[-1]["autoscaling"]
     assert scaling["backend"] == "keda" and says in scaling["message"]
     assert [e[:2] for e in events] == [("Normal", "Reconciled"), ("Warning", "KedaUnavailable")]
     # The retry (same failure) neither rewrites the status nor repeats the Warning.
@@ -417,7 +417,7 @@ def test_missing_keda_is_reported_the_rest_converges_and_the_pass_is_retried(sta
     cluster.status = 200
     converge(cluster, body, Events(), now=NOW)
     assert ("ScaledObject", "default", "m") in cluster.objects
-    assert "message" not in cluster.status_patches[-1]["autoscaling"]
+    assert "message" not in cluster.statuses[-1]["autoscaling"]
 
 
 def test_other_api_errors_on_the_scaled_object_still_propagate():

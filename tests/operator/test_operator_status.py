@@ -280,3 +280,25 @@ def test_autoscaling_status_says_why_the_metric_is_missing():
 
 def test_no_autoscaling_status_without_autoscaling():
     assert "autoscaling" not in compute_status(model(), 1, deployment(ready=2), [], None, None, NOW)
+
+
+def test_surge_pod_without_room_says_why_while_old_pods_serve():
+    # One replica rolling out with maxSurge 1: the old pod is ready, the new one is Pending.
+    dep = deployment(replicas=1, ready=1, updated=0, current=2, generation=2, observed=2)
+    status = compute_status(model(replicas=1), 2, dep, [pending_pod()], None, None, NOW)
+    c = conds(status)
+    assert status["phase"] == "Progressing" and status["readyReplicas"] == 1
+    assert "cannot be scheduled" in status["message"]
+    assert "0/3 nodes are available: 3 Insufficient nvidia.com/gpu" in status["message"]
+    assert "maxSurge: 0" in status["message"]  # what to do on a full cluster
+    assert c["Progressing"]["reason"] == "SurgePodUnschedulable"
+    assert c["Available"]["status"] == "True" and c["Ready"]["status"] == "False"
+    StreamingModelStatus.model_validate(status)
+
+
+def test_surge_waiting_needs_the_old_replicas_ready():
+    # Negative control: nothing ready and a Pending pod is the plain "no GPUs" case.
+    dep = deployment(replicas=1, ready=0, updated=0, current=2, generation=2, observed=2)
+    status = compute_status(model(replicas=1), 2, dep, [pending_pod()], None, None, NOW)
+    assert status["phase"] == "Pending"
+    assert conds(status)["Progressing"]["reason"] != "SurgePodUnschedulable"

@@ -55,6 +55,7 @@ def server_args(model: StreamingModel) -> list[str]:
     args += ["--max-concurrent-streams", str(s.max_concurrent_streams)]
     args += ["--stream-timeout-seconds", str(s.stream_timeout_seconds)]
     args += ["--drain-timeout-seconds", str(drain_seconds(model))]
+    args += ["--max-body-bytes", str(spec.max_request_bytes)]
 
     auth = spec.auth
     if auth.api_key_secret_ref:

@@ -9,11 +9,22 @@ from .args import PRESTOP_SECONDS, server_args, termination_grace_seconds
 from .common import PORT, PORT_NAME, labels, metadata, selector_labels
 
 # Loading a large model (download + weights into GPU memory + CUDA graphs) takes tens of
-# minutes; the startup probe holds liveness off that long. The Deployment's progress
-# deadline must be longer, or a slow first start is reported as a failed rollout.
+# minutes; the startup probe holds liveness off for spec.startup.timeoutSeconds. The
+# Deployment's progress deadline must be longer, or a slow first start is reported as a
+# failed rollout.
 STARTUP_PERIOD_SECONDS = 10
-STARTUP_FAILURE_THRESHOLD = 180  # 30 minutes
-PROGRESS_DEADLINE_SECONDS = STARTUP_PERIOD_SECONDS * STARTUP_FAILURE_THRESHOLD + 600
+PROGRESS_MARGIN_SECONDS = 600
+
+
+def startup_failure_threshold(model: StreamingModel) -> int:
+    """Probes of STARTUP_PERIOD_SECONDS covering at least the startup budget."""
+    return -(-model.spec.startup.timeout_seconds // STARTUP_PERIOD_SECONDS)
+
+
+def progress_deadline_seconds(model: StreamingModel) -> int:
+    return STARTUP_PERIOD_SECONDS * startup_failure_threshold(model) + PROGRESS_MARGIN_SECONDS
+
+
 # The serving image runs as this non-root user (fsGroup makes the cache and secrets readable).
 RUN_AS = 65532
 
@@ -130,7 +141,7 @@ def desired_deployment(model: StreamingModel) -> dict[str, Any]:
         "env": _env(model),
         "resources": _resources(model),
         "volumeMounts": mounts,
-        "startupProbe": _probe("/health", STARTUP_PERIOD_SECONDS, STARTUP_FAILURE_THRESHOLD),
+        "startupProbe": _probe("/health", STARTUP_PERIOD_SECONDS, startup_failure_threshold(model)),
         "readinessProbe": _probe("/ready", 5, 2),
         "livenessProbe": _probe("/health", 15, 4),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SECONDS}}},
@@ -171,13 +182,17 @@ def desired_deployment(model: StreamingModel) -> dict[str, Any]:
 
     deployment_spec: dict[str, Any] = {
         "selector": {"matchLabels": selector_labels(model)},
-        # GPUs are scarce: replace pods one at a time instead of surging a spare one.
+        # Default surge 1 / unavailable 0: the old pods serve until the new one has loaded
+        # its model (minutes). maxSurge 0 replaces in place where no GPU is free for a surge.
         "strategy": {
             "type": "RollingUpdate",
-            "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+            "rollingUpdate": {
+                "maxSurge": spec.rollout.max_surge,
+                "maxUnavailable": spec.rollout.max_unavailable,
+            },
         },
         "revisionHistoryLimit": 3,
-        "progressDeadlineSeconds": PROGRESS_DEADLINE_SECONDS,
+        "progressDeadlineSeconds": progress_deadline_seconds(model),
         "template": {
             "metadata": {
                 "labels": {**spec.pod_labels, **labels(model)},

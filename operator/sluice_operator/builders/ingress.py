@@ -28,7 +28,7 @@ def controller(model: StreamingModel) -> str:
 def streaming_annotations(model: StreamingModel) -> dict[str, str]:
     spec = model.spec
     timeout = spec.streaming.stream_timeout_seconds + TIMEOUT_MARGIN_SECONDS
-    body = str(spec.ingress.max_body_size)
+    body = str(spec.max_request_bytes)  # the server's --max-body-bytes: one limit
     if controller(model) == "f5-nginx":
         out = {
             "nginx.org/proxy-buffering": "false",

@@ -1,4 +1,10 @@
-"""PodDisruptionBudget: voluntary evictions (node drains) take one replica at a time."""
+"""PodDisruptionBudget: voluntary evictions (node drains) take few replicas at a time.
+
+Its maxUnavailable is the rollout's (`spec.rollout.maxUnavailable`), but at least 1: a budget
+of 0 would block every node drain forever. A model that can run at most one replica gets no
+budget: it would either block every drain (minAvailable 1) or protect nothing; such a model
+is down while its node drains whatever the rollout setting (run 2 replicas to avoid that).
+"""
 
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ def desired_pdb(model: StreamingModel) -> dict[str, Any] | None:
         "kind": "PodDisruptionBudget",
         "metadata": metadata(model),
         "spec": {
-            "maxUnavailable": 1,
+            "maxUnavailable": max(1, model.spec.rollout.max_unavailable),
             "selector": {"matchLabels": selector_labels(model)},
             # A pod stuck loading (never Ready) must not block a node drain.
             "unhealthyPodEvictionPolicy": "AlwaysAllow",

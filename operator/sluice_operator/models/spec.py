@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import Field, StringConstraints, field_validator, model_validator
 
 from .base import ApiModel, FreeForm, Quantity, cel, sub
+from .flags import RESERVED_RE, reserved_flag
 
 # Object names (Secrets, PVCs, ...): DNS-1123 subdomain.
 Name = Annotated[
@@ -37,28 +38,14 @@ MODEL_URI_HELP = (
     "an absolute path inside the image, or tiny"
 )
 
-# Flags the operator derives from the spec; passing them again through extraArgs would make
-# the pod disagree with the resource, so both CEL and the operator refuse them.
-RESERVED_FLAGS = (
-    "model",
-    "revision",
-    "served-model-name",
-    "host",
-    "port",
-    "engine",
-    "tensor-parallel-size",
-    "pipeline-parallel-size",
-    "gpu-memory-utilization",
-    "max-model-len",
-    "max-num-seqs",
-    "max-num-batched-tokens",
-    "swap-space",
-    "dtype",
-    "quantization",
-    "api-key",
-    "api-key-file",
-)
-_RESERVED_RE = r"^--(" + "|".join(RESERVED_FLAGS) + r")(=.*)?$"  # no escapes: goes into CEL
+
+# nginx's size syntax (client_max_body_size): bytes, or k/m/g (binary multiples).
+NGINX_SIZE_PATTERN = r"^[0-9]{1,10}[kKmMgG]?$"
+
+
+def nginx_size_bytes(size: str) -> int:
+    factor = {"k": 2**10, "m": 2**20, "g": 2**30}.get(size[-1].lower(), 1)
+    return int(size.rstrip("kKmMgG")) * factor
 
 
 class SecretKeyRef(ApiModel):
@@ -254,7 +241,7 @@ class EngineSpec(ApiModel):
         "json_schema_extra": {
             "x-kubernetes-validations": [
                 cel(
-                    f"!has(self.extraArgs) || self.extraArgs.all(a, !a.matches('{_RESERVED_RE}'))",
+                    f"!has(self.extraArgs) || self.extraArgs.all(a, !a.matches('{RESERVED_RE}'))",
                     "engine.extraArgs must not repeat flags the operator sets from the spec "
                     "(model, parallelism, engine, auth...); set the spec field instead",
                     ".extraArgs",
@@ -299,7 +286,10 @@ class EngineSpec(ApiModel):
     )
     extra_args: Annotated[list[Arg], Field(max_length=64)] = Field(
         default_factory=list,
-        description="Extra vLLM engine arguments, passed unchanged after `--`.",
+        description="Extra vLLM engine arguments, passed unchanged after `--`. Flags the spec "
+        "sets (model, served name, host, port, tensor/pipeline/data parallel size, GPU memory, "
+        "batch limits, dtype, quantization, API key) are refused in every spelling vLLM accepts: "
+        "aliases (-tp, -pp, -dp, -q), underscores (--tensor_parallel_size) and abbreviations.",
     )
     env: list[EnvVar] = Field(
         default_factory=list, description="Extra environment variables of the server container."
@@ -312,10 +302,12 @@ class EngineSpec(ApiModel):
     @field_validator("extra_args")
     @classmethod
     def _no_reserved(cls, v: list[str]) -> list[str]:
-        bad = [a for a in v if re.match(_RESERVED_RE, a)]
+        bad = [a for a in v if reserved_flag(a)]
         if bad:
             raise ValueError(
-                f"{', '.join(bad)} is set by the operator from the spec; use the spec field instead of extraArgs"
+                f"{', '.join(bad)} is set by the operator from the spec (vLLM reads aliases, "
+                "underscores and abbreviations of a flag as the flag); use the spec field "
+                "instead of extraArgs"
             )
         return v
 
@@ -513,9 +505,13 @@ class IngressSpec(ApiModel):
     tls_secret_name: Name | None = Field(
         default=None, description="Secret with the TLS certificate for host; unset: plain HTTP."
     )
-    max_body_size: Quantity = Field(
-        default="16m",
-        description="Largest request body the ingress accepts (nginx size, e.g. 16m).",
+    max_body_size: (
+        Annotated[str, StringConstraints(max_length=32, pattern=NGINX_SIZE_PATTERN)] | None
+    ) = Field(
+        default=None,
+        description="Deprecated: set spec.limits.maxRequestBytes, which sets the server's limit "
+        "and the ingress's together. Still honoured (nginx size, e.g. 16m) when "
+        "limits.maxRequestBytes is unset.",
     )
     annotations: dict[str, str] = Field(
         default_factory=dict,
@@ -527,6 +523,80 @@ class IngressSpec(ApiModel):
         if self.tls_secret_name and not self.host:
             raise ValueError(
                 "ingress.tlsSecretName needs ingress.host (the name on the certificate)"
+            )
+        return self
+
+
+DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
+
+
+class LimitsSpec(ApiModel):
+    """Request limits, applied alike by the server and the proxy in front of it."""
+
+    max_request_bytes: int | None = Field(
+        default=None,
+        ge=1024,
+        le=2**30,
+        description="Largest request body (and WebSocket frame) in bytes; default 16 MiB "
+        "(16777216). Sets the server's --max-body-bytes, the Ingress's body-size annotation "
+        "(proxy-body-size or client-max-body-size) and, with spec.gateway, is the limit the "
+        "server enforces behind the route (Gateway API has no body-size field).",
+    )
+
+
+class StartupSpec(ApiModel):
+    """How long a new pod may take to load its model before it counts as failed."""
+
+    timeout_seconds: int = Field(
+        default=1800,
+        ge=60,
+        le=86400,
+        description="Startup budget in seconds (download, weights into GPU memory, warm-up): "
+        "the startup probe holds liveness off this long; the Deployment's progress deadline "
+        "is 10 minutes longer. Default 30 minutes.",
+    )
+
+
+class RolloutSpec(ApiModel):
+    """How a spec change replaces pods (the Deployment's rolling update)."""
+
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                cel(
+                    "self.maxSurge + self.maxUnavailable > 0",
+                    "rollout.maxSurge and rollout.maxUnavailable cannot both be 0 (nothing "
+                    "could be replaced); surge: maxSurge: 1; in place: maxUnavailable: 1",
+                ),
+            ]
+        }
+    }
+
+    max_surge: int = Field(
+        default=1,
+        ge=0,
+        le=100,
+        description="Extra pods started (with their GPUs) before old ones stop. The default 1 "
+        "keeps every ready replica serving while the new pod loads its model; it needs room "
+        "for one more pod. On a full cluster the surge pod waits (status says why): set 0 to "
+        "replace in place.",
+    )
+    max_unavailable: int = Field(
+        default=0,
+        ge=0,
+        le=100,
+        description="Ready pods that may stop before their replacement is ready. 0 (default): "
+        "never fewer than the current ready replicas. maxSurge: 0 with maxUnavailable: 1 "
+        "replaces in place (a one-replica model is down while the new pod loads). Also the "
+        "PodDisruptionBudget's maxUnavailable (at least 1, so node drains never block).",
+    )
+
+    @model_validator(mode="after")
+    def _something_moves(self) -> RolloutSpec:
+        if self.max_surge + self.max_unavailable == 0:
+            raise ValueError(
+                "rollout.maxSurge and rollout.maxUnavailable cannot both be 0 (nothing could be "
+                "replaced); surge: maxSurge: 1; in place: maxUnavailable: 1"
             )
         return self
 
@@ -577,6 +647,11 @@ class StreamingModelSpec(ApiModel):
         default=None, description="TTFT autoscaling; unset: fixed spec.replicas."
     )
     ingress: IngressSpec = sub(IngressSpec, "Ingress settings.")
+    limits: LimitsSpec = sub(LimitsSpec, "Request size limits (server and proxy alike).")
+    startup: StartupSpec = sub(StartupSpec, "Startup budget of a new pod.")
+    rollout: RolloutSpec = sub(
+        RolloutSpec, "How spec changes replace pods: surge (default) or in place."
+    )
     image: Annotated[str, StringConstraints(min_length=1, max_length=512)] = Field(
         default=DEFAULT_IMAGE, description="Serving image (the Sluice server)."
     )
@@ -605,6 +680,16 @@ class StreamingModelSpec(ApiModel):
                 f"must equal resources.gpus ({g}); set gpus: {p.tensor * p.pipeline} or change the parallelism"
             )
         return self
+
+    @property
+    def max_request_bytes(self) -> int:
+        """The one request body limit: limits.maxRequestBytes, else the deprecated
+        ingress.maxBodySize, else 16 MiB."""
+        if self.limits.max_request_bytes is not None:
+            return self.limits.max_request_bytes
+        if self.ingress.max_body_size is not None:
+            return nginx_size_bytes(self.ingress.max_body_size)
+        return DEFAULT_MAX_REQUEST_BYTES
 
     @property
     def autoscaling_enabled(self) -> bool:

@@ -42,6 +42,8 @@ class FakeGpuNode:
         memory: str = "2Ti",
         labels: dict[str, str] | None = None,
         heartbeat: float = 5.0,
+        ready_after: float = 0.0,
+        taint: dict[str, str] | None = None,
     ) -> None:
         self.core = client.CoreV1Api(api)
         self.coordination = client.CoordinationV1Api(api)
@@ -54,6 +56,9 @@ class FakeGpuNode:
             **(labels or {}),
         }
         self.heartbeat = heartbeat
+        # Seconds a pod stays Running but not Ready (a model loading), as a real server would.
+        self.ready_after = ready_after
+        self.taint = taint  # {key, value, effect}: keeps other tests' pods off this node
         self.host_ip = "127.0.0.1"
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -61,8 +66,11 @@ class FakeGpuNode:
 
     # --- lifecycle --------------------------------------------------------------------
     def start(self) -> FakeGpuNode:
+        spec = client.V1NodeSpec(taints=[client.V1Taint(**self.taint)]) if self.taint else None
         self.core.create_node(
-            client.V1Node(metadata=client.V1ObjectMeta(name=self.name, labels=self.labels))
+            client.V1Node(
+                metadata=client.V1ObjectMeta(name=self.name, labels=self.labels), spec=spec
+            )
         )
         self._report_status()
         self._renew_lease()
@@ -200,17 +208,40 @@ class FakeGpuNode:
                 # The kubelet's last word: the containers are gone, remove the object.
                 self.core.delete_namespaced_pod(meta.name, meta.namespace, grace_period_seconds=0)
             elif not (pod.status and pod.status.phase == "Running" and pod.status.pod_ip):
-                self.core.patch_namespaced_pod_status(meta.name, meta.namespace, self._running(pod))
+                ready = self.ready_after <= 0
+                status = self._running(pod, ready=ready)
+                self.core.patch_namespaced_pod_status(meta.name, meta.namespace, status)
+                if not ready:
+                    timer = threading.Timer(self.ready_after, self._mark_ready, (pod, status))
+                    timer.daemon = True
+                    timer.start()
         except ApiException as e:
             if e.status not in (404, 409):
                 raise
 
-    def _running(self, pod: client.V1Pod) -> dict:
+    def _mark_ready(self, pod: client.V1Pod, status: dict) -> None:
+        now = _rfc3339(_now())
+        for c in status["status"]["conditions"]:
+            if c["type"] in ("ContainersReady", "Ready"):
+                c.update(status="True", lastTransitionTime=now)
+        for c in status["status"]["containerStatuses"]:
+            c["ready"] = True
+        try:
+            self.core.patch_namespaced_pod_status(pod.metadata.name, pod.metadata.namespace, status)
+        except ApiException as e:
+            if e.status not in (404, 409):
+                self.errors.append(f"ready {pod.metadata.name}: {e}")
+
+    def _running(self, pod: client.V1Pod, ready: bool = True) -> dict:
         now = _rfc3339(_now())
         n = next(_pod_ips)
         ip = f"10.244.{n // 250}.{n % 250 + 1}"
         conditions = [
-            {"type": t, "status": "True", "lastTransitionTime": now}
+            {
+                "type": t,
+                "status": "True" if ready or t not in ("ContainersReady", "Ready") else "False",
+                "lastTransitionTime": now,
+            }
             for t in (
                 "PodReadyToStartContainers",
                 "Initialized",
@@ -225,7 +256,7 @@ class FakeGpuNode:
                 "image": c.image,
                 "imageID": f"fake://{c.image}",
                 "containerID": f"fake://{pod.metadata.uid}/{c.name}",
-                "ready": True,
+                "ready": ready,
                 "started": True,
                 "restartCount": 0,
                 "state": {"running": {"startedAt": now}},

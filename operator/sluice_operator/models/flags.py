@@ -1,0 +1,105 @@
+"""Engine flags the operator sets from the spec, in every spelling vLLM's parser accepts.
+
+`engine.extraArgs` reaches vLLM's own argument parser unchanged (after `--`), and a flag
+there that the operator also derives from the spec would make the pod disagree with the
+resource (two tensor-parallel sizes, another port). vLLM's parser
+(`vllm.entrypoints.launchers.cli_args.make_arg_parser` on a `FlexibleArgumentParser`)
+accepts more than `--name[=value]`:
+
+- aliases (`-tp`, `-pp`, `-dp`, `-q`, `--device-memory-utilization`);
+- underscores for dashes in long flags (`--tensor_parallel_size`, normalized by vLLM);
+- any unambiguous prefix of a long or short flag (argparse's `allow_abbrev`: `--tensor-par`,
+  `-t`), and a value glued to a two-character short flag (`-qawq`).
+
+So a long flag is reserved when, with underscores read as dashes, it is a prefix of a
+reserved long flag; a short flag when its name is a prefix of a reserved short flag, or it
+starts with a reserved two-character one. `RESERVED_LONG`/`RESERVED_SHORT` are checked
+against vLLM's parser by `tests/operator/test_operator_vllm_flags.py`: every spelling that
+sets a reserved destination must be refused, every other vLLM flag accepted, so an alias
+added in a vLLM release fails that test rather than production.
+
+The operator's check (`reserved_flag`) and the CRD's CEL rule (`RESERVED_RE`) are made from
+the same two tuples.
+"""
+
+from __future__ import annotations
+
+# The server's own flags (`--engine`, `--api-key-file`) and the vLLM options the spec sets.
+RESERVED_LONG = (
+    "--model",
+    "--revision",
+    "--served-model-name",
+    "--host",
+    "--port",
+    "--engine",
+    "--tensor-parallel-size",
+    "--pipeline-parallel-size",
+    "--data-parallel-size",
+    "--data-parallel-size-local",
+    "--gpu-memory-utilization",
+    "--device-memory-utilization",
+    "--max-model-len",
+    "--max-num-seqs",
+    "--max-num-batched-tokens",
+    "--swap-space",
+    "--dtype",
+    "--quantization",
+    "--api-key",
+    "--api-key-file",
+)
+RESERVED_SHORT = ("-tp", "-pp", "-dp", "-dpl", "-q")
+# The vLLM settings (argparse destinations) behind them; the tests collect every option
+# string vLLM's parser has for these and compare with the tuples above.
+RESERVED_VLLM_DESTS = frozenset(
+    {
+        "model",
+        "revision",
+        "served_model_name",
+        "host",
+        "port",
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "data_parallel_size",
+        "data_parallel_size_local",
+        "gpu_memory_utilization",
+        "max_model_len",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "dtype",
+        "quantization",
+        "api_key",
+    }
+)
+# Reserved but not vLLM's: the server's own flags, and --swap-space (engine.swapSpaceGiB).
+RESERVED_NOT_VLLM = frozenset({"--engine", "--api-key-file", "--swap-space"})
+
+
+def reserved_flag(arg: str) -> bool:
+    """True when vLLM's parser could read `arg` as one of the reserved flags."""
+    name = arg.split("=", 1)[0]
+    if name.startswith("--"):
+        name = "--" + name[2:].replace("_", "-")
+        return len(name) > 2 and any(flag.startswith(name) for flag in RESERVED_LONG)
+    if name.startswith("-") and len(name) > 1:
+        glued = any(len(f) == 2 and arg.startswith(f) for f in RESERVED_SHORT)
+        return glued or any(flag.startswith(name) for flag in RESERVED_SHORT)
+    return False
+
+
+def _prefix_re(text: str) -> str:
+    """RE2 for any non-empty prefix of `text` ('-' also matching '_'): a(b(c)?)?."""
+    head = "[-_]" if text[0] == "-" else text[0]
+    return head if len(text) == 1 else f"{head}({_prefix_re(text[1:])})?"
+
+
+def _cel_regex() -> str:
+    longs = "|".join(_prefix_re(f[2:]) for f in RESERVED_LONG)
+    shorts = "|".join(
+        f[1] + (f"({_prefix_re(f[2:])})?" if len(f) > 2 else "") for f in RESERVED_SHORT
+    )
+    glued = "|".join(f for f in RESERVED_SHORT if len(f) == 2)
+    # No backslashes: the pattern goes into a single-quoted CEL string as is.
+    return f"^(--({longs})(=.*)?|-({shorts})(=.*)?|({glued}).*)$"
+
+
+RESERVED_RE = _cel_regex()

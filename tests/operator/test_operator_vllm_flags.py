@@ -1,0 +1,126 @@
+"""Reserved `engine.extraArgs` flags against vLLM's own argument parser.
+
+Every spelling vLLM's parser reads as a flag the operator sets (aliases, underscores,
+abbreviations, `=value`, a value glued to a short flag) must be refused by the operator and by
+the CRD's CEL pattern; every other vLLM flag must pass. The reserved lists are compared with
+the parser's option strings, so an alias added in a vLLM release fails here.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from operator_helpers import minimal
+from sluice_operator.models.flags import (
+    RESERVED_LONG,
+    RESERVED_NOT_VLLM,
+    RESERVED_RE,
+    RESERVED_SHORT,
+    RESERVED_VLLM_DESTS,
+    reserved_flag,
+)
+from sluice_operator.validation import SpecError, load_model
+
+pytest.importorskip("vllm")
+
+RESERVED_DESTS = RESERVED_VLLM_DESTS
+NOT_VLLM = RESERVED_NOT_VLLM
+
+
+@pytest.fixture(scope="module")
+def parser():
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser(prog="sluice-server --"))
+
+
+def _value(action) -> str:
+    return str(next(iter(action.choices))) if action.choices else "7"
+
+
+def _reads_as(parser, argv: list[str], dest: str) -> bool:
+    """vLLM's parser accepts argv and sets `dest` from it."""
+    try:
+        ns = parser.parse_args(argv)
+    except SystemExit:
+        return False
+    default = parser.get_default(dest)
+    return getattr(ns, dest) not in (default, None)
+
+
+def _spellings(option: str, value: str) -> list[list[str]]:
+    names = [option]
+    if option.startswith("--"):
+        names += [option[:i] for i in range(3, len(option))]
+        names += ["--" + n[2:].replace("-", "_") for n in list(names)]
+    else:
+        names += [option[:i] for i in range(2, len(option))]
+    out = [[n, value] for n in names] + [[f"{n}={value}"] for n in names]
+    if len(option) == 2 and not option.startswith("--"):
+        out.append([option + value])  # -qawq
+    return out
+
+
+def _refused(arg: str) -> bool:
+    by_operator = reserved_flag(arg)
+    by_cel = re.match(RESERVED_RE, arg) is not None
+    assert by_operator == by_cel, (arg, by_operator, by_cel)
+    return by_operator
+
+
+def test_reserved_lists_are_every_option_string_of_the_reserved_destinations(parser):
+    vllm = {s for a in parser._actions if a.dest in RESERVED_DESTS for s in a.option_strings}
+    mine = set(RESERVED_LONG) | set(RESERVED_SHORT)
+    assert mine - NOT_VLLM == vllm, (
+        "a vLLM release added or dropped an alias: update models/flags.py"
+    )
+
+
+def test_every_spelling_vllm_reads_as_a_reserved_flag_is_refused(parser):
+    checked = 0
+    for action in parser._actions:
+        if action.dest not in RESERVED_DESTS:
+            continue
+        value = _value(action)
+        for option in action.option_strings:
+            for argv in _spellings(option, value):
+                if _reads_as(parser, argv, action.dest):
+                    checked += 1
+                    assert _refused(argv[0]), (argv, action.dest)
+    assert checked > 300  # aliases, underscores, prefixes and =value forms were all tried
+
+
+def test_every_other_vllm_flag_passes(parser):
+    others = [s for a in parser._actions if a.dest not in RESERVED_DESTS for s in a.option_strings]
+    assert len(others) > 100
+    for option in others:
+        if option in ("-h", "--help"):
+            continue
+        assert not _refused(option), option
+        assert not _refused(f"{option}=1"), option
+    for value in ("4", "org/model", "auto", "'{\"a\": 1}'"):  # values of other flags
+        assert not _refused(value)
+
+
+@pytest.mark.parametrize(
+    "arg", ["-tp", "-pp=2", "-dp", "--tensor_parallel_size=2", "--tensor-par", "-t", "-qawq"]
+)
+def test_operator_names_the_spelling_and_the_reason(arg):
+    with pytest.raises(SpecError, match=re.escape(arg) + ".*aliases, underscores"):
+        load_model(minimal(engine={"extraArgs": [arg, "2"]}))
+
+
+def test_negative_control_the_old_pattern_lets_aliases_through(parser):
+    old = r"^--(tensor-parallel-size|pipeline-parallel-size)(=.*)?$"
+    leaked = [a for a in ("-tp", "--tensor_parallel_size", "-dp") if not re.match(old, a)]
+    assert leaked == ["-tp", "--tensor_parallel_size", "-dp"]
+    assert all(
+        _reads_as(parser, [a, "2"], d)
+        for a, d in zip(
+            leaked,
+            ("tensor_parallel_size", "tensor_parallel_size", "data_parallel_size"),
+            strict=True,
+        )
+    )
