@@ -17,8 +17,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from .core.auth import KeyStore
 from .core.errors import install_error_handlers
 from .core.gate import Gate
+from .core.identity import Plan
 from .core.metrics import Metrics
-from .core.ratelimit import RateLimiter
+from .core.ratelimit import Limiter, MemoryLimiter, RedisLimiter
 from .core.services import Services
 from .engine import Engine, open_engine
 from .protocols import openai, openapi, probes, token_sse, websocket
@@ -39,14 +40,27 @@ class StampArrival:
         await self.app(scope, receive, send)
 
 
+def build_limiter(settings: Settings, metrics: Metrics) -> Limiter:
+    if settings.rate_limit_backend == "redis":
+        assert settings.redis_url is not None  # Settings refuses redis without a URL
+        return RedisLimiter(
+            settings.redis_url.get_secret_value(), settings.model_label, metrics,
+            settings.rate_limit_failure_mode, settings.redis_timeout_seconds,
+        )  # fmt: skip
+    return MemoryLimiter()
+
+
 def build_services(settings: Settings, engine: Engine | None) -> Services:
+    plan = Plan(settings.rate_limit_rpm, settings.rate_limit_tpm)
     keys = KeyStore.from_file(settings.api_key_file) if settings.api_key_file else None
+    metrics = Metrics(settings.model_label)
     return Services(
         settings=settings,
-        metrics=Metrics(settings.model_label),
+        metrics=metrics,
         gate=Gate(settings.max_concurrent_streams),
-        limiter=RateLimiter(settings.rate_limit_rpm, settings.rate_limit_tpm),
+        limiter=build_limiter(settings, metrics),
         keys=keys,
+        plan=plan,
         engine=engine,
     )
 
@@ -55,7 +69,7 @@ def build_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     svc = build_services(settings, engine)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def serving_engine() -> AsyncIterator[None]:
         if engine is not None:
             yield
             return
@@ -71,6 +85,14 @@ def build_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         except BaseException as e:
             svc.engine_error = f"engine failed: {type(e).__name__}: {e}"
             raise
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            async with serving_engine():
+                yield
+        finally:
+            await svc.limiter.close()
 
     app = FastAPI(title="Sluice streaming server", version="0.1.0", lifespan=lifespan)
     app.state.services = svc

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 Protocol = Literal["sse", "websocket"]
@@ -110,6 +110,25 @@ class Settings(BaseSettings):
                                 "(token bucket; 0: off).")  # fmt: skip
     rate_limit_tpm: int = Field(0, ge=0, description="Prompt + completion tokens per "
                                 "minute per API key (charged when a stream ends; 0: off).")  # fmt: skip
+    rate_limit_backend: Literal["memory", "redis"] = Field(
+        "memory", description="Where the buckets live: `memory` (each replica limits on its "
+        "own, so N replicas allow N times the limit) or `redis` (one set of buckets for every "
+        "replica; needs `--redis-url`).",
+    )  # fmt: skip
+    redis_url: SecretStr | None = Field(
+        None, description="Redis for `--rate-limit-backend redis`, e.g. "
+        "`redis://:password@redis:6379/0` or `rediss://...` (TLS). Pass it in the "
+        "environment from a Secret, not as a flag: it may hold a password.",
+    )  # fmt: skip
+    rate_limit_failure_mode: Literal["open", "closed"] = Field(
+        "open", description="When Redis cannot be reached: `open` admits (counted in "
+        "`sluice_rate_limit_backend_errors_total`, logged at most every 30 s), `closed` refuses "
+        "with 503 and `Retry-After`. Redis is retried a second after a failure.",
+    )  # fmt: skip
+    redis_timeout_seconds: float = Field(
+        0.25, gt=0, le=10, description="Redis connect and read timeout: the most a request "
+        "waits on the rate-limit store before the failure mode applies.",
+    )  # fmt: skip
 
     # Simulator engine timing
     sim_ttft_ms: float = Field(50.0, ge=0, description="Simulator: time to first token.")
@@ -138,6 +157,12 @@ class Settings(BaseSettings):
 
             return shlex.split(value)
         return value
+
+    @model_validator(mode="after")
+    def _redis_needs_url(self) -> Settings:
+        if self.rate_limit_backend == "redis" and self.redis_url is None:
+            raise ValueError("--rate-limit-backend redis needs --redis-url (or SLUICE_REDIS_URL)")
+        return self
 
     @property
     def model_label(self) -> str:

@@ -13,7 +13,9 @@ LATENCY_BUCKETS = (
 ITL_BUCKETS = (0.001, 0.0025) + LATENCY_BUCKETS
 TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
-REJECTION_REASONS = ("auth", "rate_limit", "capacity", "bad_input", "draining")
+REJECTION_REASONS = (
+    "auth", "rate_limit", "limiter_unavailable", "capacity", "bad_input", "draining",
+)  # fmt: skip
 PROTOCOLS = ("openai", "sse", "websocket")
 
 
@@ -70,6 +72,12 @@ class Metrics:
             "sluice_active_streams", "Streams in flight.", labels, registry=r,
             multiprocess_mode="livesum",
         )  # fmt: skip
+        self.limiter_errors = Counter(
+            "sluice_rate_limit_backend_errors",
+            "Rate-limit store (Redis) calls that failed or were skipped while it was down; "
+            "the request then followed --rate-limit-failure-mode.",
+            ("model", "op"), registry=r,
+        )  # fmt: skip
         # Pre-create the label sets so dashboards and the autoscaler see zeros, not gaps.
         for p in PROTOCOLS:
             for m in (self.ttft, self.itl, self.e2e, self.queue_wait, self.output_tokens,
@@ -78,6 +86,8 @@ class Metrics:
                 m.labels(p, model)
             for reason in REJECTION_REASONS:
                 self.rejections.labels(p, model, reason)
+        for op in ("admit", "charge"):
+            self.limiter_errors.labels(model, op)
 
     def reject(self, protocol: str, reason: str) -> None:
         self.rejections.labels(protocol, self.model, reason).inc()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from sluice_server.core.auth import KeyStore, authenticate, bearer, key_id
 from sluice_server.core.errors import ApiError
-from sluice_server.core.ratelimit import RateLimiter
+from sluice_server.core.identity import Plan
+from sluice_server.core.ratelimit import MemoryLimiter
 from sluice_server.settings import parse_settings
 
 
@@ -78,28 +79,37 @@ class Clock:
         return self.t
 
 
-def test_requests_per_minute_bucket():
+async def test_requests_per_minute_bucket():
     clock = Clock()
-    rl = RateLimiter(rpm=3, tpm=0, clock=clock)
+    rl, plan = MemoryLimiter(clock=clock), Plan(rpm=3)
     for _ in range(3):
-        rl.admit("k")
+        await rl.admit("k", plan)
     with pytest.raises(ApiError) as e:
-        rl.admit("k")
+        await rl.admit("k", plan)
     assert e.value.status == 429 and e.value.headers["Retry-After"] == "20"
-    rl.admit("other")  # per key
+    await rl.admit("other", plan)  # per key
     clock.t += 20  # one request refilled (3 per 60 s)
-    rl.admit("k")
+    await rl.admit("k", plan)
     with pytest.raises(ApiError):
-        rl.admit("k")
+        await rl.admit("k", plan)
 
 
-def test_tokens_per_minute_bucket_goes_into_debt():
+async def test_tokens_per_minute_bucket_goes_into_debt():
     clock = Clock()
-    rl = RateLimiter(rpm=0, tpm=600, clock=clock)  # 10 tokens/s
-    rl.admit("k")
-    rl.charge_tokens("k", 650)  # 50 in debt
+    rl, plan = MemoryLimiter(clock=clock), Plan(tpm=600)  # 10 tokens/s
+    await rl.admit("k", plan)
+    await rl.charge("k", plan, 650)  # 50 in debt
     with pytest.raises(ApiError) as e:
-        rl.admit("k")
+        await rl.admit("k", plan)
     assert e.value.headers["Retry-After"] == "6"  # (50 + 1) / 10 -> 5.1 s -> 6
     clock.t += 6
-    rl.admit("k")
+    await rl.admit("k", plan)
+
+
+async def test_a_changed_plan_resizes_the_bucket():
+    clock = Clock()
+    rl = MemoryLimiter(clock=clock)
+    await rl.admit("k", Plan(rpm=60))
+    await rl.admit("k", Plan(rpm=1))  # the new, smaller plan caps the level at 1: 0 left
+    with pytest.raises(ApiError):
+        await rl.admit("k", Plan(rpm=1))
