@@ -52,7 +52,7 @@ def build_limiter(settings: Settings, metrics: Metrics) -> Limiter:
 
 def build_services(settings: Settings, engine: Engine | None) -> Services:
     plan = Plan(settings.rate_limit_rpm, settings.rate_limit_tpm)
-    keys = KeyStore.from_file(settings.api_key_file) if settings.api_key_file else None
+    keys = KeyStore.from_file(settings.api_key_file, plan) if settings.api_key_file else None
     metrics = Metrics(settings.model_label)
     return Services(
         settings=settings,

@@ -104,12 +104,16 @@ class Settings(BaseSettings):
     # Security
     api_key_file: Path | None = Field(
         None, description="File with one API key per line (`#` comments and blank lines "
-        "ignored); auth is off when unset.",
+        "ignored), each optionally followed by `tenant=NAME rpm=N tpm=N` (that key's tenant "
+        "and limits; the defaults are tenant `default` and the `--rate-limit-*` flags); auth "
+        "is off when unset.",
     )  # fmt: skip
     rate_limit_rpm: int = Field(0, ge=0, description="Requests per minute per API key "
-                                "(token bucket; 0: off).")  # fmt: skip
+                                "(token bucket; 0: off), unless the key file gives the key "
+                                "its own.")  # fmt: skip
     rate_limit_tpm: int = Field(0, ge=0, description="Prompt + completion tokens per "
-                                "minute per API key (charged when a stream ends; 0: off).")  # fmt: skip
+                                "minute per API key (charged when a stream ends; 0: off), "
+                                "unless the key file gives the key its own.")  # fmt: skip
     rate_limit_backend: Literal["memory", "redis"] = Field(
         "memory", description="Where the buckets live: `memory` (each replica limits on its "
         "own, so N replicas allow N times the limit) or `redis` (one set of buckets for every "

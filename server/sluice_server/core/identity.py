@@ -30,3 +30,4 @@ class Principal:
 
 ANONYMOUS_TENANT = "anonymous"
 DEFAULT_TENANT = "default"
+NO_LIMITS = Plan()

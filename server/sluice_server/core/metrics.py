@@ -78,6 +78,18 @@ class Metrics:
             "the request then followed --rate-limit-failure-mode.",
             ("model", "op"), registry=r,
         )  # fmt: skip
+        # Per tenant (never per key): admissions and token use, for quotas and billing.
+        self.tenant_requests = Counter(
+            "sluice_tenant_requests",
+            "Generation requests by tenant and result: admitted, rate_limit, "
+            "limiter_unavailable.",
+            ("model", "tenant", "result"), registry=r,
+        )  # fmt: skip
+        self.tenant_tokens = Counter(
+            "sluice_tenant_tokens",
+            "Prompt + completion tokens by tenant (what the tokens-per-minute limit charges).",
+            ("model", "tenant"), registry=r,
+        )  # fmt: skip
         # Pre-create the label sets so dashboards and the autoscaler see zeros, not gaps.
         for p in PROTOCOLS:
             for m in (self.ttft, self.itl, self.e2e, self.queue_wait, self.output_tokens,
@@ -91,6 +103,12 @@ class Metrics:
 
     def reject(self, protocol: str, reason: str) -> None:
         self.rejections.labels(protocol, self.model, reason).inc()
+
+    def count_tenant_request(self, tenant: str, result: str) -> None:
+        self.tenant_requests.labels(self.model, tenant, result).inc()
+
+    def count_tenant_tokens(self, tenant: str, tokens: int) -> None:
+        self.tenant_tokens.labels(self.model, tenant).inc(tokens)
 
 
 class Bound:

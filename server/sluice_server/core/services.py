@@ -15,7 +15,7 @@ from ..settings import Settings
 from .auth import KeyStore, authenticate, bearer
 from .errors import ApiError
 from .gate import Gate
-from .identity import DEFAULT_TENANT, Plan, Principal
+from .identity import NO_LIMITS, Plan, Principal
 from .metrics import Metrics
 from .ratelimit import Limiter
 
@@ -29,7 +29,7 @@ class Services:
     gate: Gate
     limiter: Limiter
     keys: KeyStore | None
-    plan: Plan = Plan()  # limits of a key the key file gives none
+    plan: Plan = NO_LIMITS  # limits of a key the key file gives none
     engine: Engine | None = None
     engine_error: str | None = None
     _bills: set[asyncio.Task] = field(default_factory=set)
@@ -61,7 +61,7 @@ class Services:
     def authorize(self, protocol: str, api_key: str | None) -> Principal:
         """The caller, or 401 (counted)."""
         try:
-            return Principal(authenticate(self.keys, api_key), DEFAULT_TENANT, self.plan)
+            return authenticate(self.keys, api_key, self.plan)
         except ApiError as e:
             raise self._counted(protocol, e) from None
 
@@ -77,17 +77,22 @@ class Services:
                 await self.limiter.admit(who.id, who.plan)
             except ApiError as e:
                 self.gate.release()
+                self.metrics.count_tenant_request(who.tenant, e.reason or "refused")
                 log.info("refused: tenant=%s protocol=%s reason=%s retry_after=%s", who.tenant,
                          protocol, e.reason, e.headers.get("Retry-After"))  # fmt: skip
                 raise self._counted(protocol, e) from None
             except BaseException:
                 self.gate.release()
                 raise
+        self.metrics.count_tenant_request(who.tenant, "admitted")
 
     def bill(self, who: Principal, tokens: int) -> None:
         """Charge tokens used when a stream ends (from its synchronous cleanup): the charge
         runs as its own task, held here until done."""
-        if not who.plan.tpm or tokens <= 0:
+        if tokens <= 0:
+            return
+        self.metrics.count_tenant_tokens(who.tenant, tokens)
+        if not who.plan.tpm:
             return
         task = asyncio.get_running_loop().create_task(self.limiter.charge(who.id, who.plan, tokens))
         self._bills.add(task)

@@ -59,10 +59,10 @@ def test_key_file_and_constant_time_match(tmp_path):
     f = tmp_path / "keys"
     f.write_text("# comment\n\nkey-a\n  key-b \n")
     ks = KeyStore.from_file(f)
-    assert ks.match("key-a") == key_id("key-a") and ks.match("key-b") == key_id("key-b")
+    assert ks.match("key-a").id == key_id("key-a") and ks.match("key-b").id == key_id("key-b")
     assert ks.match("key-") is None and ks.match("") is None and ks.match(None) is None
     assert bearer("Bearer key-a") == "key-a" and bearer("Basic key-a") is None
-    assert authenticate(None, None) == "anonymous"
+    assert authenticate(None, None).tenant == "anonymous"
     with pytest.raises(ApiError) as e:
         authenticate(ks, "wrong")
     assert e.value.status == 401 and "wrong" not in e.value.message
@@ -113,3 +113,34 @@ async def test_a_changed_plan_resizes_the_bucket():
     await rl.admit("k", Plan(rpm=1))  # the new, smaller plan caps the level at 1: 0 left
     with pytest.raises(ApiError):
         await rl.admit("k", Plan(rpm=1))
+
+
+def test_key_file_plans_and_tenants():
+    text = """# plans
+sk-plain
+sk-acme-1  tenant=acme  rpm=600  tpm=200000   # a comment after the fields
+sk-free    tenant=free  rpm=10
+sk-unlimited tenant=acme rpm=0 tpm=0
+"""
+    ks = KeyStore.parse(text, Plan(rpm=60, tpm=1000))
+    plain, acme, free, unlimited = (ks.match(k) for k in
+                                    ("sk-plain", "sk-acme-1", "sk-free", "sk-unlimited"))  # fmt: skip
+    assert (plain.tenant, plain.plan) == ("default", Plan(60, 1000))
+    assert (acme.tenant, acme.plan) == ("acme", Plan(600, 200000))
+    assert (free.tenant, free.plan) == ("free", Plan(10, 1000))
+    assert not unlimited.plan.enabled and unlimited.id != acme.id
+    assert ks.tenants == {"default", "acme", "free"} and len(ks) == 4
+
+
+@pytest.mark.parametrize("text, says", [
+    ("sk-secret-1 rpm=ten\n", "line 1: rpm must be a whole number"),
+    ("# c\nsk-secret-1 tier=gold\n", "line 2: expected `KEY [tenant=NAME]"),
+    ("sk-secret-1 rpm=1 rpm=2\n", "line 1: expected"),
+    ("sk-secret-1 tenant=a/b\n", "line 1: tenant must match"),
+    ("sk-secret-1\nsk-secret-1 tenant=x\n", "line 2: the same key appears twice"),
+    ("# only comments\n\n", "holds no keys"),
+])  # fmt: skip
+def test_bad_key_files_say_where_but_not_what(text, says):
+    with pytest.raises(ValueError) as e:
+        KeyStore.parse(text)
+    assert says in str(e.value) and "sk-secret" not in str(e.value)
