@@ -15,9 +15,11 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .core.auth import KeyStore
+from .core.credentials import Credentials
 from .core.errors import install_error_handlers
 from .core.gate import Gate
 from .core.identity import Plan
+from .core.jwks import JwtVerifier
 from .core.metrics import Metrics
 from .core.ratelimit import Limiter, MemoryLimiter, RedisLimiter
 from .core.services import Services
@@ -50,17 +52,27 @@ def build_limiter(settings: Settings, metrics: Metrics) -> Limiter:
     return MemoryLimiter()
 
 
+def load_credentials(settings: Settings) -> Credentials:
+    """The key file and the JWKS file as they are now (ValueError/OSError when unusable)."""
+    s = settings
+    plan = Plan(s.rate_limit_rpm, s.rate_limit_tpm)
+    keys = KeyStore.from_file(s.api_key_file, plan) if s.api_key_file else None
+    verifier = None
+    if s.jwt_jwks_file is not None:
+        assert s.jwt_issuer and s.jwt_audience  # Settings refuses a JWKS without them
+        verifier = JwtVerifier.from_file(s.jwt_jwks_file, s.jwt_issuer, s.jwt_audience,
+                                         s.jwt_tenant_claim, plan)  # fmt: skip
+    return Credentials(keys, verifier, plan)
+
+
 def build_services(settings: Settings, engine: Engine | None) -> Services:
-    plan = Plan(settings.rate_limit_rpm, settings.rate_limit_tpm)
-    keys = KeyStore.from_file(settings.api_key_file, plan) if settings.api_key_file else None
     metrics = Metrics(settings.model_label)
     return Services(
         settings=settings,
         metrics=metrics,
         gate=Gate(settings.max_concurrent_streams),
         limiter=build_limiter(settings, metrics),
-        keys=keys,
-        plan=plan,
+        credentials=load_credentials(settings),
         engine=engine,
     )
 

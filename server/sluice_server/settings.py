@@ -108,6 +108,21 @@ class Settings(BaseSettings):
         "and limits; the defaults are tenant `default` and the `--rate-limit-*` flags); auth "
         "is off when unset.",
     )  # fmt: skip
+    jwt_jwks_file: Path | None = Field(
+        None, description="JWKS file (JSON `{\"keys\": [...]}`, public RSA or EC P-256 keys) "
+        "that Bearer JWTs are verified against: RS256/ES256 only; `exp`, `iss`, `aud` and `sub` "
+        "required, `nbf` honoured. JWTs are off when unset; with `--api-key-file` too, both "
+        "are accepted.",
+    )  # fmt: skip
+    jwt_issuer: str | None = Field(None, description="The `iss` every JWT must carry "
+                                   "(required with `--jwt-jwks-file`).")  # fmt: skip
+    jwt_audience: str | None = Field(None, description="The `aud` every JWT must carry "
+                                     "(required with `--jwt-jwks-file`).")  # fmt: skip
+    jwt_tenant_claim: str = Field(
+        "tenant", description="The JWT claim that names the tenant (absent: `default`). The "
+        "claims `rpm` and `tpm` give the token's limits (absent: the `--rate-limit-*` flags); "
+        "limits apply per subject (`iss` + `sub`).",
+    )  # fmt: skip
     rate_limit_rpm: int = Field(0, ge=0, description="Requests per minute per API key "
                                 "(token bucket; 0: off), unless the key file gives the key "
                                 "its own.")  # fmt: skip
@@ -163,9 +178,11 @@ class Settings(BaseSettings):
         return value
 
     @model_validator(mode="after")
-    def _redis_needs_url(self) -> Settings:
+    def _complete(self) -> Settings:
         if self.rate_limit_backend == "redis" and self.redis_url is None:
             raise ValueError("--rate-limit-backend redis needs --redis-url (or SLUICE_REDIS_URL)")
+        if self.jwt_jwks_file is not None and not (self.jwt_issuer and self.jwt_audience):
+            raise ValueError("--jwt-jwks-file needs --jwt-issuer and --jwt-audience")
         return self
 
     @property

@@ -17,22 +17,22 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import re
 from pathlib import Path
 
 from .errors import ApiError
-from .identity import ANONYMOUS_TENANT, DEFAULT_TENANT, NO_LIMITS, Plan, Principal
-
-TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+from .identity import (
+    ANONYMOUS_TENANT,
+    DEFAULT_TENANT,
+    NO_LIMITS,
+    TENANT,
+    Plan,
+    Principal,
+    valid_tenant,
+)
 
 
 def key_id(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:12]
-
-
-def valid_tenant(name: str) -> bool:
-    """Tenants become metric labels: short, plain names only."""
-    return TENANT.fullmatch(name) is not None
 
 
 def parse_key_line(line: str, number: int, default: Plan) -> tuple[str, Principal] | None:

@@ -6,7 +6,15 @@ logs name the `tenant` only.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+
+
+def valid_tenant(name: str) -> bool:
+    """Tenants become metric labels: short, plain names only."""
+    return TENANT.fullmatch(name) is not None
 
 
 @dataclass(frozen=True)

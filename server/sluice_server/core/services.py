@@ -12,10 +12,11 @@ from starlette.requests import HTTPConnection, Request
 
 from ..engine.base import Engine
 from ..settings import Settings
-from .auth import KeyStore, authenticate, bearer
+from .auth import bearer
+from .credentials import Credentials
 from .errors import ApiError
 from .gate import Gate
-from .identity import NO_LIMITS, Plan, Principal
+from .identity import Principal
 from .metrics import Metrics
 from .ratelimit import Limiter
 
@@ -28,8 +29,7 @@ class Services:
     metrics: Metrics
     gate: Gate
     limiter: Limiter
-    keys: KeyStore | None
-    plan: Plan = NO_LIMITS  # limits of a key the key file gives none
+    credentials: Credentials
     engine: Engine | None = None
     engine_error: str | None = None
     _bills: set[asyncio.Task] = field(default_factory=set)
@@ -61,7 +61,7 @@ class Services:
     def authorize(self, protocol: str, api_key: str | None) -> Principal:
         """The caller, or 401 (counted)."""
         try:
-            return authenticate(self.keys, api_key, self.plan)
+            return self.credentials.authenticate(api_key)
         except ApiError as e:
             raise self._counted(protocol, e) from None
 

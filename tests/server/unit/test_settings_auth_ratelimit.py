@@ -144,3 +144,16 @@ def test_bad_key_files_say_where_but_not_what(text, says):
     with pytest.raises(ValueError) as e:
         KeyStore.parse(text)
     assert says in str(e.value) and "sk-secret" not in str(e.value)
+
+
+def test_credentials_are_redacted_from_log_lines():
+    from sluice_server.transport.redact import redact
+
+    line = '127.0.0.1:5 - "WebSocket /ws/stream?model=m&api_key=sk-secret-1&x=2" 401'
+    assert redact(line) == '127.0.0.1:5 - "WebSocket /ws/stream?model=m&api_key=[redacted]&x=2" 401'
+    assert redact("< authorization: Bearer eyJa.b.c") == "< authorization: [redacted]"
+    assert redact("< X-API-Key: sk-secret-1") == "< X-API-Key: [redacted]"
+    assert redact("GET /v1/stream?access_token=eyJa.b.c HTTP/1.1") == (
+        "GET /v1/stream?access_token=[redacted] HTTP/1.1"
+    )
+    assert redact("nothing to see") == "nothing to see"
