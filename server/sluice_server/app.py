@@ -6,6 +6,7 @@ Tests pass one shared engine to many apps; the app then never shuts it down.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -22,6 +23,7 @@ from .core.identity import Plan
 from .core.jwks import JwtVerifier
 from .core.metrics import Metrics
 from .core.ratelimit import Limiter, MemoryLimiter, RedisLimiter
+from .core.reload import Reloader, Source
 from .core.services import Services
 from .engine import Engine, open_engine
 from .protocols import openai, openapi, probes, token_sse, websocket
@@ -65,6 +67,31 @@ def load_credentials(settings: Settings) -> Credentials:
     return Credentials(keys, verifier, plan)
 
 
+def build_reloader(settings: Settings, svc: Services) -> Reloader | None:
+    """Reload what `load_credentials` read when its file changes (mounted Secrets rotate)."""
+    s, creds = settings, svc.credentials
+    if not s.credentials_reload_seconds or not creds.enabled:
+        return None
+    sources = []
+    if s.api_key_file is not None:
+        path = s.api_key_file
+        sources.append(Source(
+            "api_keys", path, lambda: KeyStore.from_file(path, creds.plan),
+            lambda keys: setattr(creds, "keys", keys),
+            lambda keys: f"{len(keys)} keys, tenants {', '.join(sorted(keys.tenants))}",
+        ))  # fmt: skip
+    if s.jwt_jwks_file is not None:
+        jwks = s.jwt_jwks_file
+        sources.append(Source(
+            "jwks", jwks,
+            lambda: JwtVerifier.from_file(jwks, s.jwt_issuer or "", s.jwt_audience or "",
+                                          s.jwt_tenant_claim, creds.plan),
+            lambda verifier: setattr(creds, "jwt", verifier),
+            lambda verifier: f"{len(verifier.keys)} signing keys",
+        ))  # fmt: skip
+    return Reloader(sources, svc.metrics, s.credentials_reload_seconds)
+
+
 def build_services(settings: Settings, engine: Engine | None) -> Services:
     metrics = Metrics(settings.model_label)
     return Services(
@@ -79,6 +106,7 @@ def build_services(settings: Settings, engine: Engine | None) -> Services:
 
 def build_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     svc = build_services(settings, engine)
+    reloader = build_reloader(settings, svc)
 
     @asynccontextmanager
     async def serving_engine() -> AsyncIterator[None]:
@@ -100,10 +128,13 @@ def build_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        watcher = asyncio.create_task(reloader.run()) if reloader else None
         try:
             async with serving_engine():
                 yield
         finally:
+            if watcher is not None:
+                watcher.cancel()
             await svc.limiter.close()
 
     app = FastAPI(title="Sluice streaming server", version="0.1.0", lifespan=lifespan)

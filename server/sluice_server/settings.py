@@ -123,6 +123,11 @@ class Settings(BaseSettings):
         "claims `rpm` and `tpm` give the token's limits (absent: the `--rate-limit-*` flags); "
         "limits apply per subject (`iss` + `sub`).",
     )  # fmt: skip
+    credentials_reload_seconds: float = Field(
+        2.0, ge=0, description="How often the key file and the JWKS file are checked for "
+        "changes (one `stat` each); a changed file is reloaded without a restart, a bad one "
+        "is refused and the credentials before it stay. 0: read once at start.",
+    )  # fmt: skip
     rate_limit_rpm: int = Field(0, ge=0, description="Requests per minute per API key "
                                 "(token bucket; 0: off), unless the key file gives the key "
                                 "its own.")  # fmt: skip

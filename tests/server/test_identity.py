@@ -1,12 +1,14 @@
 """Who may call and how much, over the simulator engine (seconds, no vLLM): per-key plans and
-tenants from the key file, Bearer JWTs, metrics and logs by tenant, and no key or token in
-any server log line."""
+tenants from the key file, Bearer JWTs, metrics and logs by tenant, no key or token in any
+server log line, and both files rotated the way kubelet rotates a mounted Secret."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import os
+import shutil
 
 import httpx
 import pytest
@@ -132,3 +134,110 @@ async def test_jwt_bearer_only_the_valid_token_is_admitted(sim, tmp_path, caplog
     lines = server_log_lines(caplog, capfd)
     assert any('"WebSocket /ws/stream?api_key=[redacted]" 401' in ln for ln in lines), lines
     assert not [ln for ln in lines for t in secrets if t and t in ln]
+
+
+class MountedSecret:
+    """A folder updated the way kubelet updates a mounted Secret: each version is a new
+    `..<timestamp>` directory, `..data` points at it (swapped by one rename), each file
+    name is a symlink through `..data`, and the old version is removed."""
+
+    def __init__(self, root) -> None:
+        self.root, self.version, self.current = root, 0, None
+        root.mkdir()
+
+    def write(self, files: dict[str, str]) -> None:
+        self.version += 1
+        new = self.root / f"..2026_11_30_00_00_{self.version:02d}.{os.getpid()}"
+        new.mkdir()
+        for name, text in files.items():
+            (new / name).write_text(text)
+        tmp = self.root / "..data_tmp"
+        tmp.symlink_to(new.name)
+        os.rename(tmp, self.root / "..data")  # the atomic swap
+        for name in files:
+            link = self.root / name
+            if not link.is_symlink():
+                link.symlink_to(f"..data/{name}")
+        if self.current is not None:
+            shutil.rmtree(self.current)
+        self.current = new
+
+
+def reloads(metrics: str, file: str, result: str) -> float:
+    want = f'sluice_credential_reloads_total{{file="{file}",model="sim",result="{result}"}} '
+    found = [ln for ln in metrics.splitlines() if ln.startswith(want)]
+    return float(found[0].split()[-1]) if found else 0.0
+
+
+async def wait_for_reload(c: httpx.AsyncClient, file: str, result: str, count: float) -> None:
+    for _ in range(100):
+        if reloads((await c.get("/metrics")).text, file, result) >= count:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no {result} reload of {file} within 5 s")
+
+
+async def test_key_rotation_without_restart_while_a_stream_runs(tmp_path, caplog, capfd):
+    caplog.set_level(logging.INFO)
+    slow = SimulatorEngine(model_name="sim", ttft_ms=0, itl_ms=20)
+    secret = MountedSecret(tmp_path / "secret")
+    old, new = "sk-old-0123456789", "sk-new-9876543210"
+    secret.write({"api-keys": f"{old} tenant=acme\n"})
+    try:
+        async with serve_simulator(slow, api_key_file=secret.root / "api-keys",
+                                   credentials_reload_seconds=0.1) as url:  # fmt: skip
+            async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+                assert (await stream(c, new)).status_code == 401
+                body = {"prompt": "a b", "max_tokens": 100}  # 2 s of tokens
+                async with c.stream("POST", "/v1/stream", json=body, headers=auth(old)) as r:
+                    assert r.status_code == 200
+                    lines = r.aiter_lines()
+                    while not (await anext(lines)).startswith("data:"):
+                        pass
+                    secret.write({"api-keys": f"{new} tenant=acme\n"})  # rotate mid-stream
+                    await wait_for_reload(c, "api_keys", "ok", 1)
+                    assert (await stream(c, old)).status_code == 401
+                    assert (await stream(c, new)).status_code == 200
+                    rest = [ln async for ln in lines if ln.startswith("data:")]
+                final = json.loads(rest[-2][6:])
+                assert rest[-1] == "data: [DONE]" and final["finish_reason"] == "length"
+                assert final["usage"]["completion_tokens"] == 100  # untouched by the rotation
+
+                # A bad new version: refused, the keys before it stay, the log says why.
+                secret.write({"api-keys": f"{old} rpm=lots\n"})
+                await wait_for_reload(c, "api_keys", "error", 1)
+                assert (await stream(c, new)).status_code == 200
+                assert (await stream(c, old)).status_code == 401
+                secret.write({"api-keys": f"{old}\n{new}\n"})  # fixed: both now
+                await wait_for_reload(c, "api_keys", "ok", 2)
+                assert (await stream(c, old)).status_code == 200
+    finally:
+        await slow.shutdown()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+                and r.name == "sluice_server.core.reload"]  # fmt: skip
+    assert len(warnings) == 1 and "line 1: rpm must be a whole number" in warnings[0], warnings
+    lines = server_log_lines(caplog, capfd)
+    assert not [ln for ln in lines for k in (old, new) if k in ln]
+
+
+async def test_jwks_rotation_is_picked_up(sim, tmp_path):
+    from jwt_helpers import AUDIENCE, ISSUER, Issuer, jwks
+
+    before, after = Issuer("2026-10"), Issuer("2026-11", kind="ec")
+    secret = MountedSecret(tmp_path / "jwks")
+    secret.write({"jwks.json": json.dumps(jwks(before))})
+    async with serve_simulator(sim, jwt_jwks_file=secret.root / "jwks.json", jwt_issuer=ISSUER,
+                               jwt_audience=AUDIENCE, credentials_reload_seconds=0.1) as url:  # fmt: skip
+        async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+            assert (await stream(c, before.token())).status_code == 200
+            assert (await stream(c, after.token())).status_code == 401
+            secret.write({"jwks.json": json.dumps(jwks(before, after))})  # overlap
+            await wait_for_reload(c, "jwks", "ok", 1)
+            assert (await stream(c, after.token())).status_code == 200
+            assert (await stream(c, before.token())).status_code == 200
+            secret.write({"jwks.json": json.dumps(jwks(after))})  # the old key retired
+            await wait_for_reload(c, "jwks", "ok", 2)
+            assert (await stream(c, before.token())).status_code == 401
+            secret.write({"jwks.json": '{"keys": []}'})  # refused: the last good set stays
+            await wait_for_reload(c, "jwks", "error", 1)
+            assert (await stream(c, after.token())).status_code == 200

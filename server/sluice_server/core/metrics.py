@@ -90,6 +90,12 @@ class Metrics:
             "Prompt + completion tokens by tenant (what the tokens-per-minute limit charges).",
             ("model", "tenant"), registry=r,
         )  # fmt: skip
+        self.credential_reloads = Counter(
+            "sluice_credential_reloads",
+            "Reloads of the key file or JWKS file after it changed, by file and result (ok, "
+            "error: the file was refused and the credentials loaded before stay).",
+            ("model", "file", "result"), registry=r,
+        )  # fmt: skip
         # Pre-create the label sets so dashboards and the autoscaler see zeros, not gaps.
         for p in PROTOCOLS:
             for m in (self.ttft, self.itl, self.e2e, self.queue_wait, self.output_tokens,
