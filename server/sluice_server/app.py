@@ -6,6 +6,7 @@ Tests pass one shared engine to many apps; the app then never shuts it down.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -15,10 +16,14 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .core.auth import KeyStore
+from .core.credentials import Credentials
 from .core.errors import install_error_handlers
 from .core.gate import Gate
+from .core.identity import Plan
+from .core.jwks import JwtVerifier
 from .core.metrics import Metrics
-from .core.ratelimit import RateLimiter
+from .core.ratelimit import Limiter, MemoryLimiter, RedisLimiter
+from .core.reload import Reloader, Source
 from .core.services import Services
 from .engine import Engine, open_engine
 from .protocols import openai, openapi, probes, token_sse, websocket
@@ -39,23 +44,72 @@ class StampArrival:
         await self.app(scope, receive, send)
 
 
+def build_limiter(settings: Settings, metrics: Metrics) -> Limiter:
+    if settings.rate_limit_backend == "redis":
+        assert settings.redis_url is not None  # Settings refuses redis without a URL
+        return RedisLimiter(
+            settings.redis_url.get_secret_value(), settings.model_label, metrics,
+            settings.rate_limit_failure_mode, settings.redis_timeout_seconds,
+        )  # fmt: skip
+    return MemoryLimiter()
+
+
+def load_credentials(settings: Settings) -> Credentials:
+    """The key file and the JWKS file as they are now (ValueError/OSError when unusable)."""
+    s = settings
+    plan = Plan(s.rate_limit_rpm, s.rate_limit_tpm)
+    keys = KeyStore.from_file(s.api_key_file, plan) if s.api_key_file else None
+    verifier = None
+    if s.jwt_jwks_file is not None:
+        assert s.jwt_issuer and s.jwt_audience  # Settings refuses a JWKS without them
+        verifier = JwtVerifier.from_file(s.jwt_jwks_file, s.jwt_issuer, s.jwt_audience,
+                                         s.jwt_tenant_claim, plan)  # fmt: skip
+    return Credentials(keys, verifier, plan)
+
+
+def build_reloader(settings: Settings, svc: Services) -> Reloader | None:
+    """Reload what `load_credentials` read when its file changes (mounted Secrets rotate)."""
+    s, creds = settings, svc.credentials
+    if not s.credentials_reload_seconds or not creds.enabled:
+        return None
+    sources = []
+    if s.api_key_file is not None:
+        path = s.api_key_file
+        sources.append(Source(
+            "api_keys", path, lambda: KeyStore.from_file(path, creds.plan),
+            lambda keys: setattr(creds, "keys", keys),
+            lambda keys: f"{len(keys)} keys, tenants {', '.join(sorted(keys.tenants))}",
+        ))  # fmt: skip
+    if s.jwt_jwks_file is not None:
+        jwks = s.jwt_jwks_file
+        sources.append(Source(
+            "jwks", jwks,
+            lambda: JwtVerifier.from_file(jwks, s.jwt_issuer or "", s.jwt_audience or "",
+                                          s.jwt_tenant_claim, creds.plan),
+            lambda verifier: setattr(creds, "jwt", verifier),
+            lambda verifier: f"{len(verifier.keys)} signing keys",
+        ))  # fmt: skip
+    return Reloader(sources, svc.metrics, s.credentials_reload_seconds)
+
+
 def build_services(settings: Settings, engine: Engine | None) -> Services:
-    keys = KeyStore.from_file(settings.api_key_file) if settings.api_key_file else None
+    metrics = Metrics(settings.model_label)
     return Services(
         settings=settings,
-        metrics=Metrics(settings.model_label),
+        metrics=metrics,
         gate=Gate(settings.max_concurrent_streams),
-        limiter=RateLimiter(settings.rate_limit_rpm, settings.rate_limit_tpm),
-        keys=keys,
+        limiter=build_limiter(settings, metrics),
+        credentials=load_credentials(settings),
         engine=engine,
     )
 
 
 def build_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     svc = build_services(settings, engine)
+    reloader = build_reloader(settings, svc)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def serving_engine() -> AsyncIterator[None]:
         if engine is not None:
             yield
             return
@@ -71,6 +125,17 @@ def build_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         except BaseException as e:
             svc.engine_error = f"engine failed: {type(e).__name__}: {e}"
             raise
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        watcher = asyncio.create_task(reloader.run()) if reloader else None
+        try:
+            async with serving_engine():
+                yield
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            await svc.limiter.close()
 
     app = FastAPI(title="Sluice streaming server", version="0.1.0", lifespan=lifespan)
     app.state.services = svc

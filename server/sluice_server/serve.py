@@ -15,6 +15,7 @@ import uvicorn
 
 from .app import build_app
 from .settings import Settings
+from .transport import redact
 
 log = logging.getLogger("sluice_server")
 
@@ -46,7 +47,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def uvicorn_config(settings: Settings, app) -> uvicorn.Config:
-    return uvicorn.Config(
+    config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
@@ -59,6 +60,8 @@ def uvicorn_config(settings: Settings, app) -> uvicorn.Config:
         timeout_graceful_shutdown=5,
         access_log=False,
     )
+    redact.install()  # after the Config: it (re)configures uvicorn's loggers
+    return config
 
 
 def serve(settings: Settings) -> int:

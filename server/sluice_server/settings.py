@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 Protocol = Literal["sse", "websocket"]
@@ -104,12 +104,55 @@ class Settings(BaseSettings):
     # Security
     api_key_file: Path | None = Field(
         None, description="File with one API key per line (`#` comments and blank lines "
-        "ignored); auth is off when unset.",
+        "ignored), each optionally followed by `tenant=NAME rpm=N tpm=N` (that key's tenant "
+        "and limits; the defaults are tenant `default` and the `--rate-limit-*` flags); auth "
+        "is off when unset.",
+    )  # fmt: skip
+    jwt_jwks_file: Path | None = Field(
+        None, description="JWKS file (JSON `{\"keys\": [...]}`, public RSA or EC P-256 keys) "
+        "that Bearer JWTs are verified against: RS256/ES256 only; `exp`, `iss`, `aud` and `sub` "
+        "required, `nbf` honoured. JWTs are off when unset; with `--api-key-file` too, both "
+        "are accepted.",
+    )  # fmt: skip
+    jwt_issuer: str | None = Field(None, description="The `iss` every JWT must carry "
+                                   "(required with `--jwt-jwks-file`).")  # fmt: skip
+    jwt_audience: str | None = Field(None, description="The `aud` every JWT must carry "
+                                     "(required with `--jwt-jwks-file`).")  # fmt: skip
+    jwt_tenant_claim: str = Field(
+        "tenant", description="The JWT claim that names the tenant (absent: `default`). The "
+        "claims `rpm` and `tpm` give the token's limits (absent: the `--rate-limit-*` flags); "
+        "limits apply per subject (`iss` + `sub`).",
+    )  # fmt: skip
+    credentials_reload_seconds: float = Field(
+        2.0, ge=0, description="How often the key file and the JWKS file are checked for "
+        "changes (one `stat` each); a changed file is reloaded without a restart, a bad one "
+        "is refused and the credentials before it stay. 0: read once at start.",
     )  # fmt: skip
     rate_limit_rpm: int = Field(0, ge=0, description="Requests per minute per API key "
-                                "(token bucket; 0: off).")  # fmt: skip
+                                "(token bucket; 0: off), unless the key file gives the key "
+                                "its own.")  # fmt: skip
     rate_limit_tpm: int = Field(0, ge=0, description="Prompt + completion tokens per "
-                                "minute per API key (charged when a stream ends; 0: off).")  # fmt: skip
+                                "minute per API key (charged when a stream ends; 0: off), "
+                                "unless the key file gives the key its own.")  # fmt: skip
+    rate_limit_backend: Literal["memory", "redis"] = Field(
+        "memory", description="Where the buckets live: `memory` (each replica limits on its "
+        "own, so N replicas allow N times the limit) or `redis` (one set of buckets for every "
+        "replica; needs `--redis-url`).",
+    )  # fmt: skip
+    redis_url: SecretStr | None = Field(
+        None, description="Redis for `--rate-limit-backend redis`, e.g. "
+        "`redis://:password@redis:6379/0` or `rediss://...` (TLS). Pass it in the "
+        "environment from a Secret, not as a flag: it may hold a password.",
+    )  # fmt: skip
+    rate_limit_failure_mode: Literal["open", "closed"] = Field(
+        "open", description="When Redis cannot be reached: `open` admits (counted in "
+        "`sluice_rate_limit_backend_errors_total`, logged at most every 30 s), `closed` refuses "
+        "with 503 and `Retry-After`. Redis is retried a second after a failure.",
+    )  # fmt: skip
+    redis_timeout_seconds: float = Field(
+        0.25, gt=0, le=10, description="Redis connect and read timeout: the most a request "
+        "waits on the rate-limit store before the failure mode applies.",
+    )  # fmt: skip
 
     # Simulator engine timing
     sim_ttft_ms: float = Field(50.0, ge=0, description="Simulator: time to first token.")
@@ -138,6 +181,14 @@ class Settings(BaseSettings):
 
             return shlex.split(value)
         return value
+
+    @model_validator(mode="after")
+    def _complete(self) -> Settings:
+        if self.rate_limit_backend == "redis" and self.redis_url is None:
+            raise ValueError("--rate-limit-backend redis needs --redis-url (or SLUICE_REDIS_URL)")
+        if self.jwt_jwks_file is not None and not (self.jwt_issuer and self.jwt_audience):
+            raise ValueError("--jwt-jwks-file needs --jwt-issuer and --jwt-audience")
+        return self
 
     @property
     def model_label(self) -> str:

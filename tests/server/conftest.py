@@ -76,3 +76,18 @@ async def make_server(engine, tiny_model_path):
 async def server_url(make_server) -> str:
     """A server with default settings (auth off, no rate limits, sse + websocket)."""
     return await make_server()
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A fresh real redis-server on a free loopback port (testkit/redis_server.py); skipped
+    with one line when the binary is missing."""
+    from testkit.redis_server import MISSING, RedisServer, available
+
+    if not available():
+        pytest.skip(MISSING)
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        yield server
+    finally:
+        server.stop()

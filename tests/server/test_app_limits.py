@@ -112,6 +112,25 @@ async def test_rate_limit_tokens_per_minute(make_server, key_file):
         assert int(r.headers["retry-after"]) >= 1
 
 
+async def test_rate_limit_shared_by_two_replicas_through_redis(make_server, key_file,
+                                                                redis_server):  # fmt: skip
+    """Two apps (replicas) on the real engine, one Redis: the key's 2 requests per minute
+    hold across both, each replica refuses once the other spent them."""
+    shared = dict(api_key_file=key_file, rate_limit_rpm=2, rate_limit_backend="redis",
+                  redis_url=redis_server.url)  # fmt: skip
+    a, b = await make_server(**shared), await make_server(**shared)
+    async with httpx.AsyncClient(base_url=a, timeout=60) as ca, \
+            httpx.AsyncClient(base_url=b, timeout=60) as cb:  # fmt: skip
+        await finish_ok(ca, headers=bearer(KEYS[0]))
+        r = await cb.post("/v1/chat/completions", headers=bearer(KEYS[0]),
+                          json={**CHAT, "max_tokens": 2})  # fmt: skip
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        for c in (ca, cb):
+            r = await c.post("/v1/stream", json={"prompt": "x"}, headers=bearer(KEYS[0]))
+            assert r.status_code == 429 and error_of(r)["code"] == "rate_limit_exceeded"
+        await finish_ok(cb, headers=bearer(KEYS[1]))  # per key
+
+
 async def test_capacity_limit_is_immediate_429(make_server, engine):
     url = await make_server(max_concurrent_streams=1)
     async with httpx.AsyncClient(base_url=url, timeout=60) as c:

@@ -5,18 +5,19 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 
 from .events import DISCONNECTED, Meter
+from .identity import Principal
 from .metrics import bind
 from .services import Services
 from .stream import Stream
 
 
 def open_stream(
-    svc: Services, protocol: str, kid: str, source: AsyncIterator, t0: float,
+    svc: Services, protocol: str, who: Principal, source: AsyncIterator, t0: float,
     prompt_tokens: Callable[[], int] = lambda: 0,
 ) -> tuple[Stream, Meter, Callable[[], None]]:  # fmt: skip
     """Start producing at once (the engine works while headers go out). The returned
     cleanup is idempotent and must run however the stream ends: it aborts an unfinished
-    engine request, frees the slot and bills the key's tokens."""
+    engine request, frees the slot and bills the caller's tokens."""
     meter = Meter(bind(svc.metrics, protocol), t0)
     s = svc.settings
     stream = Stream(source, cap=s.stream_buffer_tokens, timeout=s.stream_timeout_seconds)
@@ -33,6 +34,6 @@ def open_stream(
         svc.gate.release()
         if meter.outcome is None:
             meter.finish(DISCONNECTED, stream)
-        svc.limiter.charge_tokens(kid, prompt_tokens() + meter.tokens)
+        svc.bill(who, prompt_tokens() + meter.tokens)
 
     return stream, meter, cleanup

@@ -13,7 +13,9 @@ LATENCY_BUCKETS = (
 ITL_BUCKETS = (0.001, 0.0025) + LATENCY_BUCKETS
 TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
-REJECTION_REASONS = ("auth", "rate_limit", "capacity", "bad_input", "draining")
+REJECTION_REASONS = (
+    "auth", "rate_limit", "limiter_unavailable", "capacity", "bad_input", "draining",
+)  # fmt: skip
 PROTOCOLS = ("openai", "sse", "websocket")
 
 
@@ -70,6 +72,30 @@ class Metrics:
             "sluice_active_streams", "Streams in flight.", labels, registry=r,
             multiprocess_mode="livesum",
         )  # fmt: skip
+        self.limiter_errors = Counter(
+            "sluice_rate_limit_backend_errors",
+            "Rate-limit store (Redis) calls that failed or were skipped while it was down; "
+            "the request then followed --rate-limit-failure-mode.",
+            ("model", "op"), registry=r,
+        )  # fmt: skip
+        # Per tenant (never per key): admissions and token use, for quotas and billing.
+        self.tenant_requests = Counter(
+            "sluice_tenant_requests",
+            "Generation requests by tenant and result: admitted, rate_limit, "
+            "limiter_unavailable.",
+            ("model", "tenant", "result"), registry=r,
+        )  # fmt: skip
+        self.tenant_tokens = Counter(
+            "sluice_tenant_tokens",
+            "Prompt + completion tokens by tenant (what the tokens-per-minute limit charges).",
+            ("model", "tenant"), registry=r,
+        )  # fmt: skip
+        self.credential_reloads = Counter(
+            "sluice_credential_reloads",
+            "Reloads of the key file or JWKS file after it changed, by file and result (ok, "
+            "error: the file was refused and the credentials loaded before stay).",
+            ("model", "file", "result"), registry=r,
+        )  # fmt: skip
         # Pre-create the label sets so dashboards and the autoscaler see zeros, not gaps.
         for p in PROTOCOLS:
             for m in (self.ttft, self.itl, self.e2e, self.queue_wait, self.output_tokens,
@@ -78,9 +104,17 @@ class Metrics:
                 m.labels(p, model)
             for reason in REJECTION_REASONS:
                 self.rejections.labels(p, model, reason)
+        for op in ("admit", "charge"):
+            self.limiter_errors.labels(model, op)
 
     def reject(self, protocol: str, reason: str) -> None:
         self.rejections.labels(protocol, self.model, reason).inc()
+
+    def count_tenant_request(self, tenant: str, result: str) -> None:
+        self.tenant_requests.labels(self.model, tenant, result).inc()
+
+    def count_tenant_tokens(self, tenant: str, tokens: int) -> None:
+        self.tenant_tokens.labels(self.model, tenant).inc(tokens)
 
 
 class Bound:

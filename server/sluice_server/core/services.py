@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from starlette.requests import HTTPConnection, Request
 
 from ..engine.base import Engine
 from ..settings import Settings
-from .auth import KeyStore, authenticate, bearer
+from .auth import bearer
+from .credentials import Credentials
 from .errors import ApiError
 from .gate import Gate
+from .identity import Principal
 from .metrics import Metrics
-from .ratelimit import RateLimiter
+from .ratelimit import Limiter
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -22,10 +28,11 @@ class Services:
     settings: Settings
     metrics: Metrics
     gate: Gate
-    limiter: RateLimiter
-    keys: KeyStore | None
+    limiter: Limiter
+    credentials: Credentials
     engine: Engine | None = None
     engine_error: str | None = None
+    _bills: set[asyncio.Task] = field(default_factory=set)
 
     async def require_engine(self) -> Engine:
         """The engine, or 503 when it is not loaded or has failed (then /ready is 503 too,
@@ -51,21 +58,45 @@ class Services:
                 code="protocol_disabled",
             )
 
-    def authorize(self, protocol: str, api_key: str | None) -> str:
-        """The caller's key id, or 401 (counted)."""
+    def authorize(self, protocol: str, api_key: str | None) -> Principal:
+        """The caller, or 401 (counted)."""
         try:
-            return authenticate(self.keys, api_key)
+            return self.credentials.authenticate(api_key)
         except ApiError as e:
             raise self._counted(protocol, e) from None
 
-    def admit(self, protocol: str, kid: str) -> None:
-        """Rate limit, then a stream slot (429/503 with Retry-After, counted)."""
+    async def admit(self, protocol: str, who: Principal) -> None:
+        """Drain and capacity first (no limiter call for a request refused anyway), then the
+        rate limit; 429/503 with Retry-After, counted. Takes a stream slot on success."""
         try:
-            if self.limiter.enabled:
-                self.limiter.admit(kid)
             self.gate.admit()
         except ApiError as e:
             raise self._counted(protocol, e) from None
+        if who.plan.enabled:
+            try:
+                await self.limiter.admit(who.id, who.plan)
+            except ApiError as e:
+                self.gate.release()
+                self.metrics.count_tenant_request(who.tenant, e.reason or "refused")
+                log.info("refused: tenant=%s protocol=%s reason=%s retry_after=%s", who.tenant,
+                         protocol, e.reason, e.headers.get("Retry-After"))  # fmt: skip
+                raise self._counted(protocol, e) from None
+            except BaseException:
+                self.gate.release()
+                raise
+        self.metrics.count_tenant_request(who.tenant, "admitted")
+
+    def bill(self, who: Principal, tokens: int) -> None:
+        """Charge tokens used when a stream ends (from its synchronous cleanup): the charge
+        runs as its own task, held here until done."""
+        if tokens <= 0:
+            return
+        self.metrics.count_tenant_tokens(who.tenant, tokens)
+        if not who.plan.tpm:
+            return
+        task = asyncio.get_running_loop().create_task(self.limiter.charge(who.id, who.plan, tokens))
+        self._bills.add(task)
+        task.add_done_callback(self._bills.discard)
 
     def _counted(self, protocol: str, e: ApiError) -> ApiError:
         if e.reason:

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from ..core.errors import ApiError, error_body
 from ..core.events import FINISHED, Failed, Finished, Meter, Tokens, events
+from ..core.identity import Principal
 from ..core.lifecycle import open_stream
 from ..core.metrics import bind
 from ..core.params import describe_validation_error
@@ -32,7 +33,7 @@ router = APIRouter(tags=["openai"])
 PROTOCOL = "openai"
 
 
-def _gate(request: Request, path: str) -> tuple[Services, str]:
+def _gate(request: Request, path: str) -> tuple[Services, Principal]:
     request.state.protocol = PROTOCOL
     svc = services(request)
     svc.require_protocol("sse", path)
@@ -75,7 +76,7 @@ def _precheck(svc: Services, body: dict) -> None:
 
 
 async def _generate(request: Request, path: str, kind: OpenAIKind) -> Response:
-    svc, kid = _gate(request, path)
+    svc, who = _gate(request, path)
     body = await read_json(request, svc, PROTOCOL)
     engine = await svc.require_engine()
     _precheck(svc, body)
@@ -83,7 +84,7 @@ async def _generate(request: Request, path: str, kind: OpenAIKind) -> Response:
         parsed = engine.openai.parse(body, kind)
     except ValidationError as e:
         raise svc.bad_input(PROTOCOL, *describe_validation_error(e)) from None
-    svc.admit(PROTOCOL, kid)
+    await svc.admit(PROTOCOL, who)
     t0 = received_at(request)
     admitted = True
     try:
@@ -102,11 +103,11 @@ async def _generate(request: Request, path: str, kind: OpenAIKind) -> Response:
             meter = Meter(bind(svc.metrics, PROTOCOL), t0)
             meter.tokens = result.completion_tokens
             meter.finish(FINISHED)
-            svc.limiter.charge_tokens(kid, result.prompt_tokens + result.completion_tokens)
+            svc.bill(who, result.prompt_tokens + result.completion_tokens)
             return JSONResponse(result.body, result.status)
         admitted = False  # the stream owns the slot now
         stream, meter, cleanup = open_stream(
-            svc, PROTOCOL, kid, result.chunks, t0, result.prompt_tokens
+            svc, PROTOCOL, who, result.chunks, t0, result.prompt_tokens
         )
         return SSEResponse(
             _frames(stream, meter),

@@ -17,6 +17,7 @@ from fastapi.responses import Response
 
 from ..core.errors import ApiError
 from ..core.events import Failed, Finished, Meter, Tokens, events
+from ..core.identity import Principal
 from ..core.lifecycle import open_stream
 from ..core.params import to_stream_request
 from ..core.services import Services, api_key_of, read_json, received_at, services
@@ -35,9 +36,9 @@ async def stream_post(request: Request) -> Response:
     request.state.protocol = PROTOCOL
     svc = services(request)
     svc.require_protocol(PROTOCOL, "/v1/stream")
-    kid = svc.authorize(PROTOCOL, api_key_of(request))
+    who = svc.authorize(PROTOCOL, api_key_of(request))
     body = await read_json(request, svc, PROTOCOL)
-    return await _start(request, svc, kid, body)
+    return await _start(request, svc, who, body)
 
 
 @router.get("/v1/stream", openapi_extra=stream_query(), responses=streamed())
@@ -47,7 +48,7 @@ async def stream_get(request: Request) -> Response:
     request.state.protocol = PROTOCOL
     svc = services(request)
     svc.require_protocol(PROTOCOL, "/v1/stream")
-    kid = svc.authorize(PROTOCOL, api_key_of(request, allow_query=True))
+    who = svc.authorize(PROTOCOL, api_key_of(request, allow_query=True))
     body: dict = {k: v for k, v in request.query_params.items() if k != "api_key"}
     if "messages" in body:
         try:
@@ -56,20 +57,20 @@ async def stream_get(request: Request) -> Response:
             raise svc.bad_input(PROTOCOL, "messages: must be a JSON array", "messages") from None
     if "stop" in request.query_params and len(request.query_params.getlist("stop")) > 1:
         body["stop"] = request.query_params.getlist("stop")
-    return await _start(request, svc, kid, body)
+    return await _start(request, svc, who, body)
 
 
-async def _start(request: Request, svc: Services, kid: str, body: dict) -> Response:
+async def _start(request: Request, svc: Services, who: Principal, body: dict) -> Response:
     engine = await svc.require_engine()
     rid = f"stream-{uuid.uuid4().hex}"
     try:
         req = to_stream_request(body, rid, engine, svc.settings.model_label)
     except ApiError as e:
         raise svc.count(PROTOCOL, e) from None
-    svc.admit(PROTOCOL, kid)
+    await svc.admit(PROTOCOL, who)
     n_prompt = len(req.prompt_token_ids or ())
     stream, meter, cleanup = open_stream(
-        svc, PROTOCOL, kid, engine.generate(req), received_at(request), lambda: n_prompt
+        svc, PROTOCOL, who, engine.generate(req), received_at(request), lambda: n_prompt
     )
     return SSEResponse(
         token_events(stream, meter, rid),

@@ -23,6 +23,7 @@ from starlette.websockets import WebSocketDisconnect
 
 from ..core.errors import ApiError, error_body
 from ..core.events import DISCONNECTED, FAILED, Failed, Finished, Meter, Stopped, Tokens, events
+from ..core.identity import Principal
 from ..core.lifecycle import open_stream
 from ..core.params import to_stream_request
 from ..core.services import Services, api_key_of, services
@@ -40,7 +41,7 @@ async def ws_stream(ws: WebSocket) -> None:
     svc = services(ws)
     try:
         svc.require_protocol(PROTOCOL, "/ws/stream")
-        kid = svc.authorize(PROTOCOL, api_key_of(ws, allow_query=True))
+        who = svc.authorize(PROTOCOL, api_key_of(ws, allow_query=True))
         await svc.require_engine()
         if svc.gate.draining:
             raise svc.count(PROTOCOL, ApiError(503, "Server is shutting down.", reason="draining",
@@ -49,7 +50,7 @@ async def ws_stream(ws: WebSocket) -> None:
         await _deny(ws, e)
         return
     await ws.accept()
-    await Connection(ws, svc, kid).run()
+    await Connection(ws, svc, who).run()
 
 
 async def _deny(ws: WebSocket, e: ApiError) -> None:
@@ -64,8 +65,8 @@ class Connection:
     """One socket: a reader loop plus one task per generation; `finally` cancels them all
     (each task's own cleanup then aborts its engine request)."""
 
-    def __init__(self, ws: WebSocket, svc: Services, kid: str) -> None:
-        self.ws, self.svc, self.kid = ws, svc, kid
+    def __init__(self, ws: WebSocket, svc: Services, who: Principal) -> None:
+        self.ws, self.svc, self.who = ws, svc, who
         self.tasks: dict[str, asyncio.Task] = {}
         self.streams: dict[str, Stream] = {}
         self.lock = asyncio.Lock()
@@ -131,12 +132,12 @@ class Connection:
             svc.count(PROTOCOL, e)
             return await self.error(rid, e.status, e.message, e.code)
         try:
-            svc.admit(PROTOCOL, self.kid)
+            await svc.admit(PROTOCOL, self.who)
         except ApiError as e:
             return await self.error(rid, e.status, e.message, e.code)
         n_prompt = len(req.prompt_token_ids or ())
         stream, meter, cleanup = open_stream(
-            svc, PROTOCOL, self.kid, engine.generate(req), t0, lambda: n_prompt
+            svc, PROTOCOL, self.who, engine.generate(req), t0, lambda: n_prompt
         )
         self.streams[rid] = stream
         task = asyncio.create_task(self.pump(rid, stream, meter, cleanup))

@@ -1,1 +1,2 @@
-"""HTTP plumbing below the protocols: the SSE response and the send timeout."""
+"""HTTP plumbing below the protocols: the SSE response, the send timeout, and credentials
+kept out of log lines."""

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from sluice_server.core.auth import KeyStore, authenticate, bearer, key_id
 from sluice_server.core.errors import ApiError
-from sluice_server.core.ratelimit import RateLimiter
+from sluice_server.core.identity import Plan
+from sluice_server.core.ratelimit import MemoryLimiter
 from sluice_server.settings import parse_settings
 
 
@@ -58,10 +59,10 @@ def test_key_file_and_constant_time_match(tmp_path):
     f = tmp_path / "keys"
     f.write_text("# comment\n\nkey-a\n  key-b \n")
     ks = KeyStore.from_file(f)
-    assert ks.match("key-a") == key_id("key-a") and ks.match("key-b") == key_id("key-b")
+    assert ks.match("key-a").id == key_id("key-a") and ks.match("key-b").id == key_id("key-b")
     assert ks.match("key-") is None and ks.match("") is None and ks.match(None) is None
     assert bearer("Bearer key-a") == "key-a" and bearer("Basic key-a") is None
-    assert authenticate(None, None) == "anonymous"
+    assert authenticate(None, None).tenant == "anonymous"
     with pytest.raises(ApiError) as e:
         authenticate(ks, "wrong")
     assert e.value.status == 401 and "wrong" not in e.value.message
@@ -78,28 +79,81 @@ class Clock:
         return self.t
 
 
-def test_requests_per_minute_bucket():
+async def test_requests_per_minute_bucket():
     clock = Clock()
-    rl = RateLimiter(rpm=3, tpm=0, clock=clock)
+    rl, plan = MemoryLimiter(clock=clock), Plan(rpm=3)
     for _ in range(3):
-        rl.admit("k")
+        await rl.admit("k", plan)
     with pytest.raises(ApiError) as e:
-        rl.admit("k")
+        await rl.admit("k", plan)
     assert e.value.status == 429 and e.value.headers["Retry-After"] == "20"
-    rl.admit("other")  # per key
+    await rl.admit("other", plan)  # per key
     clock.t += 20  # one request refilled (3 per 60 s)
-    rl.admit("k")
+    await rl.admit("k", plan)
     with pytest.raises(ApiError):
-        rl.admit("k")
+        await rl.admit("k", plan)
 
 
-def test_tokens_per_minute_bucket_goes_into_debt():
+async def test_tokens_per_minute_bucket_goes_into_debt():
     clock = Clock()
-    rl = RateLimiter(rpm=0, tpm=600, clock=clock)  # 10 tokens/s
-    rl.admit("k")
-    rl.charge_tokens("k", 650)  # 50 in debt
+    rl, plan = MemoryLimiter(clock=clock), Plan(tpm=600)  # 10 tokens/s
+    await rl.admit("k", plan)
+    await rl.charge("k", plan, 650)  # 50 in debt
     with pytest.raises(ApiError) as e:
-        rl.admit("k")
+        await rl.admit("k", plan)
     assert e.value.headers["Retry-After"] == "6"  # (50 + 1) / 10 -> 5.1 s -> 6
     clock.t += 6
-    rl.admit("k")
+    await rl.admit("k", plan)
+
+
+async def test_a_changed_plan_resizes_the_bucket():
+    clock = Clock()
+    rl = MemoryLimiter(clock=clock)
+    await rl.admit("k", Plan(rpm=60))
+    await rl.admit("k", Plan(rpm=1))  # the new, smaller plan caps the level at 1: 0 left
+    with pytest.raises(ApiError):
+        await rl.admit("k", Plan(rpm=1))
+
+
+def test_key_file_plans_and_tenants():
+    text = """# plans
+sk-plain
+sk-acme-1  tenant=acme  rpm=600  tpm=200000   # a comment after the fields
+sk-free    tenant=free  rpm=10
+sk-unlimited tenant=acme rpm=0 tpm=0
+"""
+    ks = KeyStore.parse(text, Plan(rpm=60, tpm=1000))
+    plain, acme, free, unlimited = (ks.match(k) for k in
+                                    ("sk-plain", "sk-acme-1", "sk-free", "sk-unlimited"))  # fmt: skip
+    assert (plain.tenant, plain.plan) == ("default", Plan(60, 1000))
+    assert (acme.tenant, acme.plan) == ("acme", Plan(600, 200000))
+    assert (free.tenant, free.plan) == ("free", Plan(10, 1000))
+    assert not unlimited.plan.enabled and unlimited.id != acme.id
+    assert ks.tenants == {"default", "acme", "free"} and len(ks) == 4
+
+
+@pytest.mark.parametrize("text, says", [
+    ("sk-secret-1 rpm=ten\n", "line 1: rpm must be a whole number"),
+    ("# c\nsk-secret-1 tier=gold\n", "line 2: expected `KEY [tenant=NAME]"),
+    ("sk-secret-1 rpm=1 rpm=2\n", "line 1: expected"),
+    ("sk-secret-1 tenant=a/b\n", "line 1: tenant must match"),
+    ("sk-secret-1\nsk-secret-1 tenant=x\n", "line 2: the same key appears twice"),
+    ("# only comments\n\n", "holds no keys"),
+])  # fmt: skip
+def test_bad_key_files_say_where_but_not_what(text, says):
+    with pytest.raises(ValueError) as e:
+        KeyStore.parse(text)
+    assert says in str(e.value) and "sk-secret" not in str(e.value)
+
+
+def test_credentials_are_redacted_from_log_lines():
+    from sluice_server.transport.redact import redact
+
+    line = '127.0.0.1:5 - "WebSocket /ws/stream?model=m&api_key=sk-secret-1&x=2" 401'
+    assert redact(line) == '127.0.0.1:5 - "WebSocket /ws/stream?model=m&api_key=[redacted]&x=2" 401'
+    assert redact("< authorization: Bearer eyJa.b.c") == "< authorization: [redacted]"
+    assert redact("< X-API-Key: sk-secret-1") == "< X-API-Key: [redacted]"
+    assert redact("GET /v1/stream?access_token=eyJa.b.c HTTP/1.1") == (
+        "GET /v1/stream?access_token=[redacted] HTTP/1.1"
+    )
+    assert redact("nothing to see") == "nothing to see"
