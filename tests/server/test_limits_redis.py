@@ -155,6 +155,7 @@ class Window:
         return low, (self.last_done - self.first_sent) * per_minute / 60
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend, replicas_limited_alone", [("redis", 1), ("memory", 2)])
 async def test_requests_per_minute_across_two_replicas(two_servers, backend,
@@ -173,6 +174,7 @@ async def test_requests_per_minute_across_two_replicas(two_servers, backend,
     assert n * (rpm + low - 1) <= admitted <= n * (rpm + high + 1), (admitted, low, high)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend, replicas_limited_alone", [("redis", 1), ("memory", 2)])
 async def test_tokens_per_minute_across_two_replicas(two_servers, backend,
