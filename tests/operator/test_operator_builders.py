@@ -213,6 +213,64 @@ def test_api_keys_mounted_as_file():
     assert flag(container(dep)["args"], "--api-key-file") == "/etc/sluice/auth/api-keys"
 
 
+JWT = {"issuer": "https://login.example.com", "audience": "chat"}
+
+
+@pytest.mark.parametrize("source, kind", [("secretRef", "secret"), ("configMapRef", "configMap")])
+def test_jwt_jwks_mounted_whole_and_flags_rendered(source, kind):
+    m = model(auth={"jwt": {**JWT, "jwks": {source: {"name": "jwks"}}, "tenantClaim": "org"}})
+    dep = desired_deployment(m)
+    pod = dep["spec"]["template"]["spec"]
+    vol = {v["name"]: v for v in pod["volumes"]}["jwks"]
+    assert vol[kind]["items"] == [{"key": "jwks.json", "path": "jwks.json"}]
+    assert vol[kind].get("secretName", vol[kind].get("name")) == "jwks"
+    mount = {v["name"]: v for v in container(dep)["volumeMounts"]}["jwks"]
+    assert mount == {"name": "jwks", "mountPath": "/etc/sluice/jwks", "readOnly": True}
+    assert "subPath" not in mount  # a subPath mount would never see the Secret change
+    args = container(dep)["args"]
+    assert flag(args, "--jwt-jwks-file") == "/etc/sluice/jwks/jwks.json"
+    assert flag(args, "--jwt-issuer") == JWT["issuer"] and flag(args, "--jwt-audience") == "chat"
+    assert flag(args, "--jwt-tenant-claim") == "org"
+    assert flag(args, "--api-key-file") is None
+
+
+def test_redis_rate_limits_url_from_secret_never_an_argument():
+    m = model(auth={"apiKeySecretRef": {"name": "keys"}, "rateLimit": {
+        "requestsPerMinute": 60, "backend": "redis", "failureMode": "closed",
+        "redisUrlSecretRef": {"name": "redis"}}})  # fmt: skip
+    c = container(desired_deployment(m))
+    args = c["args"]
+    assert flag(args, "--rate-limit-backend") == "redis"
+    assert flag(args, "--rate-limit-failure-mode") == "closed"
+    assert not [a for a in args if "redis://" in a or a == "--redis-url"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["SLUICE_REDIS_URL"]["valueFrom"] == {"secretKeyRef": {"name": "redis", "key": "url"}}
+    assert c["env"][-1]["name"] == "SLUICE_REDIS_URL"  # after user env: cannot be shadowed
+
+
+def test_auth_defaults_render_nothing_new():
+    """Defaults unchanged: no JWT, memory buckets, no Redis anywhere."""
+    c = container(desired_deployment(model(auth={"rateLimit": {"requestsPerMinute": 5}})))
+    assert not [a for a in c["args"] if a.startswith(("--jwt", "--rate-limit-backend",
+                                                       "--rate-limit-failure", "--redis"))]  # fmt: skip
+    assert "SLUICE_REDIS_URL" not in {e["name"] for e in c["env"]}
+    assert "jwks" not in {v["name"] for v in c["volumeMounts"]}
+
+
+@pytest.mark.parametrize("auth, says", [
+    ({"rateLimit": {"backend": "redis"}}, "needs rateLimit.redisUrlSecretRef"),
+    ({"jwt": {**JWT, "jwks": {}}}, "exactly one of secretRef or configMapRef"),
+    ({"jwt": {**JWT, "jwks": {"secretRef": {"name": "a"}, "configMapRef": {"name": "b"}}}},
+     "exactly one of secretRef or configMapRef"),
+    ({"jwt": {"issuer": "x", "jwks": {"secretRef": {"name": "a"}}}}, "audience"),
+])  # fmt: skip
+def test_incomplete_auth_is_a_spec_error(auth, says):
+    from sluice_operator.validation import SpecError
+
+    with pytest.raises(SpecError, match=says):
+        model(auth=auth)
+
+
 def test_probes_drain_rollout_and_security():
     m = model(streaming={"streamTimeoutSeconds": 900})
     dep = desired_deployment(m)

@@ -25,6 +25,10 @@ def test_server_parses_rendered_args(path, monkeypatch):
         monkeypatch.delenv(key)
     body = load(path)
     model = load_model(body)
+    (c,) = desired_deployment(model)["spec"]["template"]["spec"]["containers"]
+    for env in c["env"]:  # the Secret-fed environment the server reads (SLUICE_REDIS_URL)
+        if env["name"].startswith("SLUICE_") and "valueFrom" in env:
+            monkeypatch.setenv(env["name"], "redis://from-a-secret:6379/0")
     s = settings_mod.parse_settings(container_args(body))
     spec = model.spec
     assert s.port == 8000 and s.engine == spec.engine.backend
@@ -34,6 +38,14 @@ def test_server_parses_rendered_args(path, monkeypatch):
     assert s.drain_timeout_seconds == spec.streaming.stream_timeout_seconds
     assert s.max_concurrent_streams == spec.streaming.max_concurrent_streams
     assert (s.api_key_file is not None) is (spec.auth.api_key_secret_ref is not None)
+    assert (s.jwt_jwks_file is not None) is (spec.auth.jwt is not None)
+    limit = spec.auth.rate_limit
+    assert s.rate_limit_backend == limit.backend
+    assert (s.rate_limit_rpm, s.rate_limit_tpm) == (limit.requests_per_minute,
+                                                     limit.tokens_per_minute)  # fmt: skip
+    if limit.backend == "redis":
+        assert s.rate_limit_failure_mode == limit.failure_mode
+        assert s.redis_url.get_secret_value() == "redis://from-a-secret:6379/0"
     if spec.engine.backend == "vllm":
         assert s.tensor_parallel_size == spec.parallelism.tensor
         assert s.pipeline_parallel_size == spec.parallelism.pipeline

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..models.resource import API_KEYS_DIR, API_KEYS_FILE, StreamingModel
+from ..models.resource import API_KEYS_DIR, API_KEYS_FILE, JWKS_DIR, JWKS_FILE, StreamingModel
 from ..models.spec import SimulatorSpec
 from .common import PORT, fmt_number
 
@@ -60,10 +60,16 @@ def server_args(model: StreamingModel) -> list[str]:
     auth = spec.auth
     if auth.api_key_secret_ref:
         args += ["--api-key-file", f"{API_KEYS_DIR}/{API_KEYS_FILE}"]
-    if auth.rate_limit.requests_per_minute:
-        args += ["--rate-limit-rpm", str(auth.rate_limit.requests_per_minute)]
-    if auth.rate_limit.tokens_per_minute:
-        args += ["--rate-limit-tpm", str(auth.rate_limit.tokens_per_minute)]
+    if auth.jwt:
+        args += ["--jwt-jwks-file", f"{JWKS_DIR}/{JWKS_FILE}", "--jwt-issuer", auth.jwt.issuer,
+                 "--jwt-audience", auth.jwt.audience, "--jwt-tenant-claim", auth.jwt.tenant_claim]  # fmt: skip
+    limit = auth.rate_limit
+    if limit.requests_per_minute:
+        args += ["--rate-limit-rpm", str(limit.requests_per_minute)]
+    if limit.tokens_per_minute:
+        args += ["--rate-limit-tpm", str(limit.tokens_per_minute)]
+    if limit.backend == "redis":  # the URL comes from the Secret, in SLUICE_REDIS_URL
+        args += ["--rate-limit-backend", "redis", "--rate-limit-failure-mode", limit.failure_mode]
 
     if model.simulated:
         sim = spec.engine.simulator or SimulatorSpec()

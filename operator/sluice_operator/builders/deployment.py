@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..models.resource import API_KEYS_DIR, API_KEYS_FILE, CACHE_DIR, MODEL_PVC_DIR, StreamingModel
+from ..models.resource import (
+    API_KEYS_DIR,
+    API_KEYS_FILE,
+    CACHE_DIR,
+    JWKS_DIR,
+    JWKS_FILE,
+    MODEL_PVC_DIR,
+    StreamingModel,
+)
 from .args import PRESTOP_SECONDS, server_args, termination_grace_seconds
 from .common import PORT, PORT_NAME, labels, metadata, selector_labels
 
@@ -60,12 +68,17 @@ def _env(model: StreamingModel) -> list[dict[str, Any]]:
     }
     for var in model.spec.engine.env:
         env[var.name] = var.model_dump(by_alias=True, exclude_none=True)
-    ref = model.spec.model.hf_token_secret_ref
-    if ref:  # last, so a user env entry cannot shadow the Secret; never an argument
-        env["HF_TOKEN"] = {
-            "name": "HF_TOKEN",
-            "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
-        }
+    # Secrets last, so a user env entry cannot shadow them; never arguments.
+    secrets = {"HF_TOKEN": model.spec.model.hf_token_secret_ref}
+    limit = model.spec.auth.rate_limit
+    if limit.backend == "redis":
+        secrets["SLUICE_REDIS_URL"] = limit.redis_url_secret_ref
+    for name, ref in secrets.items():
+        if ref:
+            env[name] = {
+                "name": name,
+                "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
+            }
     return list(env.values())
 
 
@@ -107,6 +120,18 @@ def _volumes(model: StreamingModel) -> tuple[list[dict[str, Any]], list[dict[str
             }
         )
         mounts.append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
+    jwt = spec.auth.jwt
+    if jwt:
+        # A whole-volume mount (no subPath), so the kubelet's updates reach the pod and the
+        # server reloads the keys without a restart.
+        src = jwt.jwks.secret_ref or jwt.jwks.config_map_ref
+        assert src is not None  # the CRD and validation require exactly one
+        items = {"items": [{"key": src.key, "path": JWKS_FILE}], "defaultMode": 0o440}
+        if jwt.jwks.secret_ref:
+            volumes.append({"name": "jwks", "secret": {"secretName": src.name, **items}})
+        else:
+            volumes.append({"name": "jwks", "configMap": {"name": src.name, **items}})
+        mounts.append({"name": "jwks", "mountPath": JWKS_DIR, "readOnly": True})
     return volumes, mounts
 
 

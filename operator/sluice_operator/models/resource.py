@@ -12,6 +12,8 @@ CACHE_DIR = "/cache"
 MODEL_PVC_DIR = "/mnt/model"
 API_KEYS_DIR = "/etc/sluice/auth"
 API_KEYS_FILE = "api-keys"
+JWKS_DIR = "/etc/sluice/jwks"
+JWKS_FILE = "jwks.json"
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,15 @@ class ApiKeySecretRef(SecretKeyRef):
     )
 
 
+class JwksKeyRef(ApiModel):
+    """A key in a Secret or ConfigMap in the StreamingModel's namespace."""
+
+    name: Name = Field(description="Name of the Secret or ConfigMap (same namespace).")
+    key: Annotated[str, StringConstraints(min_length=1, max_length=253)] = Field(
+        default="jwks.json", description="Key inside it; its value is the JWKS (JSON)."
+    )
+
+
 class ModelCache(ApiModel):
     """Where downloaded weights are kept (mounted at /cache, HF_HOME=/cache/hf)."""
 
@@ -352,14 +361,113 @@ class StreamingSpec(ApiModel):
         return v
 
 
+class RedisUrlSecretRef(SecretKeyRef):
+    """A Secret key holding the Redis URL (it may carry a password)."""
+
+    key: Annotated[str, StringConstraints(min_length=1, max_length=253)] = Field(
+        default="url",
+        description="Key inside the Secret; its value is a URL such as "
+        "redis://:PASSWORD@redis.cache:6379/0 (rediss:// for TLS).",
+    )
+
+
 class RateLimitSpec(ApiModel):
-    """Per API key token buckets (0 = unlimited)."""
+    """Per API key (or JWT subject) token buckets (0 = unlimited)."""
+
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                cel(
+                    "!has(self.backend) || self.backend != 'redis' || has(self.redisUrlSecretRef)",
+                    "rateLimit.backend redis needs rateLimit.redisUrlSecretRef",
+                    ".redisUrlSecretRef",
+                ),
+            ]
+        }
+    }
 
     requests_per_minute: int = Field(
-        default=0, ge=0, description="Requests per minute per API key; 0 = unlimited."
+        default=0,
+        ge=0,
+        description="Requests per minute per API key; 0 = unlimited. A key "
+        "file line or a JWT claim may give a key its own.",
     )
     tokens_per_minute: int = Field(
-        default=0, ge=0, description="Output tokens per minute per API key; 0 = unlimited."
+        default=0,
+        ge=0,
+        description="Prompt + completion tokens per minute per API key, "
+        "charged when a stream ends; 0 = unlimited.",
+    )
+    backend: Literal["memory", "redis"] = Field(
+        default="memory",
+        description="Where the buckets live: memory (each replica limits on its own, so N "
+        "replicas allow N times the limit) or redis (one set of buckets for every replica; "
+        "needs redisUrlSecretRef). No Redis is installed for you: use any the cluster has.",
+    )
+    redis_url_secret_ref: RedisUrlSecretRef | None = Field(
+        default=None,
+        description="Secret key with the Redis URL, passed to the server in its environment "
+        "(SLUICE_REDIS_URL), never as an argument.",
+    )
+    failure_mode: Literal["open", "closed"] = Field(
+        default="open",
+        description="When Redis cannot be reached: open admits (counted and logged), closed "
+        "refuses with 503 and Retry-After. The server retries Redis by itself.",
+    )
+
+    @model_validator(mode="after")
+    def _redis_url(self) -> RateLimitSpec:
+        if self.backend == "redis" and self.redis_url_secret_ref is None:
+            raise ValueError("rateLimit.backend redis needs rateLimit.redisUrlSecretRef")
+        return self
+
+
+class JwksSource(ApiModel):
+    """Where the JWKS comes from: exactly one of a Secret key or a ConfigMap key."""
+
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                cel(
+                    "has(self.secretRef) != has(self.configMapRef)",
+                    "auth.jwt.jwks needs exactly one of secretRef or configMapRef",
+                ),
+            ]
+        }
+    }
+
+    secret_ref: JwksKeyRef | None = Field(
+        default=None, description="A Secret key whose value is the JWKS (JSON)."
+    )
+    config_map_ref: JwksKeyRef | None = Field(
+        default=None, description="A ConfigMap key whose value is the JWKS (JSON)."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> JwksSource:
+        if (self.secret_ref is None) == (self.config_map_ref is None):
+            raise ValueError("auth.jwt.jwks needs exactly one of secretRef or configMapRef")
+        return self
+
+
+class JwtSpec(ApiModel):
+    """Bearer JWTs (RS256/ES256) verified against a JWKS; a short-lived token is what a
+    browser page should carry instead of a long-lived API key."""
+
+    issuer: Annotated[str, StringConstraints(min_length=1, max_length=2048)] = Field(
+        description="The iss every token must carry."
+    )
+    audience: Annotated[str, StringConstraints(min_length=1, max_length=2048)] = Field(
+        description="The aud every token must carry."
+    )
+    jwks: JwksSource = Field(
+        description="The public keys tokens are verified against, mounted as a file and "
+        "reloaded when it changes (rotate by adding the new key before retiring the old)."
+    )
+    tenant_claim: Annotated[str, StringConstraints(min_length=1, max_length=253)] = Field(
+        default="tenant",
+        description="Claim naming the tenant (metrics and logs are labelled by tenant). The "
+        "claims rpm and tpm give a token its limits.",
     )
 
 
@@ -368,10 +476,16 @@ class AuthSpec(ApiModel):
 
     api_key_secret_ref: ApiKeySecretRef | None = Field(
         default=None,
-        description="Secret key with API keys (one per line), mounted as a file. Unset: no authentication.",
+        description="Secret key with API keys, mounted as a file: one key per line, "
+        "optionally followed by tenant=NAME rpm=N tpm=N. Reloaded when the Secret changes (no "
+        "restart). Unset (and no jwt): no authentication.",
+    )
+    jwt: JwtSpec | None = Field(
+        default=None, description="Accept Bearer JWTs (as well as API keys, if both are set)."
     )
     rate_limit: RateLimitSpec = sub(
-        RateLimitSpec, "Per API key rate limits (need apiKeySecretRef to tell keys apart)."
+        RateLimitSpec,
+        "Per API key rate limits (need apiKeySecretRef or jwt to tell callers apart).",
     )
 
 
@@ -639,7 +753,7 @@ class StreamingModelSpec(ApiModel):
     )
     engine: EngineSpec = sub(EngineSpec, "Inference engine settings.")
     streaming: StreamingSpec = sub(StreamingSpec, "Streaming protocols and limits.")
-    auth: AuthSpec = sub(AuthSpec, "API keys and rate limits.")
+    auth: AuthSpec = sub(AuthSpec, "API keys, JWTs and rate limits.")
     replicas: int = Field(
         default=1,
         ge=0,

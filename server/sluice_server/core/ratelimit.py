@@ -192,11 +192,15 @@ class RedisLimiter:
             self._failed(op, None)
             return None
         try:
-            return await self._run(principal, plan, take, charge)
+            answer = await self._run(principal, plan, take, charge)
         except self._errors as e:
             self.down_until = self.clock() + BACKOFF_SECONDS
             self._failed(op, e)
             return None
+        if self.down_until:
+            self.down_until = 0.0
+            log.warning("rate limit store reachable again; limiting resumes")
+        return answer
 
     def _failed(self, op: str, e: BaseException | None) -> None:
         self.metrics.limiter_errors.labels(self.metrics.model, op).inc()
