@@ -8,16 +8,20 @@ from .events import DISCONNECTED, Meter
 from .metrics import bind
 from .services import Services
 from .stream import Stream
+from .trail import Trail
 
 
 def open_stream(
-    svc: Services, protocol: str, kid: str, source: AsyncIterator, t0: float,
+    svc: Services, trail: Trail, source: AsyncIterator, t0: float,
     prompt_tokens: Callable[[], int] = lambda: 0,
 ) -> tuple[Stream, Meter, Callable[[], None]]:  # fmt: skip
     """Start producing at once (the engine works while headers go out). The returned
     cleanup is idempotent and must run however the stream ends: it aborts an unfinished
-    engine request, frees the slot and bills the key's tokens."""
-    meter = Meter(bind(svc.metrics, protocol), t0)
+    engine request, frees the slot and bills the key's tokens. The stream's end also ends
+    `trail` (its protocol and key id are the stream's)."""
+    protocol, kid = trail.protocol or "", trail.kid or "anonymous"
+    trail.prompt_tokens = prompt_tokens
+    meter = Meter(bind(svc.metrics, protocol), t0, trail)
     s = svc.settings
     stream = Stream(source, cap=s.stream_buffer_tokens, timeout=s.stream_timeout_seconds)
     svc.gate.streams.add(stream)

@@ -15,6 +15,7 @@ from .errors import ApiError
 from .gate import Gate
 from .metrics import Metrics
 from .ratelimit import RateLimiter
+from .trail import REJECTED, Recorder, Trail, new_request_id
 
 
 @dataclass
@@ -24,6 +25,7 @@ class Services:
     gate: Gate
     limiter: RateLimiter
     keys: KeyStore | None
+    recorder: Recorder
     engine: Engine | None = None
     engine_error: str | None = None
 
@@ -51,12 +53,17 @@ class Services:
                 code="protocol_disabled",
             )
 
-    def authorize(self, protocol: str, api_key: str | None) -> str:
-        """The caller's key id, or 401 (counted)."""
+    def authorize(self, conn: HTTPConnection, protocol: str, allow_query: bool = False) -> str:
+        """The caller's key id, or 401 (counted). Names the request's protocol (for the
+        error handler's count and the access log) and its key id (never the key)."""
+        conn.state.protocol = protocol
+        trail = trail_of(conn)
+        trail.protocol = protocol
         try:
-            return authenticate(self.keys, api_key)
+            trail.kid = authenticate(self.keys, api_key_of(conn, allow_query))
         except ApiError as e:
             raise self._counted(protocol, e) from None
+        return trail.kid
 
     def admit(self, protocol: str, kid: str) -> None:
         """Rate limit, then a stream slot (429/503 with Retry-After, counted)."""
@@ -81,9 +88,26 @@ class Services:
     def count(self, protocol: str, e: ApiError) -> ApiError:
         return self._counted(protocol, e)
 
+    def refuse(self, trail: Trail, e: ApiError) -> ApiError:
+        """A refusal that is no HTTP response (a WebSocket frame): counted, and the
+        generation's trail ends as rejected with the status its error frame carries."""
+        self._counted(trail.protocol or "", e)
+        trail.end(REJECTED, e.status)
+        return e
+
 
 def services(conn: HTTPConnection) -> Services:
     return conn.app.state.services
+
+
+def trail_of(conn: HTTPConnection) -> Trail:
+    """The request's trail (opened by the edge middleware; a fresh one if absent)."""
+    trail = conn.scope.get("sluice.trail")
+    if trail is None:
+        trail = conn.scope["sluice.trail"] = services(conn).recorder.open(
+            new_request_id(), received_at(conn), conn.url.path
+        )
+    return trail
 
 
 def received_at(conn: HTTPConnection) -> float:

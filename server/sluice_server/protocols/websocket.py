@@ -25,8 +25,9 @@ from ..core.errors import ApiError, error_body
 from ..core.events import DISCONNECTED, FAILED, Failed, Finished, Meter, Stopped, Tokens, events
 from ..core.lifecycle import open_stream
 from ..core.params import to_stream_request
-from ..core.services import Services, api_key_of, services
+from ..core.services import Services, services, trail_of
 from ..core.stream import Stream
+from ..core.trail import Trail
 from ..transport.sendwatch import SendWatchdog
 
 router = APIRouter()
@@ -40,7 +41,7 @@ async def ws_stream(ws: WebSocket) -> None:
     svc = services(ws)
     try:
         svc.require_protocol(PROTOCOL, "/ws/stream")
-        kid = svc.authorize(PROTOCOL, api_key_of(ws, allow_query=True))
+        svc.authorize(ws, PROTOCOL, allow_query=True)
         await svc.require_engine()
         if svc.gate.draining:
             raise svc.count(PROTOCOL, ApiError(503, "Server is shutting down.", reason="draining",
@@ -49,7 +50,7 @@ async def ws_stream(ws: WebSocket) -> None:
         await _deny(ws, e)
         return
     await ws.accept()
-    await Connection(ws, svc, kid).run()
+    await Connection(ws, svc, trail_of(ws)).run()
 
 
 async def _deny(ws: WebSocket, e: ApiError) -> None:
@@ -62,10 +63,11 @@ async def _deny(ws: WebSocket, e: ApiError) -> None:
 
 class Connection:
     """One socket: a reader loop plus one task per generation; `finally` cancels them all
-    (each task's own cleanup then aborts its engine request)."""
+    (each task's own cleanup then aborts its engine request). Each generation has its own
+    trail (the handshake's request id, the client's `id` as `stream`)."""
 
-    def __init__(self, ws: WebSocket, svc: Services, kid: str) -> None:
-        self.ws, self.svc, self.kid = ws, svc, kid
+    def __init__(self, ws: WebSocket, svc: Services, trail: Trail) -> None:
+        self.ws, self.svc, self.trail = ws, svc, trail
         self.tasks: dict[str, asyncio.Task] = {}
         self.streams: dict[str, Stream] = {}
         self.lock = asyncio.Lock()
@@ -123,21 +125,17 @@ class Connection:
         body = {k: frame[k] for k in ("prompt", "messages", "model") if k in frame}
         body.update(params)
         svc = self.svc
+        trail = self.trail.child(str(rid), t0)
         try:
             engine = await svc.require_engine()
             req = to_stream_request(body, f"ws-{uuid.uuid4().hex}", engine,
                                     svc.settings.model_label)  # fmt: skip
+            svc.admit(PROTOCOL, trail.kid)
         except ApiError as e:
-            svc.count(PROTOCOL, e)
-            return await self.error(rid, e.status, e.message, e.code)
-        try:
-            svc.admit(PROTOCOL, self.kid)
-        except ApiError as e:
+            svc.refuse(trail, e)
             return await self.error(rid, e.status, e.message, e.code)
         n_prompt = len(req.prompt_token_ids or ())
-        stream, meter, cleanup = open_stream(
-            svc, PROTOCOL, self.kid, engine.generate(req), t0, lambda: n_prompt
-        )
+        stream, meter, cleanup = open_stream(svc, trail, engine.generate(req), t0, lambda: n_prompt)
         self.streams[rid] = stream
         task = asyncio.create_task(self.pump(rid, stream, meter, cleanup))
         self.tasks[rid] = task

@@ -1,0 +1,148 @@
+"""What one request leaves behind when it ends: its access-log line (and its span).
+
+The edge middleware opens a `Trail` per HTTP request or WebSocket handshake (request id,
+arrival time, the caller's trace headers); the routes name the protocol and key id; the
+WebSocket opens one more per generation. A trail ends once, in one of three places:
+- the stream's `Meter.finish` (core/events.py): any stream, any outcome;
+- a counted refusal of a WebSocket frame (core/services.py);
+- the edge, when an HTTP request ended without a stream (refusals before the 200, `/v1/models`,
+  unknown paths); probes are not logged.
+Everything is taken from numbers the stream keeps anyway, so the cost is per request, never
+per token. The path is logged without its query string (`?api_key=` stays out of logs).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Protocol
+
+ACCESS_LOGGER = "sluice_server.access"
+REJECTED = "rejected"
+QUIET_PATHS = frozenset({"/health", "/ready", "/metrics"})
+
+
+class Measured(Protocol):
+    """What a trail reads from the stream's meter (core/events.py `Meter`) at the end."""
+
+    tokens: int
+    reason: str | None
+    first_write: float | None
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+class Recorder:
+    """The app's sink for ended trails: the access log (text or JSON)."""
+
+    def __init__(self, model: str, access_log: bool = True, fmt: str = "text") -> None:
+        self.model = model
+        self.enabled = access_log
+        self.json = fmt == "json"
+        self.log = logging.getLogger(ACCESS_LOGGER)
+
+    def open(self, rid: str, t0: float, path: str = "", method: str = "",
+             headers: list | None = None) -> Trail:  # fmt: skip
+        return Trail(self, rid, t0, path, method)
+
+    def write(self, record: dict) -> None:
+        if not self.enabled or not self.log.isEnabledFor(logging.INFO):
+            return
+        if self.json:
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
+            line = json.dumps({"ts": stamp + "Z", **record}, separators=(",", ":"))
+        else:
+            line = " ".join(f"{k}={_text(v)}" for k, v in record.items())
+        self.log.info(line)
+
+
+def _text(v: object) -> str:
+    if v is None:
+        return "-"
+    s = str(v)
+    return json.dumps(s) if (not s or any(c in s for c in ' "=\n')) else s
+
+
+class Trail:
+    """One request's identity and end. `protocol` and `kid` are set by the route once
+    known; `stream` is the client's id of a WebSocket generation."""
+
+    __slots__ = ("rec", "rid", "t0", "path", "method", "protocol", "kid", "stream",
+                 "status", "ended", "prompt_tokens")  # fmt: skip
+
+    def __init__(self, rec: Recorder, rid: str, t0: float, path: str, method: str) -> None:
+        self.rec, self.rid, self.t0, self.path, self.method = rec, rid, t0, path, method
+        self.protocol: str | None = None
+        self.kid: str | None = None
+        self.stream: str | None = None
+        self.status: int | None = None
+        self.ended = False
+        self.prompt_tokens = _zero
+
+    def child(self, stream: str, t0: float) -> Trail:
+        """A trail for one generation on a WebSocket: same request id, its own clock."""
+        t = Trail(self.rec, self.rid, t0, self.path, self.method)
+        t.protocol, t.kid, t.stream = self.protocol, self.kid, stream
+        return t
+
+    def end(self, outcome: str, status: int | None = None, meter: Measured | None = None,
+            first_output: float | None = None) -> None:  # fmt: skip
+        """Write the access-log line, once."""
+        if self.ended:
+            return
+        self.ended = True
+        now = time.perf_counter()
+        status = status or self.status or _UNSENT.get(outcome, 200)
+        ttft = None
+        completion = 0
+        reason = None
+        if meter is not None:
+            completion = meter.tokens
+            reason = meter.reason
+            if meter.first_write is not None:
+                ttft = round((meter.first_write - self.t0) * 1000, 1)
+        record = {
+            "request_id": self.rid,
+            "stream": self.stream,
+            "key_id": self.kid,
+            "model": self.rec.model,
+            "protocol": self.protocol,
+            "method": self.method,
+            "path": self.path,
+            "status": status,
+            "outcome": outcome,
+            "finish_reason": reason,
+            "ttft_ms": ttft,
+            "prompt_tokens": self.prompt_tokens() if meter is not None else 0,
+            "completion_tokens": completion,
+            "duration_ms": round((now - self.t0) * 1000, 1),
+        }
+        if self.stream is None:
+            del record["stream"]
+        self.rec.write(record)
+
+    def close(self, failed: bool = False) -> None:
+        """At the edge, when the HTTP exchange is over: end a trail no stream ended (an
+        accepted WebSocket's generations have their own; probes are not logged)."""
+        if self.ended or self.status == 101 or (self.path in QUIET_PATHS and not failed):
+            return
+        status = 500 if failed and self.status is None else (self.status or 500)
+        if status < 400:
+            outcome = "finished"
+        elif status < 500 or status == 503:
+            outcome = REJECTED
+        else:
+            outcome = "failed"
+        self.end(outcome, status)
+
+
+# The status of a request that ended before its response started.
+_UNSENT = {"failed": 500, "disconnected": 499}
+
+
+def _zero() -> int:
+    return 0
