@@ -20,6 +20,7 @@ from .core.gate import Gate
 from .core.metrics import Metrics
 from .core.ratelimit import RateLimiter
 from .core.services import Services
+from .core.tracing import Tracing
 from .core.trail import Recorder, new_request_id
 from .engine import Engine, open_engine
 from .protocols import openai, openapi, probes, token_sse, websocket
@@ -70,13 +71,19 @@ class Edge:
 
 def build_services(settings: Settings, engine: Engine | None) -> Services:
     keys = KeyStore.from_file(settings.api_key_file) if settings.api_key_file else None
+    tracing = None
+    if settings.otlp_traces_endpoint:
+        tracing = Tracing(settings.otlp_traces_endpoint, settings.trace_sample_ratio,
+                          settings.model_label)  # fmt: skip
     return Services(
         settings=settings,
         metrics=Metrics(settings.model_label),
         gate=Gate(settings.max_concurrent_streams),
         limiter=RateLimiter(settings.rate_limit_rpm, settings.rate_limit_tpm),
         keys=keys,
-        recorder=Recorder(settings.model_label, settings.access_log, settings.access_log_format),
+        recorder=Recorder(
+            settings.model_label, settings.access_log, settings.access_log_format, tracing
+        ),  # fmt: skip
         engine=engine,
     )
 
@@ -86,9 +93,18 @@ def build_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if engine is not None:
-            yield
-            return
+        try:
+            if engine is not None:
+                yield
+                return
+            async with serving_engine():
+                yield
+        finally:
+            if svc.recorder.tracing is not None:
+                svc.recorder.tracing.shutdown()  # exports the spans still batched
+
+    @asynccontextmanager
+    async def serving_engine() -> AsyncIterator[None]:
         try:
             async with open_engine(settings) as opened:
                 svc.engine = opened

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Callable
 
 from .events import DISCONNECTED, Meter
@@ -21,6 +22,7 @@ def open_stream(
     `trail` (its protocol and key id are the stream's)."""
     protocol, kid = trail.protocol or "", trail.kid or "anonymous"
     trail.prompt_tokens = prompt_tokens
+    trail.admitted_at = time.perf_counter()
     meter = Meter(bind(svc.metrics, protocol), t0, trail)
     s = svc.settings
     stream = Stream(source, cap=s.stream_buffer_tokens, timeout=s.stream_timeout_seconds)

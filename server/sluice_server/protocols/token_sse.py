@@ -65,6 +65,7 @@ async def _start(request: Request, svc: Services, body: dict) -> Response:
     except ApiError as e:
         raise svc.count(PROTOCOL, e) from None
     svc.admit(PROTOCOL, trail.kid)
+    req.trace_headers = trail.carrier
     n_prompt = len(req.prompt_token_ids or ())
     stream, meter, cleanup = open_stream(
         svc, trail, engine.generate(req), received_at(request), lambda: n_prompt

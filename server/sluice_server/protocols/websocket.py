@@ -134,6 +134,7 @@ class Connection:
         except ApiError as e:
             svc.refuse(trail, e)
             return await self.error(rid, e.status, e.message, e.code)
+        req.trace_headers = trail.carrier
         n_prompt = len(req.prompt_token_ids or ())
         stream, meter, cleanup = open_stream(svc, trail, engine.generate(req), t0, lambda: n_prompt)
         self.streams[rid] = stream
