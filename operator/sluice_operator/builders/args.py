@@ -64,6 +64,11 @@ def server_args(model: StreamingModel) -> list[str]:
     if auth.rate_limit.tokens_per_minute:
         args += ["--rate-limit-tpm", str(auth.rate_limit.tokens_per_minute)]
 
+    tracing = spec.observability.tracing
+    if tracing.endpoint:
+        args += ["--otlp-traces-endpoint", tracing.endpoint]
+        args += ["--trace-sample-ratio", fmt_number(tracing.sample_ratio)]
+
     if model.simulated:
         sim = spec.engine.simulator or SimulatorSpec()
         args += ["--sim-ttft-ms", fmt_number(sim.ttft_ms), "--sim-itl-ms", fmt_number(sim.itl_ms)]
