@@ -20,6 +20,7 @@ from .builders.hpa import desired_hpa
 from .builders.ingress import desired_ingress
 from .builders.keda import desired_scaled_object
 from .builders.pdb import desired_pdb
+from .builders.podmonitor import desired_pod_monitor
 from .builders.service import desired_service
 from .models import GROUP, KIND, PLURAL, VERSION
 from .models.resource import StreamingModel
@@ -74,7 +75,13 @@ CHILD_KINDS: tuple[Kind, ...] = (SERVICE, DEPLOYMENT, INGRESS, HPA, PDB)
 KEDA_KIND = Kind(
     "keda.sh/v1alpha1", "ScaledObject", "scaledobjects", desired_scaled_object, optional=True
 )
-ALL_KINDS: tuple[Kind, ...] = (*CHILD_KINDS, KEDA_KIND)
+# The Prometheus Operator's PodMonitor (observability.podMonitor) is apart for the same
+# reason: its CRD exists only where the Prometheus Operator runs; a missing CRD is reported
+# in the status, and the rest of the model converges.
+POD_MONITOR_KIND = Kind(
+    "monitoring.coreos.com/v1", "PodMonitor", "podmonitors", desired_pod_monitor, optional=True
+)
+ALL_KINDS: tuple[Kind, ...] = (*CHILD_KINDS, KEDA_KIND, POD_MONITOR_KIND)
 
 # Not children, but addressed by the cluster client: pods are listed (why they are Pending)
 # and watched (status follows them); the StreamingModel is read and its status patched.

@@ -24,8 +24,15 @@ import kopf
 from .builders.common import selector_string
 from .builders.keda import keda_hpa_name
 from .cluster import Cluster
-from .kinds import CHILD_KINDS, HPA, KEDA_KIND, Kind, desired_children
-from .status import compute_status, deployment_settled, invalid_status, status_patch
+from .kinds import CHILD_KINDS, HPA, KEDA_KIND, POD_MONITOR_KIND, Kind, desired_children
+from .status import (
+    compute_status,
+    deployment_settled,
+    had_pod_monitor,
+    invalid_status,
+    status_patch,
+    with_pod_monitor,
+)
 from .validation import SpecError, load_model
 
 HASH_ANNOTATION = "serving.sluice.dev/applied-hash"
@@ -207,6 +214,17 @@ def converge(
         converge_child(child)
     if backend == "keda":
         converge_keda()
+    # The PodMonitor likewise: only touched when wanted, or when the status says it was
+    # (then it is deleted); a missing CRD or grant is reported, everything else converges.
+    pm_wanted = model.spec.observability.pod_monitor.enabled
+    pm_error: Exception | None = None
+    if pm_wanted or had_pod_monitor(current_status):
+        try:
+            converge_child(POD_MONITOR_KIND)
+        except Exception as exc:
+            if getattr(exc, "status", None) not in (403, 404):
+                raise
+            pm_error = exc if pm_wanted else None
 
     deployment = live["Deployment"]
     # Pods are only read when something is missing or a rollout is under way: they explain
@@ -229,6 +247,10 @@ def converge(
         now or _now(),
         hpa=hpa,
     )
+    if pm_wanted:
+        problem = pod_monitor_problem(pm_error) if pm_error is not None else None
+        new_status = with_pod_monitor(new_status, problem, current_status, now or _now(),
+                                      meta.get("generation"))  # fmt: skip
     if keda_error is not None:
         scaling = dict(new_status.get("autoscaling") or {})
         scaling["message"] = keda_problem(keda_error)
@@ -252,7 +274,29 @@ def converge(
         if (current_status.get("autoscaling") or {}).get("message") != message:
             post_event("Warning", "KedaUnavailable", message)
         raise keda_error
+    if pm_error is not None:
+        # Retried with backoff (handlers.py), so the PodMonitor appears once the CRD does.
+        message = pod_monitor_problem(pm_error)
+        before = [c.get("message") for c in current_status.get("conditions") or []
+                  if c.get("type") == "PodMonitorReady"]  # fmt: skip
+        if before != [message]:
+            post_event("Warning", "PodMonitorUnavailable", message)
+        raise pm_error
     return outcome
+
+
+def pod_monitor_problem(exc: Exception) -> str:
+    if getattr(exc, "status", None) == 403:
+        return (
+            "the operator may not manage monitoring.coreos.com PodMonitors: install the "
+            "sluice-operator chart with podMonitors.enabled=true (or turn "
+            "observability.podMonitor off)"
+        )
+    return (
+        "the Prometheus Operator is not installed: the API server has no "
+        "monitoring.coreos.com/v1 PodMonitor resource (install it, or turn "
+        "observability.podMonitor off; the pods' prometheus.io annotations still work)"
+    )
 
 
 def keda_problem(exc: Exception) -> str:

@@ -151,6 +151,37 @@ def _stamp(
     return conditions
 
 
+POD_MONITOR_CONDITION = "PodMonitorReady"
+
+
+def with_pod_monitor(
+    status: dict[str, Any],
+    problem: str | None,
+    previous: Mapping[str, Any],
+    now: str,
+    generation: int | None,
+) -> dict[str, Any]:
+    """Add PodMonitorReady to a computed status: True once applied, False with `problem`
+    (the Prometheus Operator's CRD is missing, or the chart grants no access)."""
+    if problem is None:
+        cond = _cond(
+            POD_MONITOR_CONDITION, True, "Applied", "the PodMonitor selects the model's pods"
+        )
+    else:
+        reason = "Forbidden" if "may not" in problem else "CRDMissing"
+        cond = _cond(POD_MONITOR_CONDITION, False, reason, problem)
+    conditions = [
+        *status.get("conditions", []),
+        *_stamp([cond], previous.get("conditions") or [], now, generation),
+    ]
+    return {**status, "conditions": conditions}
+
+
+def had_pod_monitor(previous: Mapping[str, Any]) -> bool:
+    """Whether the status says a PodMonitor was wanted (so one may still exist)."""
+    return any(c.get("type") == POD_MONITOR_CONDITION for c in previous.get("conditions") or [])
+
+
 def invalid_status(
     message: str, generation: int | None, previous: Mapping[str, Any] | None, now: str
 ) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .core.auth import KeyStore
 from .core.credentials import Credentials
@@ -25,6 +25,8 @@ from .core.metrics import Metrics
 from .core.ratelimit import Limiter, MemoryLimiter, RedisLimiter
 from .core.reload import Reloader, Source
 from .core.services import Services
+from .core.tracing import Tracing
+from .core.trail import Recorder, new_request_id
 from .engine import Engine, open_engine
 from .protocols import openai, openapi, probes, token_sse, websocket
 from .settings import Settings
@@ -32,16 +34,44 @@ from .settings import Settings
 log = logging.getLogger(__name__)
 
 
-class StampArrival:
-    """Stamp each request with its arrival time: TTFT and e2e start here, at the edge."""
+class Edge:
+    """Where each request arrives: stamp its arrival time (TTFT and e2e start here), give it
+    a request id, sent back as `X-Request-Id` on every response (HTTP, WebSocket handshake
+    and refused handshake), and open its trail (core/trail.py), which is closed here for a
+    request that no stream ended."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "lifespan":
-            scope["sluice.t0"] = time.perf_counter()
-        await self.app(scope, receive, send)
+        kind = scope["type"]
+        if kind not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        t0 = scope["sluice.t0"] = time.perf_counter()
+        rid = new_request_id()
+        trail = scope["app"].state.services.recorder.open(
+            rid, t0, scope.get("path", ""), scope.get("method", "WS"), scope.get("headers")
+        )
+        scope["sluice.trail"] = trail
+        header = (b"x-request-id", rid.encode())
+
+        async def stamped(message: Message) -> None:
+            t = message["type"]
+            if t in ("http.response.start", "websocket.http.response.start"):
+                trail.status = message["status"]
+                message["headers"] = [*message.get("headers", ()), header]
+            elif t == "websocket.accept":
+                trail.status = 101
+                message["headers"] = [*message.get("headers", ()), header]
+            await send(message)
+
+        failed = True
+        try:
+            await self.app(scope, receive, stamped)
+            failed = False
+        finally:
+            trail.close(failed)
 
 
 def build_limiter(settings: Settings, metrics: Metrics) -> Limiter:
@@ -94,12 +124,19 @@ def build_reloader(settings: Settings, svc: Services) -> Reloader | None:
 
 def build_services(settings: Settings, engine: Engine | None) -> Services:
     metrics = Metrics(settings.model_label)
+    tracing = None
+    if settings.otlp_traces_endpoint:
+        tracing = Tracing(settings.otlp_traces_endpoint, settings.trace_sample_ratio,
+                          settings.model_label)  # fmt: skip
     return Services(
         settings=settings,
         metrics=metrics,
         gate=Gate(settings.max_concurrent_streams),
         limiter=build_limiter(settings, metrics),
         credentials=load_credentials(settings),
+        recorder=Recorder(
+            settings.model_label, settings.access_log, settings.access_log_format, tracing
+        ),  # fmt: skip
         engine=engine,
     )
 
@@ -136,6 +173,8 @@ def build_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             if watcher is not None:
                 watcher.cancel()
             await svc.limiter.close()
+            if svc.recorder.tracing is not None:
+                svc.recorder.tracing.shutdown()  # exports the spans still batched
 
     app = FastAPI(title="Sluice streaming server", version="0.1.0", lifespan=lifespan)
     app.state.services = svc
@@ -143,5 +182,5 @@ def build_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     for protocol in (probes, openai, token_sse, websocket):
         app.include_router(protocol.router)
     openapi.install(app, settings.model_label)
-    app.add_middleware(StampArrival)
+    app.add_middleware(Edge)
     return app

@@ -14,6 +14,7 @@ import logging
 import uvicorn
 
 from .app import build_app
+from .core.trail import ACCESS_LOGGER
 from .settings import Settings
 from .transport import redact
 
@@ -64,10 +65,26 @@ def uvicorn_config(settings: Settings, app) -> uvicorn.Config:
     return config
 
 
-def serve(settings: Settings) -> int:
+def configure_logging(settings: Settings) -> None:
+    """Process logs at --log-level; the access log (one line per request) on its own
+    handler at INFO whatever the log level, bare JSON lines with `--access-log-format json`.
+    uvicorn's own access log stays off: it would log query strings (`?api_key=`)."""
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
+    access = logging.getLogger(ACCESS_LOGGER)
+    access.propagate = False
+    access.setLevel(logging.INFO if settings.access_log else logging.CRITICAL)
+    handler = logging.StreamHandler()
+    fmt = (
+        "%(message)s" if settings.access_log_format == "json" else "%(asctime)s access %(message)s"
+    )
+    handler.setFormatter(logging.Formatter(fmt))
+    access.addHandler(handler)
+
+
+def serve(settings: Settings) -> int:
+    configure_logging(settings)
     config = uvicorn_config(settings, build_app(settings))
     server = DrainingServer(config, settings)
     server.run()

@@ -162,9 +162,27 @@ class Settings(BaseSettings):
     sim_jitter: float = Field(0.0, ge=0, description="Simulator: relative standard "
                               "deviation of every TTFT and gap.")  # fmt: skip
 
+    # Observability
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level."
     )
+    access_log: bool = Field(
+        True, description="One line per request when it ends (logger `sluice_server.access`): "
+        "request id, key id (never the key), model, protocol, status, TTFT, tokens, outcome, "
+        "duration. Probes are not logged; query strings never are.",
+    )  # fmt: skip
+    access_log_format: Literal["text", "json"] = Field(
+        "text", description="Access log lines as `key=value` text or as one JSON object per line.",
+    )  # fmt: skip
+    otlp_traces_endpoint: str | None = Field(
+        None, description="OTLP/HTTP traces endpoint (e.g. `http://collector:4318/v1/traces`): "
+        "one span per request, joining the caller's W3C `traceparent`; also passed to vLLM. "
+        "Tracing is off when unset.",
+    )  # fmt: skip
+    trace_sample_ratio: float = Field(
+        1.0, ge=0, le=1, description="Share of new traces sampled (a sampled caller's "
+        "`traceparent` is always followed).",
+    )  # fmt: skip
 
     @field_validator("protocols", mode="before")
     @classmethod

@@ -10,12 +10,15 @@ with a send() that drops the bytes. Two measurements:
   replaces our SSE send (a direct send watched by one timer per response) with a plain
   `await send(...)`: what the send-timeout protection costs per event. (The A/B behind the
   fix in docs/benchmarks.md "Hot spots" compared a cancel scope per send with a plain send
-  the same way.)
+  the same way.) `--variant tracing` turns OpenTelemetry on (every request sampled, spans
+  exported over OTLP/HTTP to a receiver in another process, tests/testkit/otlp.py);
+  `--variant access-log` writes the access log (to /dev/null): what each costs per token.
 * `mem`: N streams held open; tracemalloc growth per stream, top allocation sites, and
   asyncio tasks per stream.
 
     python tests/bench/stack_cost.py cpu --protocol sse --variant base
     python tests/bench/stack_cost.py cpu --protocol sse --variant no-timeout
+    python tests/bench/stack_cost.py cpu --protocol sse --variant tracing
     python tests/bench/stack_cost.py mem --protocol websocket
 """
 
@@ -25,8 +28,13 @@ import argparse
 import asyncio
 import gc
 import json
+import logging
+import os
+import subprocess
+import sys
 import time
 import tracemalloc
+from pathlib import Path
 
 from sluice_server.app import build_app
 from sluice_server.engine.base import SamplingOptions, StreamRequest
@@ -41,6 +49,24 @@ def patch_no_timeout() -> None:
         await send(message)
 
     SendWatchdog.send = direct
+
+
+def start_receiver() -> tuple[subprocess.Popen, str]:
+    """An OTLP/HTTP receiver in its own process (its decoding is not our CPU time)."""
+    tests = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{tests}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen([sys.executable, "-m", "testkit.otlp"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, env=env, text=True)  # fmt: skip
+    return proc, proc.stdout.readline().strip()
+
+
+def access_log_to_devnull() -> None:
+    from sluice_server.core.trail import ACCESS_LOGGER
+
+    log = logging.getLogger(ACCESS_LOGGER)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    log.addHandler(logging.StreamHandler(open(os.devnull, "w")))  # noqa: SIM115
 
 
 def drivers(app, max_tokens: int, ends: list[asyncio.Event], counter: list[int]):
@@ -115,7 +141,9 @@ def drivers(app, max_tokens: int, ends: list[asyncio.Event], counter: list[int])
 
 async def cpu(args) -> None:
     engine = SimulatorEngine("sim", ttft_ms=5, itl_ms=args.itl_ms)
-    app = build_app(Settings(model="sim", engine="simulator", max_concurrent_streams=10**6), engine)
+    extra = {"otlp_traces_endpoint": args.endpoint} if args.variant == "tracing" else {}
+    settings = Settings(model="sim", engine="simulator", max_concurrent_streams=10**6, **extra)
+    app = build_app(settings, engine)
     counter = [0]
     one = drivers(app, args.tokens, [], counter)[args.protocol]
 
@@ -179,7 +207,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("what", choices=["cpu", "mem"])
     p.add_argument("--protocol", choices=["sse", "websocket"], default="sse")
-    p.add_argument("--variant", choices=["base", "no-timeout", "engine"], default="base")
+    p.add_argument("--variant", choices=["base", "no-timeout", "engine", "tracing", "access-log"],
+                   default="base")  # fmt: skip
     p.add_argument("--streams", type=int, default=100)
     p.add_argument("--tokens", type=int, default=300)
     p.add_argument("--itl-ms", type=float, default=10.0)
@@ -187,15 +216,25 @@ def main() -> None:
     args = p.parse_args()
     if args.variant == "no-timeout":
         patch_no_timeout()
+    receiver = None
+    if args.variant == "tracing":
+        receiver, args.endpoint = start_receiver()
+    if args.variant == "access-log":
+        access_log_to_devnull()
     if args.what == "mem" and args.streams == 100:
         args.streams = 500
     coro = cpu(args) if args.what == "cpu" else mem(args)
-    try:  # uvicorn runs on uvloop when it is installed (uvicorn[standard])
-        import uvloop
+    try:
+        try:  # uvicorn runs on uvloop when it is installed (uvicorn[standard])
+            import uvloop
 
-        uvloop.run(coro)
-    except ImportError:
-        asyncio.run(coro)
+            uvloop.run(coro)
+        except ImportError:
+            asyncio.run(coro)
+    finally:
+        if receiver is not None:
+            receiver.stdin.close()
+            receiver.wait(30)
 
 
 if __name__ == "__main__":

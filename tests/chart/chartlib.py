@@ -7,6 +7,7 @@ The repository root, tool lookup and Kubernetes versions come from tests/testkit
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -81,6 +82,9 @@ def one(docs: list[dict], kind: str) -> dict:
     return found[0]
 
 
+POD_MONITOR_SCHEMA = Path(__file__).resolve().parents[1] / "operator/schemas/podmonitor.schema.json"
+
+
 def load_crd() -> dict:
     return yaml.safe_load(CRD_FILE.read_text())
 
@@ -89,6 +93,14 @@ def validate_k8s(doc: dict, versions: tuple[str, ...] = K8S_VERSIONS) -> None:
     """Validate one manifest against the official schemas (strict: unknown fields fail)."""
     import kubernetes_validate
 
+    if doc["apiVersion"] == "monitoring.coreos.com/v1" and doc["kind"] == "PodMonitor":
+        # Not in the Kubernetes schemas: the schema written from the Prometheus Operator's
+        # API reference (tests/operator/schemas/podmonitor.schema.json).
+        import jsonschema
+
+        schema = json.loads(POD_MONITOR_SCHEMA.read_text())
+        jsonschema.Draft202012Validator(schema).validate(doc)
+        return
     if doc["apiVersion"] == "monitoring.coreos.com/v1":
         # Prometheus Operator CRDs are not in the Kubernetes schemas; check the shape its
         # admission webhook checks first (tests/chart/test_prometheus_rules.py checks the rules).

@@ -358,8 +358,11 @@ def test_keda_set_and_not_rendered(h):
     assert ("keda.sh", "scaledobjects") not in _grants(
         _operator_role(h.template(OPERATOR_CHART))["rules"]
     )
+    # So is the Prometheus Operator's PodMonitor with podMonitors.enabled.
     grants = _grants(
-        _operator_role(h.template(OPERATOR_CHART, set_=["keda.enabled=true"]))["rules"]
+        _operator_role(
+            h.template(OPERATOR_CHART, set_=["keda.enabled=true", "podMonitors.enabled=true"])
+        )["rules"]
     )
     # Exactly what the operator calls (not watched: KEDA's CRD may be absent).
     assert grants[("keda.sh", "scaledobjects")] == {"get", "create", "patch", "delete"}
@@ -416,8 +419,11 @@ def test_rbac_covers_every_child_the_operator_manages(h):
     kinds = pytest.importorskip("sluice_operator.kinds")
     render = pytest.importorskip("sluice_operator.render")
     # KEDA's ScaledObject (autoscaling.backend: keda) is only granted with keda.enabled.
+    # So is the Prometheus Operator's PodMonitor with podMonitors.enabled.
     grants = _grants(
-        _operator_role(h.template(OPERATOR_CHART, set_=["keda.enabled=true"]))["rules"]
+        _operator_role(
+            h.template(OPERATOR_CHART, set_=["keda.enabled=true", "podMonitors.enabled=true"])
+        )["rules"]
     )
     need = _needed(kinds.ALL_KINDS, kinds.WATCHED_KINDS, kinds.STREAMING_MODEL)
     missing = _missing(need, grants)

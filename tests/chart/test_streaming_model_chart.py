@@ -187,6 +187,6 @@ def test_operator_renders_valid_children_for_the_chart_output(h, values):
     kinds = {c["kind"] for c in children}
     assert {"Deployment", "Service"} <= kinds
     if values:
-        assert {"Ingress", "HorizontalPodAutoscaler", "PodDisruptionBudget"} <= kinds
+        assert {"Ingress", "HorizontalPodAutoscaler", "PodDisruptionBudget", "PodMonitor"} <= kinds
     for child in children:
         validate_k8s(child)

@@ -15,15 +15,19 @@ INVALID_SAMPLES = sorted((ROOT / "samples" / "invalid").glob("*.yaml"))
 # KEDA's ScaledObject is not a built-in kind (kubernetes-validate has no schema for it): a
 # minimal strict schema written from KEDA's documented spec stands in.
 KEDA_SCHEMA = ROOT / "tests" / "operator" / "schemas" / "keda-scaledobject.schema.json"
+# The same for the Prometheus Operator's PodMonitor, written from its API reference.
+POD_MONITOR_SCHEMA = ROOT / "tests" / "operator" / "schemas" / "podmonitor.schema.json"
 
 
 def validate_manifest(manifest: dict, version: str) -> None:
-    """Strict schema validation: kubernetes-validate for built-in kinds, ours for KEDA's."""
-    if manifest.get("apiVersion", "").startswith("keda.sh/"):
+    """Strict schema validation: kubernetes-validate for built-in kinds, ours for KEDA's
+    ScaledObject and the Prometheus Operator's PodMonitor."""
+    group = manifest.get("apiVersion", "").split("/")[0]
+    own = {"keda.sh": KEDA_SCHEMA, "monitoring.coreos.com": POD_MONITOR_SCHEMA}.get(group)
+    if own is not None:
         import jsonschema
 
-        schema = json.loads(KEDA_SCHEMA.read_text())
-        jsonschema.Draft202012Validator(schema).validate(manifest)
+        jsonschema.Draft202012Validator(json.loads(own.read_text())).validate(manifest)
         return
     import kubernetes_validate
 

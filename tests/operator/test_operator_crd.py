@@ -63,6 +63,7 @@ def test_stale_detection_has_teeth(tmp_path):
         CRD_PATHS[0].name,
         "api.md",
         "values.schema.json",
+        "grafana-dashboard.json",
     }
 
 

@@ -59,6 +59,14 @@ unless peering is enabled. The end-to-end tests run the operator under exactly t
   resources: ["scaledobjects"]
   verbs: ["get", "create", "patch", "delete"]
 {{- end }}
+{{- if .Values.podMonitors.enabled }}
+# podMonitors.enabled: Prometheus Operator PodMonitors for models with
+# observability.podMonitor.enabled: read, server-side applied, deleted when the model turns
+# it off. Not watched (the CRD may be absent), so no list/watch.
+- apiGroups: ["monitoring.coreos.com"]
+  resources: ["podmonitors"]
+  verbs: ["get", "create", "patch", "delete"]
+{{- end }}
 {{- if .Values.peering.enabled }}
 {{- if .Values.watch.allNamespaces }}
 # peering.enabled, cluster-wide: keep-alives in a ClusterKopfPeering (a higher-priority peer pauses us).

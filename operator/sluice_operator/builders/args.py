@@ -71,6 +71,11 @@ def server_args(model: StreamingModel) -> list[str]:
     if limit.backend == "redis":  # the URL comes from the Secret, in SLUICE_REDIS_URL
         args += ["--rate-limit-backend", "redis", "--rate-limit-failure-mode", limit.failure_mode]
 
+    tracing = spec.observability.tracing
+    if tracing.endpoint:
+        args += ["--otlp-traces-endpoint", tracing.endpoint]
+        args += ["--trace-sample-ratio", fmt_number(tracing.sample_ratio)]
+
     if model.simulated:
         sim = spec.engine.simulator or SimulatorSpec()
         args += ["--sim-ttft-ms", fmt_number(sim.ttft_ms), "--sim-itl-ms", fmt_number(sim.itl_ms)]

@@ -1,14 +1,16 @@
 """Every file generated from the typed models: where it goes and what it holds.
 
 `python -m sluice_operator crds --write` writes them all and `--check` lists the stale
-ones, so one command keeps the CRD (two identical copies), the API reference and the
-streaming-model chart's values schema in step with the models; a test runs the check.
+ones, so one command keeps the CRD (two identical copies), the API reference, the
+streaming-model chart's values schema and the Grafana dashboard (built from the operator's
+own queries) in step; a test runs the check.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from . import dashboard
 from .apidocs import render_api_doc
 from .crd import CRD_FILENAME, build_crd, render_crd
 from .values_schema import render_values_schema
@@ -18,6 +20,8 @@ from .values_schema import render_values_schema
 CRD_PATHS = (Path("crds") / CRD_FILENAME, Path("charts/sluice-operator/crds") / CRD_FILENAME)
 DOC_PATH = Path("docs/api.md")
 VALUES_SCHEMA_PATH = Path("charts/streaming-model/values.schema.json")
+# Shipped by the operator chart (grafanaDashboard.enabled) and imported by hand as is.
+DASHBOARD_PATH = Path("charts/sluice-operator/files/grafana-dashboard.json")
 
 
 def generated_files() -> dict[Path, str]:
@@ -28,6 +32,7 @@ def generated_files() -> dict[Path, str]:
         **{rel: text for rel in CRD_PATHS},
         DOC_PATH: render_api_doc(crd),
         VALUES_SCHEMA_PATH: render_values_schema(crd),
+        DASHBOARD_PATH: dashboard.render(),
     }
 
 

@@ -718,6 +718,58 @@ class RolloutSpec(ApiModel):
         return self
 
 
+class PodMonitorSpec(ApiModel):
+    """A Prometheus Operator PodMonitor for the model's pods (clusters that run the Prometheus Operator)."""
+
+    enabled: bool = Field(
+        default=False,
+        description=(
+            "Make a monitoring.coreos.com/v1 PodMonitor that scrapes /metrics of every pod. "
+            "Without the Prometheus Operator's CRD the rest of the model still converges and "
+            "the status says why (condition PodMonitorReady)."
+        ),
+    )
+    interval: str = Field(
+        default="15s",
+        pattern=r"^[0-9]+(ms|s|m)$",
+        description="Scrape interval (Prometheus duration, e.g. 15s).",
+    )
+    labels: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "Extra labels on the PodMonitor, e.g. the `release` label a kube-prometheus-stack "
+            "Prometheus selects monitors by."
+        ),
+    )
+
+
+class TracingSpec(ApiModel):
+    """OpenTelemetry traces of every request (server and engine)."""
+
+    endpoint: str | None = Field(
+        default=None,
+        max_length=2048,
+        pattern=r"^https?://[^\s]+$",
+        description=(
+            "OTLP/HTTP traces endpoint, e.g. http://otel-collector.monitoring:4318/v1/traces; "
+            "unset: no tracing."
+        ),
+    )
+    sample_ratio: float = Field(
+        default=1.0,
+        ge=0,
+        le=1,
+        description="Share of new traces sampled (a sampled caller's traceparent is always followed).",
+    )
+
+
+class ObservabilitySpec(ApiModel):
+    """Monitoring objects and tracing."""
+
+    pod_monitor: PodMonitorSpec = sub(PodMonitorSpec, "Prometheus Operator PodMonitor.")
+    tracing: TracingSpec = sub(TracingSpec, "OpenTelemetry tracing.")
+
+
 class LocalObjectReference(ApiModel):
     """A reference to an object by name in the same namespace."""
 
@@ -768,6 +820,9 @@ class StreamingModelSpec(ApiModel):
     startup: StartupSpec = sub(StartupSpec, "Startup budget of a new pod.")
     rollout: RolloutSpec = sub(
         RolloutSpec, "How spec changes replace pods: surge (default) or in place."
+    )
+    observability: ObservabilitySpec = sub(
+        ObservabilitySpec, "PodMonitor and OpenTelemetry tracing."
     )
     image: Annotated[str, StringConstraints(min_length=1, max_length=512)] = Field(
         default=DEFAULT_IMAGE, description="Serving image (the Sluice server)."

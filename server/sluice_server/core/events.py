@@ -26,6 +26,7 @@ from .stream import Stream, StreamFailed, join_batch
 
 if TYPE_CHECKING:
     from .metrics import Bound
+    from .trail import Trail
 
 # Outcomes (for logs and metrics)
 FINISHED, DISCONNECTED, FAILED, STOPPED = "finished", "disconnected", "failed", "stopped"
@@ -69,17 +70,21 @@ def usage_of(last) -> dict:
 
 
 class Meter:
-    """Edge timings for one stream. `t0` is when the request arrived (middleware)."""
+    """Edge timings for one stream. `t0` is when the request arrived (middleware). The
+    stream's end is recorded once (`finish`): metrics, then the request's trail (access log
+    line, span) from the same numbers."""
 
-    __slots__ = ("m", "t0", "first_write", "last_write", "tokens", "outcome")
+    __slots__ = ("m", "t0", "first_write", "last_write", "tokens", "outcome", "reason", "trail")
 
-    def __init__(self, bound: Bound, t0: float) -> None:
+    def __init__(self, bound: Bound, t0: float, trail: Trail | None = None) -> None:
         self.m = bound
         self.t0 = t0
         self.first_write: float | None = None
         self.last_write = 0.0
         self.tokens = 0
         self.outcome: str | None = None
+        self.reason: str | None = None  # the engine's finish reason
+        self.trail = trail
         bound.requests.inc()
         bound.active.inc()
 
@@ -113,6 +118,9 @@ class Meter:
             m.aborts.inc()
         elif outcome == STOPPED:
             m.aborts.inc()
+        if self.trail is not None:
+            first = stream.first_output_at if stream is not None else None
+            self.trail.end(outcome, meter=self, first_output=first)
 
 
 async def events(stream: Stream, meter: Meter) -> AsyncIterator[Event]:
@@ -126,6 +134,7 @@ async def events(stream: Stream, meter: Meter) -> AsyncIterator[Event]:
             return
         if batch is None:
             if stream.stopped:
+                meter.reason = "abort"
                 meter.finish(STOPPED, stream)
                 yield Stopped()
             else:
@@ -141,9 +150,11 @@ async def events(stream: Stream, meter: Meter) -> AsyncIterator[Event]:
             meter.tokens += ntok
         if last.finished:
             if last.finish_reason == "abort":
+                meter.reason = "abort"
                 meter.finish(FAILED, stream)
                 yield Failed(ABORTED_BY_SERVER, "aborted")
                 return
+            meter.reason = last.finish_reason
             yield Finished(last.finish_reason, usage_of(last))
             meter.finish(FINISHED, stream)
             return

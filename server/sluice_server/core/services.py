@@ -19,6 +19,7 @@ from .gate import Gate
 from .identity import Principal
 from .metrics import Metrics
 from .ratelimit import Limiter
+from .trail import REJECTED, Recorder, Trail, new_request_id
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ class Services:
     gate: Gate
     limiter: Limiter
     credentials: Credentials
+    recorder: Recorder
     engine: Engine | None = None
     engine_error: str | None = None
     _bills: set[asyncio.Task] = field(default_factory=set)
@@ -58,12 +60,20 @@ class Services:
                 code="protocol_disabled",
             )
 
-    def authorize(self, protocol: str, api_key: str | None) -> Principal:
-        """The caller, or 401 (counted)."""
+    def authorize(
+        self, conn: HTTPConnection, protocol: str, allow_query: bool = False
+    ) -> Principal:
+        """The caller, or 401 (counted). Names the request's protocol (for the error
+        handler's count and the access log) and its caller's id and tenant (never the key)."""
+        conn.state.protocol = protocol
+        trail = trail_of(conn)
+        trail.protocol = protocol
         try:
-            return self.credentials.authenticate(api_key)
+            who = self.credentials.authenticate(api_key_of(conn, allow_query))
         except ApiError as e:
             raise self._counted(protocol, e) from None
+        trail.kid, trail.tenant = who.id, who.tenant
+        return who
 
     async def admit(self, protocol: str, who: Principal) -> None:
         """Drain and capacity first (no limiter call for a request refused anyway), then the
@@ -112,9 +122,26 @@ class Services:
     def count(self, protocol: str, e: ApiError) -> ApiError:
         return self._counted(protocol, e)
 
+    def refuse(self, trail: Trail, e: ApiError) -> ApiError:
+        """A refusal that is no HTTP response (a WebSocket frame): counted, and the
+        generation's trail ends as rejected with the status its error frame carries."""
+        self._counted(trail.protocol or "", e)
+        trail.end(REJECTED, e.status)
+        return e
+
 
 def services(conn: HTTPConnection) -> Services:
     return conn.app.state.services
+
+
+def trail_of(conn: HTTPConnection) -> Trail:
+    """The request's trail (opened by the edge middleware; a fresh one if absent)."""
+    trail = conn.scope.get("sluice.trail")
+    if trail is None:
+        trail = conn.scope["sluice.trail"] = services(conn).recorder.open(
+            new_request_id(), received_at(conn), conn.url.path
+        )
+    return trail
 
 
 def received_at(conn: HTTPConnection) -> float:

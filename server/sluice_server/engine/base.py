@@ -68,6 +68,8 @@ class StreamRequest:
     options: SamplingOptions = field(default_factory=SamplingOptions)
     # Set by engines that tokenize up front (`prepare`), so generate() needn't again.
     prompt_token_ids: list[int] | None = None
+    # The caller's W3C trace headers, for engines that trace (vLLM with an OTLP endpoint).
+    trace_headers: dict[str, str] | None = None
 
 
 @dataclass(slots=True)

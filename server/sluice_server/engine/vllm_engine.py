@@ -88,6 +88,9 @@ def vllm_cli_args(settings: Settings, model_path: str, cpu_defaults: bool) -> li
     if settings.swap_space is not None:
         # vLLM 0.32 has no --swap-space any more; its successor is CPU KV offloading (GiB).
         args += ["--kv-offloading-size", str(settings.swap_space)]
+    if settings.otlp_traces_endpoint:
+        # The engine's own spans (queue, prefill, decode) join the request's trace.
+        args += ["--otlp-traces-endpoint", settings.otlp_traces_endpoint]
     if cpu_defaults:
         # The CPU build misreads NUMA memory without an explicit KV size, and
         # torch.compile adds ~30 s to start-up for a model this small.
@@ -207,7 +210,8 @@ class VllmEngine:
         n_prompt = len(ids)
         # AsyncLLM.generate aborts the engine request when it is cancelled or closed; close
         # it explicitly so an abandoned outer generator never waits for GC to abort.
-        gen = self.llm.generate({"prompt_token_ids": ids}, params, request.request_id)
+        gen = self.llm.generate({"prompt_token_ids": ids}, params, request.request_id,
+                                trace_headers=request.trace_headers)  # fmt: skip
         try:
             async for out in gen:
                 o = out.outputs[0]
@@ -248,6 +252,9 @@ async def open_vllm_engine(settings: Settings, model_path: str) -> AsyncIterator
     from vllm.utils.argparse_utils import FlexibleArgumentParser
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    if settings.otlp_traces_endpoint:
+        # Ours is OTLP/HTTP; vLLM's exporter defaults to gRPC.
+        os.environ.setdefault("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
     cpu = current_platform.is_cpu()
     argv = vllm_cli_args(settings, model_path, cpu_defaults=cpu and not _has_kv_size(settings))
     parser = make_arg_parser(FlexibleArgumentParser(prog="sluice-server --"))

@@ -18,12 +18,12 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from ..core.errors import ApiError, error_body
-from ..core.events import FINISHED, Failed, Finished, Meter, Tokens, events
+from ..core.events import DISCONNECTED, FINISHED, Failed, Meter, Tokens, events
 from ..core.identity import Principal
 from ..core.lifecycle import open_stream
 from ..core.metrics import bind
 from ..core.params import describe_validation_error
-from ..core.services import Services, api_key_of, read_json, received_at, services
+from ..core.services import Services, read_json, received_at, services, trail_of
 from ..core.stream import Stream
 from ..engine.base import OpenAIKind, OpenAIRequestError, OpenAIStream
 from ..transport.sse import SSEResponse
@@ -34,10 +34,9 @@ PROTOCOL = "openai"
 
 
 def _gate(request: Request, path: str) -> tuple[Services, Principal]:
-    request.state.protocol = PROTOCOL
     svc = services(request)
     svc.require_protocol("sse", path)
-    return svc, svc.authorize(PROTOCOL, api_key_of(request))
+    return svc, svc.authorize(request, PROTOCOL)
 
 
 @router.get("/v1/models", responses=streamed(stream=False))
@@ -86,6 +85,7 @@ async def _generate(request: Request, path: str, kind: OpenAIKind) -> Response:
         raise svc.bad_input(PROTOCOL, *describe_validation_error(e)) from None
     await svc.admit(PROTOCOL, who)
     t0 = received_at(request)
+    trail = trail_of(request)
     admitted = True
     try:
         try:
@@ -97,17 +97,18 @@ async def _generate(request: Request, path: str, kind: OpenAIKind) -> Response:
                 raise svc.bad_input(PROTOCOL, e.message, e.param, status=e.status) from None
             raise ApiError(e.status, e.message, param=e.param) from None
         if result is None:  # client left while the engine rendered or generated (non-stream)
-            Meter(bind(svc.metrics, PROTOCOL), t0).finish("disconnected")
+            Meter(bind(svc.metrics, PROTOCOL), t0, trail).finish(DISCONNECTED)
             return Response(status_code=499)
         if not isinstance(result, OpenAIStream):  # a whole answer
-            meter = Meter(bind(svc.metrics, PROTOCOL), t0)
+            trail.prompt_tokens = lambda: result.prompt_tokens
+            meter = Meter(bind(svc.metrics, PROTOCOL), t0, trail)
             meter.tokens = result.completion_tokens
             meter.finish(FINISHED)
             svc.bill(who, result.prompt_tokens + result.completion_tokens)
             return JSONResponse(result.body, result.status)
         admitted = False  # the stream owns the slot now
         stream, meter, cleanup = open_stream(
-            svc, PROTOCOL, who, result.chunks, t0, result.prompt_tokens
+            svc, trail, who, result.chunks, t0, result.prompt_tokens
         )
         return SSEResponse(
             _frames(stream, meter),
@@ -152,11 +153,11 @@ def error_event(message: str, code: str = "stream_error") -> bytes:
 
 
 async def _frames(stream: Stream, meter: Meter) -> AsyncIterator[bytes]:
-    """The engine's chunks pass through unchanged (whatever piled up as one block)."""
+    """The engine's chunks pass through unchanged (whatever piled up as one block). The
+    loop runs to its end after `Finished` (the engine's chunks already hold the final one and
+    `[DONE]`), so the stream is recorded as finished, not as a client that left."""
     async for ev in events(stream, meter):
         if type(ev) is Tokens:
             yield ev.text.encode()
         elif type(ev) is Failed:
             yield error_event(ev.message, ev.code)
-        elif type(ev) is Finished:
-            return

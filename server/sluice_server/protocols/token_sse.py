@@ -9,7 +9,6 @@ is `event: error` with `{"id","error":{...}}`, then `[DONE]`. Every event has an
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -20,7 +19,7 @@ from ..core.events import Failed, Finished, Meter, Tokens, events
 from ..core.identity import Principal
 from ..core.lifecycle import open_stream
 from ..core.params import to_stream_request
-from ..core.services import Services, api_key_of, read_json, received_at, services
+from ..core.services import Services, read_json, received_at, services, trail_of
 from ..core.stream import Stream
 from ..transport.sse import SSEResponse
 from .openapi import stream_body, stream_query, streamed
@@ -33,10 +32,9 @@ _dumps = json.dumps
 @router.post("/v1/stream", openapi_extra=stream_body(), responses=streamed())
 async def stream_post(request: Request) -> Response:
     """Generate and stream tokens as SSE."""
-    request.state.protocol = PROTOCOL
     svc = services(request)
     svc.require_protocol(PROTOCOL, "/v1/stream")
-    who = svc.authorize(PROTOCOL, api_key_of(request))
+    who = svc.authorize(request, PROTOCOL)
     body = await read_json(request, svc, PROTOCOL)
     return await _start(request, svc, who, body)
 
@@ -45,10 +43,9 @@ async def stream_post(request: Request) -> Response:
 async def stream_get(request: Request) -> Response:
     """Query parameters mirror the POST body; `messages` is JSON; `api_key` is accepted
     because EventSource cannot set headers."""
-    request.state.protocol = PROTOCOL
     svc = services(request)
     svc.require_protocol(PROTOCOL, "/v1/stream")
-    who = svc.authorize(PROTOCOL, api_key_of(request, allow_query=True))
+    who = svc.authorize(request, PROTOCOL, allow_query=True)
     body: dict = {k: v for k, v in request.query_params.items() if k != "api_key"}
     if "messages" in body:
         try:
@@ -62,22 +59,23 @@ async def stream_get(request: Request) -> Response:
 
 async def _start(request: Request, svc: Services, who: Principal, body: dict) -> Response:
     engine = await svc.require_engine()
-    rid = f"stream-{uuid.uuid4().hex}"
+    trail = trail_of(request)
+    rid = f"stream-{trail.rid}"  # the engine's request id and the events' `id`
     try:
         req = to_stream_request(body, rid, engine, svc.settings.model_label)
     except ApiError as e:
         raise svc.count(PROTOCOL, e) from None
     await svc.admit(PROTOCOL, who)
+    req.trace_headers = trail.carrier
     n_prompt = len(req.prompt_token_ids or ())
     stream, meter, cleanup = open_stream(
-        svc, PROTOCOL, who, engine.generate(req), received_at(request), lambda: n_prompt
+        svc, trail, who, engine.generate(req), received_at(request), lambda: n_prompt
     )
     return SSEResponse(
         token_events(stream, meter, rid),
         cleanup,
         ping=svc.settings.heartbeat_seconds,
         send_timeout=svc.settings.send_timeout_seconds,
-        headers={"X-Request-Id": rid},
     )
 
 

@@ -26,8 +26,9 @@ from ..core.events import DISCONNECTED, FAILED, Failed, Finished, Meter, Stopped
 from ..core.identity import Principal
 from ..core.lifecycle import open_stream
 from ..core.params import to_stream_request
-from ..core.services import Services, api_key_of, services
+from ..core.services import Services, services, trail_of
 from ..core.stream import Stream
+from ..core.trail import Trail
 from ..transport.sendwatch import SendWatchdog
 
 router = APIRouter()
@@ -41,7 +42,7 @@ async def ws_stream(ws: WebSocket) -> None:
     svc = services(ws)
     try:
         svc.require_protocol(PROTOCOL, "/ws/stream")
-        who = svc.authorize(PROTOCOL, api_key_of(ws, allow_query=True))
+        who = svc.authorize(ws, PROTOCOL, allow_query=True)
         await svc.require_engine()
         if svc.gate.draining:
             raise svc.count(PROTOCOL, ApiError(503, "Server is shutting down.", reason="draining",
@@ -50,7 +51,7 @@ async def ws_stream(ws: WebSocket) -> None:
         await _deny(ws, e)
         return
     await ws.accept()
-    await Connection(ws, svc, who).run()
+    await Connection(ws, svc, trail_of(ws), who).run()
 
 
 async def _deny(ws: WebSocket, e: ApiError) -> None:
@@ -63,10 +64,11 @@ async def _deny(ws: WebSocket, e: ApiError) -> None:
 
 class Connection:
     """One socket: a reader loop plus one task per generation; `finally` cancels them all
-    (each task's own cleanup then aborts its engine request)."""
+    (each task's own cleanup then aborts its engine request). Each generation has its own
+    trail (the handshake's request id, the client's `id` as `stream`)."""
 
-    def __init__(self, ws: WebSocket, svc: Services, who: Principal) -> None:
-        self.ws, self.svc, self.who = ws, svc, who
+    def __init__(self, ws: WebSocket, svc: Services, trail: Trail, who: Principal) -> None:
+        self.ws, self.svc, self.trail, self.who = ws, svc, trail, who
         self.tasks: dict[str, asyncio.Task] = {}
         self.streams: dict[str, Stream] = {}
         self.lock = asyncio.Lock()
@@ -124,20 +126,19 @@ class Connection:
         body = {k: frame[k] for k in ("prompt", "messages", "model") if k in frame}
         body.update(params)
         svc = self.svc
+        trail = self.trail.child(str(rid), t0)
         try:
             engine = await svc.require_engine()
             req = to_stream_request(body, f"ws-{uuid.uuid4().hex}", engine,
                                     svc.settings.model_label)  # fmt: skip
-        except ApiError as e:
-            svc.count(PROTOCOL, e)
-            return await self.error(rid, e.status, e.message, e.code)
-        try:
             await svc.admit(PROTOCOL, self.who)
         except ApiError as e:
+            svc.refuse(trail, e)
             return await self.error(rid, e.status, e.message, e.code)
+        req.trace_headers = trail.carrier
         n_prompt = len(req.prompt_token_ids or ())
         stream, meter, cleanup = open_stream(
-            svc, PROTOCOL, self.who, engine.generate(req), t0, lambda: n_prompt
+            svc, trail, self.who, engine.generate(req), t0, lambda: n_prompt
         )
         self.streams[rid] = stream
         task = asyncio.create_task(self.pump(rid, stream, meter, cleanup))

@@ -53,6 +53,22 @@ def test_vllm_args_from_settings():
     assert args[:4] == ["--model", "/models/m", "--served-model-name", "m"]
     assert "--max-model-len" in args and "--kv-offloading-size" in args
     assert "--enforce-eager" in args and args[-2:] == ["--seed", "3"]
+    assert "--otlp-traces-endpoint" not in args  # tracing off: vLLM's too
+
+
+def test_tracing_endpoint_reaches_vllm():
+    from sluice_server.engine.vllm_engine import vllm_cli_args
+
+    url = "http://collector:4318/v1/traces"
+    s = parse_settings(["--model", "m", "--otlp-traces-endpoint", url,
+                        "--trace-sample-ratio", "0.25", "--access-log-format", "json"])  # fmt: skip
+    args = vllm_cli_args(s, "/models/m", cpu_defaults=False)
+    assert args[args.index("--otlp-traces-endpoint") + 1] == url
+    assert s.trace_sample_ratio == 0.25 and s.access_log_format == "json"
+    with pytest.raises(Exception, match="trace_sample_ratio"):
+        parse_settings(["--model", "m", "--trace-sample-ratio", "2"])
+    with pytest.raises(Exception, match="access_log_format"):
+        parse_settings(["--model", "m", "--access-log-format", "xml"])
 
 
 def test_key_file_and_constant_time_match(tmp_path):

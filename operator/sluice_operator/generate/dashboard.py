@@ -1,0 +1,204 @@
+"""The Grafana dashboard for StreamingModels, built with grafana-foundation-sdk (Grafana's
+own typed builders), written to charts/sluice-operator/files/grafana-dashboard.json: the
+chart ships it as a ConfigMap for Grafana's dashboard sidecar, and the file imports by hand.
+
+Variables: `namespace`, and `model` (the StreamingModel: the Deployment's pods are named
+<model>-<replicaset hash>-<suffix>, so every query selects them by pod name, like the
+recording rules and the KEDA query; only the `namespace` and `pod` labels every scrape
+config sets are needed). "Autoscaler's reading" is the operator's own per-pod TTFT query
+(builders/metrics.py, what the HPA and KEDA see); target and replicas come from
+kube-state-metrics (the HPA is named after the model); KV cache and running/waiting
+requests are vLLM's own `vllm:*` metrics on the same /metrics.
+
+`PANELS` is the one list: the builder reads it, and tests run each target against a real
+Prometheus (tests/observability).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from ..builders.metrics import ttft_metrics_query
+
+UID = "sluice-streamingmodels"
+TITLE = "Sluice / StreamingModels"
+PODS = 'namespace="$namespace",pod=~"$model-[a-z0-9]+-[a-z0-9]+"'
+RATE = "$__rate_interval"
+
+
+@dataclass(frozen=True)
+class Target:
+    expr: str
+    legend: str
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    unit: str
+    targets: tuple[Target, ...]
+    description: str = ""
+
+
+def _quantiles(metric: str, qs: tuple[float, ...]) -> tuple[Target, ...]:
+    return tuple(
+        Target(
+            f"histogram_quantile({q:g}, sum by (le) (rate({metric}_bucket{{{PODS}}}[{RATE}])))",
+            f"p{round(q * 100)}",
+        )
+        for q in qs
+    )
+
+
+def _rate(metric: str, by: str = "") -> str:
+    group = f" by ({by})" if by else ""
+    return f"sum{group} (rate({metric}{{{PODS}}}[{RATE}]))"
+
+
+HPA = 'namespace="$namespace",horizontalpodautoscaler="$model"'
+
+PANELS: tuple[Panel, ...] = (
+    Panel(
+        "Time to first token vs target",
+        "s",
+        (
+            *_quantiles("sluice_ttft_seconds", (0.5, 0.9, 0.99)),
+            Target(
+                f'max(kube_horizontalpodautoscaler_spec_target_metric{{{HPA},metric_name=~"sluice_ttft_p[0-9]+_seconds"}})',
+                "target",
+            ),
+        ),
+        "Request received -> first token's bytes written, per model; target from the HPA "
+        "(kube-state-metrics).",
+    ),
+    Panel(
+        "Inter-token latency",
+        "s",
+        _quantiles("sluice_inter_token_latency_seconds", (0.5, 0.99)),
+        "Gap between consecutive token writes.",
+    ),
+    Panel(
+        "Output tokens/s",
+        "short",
+        (Target(_rate("sluice_output_tokens_total"), "tokens/s"),),
+    ),
+    Panel(
+        "Active streams",
+        "short",
+        (Target(f"sum by (pod) (sluice_active_streams{{{PODS}}})", "{{pod}}"),),
+    ),
+    Panel(
+        "Requests and rejections by reason",
+        "reqps",
+        (
+            Target(_rate("sluice_requests_total"), "admitted"),
+            Target(_rate("sluice_rejections_total", "reason"), "rejected: {{reason}}"),
+        ),
+    ),
+    Panel(
+        "Client disconnects and aborts",
+        "reqps",
+        (
+            Target(_rate("sluice_client_disconnects_total"), "client disconnects"),
+            Target(_rate("sluice_aborts_total"), "aborts (any cause)"),
+        ),
+    ),
+    Panel(
+        "Stream errors after the 200",
+        "reqps",
+        (Target(_rate("sluice_stream_errors_total"), "stream errors"),),
+        "Streams ended by an error event: time limit, stalled reader, drain, engine error.",
+    ),
+    Panel(
+        "Queue wait (request -> engine's first output)",
+        "s",
+        _quantiles("sluice_queue_wait_seconds", (0.5, 0.99)),
+    ),
+    Panel(
+        "Engine KV-cache usage",
+        "percentunit",
+        (Target(f"max by (pod) (vllm:kv_cache_usage_perc{{{PODS}}})", "{{pod}}"),),
+    ),
+    Panel(
+        "Engine running and waiting requests",
+        "short",
+        (
+            Target(f"sum(vllm:num_requests_running{{{PODS}}})", "running"),
+            Target(f"sum(vllm:num_requests_waiting{{{PODS}}})", "waiting"),
+        ),
+    ),
+    Panel(
+        "Replicas: desired and current",
+        "short",
+        (
+            Target(
+                f"max(kube_horizontalpodautoscaler_status_desired_replicas{{{HPA}}})", "desired"
+            ),
+            Target(
+                f"max(kube_horizontalpodautoscaler_status_current_replicas{{{HPA}}})", "current"
+            ),
+        ),
+        "From the model's HPA (kube-state-metrics); with KEDA the HPA is keda-hpa-<model>.",
+    ),
+    Panel(
+        "Autoscaler's reading: per-pod TTFT p90",
+        "s",
+        (Target(ttft_metrics_query(0.9, "pod", PODS), "{{pod}}"),),
+        "What the HPA (prometheus-adapter) and KEDA read: each pod's p90 over 1 m, 0 when idle.",
+    ),
+)
+
+
+def build() -> dict:
+    """The dashboard as Grafana's JSON model."""
+    from grafana_foundation_sdk.builders import dashboard as db
+    from grafana_foundation_sdk.builders import prometheus, timeseries
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableRefresh
+
+    ds = DataSourceRef(type_val="prometheus", uid="${datasource}")
+    dash = (
+        db.Dashboard(TITLE)
+        .uid(UID)
+        .tags(["sluice", "llm", "streaming"])
+        .refresh("30s")
+        .time("now-1h", "now")
+        .with_variable(db.DatasourceVariable("datasource").label("Data source").type("prometheus"))
+        .with_variable(
+            db.QueryVariable("namespace")
+            .label("Namespace")
+            .datasource(ds)
+            .query("label_values(sluice_requests_total, namespace)")
+            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+        )
+        .with_variable(
+            db.QueryVariable("model")
+            .label("StreamingModel")
+            .datasource(ds)
+            .query('label_values(sluice_requests_total{namespace="$namespace"}, pod)')
+            .regex("/^(.+)-[a-z0-9]+-[a-z0-9]+$/")
+            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+        )
+    )
+    for panel in PANELS:
+        ts = (
+            timeseries.Panel()
+            .title(panel.title)
+            .description(panel.description)
+            .unit(panel.unit)
+            .datasource(ds)
+            .height(8)
+            .span(12)
+            .min(0)
+        )
+        for i, t in enumerate(panel.targets):
+            ts = ts.with_target(
+                prometheus.Dataquery().expr(t.expr).legend_format(t.legend).ref_id("ABCDEFGH"[i])
+            )
+        dash = dash.with_panel(ts)
+    return json.loads(JSONEncoder(sort_keys=True, indent=2).encode(dash.build()))
+
+
+def render() -> str:
+    return json.dumps(build(), indent=2, sort_keys=True) + "\n"

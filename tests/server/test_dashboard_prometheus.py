@@ -1,0 +1,256 @@
+"""The Grafana dashboard proven on real data: a real Sluice server (vLLM engine, tiny model)
+under a short load with rejections, disconnects, a stop and stream errors, scraped every
+second by Debian's Prometheus; every panel's every query (with the dashboard's variables
+filled in) must return data, and data that moved during the load.
+
+The HPA series (TTFT target, desired/current replicas) come from kube-state-metrics in a
+cluster; a single test process has none, so a stand-in endpoint serves recorded
+kube-state-metrics series for the model's HPA, scraped by the same Prometheus. Everything
+else (sluice_*, vllm:*, up) is the real server's own /metrics.
+
+With SLUICE_DASHBOARD_PNG=<path> the main panels are also drawn from the same queries
+(docs/observability.md's picture).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+import websockets
+from app_helpers import ws_url
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
+
+NAMESPACE, MODEL = "team-a", "chat"
+POD = f"{MODEL}-5d8f7c9b6-x2k4p"
+CAP = 8  # concurrent streams: above one round of the load, below its bursts
+# Panels whose series may stay flat at zero in this load (nothing queues in the engine).
+MAY_BE_ZERO = {("Engine running and waiting requests", "waiting")}
+KSM = f"""\
+# HELP kube_horizontalpodautoscaler_spec_target_metric The metric specifications used by this autoscaler.
+# TYPE kube_horizontalpodautoscaler_spec_target_metric gauge
+kube_horizontalpodautoscaler_spec_target_metric{{namespace="{NAMESPACE}",horizontalpodautoscaler="{MODEL}",metric_name="sluice_ttft_p90_seconds",metric_target_type="average"}} 0.5
+# HELP kube_horizontalpodautoscaler_status_desired_replicas Desired number of replicas.
+# TYPE kube_horizontalpodautoscaler_status_desired_replicas gauge
+kube_horizontalpodautoscaler_status_desired_replicas{{namespace="{NAMESPACE}",horizontalpodautoscaler="{MODEL}"}} 2
+# HELP kube_horizontalpodautoscaler_status_current_replicas Current number of replicas.
+# TYPE kube_horizontalpodautoscaler_status_current_replicas gauge
+kube_horizontalpodautoscaler_status_current_replicas{{namespace="{NAMESPACE}",horizontalpodautoscaler="{MODEL}"}} 1
+"""
+
+
+def _prometheus_or_skip():
+    import shutil
+
+    if shutil.which("prometheus") is None:
+        pytest.skip(
+            "prometheus not found (Debian package `prometheus`: tests/scripts/install-tools.sh)"
+        )
+    from e2e.autoscaling.prometheus import Prometheus
+
+    return Prometheus
+
+
+@contextlib.contextmanager
+def kube_state_metrics():
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            body = KSM.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def prometheus_config(sluice: str, ksm: str) -> dict:
+    return {
+        "global": {"scrape_interval": "1s", "scrape_timeout": "900ms"},
+        "scrape_configs": [
+            {"job_name": "sluice", "static_configs": [
+                {"targets": [sluice], "labels": {"namespace": NAMESPACE, "pod": POD}}]},
+            {"job_name": "kube-state-metrics", "honor_labels": True,
+             "static_configs": [{"targets": [ksm]}]},
+        ],
+    }  # fmt: skip
+
+
+def fill(expr: str) -> str:
+    """The dashboard's variables as Grafana would fill them for this model."""
+    return (
+        expr.replace("$namespace", NAMESPACE)
+        .replace("$model", MODEL)
+        .replace("$__rate_interval", "10s")
+    )
+
+
+def query_range(prom, expr: str, start: float, end: float) -> list[dict]:
+    data = prom._get("/api/v1/query_range", query=fill(expr), start=start, end=end, step=1)
+    return data["result"]
+
+
+def check_panels(prom, panels, start: float, end: float) -> dict:
+    """Every target of every panel returns data that is not all zero (except MAY_BE_ZERO);
+    the failure names the panel and the query."""
+    problems, results = [], {}
+    for panel in panels:
+        for t in panel.targets:
+            series = query_range(prom, t.expr, start, end)
+            results[(panel.title, t.legend)] = series
+            if not series:
+                problems.append(f"panel {panel.title!r} ({t.legend}): no data for {fill(t.expr)}")
+            elif (panel.title, t.legend) not in MAY_BE_ZERO and not any(
+                float(v) != 0 for s in series for _, v in s["values"]
+            ):
+                problems.append(
+                    f"panel {panel.title!r} ({t.legend}): only zeros for {fill(t.expr)}"
+                )
+    assert not problems, "\n".join(problems)
+    return results
+
+
+async def load(url: str) -> None:
+    """A short mixed load: finished streams on every protocol, capacity and bad-input
+    refusals, client disconnects, a WebSocket stop, and streams cut by the time limit."""
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+
+        async def finished(n=24):
+            body = {"prompt": "hello", "max_tokens": n, "ignore_eos": True}
+            async with c.stream("POST", "/v1/stream", json=body) as r:
+                await r.aread()
+
+        async def openai():
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 16, "stream": True}  # fmt: skip
+            async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                await r.aread()
+
+        async def disconnect():
+            body = {"prompt": "bye", "max_tokens": 400, "ignore_eos": True}
+            async with c.stream("POST", "/v1/stream", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data:"):
+                        break
+
+        async def too_long():  # stream_timeout_seconds cuts it: an error after the 200
+            body = {"prompt": "long", "max_tokens": 480, "ignore_eos": True}
+            async with c.stream("POST", "/v1/stream", json=body) as r:
+                async for _ in r.aiter_raw():
+                    await asyncio.sleep(0.01)
+
+        async def stop():
+            async with websockets.connect(ws_url(url)) as ws:
+                await ws.send(json.dumps({"id": "s", "prompt": "k", "params": {"max_tokens": 400,
+                                                                              "ignore_eos": True}}))  # fmt: skip
+                await ws.recv()
+                await ws.send(json.dumps({"type": "stop", "id": "s"}))
+                while True:
+                    frame = json.loads(await asyncio.wait_for(ws.recv(), 30))
+                    assert frame.get("type") != "error", frame
+                    if frame.get("finished"):
+                        break
+
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            jobs = [finished(), finished(), openai(), disconnect(), stop()]
+            jobs.append(too_long())
+            results = await asyncio.gather(*jobs, return_exceptions=True)
+            errors = [r for r in results if isinstance(r, Exception)]
+            assert not errors, errors
+            # over capacity (more streams at once than --max-concurrent-streams), bad input
+            body = {"prompt": "x", "max_tokens": 64, "ignore_eos": True}
+            burst = await asyncio.gather(*(c.post("/v1/stream", json=body) for _ in range(CAP + 4)))
+            assert 429 in {r.status_code for r in burst}
+            assert (
+                await c.post("/v1/stream", json={"prompt": "x", "max_tokens": 0})
+            ).status_code == 400
+
+
+async def test_every_panel_query_returns_data_from_a_real_server(make_server, tmp_path):
+    Prometheus = _prometheus_or_skip()
+    from sluice_operator.generate import dashboard
+
+    url = await make_server(max_concurrent_streams=CAP, stream_timeout_seconds=1.0)
+    with kube_state_metrics() as ksm:
+        prom = Prometheus(
+            tmp_path / "prom", tmp_path, prometheus_config(url.removeprefix("http://"), ksm)
+        )
+        await asyncio.to_thread(prom.start)
+        try:
+            start = time.time()
+            await load(url)
+            await asyncio.sleep(3)  # two more scrapes after the load
+            end = time.time()
+            up = {t["labels"]["job"]: t["health"] for t in prom.targets()}
+            assert up == {"sluice": "up", "kube-state-metrics": "up"}, prom.targets()
+            results = await asyncio.to_thread(check_panels, prom, dashboard.PANELS, start, end)
+            # Negative control: a query with a misspelt metric fails, naming its panel.
+            bogus = dashboard.Panel("Bogus", "s", (dashboard.Target(
+                dashboard.PANELS[0].targets[0].expr.replace("ttft", "tftt"), "p50"),))  # fmt: skip
+            with pytest.raises(AssertionError, match="panel 'Bogus'"):
+                check_panels(prom, (bogus,), start, end)
+            # ... and so does a series that never moved (another model's pods).
+            other = dashboard.Panel("Other model", "short", (dashboard.Target(
+                dashboard.PANELS[2].targets[0].expr.replace("$model", "other"), "t"),))  # fmt: skip
+            with pytest.raises(AssertionError, match="panel 'Other model'"):
+                check_panels(prom, (other,), start, end)
+            if os.environ.get("SLUICE_DASHBOARD_PNG"):
+                draw(results, start, Path(os.environ["SLUICE_DASHBOARD_PNG"]))
+        finally:
+            await asyncio.to_thread(prom.stop)
+
+
+def draw(results: dict, start: float, path: Path) -> None:
+    """The main panels as Grafana would draw them, from the same query results."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    titles = list(dict.fromkeys(title for title, _ in results))[:8]
+    fig, axes = plt.subplots(4, 2, figsize=(13, 13), constrained_layout=True)
+    for ax, title in zip(axes.flat, titles, strict=False):
+        for (t, legend), series in results.items():
+            if t != title:
+                continue
+            for s in series:
+                xs = [float(x) - start for x, _ in s["values"]]
+                ys = [
+                    float(v) if v not in ("NaN", "+Inf") else float("nan") for _, v in s["values"]
+                ]
+                labels = s["metric"]
+                label = re.sub(
+                    r"\{\{(\w+)\}\}", lambda m, lb=labels: lb.get(m.group(1), ""), legend
+                )
+                ax.plot(xs, ys, label=label)
+        ax.set_title(title)
+        ax.set_xlabel("seconds into the load run")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.suptitle(
+        "Sluice / StreamingModels (tiny model on CPU, 10 s mixed load, Prometheus queries)"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
