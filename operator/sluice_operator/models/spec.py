@@ -564,7 +564,10 @@ class RolloutSpec(ApiModel):
         "json_schema_extra": {
             "x-kubernetes-validations": [
                 cel(
-                    "self.maxSurge + self.maxUnavailable > 0",
+                    # has(): the API server checks the default {} as written, before the
+                    # defaults inside it are filled in.
+                    "(has(self.maxSurge) ? self.maxSurge : 1) + "
+                    "(has(self.maxUnavailable) ? self.maxUnavailable : 0) > 0",
                     "rollout.maxSurge and rollout.maxUnavailable cannot both be 0 (nothing "
                     "could be replaced); surge: maxSurge: 1; in place: maxUnavailable: 1",
                 ),
