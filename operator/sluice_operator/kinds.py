@@ -2,7 +2,7 @@
 
 One table so the places that need a kind cannot drift apart: the handlers watch
 `WATCHED_KINDS`, the cluster client builds URLs from `plural_of`, reconcile applies
-`CHILD_KINDS` in order (and `KEDA_KIND` apart), `render` and reconcile build through
+`CHILD_KINDS` in order (and `KEDA_KIND`, `HTTPROUTE` apart), `render` and reconcile build through
 `desired_children`, and a chart test checks every entry against the operator chart's RBAC,
 so a kind added here without a matching rule fails that test.
 
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .builders.deployment import desired_deployment
+from .builders.gateway import desired_httproute
 from .builders.hpa import desired_hpa
 from .builders.ingress import desired_ingress
 from .builders.keda import desired_scaled_object
@@ -74,7 +75,13 @@ CHILD_KINDS: tuple[Kind, ...] = (SERVICE, DEPLOYMENT, INGRESS, HPA, PDB)
 KEDA_KIND = Kind(
     "keda.sh/v1alpha1", "ScaledObject", "scaledobjects", desired_scaled_object, optional=True
 )
-ALL_KINDS: tuple[Kind, ...] = (*CHILD_KINDS, KEDA_KIND)
+# The Gateway API HTTPRoute (spec.gateway) likewise: its CRDs exist only where a Gateway API
+# implementation is installed, so it is not watched, and only read by models that use it (or
+# last did, which the status remembers).
+HTTPROUTE = Kind(
+    "gateway.networking.k8s.io/v1", "HTTPRoute", "httproutes", desired_httproute, optional=True
+)
+ALL_KINDS: tuple[Kind, ...] = (*CHILD_KINDS, KEDA_KIND, HTTPROUTE)
 
 # Not children, but addressed by the cluster client: pods are listed (why they are Pending)
 # and watched (status follows them); the StreamingModel is read and its status patched.

@@ -290,6 +290,7 @@ EXPECTED = {
         "delete",
     },
     ("policy", "poddisruptionbudgets"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("gateway.networking.k8s.io", "httproutes"): {"get", "create", "patch", "delete"},
     ("", "pods"): {"list", "watch"},
     ("", "events"): {"create"},
 }

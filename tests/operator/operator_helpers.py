@@ -17,16 +17,23 @@ K8S_VERSIONS = ("1.33", "1.35")
 # KEDA's ScaledObject is not a built-in kind (kubernetes-validate has no schema for it): a
 # minimal strict schema written from KEDA's documented spec stands in.
 KEDA_SCHEMA = ROOT / "tests" / "operator" / "schemas" / "keda-scaledobject.schema.json"
+# Gateway API's HTTPRoute likewise: a strict subset written from the Gateway API reference
+# (the official CRDs are not in any registry reachable here).
+HTTPROUTE_SCHEMA = ROOT / "tests" / "operator" / "schemas" / "gateway-httproute.schema.json"
 
 
 def validate_manifest(manifest: dict, version: str) -> None:
-    """Strict schema validation: kubernetes-validate for built-in kinds, ours for KEDA's."""
-    if manifest.get("apiVersion", "").startswith("keda.sh/"):
-        import jsonschema
+    """Strict schema validation: kubernetes-validate for built-in kinds, ours for KEDA's
+    ScaledObject and Gateway API's HTTPRoute."""
+    api_version = manifest.get("apiVersion", "")
+    own = {"keda.sh/": KEDA_SCHEMA, "gateway.networking.k8s.io/": HTTPROUTE_SCHEMA}
+    for prefix, path in own.items():
+        if api_version.startswith(prefix):
+            import jsonschema
 
-        schema = json.loads(KEDA_SCHEMA.read_text())
-        jsonschema.Draft202012Validator(schema).validate(manifest)
-        return
+            schema = json.loads(path.read_text())
+            jsonschema.Draft202012Validator(schema).validate(manifest)
+            return
     import kubernetes_validate
 
     kubernetes_validate.validate(manifest, version, strict=True)

@@ -42,6 +42,12 @@ unless peering is enabled. The end-to-end tests run the operator under exactly t
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# Gateway API HTTPRoutes for models with spec.gateway: read, server-side applied, deleted when a
+# model moves back to an Ingress. Not watched (the Gateway API CRDs may be absent), so no
+# list/watch; granting a resource a cluster does not serve is harmless.
+- apiGroups: ["gateway.networking.k8s.io"]
+  resources: ["httproutes"]
+  verbs: ["get", "create", "patch", "delete"]
 # Read only: model pods are watched so a pod turning Ready or Pending updates the status at
 # once, and listed for why they are Pending (PodScheduled condition, e.g. no free GPUs).
 - apiGroups: [""]

@@ -527,6 +527,50 @@ class IngressSpec(ApiModel):
         return self
 
 
+Hostname = Annotated[
+    str, StringConstraints(max_length=253, pattern=r"^(\*\.)?[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+]
+
+
+class ParentReference(ApiModel):
+    """A Gateway (or one of its listeners) the route attaches to."""
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=253)] = Field(
+        description="Gateway name."
+    )
+    namespace: Name | None = Field(
+        default=None,
+        description="Gateway namespace; the StreamingModel's when unset (the Gateway's "
+        "listener must allow routes from it: allowedRoutes.namespaces).",
+    )
+    section_name: Name | None = Field(
+        default=None, description="Listener name on the Gateway; every listener when unset."
+    )
+    port: int | None = Field(default=None, ge=1, le=65535, description="Listener port.")
+
+
+class GatewaySpec(ApiModel):
+    """A Gateway API HTTPRoute (gateway.networking.k8s.io/v1) instead of an Ingress."""
+
+    parent_refs: Annotated[list[ParentReference], Field(min_length=1, max_length=32)] = Field(
+        description="Gateways the route attaches to (Gateway API parentRefs)."
+    )
+    hostnames: Annotated[list[Hostname], Field(max_length=16)] = Field(
+        default_factory=list,
+        description="Host names the route answers; every host the listener accepts when empty. "
+        "The first one is the status URL's host.",
+    )
+    path: Annotated[str, StringConstraints(max_length=1024, pattern=r"^/")] = Field(
+        default="/",
+        description="Path prefix (PathPrefix match, passed to the server unchanged, as with the Ingress).",
+    )
+    scheme: Literal["http", "https"] = Field(
+        default="http",
+        description="Protocol of the Gateway listener, for the status URL (TLS is the "
+        "Gateway's, not the route's).",
+    )
+
+
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
 
 
@@ -620,6 +664,12 @@ class StreamingModelSpec(ApiModel):
         "json_schema_extra": {
             "x-kubernetes-validations": [
                 cel(
+                    "!has(self.gateway) || !self.ingress.enabled",
+                    "spec.gateway and spec.ingress.enabled are exclusive: expose the model "
+                    "through a Gateway (HTTPRoute) or an Ingress, not both",
+                    ".gateway",
+                ),
+                cel(
                     "self.parallelism.tensor * self.parallelism.pipeline == self.resources.gpus",
                     "parallelism.tensor x parallelism.pipeline must equal resources.gpus "
                     "(e.g. gpus: 4 with tensor: 4, pipeline: 1, or tensor: 2, pipeline: 2)",
@@ -650,6 +700,11 @@ class StreamingModelSpec(ApiModel):
         default=None, description="TTFT autoscaling; unset: fixed spec.replicas."
     )
     ingress: IngressSpec = sub(IngressSpec, "Ingress settings.")
+    gateway: GatewaySpec | None = Field(
+        default=None,
+        description="Expose the model through a Gateway API Gateway with an HTTPRoute "
+        "(gateway.networking.k8s.io/v1) instead of an Ingress; exclusive with ingress.enabled.",
+    )
     limits: LimitsSpec = sub(LimitsSpec, "Request size limits (server and proxy alike).")
     startup: StartupSpec = sub(StartupSpec, "Startup budget of a new pod.")
     rollout: RolloutSpec = sub(
@@ -673,6 +728,15 @@ class StreamingModelSpec(ApiModel):
     service_account_name: Name | None = Field(
         default=None, description="ServiceAccount of the pods; namespace default when unset."
     )
+
+    @model_validator(mode="after")
+    def _one_way_in(self) -> StreamingModelSpec:
+        if self.gateway is not None and self.ingress.enabled:
+            raise ValueError(
+                "spec.gateway and spec.ingress.enabled are exclusive: expose the model "
+                "through a Gateway (HTTPRoute) or an Ingress, not both"
+            )
+        return self
 
     @model_validator(mode="after")
     def _gpus_match_parallelism(self) -> StreamingModelSpec:
