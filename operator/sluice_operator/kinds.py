@@ -20,6 +20,7 @@ from .builders.gateway import desired_httproute
 from .builders.hpa import desired_hpa
 from .builders.ingress import desired_ingress
 from .builders.keda import desired_scaled_object
+from .builders.networkpolicy import desired_network_policy
 from .builders.pdb import desired_pdb
 from .builders.service import desired_service
 from .models import GROUP, KIND, PLURAL, VERSION
@@ -64,10 +65,17 @@ HPA = Kind(
     optional=True,
 )
 PDB = Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets", desired_pdb, optional=True)
+NETWORK_POLICY = Kind(
+    "networking.k8s.io/v1",
+    "NetworkPolicy",
+    "networkpolicies",
+    desired_network_policy,
+    optional=True,
+)
 
 # Children applied on every pass, in apply order (the Service before the Deployment whose
 # pods it selects).
-CHILD_KINDS: tuple[Kind, ...] = (SERVICE, DEPLOYMENT, INGRESS, HPA, PDB)
+CHILD_KINDS: tuple[Kind, ...] = (SERVICE, DEPLOYMENT, INGRESS, HPA, PDB, NETWORK_POLICY)
 
 # KEDA's ScaledObject (autoscaling.backend: keda) is kept apart: its CRD exists only where
 # KEDA is installed and the chart grants it only with keda.enabled, so the operator neither

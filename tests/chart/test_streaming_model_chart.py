@@ -24,6 +24,7 @@ from .chartlib import (
 ALL_ON = HERE / "streaming-model-values-all-on.yaml"
 # spec.gateway excludes the Ingress that ALL_ON turns on: its own values file.
 GATEWAY_ON = HERE / "streaming-model-values-gateway.yaml"
+RECOMMENDED = MODEL_CHART / "values-recommended.yaml"
 # Values of the chart itself, not copied into the spec.
 CHART_KEYS = [
     "nameOverride",
@@ -184,7 +185,9 @@ def test_helm_test_pod_waits_for_ready_and_is_hardened(h):
 
 
 @pytest.mark.parametrize(
-    "values", [[], [ALL_ON], [GATEWAY_ON]], ids=["defaults", "all-on", "gateway"]
+    "values",
+    [[], [ALL_ON], [GATEWAY_ON], [RECOMMENDED]],
+    ids=["defaults", "all-on", "gateway", "recommended"],
 )
 def test_operator_renders_valid_children_for_the_chart_output(h, values):
     """Chart output -> the operator's own builders -> manifests valid for Kubernetes."""
@@ -199,5 +202,7 @@ def test_operator_renders_valid_children_for_the_chart_output(h, values):
         assert {"Ingress", "HorizontalPodAutoscaler", "PodDisruptionBudget"} <= kinds
     if values == [GATEWAY_ON]:
         assert "HTTPRoute" in kinds and "Ingress" not in kinds
+    # The model pods' NetworkPolicy: off by default, on in the recommended values.
+    assert ("NetworkPolicy" in kinds) is (values in ([ALL_ON], [RECOMMENDED]))
     for child in children:
         validate_k8s(child)

@@ -73,7 +73,9 @@ def _httproute_crd() -> dict:
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": "httproutes.gateway.networking.k8s.io"},
+        # *.k8s.io groups need the approval annotation; the official CRDs carry this one.
+        "metadata": {"name": "httproutes.gateway.networking.k8s.io", "annotations": {
+            "api-approved.kubernetes.io": "https://github.com/kubernetes-sigs/gateway-api/pull/2466"}},
         "spec": {
             "group": "gateway.networking.k8s.io",
             "scope": "Namespaced",

@@ -648,6 +648,27 @@ class RolloutSpec(ApiModel):
         return self
 
 
+class NetworkPolicySpec(ApiModel):
+    """A NetworkPolicy that admits traffic to the model pods only from where it should come."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Create a NetworkPolicy for the model pods: ingress to the server port only "
+        "from the model's namespace, proxyNamespaces and monitoringNamespaces (egress is not "
+        "restricted). Needs a CNI that enforces NetworkPolicy.",
+    )
+    proxy_namespaces: Annotated[list[Name], Field(max_length=16)] = Field(
+        default_factory=lambda: ["ingress-nginx"],
+        description="Namespaces of the ingress controller or Gateway data plane that proxies to "
+        "the model (e.g. ingress-nginx, nginx-gateway, envoy-gateway-system, istio-system).",
+    )
+    monitoring_namespaces: Annotated[list[Name], Field(max_length=16)] = Field(
+        default_factory=lambda: ["monitoring"],
+        description="Namespaces of the Prometheus that scrapes /metrics (prometheus-adapter "
+        "and KEDA read Prometheus, not the pods, so they need no entry).",
+    )
+
+
 class LocalObjectReference(ApiModel):
     """A reference to an object by name in the same namespace."""
 
@@ -704,6 +725,9 @@ class StreamingModelSpec(ApiModel):
         default=None,
         description="Expose the model through a Gateway API Gateway with an HTTPRoute "
         "(gateway.networking.k8s.io/v1) instead of an Ingress; exclusive with ingress.enabled.",
+    )
+    network_policy: NetworkPolicySpec = sub(
+        NetworkPolicySpec, "NetworkPolicy for the model pods (off by default)."
     )
     limits: LimitsSpec = sub(LimitsSpec, "Request size limits (server and proxy alike).")
     startup: StartupSpec = sub(StartupSpec, "Startup budget of a new pod.")
