@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import kopf
@@ -28,8 +29,61 @@ OURS = {MANAGED_BY_LABEL: MANAGER}
 CHILD_RESOURCES = tuple((k.group, k.version, k.plural) for k in WATCHED_KINDS)
 MAX_BACKOFF_SECONDS = 300
 
-# One converge at a time per StreamingModel: child events arrive in bursts during rollouts.
-_locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
+
+class _Entry:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.users = 0  # passes holding or waiting for the lock
+        self.waiting = 0  # of those, passes not yet holding it
+
+
+class ModelLocks:
+    """One converge at a time per StreamingModel, bursts collapsed, memory bounded.
+
+    Child events arrive in bursts (a rollout touches the Deployment, its pods and the
+    ReplicaSet-driven status many times a second). A pass reads the model and its children
+    fresh once it holds the lock, so while one pass is already queued behind the running one,
+    another child event has nothing to add: it returns at once (`hold` yields False). At most
+    one pass runs and one waits per model. The model's own handlers (create, update, resume)
+    never skip: kopf retries them on failure, which a skipped pass would lose. An entry lives
+    only while a pass holds or waits for it, so the table does not grow with every model ever
+    seen (a deleted model leaves nothing behind).
+    """
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._entries: dict[tuple[str, str], _Entry] = {}
+
+    def __len__(self) -> int:
+        with self._guard:
+            return len(self._entries)
+
+    @contextmanager
+    def hold(self, key: tuple[str, str], collapsible: bool = False) -> Iterator[bool]:
+        with self._guard:
+            entry = self._entries.get(key)
+            if entry is None:
+                entry = self._entries[key] = _Entry()
+            skip = collapsible and entry.waiting > 0
+            if not skip:
+                entry.users += 1
+                entry.waiting += 1
+        if skip:
+            yield False
+            return
+        try:
+            with entry.lock:
+                with self._guard:
+                    entry.waiting -= 1
+                yield True
+        finally:
+            with self._guard:
+                entry.users -= 1
+                if entry.users == 0:
+                    del self._entries[key]
+
+
+_locks = ModelLocks()
 
 
 def backoff(retry: int) -> float:
@@ -80,7 +134,12 @@ def _poster(body: Any) -> Any:
 
 
 def _converge(
-    cluster: Cluster, namespace: str, name: str, retry: int, logger: logging.Logger
+    cluster: Cluster,
+    namespace: str,
+    name: str,
+    retry: int,
+    logger: logging.Logger,
+    collapsible: bool = False,
 ) -> None:
     """Converge one StreamingModel, read fresh under its lock.
 
@@ -90,7 +149,9 @@ def _converge(
     """
     from kubernetes.client.exceptions import ApiException
 
-    with _locks[(namespace, name)]:
+    with _locks.hold((namespace, name), collapsible) as run:
+        if not run:
+            return  # a pass already queued for this model reads everything fresh
         try:
             body = cluster.get(STREAMING_MODEL.api_version, STREAMING_MODEL.kind, namespace, name)
             if body is None or body["metadata"].get("deletionTimestamp"):
@@ -140,7 +201,7 @@ def _owner_changed(
     if not owner or not namespace:
         return
     try:
-        _converge(memo.cluster, namespace, owner, 0, logger)
+        _converge(memo.cluster, namespace, owner, 0, logger, collapsible=True)
     except kopf.PermanentError:
         pass  # already reported on the StreamingModel (status + Event)
     except kopf.TemporaryError as exc:

@@ -2,7 +2,7 @@
 
 One table so the places that need a kind cannot drift apart: the handlers watch
 `WATCHED_KINDS`, the cluster client builds URLs from `plural_of`, reconcile applies
-`CHILD_KINDS` in order (and `KEDA_KIND` apart), `render` and reconcile build through
+`CHILD_KINDS` in order (and `KEDA_KIND`, `HTTPROUTE` apart), `render` and reconcile build through
 `desired_children`, and a chart test checks every entry against the operator chart's RBAC,
 so a kind added here without a matching rule fails that test.
 
@@ -16,9 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from .builders.deployment import desired_deployment
+from .builders.gateway import desired_httproute
 from .builders.hpa import desired_hpa
 from .builders.ingress import desired_ingress
 from .builders.keda import desired_scaled_object
+from .builders.networkpolicy import desired_network_policy
 from .builders.pdb import desired_pdb
 from .builders.podmonitor import desired_pod_monitor
 from .builders.service import desired_service
@@ -64,10 +66,17 @@ HPA = Kind(
     optional=True,
 )
 PDB = Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets", desired_pdb, optional=True)
+NETWORK_POLICY = Kind(
+    "networking.k8s.io/v1",
+    "NetworkPolicy",
+    "networkpolicies",
+    desired_network_policy,
+    optional=True,
+)
 
 # Children applied on every pass, in apply order (the Service before the Deployment whose
 # pods it selects).
-CHILD_KINDS: tuple[Kind, ...] = (SERVICE, DEPLOYMENT, INGRESS, HPA, PDB)
+CHILD_KINDS: tuple[Kind, ...] = (SERVICE, DEPLOYMENT, INGRESS, HPA, PDB, NETWORK_POLICY)
 
 # KEDA's ScaledObject (autoscaling.backend: keda) is kept apart: its CRD exists only where
 # KEDA is installed and the chart grants it only with keda.enabled, so the operator neither
@@ -81,7 +90,13 @@ KEDA_KIND = Kind(
 POD_MONITOR_KIND = Kind(
     "monitoring.coreos.com/v1", "PodMonitor", "podmonitors", desired_pod_monitor, optional=True
 )
-ALL_KINDS: tuple[Kind, ...] = (*CHILD_KINDS, KEDA_KIND, POD_MONITOR_KIND)
+# The Gateway API HTTPRoute (spec.gateway) likewise: its CRDs exist only where a Gateway API
+# implementation is installed, so it is not watched, and only read by models that use it (or
+# last did, which the status remembers).
+HTTPROUTE = Kind(
+    "gateway.networking.k8s.io/v1", "HTTPRoute", "httproutes", desired_httproute, optional=True
+)
+ALL_KINDS: tuple[Kind, ...] = (*CHILD_KINDS, KEDA_KIND, POD_MONITOR_KIND, HTTPROUTE)
 
 # Not children, but addressed by the cluster client: pods are listed (why they are Pending)
 # and watched (status follows them); the StreamingModel is read and its status patched.

@@ -24,8 +24,9 @@ import kopf
 from .builders.common import selector_string
 from .builders.keda import keda_hpa_name
 from .cluster import Cluster
-from .kinds import CHILD_KINDS, HPA, KEDA_KIND, POD_MONITOR_KIND, Kind, desired_children
+from .kinds import CHILD_KINDS, HPA, HTTPROUTE, KEDA_KIND, POD_MONITOR_KIND, Kind, desired_children
 from .status import (
+    GATEWAY_CONDITION,
     compute_status,
     deployment_settled,
     had_pod_monitor,
@@ -226,6 +227,27 @@ def converge(
                 raise
             pm_error = exc if pm_wanted else None
 
+    # The HTTPRoute, like the ScaledObject, is only touched by models that use a Gateway or
+    # did on the last pass (their status has the GatewayRoute condition): clusters without
+    # Gateway API have no such resource. Applied after the Ingress is deleted, deleted after
+    # the Ingress is applied, so a switch never ends with both.
+    uses_route = model.spec.gateway is not None
+    had_route = any(
+        c.get("type") == GATEWAY_CONDITION for c in current_status.get("conditions") or []
+    )
+    route_error: Exception | None = None
+    if uses_route or had_route:
+        try:
+            converge_child(HTTPROUTE)
+        except Exception as exc:
+            if getattr(exc, "status", None) not in (403, 404):
+                raise
+            live[HTTPROUTE.kind] = None
+            # Missing CRDs or RBAC: the rest converges; a model that no longer wants a route
+            # cannot have one the operator could reach, so there is nothing left to clean up.
+            if uses_route:
+                route_error = exc
+
     deployment = live["Deployment"]
     # Pods are only read when something is missing or a rollout is under way: they explain
     # why (no GPUs for the new or the surge pod, crash loop).
@@ -246,6 +268,8 @@ def converge(
         current_status,
         now or _now(),
         hpa=hpa,
+        route=live.get(HTTPROUTE.kind),
+        route_problem=gateway_problem(route_error) if route_error is not None else None,
     )
     if pm_wanted:
         problem = pod_monitor_problem(pm_error) if pm_error is not None else None
@@ -269,6 +293,15 @@ def converge(
         parts += [f"deleted {', '.join(outcome.deleted)}"] if outcome.deleted else []
         post_event("Normal", "Reconciled", "; ".join(parts))
         log.info(f"{namespace}/{name}: {'; '.join(parts)}")
+    if route_error is not None:
+        message = gateway_problem(route_error)
+        before = [
+            c for c in current_status.get("conditions") or [] if c.get("type") == GATEWAY_CONDITION
+        ]
+        if not before or before[0].get("message") != message:
+            post_event("Warning", "GatewayAPIUnavailable", message)
+        if keda_error is None:
+            raise route_error
     if keda_error is not None:
         message = keda_problem(keda_error)
         if (current_status.get("autoscaling") or {}).get("message") != message:
@@ -308,4 +341,17 @@ def keda_problem(exc: Exception) -> str:
     return (
         "KEDA is not installed: the API server has no keda.sh/v1alpha1 ScaledObject "
         "resource (install KEDA, or set autoscaling.backend: hpa)"
+    )
+
+
+def gateway_problem(exc: Exception) -> str:
+    if getattr(exc, "status", None) == 403:
+        return (
+            "the operator may not manage gateway.networking.k8s.io HTTPRoutes: upgrade the "
+            "sluice-operator chart (its RBAC grants them), or use spec.ingress instead"
+        )
+    return (
+        "the Gateway API is not installed: the API server has no gateway.networking.k8s.io/v1 "
+        "HTTPRoute resource (install a Gateway API implementation and its CRDs, v1.2 or later, "
+        "or use spec.ingress instead)"
     )

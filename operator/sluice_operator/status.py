@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .builders.common import selector_string
+from .builders.gateway import route_url
 from .builders.hpa import ttft_metric_name
 from .builders.ingress import ingress_url
 from .builders.service import service_url
@@ -115,7 +116,7 @@ def autoscaling_status(
 def urls(
     model: StreamingModel, ingress: Mapping[str, Any] | None = None
 ) -> tuple[str, dict[str, str]]:
-    base = ingress_url(model)
+    base = ingress_url(model) or route_url(model)
     if base and "<ingress-address>" in base and ingress:
         lb = ((ingress.get("status") or {}).get("loadBalancer") or {}).get("ingress") or []
         address = lb and (lb[0].get("hostname") or lb[0].get("ip"))
@@ -132,6 +133,35 @@ def urls(
     if "websocket" in protocols:
         endpoints["websocket"] = f"{ws_base}/ws/stream"
     return base, endpoints
+
+
+GATEWAY_CONDITION = "GatewayRoute"
+
+
+def gateway_condition(
+    route: Mapping[str, Any] | None, problem: str | None = None
+) -> dict[str, str]:
+    """GatewayRoute: whether every parent Gateway accepted the HTTPRoute (its status.parents)."""
+    if problem:
+        return _cond(GATEWAY_CONDITION, False, "GatewayAPIUnavailable", problem)
+    parents = ((route or {}).get("status") or {}).get("parents") or []
+    refused = []
+    for parent in parents:
+        ref = parent.get("parentRef") or {}
+        for c in parent.get("conditions") or []:
+            if c.get("type") == "Accepted" and c.get("status") != "True":
+                who = f"{ref.get('namespace', '')}/{ref.get('name', '?')}".lstrip("/")
+                refused.append(f"Gateway {who}: {c.get('reason', '')} {c.get('message', '')}")
+    if refused:
+        return _cond(GATEWAY_CONDITION, False, "NotAccepted", "; ".join(refused)[:1024])
+    if not parents:
+        return _cond(
+            GATEWAY_CONDITION,
+            None,
+            "Pending",
+            "waiting for a Gateway controller to accept the route",
+        )
+    return _cond(GATEWAY_CONDITION, True, "Accepted", "the HTTPRoute is accepted by its Gateways")
 
 
 def _stamp(
@@ -262,8 +292,31 @@ def compute_status(
     previous: Mapping[str, Any] | None = None,
     now: str = "",
     hpa: Mapping[str, Any] | None = None,
+    route: Mapping[str, Any] | None = None,
+    route_problem: str | None = None,
 ) -> dict[str, Any]:
     previous = previous or {}
+    out = _compute_status(model, generation, deployment, pods, ingress, previous, now, hpa)
+    if model.spec.gateway is not None:
+        out["conditions"] += _stamp(
+            [gateway_condition(route, route_problem)],
+            previous.get("conditions") or [],
+            now,
+            generation,
+        )
+    return out
+
+
+def _compute_status(
+    model: StreamingModel,
+    generation: int | None,
+    deployment: Mapping[str, Any] | None,
+    pods: Iterable[Mapping[str, Any]],
+    ingress: Mapping[str, Any] | None,
+    previous: Mapping[str, Any],
+    now: str,
+    hpa: Mapping[str, Any] | None,
+) -> dict[str, Any]:
     url, endpoints = urls(model, ingress)
     out: dict[str, Any] = {
         "observedGeneration": generation,

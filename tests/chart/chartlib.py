@@ -82,7 +82,8 @@ def one(docs: list[dict], kind: str) -> dict:
     return found[0]
 
 
-POD_MONITOR_SCHEMA = Path(__file__).resolve().parents[1] / "operator/schemas/podmonitor.schema.json"
+POD_MONITOR_SCHEMA = ROOT / "tests" / "operator" / "schemas" / "podmonitor.schema.json"
+HTTPROUTE_SCHEMA = ROOT / "tests" / "operator" / "schemas" / "gateway-httproute.schema.json"
 
 
 def load_crd() -> dict:
@@ -93,13 +94,14 @@ def validate_k8s(doc: dict, versions: tuple[str, ...] = K8S_VERSIONS) -> None:
     """Validate one manifest against the official schemas (strict: unknown fields fail)."""
     import kubernetes_validate
 
-    if doc["apiVersion"] == "monitoring.coreos.com/v1" and doc["kind"] == "PodMonitor":
-        # Not in the Kubernetes schemas: the schema written from the Prometheus Operator's
-        # API reference (tests/operator/schemas/podmonitor.schema.json).
+    own = {  # not built-in kinds: strict schemas written from their projects' API references
+        ("monitoring.coreos.com/v1", "PodMonitor"): POD_MONITOR_SCHEMA,
+        ("gateway.networking.k8s.io/v1", "HTTPRoute"): HTTPROUTE_SCHEMA,
+    }.get((doc["apiVersion"], doc["kind"]))
+    if own is not None:
         import jsonschema
 
-        schema = json.loads(POD_MONITOR_SCHEMA.read_text())
-        jsonschema.Draft202012Validator(schema).validate(doc)
+        jsonschema.Draft202012Validator(json.loads(own.read_text())).validate(doc)
         return
     if doc["apiVersion"] == "monitoring.coreos.com/v1":
         # Prometheus Operator CRDs are not in the Kubernetes schemas; check the shape its

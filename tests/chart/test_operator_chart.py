@@ -290,6 +290,15 @@ EXPECTED = {
         "delete",
     },
     ("policy", "poddisruptionbudgets"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("gateway.networking.k8s.io", "httproutes"): {"get", "create", "patch", "delete"},
+    ("networking.k8s.io", "networkpolicies"): {
+        "get",
+        "list",
+        "watch",
+        "create",
+        "patch",
+        "delete",
+    },
     ("", "pods"): {"list", "watch"},
     ("", "events"): {"create"},
 }

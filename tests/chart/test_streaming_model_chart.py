@@ -22,6 +22,9 @@ from .chartlib import (
 )
 
 ALL_ON = HERE / "streaming-model-values-all-on.yaml"
+# spec.gateway excludes the Ingress that ALL_ON turns on: its own values file.
+GATEWAY_ON = HERE / "streaming-model-values-gateway.yaml"
+RECOMMENDED = MODEL_CHART / "values-recommended.yaml"
 # Values of the chart itself, not copied into the spec.
 CHART_KEYS = [
     "nameOverride",
@@ -49,7 +52,9 @@ def test_lint_strict(h, values):
     assert "0 chart(s) failed" in out and "[WARNING]" not in out
 
 
-@pytest.mark.parametrize("values", [[], [ALL_ON]], ids=["defaults", "all-on"])
+@pytest.mark.parametrize(
+    "values", [[], [ALL_ON], [GATEWAY_ON]], ids=["defaults", "all-on", "gateway"]
+)
 def test_renders_one_valid_streaming_model(h, values):
     docs = h.template(MODEL_CHART, values=values, namespace="team-a", release="chat")
     assert sorted(d["kind"] for d in docs) == ["Pod", "StreamingModel"]  # the Pod is the helm test
@@ -77,7 +82,10 @@ def test_all_on_passes_every_section_through(h):
     assert sm["metadata"]["labels"]["team"] == "research"
     assert sm["metadata"]["annotations"] == {"example.com/owner": "research"}
     for key in _spec_props():
-        assert sm["spec"][key] == values[key], key
+        if key != "gateway":
+            assert sm["spec"][key] == values[key], key
+    gateway = one(h.template(MODEL_CHART, values=[GATEWAY_ON]), "StreamingModel")
+    assert gateway["spec"]["gateway"] == yaml.safe_load(GATEWAY_ON.read_text())["gateway"]
 
 
 def test_spec_keys_follow_the_crd():
@@ -176,7 +184,11 @@ def test_helm_test_pod_waits_for_ready_and_is_hardened(h):
     assert len(long["metadata"]["name"]) <= 63
 
 
-@pytest.mark.parametrize("values", [[], [ALL_ON]], ids=["defaults", "all-on"])
+@pytest.mark.parametrize(
+    "values",
+    [[], [ALL_ON], [GATEWAY_ON], [RECOMMENDED]],
+    ids=["defaults", "all-on", "gateway", "recommended"],
+)
 def test_operator_renders_valid_children_for_the_chart_output(h, values):
     """Chart output -> the operator's own builders -> manifests valid for Kubernetes."""
     render = pytest.importorskip("sluice_operator.render")
@@ -186,7 +198,11 @@ def test_operator_renders_valid_children_for_the_chart_output(h, values):
     children = render.render_objects(sm)
     kinds = {c["kind"] for c in children}
     assert {"Deployment", "Service"} <= kinds
-    if values:
+    if values == [ALL_ON]:
         assert {"Ingress", "HorizontalPodAutoscaler", "PodDisruptionBudget", "PodMonitor"} <= kinds
+    if values == [GATEWAY_ON]:
+        assert "HTTPRoute" in kinds and "Ingress" not in kinds
+    # The model pods' NetworkPolicy: off by default, on in the recommended values.
+    assert ("NetworkPolicy" in kinds) is (values in ([ALL_ON], [RECOMMENDED]))
     for child in children:
         validate_k8s(child)

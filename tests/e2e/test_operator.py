@@ -379,3 +379,32 @@ def test_removed_endpoint_leaves_status_and_status_then_settles(
         if e.get("objectRef", {}).get("namespace") == namespace and is_write(e)
     ]
     assert writes == [], [f"{e['verb']} {e['objectRef']}" for e in writes]
+
+
+def test_network_policy_is_accepted_and_removed_when_turned_off(operator, admin, models, namespace):
+    body = load_sample("chat-small.yaml", namespace, new_name="netpol")
+    body["spec"]["networkPolicy"] = {
+        "enabled": True,
+        "proxyNamespaces": ["ingress-nginx"],
+        "monitoringNamespaces": ["monitoring"],
+    }
+    models.create(body)
+    net = client.NetworkingV1Api(admin)
+
+    def policy():
+        try:
+            return net.read_namespaced_network_policy("netpol", namespace)
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    np = wait_for(policy, timeout=20, what="the model's NetworkPolicy")
+    assert np.spec.policy_types == ["Ingress"]
+    (rule,) = np.spec.ingress
+    assert [p.port for p in rule.ports] == [8000]
+    names = [p.namespace_selector.match_expressions[0].values for p in rule._from[1:]]
+    assert names == [["ingress-nginx"], ["monitoring"]]
+    assert np.metadata.owner_references[0].kind == "StreamingModel"
+    models.patch(namespace, "netpol", {"spec": {"networkPolicy": {"enabled": False}}})
+    wait_for(lambda: policy() is None, timeout=20, what="the NetworkPolicy to be deleted")

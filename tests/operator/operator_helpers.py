@@ -17,18 +17,27 @@ INVALID_SAMPLES = sorted((ROOT / "samples" / "invalid").glob("*.yaml"))
 KEDA_SCHEMA = ROOT / "tests" / "operator" / "schemas" / "keda-scaledobject.schema.json"
 # The same for the Prometheus Operator's PodMonitor, written from its API reference.
 POD_MONITOR_SCHEMA = ROOT / "tests" / "operator" / "schemas" / "podmonitor.schema.json"
+# Gateway API's HTTPRoute likewise: a strict subset written from the Gateway API reference
+# (the official CRDs are not in any registry reachable here).
+HTTPROUTE_SCHEMA = ROOT / "tests" / "operator" / "schemas" / "gateway-httproute.schema.json"
 
 
 def validate_manifest(manifest: dict, version: str) -> None:
     """Strict schema validation: kubernetes-validate for built-in kinds, ours for KEDA's
-    ScaledObject and the Prometheus Operator's PodMonitor."""
-    group = manifest.get("apiVersion", "").split("/")[0]
-    own = {"keda.sh": KEDA_SCHEMA, "monitoring.coreos.com": POD_MONITOR_SCHEMA}.get(group)
-    if own is not None:
-        import jsonschema
+    ScaledObject, Gateway API's HTTPRoute and the Prometheus Operator's PodMonitor."""
+    api_version = manifest.get("apiVersion", "")
+    own = {
+        "keda.sh/": KEDA_SCHEMA,
+        "gateway.networking.k8s.io/": HTTPROUTE_SCHEMA,
+        "monitoring.coreos.com/": POD_MONITOR_SCHEMA,
+    }
+    for prefix, path in own.items():
+        if api_version.startswith(prefix):
+            import jsonschema
 
-        jsonschema.Draft202012Validator(json.loads(own.read_text())).validate(manifest)
-        return
+            schema = json.loads(path.read_text())
+            jsonschema.Draft202012Validator(schema).validate(manifest)
+            return
     import kubernetes_validate
 
     kubernetes_validate.validate(manifest, version, strict=True)

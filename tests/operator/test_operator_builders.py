@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import itertools
 
+import kubernetes_validate
 import pytest
 from operator_helpers import minimal
 from sluice_operator.builders.args import server_args
 from sluice_operator.builders.deployment import desired_deployment
 from sluice_operator.builders.hpa import desired_hpa, ttft_metric_name
 from sluice_operator.builders.ingress import desired_ingress
+from sluice_operator.builders.networkpolicy import desired_network_policy
 from sluice_operator.builders.pdb import desired_pdb
 from sluice_operator.builders.service import desired_service
 from sluice_operator.kinds import desired_children
@@ -560,3 +562,40 @@ def test_one_request_body_limit_for_server_and_ingress(spec, want, ingress_class
         else "nginx.ingress.kubernetes.io/proxy-body-size"
     )
     assert ann[key] == str(want)
+
+
+def test_no_network_policy_by_default():
+    assert desired_network_policy(model()) is None
+
+
+@pytest.mark.parametrize(
+    "policy, namespaces",
+    [
+        ({"enabled": True}, [["ingress-nginx"], ["monitoring"]]),
+        (
+            {
+                "enabled": True,
+                "proxyNamespaces": ["envoy-gateway-system", "nginx-gateway"],
+                "monitoringNamespaces": ["prom"],
+            },
+            [["envoy-gateway-system", "nginx-gateway"], ["prom"]],
+        ),
+        ({"enabled": True, "proxyNamespaces": [], "monitoringNamespaces": []}, []),
+    ],
+)
+def test_network_policy_admits_only_the_proxy_monitoring_and_own_namespace(policy, namespaces):
+    np = desired_network_policy(model(networkPolicy=policy))
+    for version in ("1.33", "1.35"):
+        kubernetes_validate.validate(np, version, strict=True)
+    spec = np["spec"]
+    assert spec["podSelector"] == {
+        "matchLabels": desired_pdb(model(replicas=2))["spec"]["selector"]["matchLabels"]
+    }
+    assert spec["policyTypes"] == ["Ingress"]  # egress (model downloads) stays open
+    (rule,) = spec["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 8000}]
+    assert rule["from"][0] == {"podSelector": {}}  # the model's own namespace
+    got = [p["namespaceSelector"]["matchExpressions"][0]["values"] for p in rule["from"][1:]]
+    assert got == namespaces
+    for p in rule["from"][1:]:
+        assert p["namespaceSelector"]["matchExpressions"][0]["key"] == "kubernetes.io/metadata.name"

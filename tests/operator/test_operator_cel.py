@@ -163,3 +163,19 @@ def test_unguarded_rule_on_absent_field_is_an_error():
     }
     (failure,) = cel_failures(node, {})
     assert "error evaluating" in failure
+
+
+def test_rules_hold_on_every_default_as_written():
+    """The API server validates each `default` in the CRD by its node's rules as written,
+    without filling the defaults nested inside it (a rule reading `self.maxSurge` on the
+    default `{}` makes the whole CRD invalid). Negative control: such a rule is caught."""
+    checked, stack = 0, [SCHEMA]
+    while stack:
+        node = stack.pop()
+        if "default" in node and node.get("x-kubernetes-validations"):
+            assert cel_failures(node, copy.deepcopy(node["default"])) == [], node["default"]
+            checked += 1
+        stack += list((node.get("properties") or {}).values())
+    assert checked >= 1
+    bad = {"default": {}, "x-kubernetes-validations": [{"rule": "self.a > 0", "message": "m"}]}
+    assert cel_failures(bad, {}) != []

@@ -421,3 +421,51 @@ def test_surge_rollout_reads_pods_and_reports_the_unschedulable_surge_pod(cluste
     cluster.calls.clear()
     converge(cluster, with_status(body, cluster), Events(), now=NOW)
     assert ("list", "Pod") not in cluster.calls and cluster.writes() == []
+
+
+def test_model_locks_collapse_bursts_and_forget_finished_models(cluster, monkeypatch):
+    """A burst of child events while a pass runs costs one more pass, not one per event;
+    the model's own handlers never skip; the lock table empties when passes end."""
+    import threading
+    import time
+
+    monkeypatch.setattr(kopf, "event", lambda body, **kw: None)
+    body = body_of(minimal())
+    cluster.store(body)
+    converge(cluster, body, Events(), now=NOW)
+    started, release = threading.Event(), threading.Event()
+    passes = []
+    real_get = cluster.get
+
+    def slow_get(api_version, kind, namespace, name):
+        if kind == "StreamingModel":
+            passes.append(name)
+            started.set()
+            release.wait(5)
+        return real_get(api_version, kind, namespace, name)
+
+    cluster.get = slow_get
+    child = cluster.objects[("Deployment", "default", "m")]
+    memo = SimpleNamespace(cluster=cluster)
+
+    def event():
+        handlers._owner_changed(child, "default", memo, LOG, "MODIFIED")
+
+    first = threading.Thread(target=event)
+    first.start()
+    assert started.wait(5)
+    burst = [threading.Thread(target=event) for _ in range(10)]
+    for t in burst:
+        t.start()
+    time.sleep(0.3)
+    assert len(handlers._locks) == 1
+    release.set()
+    for t in [first, *burst]:
+        t.join(5)
+    assert len(passes) == 2  # the running pass and one queued behind it
+    assert len(handlers._locks) == 0
+    # Negative control: the model's own handler is never collapsed.
+    passes.clear()
+    handlers.reconcile(**_kwargs(cluster, body))
+    handlers.reconcile(**_kwargs(cluster, body))
+    assert len(passes) == 2 and len(handlers._locks) == 0

@@ -32,7 +32,7 @@ unless peering is enabled. The end-to-end tests run the operator under exactly t
   resources: ["services"]
   verbs: ["get", "list", "watch", "create", "patch"]
 # Optional children: as above, plus delete when the spec turns them off (ingress disabled,
-# autoscaling off, at most one replica so no PodDisruptionBudget).
+# autoscaling off, at most one replica so no PodDisruptionBudget, networkPolicy disabled).
 - apiGroups: ["networking.k8s.io"]
   resources: ["ingresses"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
@@ -42,6 +42,15 @@ unless peering is enabled. The end-to-end tests run the operator under exactly t
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# Gateway API HTTPRoutes for models with spec.gateway: read, server-side applied, deleted when a
+# model moves back to an Ingress. Not watched (the Gateway API CRDs may be absent), so no
+# list/watch; granting a resource a cluster does not serve is harmless.
+- apiGroups: ["gateway.networking.k8s.io"]
+  resources: ["httproutes"]
+  verbs: ["get", "create", "patch", "delete"]
 # Read only: model pods are watched so a pod turning Ready or Pending updates the status at
 # once, and listed for why they are Pending (PodScheduled condition, e.g. no free GPUs).
 - apiGroups: [""]

@@ -79,6 +79,9 @@ def build_schema(crd: dict[str, Any]) -> dict[str, Any]:
         # Values files leave scalars empty ("" / null) to mean "CRD default": allow those.
         if converted.get("type") in ("string", "integer", "number", "boolean"):
             converted = {"anyOf": [converted, {"type": "null"}, {"const": ""}]}
+        # An optional object with required fields (gateway) is left out when empty: allow {}.
+        elif converted.get("type") == "object" and converted.get("required"):
+            converted = {"anyOf": [converted, {"type": "object", "maxProperties": 0}]}
         properties[name] = converted
     return {
         "$schema": "https://json-schema.org/draft-07/schema#",

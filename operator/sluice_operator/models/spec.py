@@ -641,6 +641,50 @@ class IngressSpec(ApiModel):
         return self
 
 
+Hostname = Annotated[
+    str, StringConstraints(max_length=253, pattern=r"^(\*\.)?[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+]
+
+
+class ParentReference(ApiModel):
+    """A Gateway (or one of its listeners) the route attaches to."""
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=253)] = Field(
+        description="Gateway name."
+    )
+    namespace: Name | None = Field(
+        default=None,
+        description="Gateway namespace; the StreamingModel's when unset (the Gateway's "
+        "listener must allow routes from it: allowedRoutes.namespaces).",
+    )
+    section_name: Name | None = Field(
+        default=None, description="Listener name on the Gateway; every listener when unset."
+    )
+    port: int | None = Field(default=None, ge=1, le=65535, description="Listener port.")
+
+
+class GatewaySpec(ApiModel):
+    """A Gateway API HTTPRoute (gateway.networking.k8s.io/v1) instead of an Ingress."""
+
+    parent_refs: Annotated[list[ParentReference], Field(min_length=1, max_length=32)] = Field(
+        description="Gateways the route attaches to (Gateway API parentRefs)."
+    )
+    hostnames: Annotated[list[Hostname], Field(max_length=16)] = Field(
+        default_factory=list,
+        description="Host names the route answers; every host the listener accepts when empty. "
+        "The first one is the status URL's host.",
+    )
+    path: Annotated[str, StringConstraints(max_length=1024, pattern=r"^/")] = Field(
+        default="/",
+        description="Path prefix (PathPrefix match, passed to the server unchanged, as with the Ingress).",
+    )
+    scheme: Literal["http", "https"] = Field(
+        default="http",
+        description="Protocol of the Gateway listener, for the status URL (TLS is the "
+        "Gateway's, not the route's).",
+    )
+
+
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
 
 
@@ -770,6 +814,27 @@ class ObservabilitySpec(ApiModel):
     tracing: TracingSpec = sub(TracingSpec, "OpenTelemetry tracing.")
 
 
+class NetworkPolicySpec(ApiModel):
+    """A NetworkPolicy that admits traffic to the model pods only from where it should come."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Create a NetworkPolicy for the model pods: ingress to the server port only "
+        "from the model's namespace, proxyNamespaces and monitoringNamespaces (egress is not "
+        "restricted). Needs a CNI that enforces NetworkPolicy.",
+    )
+    proxy_namespaces: Annotated[list[Name], Field(max_length=16)] = Field(
+        default_factory=lambda: ["ingress-nginx"],
+        description="Namespaces of the ingress controller or Gateway data plane that proxies to "
+        "the model (e.g. ingress-nginx, nginx-gateway, envoy-gateway-system, istio-system).",
+    )
+    monitoring_namespaces: Annotated[list[Name], Field(max_length=16)] = Field(
+        default_factory=lambda: ["monitoring"],
+        description="Namespaces of the Prometheus that scrapes /metrics (prometheus-adapter "
+        "and KEDA read Prometheus, not the pods, so they need no entry).",
+    )
+
+
 class LocalObjectReference(ApiModel):
     """A reference to an object by name in the same namespace."""
 
@@ -785,6 +850,12 @@ class StreamingModelSpec(ApiModel):
     model_config = ApiModel.model_config | {
         "json_schema_extra": {
             "x-kubernetes-validations": [
+                cel(
+                    "!has(self.gateway) || !self.ingress.enabled",
+                    "spec.gateway and spec.ingress.enabled are exclusive: expose the model "
+                    "through a Gateway (HTTPRoute) or an Ingress, not both",
+                    ".gateway",
+                ),
                 cel(
                     "self.parallelism.tensor * self.parallelism.pipeline == self.resources.gpus",
                     "parallelism.tensor x parallelism.pipeline must equal resources.gpus "
@@ -816,6 +887,14 @@ class StreamingModelSpec(ApiModel):
         default=None, description="TTFT autoscaling; unset: fixed spec.replicas."
     )
     ingress: IngressSpec = sub(IngressSpec, "Ingress settings.")
+    gateway: GatewaySpec | None = Field(
+        default=None,
+        description="Expose the model through a Gateway API Gateway with an HTTPRoute "
+        "(gateway.networking.k8s.io/v1) instead of an Ingress; exclusive with ingress.enabled.",
+    )
+    network_policy: NetworkPolicySpec = sub(
+        NetworkPolicySpec, "NetworkPolicy for the model pods (off by default)."
+    )
     limits: LimitsSpec = sub(LimitsSpec, "Request size limits (server and proxy alike).")
     startup: StartupSpec = sub(StartupSpec, "Startup budget of a new pod.")
     rollout: RolloutSpec = sub(
@@ -842,6 +921,15 @@ class StreamingModelSpec(ApiModel):
     service_account_name: Name | None = Field(
         default=None, description="ServiceAccount of the pods; namespace default when unset."
     )
+
+    @model_validator(mode="after")
+    def _one_way_in(self) -> StreamingModelSpec:
+        if self.gateway is not None and self.ingress.enabled:
+            raise ValueError(
+                "spec.gateway and spec.ingress.enabled are exclusive: expose the model "
+                "through a Gateway (HTTPRoute) or an Ingress, not both"
+            )
+        return self
 
     @model_validator(mode="after")
     def _gpus_match_parallelism(self) -> StreamingModelSpec:

@@ -15,7 +15,9 @@ CONDITION_TYPES = ("SpecValid", "Available", "Progressing", "Ready")
 class Condition(ApiModel):
     """One aspect of the StreamingModel's state (Kubernetes condition conventions)."""
 
-    type: str = Field(description="SpecValid, Available, Progressing or Ready.")
+    type: str = Field(
+        description="SpecValid, Available, Progressing, Ready; GatewayRoute with spec.gateway."
+    )
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str = Field(default="", description="CamelCase reason for the last transition.")
     message: str = Field(default="", description="What happened, in words a person can act on.")
@@ -85,7 +87,9 @@ class StreamingModelStatus(ApiModel):
     )
     conditions: list[Condition] = Field(
         default_factory=list,
-        description="SpecValid, Available, Progressing and Ready conditions.",
+        description="SpecValid, Available, Progressing and Ready conditions; with spec.gateway "
+        "also GatewayRoute (the HTTPRoute accepted by its Gateways, or why not: the Gateway API "
+        "CRDs missing, access forbidden, a Gateway refusing the route).",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     observed_generation: int | None = Field(
@@ -102,7 +106,8 @@ class StreamingModelStatus(ApiModel):
     )
     url: str | None = Field(
         default=None,
-        description="Base URL: the ingress URL when an Ingress exists, else the Service URL.",
+        description="Base URL: the Ingress's or the HTTPRoute's when one exists, else the "
+        "Service URL.",
     )
     endpoints: Endpoints | None = Field(default=None, description="SSE, OpenAI and WebSocket URLs.")
     autoscaling: AutoscalingStatus | None = Field(
