@@ -17,10 +17,11 @@ import time
 
 import pytest
 from kubernetes import client
+from testkit.repo import ROOT
 
-from .harness.kube import REPO, load_sample, wait_for
+from .harness.kube import load_sample, wait_for
 
-SCHEMA = REPO / "tests" / "operator" / "schemas" / "gateway-httproute.schema.json"
+SCHEMA = ROOT / "tests" / "operator" / "schemas" / "gateway-httproute.schema.json"
 GATEWAY = {
     "parentRefs": [{"name": "public", "namespace": "gateways"}],
     "hostnames": ["chat.example.com"],
