@@ -21,7 +21,7 @@ from .core.metrics import Metrics
 from .core.ratelimit import RateLimiter
 from .core.services import Services
 from .engine import Engine, open_engine
-from .protocols import openai, openapi, probes, token_sse, websocket
+from .protocols import anthropic, openai, openapi, probes, responses, token_sse, utility, websocket
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ def build_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     app = FastAPI(title="Sluice streaming server", version="0.1.0", lifespan=lifespan)
     app.state.services = svc
     install_error_handlers(app, svc.metrics)
-    for protocol in (probes, openai, token_sse, websocket):
+    for protocol in (probes, openai, responses, anthropic, utility, token_sse, websocket):
         app.include_router(protocol.router)
     openapi.install(app)
     app.add_middleware(StampArrival)

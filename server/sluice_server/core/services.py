@@ -47,7 +47,8 @@ class Services:
             raise ApiError(
                 404,
                 f"{path} is not served here: protocol '{protocol}' is disabled "
-                f"(--protocols={enabled}).",
+                f"(--protocols={enabled}; on Kubernetes: the StreamingModel's "
+                f"spec.streaming.protocols).",
                 code="protocol_disabled",
             )
 
@@ -64,6 +65,13 @@ class Services:
             if self.limiter.enabled:
                 self.limiter.admit(kid)
             self.gate.admit()
+        except ApiError as e:
+            raise self._counted(protocol, e) from None
+
+    def admit_request(self, protocol: str, kid: str) -> None:
+        """The request rate limit alone (routes that take no stream slot)."""
+        try:
+            self.limiter.admit(kid)
         except ApiError as e:
             raise self._counted(protocol, e) from None
 
@@ -115,7 +123,9 @@ async def read_json(request: Request, svc: Services, protocol: str) -> dict:
 
 
 def api_key_of(conn: HTTPConnection, allow_query: bool = False) -> str | None:
-    key = bearer(conn.headers.get("authorization"))
+    """`Authorization: Bearer`, else `X-API-Key` (Anthropic's SDK sends that), else, where
+    allowed, `?api_key=` (EventSource and browsers' WebSocket cannot set headers)."""
+    key = bearer(conn.headers.get("authorization")) or conn.headers.get("x-api-key")
     if key is None and allow_query:
-        key = conn.headers.get("x-api-key") or conn.query_params.get("api_key")
+        key = conn.query_params.get("api_key")
     return key

@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from ..core.params import GenerationBody
-from ..engine.openai_builtin import ChatBody, CompletionBody
+from ..engine.builtin_api import BODIES
 
 
 class ErrorDetail(BaseModel):
@@ -69,8 +69,10 @@ def _body(model: type[BaseModel]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": content}}
 
 
-def openai_body(kind: str) -> dict[str, Any]:
-    return _body(ChatBody if kind == "chat" else CompletionBody)
+def api_body(kind: str) -> dict[str, Any]:
+    """The body of an engine-rendered API kind (the simulator's model of it: vLLM's own
+    request models accept more fields)."""
+    return _body(BODIES[kind])
 
 
 def stream_body() -> dict[str, Any]:
