@@ -66,10 +66,6 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     }
 
 
-def error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-
 def describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
     """One readable sentence per problem, e.g. `max_tokens: Input should be >= 1`."""
     parts, param = [], None
