@@ -132,6 +132,10 @@ def urls(
         endpoints.pop("openai")  # the OpenAI routes stream over SSE
     if "websocket" in protocols:
         endpoints["websocket"] = f"{ws_base}/ws/stream"
+    if "responses" in protocols:
+        endpoints["responses"] = f"{base}/v1/responses"
+    if "anthropic" in protocols:
+        endpoints["anthropic"] = f"{base}/v1/messages"
     return base, endpoints
 
 

@@ -28,7 +28,7 @@ from .core.services import Services
 from .core.tracing import Tracing
 from .core.trail import Recorder, new_request_id
 from .engine import Engine, open_engine
-from .protocols import openai, openapi, probes, token_sse, websocket
+from .protocols import anthropic, openai, openapi, probes, responses, token_sse, utility, websocket
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -179,7 +179,7 @@ def build_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     app = FastAPI(title="Sluice streaming server", version="0.1.0", lifespan=lifespan)
     app.state.services = svc
     install_error_handlers(app, svc.metrics)
-    for protocol in (probes, openai, token_sse, websocket):
+    for protocol in (probes, openai, responses, anthropic, utility, token_sse, websocket):
         app.include_router(protocol.router)
     openapi.install(app, settings.model_label)
     app.add_middleware(Edge)

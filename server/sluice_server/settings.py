@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-Protocol = Literal["sse", "websocket"]
+Protocol = Literal["sse", "websocket", "responses", "anthropic"]
 
 
 class Settings(BaseSettings):
@@ -64,9 +64,12 @@ class Settings(BaseSettings):
 
     # Streaming behaviour
     protocols: Annotated[list[Protocol], NoDecode] = Field(
-        default_factory=lambda: ["sse", "websocket"],
-        description="Served protocols, comma-separated: `sse` covers the OpenAI routes and "
-        "`/v1/stream`. The others answer 404 with a message naming this flag.",
+        default_factory=lambda: ["sse", "websocket", "responses", "anthropic"],
+        description="Served protocols, comma-separated: `sse` covers the OpenAI chat, "
+        "completions and models routes, `/v1/stream`, `/tokenize`, `/detokenize` and "
+        "`/version`; `websocket` `/ws/stream`; `responses` OpenAI's `/v1/responses`; "
+        "`anthropic` `/v1/messages` and `/v1/messages/count_tokens`. The others answer 404 "
+        "with a message naming this flag.",
     )  # fmt: skip
     heartbeat_seconds: float = Field(
         15.0, gt=0, description="Longest silence on a stream: an SSE comment (`: ping`) "

@@ -132,7 +132,8 @@ def test_bounds_and_enums():
     gmu = spec["engine"]["properties"]["gpuMemoryUtilization"]
     assert (gmu["minimum"], gmu["maximum"], gmu["default"]) == (0.5, 0.98, 0.92)
     protocols = spec["streaming"]["properties"]["protocols"]
-    assert protocols["minItems"] == 1 and protocols["items"]["enum"] == ["sse", "websocket"]
+    assert protocols["minItems"] == 1
+    assert protocols["items"]["enum"] == ["sse", "websocket", "responses", "anthropic"]
     assert protocols["x-kubernetes-list-type"] == "set"
     assert spec["resources"]["properties"]["sharedMemorySize"]["x-kubernetes-int-or-string"] is True
     conditions = SCHEMA["properties"]["status"]["properties"]["conditions"]

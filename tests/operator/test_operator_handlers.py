@@ -354,7 +354,9 @@ def _hpa_with_message(cluster, message):
 def test_vanished_status_keys_are_removed_and_status_settles(cluster):
     """The HPA's 'no metrics' message and a dropped endpoint leave status, and the pass after
     that writes nothing: the status the operator wants is the status stored."""
-    body = body_of(minimal(autoscaling={"maxReplicas": 3}))
+    body = body_of(
+        minimal(autoscaling={"maxReplicas": 3}, streaming={"protocols": ["sse", "websocket"]})
+    )
     converge(cluster, body, Events(), now=NOW)
     _hpa_with_message(cluster, "unable to get metric: no metrics returned")
     converge(cluster, with_status(body, cluster), Events(), now=NOW)

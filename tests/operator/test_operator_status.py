@@ -147,6 +147,8 @@ def test_counts_selector_url_and_endpoints():
         "openai": "http://m.default.svc:8000/v1",
         "sse": "http://m.default.svc:8000/v1/stream",
         "websocket": "ws://m.default.svc:8000/ws/stream",
+        "responses": "http://m.default.svc:8000/v1/responses",
+        "anthropic": "http://m.default.svc:8000/v1/messages",
     }
 
 

@@ -41,7 +41,10 @@ def sim_server(tmp_path_factory):
 def test_every_schemathesis_check_passes(sim_server, tmp_path):
     cmd = [str(SCHEMATHESIS), "run", f"{sim_server}/openapi.json", "--checks", "all",
            "--max-examples", "60", "--seed", "20261130", "--no-color",
-           "--output-sanitize", "false"]  # fmt: skip
+           "--output-sanitize", "false",
+           # The simulator has no vocabulary, so /detokenize answers 501 there by design;
+           # on vLLM it is tested in test_stream_apis.py (tokenize/detokenize round trip).
+           "--exclude-path", "/detokenize"]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     report = result.stdout[-6000:] + result.stderr[-2000:]
     assert result.returncode == 0, report

@@ -131,31 +131,7 @@ async def test_sse_disconnect_mid_stream(server_url, engine, via):
 async def test_sse_disconnect_before_first_token(server_url, engine):
     """Raw socket: send the request, close as soon as the engine has it, before any token
     reaches us. At most 2 tokens are ever generated for it."""
-    u = urlsplit(server_url)
-    body = json.dumps(LONG).encode()
-    head = (f"POST /v1/stream HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
-    for _attempt in range(5):
-        CORE_LOG.clear()
-        reader, writer = await asyncio.open_connection(u.hostname, u.port)
-        writer.write(head + body)
-        await writer.drain()
-        t0 = time.perf_counter()
-        while not engine.num_unfinished_requests():
-            assert time.perf_counter() - t0 < 5, "request never reached the engine"
-            await asyncio.sleep(0)
-        t_gone = time.monotonic()
-        seen = core_tokens_after(0.0)
-        writer.transport.abort()
-        await settle(engine)
-        total = core_tokens_after(0.0)
-        if seen == 0:
-            break  # we did disconnect before the first token
-    else:
-        pytest.fail("could not disconnect before the first token in 5 tries")
-    print(f"\nTIMING sse disconnect before first token: engine tokens in total={total} "
-          f"(after the disconnect: {core_tokens_after(t_gone)})")  # fmt: skip
-    assert core_tokens_after(t_gone) <= MAX_AFTER
+    await _disconnect_before_first_token(server_url, engine, "/v1/stream", LONG)
 
 
 async def _ws_tokens(ws, rid: str, n: int) -> int:
@@ -225,3 +201,69 @@ async def test_websocket_stop_aborts_and_socket_stays_usable(server_url, engine)
             if msg["finished"]:
                 break
         assert msg["finish_reason"] == "length" and msg["usage"]["completion_tokens"] == 5
+
+
+# The streamed APIs the engine renders (OpenAI Responses, Anthropic Messages, OpenAI chat):
+# path and a long streamed body.
+API_STREAMS = {
+    "responses": ("/v1/responses", {"model": "tiny", "input": "The river",
+                                    "max_output_tokens": 400, "stream": True}),
+    "anthropic": ("/v1/messages", {"model": "tiny", "max_tokens": 400, "stream": True,
+                                   "messages": [{"role": "user", "content": "The river"}]}),
+    "openai": ("/v1/chat/completions", {"model": "tiny", "max_tokens": 400, "stream": True,
+                                        "messages": [{"role": "user", "content": "The river"}]}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("api", list(API_STREAMS))
+async def test_api_disconnect_mid_stream(server_url, engine, api):
+    path, body = API_STREAMS[api]
+    client = httpx.AsyncClient(timeout=30)
+    async with client.stream("POST", server_url + path, json=body) as r:
+        assert r.status_code == 200
+        await read_sse_tokens(r, 20)
+        t_gone = time.monotonic()
+        await client.aclose()
+    took = await settle(engine)
+    after = core_tokens_after(t_gone)
+    made = core_tokens_after(0.0)
+    print(f"\nTIMING {api} disconnect: engine tokens after disconnect={after} "
+          f"(of {made}); engine idle after {took * 1e3:.0f}ms")  # fmt: skip
+    assert made < 400  # it really was cut short
+    assert after <= MAX_AFTER
+
+
+@pytest.mark.parametrize("api", list(API_STREAMS))
+async def test_api_disconnect_before_first_token(server_url, engine, api):
+    path, body = API_STREAMS[api]
+    await _disconnect_before_first_token(server_url, engine, path, body)
+
+
+async def _disconnect_before_first_token(server_url, engine, path: str, body: dict) -> None:
+    """Raw socket: send the request, close as soon as the engine has it, before any token
+    reaches us (retried until no token had been made at that moment)."""
+    u = urlsplit(server_url)
+    raw = json.dumps(body).encode()
+    head = (f"POST {path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(raw)}\r\n\r\n").encode()  # fmt: skip
+    for _attempt in range(5):
+        CORE_LOG.clear()
+        reader, writer = await asyncio.open_connection(u.hostname, u.port)
+        writer.write(head + raw)
+        await writer.drain()
+        t0 = time.perf_counter()
+        while not engine.num_unfinished_requests():
+            assert time.perf_counter() - t0 < 5, "request never reached the engine"
+            await asyncio.sleep(0)
+        t_gone = time.monotonic()
+        seen = core_tokens_after(0.0)
+        writer.transport.abort()
+        await settle(engine)
+        total = core_tokens_after(0.0)
+        if seen == 0:
+            break  # we did disconnect before the first token
+    else:
+        pytest.fail("could not disconnect before the first token in 5 tries")
+    print(f"\nTIMING {path} disconnect before first token: engine tokens in total={total} "
+          f"(after the disconnect: {core_tokens_after(t_gone)})")  # fmt: skip
+    assert core_tokens_after(t_gone) <= MAX_AFTER

@@ -64,15 +64,16 @@ async def small_buffer_server(engine, tiny_model_path, **overrides):
         sock.close()
 
 
-async def stalled_request(port: int) -> tuple[socket.socket, float]:
+async def stalled_request(port: int, path: str = "/v1/stream",
+                          body: bytes = BODY) -> tuple[socket.socket, float]:  # fmt: skip
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)  # the kernel makes it ~2.3 KiB
     s.setblocking(False)
     loop = asyncio.get_running_loop()
     await loop.sock_connect(s, ("127.0.0.1", port))
     before = generated_tokens()
-    await loop.sock_sendall(s, (f"POST /v1/stream HTTP/1.1\r\nHost: t\r\nContent-Type: "
-        f"application/json\r\nContent-Length: {len(BODY)}\r\n\r\n").encode() + BODY)  # fmt: skip
+    await loop.sock_sendall(s, (f"POST {path} HTTP/1.1\r\nHost: t\r\nContent-Type: "
+        f"application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body)  # fmt: skip
     return s, before
 
 
@@ -133,3 +134,36 @@ async def test_send_timeout_aborts_a_reader_that_never_returns(engine, tiny_mode
           f"client got {len(data)} bytes; error event delivered: {has_error}")  # fmt: skip
     assert generated < MAX_TOKENS, "the request was not aborted"
     assert not text.rstrip("\r\n0 ").endswith("data: [DONE]") or has_error
+
+
+# The streamed APIs the engine renders: path, body, and how each says "error" after the 200.
+API_STREAMS = {
+    "responses": ("/v1/responses", {"model": "tiny", "input": "Hi", "stream": True,
+                                    "max_output_tokens": MAX_TOKENS - 40},
+                  '"type": "error", "code": "stream_error"'),
+    "anthropic": ("/v1/messages", {"model": "tiny", "max_tokens": MAX_TOKENS - 40, "stream": True,
+                                   "messages": [{"role": "user", "content": "Hi"}]},
+                  '"type": "error", "error": {"type": "api_error"'),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("api", list(API_STREAMS))
+async def test_stalled_reader_is_cut_off_with_the_apis_error_event(engine, tiny_model_path, api):
+    """The buffer cap on every streamed API: the engine request is aborted early, and the
+    reader, when it comes back, finds the API's own error event last."""
+    path, body, error_shape = API_STREAMS[api]
+    limit = body.get("max_output_tokens") or body["max_tokens"]
+    async with small_buffer_server(engine, tiny_model_path, stream_buffer_tokens=16,
+                                   send_timeout_seconds=30) as port:  # fmt: skip
+        s, before = await stalled_request(port, path, json.dumps(body).encode())
+        await asyncio.sleep(0.2)
+        await settle(engine, limit_s=20)
+        generated = generated_tokens() - before
+        data = await read_all(s)
+        s.close()
+    text = data.decode(errors="replace")
+    print(f"\nTIMING stalled {api} reader (buffer cap 16): engine stopped after "
+          f"{generated:.0f}/{limit} tokens; client got {len(data)} bytes")  # fmt: skip
+    assert generated < limit * 0.8, "the request was not aborted early"
+    last = text.rstrip("\r\n0 ").rsplit("event: ", 1)[-1]
+    assert last.startswith("error\n") and error_shape in last and "too slow" in last, last

@@ -321,17 +321,21 @@ class EngineSpec(ApiModel):
         return v
 
 
-Protocol = Literal["sse", "websocket"]
+Protocol = Literal["sse", "websocket", "responses", "anthropic"]
+ALL_PROTOCOLS: list[str] = ["sse", "websocket", "responses", "anthropic"]
 
 
 class StreamingSpec(ApiModel):
     """Which streaming protocols are served and their limits."""
 
-    protocols: Annotated[list[Protocol], Field(min_length=1, max_length=2)] = Field(
-        default_factory=lambda: ["sse", "websocket"],
-        description="Streaming protocols to serve, a non-empty subset of [sse, websocket] "
-        "(sse covers the OpenAI routes and /v1/stream).",
-        json_schema_extra={"x-kubernetes-list-type": "set", "default": ["sse", "websocket"]},
+    protocols: Annotated[list[Protocol], Field(min_length=1, max_length=4)] = Field(
+        default_factory=lambda: list(ALL_PROTOCOLS),
+        description="Client APIs to serve, a non-empty subset of [sse, websocket, responses, "
+        "anthropic]: sse covers the OpenAI chat, completions and models routes, /v1/stream, "
+        "/tokenize, /detokenize and /version; websocket /ws/stream; responses the OpenAI "
+        "Responses API (/v1/responses); anthropic the Anthropic Messages API (/v1/messages, "
+        "/v1/messages/count_tokens). The others answer 404 naming this field.",
+        json_schema_extra={"x-kubernetes-list-type": "set", "default": ALL_PROTOCOLS},
     )
     heartbeat_seconds: int = Field(
         default=15,

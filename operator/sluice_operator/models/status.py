@@ -39,6 +39,13 @@ class Endpoints(ApiModel):
     )
     sse: str | None = Field(default=None, description="Token SSE stream URL (/v1/stream).")
     websocket: str | None = Field(default=None, description="WebSocket stream URL (/ws/stream).")
+    responses: str | None = Field(
+        default=None, description="OpenAI Responses URL (/v1/responses; SDK base URL: .../v1)."
+    )
+    anthropic: str | None = Field(
+        default=None,
+        description="Anthropic Messages URL (/v1/messages; SDK base URL: the model's URL).",
+    )
 
 
 class AutoscalingStatus(ApiModel):

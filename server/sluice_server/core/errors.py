@@ -1,7 +1,9 @@
 """OpenAI-shaped errors, registered in one place.
 
 Before the 200 every failure is `{"error": {"message", "type", "param", "code"}}` with the
-right status; after the 200 it becomes an error event (core/events.py, in each protocol's shape).
+right status, or the route's own API shape when it sets `request.state.error_body` (the
+Anthropic routes); after the 200 it becomes an error event (core/events.py, in each
+protocol's shape).
 """
 
 from __future__ import annotations
@@ -65,10 +67,6 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     }
 
 
-def error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-
 def describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
     """One readable sentence per problem, e.g. `max_tokens: Input should be >= 1`."""
     parts, param = [], None
@@ -90,6 +88,11 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     """Every error before the 200 becomes the error object above; a refusal not counted
     yet is counted under the protocol the route set on `request.state.protocol`."""
 
+    def shaped(request: Request, status: int, message: str, param=None, code=None) -> dict:
+        """The route's API error shape (`request.state.error_body`), OpenAI's by default."""
+        shape = getattr(request.state, "error_body", None) or error_body
+        return shape(status, message, param, code)
+
     def count(request: Request, reason: str | None) -> None:
         protocol = getattr(request.state, "protocol", None)
         if reason is not None and protocol is not None:
@@ -98,13 +101,14 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         count(request, exc.reason)
-        return error_response(exc)
+        return JSONResponse(shaped(request, exc.status, exc.message, exc.param, exc.code),
+                            status_code=exc.status, headers=exc.headers)  # fmt: skip
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         count(request, "bad_input")
         message, param = describe_validation(exc)
-        return JSONResponse(error_body(400, message, param), status_code=400)
+        return JSONResponse(shaped(request, 400, message, param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -112,7 +116,7 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
         if exc.status_code == 405:  # Starlette names only the first route of the path
             headers["Allow"] = ", ".join(allowed_methods(request))
         return JSONResponse(
-            error_body(exc.status_code, str(exc.detail)),
+            shaped(request, exc.status_code, str(exc.detail)),
             status_code=exc.status_code,
             headers=headers,
         )

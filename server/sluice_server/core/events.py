@@ -89,7 +89,11 @@ class Meter:
         bound.active.inc()
 
     def wrote(self, tokens: int) -> None:
-        """Call right after a token event's bytes were handed to the socket."""
+        """Call right after a token event's bytes were handed to the socket. A write that
+        carries no token (an API's opening events, such as Responses' `response.created`,
+        sent before the engine answers) is no token event: TTFT and ITL skip it."""
+        if not tokens:
+            return
         now = time.perf_counter()
         if self.first_write is None:
             self.first_write = now

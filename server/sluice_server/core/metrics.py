@@ -16,7 +16,7 @@ TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 REJECTION_REASONS = (
     "auth", "rate_limit", "limiter_unavailable", "capacity", "bad_input", "draining",
 )  # fmt: skip
-PROTOCOLS = ("openai", "sse", "websocket")
+PROTOCOLS = ("openai", "responses", "anthropic", "sse", "websocket")
 
 
 class Metrics:

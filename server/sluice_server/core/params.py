@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..engine.base import Engine, Flag, Message, SamplingOptions, StreamRequest, not_a_flag
+from ..engine.base import Engine, Flag, PromptOrMessages, SamplingOptions, StreamRequest, not_a_flag
 from .errors import ApiError
 
 
@@ -21,29 +21,11 @@ class GenerationParams(BaseModel):
                                mode="before")(not_a_flag)  # fmt: skip
 
 
-def _exactly_one_input(schema: dict) -> None:
-    """The schema says what the validator below enforces: `prompt` or `messages`."""
-    props = schema["properties"]
-    props["prompt"] = {"type": "string", "title": "Prompt"}
-    props["messages"] = {"type": "array", "items": props["messages"]["anyOf"][0]["items"],
-                         "minItems": 1, "title": "Messages"}  # fmt: skip
-    schema["oneOf"] = [{"required": ["prompt"]}, {"required": ["messages"]}]
-
-
-class GenerationBody(GenerationParams):
-    model_config = ConfigDict(json_schema_extra=_exactly_one_input)
+class GenerationBody(GenerationParams, PromptOrMessages):
+    model_config = ConfigDict(
+        extra="forbid", json_schema_extra=PromptOrMessages.model_config["json_schema_extra"]
+    )
     model: str | None = None
-    prompt: str | None = None
-    messages: list[Message] | None = Field(None, min_length=1)
-
-    @model_validator(mode="after")
-    def _one_input(self) -> GenerationBody:
-        for name in ("prompt", "messages"):
-            if name in self.model_fields_set and getattr(self, name) is None:
-                raise ValueError(f"`{name}` must not be null (leave it out instead)")
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of `prompt` or `messages`")
-        return self
 
 
 def describe_validation_error(e: ValidationError) -> tuple[str, str | None]:

@@ -56,7 +56,8 @@ class Services:
             raise ApiError(
                 404,
                 f"{path} is not served here: protocol '{protocol}' is disabled "
-                f"(--protocols={enabled}).",
+                f"(--protocols={enabled}; on Kubernetes: the StreamingModel's "
+                f"spec.streaming.protocols).",
                 code="protocol_disabled",
             )
 
@@ -82,18 +83,22 @@ class Services:
             self.gate.admit()
         except ApiError as e:
             raise self._counted(protocol, e) from None
+        try:
+            await self.admit_request(protocol, who)
+        except BaseException:
+            self.gate.release()
+            raise
+
+    async def admit_request(self, protocol: str, who: Principal) -> None:
+        """The caller's rate limit alone (also for routes that take no stream slot)."""
         if who.plan.enabled:
             try:
                 await self.limiter.admit(who.id, who.plan)
             except ApiError as e:
-                self.gate.release()
                 self.metrics.count_tenant_request(who.tenant, e.reason or "refused")
                 log.info("refused: tenant=%s protocol=%s reason=%s retry_after=%s", who.tenant,
                          protocol, e.reason, e.headers.get("Retry-After"))  # fmt: skip
                 raise self._counted(protocol, e) from None
-            except BaseException:
-                self.gate.release()
-                raise
         self.metrics.count_tenant_request(who.tenant, "admitted")
 
     def bill(self, who: Principal, tokens: int) -> None:
@@ -173,7 +178,9 @@ async def read_json(request: Request, svc: Services, protocol: str) -> dict:
 
 
 def api_key_of(conn: HTTPConnection, allow_query: bool = False) -> str | None:
-    key = bearer(conn.headers.get("authorization"))
+    """`Authorization: Bearer`, else `X-API-Key` (Anthropic's SDK sends that), else, where
+    allowed, `?api_key=` (EventSource and browsers' WebSocket cannot set headers)."""
+    key = bearer(conn.headers.get("authorization")) or conn.headers.get("x-api-key")
     if key is None and allow_query:
-        key = conn.headers.get("x-api-key") or conn.query_params.get("api_key")
+        key = conn.query_params.get("api_key")
     return key

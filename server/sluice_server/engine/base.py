@@ -3,9 +3,12 @@
 Two implementations: the real vLLM `AsyncLLM` (engine/vllm_engine.py) and a simulator
 with no model (engine/simulator.py) for load tests and rehearsals. Routes only see this.
 
-The OpenAI routes speak OpenAI's wire format, which vLLM renders itself (chat templates,
-tools, parameter mapping): each engine hands them an `OpenAIServing` (`engine.openai`):
-vLLM's own serving layer, or a small built-in formatter on the simulator. Either way a
+The client APIs (OpenAI chat and completions, OpenAI Responses, Anthropic Messages, and
+the utility routes: tokenize, detokenize, count_tokens, version) speak wire formats that
+vLLM renders itself (chat templates, tools, parameter mapping, event shapes): each engine
+hands them one `ApiServing` (`engine.api`), vLLM's own serving layer or a small built-in
+formatter on the simulator, addressed by an `ApiKind`. One mechanism for every API: `parse`
+a body into the engine's request object, `respond` with a whole reply or a stream. A
 streamed answer comes back as a source of `Delta`s whose `text` is already-framed SSE, so
 it flows through the same stream core as every other protocol.
 """
@@ -16,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Protocol, runtime_checkable
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 
 def _flag(value: object) -> object:
@@ -47,6 +50,34 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[Any] | None = None
+
+
+def _prompt_or_messages_schema(schema: dict) -> None:
+    """The JSON schema says what `PromptOrMessages` enforces: a string `prompt` or a
+    non-empty `messages` array, exactly one of them, never null."""
+    props = schema["properties"]
+    props["prompt"] = {"type": "string", "title": "Prompt"}
+    props["messages"] = {"type": "array", "items": props["messages"]["anyOf"][0]["items"],
+                         "minItems": 1, "title": "Messages"}  # fmt: skip
+    schema["oneOf"] = [{"required": ["prompt"]}, {"required": ["messages"]}]
+
+
+class PromptOrMessages(BaseModel):
+    """A request body with exactly one of `prompt` or `messages` (chat, rendered with the
+    model's template)."""
+
+    model_config = ConfigDict(json_schema_extra=_prompt_or_messages_schema)
+    prompt: str | None = None
+    messages: list[Message] | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _one_input(self) -> PromptOrMessages:
+        for name in ("prompt", "messages"):
+            if name in self.model_fields_set and getattr(self, name) is None:
+                raise ValueError(f"`{name}` must not be null (leave it out instead)")
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of `prompt` or `messages`")
+        return self
 
 
 @dataclass(slots=True)
@@ -84,12 +115,22 @@ class Delta:
     completion_tokens: int = 0  # cumulative
 
 
-OpenAIKind = Literal["chat", "completion"]
+ApiKind = Literal[
+    "chat",  # OpenAI /v1/chat/completions
+    "completion",  # OpenAI /v1/completions
+    "responses",  # OpenAI /v1/responses
+    "messages",  # Anthropic /v1/messages
+    "count_tokens",  # Anthropic /v1/messages/count_tokens
+    "tokenize",  # /tokenize
+    "detokenize",  # /detokenize
+]
+# Kinds that generate (and may stream); the others answer at once from the tokenizer.
+GENERATING: frozenset[str] = frozenset({"chat", "completion", "responses", "messages"})
 
 
-class OpenAIRequestError(Exception):
+class ApiRequestError(Exception):
     """The engine's serving layer refused the request before generating (a 4xx, or a 5xx
-    for an internal failure), with OpenAI's status, message and offending parameter."""
+    for an internal failure), with its status, message and offending parameter."""
 
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -97,8 +138,9 @@ class OpenAIRequestError(Exception):
 
 
 @dataclass(slots=True)
-class OpenAIReply:
-    """A whole (non-streamed) JSON answer and its usage."""
+class ApiReply:
+    """A whole (non-streamed) JSON answer and its usage (read from the answer's own
+    `usage` fields by `usage_tokens`)."""
 
     body: dict
     status: int = 200
@@ -106,30 +148,44 @@ class OpenAIReply:
     completion_tokens: int = 0
 
 
+def usage_tokens(body: dict) -> tuple[int, int]:
+    """(prompt, completion) tokens from an answer's `usage`: OpenAI chat/completions name
+    them `prompt_tokens`/`completion_tokens`, Responses and Anthropic Messages
+    `input_tokens`/`output_tokens`. (0, 0) when the answer has no usage."""
+    usage = body.get("usage") if isinstance(body, dict) else None
+    if not isinstance(usage, dict):
+        return 0, 0
+    p = usage.get("prompt_tokens", usage.get("input_tokens")) or 0
+    c = usage.get("completion_tokens", usage.get("output_tokens")) or 0
+    return int(p), int(c)
+
+
 @dataclass(slots=True)
-class OpenAIStream:
-    """A streamed answer: `chunks` yields Deltas whose text is framed SSE (`data: ...\n\n`,
-    ending with `data: [DONE]`); its last Delta is finished and carries the usage.
-    `prompt_tokens` is the prompt's size as soon as it is known (for the rate limiter when
-    the client leaves early)."""
+class ApiStream:
+    """A streamed answer: `chunks` yields Deltas whose text is framed SSE in the API's own
+    event shapes (OpenAI chat/completions end with `data: [DONE]`); its last Delta is
+    finished and carries the usage. `prompt_tokens` is the prompt's size as soon as it is
+    known (for the rate limiter when the client leaves early)."""
 
     chunks: AsyncIterator[Delta]
     prompt_tokens: Callable[[], int]
 
 
-class OpenAIServing(Protocol):
-    """OpenAI's `/v1/models`, `/v1/chat/completions` and `/v1/completions` on one engine."""
+class ApiServing(Protocol):
+    """Every client API on one engine, addressed by `ApiKind`."""
 
-    async def models(self) -> dict: ...
+    async def models(self) -> dict:
+        """OpenAI's model list."""
 
-    def parse(self, body: dict, kind: OpenAIKind) -> Any:
+    def version(self) -> dict:
+        """`/version`: `{"version": ...}` of the engine that renders the APIs."""
+
+    def parse(self, body: dict, kind: ApiKind) -> Any:
         """The engine's request object; raises pydantic's ValidationError (a 400)."""
 
-    async def respond(
-        self, request: Any, kind: OpenAIKind, http_request: Any
-    ) -> OpenAIReply | OpenAIStream:
+    async def respond(self, request: Any, kind: ApiKind, http_request: Any) -> ApiReply | ApiStream:
         """Start the request: a reply, or a stream (when the request asked for one);
-        OpenAIRequestError when the serving layer refuses it. Cancelling it aborts any
+        ApiRequestError when the serving layer refuses it. Cancelling it aborts any
         engine work it started."""
 
 
@@ -137,7 +193,7 @@ class OpenAIServing(Protocol):
 class Engine(Protocol):
     model_name: str
     max_model_len: int
-    openai: OpenAIServing
+    api: ApiServing
 
     def prepare(self, request: StreamRequest) -> int:
         """Render and tokenize before the 200 (sets `prompt_token_ids`), so an over-long

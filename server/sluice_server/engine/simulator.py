@@ -43,7 +43,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from .base import Delta, StreamRequest
-from .openai_builtin import BuiltinOpenAI
+from .builtin_api import BuiltinApi
 
 DEFAULT_WORDS: tuple[str, ...] = (
     "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while",
@@ -105,7 +105,7 @@ class SimulatorEngine:
         self._words = tuple(" " + w for w in words)
         self._streams: dict[str, _Stream] = {}
         self._dead = False
-        self.openai = BuiltinOpenAI(model_name, self.generate)
+        self.api = BuiltinApi(model_name, self)
 
     # -- Engine protocol -------------------------------------------------------------
 

@@ -1,9 +1,11 @@
-"""The Engine protocol over vLLM's `AsyncLLM`, plus vLLM's own OpenAI serving layer.
+"""The Engine protocol over vLLM's `AsyncLLM`, plus vLLM's own serving layer for every
+client API.
 
-The OpenAI routes reach vLLM's `OpenAIServingChat`/`OpenAIServingCompletion`/
-`OpenAIServingModels` (chat templates, parameter mapping, tools, usage), built by vLLM's
-own `init_app_state` on a private `State`, through `VllmEngine.openai`; this module owns
-creating and shutting them down.
+The API routes reach vLLM's serving classes (chat templates, parameter mapping, tools,
+usage, event shapes), built by vLLM's own `init_app_state` on a private `State`, through
+`VllmEngine.api`: `OpenAIServingChat`/`Completion`/`Responses`/`Models`,
+`AnthropicServingMessages` and `ServingTokenization`. This module owns creating and
+shutting them down, and one table (`_HANDLERS`) says which class serves which `ApiKind`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,15 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .base import Delta, OpenAIKind, OpenAIReply, OpenAIRequestError, OpenAIStream, StreamRequest
+from .base import (
+    ApiKind,
+    ApiReply,
+    ApiRequestError,
+    ApiStream,
+    Delta,
+    StreamRequest,
+    usage_tokens,
+)
 
 if TYPE_CHECKING:
     from ..settings import Settings
@@ -38,13 +48,13 @@ class UsageTap:
     first_output_at: float | None = None
 
 
-# Set by the OpenAI route around vLLM's handler; tasks inherit it (contexts are copied).
+# Set by `VllmApi.respond` around vLLM's handler; tasks inherit it (contexts are copied).
 usage_tap: ContextVar[UsageTap | None] = ContextVar("sluice_usage_tap", default=None)
 
 
 class MeteredClient:
-    """vLLM's EngineClient, with generate() tapped for token counts: the OpenAI routes
-    need usage for metrics and rate limits without parsing vLLM's JSON chunks."""
+    """vLLM's EngineClient, with generate() tapped for token counts: the API routes
+    need token counts for metrics and rate limits without parsing vLLM's event payloads."""
 
     def __init__(self, llm: Any) -> None:
         self._llm = llm
@@ -98,23 +108,65 @@ def vllm_cli_args(settings: Settings, model_path: str, cpu_defaults: bool) -> li
     return args + list(settings.engine_args)
 
 
-class VllmOpenAI:
-    """`engine.base.OpenAIServing` on vLLM's own serving layer (`OpenAIServingChat`,
-    `OpenAIServingCompletion`, `OpenAIServingModels` from `init_app_state`)."""
+def _request_classes() -> dict[str, Any]:
+    """The request model vLLM validates each kind's body with (vLLM's routes do the same)."""
+    from pydantic import TypeAdapter
+    from vllm.entrypoints.anthropic.protocol import (
+        AnthropicCountTokensRequest,
+        AnthropicMessagesRequest,
+    )
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+    from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
+
+    return {
+        "chat": ChatCompletionRequest,
+        "completion": CompletionRequest,
+        "responses": ResponsesRequest,
+        "messages": AnthropicMessagesRequest,
+        "count_tokens": AnthropicCountTokensRequest,
+        "tokenize": TypeAdapter(TokenizeRequest),
+        "detokenize": DetokenizeRequest,
+    }
+
+
+# ApiKind -> (attribute of the State that init_app_state filled, method, how vLLM's own
+# route dumps a whole answer).
+_HANDLERS: dict[str, tuple[str, str, dict]] = {
+    "chat": ("openai_serving_chat", "create_chat_completion", {}),
+    "completion": ("openai_serving_completion", "create_completion", {}),
+    "responses": ("openai_serving_responses", "create_responses",
+                  {"mode": "json", "by_alias": True}),
+    "messages": ("anthropic_serving_messages", "create_messages", {"exclude_none": True}),
+    "count_tokens": ("anthropic_serving_messages", "count_tokens", {"exclude_none": True}),
+    "tokenize": ("serving_tokenization", "create_tokenize", {}),
+    "detokenize": ("serving_tokenization", "create_detokenize", {}),
+}  # fmt: skip
+
+
+class VllmApi:
+    """`engine.base.ApiServing` on vLLM's own serving classes (from `init_app_state`)."""
 
     def __init__(self, state: Any) -> None:
         self.state = state
+        self._classes = _request_classes()
 
     async def models(self) -> dict:
         return (await self.state.openai_serving_models.show_available_models()).model_dump()
 
-    def parse(self, body: dict, kind: OpenAIKind) -> Any:
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    def version(self) -> dict:
+        from vllm.version import __version__
 
-        return (ChatCompletionRequest if kind == "chat" else CompletionRequest).model_validate(body)
+        return {"version": __version__}
 
-    async def respond(self, request: Any, kind: OpenAIKind, http_request: Any):
+    def parse(self, body: dict, kind: ApiKind) -> Any:
+        cls = self._classes[kind]
+        if hasattr(cls, "validate_python"):
+            return cls.validate_python(body)
+        return cls.model_validate(body)
+
+    async def respond(self, request: Any, kind: ApiKind, http_request: Any):
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.entrypoints.serve.exception_handling.error_response import (
             create_error_response,
@@ -122,25 +174,36 @@ class VllmOpenAI:
 
         tap = UsageTap()
         usage_tap.set(tap)  # a non-streamed request generates in this task
-        state = self.state
-        if kind == "chat":
-            create = state.openai_serving_chat.create_chat_completion
-        else:
-            create = state.openai_serving_completion.create_completion
+        attr, method, dump = _HANDLERS[kind]
+        handler = getattr(self.state, attr, None)
+        if handler is None:
+            raise ApiRequestError(501, f"This model does not support the {kind} API.")
         try:
-            result = await create(request, http_request)
+            result = await getattr(handler, method)(request, http_request)
         except Exception as e:  # vLLM raises its validation errors; map them as vLLM does
             result = create_error_response(e)
         if isinstance(result, ErrorResponse):
             err = result.error
-            raise OpenAIRequestError(err.code, err.message, err.param)
-        if not hasattr(result, "__aiter__"):  # a whole (non-streamed) response
-            return OpenAIReply(result.model_dump(), 200, tap.prompt_tokens, tap.completion_tokens)
-        return OpenAIStream(_chunks(result, tap), lambda: tap.prompt_tokens)
+            raise ApiRequestError(err.code, err.message, err.param)
+        if not hasattr(result, "__aiter__"):  # a whole (non-streamed) answer
+            body = result.model_dump(**dump)
+            return ApiReply(body, 200, *usage_tokens(body))
+        events = _framed(result) if kind == "responses" else result
+        return ApiStream(_chunks(events, tap), lambda: tap.prompt_tokens)
+
+
+async def _framed(events: AsyncIterator[Any]) -> AsyncIterator[str]:
+    """Responses events (pydantic objects) framed as vLLM's own route frames them."""
+    try:
+        async for event in events:
+            data = event.model_dump_json(indent=None, by_alias=True)
+            yield f"event: {getattr(event, 'type', 'unknown')}\ndata: {data}\n\n"
+    finally:
+        await events.aclose()
 
 
 async def _chunks(sse: AsyncIterator[str], tap: UsageTap) -> AsyncIterator[Delta]:
-    """vLLM's framed chunks as Deltas, token counts from the tap; a finished Delta last."""
+    """vLLM's framed events as Deltas, token counts from the tap; a finished Delta last."""
     usage_tap.set(tap)  # vLLM's generator runs in this (the stream's producer) task
     seen = 0
     try:
@@ -157,12 +220,12 @@ async def _chunks(sse: AsyncIterator[str], tap: UsageTap) -> AsyncIterator[Delta
 
 
 class VllmEngine:
-    """Adapter: `Engine` protocol methods; `openai` is vLLM's own OpenAI serving layer."""
+    """Adapter: `Engine` protocol methods; `api` is vLLM's own serving layer."""
 
-    def __init__(self, llm: Any, args: Any, openai_state: Any, model_name: str) -> None:
+    def __init__(self, llm: Any, args: Any, api_state: Any, model_name: str) -> None:
         self.llm = llm
         self.args = args
-        self.openai = VllmOpenAI(openai_state)
+        self.api = VllmApi(api_state)
         self.model_name = model_name
         self.max_model_len: int = llm.model_config.max_model_len
         self._tokenizer = llm.get_tokenizer()

@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from ..core.params import GenerationBody
-from ..engine.openai_builtin import ChatBody, CompletionBody
+from ..engine.builtin_api import BODIES
 
 
 class ErrorDetail(BaseModel):
@@ -73,8 +73,10 @@ def _body(model: type[BaseModel]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": content}}
 
 
-def openai_body(kind: str) -> dict[str, Any]:
-    return _body(ChatBody if kind == "chat" else CompletionBody)
+def api_body(kind: str) -> dict[str, Any]:
+    """The body of an engine-rendered API kind (the simulator's model of it: vLLM's own
+    request models accept more fields)."""
+    return _body(BODIES[kind])
 
 
 def stream_body() -> dict[str, Any]:
@@ -104,17 +106,23 @@ METRICS = {200: {"description": "Prometheus text format.",
 
 
 def _served_model_only(doc: dict[str, Any], served: str) -> None:
-    """`model` may only name the served model (anything else is a 400 model_not_found)."""
-    only = {"anyOf": [{"type": "string", "enum": [served]}, {"type": "null"}], "title": "Model"}
+    """`model` may only name the served model (anything else is a 400 model_not_found);
+    where it may be null or left out, it still may."""
+    name = {"type": "string", "enum": [served]}
+
+    def only(schema: dict) -> dict:
+        nullable = any(s.get("type") == "null" for s in schema.get("anyOf", ()))
+        return {"anyOf": [name, {"type": "null"}], "title": "Model"} if nullable else name
+
     for path in doc.get("paths", {}).values():
         for op in path.values():
             body = op.get("requestBody", {}).get("content", {}).get("application/json", {})
             props = body.get("schema", {}).get("properties", {})
             if "model" in props:
-                props["model"] = only
+                props["model"] = only(props["model"])
             for param in op.get("parameters", []):
                 if param["name"] == "model":
-                    param["schema"] = only
+                    param["schema"] = only(param["schema"])
 
 
 def install(app, served_model: str) -> None:

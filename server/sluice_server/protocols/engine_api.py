@@ -1,0 +1,184 @@
+"""The one handler under every route whose wire format the engine renders (`Engine.api`:
+vLLM's own serving layer, or the simulator's built-in one): OpenAI chat and completions,
+OpenAI Responses, Anthropic Messages and the utility routes.
+
+An API module describes its API once (`Api`: flag, metric label, error shapes) and calls
+`generate` (may stream) or `answer` (a JSON reply at once). This module adds Sluice's
+behaviour the same way for all of them: protocol switch, auth, rate limits, capacity,
+abort on disconnect before the first byte, and a streamed answer through the stream core
+(bounded buffer, timeout, drain, heartbeats, send timeout, edge metrics) with the API's own
+error event after the 200.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from ..core.errors import ApiError, error_body
+from ..core.events import DISCONNECTED, FINISHED, Failed, Meter, Tokens, events
+from ..core.identity import Principal
+from ..core.lifecycle import open_stream
+from ..core.metrics import bind
+from ..core.params import describe_validation_error
+from ..core.services import Services, read_json, received_at, services, trail_of
+from ..core.stream import Stream
+from ..engine.base import GENERATING, ApiKind, ApiRequestError, ApiStream
+from ..transport.sse import SSEResponse
+
+
+def openai_error_event(message: str, code: str = "stream_error", sent: int = 0) -> str:
+    """OpenAI's error after the 200: the same object as before it, as `event: error`, then
+    `data: [DONE]` (the official SDK raises `APIError` on it)."""
+    payload = json.dumps(error_body(500, message, code=code))
+    return f"event: error\ndata: {payload}\n\ndata: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class Api:
+    """One client API as the routes see it."""
+
+    flag: str  # its value in --protocols (spec.streaming.protocols)
+    label: str  # its `protocol` metric label
+    # The error event after the 200: (message, code, events already sent) -> framed SSE.
+    error_event: Callable[[str, str, int], str] = openai_error_event
+    # The error body before the 200 (status, message, param, code) -> JSON; OpenAI's by default.
+    error_body: Callable[..., dict] = error_body
+
+
+def gate(request: Request, api: Api, path: str) -> tuple[Services, Principal]:
+    """Protocol switch (404 naming the flag), then auth; the caller."""
+    request.state.protocol = api.label
+    request.state.error_body = api.error_body
+    svc = services(request)
+    svc.require_protocol(api.flag, path)
+    return svc, svc.authorize(request, api.label)
+
+
+def _precheck(svc: Services, api: Api, body: dict) -> None:
+    """What vLLM would reject less clearly (or not at all), with the API's error shape."""
+    served = svc.settings.model_label
+    model = body.get("model")
+    if model is not None and model != served:
+        raise svc.bad_input(api.label, f"The model `{model}` does not exist; this server "
+                            f"serves `{served}`.", "model", code="model_not_found")  # fmt: skip
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+        v = body.get(name)
+        integral = isinstance(v, int) or (isinstance(v, float) and v.is_integer())
+        if v is not None and (not integral or isinstance(v, bool) or v < 1):
+            raise svc.bad_input(api.label, f"{name}: must be a positive integer, got {v!r}.",
+                                name)  # fmt: skip
+
+
+async def _parsed(request: Request, svc: Services, api: Api, kind: ApiKind):
+    body = await read_json(request, svc, api.label)
+    engine = await svc.require_engine()
+    _precheck(svc, api, body)
+    try:
+        return engine, engine.api.parse(body, kind)
+    except ValidationError as e:
+        raise svc.bad_input(api.label, *describe_validation_error(e)) from None
+
+
+def _refused(svc: Services, api: Api, e: ApiRequestError) -> ApiError:
+    if 400 <= e.status < 500:
+        return svc.bad_input(api.label, e.message, e.param, status=e.status)
+    return ApiError(e.status, e.message, param=e.param)
+
+
+async def answer(request: Request, api: Api, path: str, kind: ApiKind) -> Response:
+    """A utility kind (tokenize, detokenize, count_tokens): auth and the request rate
+    limit, no stream slot, no generation."""
+    svc, who = gate(request, api, path)
+    engine, parsed = await _parsed(request, svc, api, kind)
+    await svc.admit_request(api.label, who)
+    try:
+        reply = await engine.api.respond(parsed, kind, request)
+    except ApiRequestError as e:
+        raise _refused(svc, api, e) from None
+    return JSONResponse(reply.body, reply.status)
+
+
+async def generate(request: Request, api: Api, path: str, kind: ApiKind) -> Response:
+    """A generating kind, streamed (SSE) when the body asks for it."""
+    assert kind in GENERATING
+    svc, who = gate(request, api, path)
+    engine, parsed = await _parsed(request, svc, api, kind)
+    await svc.admit(api.label, who)
+    t0 = received_at(request)
+    trail = trail_of(request)
+    admitted = True
+    try:
+        try:
+            result = await _unless_disconnected(request, engine.api.respond(parsed, kind, request))
+        except ApiRequestError as e:
+            raise _refused(svc, api, e) from None
+        if result is None:  # client left while the engine rendered or generated (non-stream)
+            Meter(bind(svc.metrics, api.label), t0, trail).finish(DISCONNECTED)
+            return Response(status_code=499)
+        if not isinstance(result, ApiStream):  # a whole answer
+            trail.prompt_tokens = lambda: result.prompt_tokens
+            meter = Meter(bind(svc.metrics, api.label), t0, trail)
+            meter.tokens = result.completion_tokens
+            meter.finish(FINISHED)
+            svc.bill(who, result.prompt_tokens + result.completion_tokens)
+            return JSONResponse(result.body, result.status)
+        admitted = False  # the stream owns the slot now
+        stream, meter, cleanup = open_stream(
+            svc, trail, who, result.chunks, t0, result.prompt_tokens
+        )
+        return SSEResponse(
+            frames(stream, meter, api.error_event),
+            cleanup,
+            ping=svc.settings.heartbeat_seconds,
+            send_timeout=svc.settings.send_timeout_seconds,
+        )
+    finally:
+        if admitted:
+            svc.gate.release()
+
+
+async def _unless_disconnected(request: Request, work):
+    """Run `work`; if the client goes first, cancel it (aborting any engine request) and
+    return None."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watch.cancel()
+        raise
+    watch.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    return None
+
+
+async def frames(stream: Stream, meter: Meter, error_event) -> AsyncIterator[bytes]:
+    """The engine's framed events pass through unchanged (whatever piled up as one block);
+    a failure after the 200 becomes the API's error event. The loop runs to its end after
+    `Finished` (the engine's chunks already hold the final events), so the stream is
+    recorded as finished, not as a client that left."""
+    sent = 0  # events so far (frames end with a blank line; JSON strings escape newlines)
+    async for ev in events(stream, meter):
+        if type(ev) is Tokens:
+            sent += ev.text.count("\n\n")
+            yield ev.text.encode()
+        elif type(ev) is Failed:
+            yield error_event(ev.message, ev.code, sent).encode()
