@@ -5,7 +5,8 @@ step that made it (`EngineCoreOutputs.timestamp`, CLOCK_MONOTONIC, comparable ac
 processes on Linux). A spy on the front end's output processor logs each batch before any
 filtering, including batches for a request that is already aborted. Tokens generated
 after the disconnect = tokens in batches stamped after the moment the client went away.
-At most 2 are allowed, on every route (token SSE, WebSocket, OpenAI streamed and not). `engine.num_unfinished_requests()` must return to 0.
+At most 2 are allowed, on every route (token SSE, WebSocket, OpenAI streamed and not).
+`engine.num_unfinished_requests()` must return to 0.
 
 vLLM's `vllm:generation_tokens_total` counter is printed too, but it is no proof: the
 front end counts a token when it processes it, which can lag the core by many steps on a
