@@ -23,6 +23,7 @@ from .core.services import Services
 from .engine import Engine, open_engine
 from .protocols import openai, openapi, probes, token_sse, websocket
 from .settings import Settings
+from .transport.cors import install_cors
 
 log = logging.getLogger(__name__)
 
@@ -78,5 +79,6 @@ def build_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     for protocol in (probes, openai, token_sse, websocket):
         app.include_router(protocol.router)
     openapi.install(app)
+    install_cors(app, settings)
     app.add_middleware(StampArrival)
     return app

@@ -101,6 +101,19 @@ class Settings(BaseSettings):
         "they end with an error event.",
     )  # fmt: skip
 
+    # Browsers
+    cors_allowed_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Origins (`https://app.example.com`, or `*`) whose "
+        "pages may call every route cross-origin, comma-separated; WebSocket upgrades from "
+        "any other origin get 403. Empty: CORS off (same origin only).",
+    )  # fmt: skip
+    cors_allowed_headers: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["Authorization", "Content-Type", "X-API-Key", "Last-Event-ID"],
+        description="Request headers a cross-origin page may send, comma-separated.",
+    )  # fmt: skip
+    cors_max_age_seconds: int = Field(600, ge=0, description="How long browsers may cache "
+                                      "a CORS preflight answer.")  # fmt: skip
+
     # Security
     api_key_file: Path | None = Field(
         None, description="File with one API key per line (`#` comments and blank lines "
@@ -126,6 +139,13 @@ class Settings(BaseSettings):
     @field_validator("protocols", mode="before")
     @classmethod
     def _split_protocols(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [p.strip() for p in value.split(",") if p.strip()]
+        return value
+
+    @field_validator("cors_allowed_origins", "cors_allowed_headers", mode="before")
+    @classmethod
+    def _split_list(cls, value: object) -> object:
         if isinstance(value, str):
             return [p.strip() for p in value.split(",") if p.strip()]
         return value

@@ -453,3 +453,24 @@ def test_pdb_only_when_more_than_one_replica(replicas, pdb):
     if got:
         assert got["spec"]["maxUnavailable"] == 1
         assert got["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+
+
+def test_cors_flags_only_when_origins_are_listed():
+    assert "--cors-allowed-origins" not in server_args(model())
+    args = server_args(model(streaming={"cors": {
+        "allowedOrigins": ["https://app.example.com", "http://localhost:3000"],
+        "maxAgeSeconds": 60}}))  # fmt: skip
+    assert flag(args, "--cors-allowed-origins") == "https://app.example.com,http://localhost:3000"
+    assert flag(args, "--cors-max-age-seconds") == "60"
+    assert "--cors-allowed-headers" not in args  # the server's default list
+    args = server_args(model(streaming={"cors": {"allowedOrigins": ["*"],
+                                                 "allowedHeaders": ["Authorization"]}}))  # fmt: skip
+    assert flag(args, "--cors-allowed-headers") == "Authorization"
+
+
+@pytest.mark.parametrize(
+    "origin", ["app.example.com", "https://a.example.com/path", "ftp://x", "a,b"]
+)
+def test_cors_origin_must_be_an_origin(origin):
+    with pytest.raises(Exception, match="allowed_origins|allowedOrigins"):
+        model(streaming={"cors": {"allowedOrigins": [origin]}})

@@ -34,6 +34,12 @@ def test_server_parses_rendered_args(path, monkeypatch):
     assert s.drain_timeout_seconds == spec.streaming.stream_timeout_seconds
     assert s.max_concurrent_streams == spec.streaming.max_concurrent_streams
     assert (s.api_key_file is not None) is (spec.auth.api_key_secret_ref is not None)
+    cors = spec.streaming.cors
+    assert s.cors_allowed_origins == list(cors.allowed_origins)
+    if cors.allowed_origins:
+        assert s.cors_max_age_seconds == cors.max_age_seconds
+        if cors.allowed_headers is not None:
+            assert s.cors_allowed_headers == list(cors.allowed_headers)
     if spec.engine.backend == "vllm":
         assert s.tensor_parallel_size == spec.parallelism.tensor
         assert s.pipeline_parallel_size == spec.parallelism.pipeline

@@ -55,6 +55,11 @@ def server_args(model: StreamingModel) -> list[str]:
     args += ["--max-concurrent-streams", str(s.max_concurrent_streams)]
     args += ["--stream-timeout-seconds", str(s.stream_timeout_seconds)]
     args += ["--drain-timeout-seconds", str(drain_seconds(model))]
+    if s.cors.allowed_origins:
+        args += ["--cors-allowed-origins", ",".join(s.cors.allowed_origins)]
+        if s.cors.allowed_headers is not None:
+            args += ["--cors-allowed-headers", ",".join(s.cors.allowed_headers)]
+        args += ["--cors-max-age-seconds", str(s.cors.max_age_seconds)]
 
     auth = spec.auth
     if auth.api_key_secret_ref:

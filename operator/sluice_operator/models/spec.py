@@ -323,6 +323,29 @@ class EngineSpec(ApiModel):
 Protocol = Literal["sse", "websocket"]
 
 
+Origin = Annotated[str, StringConstraints(max_length=253, pattern=r"^(\*|https?://[^/\s,]+)$")]
+HeaderName = Annotated[str, StringConstraints(max_length=128, pattern=r"^[A-Za-z0-9-]+$")]
+
+
+class CorsSpec(ApiModel):
+    """Cross-origin access for browser pages on other origins (off when allowedOrigins is empty)."""
+
+    allowed_origins: Annotated[list[Origin], Field(max_length=64)] = Field(
+        default_factory=list,
+        description="Origins whose pages may call the model (https://app.example.com, or * for any); "
+        "WebSocket upgrades from other origins get 403. Empty: same origin only.",
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+    )
+    allowed_headers: Annotated[list[HeaderName], Field(max_length=64)] | None = Field(
+        default=None,
+        description="Request headers such pages may send (default: Authorization, Content-Type, "
+        "X-API-Key, Last-Event-ID).",
+    )
+    max_age_seconds: int = Field(
+        default=600, ge=0, le=86400, description="How long browsers may cache a preflight answer."
+    )
+
+
 class StreamingSpec(ApiModel):
     """Which streaming protocols are served and their limits."""
 
@@ -333,7 +356,10 @@ class StreamingSpec(ApiModel):
         json_schema_extra={"x-kubernetes-list-type": "set", "default": ["sse", "websocket"]},
     )
     heartbeat_seconds: int = Field(
-        default=15, ge=1, le=300, description="Longest silence on a stream in seconds: an SSE comment goes to a stream idle that long (a long prefill), and the WebSocket ping interval."
+        default=15,
+        ge=1,
+        le=300,
+        description="Longest silence on a stream in seconds: an SSE comment goes to a stream idle that long (a long prefill), and the WebSocket ping interval.",
     )
     max_concurrent_streams: int = Field(
         default=256,
@@ -348,6 +374,7 @@ class StreamingSpec(ApiModel):
         description="Longest a single stream may last. Pods get at least this long to drain on shutdown, "
         "and the ingress read/send timeouts are at least this.",
     )
+    cors: CorsSpec = sub(CorsSpec, "Cross-origin access for browser pages (CORS); off by default.")
 
     @field_validator("protocols")
     @classmethod

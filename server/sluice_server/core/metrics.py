@@ -13,7 +13,7 @@ LATENCY_BUCKETS = (
 ITL_BUCKETS = (0.001, 0.0025) + LATENCY_BUCKETS
 TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
-REJECTION_REASONS = ("auth", "rate_limit", "capacity", "bad_input", "draining")
+REJECTION_REASONS = ("auth", "rate_limit", "capacity", "bad_input", "draining", "origin")
 PROTOCOLS = ("openai", "sse", "websocket")
 
 

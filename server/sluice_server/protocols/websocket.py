@@ -27,6 +27,7 @@ from ..core.lifecycle import open_stream
 from ..core.params import to_stream_request
 from ..core.services import Services, api_key_of, services
 from ..core.stream import Stream
+from ..transport.cors import websocket_origin_allowed
 from ..transport.sendwatch import SendWatchdog
 
 router = APIRouter()
@@ -40,6 +41,11 @@ async def ws_stream(ws: WebSocket) -> None:
     svc = services(ws)
     try:
         svc.require_protocol(PROTOCOL, "/ws/stream")
+        origin = ws.headers.get("origin")
+        if not websocket_origin_allowed(svc.settings, origin, ws.headers.get("host")):
+            raise svc.count(PROTOCOL, ApiError(
+                403, f"Origin {origin} is not allowed (--cors-allowed-origins).",
+                reason="origin", code="origin_not_allowed"))  # fmt: skip
         kid = svc.authorize(PROTOCOL, api_key_of(ws, allow_query=True))
         await svc.require_engine()
         if svc.gate.draining:
