@@ -113,6 +113,11 @@ class Settings(BaseSettings):
     )  # fmt: skip
     cors_max_age_seconds: int = Field(600, ge=0, description="How long browsers may cache "
                                       "a CORS preflight answer.")  # fmt: skip
+    resume_grace_seconds: float = Field(
+        0.0, ge=0, le=600, description="How long a token-SSE stream whose client dropped "
+        "keeps generating into its buffer, waiting for a reconnect with `Last-Event-ID` "
+        "(same process only). 0: its request is aborted at once.",
+    )  # fmt: skip
 
     # Security
     api_key_file: Path | None = Field(

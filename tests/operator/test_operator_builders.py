@@ -474,3 +474,23 @@ def test_cors_flags_only_when_origins_are_listed():
 def test_cors_origin_must_be_an_origin(origin):
     with pytest.raises(Exception, match="allowed_origins|allowedOrigins"):
         model(streaming={"cors": {"allowedOrigins": [origin]}})
+
+
+@pytest.mark.parametrize("ctrl", ["ingress-nginx", "f5-nginx"])
+def test_resume_adds_flag_and_cookie_affinity(ctrl):
+    from sluice_operator.builders.ingress import desired_ingress
+
+    ing = {"enabled": True, "controller": ctrl}
+    plain = model(ingress=ing)
+    assert "--resume-grace-seconds" not in server_args(plain)
+    ann = desired_ingress(plain)["metadata"]["annotations"]
+    assert not [k for k in ann if "affinity" in k or "sticky" in k]
+    m = model(ingress=ing, streaming={"resume": {"graceSeconds": 30}})
+    assert flag(server_args(m), "--resume-grace-seconds") == "30"
+    ann = desired_ingress(m)["metadata"]["annotations"]
+    if ctrl == "ingress-nginx":
+        p = "nginx.ingress.kubernetes.io"
+        assert ann[f"{p}/affinity"] == "cookie" and ann[f"{p}/affinity-mode"] == "persistent"
+        assert ann[f"{p}/session-cookie-name"] == "sluice-affinity"
+    else:
+        assert ann["nginx.org/sticky-cookie-services"] == "serviceName=m sluice-affinity path=/"

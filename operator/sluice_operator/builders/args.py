@@ -60,6 +60,8 @@ def server_args(model: StreamingModel) -> list[str]:
         if s.cors.allowed_headers is not None:
             args += ["--cors-allowed-headers", ",".join(s.cors.allowed_headers)]
         args += ["--cors-max-age-seconds", str(s.cors.max_age_seconds)]
+    if s.resume.grace_seconds:
+        args += ["--resume-grace-seconds", str(s.resume.grace_seconds)]
 
     auth = spec.auth
     if auth.api_key_secret_ref:

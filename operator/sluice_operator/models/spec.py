@@ -346,6 +346,19 @@ class CorsSpec(ApiModel):
     )
 
 
+class ResumeSpec(ApiModel):
+    """Resumable token streams: a dropped client may come back with Last-Event-ID."""
+
+    grace_seconds: int = Field(
+        default=0,
+        ge=0,
+        le=600,
+        description="How long a token-SSE stream whose client dropped keeps generating, waiting "
+        "for a reconnect with Last-Event-ID to the same pod (the Ingress gets cookie session "
+        "affinity); the stream is lost if the pod goes. 0: abort at once.",
+    )
+
+
 class StreamingSpec(ApiModel):
     """Which streaming protocols are served and their limits."""
 
@@ -375,6 +388,7 @@ class StreamingSpec(ApiModel):
         "and the ingress read/send timeouts are at least this.",
     )
     cors: CorsSpec = sub(CorsSpec, "Cross-origin access for browser pages (CORS); off by default.")
+    resume: ResumeSpec = sub(ResumeSpec, "Resumable token streams; off by default.")
 
     @field_validator("protocols")
     @classmethod

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from starlette.requests import HTTPConnection, Request
 
@@ -15,6 +15,7 @@ from .errors import ApiError
 from .gate import Gate
 from .metrics import Metrics
 from .ratelimit import RateLimiter
+from .recent import RecentStreams
 
 
 @dataclass
@@ -26,6 +27,7 @@ class Services:
     keys: KeyStore | None
     engine: Engine | None = None
     engine_error: str | None = None
+    recent: RecentStreams = field(default_factory=RecentStreams)
 
     async def require_engine(self) -> Engine:
         """The engine, or 503 when it is not loaded or has failed (then /ready is 503 too,

@@ -4,6 +4,8 @@ origin)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 import pytest_asyncio
@@ -100,3 +102,176 @@ async def test_websocket_origin_check(sim):
             text = (await c.get(url + "/metrics")).text
         line = [ln for ln in text.splitlines() if 'reason="origin"' in ln and "websocket" in ln]
         assert line and line[0].endswith(" 1.0"), line
+
+
+# --- EventSource semantics and resumable token streams --------------------------------
+
+LONG = {"prompt": "resume me", "max_tokens": 60, "ignore_eos": True, "seed": 7}
+
+
+async def read_events(r: httpx.Response, n: int | None = None) -> list[dict]:
+    """SSE events as dicts (id, data, event, retry) until `n` token events or the end."""
+    out, cur, tokens = [], {}, 0
+    async for line in r.aiter_lines():
+        if line == "":
+            if cur:
+                out.append(cur)
+                if cur.get("data", "").startswith('{"id"') and '"finished":false' in cur["data"]:
+                    tokens += 1
+                    if n is not None and tokens >= n:
+                        return out
+            cur = {}
+        elif not line.startswith(":"):
+            field, _, value = line.partition(":")
+            cur[field] = value.removeprefix(" ")
+    return out
+
+
+def text_of(events: list[dict]) -> str:
+    import json
+
+    return "".join(json.loads(e["data"])["token"] for e in events
+                   if e.get("data", "").startswith("{") and "error" not in e)  # fmt: skip
+
+
+def metric(text: str, name: str, protocol: str = "sse") -> float:
+    for ln in text.splitlines():
+        if ln.startswith(name + "{") and f'protocol="{protocol}"' in ln:
+            return float(ln.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not found")
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def slow():
+    """20 ms between tokens: a dropped client leaves most of the answer ungenerated."""
+    engine = SimulatorEngine(model_name="sim", ttft_ms=5, itl_ms=20, ttft_per_stream_ms=0,
+                             jitter=0)  # fmt: skip
+    yield engine
+    await engine.shutdown()
+
+
+async def whole_answer(url: str) -> tuple[str, list[dict]]:
+    async with httpx.AsyncClient(base_url=url, timeout=30) as c, \
+            c.stream("POST", "/v1/stream", json=LONG) as r:  # fmt: skip
+        events = await read_events(r)
+    return text_of(events), events
+
+
+async def test_event_ids_retry_and_204_after_the_end(sim):
+    async with serve(sim) as url, httpx.AsyncClient(base_url=url, timeout=30) as c:
+        async with c.stream("GET", "/v1/stream", params={"prompt": "hi", "max_tokens": "5"}) as r:
+            rid = r.headers["x-request-id"]
+            events = await read_events(r)
+        assert events[0]["retry"] == "1000"
+        ids = [e["id"] for e in events]
+        assert ids == [f"{rid}:{i}" for i in range(len(events))], ids
+        assert events[-1]["data"] == "[DONE]"
+        before = metric((await c.get("/metrics")).text, "sluice_requests_total")
+        # EventSource reconnects after the end with the last id: 204 stops it, no generation.
+        for last in (ids[-1], ids[-2], ids[0]):
+            r = await c.get("/v1/stream", params={"prompt": "hi", "max_tokens": "5"},
+                            headers={"Last-Event-ID": last})  # fmt: skip
+            assert r.status_code == 204, (last, r.status_code, r.text)
+        r = await c.post("/v1/stream", json={"prompt": "hi"}, headers={"Last-Event-ID": ids[-1]})
+        assert r.status_code == 204
+        # Unknown, malformed: a clear 4xx, never a generation.
+        r = await c.get("/v1/stream", params={"prompt": "hi"},
+                        headers={"Last-Event-ID": "stream-nope:3"})  # fmt: skip
+        assert r.status_code == 404 and r.json()["error"]["code"] == "stream_not_found"
+        r = await c.get("/v1/stream", params={"prompt": "hi"}, headers={"Last-Event-ID": "7"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "Last-Event-ID"
+        after = metric((await c.get("/metrics")).text, "sluice_requests_total")
+        assert after == before
+
+
+async def _drop_after(url: str, n: int) -> tuple[str, list[dict]]:
+    """Read `n` token events, then drop the TCP connection."""
+    client = httpx.AsyncClient(base_url=url, timeout=30)
+    async with client.stream("POST", "/v1/stream", json=LONG) as r:
+        rid = r.headers["x-request-id"]
+        events = await read_events(r, n)
+        await client.aclose()
+    return rid, events
+
+
+async def test_grace_zero_aborts_and_reconnect_is_410(slow):
+    async with serve(slow) as url, httpx.AsyncClient(base_url=url) as c:
+        rid, events = await _drop_after(url, 5)
+        await asyncio.sleep(0.2)
+        r = await c.post("/v1/stream", json=LONG, headers={"Last-Event-ID": events[-1]["id"]})
+        assert r.status_code == 410 and r.json()["error"]["code"] == "stream_aborted"
+        m = (await c.get("/metrics")).text
+        assert metric(m, "sluice_client_disconnects_total") == 1
+        assert metric(m, "sluice_stream_resumes_total") == 0
+
+
+async def test_resume_within_grace_gets_exactly_the_rest(slow):
+    async with serve(slow, resume_grace_seconds=5) as url, httpx.AsyncClient(base_url=url) as c:
+        whole, _ = await whole_answer(url)
+        for cut in (1, 7, 30):
+            rid, first = await _drop_after(url, cut)
+            await asyncio.sleep(0.1)  # it keeps generating meanwhile
+            last = first[-1]["id"]
+            async with c.stream("POST", "/v1/stream", json=LONG,
+                                headers={"Last-Event-ID": last}) as r:  # fmt: skip
+                assert r.status_code == 200 and r.headers["x-request-id"] == rid
+                rest = await read_events(r)
+            ids = [int(e["id"].rsplit(":", 1)[1]) for e in first + rest]
+            assert ids == list(range(len(ids))), ids  # no gap, no duplicate
+            assert text_of(first) + text_of(rest) == whole
+            assert rest[-1]["data"] == "[DONE]"
+            # The stream is over now: its last id gets 204.
+            r = await c.post("/v1/stream", json=LONG, headers={"Last-Event-ID": rest[-1]["id"]})
+            assert r.status_code == 204
+        # Within the window an ended stream still replays from an older id (its last
+        # events may have been lost on the way), without generating anything.
+        async with c.stream("POST", "/v1/stream", json=LONG,
+                            headers={"Last-Event-ID": last}) as r:  # fmt: skip
+            assert text_of(first) + text_of(await read_events(r)) == whole
+        m = (await c.get("/metrics")).text
+        assert metric(m, "sluice_stream_resumes_total") == 4
+        assert metric(m, "sluice_client_disconnects_total") == 0
+        assert metric(m, "sluice_requests_total") == 4
+
+
+async def test_resume_window_expires_and_aborts(slow):
+    async with serve(slow, resume_grace_seconds=0.3) as url, \
+            httpx.AsyncClient(base_url=url) as c:  # fmt: skip
+        rid, first = await _drop_after(url, 3)
+        await asyncio.sleep(0.7)
+        r = await c.post("/v1/stream", json=LONG, headers={"Last-Event-ID": first[-1]["id"]})
+        assert r.status_code == 410
+        m = (await c.get("/metrics")).text
+        assert metric(m, "sluice_stream_resumes_expired_total") == 1
+        assert metric(m, "sluice_client_disconnects_total") == 1
+        assert metric(m, "sluice_aborts_total") == 1
+        assert metric(m, "sluice_active_streams") == 0
+
+
+async def test_buffer_cap_holds_while_detached(sim):
+    async with serve(sim, resume_grace_seconds=5, stream_buffer_tokens=5) as url, \
+            httpx.AsyncClient(base_url=url) as c:  # fmt: skip
+        rid, first = await _drop_after(url, 2)
+        await asyncio.sleep(0.3)  # > 5 undelivered outputs pile up: the cap aborts it
+        async with c.stream("POST", "/v1/stream", json=LONG,
+                            headers={"Last-Event-ID": first[-1]["id"]}) as r:  # fmt: skip
+            rest = await read_events(r)
+        assert any(e.get("event") == "error" and "too slow" in e["data"] for e in rest), rest
+        assert rest[-1]["data"] == "[DONE]"
+        m = (await c.get("/metrics")).text
+        assert metric(m, "sluice_stream_errors_total") == 1
+
+
+async def test_recent_streams_are_bounded(monkeypatch):
+    from sluice_server.core import recent
+
+    now = [100.0]
+    monkeypatch.setattr(recent.time, "monotonic", lambda: now[0])
+    reg = recent.RecentStreams(keep_seconds=10, max_ended=3)
+    for i in range(5):
+        reg.add(f"s{i}", "k", None)
+        reg.end(f"s{i}", recent.FINISHED)
+    assert list(reg.ended) == ["s2", "s3", "s4"] and not reg.live
+    assert reg.get("s0") is None and reg.get("s4").state == recent.FINISHED
+    now[0] += 11
+    assert reg.get("s4") is None and not reg.ended
