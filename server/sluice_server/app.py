@@ -21,9 +21,10 @@ from .core.metrics import Metrics
 from .core.ratelimit import RateLimiter
 from .core.services import Services
 from .engine import Engine, open_engine
-from .protocols import openai, openapi, probes, token_sse, websocket
+from .protocols import openai, openapi, playground, probes, token_sse, websocket
 from .settings import Settings
 from .transport.cors import install_cors
+from .transport.prefix import PathPrefix
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +77,11 @@ def build_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     app = FastAPI(title="Sluice streaming server", version="0.1.0", lifespan=lifespan)
     app.state.services = svc
     install_error_handlers(app, svc.metrics)
-    for protocol in (probes, openai, token_sse, websocket):
+    for protocol in (probes, openai, token_sse, websocket, playground):
         app.include_router(protocol.router)
     openapi.install(app)
     install_cors(app, settings)
+    if settings.root_path:
+        app.add_middleware(PathPrefix, prefix=settings.root_path)
     app.add_middleware(StampArrival)
     return app

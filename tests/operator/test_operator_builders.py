@@ -494,3 +494,28 @@ def test_resume_adds_flag_and_cookie_affinity(ctrl):
         assert ann[f"{p}/session-cookie-name"] == "sluice-affinity"
     else:
         assert ann["nginx.org/sticky-cookie-services"] == "serviceName=m sluice-affinity path=/"
+
+
+@pytest.mark.parametrize("path,root", [("/", None), ("/mistral", "/mistral"),
+                                       ("/team/chat/", "/team/chat")])  # fmt: skip
+def test_ingress_path_prefix_becomes_the_server_root_path(path, root):
+    from sluice_operator.builders.ingress import desired_ingress
+
+    m = model(ingress={"enabled": True, "path": path})
+    assert flag(server_args(m), "--root-path") == root
+    (p,) = desired_ingress(m)["spec"]["rules"][0]["http"]["paths"]
+    assert p["path"] == path and p["pathType"] == "Prefix"
+    ann = desired_ingress(m)["metadata"]["annotations"]
+    assert not [k for k in ann if "rewrite" in k]  # the server knows its prefix instead
+    assert "--root-path" not in server_args(model(ingress={"path": "/x"}))  # no Ingress
+
+
+@pytest.mark.parametrize("path", ["mistral", "/a b", "/x?y", "//x"])
+def test_ingress_path_must_be_a_plain_prefix(path):
+    with pytest.raises(Exception, match="path"):
+        model(ingress={"enabled": True, "path": path})
+
+
+def test_playground_on_by_default_and_switchable():
+    assert "--playground" not in server_args(model())
+    assert flag(server_args(model(streaming={"playground": False})), "--playground") == "false"

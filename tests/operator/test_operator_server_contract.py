@@ -34,6 +34,9 @@ def test_server_parses_rendered_args(path, monkeypatch):
     assert s.drain_timeout_seconds == spec.streaming.stream_timeout_seconds
     assert s.max_concurrent_streams == spec.streaming.max_concurrent_streams
     assert (s.api_key_file is not None) is (spec.auth.api_key_secret_ref is not None)
+    assert s.playground is spec.streaming.playground
+    ing = spec.ingress
+    assert s.root_path == (ing.path.rstrip("/") if ing.enabled else "")
     assert s.resume_grace_seconds == spec.streaming.resume.grace_seconds
     cors = spec.streaming.cors
     assert s.cors_allowed_origins == list(cors.allowed_origins)

