@@ -27,8 +27,8 @@ $(TOOLS)/.installed: tests/scripts/install-tools.sh
 	bash tests/scripts/install-tools.sh $(TOOLS)
 	touch $@
 
-demo: venv ## Start the server on a tiny local model (CPU) and stream a chat answer over SSE and WebSocket
-	$(PY) -m sluice_server.demo
+demo: venv ## Start the server on a tiny local model (CPU), stream a chat answer over SSE and WebSocket, print the playground URL (KEEP=1: keep serving it; PORT=8000)
+	$(PY) -m sluice_server.demo $(if $(KEEP),--keep) $(if $(PORT),--port $(PORT))
 
 run: venv ## Start just the server on the tiny local model (port 8000)
 	$(PY) -m sluice_server --model tiny --port 8000

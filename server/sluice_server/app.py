@@ -28,8 +28,20 @@ from .core.services import Services
 from .core.tracing import Tracing
 from .core.trail import Recorder, new_request_id
 from .engine import Engine, open_engine
-from .protocols import anthropic, openai, openapi, probes, responses, token_sse, utility, websocket
+from .protocols import (
+    anthropic,
+    openai,
+    openapi,
+    playground,
+    probes,
+    responses,
+    token_sse,
+    utility,
+    websocket,
+)
 from .settings import Settings
+from .transport.cors import install_cors
+from .transport.prefix import PathPrefix
 
 log = logging.getLogger(__name__)
 
@@ -54,16 +66,15 @@ class Edge:
             rid, t0, scope.get("path", ""), scope.get("method", "WS"), scope.get("headers")
         )
         scope["sluice.trail"] = trail
-        header = (b"x-request-id", rid.encode())
 
         async def stamped(message: Message) -> None:
             t = message["type"]
             if t in ("http.response.start", "websocket.http.response.start"):
                 trail.status = message["status"]
-                message["headers"] = [*message.get("headers", ()), header]
+                message["headers"] = [*message.get("headers", ()), _request_id(trail)]
             elif t == "websocket.accept":
                 trail.status = 101
-                message["headers"] = [*message.get("headers", ()), header]
+                message["headers"] = [*message.get("headers", ()), _request_id(trail)]
             await send(message)
 
         failed = True
@@ -72,6 +83,12 @@ class Edge:
             failed = False
         finally:
             trail.close(failed)
+
+
+def _request_id(trail) -> tuple[bytes, bytes]:
+    """Read when the response starts: a resumed token stream answers as the stream it
+    continues (token_sse sets `trail.rid` to it)."""
+    return (b"x-request-id", trail.rid.encode())
 
 
 def build_limiter(settings: Settings, metrics: Metrics) -> Limiter:
@@ -179,8 +196,12 @@ def build_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     app = FastAPI(title="Sluice streaming server", version="0.1.0", lifespan=lifespan)
     app.state.services = svc
     install_error_handlers(app, svc.metrics)
-    for protocol in (probes, openai, responses, anthropic, utility, token_sse, websocket):
+    for protocol in (probes, openai, responses, anthropic, utility, token_sse, websocket,
+                     playground):  # fmt: skip
         app.include_router(protocol.router)
     openapi.install(app, settings.model_label)
+    install_cors(app, settings)
+    if settings.root_path:
+        app.add_middleware(PathPrefix, prefix=settings.root_path)
     app.add_middleware(Edge)
     return app

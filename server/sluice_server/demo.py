@@ -3,7 +3,9 @@
 Makes the tiny local model, starts `sluice-server --model tiny` as a child process on a
 free loopback port, waits for `/ready`, streams one chat answer over SSE and one over
 WebSocket to the terminal as tokens arrive (printing TTFT and tokens/s for each), then
-stops the server with SIGTERM (its graceful drain) and reports its exit code.
+stops the server with SIGTERM (its graceful drain) and reports its exit code. It prints the
+browser playground's URL; with `--keep` (`make demo KEEP=1`) the server stays up for a
+person to open it, until Ctrl-C.
 
 The tiny model's weights are random: the answer is gibberish, the streaming is real.
 """
@@ -165,6 +167,7 @@ async def run(args: argparse.Namespace, base: str, proc: subprocess.Popen) -> No
     print(f"\n[SSE] {sse.line()}\n\n--- WebSocket (/ws/stream) ---")
     ws = await stream_ws(base, body)
     print(f"\n[WebSocket] {ws.line()}")
+    print(f"\nplayground (chat in a browser): {base}/playground")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,6 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT_S)
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the server running (open the playground) until Ctrl-C",
+    )
+    parser.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
     args = parser.parse_args(argv)
 
     from .engine.tiny_model import ensure_tiny_model
@@ -185,13 +194,19 @@ def main(argv: list[str] | None = None) -> int:
     base = tempfile.gettempdir()
     scratch = Path(tempfile.mkdtemp(prefix="sluice-demo-", dir=base if len(base) <= 40 else "/tmp"))
     log_path = scratch / "server.log"
-    port = free_port()
+    port = args.port or free_port()
     print(f"starting sluice-server --model tiny on 127.0.0.1:{port} (log: {log_path})")
     proc = start_server(port, scratch, log_path, args.max_tokens)
     ok = False
     try:
         asyncio.run(run(args, f"http://127.0.0.1:{port}", proc))
         ok = True
+        if args.keep:
+            print("server kept running (--keep); Ctrl-C stops it", flush=True)
+            try:
+                proc.wait()
+            except KeyboardInterrupt:
+                pass
     except (Exception, KeyboardInterrupt) as e:
         print(f"\ndemo failed: {type(e).__name__}: {e}\n--- server log (tail) ---\n{tail(log_path)}",
               file=sys.stderr)  # fmt: skip

@@ -104,6 +104,30 @@ class Settings(BaseSettings):
         "they end with an error event.",
     )  # fmt: skip
 
+    # Browsers
+    cors_allowed_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Origins (`https://app.example.com`, or `*`) whose "
+        "pages may call every route cross-origin, comma-separated; WebSocket upgrades from "
+        "any other origin get 403. Empty: CORS off (same origin only).",
+    )  # fmt: skip
+    cors_allowed_headers: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["Authorization", "Content-Type", "X-API-Key", "Last-Event-ID"],
+        description="Request headers a cross-origin page may send, comma-separated.",
+    )  # fmt: skip
+    cors_max_age_seconds: int = Field(600, ge=0, description="How long browsers may cache "
+                                      "a CORS preflight answer.")  # fmt: skip
+    playground: bool = Field(True, description="Serve the browser playground at "
+                             "`/playground` (one self-contained page; `false`: 404).")  # fmt: skip
+    root_path: str = Field(
+        "", description="Path prefix the Ingress publishes the server under (`/mistral`): "
+        "routes answer both with and without it, and links the server makes include it.",
+    )  # fmt: skip
+    resume_grace_seconds: float = Field(
+        0.0, ge=0, le=600, description="How long a token-SSE stream whose client dropped "
+        "keeps generating into its buffer, waiting for a reconnect with `Last-Event-ID` "
+        "(same process only). 0: its request is aborted at once.",
+    )  # fmt: skip
+
     # Security
     api_key_file: Path | None = Field(
         None, description="File with one API key per line (`#` comments and blank lines "
@@ -192,6 +216,21 @@ class Settings(BaseSettings):
     def _split_protocols(cls, value: object) -> object:
         if isinstance(value, str):
             return [p.strip() for p in value.split(",") if p.strip()]
+        return value
+
+    @field_validator("cors_allowed_origins", "cors_allowed_headers", mode="before")
+    @classmethod
+    def _split_list(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [p.strip() for p in value.split(",") if p.strip()]
+        return value
+
+    @field_validator("root_path")
+    @classmethod
+    def _root_path(cls, value: str) -> str:
+        value = value.rstrip("/")
+        if value and (not value.startswith("/") or "//" in value):
+            raise ValueError("root_path must be a path such as /mistral")
         return value
 
     @field_validator("engine_args", mode="before")

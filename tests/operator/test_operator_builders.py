@@ -599,3 +599,69 @@ def test_network_policy_admits_only_the_proxy_monitoring_and_own_namespace(polic
     assert got == namespaces
     for p in rule["from"][1:]:
         assert p["namespaceSelector"]["matchExpressions"][0]["key"] == "kubernetes.io/metadata.name"
+
+
+def test_cors_flags_only_when_origins_are_listed():
+    assert "--cors-allowed-origins" not in server_args(model())
+    args = server_args(model(streaming={"cors": {
+        "allowedOrigins": ["https://app.example.com", "http://localhost:3000"],
+        "maxAgeSeconds": 60}}))  # fmt: skip
+    assert flag(args, "--cors-allowed-origins") == "https://app.example.com,http://localhost:3000"
+    assert flag(args, "--cors-max-age-seconds") == "60"
+    assert "--cors-allowed-headers" not in args  # the server's default list
+    args = server_args(model(streaming={"cors": {"allowedOrigins": ["*"],
+                                                 "allowedHeaders": ["Authorization"]}}))  # fmt: skip
+    assert flag(args, "--cors-allowed-headers") == "Authorization"
+
+
+@pytest.mark.parametrize(
+    "origin", ["app.example.com", "https://a.example.com/path", "ftp://x", "a,b"]
+)
+def test_cors_origin_must_be_an_origin(origin):
+    with pytest.raises(Exception, match="allowed_origins|allowedOrigins"):
+        model(streaming={"cors": {"allowedOrigins": [origin]}})
+
+
+@pytest.mark.parametrize("ctrl", ["ingress-nginx", "f5-nginx"])
+def test_resume_adds_flag_and_cookie_affinity(ctrl):
+    from sluice_operator.builders.ingress import desired_ingress
+
+    ing = {"enabled": True, "controller": ctrl}
+    plain = model(ingress=ing)
+    assert "--resume-grace-seconds" not in server_args(plain)
+    ann = desired_ingress(plain)["metadata"]["annotations"]
+    assert not [k for k in ann if "affinity" in k or "sticky" in k]
+    m = model(ingress=ing, streaming={"resume": {"graceSeconds": 30}})
+    assert flag(server_args(m), "--resume-grace-seconds") == "30"
+    ann = desired_ingress(m)["metadata"]["annotations"]
+    if ctrl == "ingress-nginx":
+        p = "nginx.ingress.kubernetes.io"
+        assert ann[f"{p}/affinity"] == "cookie" and ann[f"{p}/affinity-mode"] == "persistent"
+        assert ann[f"{p}/session-cookie-name"] == "sluice-affinity"
+    else:
+        assert ann["nginx.org/sticky-cookie-services"] == "serviceName=m sluice-affinity path=/"
+
+
+@pytest.mark.parametrize("path,root", [("/", None), ("/mistral", "/mistral"),
+                                       ("/team/chat/", "/team/chat")])  # fmt: skip
+def test_ingress_path_prefix_becomes_the_server_root_path(path, root):
+    from sluice_operator.builders.ingress import desired_ingress
+
+    m = model(ingress={"enabled": True, "path": path})
+    assert flag(server_args(m), "--root-path") == root
+    (p,) = desired_ingress(m)["spec"]["rules"][0]["http"]["paths"]
+    assert p["path"] == path and p["pathType"] == "Prefix"
+    ann = desired_ingress(m)["metadata"]["annotations"]
+    assert not [k for k in ann if "rewrite" in k]  # the server knows its prefix instead
+    assert "--root-path" not in server_args(model(ingress={"path": "/x"}))  # no Ingress
+
+
+@pytest.mark.parametrize("path", ["mistral", "/a b", "/x?y", "//x"])
+def test_ingress_path_must_be_a_plain_prefix(path):
+    with pytest.raises(Exception, match="path"):
+        model(ingress={"enabled": True, "path": path})
+
+
+def test_playground_on_by_default_and_switchable():
+    assert "--playground" not in server_args(model())
+    assert flag(server_args(model(streaming={"playground": False})), "--playground") == "false"

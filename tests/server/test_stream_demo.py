@@ -26,6 +26,9 @@ def test_demo_streams_over_sse_and_websocket(tiny_model_path):
         m = re.search(rf"\[{label}\] TTFT (\d+) ms, 24 tokens in [\d.]+ s, (\d+|nan) tokens/s", out)
         assert m, f"no {label} summary in:\n{out}"
     assert "exit code 0" in out
+    assert re.search(
+        r"playground \(chat in a browser\): http://127\.0\.0\.1:\d+/playground", out
+    ), out
     # Both protocols streamed the same seeded answer.
     answers = re.findall(r"---\n(.*?)\n\[(?:SSE|WebSocket)\]", out, re.DOTALL)
     assert len(answers) == 2 and answers[0] == answers[1] and answers[0].strip()

@@ -56,6 +56,20 @@ def server_args(model: StreamingModel) -> list[str]:
     args += ["--stream-timeout-seconds", str(s.stream_timeout_seconds)]
     args += ["--drain-timeout-seconds", str(drain_seconds(model))]
     args += ["--max-body-bytes", str(spec.max_request_bytes)]
+    if s.cors.allowed_origins:
+        args += ["--cors-allowed-origins", ",".join(s.cors.allowed_origins)]
+        if s.cors.allowed_headers is not None:
+            args += ["--cors-allowed-headers", ",".join(s.cors.allowed_headers)]
+        args += ["--cors-max-age-seconds", str(s.cors.max_age_seconds)]
+    if not s.playground:
+        args += ["--playground", "false"]
+    ing = spec.ingress
+    if ing.enabled and ing.path.rstrip("/"):
+        # The Ingress routes the prefix unchanged (no rewrite annotations): the server knows
+        # it is published there, answers under it and builds its links with it.
+        args += ["--root-path", ing.path.rstrip("/")]
+    if s.resume.grace_seconds:
+        args += ["--resume-grace-seconds", str(s.resume.grace_seconds)]
 
     auth = spec.auth
     if auth.api_key_secret_ref:

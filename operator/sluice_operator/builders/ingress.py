@@ -13,6 +13,8 @@ from typing import Any
 from ..models.resource import StreamingModel
 from .common import PORT_NAME, metadata
 
+# The session-affinity cookie that brings a resumed stream back to its pod.
+AFFINITY_COOKIE = "sluice-affinity"
 # Idle time nginx tolerates on top of the stream timeout before it cuts a connection.
 TIMEOUT_MARGIN_SECONDS = 30
 _F5_HINTS = ("nginx-org", "nginx-plus", "f5")
@@ -38,9 +40,13 @@ def streaming_annotations(model: StreamingModel) -> dict[str, str]:
         }
         if "websocket" in spec.streaming.protocols:
             out["nginx.org/websocket-services"] = model.name  # F5 needs WebSocket upstreams named
+        if spec.streaming.resume.grace_seconds:  # NGINX Plus: sticky cookie per service
+            out["nginx.org/sticky-cookie-services"] = (
+                f"serviceName={model.name} {AFFINITY_COOKIE} path={cookie_path(model)}"
+            )
         return out
     prefix = "nginx.ingress.kubernetes.io"
-    return {
+    out = {
         f"{prefix}/proxy-buffering": "off",
         f"{prefix}/proxy-request-buffering": "off",
         f"{prefix}/proxy-http-version": "1.1",
@@ -48,6 +54,20 @@ def streaming_annotations(model: StreamingModel) -> dict[str, str]:
         f"{prefix}/proxy-send-timeout": str(timeout),
         f"{prefix}/proxy-body-size": body,
     }
+    if spec.streaming.resume.grace_seconds:
+        # A reconnect (Last-Event-ID) must reach the pod that holds the stream; persistent
+        # mode keeps the pin when replicas are added (balanced mode would move sessions).
+        out |= {
+            f"{prefix}/affinity": "cookie",
+            f"{prefix}/affinity-mode": "persistent",
+            f"{prefix}/session-cookie-name": AFFINITY_COOKIE,
+            f"{prefix}/session-cookie-path": cookie_path(model),
+        }
+    return out
+
+
+def cookie_path(model: StreamingModel) -> str:
+    return model.spec.ingress.path
 
 
 def desired_ingress(model: StreamingModel) -> dict[str, Any] | None:

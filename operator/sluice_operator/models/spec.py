@@ -325,6 +325,42 @@ Protocol = Literal["sse", "websocket", "responses", "anthropic"]
 ALL_PROTOCOLS: list[str] = ["sse", "websocket", "responses", "anthropic"]
 
 
+Origin = Annotated[str, StringConstraints(max_length=253, pattern=r"^(\*|https?://[^/\s,]+)$")]
+HeaderName = Annotated[str, StringConstraints(max_length=128, pattern=r"^[A-Za-z0-9-]+$")]
+
+
+class CorsSpec(ApiModel):
+    """Cross-origin access for browser pages on other origins (off when allowedOrigins is empty)."""
+
+    allowed_origins: Annotated[list[Origin], Field(max_length=64)] = Field(
+        default_factory=list,
+        description="Origins whose pages may call the model (https://app.example.com, or * for any); "
+        "WebSocket upgrades from other origins get 403. Empty: same origin only.",
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+    )
+    allowed_headers: Annotated[list[HeaderName], Field(max_length=64)] | None = Field(
+        default=None,
+        description="Request headers such pages may send (default: Authorization, Content-Type, "
+        "X-API-Key, Last-Event-ID).",
+    )
+    max_age_seconds: int = Field(
+        default=600, ge=0, le=86400, description="How long browsers may cache a preflight answer."
+    )
+
+
+class ResumeSpec(ApiModel):
+    """Resumable token streams: a dropped client may come back with Last-Event-ID."""
+
+    grace_seconds: int = Field(
+        default=0,
+        ge=0,
+        le=600,
+        description="How long a token-SSE stream whose client dropped keeps generating, waiting "
+        "for a reconnect with Last-Event-ID to the same pod (the Ingress gets cookie session "
+        "affinity); the stream is lost if the pod goes. 0: abort at once.",
+    )
+
+
 class StreamingSpec(ApiModel):
     """Which streaming protocols are served and their limits."""
 
@@ -355,6 +391,12 @@ class StreamingSpec(ApiModel):
         le=86400,
         description="Longest a single stream may last. Pods get at least this long to drain on shutdown, "
         "and the ingress read/send timeouts are at least this.",
+    )
+    cors: CorsSpec = sub(CorsSpec, "Cross-origin access for browser pages (CORS); off by default.")
+    resume: ResumeSpec = sub(ResumeSpec, "Resumable token streams; off by default.")
+    playground: bool = Field(
+        default=True,
+        description="Serve the browser playground (<url>/playground), a page to try the model.",
     )
 
     @field_validator("protocols")
@@ -617,8 +659,12 @@ class IngressSpec(ApiModel):
         ]
         | None
     ) = Field(default=None, description="Host name; unset matches every host.")
-    path: Annotated[str, StringConstraints(max_length=1024, pattern=r"^/")] = Field(
-        default="/", description="Path prefix."
+    path: Annotated[
+        str, StringConstraints(max_length=1024, pattern=r"^(/[A-Za-z0-9._~-]+)*/?$")
+    ] = Field(
+        default="/",
+        description="Path prefix (/mistral): the Ingress routes it unchanged and the server is "
+        "told (--root-path), so the model answers at <prefix>/v1/... with no rewrite annotations.",
     )
     tls_secret_name: Name | None = Field(
         default=None, description="Secret with the TLS certificate for host; unset: plain HTTP."

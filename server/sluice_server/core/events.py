@@ -9,7 +9,8 @@ written, except `Finished`, which counts once the final event went out (a client
 leaves during the last write is a disconnect, as for any other write).
 
 Events:
-- `Tokens(text)`: new text (everything a slow reader let pile up, as one event);
+- `Tokens(text, index)`: new text (everything a slow reader let pile up, as one event),
+  numbered per stream from 0;
 - `Finished(reason, usage)`: the engine finished ("stop", "length", ...);
 - `Failed(message, code)`: after the 200 the stream cannot go on (buffer cap, time limit,
   drain, engine error, engine-side abort, engine ended without finishing);
@@ -35,10 +36,10 @@ ABORTED_BY_SERVER = "Generation was aborted by the server."
 
 
 class Tokens:
-    __slots__ = ("text",)
+    __slots__ = ("text", "index")
 
-    def __init__(self, text: str) -> None:
-        self.text = text
+    def __init__(self, text: str, index: int) -> None:
+        self.text, self.index = text, index
 
 
 class Finished:
@@ -127,8 +128,21 @@ class Meter:
             self.trail.end(outcome, meter=self, first_output=first)
 
 
-async def events(stream: Stream, meter: Meter) -> AsyncIterator[Event]:
-    """Typed events of one stream; see the module docstring for when metrics are taken."""
+async def events(stream: Stream, meter: Meter, start: int | None = None) -> AsyncIterator[Event]:
+    """Typed events of one stream; see the module docstring for when metrics are taken.
+
+    Token events are numbered from 0 (`Tokens.index`, `stream.n_events` is the next). A
+    replayable stream read again from `start` first replays the token events from that
+    index (and the terminal event if it was already handed out), then goes on live."""
+    if start is not None and stream.sent is not None:
+        sent = stream.sent
+        for i in range(start, len(sent)):
+            yield Tokens(sent[i], i)
+        if stream.ended is not None:
+            yield stream.ended
+            meter.finish(FINISHED, stream)
+            return
+    sent = stream.sent
     while True:
         try:
             batch = await stream.next_batch()
@@ -148,7 +162,11 @@ async def events(stream: Stream, meter: Meter) -> AsyncIterator[Event]:
         last = batch[-1]
         text, ntok = join_batch(batch)
         if text:
-            yield Tokens(text)
+            index = stream.n_events
+            stream.n_events = index + 1
+            if sent is not None:
+                sent.append(text)
+            yield Tokens(text, index)
             meter.wrote(ntok)  # resumed: the bytes were handed to the socket
         else:
             meter.tokens += ntok
@@ -159,6 +177,9 @@ async def events(stream: Stream, meter: Meter) -> AsyncIterator[Event]:
                 yield Failed(ABORTED_BY_SERVER, "aborted")
                 return
             meter.reason = last.finish_reason
-            yield Finished(last.finish_reason, usage_of(last))
+            ended = Finished(last.finish_reason, usage_of(last))
+            if sent is not None:
+                stream.ended = ended
+            yield ended
             meter.finish(FINISHED, stream)
             return

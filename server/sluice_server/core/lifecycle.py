@@ -1,36 +1,57 @@
-"""Starting and finishing one stream: metrics, capacity slot, drain registry, token bill."""
+"""Starting and finishing one stream: metrics, capacity slot, drain registry, token bill;
+and, for token-SSE streams (which have an id clients can come back with), the record of
+recent streams and resuming one after its client dropped.
+
+Resume (`--resume-grace-seconds` > 0): when the response of a live stream ends without its
+terminal event (client gone, stalled reader), the stream is *detached* instead of
+finished: the engine keeps generating into the same bounded buffer, the slot stays taken,
+and a timer of the grace window runs. A request carrying `Last-Event-ID` for it within the
+window *attaches* a new response, which replays what the stream had already handed out
+after that id and then goes on live. When the window passes, the stream is finished as a
+disconnect (engine request aborted, counted as an expired resume). With grace 0 a dropped
+client's request is aborted at once, as for every other protocol.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 
 from .events import DISCONNECTED, Meter
+from .events import FINISHED as DONE
 from .identity import Principal
 from .metrics import bind
+from .recent import ABORTED, DETACHED, FINISHED, LIVE
 from .services import Services
 from .stream import Stream
 from .trail import Trail
 
+Handle = tuple[Stream, Meter, Callable[[], None]]
+ATTACH_WAIT_SECONDS = 2.0  # a reconnect may overtake the server noticing the disconnect
+
 
 def open_stream(
     svc: Services, trail: Trail, who: Principal, source: AsyncIterator, t0: float,
-    prompt_tokens: Callable[[], int] = lambda: 0,
-) -> tuple[Stream, Meter, Callable[[], None]]:  # fmt: skip
+    prompt_tokens: Callable[[], int] = lambda: 0, rid: str | None = None,
+) -> Handle:  # fmt: skip
     """Start producing at once (the engine works while headers go out). The returned
-    cleanup is idempotent and must run however the stream ends: it aborts an unfinished
+    cleanup is idempotent and must run however the response ends: it aborts an unfinished
     engine request, frees the slot and bills the caller's tokens. The stream's end also
-    ends `trail` (its protocol and caller are the stream's)."""
+    ends `trail` (its protocol and caller are the stream's). With `rid` the stream is
+    recorded in `svc.recent` (and detached instead when it may be resumed)."""
     protocol = trail.protocol or ""
     trail.prompt_tokens = prompt_tokens
     trail.admitted_at = time.perf_counter()
     meter = Meter(bind(svc.metrics, protocol), t0, trail)
     s = svc.settings
-    stream = Stream(source, cap=s.stream_buffer_tokens, timeout=s.stream_timeout_seconds)
+    grace = s.resume_grace_seconds if rid is not None else 0.0
+    stream = Stream(source, cap=s.stream_buffer_tokens, timeout=s.stream_timeout_seconds,
+                    replayable=grace > 0)  # fmt: skip
     svc.gate.streams.add(stream)
     done = False
 
-    def cleanup() -> None:
+    def finish() -> None:
         nonlocal done
         if done:
             return
@@ -41,5 +62,83 @@ def open_stream(
         if meter.outcome is None:
             meter.finish(DISCONNECTED, stream)
         svc.bill(who, prompt_tokens() + meter.tokens)
+        if rid is not None:
+            state = ABORTED if meter.outcome == DISCONNECTED else FINISHED
+            svc.recent.end(rid, state)
+            if state == FINISHED and grace > 0:
+                # Its last events may have been lost on the way (written to a proxy that
+                # then saw the client go): replayable for the grace window, then dropped.
+                entry.handle = (stream, meter, finish)
+                entry.timer = asyncio.get_running_loop().call_later(grace, forget)
 
-    return stream, meter, cleanup
+    if rid is None:
+        return stream, meter, finish
+
+    entry = svc.recent.add(rid, who.id, None)
+
+    def forget() -> None:
+        entry.handle = entry.timer = None
+
+    def expire() -> None:
+        if entry.state == DETACHED:
+            svc.metrics.resumes_expired.labels(protocol, svc.metrics.model).inc()
+            finish()
+
+    def end_response() -> None:
+        if done:
+            return
+        if meter.outcome is None and grace > 0:
+            entry.state = DETACHED
+            entry.timer = asyncio.get_running_loop().call_later(grace, expire)
+            return
+        finish()
+
+    entry.handle = (stream, meter, end_response)
+    return entry.handle
+
+
+async def resume_stream(
+    svc: Services, protocol: str, rid: str, kid: str, start: int
+) -> Handle | None:
+    """The stream `rid` re-attached to a new response that starts at event `start`, or None
+    when the client has everything (the caller answers 204, which stops a browser's
+    EventSource from reconnecting). Raises a 4xx when it cannot be resumed; never starts a
+    generation."""
+    entry = svc.recent.get(rid)
+    if entry is None or entry.kid != kid:
+        raise svc.bad_input(protocol, f"No stream {rid} on this server (unknown, expired, or "
+                            "served by another replica); send the request again without "
+                            "Last-Event-ID.", "Last-Event-ID", status=404,
+                            code="stream_not_found")  # fmt: skip
+    deadline = time.monotonic() + ATTACH_WAIT_SECONDS
+    while entry.state == LIVE:  # still attached: its response has not seen the drop yet
+        if time.monotonic() > deadline:
+            raise svc.bad_input(protocol, f"Stream {rid} is still being read by another "
+                                "connection.", "Last-Event-ID", status=409,
+                                code="stream_attached")  # fmt: skip
+        await asyncio.sleep(0.01)
+    if entry.state == FINISHED:
+        handle = entry.handle  # replayable for the grace window after its end
+        if handle is None or start > handle[0].n_events:
+            return None
+        svc.metrics.resumes.labels(protocol, svc.metrics.model).inc()
+        return handle
+    if entry.state == ABORTED:
+        raise svc.bad_input(protocol, f"Stream {rid} was aborted when its client went away "
+                            "(resume is off, or its grace window passed); send the request "
+                            "again without Last-Event-ID.", "Last-Event-ID", status=410,
+                            code="stream_aborted")  # fmt: skip
+    stream, meter, end_response = entry.handle
+    if start > stream.n_events:
+        if stream.ended is None:
+            raise svc.bad_input(protocol, f"Last-Event-ID: stream {rid} has sent only "
+                                f"{stream.n_events} events.", "Last-Event-ID")  # fmt: skip
+        meter.finish(DONE, stream)  # the client saw the final event
+        entry.timer.cancel()
+        end_response()
+        return None
+    entry.timer.cancel()
+    entry.timer = None
+    entry.state = LIVE
+    svc.metrics.resumes.labels(protocol, svc.metrics.model).inc()
+    return entry.handle

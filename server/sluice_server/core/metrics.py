@@ -14,7 +14,7 @@ ITL_BUCKETS = (0.001, 0.0025) + LATENCY_BUCKETS
 TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 REJECTION_REASONS = (
-    "auth", "rate_limit", "limiter_unavailable", "capacity", "bad_input", "draining",
+    "auth", "rate_limit", "limiter_unavailable", "capacity", "bad_input", "draining", "origin",
 )  # fmt: skip
 PROTOCOLS = ("openai", "responses", "anthropic", "sse", "websocket")
 
@@ -68,6 +68,15 @@ class Metrics:
             "sluice_rejections", "Requests refused before streaming, by reason.",
             (*labels, "reason"), registry=r,
         )  # fmt: skip
+        self.resumes = Counter(
+            "sluice_stream_resumes", "Dropped token streams resumed with Last-Event-ID.",
+            labels, registry=r,
+        )  # fmt: skip
+        self.resumes_expired = Counter(
+            "sluice_stream_resumes_expired",
+            "Dropped token streams whose resume window passed (then aborted).", labels,
+            registry=r,
+        )  # fmt: skip
         self.active = Gauge(
             "sluice_active_streams", "Streams in flight.", labels, registry=r,
             multiprocess_mode="livesum",
@@ -100,7 +109,7 @@ class Metrics:
         for p in PROTOCOLS:
             for m in (self.ttft, self.itl, self.e2e, self.queue_wait, self.output_tokens,
                       self.requests, self.disconnects, self.aborts, self.stream_errors,
-                      self.active):  # fmt: skip
+                      self.resumes, self.resumes_expired, self.active):  # fmt: skip
                 m.labels(p, model)
             for reason in REJECTION_REASONS:
                 self.rejections.labels(p, model, reason)

@@ -19,6 +19,7 @@ from .gate import Gate
 from .identity import Principal
 from .metrics import Metrics
 from .ratelimit import Limiter
+from .recent import RecentStreams
 from .trail import REJECTED, Recorder, Trail, new_request_id
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ class Services:
     engine: Engine | None = None
     engine_error: str | None = None
     _bills: set[asyncio.Task] = field(default_factory=set)
+    recent: RecentStreams = field(default_factory=RecentStreams)
 
     async def require_engine(self) -> Engine:
         """The engine, or 503 when it is not loaded or has failed (then /ready is 503 too,

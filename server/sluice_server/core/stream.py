@@ -8,7 +8,10 @@ producer is cancelled (which aborts the engine request) and the consumer ends wi
 error event. Cancelling the consumer (client gone) cancels the producer the same way.
 
 The protocols read a Stream through `events.events`, the one loop that turns it into
-typed events and records the edge metrics.
+typed events and records the edge metrics. A *replayable* stream also keeps the text of
+every event it handed to a writer (the delivered answer, so at most `max_tokens` worth),
+so that a second consumer can take over after the first one went away (resumable token
+SSE, lifecycle.py); the cap on undelivered outputs is the same.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ T = TypeVar("T")
 
 class Stream(Generic[T]):
     __slots__ = ("_source", "_cap", "_items", "_wake", "_task", "_timer", "_done",
-                 "error", "first_output_at", "stopped")  # fmt: skip
+                 "error", "first_output_at", "stopped", "n_events", "sent", "ended")  # fmt: skip
 
     def __init__(
         self,
@@ -35,6 +38,7 @@ class Stream(Generic[T]):
         *,
         cap: int,
         timeout: float,
+        replayable: bool = False,
     ) -> None:
         self._source = source
         self._cap = cap
@@ -44,6 +48,12 @@ class Stream(Generic[T]):
         self.error: str | None = None
         self.first_output_at: float | None = None
         self.stopped = False
+        # What the event loop (events.py) handed to writers: how many token events, and with
+        # `replayable` their texts and the terminal event, so a client that reconnects gets
+        # exactly the events after the last one it saw (resumable streams).
+        self.n_events = 0
+        self.sent: list[str] | None = [] if replayable else None
+        self.ended: object | None = None
         loop = asyncio.get_running_loop()
         self._task = loop.create_task(self._produce())
         self._timer = loop.call_later(

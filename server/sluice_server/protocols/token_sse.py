@@ -3,7 +3,12 @@
 
 Events: `data: {"id","index","token","finished":false}` per (coalesced) token event, a
 final event with `finish_reason` and `usage`, then `data: [DONE]`; after the 200 a failure
-is `event: error` with `{"id","error":{...}}`, then `[DONE]`. Every event has an `id:`.
+is `event: error` with `{"id","error":{...}}`, then `[DONE]`. Every event has an
+`id: <stream id>:<index>` and the first carries `retry:` (EventSource's reconnect delay).
+
+A request with `Last-Event-ID` (EventSource sends it when it reconnects) never starts a
+generation: it resumes that stream after that event (core/lifecycle.py), gets 204 when the
+stream has ended (which stops EventSource), or a 4xx.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from fastapi.responses import Response
 from ..core.errors import ApiError
 from ..core.events import Failed, Finished, Meter, Tokens, events
 from ..core.identity import Principal
-from ..core.lifecycle import open_stream
+from ..core.lifecycle import open_stream, resume_stream
 from ..core.params import to_stream_request
 from ..core.services import Services, read_json, received_at, services, trail_of
 from ..core.stream import Stream
@@ -35,6 +40,8 @@ async def stream_post(request: Request) -> Response:
     svc = services(request)
     svc.require_protocol(PROTOCOL, "/v1/stream")
     who = svc.authorize(request, PROTOCOL)
+    if "last-event-id" in request.headers:
+        return await _resume(request, svc, who)
     body = await read_json(request, svc, PROTOCOL)
     return await _start(request, svc, who, body)
 
@@ -46,6 +53,8 @@ async def stream_get(request: Request) -> Response:
     svc = services(request)
     svc.require_protocol(PROTOCOL, "/v1/stream")
     who = svc.authorize(request, PROTOCOL, allow_query=True)
+    if "last-event-id" in request.headers:
+        return await _resume(request, svc, who)
     body: dict = {k: v for k, v in request.query_params.items() if k != "api_key"}
     if "messages" in body:
         try:
@@ -60,7 +69,7 @@ async def stream_get(request: Request) -> Response:
 async def _start(request: Request, svc: Services, who: Principal, body: dict) -> Response:
     engine = await svc.require_engine()
     trail = trail_of(request)
-    rid = f"stream-{trail.rid}"  # the engine's request id and the events' `id`
+    rid = trail.rid  # the request id is the stream's: its events' `id`, the engine's request id
     try:
         req = to_stream_request(body, rid, engine, svc.settings.model_label)
     except ApiError as e:
@@ -68,11 +77,33 @@ async def _start(request: Request, svc: Services, who: Principal, body: dict) ->
     await svc.admit(PROTOCOL, who)
     req.trace_headers = trail.carrier
     n_prompt = len(req.prompt_token_ids or ())
-    stream, meter, cleanup = open_stream(
-        svc, trail, who, engine.generate(req), received_at(request), lambda: n_prompt
+    handle = open_stream(
+        svc, trail, who, engine.generate(req), received_at(request), lambda: n_prompt, rid
     )
+    return _respond(svc, handle, rid, None)
+
+
+async def _resume(request: Request, svc: Services, who: Principal) -> Response:
+    last = request.headers["last-event-id"]
+    rid, _, index = last.rpartition(":")
+    if not rid or not index.isdigit():
+        raise svc.bad_input(PROTOCOL, f"Last-Event-ID must be <stream id>:<index> as sent in "
+                            f"the stream's `id:` fields, got {last!r}.", "Last-Event-ID")  # fmt: skip
+    start = int(index) + 1
+    handle = await resume_stream(svc, PROTOCOL, rid, who.id, start)
+    trail_of(request).rid = rid  # this request continues that stream (X-Request-Id, log)
+    if handle is None:
+        return Response(status_code=204)
+    return _respond(svc, handle, rid, start)
+
+
+def _respond(svc: Services, handle, rid: str, start: int | None) -> Response:
+    stream, meter, cleanup = handle
+    grace = svc.settings.resume_grace_seconds
+    # Reconnect well inside the resume window (EventSource's default is about 3 s).
+    retry_ms = 1000 if grace == 0 else max(100, min(1000, int(grace * 250)))
     return SSEResponse(
-        token_events(stream, meter, rid),
+        token_events(stream, meter, rid, start, retry_ms),
         cleanup,
         ping=svc.settings.heartbeat_seconds,
         send_timeout=svc.settings.send_timeout_seconds,
@@ -83,17 +114,26 @@ def error_payload(rid: str, message: str, code: str = "stream_error") -> str:
     return _dumps({"id": rid, "error": {"message": message, "type": "stream_error", "code": code}})
 
 
-async def token_events(stream: Stream, meter: Meter, rid: str) -> AsyncIterator[bytes]:
+async def token_events(
+    stream: Stream, meter: Meter, rid: str, start: int | None = None, retry_ms: int = 1000
+) -> AsyncIterator[bytes]:
+    """The SSE bytes of one stream; `start`: resume at that event index (replaying)."""
     head = '{"id":' + _dumps(rid) + ',"index":'
-    seq = 0
-    async for ev in events(stream, meter):
+    prefix = f"retry: {retry_ms}\n"  # goes with the first event
+    async for ev in events(stream, meter, start):
         if type(ev) is Tokens:
-            yield f'id: {seq}\ndata: {head}{seq},"token":{_dumps(ev.text)},"finished":false}}\n\n'.encode()
-            seq += 1
-        elif type(ev) is Finished:
-            final = {"id": rid, "index": seq, "token": "", "finished": True,
-                     "finish_reason": ev.reason, "usage": ev.usage}  # fmt: skip
-            yield f"id: {seq}\ndata: {_dumps(final)}\n\nid: {seq + 1}\ndata: [DONE]\n\n".encode()
-        elif type(ev) is Failed:
-            yield (f"id: {seq}\nevent: error\ndata: {error_payload(rid, ev.message, ev.code)}\n\n"
-                   f"id: {seq + 1}\ndata: [DONE]\n\n").encode()  # fmt: skip
+            i = ev.index
+            yield (f'{prefix}id: {rid}:{i}\ndata: {head}{i},"token":{_dumps(ev.text)},'
+                   '"finished":false}\n\n').encode()  # fmt: skip
+        else:
+            i = stream.n_events
+            if type(ev) is Finished:
+                final = {"id": rid, "index": i, "token": "", "finished": True,
+                         "finish_reason": ev.reason, "usage": ev.usage}  # fmt: skip
+                event = f"data: {_dumps(final)}"
+            elif type(ev) is Failed:
+                event = f"event: error\ndata: {error_payload(rid, ev.message, ev.code)}"
+            else:
+                continue
+            yield f"{prefix}id: {rid}:{i}\n{event}\n\nid: {rid}:{i + 1}\ndata: [DONE]\n\n".encode()
+        prefix = ""

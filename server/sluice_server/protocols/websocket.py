@@ -29,6 +29,7 @@ from ..core.params import to_stream_request
 from ..core.services import Services, services, trail_of
 from ..core.stream import Stream
 from ..core.trail import Trail
+from ..transport.cors import websocket_origin_allowed
 from ..transport.sendwatch import SendWatchdog
 
 router = APIRouter()
@@ -42,6 +43,11 @@ async def ws_stream(ws: WebSocket) -> None:
     svc = services(ws)
     try:
         svc.require_protocol(PROTOCOL, "/ws/stream")
+        origin = ws.headers.get("origin")
+        if not websocket_origin_allowed(svc.settings, origin, ws.headers.get("host")):
+            raise svc.count(PROTOCOL, ApiError(
+                403, f"Origin {origin} is not allowed (--cors-allowed-origins).",
+                reason="origin", code="origin_not_allowed"))  # fmt: skip
         who = svc.authorize(ws, PROTOCOL, allow_query=True)
         await svc.require_engine()
         if svc.gate.draining:
