@@ -1,4 +1,4 @@
-"""Issue 6: the HPA on time to first token, end to end, with nothing faked on the metric path.
+"""The HPA on time to first token, end to end, with nothing faked on the metric path.
 
 Real kube-apiserver (with the aggregation layer), kube-controller-manager (the real HPA
 controller, 5 s sync), kube-scheduler, the operator under the chart's RBAC; a fake node
