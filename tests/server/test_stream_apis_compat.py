@@ -24,8 +24,9 @@ from pathlib import Path
 import httpx
 import pytest
 from app_helpers import ENGINE_KV_BYTES, serve_simulator
-from bench.procs import Server, engine_env, free_port
+from bench.procs import Server, engine_env
 from sluice_server.engine.simulator import SimulatorEngine
+from testkit.net import free_port
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
 
