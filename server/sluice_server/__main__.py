@@ -1,4 +1,5 @@
-"""`sluice-server` / `python -m sluice_server`: parse flags + env, serve, drain on SIGTERM."""
+"""`sluice-server` / `python -m sluice_server`: parse flags + env, serve, drain on SIGTERM
+(one process, or a supervisor of `--api-workers` front-end processes)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .serve import serve
     from .settings import parse_settings
+    from .supervisor import run_pod
 
     try:
         settings = parse_settings(argv)
@@ -20,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"sluice-server: invalid settings: {problems}", file=sys.stderr)
         return 2
+    if settings.api_workers > 1:
+        return run_pod(settings)
     return serve(settings)
 
 

@@ -1,7 +1,9 @@
-"""The app factory: `build_app(settings, engine=None)`.
+"""The app factory: `build_app(settings, engine=None, pod=None)`.
 
 With no engine given, the lifespan opens one from settings and shuts it down in `finally`.
-Tests pass one shared engine to many apps; the app then never shuts it down.
+Tests pass one shared engine to many apps; the app then never shuts it down. A worker of
+a pod with several (`--api-workers`) passes its seat (`core/pod.py`): admission and rate
+limits then count for the whole pod, and the worker's readiness flag follows its engine.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from .core.gate import Gate
 from .core.identity import Plan
 from .core.jwks import JwtVerifier
 from .core.metrics import Metrics
+from .core.pod import PodSeat
 from .core.ratelimit import Limiter, MemoryLimiter, RedisLimiter
 from .core.reload import Reloader, Source
 from .core.services import Services
@@ -52,8 +55,10 @@ class Edge:
     and refused handshake), and open its trail (core/trail.py), which is closed here for a
     request that no stream ended."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, worker: int | None = None) -> None:
         self.app = app
+        # With several workers, `X-Sluice-Worker: <index>` says which one answered.
+        self.extra = [(b"x-sluice-worker", str(worker).encode())] if worker is not None else []
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -67,14 +72,16 @@ class Edge:
         )
         scope["sluice.trail"] = trail
 
+        extra = self.extra
+
         async def stamped(message: Message) -> None:
             t = message["type"]
             if t in ("http.response.start", "websocket.http.response.start"):
                 trail.status = message["status"]
-                message["headers"] = [*message.get("headers", ()), _request_id(trail)]
+                message["headers"] = [*message.get("headers", ()), _request_id(trail), *extra]
             elif t == "websocket.accept":
                 trail.status = 101
-                message["headers"] = [*message.get("headers", ()), _request_id(trail)]
+                message["headers"] = [*message.get("headers", ()), _request_id(trail), *extra]
             await send(message)
 
         failed = True
@@ -91,14 +98,14 @@ def _request_id(trail) -> tuple[bytes, bytes]:
     return (b"x-request-id", trail.rid.encode())
 
 
-def build_limiter(settings: Settings, metrics: Metrics) -> Limiter:
+def build_limiter(settings: Settings, metrics: Metrics, pod: PodSeat | None = None) -> Limiter:
     if settings.rate_limit_backend == "redis":
         assert settings.redis_url is not None  # Settings refuses redis without a URL
         return RedisLimiter(
             settings.redis_url.get_secret_value(), settings.model_label, metrics,
             settings.rate_limit_failure_mode, settings.redis_timeout_seconds,
         )  # fmt: skip
-    return MemoryLimiter()
+    return MemoryLimiter(pod=pod.state if pod is not None and pod.limits else None)
 
 
 def load_credentials(settings: Settings) -> Credentials:
@@ -139,7 +146,9 @@ def build_reloader(settings: Settings, svc: Services) -> Reloader | None:
     return Reloader(sources, svc.metrics, s.credentials_reload_seconds)
 
 
-def build_services(settings: Settings, engine: Engine | None) -> Services:
+def build_services(
+    settings: Settings, engine: Engine | None, pod: PodSeat | None = None
+) -> Services:
     metrics = Metrics(settings.model_label)
     tracing = None
     if settings.otlp_traces_endpoint:
@@ -148,18 +157,26 @@ def build_services(settings: Settings, engine: Engine | None) -> Services:
     return Services(
         settings=settings,
         metrics=metrics,
-        gate=Gate(settings.max_concurrent_streams),
-        limiter=build_limiter(settings, metrics),
+        gate=Gate(settings.max_concurrent_streams, pod),
+        limiter=build_limiter(settings, metrics, pod),
         credentials=load_credentials(settings),
         recorder=Recorder(
             settings.model_label, settings.access_log, settings.access_log_format, tracing
         ),  # fmt: skip
         engine=engine,
+        pod=pod,
     )
 
 
-def build_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
-    svc = build_services(settings, engine)
+def build_app(
+    settings: Settings,
+    engine: Engine | None = None,
+    pod: PodSeat | None = None,
+    engine_options: dict | None = None,
+) -> FastAPI:
+    """`engine_options` go to `open_engine` (a vLLM worker's connection to the pod's
+    shared engine core)."""
+    svc = build_services(settings, engine, pod)
     reloader = build_reloader(settings, svc)
 
     @asynccontextmanager
@@ -168,12 +185,16 @@ def build_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             yield
             return
         try:
-            async with open_engine(settings) as opened:
+            async with open_engine(settings, **(engine_options or {})) as opened:
                 svc.engine = opened
                 log.info("engine ready: %s (%s)", settings.model_label, settings.engine)
+                if pod is not None:
+                    pod.set_ready(True)
                 try:
                     yield
                 finally:
+                    if pod is not None:
+                        pod.set_ready(False)
                     svc.engine = None
                     svc.engine_error = "engine shut down"
         except BaseException as e:
@@ -203,5 +224,5 @@ def build_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     install_cors(app, settings)
     if settings.root_path:
         app.add_middleware(PathPrefix, prefix=settings.root_path)
-    app.add_middleware(Edge)
+    app.add_middleware(Edge, worker=pod.index if pod is not None else None)
     return app

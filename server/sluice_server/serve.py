@@ -4,16 +4,29 @@ SIGTERM (or the first SIGINT): `/ready` answers 503 at once and new streams are 
 (503 + Retry-After), while in-flight streams continue for up to --drain-timeout-seconds;
 the rest are then ended with an error event. Only then is uvicorn told to exit, and the
 process exits 0. A second signal skips the wait.
+
+A worker of a pod with several (`serve_worker`, started by `supervisor.py`) serves the
+socket the supervisor bound, and drains the same way; there every signal after the first
+is ignored (the supervisor forwards the pod's SIGTERM, and a terminal's Ctrl-C reaches the
+whole process group too: one drain either way), and the supervisor owns "a second signal
+skips the wait".
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
+import os
+import socket
+import sys
+import threading
+from multiprocessing import connection
 
 import uvicorn
 
 from .app import build_app
+from .core.pod import PodSeat, PodState
 from .core.trail import ACCESS_LOGGER
 from .settings import Settings
 from .transport import redact
@@ -22,12 +35,15 @@ log = logging.getLogger("sluice_server")
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, settings: Settings) -> None:
+    def __init__(self, config: uvicorn.Config, settings: Settings, escalate: bool = True) -> None:
         super().__init__(config)
         self.settings = settings
+        self.escalate = escalate  # a second signal exits at once (one process per pod)
         self._drain_task: asyncio.Task | None = None
 
     def handle_exit(self, sig: int, frame) -> None:  # called from the signal handler
+        if self._drain_task is not None and not self.escalate:
+            return  # a worker: already draining
         if self._drain_task is not None or not self.started:
             # Second signal, or not serving yet: exit now.
             return super().handle_exit(sig, frame)
@@ -83,11 +99,64 @@ def configure_logging(settings: Settings) -> None:
     access.addHandler(handler)
 
 
-def serve(settings: Settings) -> int:
+def serve(
+    settings: Settings,
+    sock: socket.socket | None = None,
+    pod: PodSeat | None = None,
+    engine_options: dict | None = None,
+) -> int:
+    """Serve until drained. A pod's worker passes the supervisor's listening socket, its
+    seat and how to reach the pod's engine."""
     configure_logging(settings)
-    config = uvicorn_config(settings, build_app(settings))
-    server = DrainingServer(config, settings)
-    server.run()
+    app = build_app(settings, pod=pod, engine_options=engine_options)
+    server = DrainingServer(uvicorn_config(settings, app), settings, escalate=pod is None)
+    server.run(sockets=[sock] if sock is not None else None)
     # uvicorn returns normally after a signal-initiated shutdown; a failed start-up
     # (engine error in the lifespan) leaves `started` false.
     return 0 if server.started else 1
+
+
+def serve_worker(
+    settings: Settings, state: PodState, listen_address: str, sock: socket.socket,
+    engine_args: object | None, client_config: dict,
+) -> None:  # fmt: skip
+    """One front-end worker process of a pod: the signature of vLLM's API-server target
+    (`APIServerProcessManager(target_server_fn=...)`), with our settings and the pod's
+    shared state bound in front. `engine_args` is vLLM's parsed arguments (None on the
+    simulator: then each worker runs its own), `client_config` the worker's index and, on
+    vLLM, its connection to the engine core."""
+    index = client_config["client_index"]
+    _exit_with_supervisor()
+    options = {"client_config": client_config} if engine_args is not None else None
+    log.info("worker %d of %d (pid %d) on %s", index, state.workers, os.getpid(),
+             listen_address)  # fmt: skip
+    sys.exit(serve(settings, _own_listener(sock), PodSeat(state, index), options))
+
+
+def _own_listener(shared: socket.socket) -> socket.socket:
+    """This worker's own listening socket on the supervisor's address (SO_REUSEPORT): the
+    kernel then spreads new connections evenly over the workers. On the one shared socket
+    (bound, never listened on: it reserves the port) every worker would wake for every
+    connection, and whichever won took the whole queue, so a burst could land on one
+    worker (measured: 12 of 12 concurrent streams, in one of a few runs)."""
+    own = socket.socket(shared.family, socket.SOCK_STREAM)
+    own.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    own.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    own.bind(shared.getsockname()[:2])
+    shared.close()
+    return own
+
+
+def _exit_with_supervisor() -> None:
+    """A worker whose supervisor is gone (killed outright) exits too, instead of serving
+    on alone with nobody watching it."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        connection.wait([parent.sentinel])
+        log.error("supervisor (pid %s) gone; worker exiting", parent.pid)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="supervisor-watch", daemon=True).start()

@@ -39,6 +39,13 @@ class Settings(BaseSettings):
     # Where
     host: str = Field("0.0.0.0", description="Listen address.")
     port: int = Field(8000, ge=0, le=65535, description="Listen port.")
+    api_workers: int = Field(
+        1, ge=1, le=64, description="Front-end processes sharing the listening port and one "
+        "engine (vLLM's multi-API-server mode: one engine core, N API processes). Each runs "
+        "the whole app; stream slots, rate limits, `/metrics` and `/ready` stay the pod's. "
+        "1: one process, as without the flag. On Kubernetes the operator derives it from "
+        "the pod's CPU request (`spec.server.apiWorkers`).",
+    )  # fmt: skip
 
     # vLLM engine (None = vLLM's own default)
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism (GPUs).")
@@ -77,8 +84,8 @@ class Settings(BaseSettings):
         "tokens flow), and the WebSocket ping interval.",
     )  # fmt: skip
     max_concurrent_streams: int = Field(
-        256, ge=1, description="Streams per process; over it: 429 + `Retry-After: 1`, at "
-        "once (no queue).",
+        256, ge=1, description="Streams per pod (shared by every `--api-workers` process); "
+        "over it: 429 + `Retry-After: 1`, at once (no queue).",
     )  # fmt: skip
     stream_timeout_seconds: float = Field(
         600.0, gt=0, description="Whole-stream limit; then an error event, and the engine "

@@ -1,8 +1,26 @@
-"""Prometheus metrics, names as in docs/design.md. One registry per app (tests build many)."""
+"""Prometheus metrics, names as in docs/design.md. One registry per app (tests build many).
+
+With several worker processes (`--api-workers`), prometheus_client's multiprocess mode:
+the supervisor points `PROMETHEUS_MULTIPROC_DIR` at a fresh folder before it spawns the
+workers, every worker's metrics are files there, and any worker's `/metrics` answers the
+sum over all of them (counters and histograms summed, the active-streams gauge summed over
+live workers), so one scrape is the pod's totals and the autoscaler's queries do not
+change.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import os
+
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
 
 # 5 ms .. 60 s, roughly x2 steps with extra resolution where TTFT targets live.
 LATENCY_BUCKETS = (
@@ -124,6 +142,17 @@ class Metrics:
 
     def count_tenant_tokens(self, tenant: str, tokens: int) -> None:
         self.tenant_tokens.labels(self.model, tenant).inc(tokens)
+
+
+def exposition(metrics: Metrics) -> bytes:
+    """The `/metrics` body: our metrics, then the process-wide default registry (process/GC
+    metrics and, on vLLM, the engine's own `vllm:*` metrics); in multiprocess mode the sum
+    over every worker's files instead (vLLM's metrics included: it writes them there too)."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry)
+    return generate_latest(metrics.registry) + generate_latest(REGISTRY)
 
 
 class Bound:

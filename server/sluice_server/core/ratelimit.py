@@ -1,5 +1,6 @@
 """Per-principal token buckets: requests per minute and tokens per minute, in this process
-(`memory`) or shared by every replica (`redis`).
+(`memory`: with several worker processes, in the pod's shared memory) or shared by every
+replica (`redis`).
 
 One request takes one token from the rpm bucket; prompt + completion tokens are charged to
 the tpm bucket when known (the end of a stream), so that bucket may go into debt, and a
@@ -18,6 +19,7 @@ No call waits on Redis longer than the client's socket timeout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -26,6 +28,7 @@ from typing import Literal, Protocol
 from .errors import ApiError
 from .identity import Plan
 from .metrics import Metrics
+from .pod import PodState
 
 log = logging.getLogger(__name__)
 
@@ -86,33 +89,56 @@ class TokenBucket:
 
 
 class MemoryLimiter:
-    """The buckets in this process: each replica limits on its own."""
+    """The buckets in this pod: each replica limits on its own. With several worker
+    processes the buckets live in the pod's shared memory (`pod`), so the workers limit
+    together; without, in this process."""
 
-    def __init__(self, clock=time.monotonic) -> None:
+    def __init__(self, clock=time.monotonic, pod: PodState | None = None) -> None:
         self.clock = clock
-        self._req: dict[str, TokenBucket] = {}
-        self._tok: dict[str, TokenBucket] = {}
+        self.pod = pod
+        self._local: dict[str, TokenBucket] = {}
 
-    def _bucket(self, table: dict[str, TokenBucket], key: str, per_minute: int, now: float):
-        b = table.get(key)
-        if b is None:
-            b = table[key] = TokenBucket(per_minute, now)
-        else:
+    def _bucket(self, key: str, per_minute: int, now: float) -> TokenBucket:
+        if self.pod is None:
+            b = self._local.get(key)
+            if b is None:
+                b = self._local[key] = TokenBucket(per_minute, now)
+            else:
+                b.refill(now, per_minute)
+            return b
+        b = TokenBucket(per_minute, now)
+        stored = self.pod.buckets.get(key, now)
+        if stored is not None:
+            b.level, b.stamp = stored
             b.refill(now, per_minute)
         return b
 
+    def _store(self, key: str, b: TokenBucket) -> None:
+        if self.pod is not None:
+            self.pod.buckets.put(key, b.level, b.stamp, b.stamp + b.wait_for(b.capacity))
+
+    def _locked(self):
+        return self.pod.lock if self.pod is not None else contextlib.nullcontext()
+
     async def admit(self, principal: str, plan: Plan) -> None:
-        now = self.clock()
-        req = self._bucket(self._req, principal, plan.rpm, now) if plan.rpm else None
-        tok = self._bucket(self._tok, principal, plan.tpm, now) if plan.tpm else None
-        # Admit while the principal has any token budget left; usage is charged later.
-        _verdict(req.wait_for(1.0) if req else 0.0, tok.wait_for(1.0) if tok else 0.0)
-        if req is not None:
-            req.level -= 1.0
+        with self._locked():
+            now = self.clock()
+            req = self._bucket(principal + ":r", plan.rpm, now) if plan.rpm else None
+            tok = self._bucket(principal + ":t", plan.tpm, now) if plan.tpm else None
+            # Admit while the principal has any token budget left; usage is charged later.
+            _verdict(req.wait_for(1.0) if req else 0.0, tok.wait_for(1.0) if tok else 0.0)
+            if req is not None:
+                req.level -= 1.0
+                self._store(principal + ":r", req)
+            if tok is not None:
+                self._store(principal + ":t", tok)
 
     async def charge(self, principal: str, plan: Plan, tokens: int) -> None:
         if plan.tpm and tokens > 0:
-            self._bucket(self._tok, principal, plan.tpm, self.clock()).level -= tokens
+            with self._locked():
+                b = self._bucket(principal + ":t", plan.tpm, self.clock())
+                b.level -= tokens
+                self._store(principal + ":t", b)
 
     async def close(self) -> None:
         pass

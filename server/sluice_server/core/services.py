@@ -18,6 +18,7 @@ from .errors import ApiError
 from .gate import Gate
 from .identity import Principal
 from .metrics import Metrics
+from .pod import PodSeat
 from .ratelimit import Limiter
 from .recent import RecentStreams
 from .trail import REJECTED, Recorder, Trail, new_request_id
@@ -35,6 +36,7 @@ class Services:
     recorder: Recorder
     engine: Engine | None = None
     engine_error: str | None = None
+    pod: PodSeat | None = None  # this worker's seat when the pod runs several (--api-workers)
     _bills: set[asyncio.Task] = field(default_factory=set)
     recent: RecentStreams = field(default_factory=RecentStreams)
 

@@ -24,9 +24,13 @@ def resolve_model(model: str) -> str:
 
 
 @asynccontextmanager
-async def open_engine(settings: Settings) -> AsyncIterator[Engine]:
+async def open_engine(
+    settings: Settings, client_config: dict | None = None
+) -> AsyncIterator[Engine]:
     """Start the engine named by settings and shut it down on exit (imports are lazy:
-    the simulator must not pay for importing vLLM)."""
+    the simulator must not pay for importing vLLM). `client_config`: a front-end worker's
+    connection to an engine core the supervisor started (vLLM's multi-API-server
+    handshake); the simulator ignores it (each worker runs its own)."""
     if settings.engine == "simulator":
         from .simulator import SimulatorEngine
 
@@ -45,5 +49,5 @@ async def open_engine(settings: Settings) -> AsyncIterator[Engine]:
 
     from .vllm_engine import open_vllm_engine
 
-    async with open_vllm_engine(settings, resolve_model(settings.model)) as engine:
+    async with open_vllm_engine(settings, resolve_model(settings.model), client_config) as engine:
         yield engine

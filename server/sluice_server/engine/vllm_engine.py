@@ -304,16 +304,11 @@ class VllmEngine:
         self.llm.shutdown()
 
 
-@asynccontextmanager
-async def open_vllm_engine(settings: Settings, model_path: str) -> AsyncIterator[VllmEngine]:
-    from starlette.datastructures import State
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+def parse_vllm_args(settings: Settings, model_path: str) -> Any:
+    """vLLM's own serve arguments (its `make_arg_parser`) from our settings."""
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.platforms import current_platform
-    from vllm.usage.usage_lib import UsageContext
     from vllm.utils.argparse_utils import FlexibleArgumentParser
-    from vllm.v1.engine.async_llm import AsyncLLM
 
     if settings.otlp_traces_endpoint:
         # Ours is OTLP/HTTP; vLLM's exporter defaults to gRPC.
@@ -321,7 +316,16 @@ async def open_vllm_engine(settings: Settings, model_path: str) -> AsyncIterator
     cpu = current_platform.is_cpu()
     argv = vllm_cli_args(settings, model_path, cpu_defaults=cpu and not _has_kv_size(settings))
     parser = make_arg_parser(FlexibleArgumentParser(prog="sluice-server --"))
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+@asynccontextmanager
+async def _own_engine(args: Any) -> AsyncIterator[Any]:
+    """An AsyncLLM that starts (and shuts down) its own engine core: one process per pod."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
     engine_args = AsyncEngineArgs.from_cli_args(args)
     vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     llm = AsyncLLM.from_vllm_config(
@@ -331,12 +335,36 @@ async def open_vllm_engine(settings: Settings, model_path: str) -> AsyncIterator
         disable_log_stats=engine_args.disable_log_stats,
     )
     try:
+        yield llm
+    finally:
+        llm.shutdown()
+
+
+@asynccontextmanager
+async def open_vllm_engine(
+    settings: Settings, model_path: str, client_config: dict | None = None
+) -> AsyncIterator[VllmEngine]:
+    """The engine for one process. With `client_config` (a worker of a pod with several,
+    `engine/vllm_pod.py`), an AsyncLLM client of the engine core the supervisor launched,
+    connected by vLLM's own front-end code (`build_async_engine_client`, what each of
+    vLLM's API server processes runs); without, an AsyncLLM with its own engine core."""
+    from starlette.datastructures import State
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+
+    args = parse_vllm_args(settings, model_path)
+    if client_config is None:
+        client = _own_engine(args)
+    else:
+        config = dict(client_config)
+        # vLLM's least-loaded accept array: its own uvicorn subclass reads it; ours does not.
+        config.pop("api_server_loads", None)
+        client = build_async_engine_client(args, client_config=config)
+    async with client as llm:
         state = State()
         tasks = await llm.get_supported_tasks()
         await init_app_state(MeteredClient(llm), state, args, tasks)
         yield VllmEngine(llm, args, state, settings.model_label)
-    finally:
-        llm.shutdown()
 
 
 def _has_kv_size(settings: Settings) -> bool:

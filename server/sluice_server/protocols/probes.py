@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
+from ..core.metrics import exposition
 from ..core.services import services
 from .openapi import METRICS
 
@@ -35,17 +36,21 @@ async def health(request: Request) -> Response:
 
 @router.get("/ready")
 async def ready(request: Request) -> Response:
-    """Readiness: engine loaded and healthy, and not draining."""
+    """Readiness: engine loaded and healthy, and not draining; with several workers, every
+    worker of the pod too (a pod with a worker still starting, draining or dead is not ready,
+    whichever worker answers)."""
     svc = services(request)
     ok, why = await _engine_ok(request)
     if ok and svc.gate.draining:
         ok, why = False, "draining"
+    if ok and svc.pod is not None and (waiting := svc.pod.waiting_for()):
+        ok, why = False, f"workers not ready: {', '.join(map(str, waiting))}"
     return JSONResponse({"status": "ready" if ok else why}, status_code=200 if ok else 503)
 
 
 @router.get("/metrics", response_class=Response, responses=METRICS)
 async def metrics(request: Request) -> Response:
     """Our `sluice_*` metrics, then the process-wide default registry: process/GC metrics
-    and, on vLLM, the engine's own `vllm:*` metrics (KV cache use, running/waiting)."""
-    ours = generate_latest(services(request).metrics.registry)
-    return Response(ours + generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+    and, on vLLM, the engine's own `vllm:*` metrics (KV cache use, running/waiting); with
+    several workers, the pod's sums over all of them (`core/metrics.py`)."""
+    return Response(exposition(services(request).metrics), media_type=CONTENT_TYPE_LATEST)

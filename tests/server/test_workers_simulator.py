@@ -1,0 +1,185 @@
+"""A pod with two front-end workers (`--api-workers 2`) on the simulator engine, as a real
+process tree: streams land on both workers, one scrape of `/metrics` is the pod's totals,
+the concurrency cap and the requests-per-minute limit are the pod's (negative control:
+per-worker limits admit twice as much), SIGTERM drains every worker and exits 0, and a
+worker that dies takes the pod to not-ready and then down with a non-zero exit."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+from pod_helpers import metric, scrape, start_pod, worker_pids
+
+pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.slow]
+
+SIM = ("--engine", "simulator", "--model", "sim", "--log-level", "warning")
+
+
+def client(url: str) -> httpx.AsyncClient:
+    """A new connection per request: a kept-alive one would stay with its worker."""
+    return httpx.AsyncClient(base_url=url, timeout=60,
+                             limits=httpx.Limits(max_keepalive_connections=0))  # fmt: skip
+
+
+async def _stream(c: httpx.AsyncClient, max_tokens: int, key: str | None = None) -> dict:
+    """One /v1/stream read to its end: status, worker, token events, last payload."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    body = {"prompt": "fan out", "max_tokens": max_tokens, "ignore_eos": True}
+    out = {"tokens": 0, "last": None, "done": False}
+    async with c.stream("POST", "/v1/stream", json=body, headers=headers) as r:
+        out["status"], out["worker"] = r.status_code, r.headers.get("x-sluice-worker")
+        if r.status_code != 200:
+            out["error"] = json.loads(await r.aread())["error"]
+            return out
+        async for line in r.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                out["done"] = True
+            else:
+                out["last"] = json.loads(data)
+                out["tokens"] += 1
+    return out
+
+
+async def test_streams_land_on_both_workers_and_metrics_sum(tmp_path):
+    proc, url = start_pod(tmp_path, *SIM, "--sim-ttft-ms", "20", "--sim-itl-ms", "10")
+    try:
+        async with client(url) as c:
+            results = []
+            for _ in range(3):  # waves of concurrent connections
+                results += await asyncio.gather(*(_stream(c, 20) for _ in range(16)))
+            assert all(r["status"] == 200 and r["done"] for r in results)
+            by_worker = {w: sum(r["worker"] == w for r in results) for w in ("0", "1")}
+            assert by_worker["0"] > 0 and by_worker["1"] > 0, by_worker
+            n = len(results)
+            usage = sum(r["last"]["usage"]["completion_tokens"] for r in results)
+            # Several scrapes: whichever worker answers, the totals are the pod's.
+            for _ in range(6):
+                text = await scrape(c)
+                assert metric(text, "sluice_requests_total", protocol="sse") == n
+                assert metric(text, "sluice_ttft_seconds_count", protocol="sse") == n
+                assert metric(text, "sluice_e2e_latency_seconds_count", protocol="sse") == n
+                assert metric(text, "sluice_output_tokens_total", protocol="sse") == usage == n * 20
+                assert metric(text, "sluice_active_streams", protocol="sse") == 0
+                buckets = metric(text, "sluice_ttft_seconds_bucket", protocol="sse", le="+Inf")
+                assert buckets == n
+    finally:
+        proc.stop()
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["pod-limits", "per-worker-control"])
+async def test_concurrency_cap_and_rpm_are_the_pods(tmp_path, shared):
+    """--max-concurrent-streams 4 and --rate-limit-rpm 6 with two workers admit 4 streams and
+    6 requests per pod; with per-worker limits (the control) twice as many."""
+    keys = tmp_path / "keys"
+    keys.write_text("sk-rpm tenant=a rpm=6\nsk-cap tenant=b rpm=0\n")
+    proc, url = start_pod(tmp_path, *SIM, "--sim-ttft-ms", "5", "--sim-itl-ms", "20",
+                          "--max-concurrent-streams", "4", "--api-key-file", str(keys),
+                          shared=shared)  # fmt: skip
+    factor = 1 if shared else 2
+    try:
+        async with client(url) as c:
+            # Requests per minute: bursts of short requests until both workers refused one.
+            t0, admitted, refused_by = time.monotonic(), 0, set()
+            for _ in range(30):
+                burst = await asyncio.gather(*(_stream(c, 1, "sk-rpm") for _ in range(4)))
+                for r in burst:
+                    if r["status"] == 200:
+                        admitted += 1
+                    else:
+                        assert (r["status"], r["error"]["code"]) == (429, "rate_limit_exceeded")
+                        refused_by.add(r["worker"])
+                if refused_by == {"0", "1"}:
+                    break
+            assert refused_by == {"0", "1"}, "both workers should have refused"
+            assert time.monotonic() - t0 < 9  # 6 rpm refills one request per 10 s
+            assert admitted == 6 * factor
+
+            # Concurrent streams: long streams in bursts until both workers refused one.
+            held, refused_by = [], set()
+            for _ in range(20):
+                burst = [asyncio.create_task(_stream(c, 2000, "sk-cap")) for _ in range(4)]
+                await asyncio.sleep(0.5)  # admitted ones are streaming, refused ones done
+                for t in burst:
+                    if t.done():
+                        r = t.result()
+                        assert (r["status"], r["error"]["code"]) == (429, "capacity_exceeded")
+                        refused_by.add(r["worker"])
+                    else:
+                        held.append(t)
+                if refused_by == {"0", "1"}:
+                    break
+            assert refused_by == {"0", "1"}, "both workers should have refused"
+            assert len(held) == 4 * factor
+            text = await scrape(c)
+            assert metric(text, "sluice_active_streams", protocol="sse") == 4 * factor
+            for t in held:
+                t.cancel()
+            await asyncio.gather(*held, return_exceptions=True)
+    finally:
+        proc.stop()
+
+
+async def test_sigterm_drains_every_worker_and_exits_zero(tmp_path):
+    proc, url = start_pod(tmp_path, *SIM, "--sim-ttft-ms", "5", "--sim-itl-ms", "10",
+                          "--drain-timeout-seconds", "30")  # fmt: skip
+    try:
+        async with client(url) as c:
+            streams = [asyncio.create_task(_stream(c, 300)) for _ in range(12)]
+            await asyncio.sleep(1.0)  # all streaming (3 s each)
+            assert not any(t.done() for t in streams)
+            proc.proc.send_signal(signal.SIGTERM)  # the supervisor only, as the kubelet does
+            t_sig = time.monotonic()
+            while (await c.get("/ready")).status_code != 503:
+                assert time.monotonic() - t_sig < 5, "/ready did not turn 503"
+                await asyncio.sleep(0.02)
+            late = await c.post("/v1/stream", json={"prompt": "late", "max_tokens": 2})
+            assert late.status_code == 503 and late.json()["error"]["code"] == "draining"
+            results = await asyncio.gather(*streams)
+        assert {r["worker"] for r in results} == {"0", "1"}
+        for r in results:
+            assert r["done"] and r["last"]["finish_reason"] == "length", r
+            assert r["last"]["usage"]["completion_tokens"] == 300
+        assert proc.proc.wait(timeout=30) == 0, proc.tail()
+    finally:
+        proc.stop()
+
+
+async def test_a_dead_worker_makes_the_pod_not_ready_then_exit(tmp_path):
+    proc, url = start_pod(tmp_path, *SIM, "--sim-ttft-ms", "5", "--sim-itl-ms", "10",
+                          "--drain-timeout-seconds", "30")  # fmt: skip
+    try:
+        pids = worker_pids(proc)
+        assert len(pids) == 2, pids
+        async with client(url) as c:
+            # Long streams on both workers keep the survivor draining (and answering).
+            streams = [asyncio.create_task(_stream(c, 300)) for _ in range(12)]
+            await asyncio.sleep(1.0)
+            os.kill(pids[0], signal.SIGKILL)
+            t_kill = time.monotonic()
+            while True:
+                try:
+                    r = await c.get("/ready")
+                    if r.status_code == 503:
+                        break
+                except httpx.TransportError:
+                    pass  # the connection went to the killed worker's socket
+                assert time.monotonic() - t_kill < 5, "/ready did not turn 503"
+                await asyncio.sleep(0.02)
+            results = await asyncio.gather(*streams, return_exceptions=True)
+        # The survivor's streams finished (it drained); the killed worker's were cut.
+        finished = [r for r in results if isinstance(r, dict) and r["done"]]
+        assert finished and all(r["last"]["finish_reason"] == "length" for r in finished)
+        assert len(finished) < len(results)
+        assert proc.proc.wait(timeout=45) != 0, proc.tail()
+        assert "died with exit code -9" in proc.tail(60)
+    finally:
+        proc.stop()
