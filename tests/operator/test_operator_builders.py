@@ -138,6 +138,30 @@ def test_server_args_follow_design_table():
     assert args[args.index("--") :] == ["--", "--enable-prefix-caching", "--kv-cache-dtype=fp8"]
 
 
+@pytest.mark.parametrize("resources, server, workers", [
+    ({}, {}, 3),  # the default request: 4 CPUs, one for the engine core
+    ({"requests": {"cpu": "2"}}, {}, 1),
+    ({"requests": {"cpu": "2500m"}}, {}, 1),
+    ({"requests": {"cpu": 6}}, {}, 5),
+    ({"requests": {"cpu": "64"}}, {}, 8),  # capped: past it the engine limits
+    ({"requests": {"cpu": "500m"}}, {}, 1),
+    ({"requests": {"memory": "8Gi"}}, {}, 1),  # no CPU request
+    ({"requests": {"cpu": "2"}}, {"apiWorkers": 4}, 4),  # given wins
+    ({}, {"apiWorkers": 1}, 1),
+])  # fmt: skip
+def test_api_workers_from_the_cpu_request(resources, server, workers):
+    args = server_args(model(resources=resources, server=server))
+    if workers == 1:
+        assert "--api-workers" not in args  # one process, as without the flag
+    else:
+        assert flag(args, "--api-workers") == str(workers)
+
+
+def test_api_workers_bounds_are_refused():
+    with pytest.raises(SpecError, match="apiWorkers"):
+        model(server={"apiWorkers": 0})
+
+
 def test_unset_engine_values_are_left_to_vllm():
     args = server_args(model())
     for name in (

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import re
+
 from ..models.resource import API_KEYS_DIR, API_KEYS_FILE, JWKS_DIR, JWKS_FILE, StreamingModel
 from ..models.spec import SimulatorSpec
 from .common import PORT, fmt_number
@@ -20,6 +23,33 @@ def termination_grace_seconds(model: StreamingModel) -> int:
     return PRESTOP_SECONDS + drain_seconds(model) + DRAIN_MARGIN_SECONDS
 
 
+# Derived --api-workers never exceeds this: past it the engine, not the front end, limits.
+MAX_DERIVED_API_WORKERS = 8
+_CPU = re.compile(r"^([0-9]*\.?[0-9]+)(m?)$")
+
+
+def cpu_cores(quantity: int | str | None) -> float | None:
+    """A CPU quantity (4, "2.5", "500m") in cores; None when unset or in another unit."""
+    if quantity is None:
+        return None
+    m = _CPU.match(str(quantity))
+    if m is None:
+        return None
+    return float(m.group(1)) / (1000 if m.group(2) else 1)
+
+
+def api_workers(model: StreamingModel) -> int:
+    """spec.server.apiWorkers, else one per whole requested core beyond the engine core's,
+    capped (see the field's description)."""
+    given = model.spec.server.api_workers
+    if given is not None:
+        return given
+    cores = cpu_cores(model.spec.resources.requests.cpu)
+    if cores is None:
+        return 1
+    return max(1, min(MAX_DERIVED_API_WORKERS, math.floor(cores) - 1))
+
+
 def server_args(model: StreamingModel) -> list[str]:
     spec, src = model.spec, model.source
     args = ["--model", src.model_arg]
@@ -27,6 +57,9 @@ def server_args(model: StreamingModel) -> list[str]:
         args += ["--revision", src.revision]
     args += ["--served-model-name", model.served_name, "--host", "0.0.0.0", "--port", str(PORT)]
     args += ["--engine", spec.engine.backend]
+    workers = api_workers(model)
+    if workers > 1:
+        args += ["--api-workers", str(workers)]
 
     if not model.simulated:
         e, p = spec.engine, spec.parallelism

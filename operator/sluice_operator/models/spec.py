@@ -885,6 +885,20 @@ class NetworkPolicySpec(ApiModel):
     )
 
 
+class ServerSpec(ApiModel):
+    """The streaming server's own processes."""
+
+    api_workers: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        description="Front-end processes per pod (the server's --api-workers), sharing the "
+        "port and one engine; stream slots, rate limits, /metrics and /ready stay the pod's. "
+        "Unset: derived from resources.requests.cpu, one per whole core beyond the one "
+        "vLLM's engine core busy-polls (max(1, cores - 1)), at most 8; no CPU request: 1.",
+    )
+
+
 class LocalObjectReference(ApiModel):
     """A reference to an object by name in the same namespace."""
 
@@ -946,6 +960,7 @@ class StreamingModelSpec(ApiModel):
         NetworkPolicySpec, "NetworkPolicy for the model pods (off by default)."
     )
     limits: LimitsSpec = sub(LimitsSpec, "Request size limits (server and proxy alike).")
+    server: ServerSpec = sub(ServerSpec, "The streaming server's own processes.")
     startup: StartupSpec = sub(StartupSpec, "Startup budget of a new pod.")
     rollout: RolloutSpec = sub(
         RolloutSpec, "How spec changes replace pods: surge (default) or in place."
