@@ -16,6 +16,7 @@ import json
 import logging
 import time
 import uuid
+from json.encoder import encode_basestring_ascii as _json_str
 
 from fastapi import APIRouter, WebSocket
 from fastapi.responses import JSONResponse
@@ -185,7 +186,8 @@ class Connection:
         try:
             async for ev in events(stream, meter):
                 if type(ev) is Tokens:
-                    await send(f'{head}{seq},"token":{_dumps(ev.text)},"finished":false}}', task)
+                    token = _json_str(ev.text)  # = json.dumps(text), token_sse.py
+                    await send(f'{head}{seq},"token":{token},"finished":false}}', task)
                     seq += 1
                 elif type(ev) is Finished:
                     final = {"id": rid, "index": seq, "token": "", "finished": True,
