@@ -4,7 +4,9 @@ In-process and socket-free, so the numbers hold up on a busy shared machine (CPU
 not wall time): the real app (`build_app`) on the simulator engine, driven through ASGI
 with a send() that drops the bytes. Two measurements:
 
-* `cpu`: N streams x T tokens paced by the simulator; process CPU time per token and per
+* `cpu`: N streams x T tokens paced by the simulator, over token SSE, WebSocket or the
+  OpenAI chat route (`--protocol openai`: the simulator's built-in OpenAI renderer under
+  our route wrapper); process CPU time per token and per
   event (an event can carry several coalesced tokens when the consumer falls behind).
   `--variant engine` iterates the simulator alone (the floor); `--variant no-timeout`
   replaces our SSE send (a direct send watched by one timer per response) with a plain
@@ -86,7 +88,7 @@ def drivers(app, max_tokens: int, ends: list[asyncio.Event], counter: list[int])
     body = json.dumps({"messages": msgs, "max_tokens": max_tokens, "ignore_eos": True}).encode()
     server = ("127.0.0.1", 8000)
 
-    async def sse() -> None:
+    async def sse(path: str = "/v1/stream", payload: bytes = body) -> None:
         sent = False
         done = asyncio.Event()
         ends.append(done)
@@ -95,7 +97,7 @@ def drivers(app, max_tokens: int, ends: list[asyncio.Event], counter: list[int])
             nonlocal sent
             if not sent:
                 sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
+                return {"type": "http.request", "body": payload, "more_body": False}
             await done.wait()
             return {"type": "http.disconnect"}
 
@@ -107,7 +109,7 @@ def drivers(app, max_tokens: int, ends: list[asyncio.Event], counter: list[int])
 
         scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"},
                  "http_version": "1.1", "method": "POST", "scheme": "http",
-                 "path": "/v1/stream", "raw_path": b"/v1/stream", "query_string": b"",
+                 "path": path, "raw_path": path.encode(), "query_string": b"",
                  "root_path": "", "headers": [(b"content-type", b"application/json")],
                  "client": ("127.0.0.1", 1), "server": server, "state": {}}  # fmt: skip
         await app(scope, receive, send)
@@ -144,7 +146,13 @@ def drivers(app, max_tokens: int, ends: list[asyncio.Event], counter: list[int])
                  "extensions": {"websocket.http.response": {}}}  # fmt: skip
         await app(scope, receive, send)
 
-    return {"sse": sse, "websocket": websocket}
+    chat = json.dumps({"messages": msgs, "max_tokens": max_tokens, "ignore_eos": True,
+                       "stream": True}).encode()  # fmt: skip
+
+    async def openai() -> None:  # the simulator's built-in OpenAI renderer under our wrapper
+        await sse("/v1/chat/completions", chat)
+
+    return {"sse": sse, "websocket": websocket, "openai": openai}
 
 
 async def cpu(args) -> None:
@@ -243,7 +251,7 @@ def ab(args) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("what", choices=["cpu", "mem", "ab"])
-    p.add_argument("--protocol", choices=["sse", "websocket"], default="sse")
+    p.add_argument("--protocol", choices=["sse", "websocket", "openai"], default="sse")
     p.add_argument("--variant", choices=["base", "no-timeout", "engine", "tracing", "access-log"],
                    default="base")  # fmt: skip
     p.add_argument("--streams", type=int, default=100)
@@ -252,7 +260,7 @@ def main() -> None:
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--against", help="ab: the other checkout (A)")
     p.add_argument("--pairs", type=int, default=3, help="ab: alternating A/B pairs")
-    p.add_argument("--protocols", default="sse,websocket", help="ab: comma-separated")
+    p.add_argument("--protocols", default="sse,websocket,openai", help="ab: comma-separated")
     p.add_argument("--cpu", type=int, help="ab: pin every run to this core (taskset)")
     args = p.parse_args()
     if args.what == "ab":
