@@ -4,7 +4,9 @@ In-process and socket-free, so the numbers hold up on a busy shared machine (CPU
 not wall time): the real app (`build_app`) on the simulator engine, driven through ASGI
 with a send() that drops the bytes. Two measurements:
 
-* `cpu`: N streams x T tokens paced by the simulator; process CPU time per token and per
+* `cpu`: N streams x T tokens paced by the simulator, over token SSE, WebSocket or the
+  OpenAI chat route (`--protocol openai`: the simulator's built-in OpenAI renderer under
+  our route wrapper); process CPU time per token and per
   event (an event can carry several coalesced tokens when the consumer falls behind).
   `--variant engine` iterates the simulator alone (the floor); `--variant no-timeout`
   replaces our SSE send (a direct send watched by one timer per response) with a plain
@@ -13,6 +15,10 @@ with a send() that drops the bytes. Two measurements:
   the same way.) `--variant tracing` turns OpenTelemetry on (every request sampled, spans
   exported over OTLP/HTTP to a receiver in another process, tests/testkit/otlp.py);
   `--variant access-log` writes the access log (to /dev/null): what each costs per token.
+* `ab`: the `cpu` measurement for this checkout (B) and another one (A, `--against
+  DIR`, e.g. a detached worktree of main) in alternating subprocesses, pinned to one core
+  (`--cpu`), per protocol: every pair, the medians and B/A. The way every change to the
+  per-event path is measured.
 * `mem`: N streams held open; tracemalloc growth per stream, top allocation sites, and
   asyncio tasks per stream.
 
@@ -20,6 +26,8 @@ with a send() that drops the bytes. Two measurements:
     python tests/bench/stack_cost.py cpu --protocol sse --variant no-timeout
     python tests/bench/stack_cost.py cpu --protocol sse --variant tracing
     python tests/bench/stack_cost.py mem --protocol websocket
+    git worktree add --detach /tmp/sluice-main main
+    python tests/bench/stack_cost.py ab --against /tmp/sluice-main --pairs 4
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ import gc
 import json
 import logging
 import os
+import re
+import statistics
 import subprocess
 import sys
 import time
@@ -78,7 +88,7 @@ def drivers(app, max_tokens: int, ends: list[asyncio.Event], counter: list[int])
     body = json.dumps({"messages": msgs, "max_tokens": max_tokens, "ignore_eos": True}).encode()
     server = ("127.0.0.1", 8000)
 
-    async def sse() -> None:
+    async def sse(path: str = "/v1/stream", payload: bytes = body) -> None:
         sent = False
         done = asyncio.Event()
         ends.append(done)
@@ -87,7 +97,7 @@ def drivers(app, max_tokens: int, ends: list[asyncio.Event], counter: list[int])
             nonlocal sent
             if not sent:
                 sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
+                return {"type": "http.request", "body": payload, "more_body": False}
             await done.wait()
             return {"type": "http.disconnect"}
 
@@ -99,7 +109,7 @@ def drivers(app, max_tokens: int, ends: list[asyncio.Event], counter: list[int])
 
         scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"},
                  "http_version": "1.1", "method": "POST", "scheme": "http",
-                 "path": "/v1/stream", "raw_path": b"/v1/stream", "query_string": b"",
+                 "path": path, "raw_path": path.encode(), "query_string": b"",
                  "root_path": "", "headers": [(b"content-type", b"application/json")],
                  "client": ("127.0.0.1", 1), "server": server, "state": {}}  # fmt: skip
         await app(scope, receive, send)
@@ -136,7 +146,13 @@ def drivers(app, max_tokens: int, ends: list[asyncio.Event], counter: list[int])
                  "extensions": {"websocket.http.response": {}}}  # fmt: skip
         await app(scope, receive, send)
 
-    return {"sse": sse, "websocket": websocket}
+    chat = json.dumps({"messages": msgs, "max_tokens": max_tokens, "ignore_eos": True,
+                       "stream": True}).encode()  # fmt: skip
+
+    async def openai() -> None:  # the simulator's built-in OpenAI renderer under our wrapper
+        await sse("/v1/chat/completions", chat)
+
+    return {"sse": sse, "websocket": websocket, "openai": openai}
 
 
 async def cpu(args) -> None:
@@ -203,17 +219,55 @@ async def mem(args) -> None:
         await asyncio.gather(*tasks, *warm, return_exceptions=True)
 
 
+def run_one(checkout: Path, protocol: str, args) -> float:
+    """One `cpu` run of `checkout`'s server code in a fresh process: us CPU per token."""
+    env = {**os.environ, "PYTHONPATH": f"{checkout / 'operator'}{os.pathsep}{checkout / 'server'}"}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "cpu", "--protocol", protocol,
+           "--variant", args.variant, "--streams", str(args.streams), "--tokens",
+           str(args.tokens), "--itl-ms", str(args.itl_ms)]  # fmt: skip
+    if args.cpu is not None:
+        cmd = ["taskset", "-c", str(args.cpu), *cmd]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+    return float(re.search(r"([\d.]+) us CPU/token", out).group(1))
+
+
+def ab(args) -> None:
+    here = Path(__file__).resolve().parents[2]
+    other = Path(args.against).resolve()
+    print(f"A = {other}, B = {here}; {args.streams} streams x {args.tokens} tokens, "
+          f"load average {os.getloadavg()[0]:.2f}")  # fmt: skip
+    for protocol in args.protocols.split(","):
+        a, b = [], []
+        for i in range(args.pairs):  # alternate, starting with the other side every pair
+            order = [(other, a), (here, b)] if i % 2 == 0 else [(here, b), (other, a)]
+            for checkout, into in order:
+                into.append(run_one(checkout, protocol, args))
+        ma, mb = statistics.median(a), statistics.median(b)
+        pairs = ", ".join(f"{x:.1f}/{y:.1f}" for x, y in zip(a, b, strict=True))
+        print(f"{protocol}: us CPU per token A/B pairs {pairs}; median A {ma:.1f}, "
+              f"B {mb:.1f}, B/A {mb / ma:.2f}")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=["cpu", "mem"])
-    p.add_argument("--protocol", choices=["sse", "websocket"], default="sse")
+    p.add_argument("what", choices=["cpu", "mem", "ab"])
+    p.add_argument("--protocol", choices=["sse", "websocket", "openai"], default="sse")
     p.add_argument("--variant", choices=["base", "no-timeout", "engine", "tracing", "access-log"],
                    default="base")  # fmt: skip
     p.add_argument("--streams", type=int, default=100)
     p.add_argument("--tokens", type=int, default=300)
     p.add_argument("--itl-ms", type=float, default=10.0)
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--against", help="ab: the other checkout (A)")
+    p.add_argument("--pairs", type=int, default=3, help="ab: alternating A/B pairs")
+    p.add_argument("--protocols", default="sse,websocket,openai", help="ab: comma-separated")
+    p.add_argument("--cpu", type=int, help="ab: pin every run to this core (taskset)")
     args = p.parse_args()
+    if args.what == "ab":
+        if not args.against:
+            p.error("ab needs --against DIR (the checkout to compare with)")
+        ab(args)
+        return
     if args.variant == "no-timeout":
         patch_no_timeout()
     receiver = None

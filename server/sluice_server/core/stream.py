@@ -29,7 +29,7 @@ T = TypeVar("T")
 
 
 class Stream(Generic[T]):
-    __slots__ = ("_source", "_cap", "_items", "_wake", "_task", "_timer", "_done",
+    __slots__ = ("_source", "_cap", "_items", "_waiter", "_task", "_timer", "_done", "_loop",
                  "error", "first_output_at", "stopped", "n_events", "sent", "ended")  # fmt: skip
 
     def __init__(
@@ -43,7 +43,10 @@ class Stream(Generic[T]):
         self._source = source
         self._cap = cap
         self._items: list[T] = []
-        self._wake = asyncio.Event()
+        # The consumer's wake-up: a bare future while it waits, else None. (An
+        # asyncio.Event costs a loop lookup and a waiter deque per wait and per set: about a
+        # tenth of the server's CPU per token event, tests/bench/stack_cost.py.)
+        self._waiter: asyncio.Future | None = None
         self._done = False
         self.error: str | None = None
         self.first_output_at: float | None = None
@@ -54,7 +57,7 @@ class Stream(Generic[T]):
         self.n_events = 0
         self.sent: list[str] | None = [] if replayable else None
         self.ended: object | None = None
-        loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
         self._task = loop.create_task(self._produce())
         self._timer = loop.call_later(
             timeout, self.fail, f"Stream exceeded the server's time limit ({timeout:g} s)."
@@ -76,7 +79,8 @@ class Stream(Generic[T]):
                         "request aborted."
                     )
                     return
-                self._wake.set()
+                if self._waiter is not None:
+                    self._wake()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # engine error after the 200: becomes an error event
@@ -89,7 +93,7 @@ class Stream(Generic[T]):
                 )
         finally:
             self._done = True
-            self._wake.set()
+            self._wake()
             # Closing an unfinished engine generator aborts its request (no-op if done).
             aclose = getattr(source, "aclose", None)
             if aclose is not None:
@@ -97,6 +101,13 @@ class Stream(Generic[T]):
                     await aclose()
                 except Exception:  # pragma: no cover - cleanup must not mask the cause
                     log.exception("closing the engine stream failed")
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
     @property
     def aborted(self) -> bool:
@@ -111,7 +122,7 @@ class Stream(Generic[T]):
             self.error = message
         self._task.cancel()
         self._done = True
-        self._wake.set()
+        self._wake()
 
     def stop(self) -> None:
         """The client asked to stop: abort now, drop what is buffered, end without error."""
@@ -121,7 +132,7 @@ class Stream(Generic[T]):
         self._task.cancel()
         self._items.clear()
         self._done = True
-        self._wake.set()
+        self._wake()
 
     async def next_batch(self) -> list[T] | None:
         """Everything produced since the last call; None at the end. Raises StreamFailed
@@ -135,8 +146,10 @@ class Stream(Generic[T]):
                 raise StreamFailed(self.error)
             if self._done:
                 return None
-            self._wake.clear()
-            await self._wake.wait()
+            # `_wake` resolves and clears it; a cancelled wait leaves a done future behind,
+            # which `_wake` skips and the next wait replaces.
+            self._waiter = self._loop.create_future()
+            await self._waiter
 
     def close(self) -> None:
         """Consumer finished or went away: stop producing (aborts an unfinished request)."""

@@ -16,6 +16,7 @@ import json
 import logging
 import time
 import uuid
+from json.encoder import encode_basestring_ascii as _json_str
 
 from fastapi import APIRouter, WebSocket
 from fastapi.responses import JSONResponse
@@ -82,6 +83,10 @@ class Connection:
         # One timer per socket bounds every send (a reader that stops reading), not a
         # timeout scope per frame (server/sluice_server/sendwatch.py).
         self.watchdog = SendWatchdog(self.send_timeout, TimeoutError)
+        # Frames go straight to the server's send once accepted (app.py's Edge): the
+        # middlewares and Starlette's state checks in `WebSocket.send` only matter for the
+        # handshake and the close.
+        self.raw_send = ws.scope.get("sluice.send", ws.send)
         self.closer: asyncio.Future | None = None
 
     async def run(self) -> None:
@@ -157,9 +162,17 @@ class Connection:
         if stream is not None:
             stream.stop()
 
-    async def send(self, text: str) -> None:
+    async def send(self, text: str, task: asyncio.Task | None = None) -> None:
+        """One text frame; `task`: the calling task, when known. A socket the client
+        closed raises WebSocketDisconnect, as Starlette's `WebSocket.send` would."""
         async with self.lock:
-            await self.watchdog.send(self.ws.send_text, text)
+            try:
+                await self.watchdog.send(self.raw_send, {"type": "websocket.send", "text": text},
+                                         task)  # fmt: skip
+            except TimeoutError:  # the send timeout (an OSError too): not a disconnect
+                raise
+            except OSError:
+                raise WebSocketDisconnect(code=1006) from None
 
     async def error(self, rid, status: int, message: str, code: str | None) -> None:
         body = error_body(status or 400, message, code=code)
@@ -168,10 +181,13 @@ class Connection:
     async def pump(self, rid, stream: Stream, meter: Meter, cleanup) -> None:
         head = '{"id":' + _dumps(rid) + ',"index":'
         seq = 0
+        task = asyncio.current_task()
+        send = self.send
         try:
             async for ev in events(stream, meter):
                 if type(ev) is Tokens:
-                    await self.send(f'{head}{seq},"token":{_dumps(ev.text)},"finished":false}}')
+                    token = _json_str(ev.text)  # = json.dumps(text), token_sse.py
+                    await send(f'{head}{seq},"token":{token},"finished":false}}', task)
                     seq += 1
                 elif type(ev) is Finished:
                     final = {"id": rid, "index": seq, "token": "", "finished": True,

@@ -40,14 +40,21 @@ class SendWatchdog:
             self._timer.cancel()
             self._timer = None
 
-    async def send(self, send: Callable[[Any], Awaitable[None]], message: Any) -> None:
-        """`await send(message)`; raises `expired()` if it was pending for `timeout` s."""
+    async def send(
+        self,
+        send: Callable[[Any], Awaitable[None]],
+        message: Any,
+        task: asyncio.Task | None = None,
+    ) -> None:
+        """`await send(message)`; raises `expired()` if it was pending for `timeout` s.
+        `task`: the calling task when the caller knows it (saves a lookup per send)."""
         loop = self._loop
         if self._timer is None:  # no timeout, or not started
             self.last_send = loop.time() if loop is not None else 0.0
             await send(message)
             return
-        task = asyncio.current_task()
+        if task is None:
+            task = asyncio.current_task()
         pending = self._pending
         pending[task] = self.last_send = loop.time()
         try:

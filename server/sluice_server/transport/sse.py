@@ -124,7 +124,7 @@ class SSEResponse(Response):
                 await self._start(send)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return
-            await self._stream(receive, send)
+            await self._stream(receive, send, scope.get("sluice.send", send))
         finally:
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
@@ -137,7 +137,7 @@ class SSEResponse(Response):
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})  # fmt: skip
 
-    async def _stream(self, receive: Receive, send: Send) -> None:
+    async def _stream(self, receive: Receive, send: Send, raw_send: Send) -> None:
         loop = asyncio.get_running_loop()
         self._task = asyncio.current_task()
         self.watchdog.start()
@@ -146,7 +146,7 @@ class SSEResponse(Response):
             heartbeat.add(self, send)
         listener = loop.create_task(self._end_on_disconnect(receive))
         try:
-            await self._send_all(send)
+            await self._send_all(send, raw_send)
         except asyncio.CancelledError:
             ended_by = self._ended_by
             if ended_by is None or self._task.uncancel() > 0:
@@ -162,16 +162,20 @@ class SSEResponse(Response):
                 self.ping_task.cancel()
             self.watchdog.stop()
 
-    async def _send_all(self, send: Send) -> None:
+    async def _send_all(self, send: Send, raw_send: Send) -> None:
         """Each chunk is one whole event (or several), written with one ASGI send: a ping
-        sent from its own task between two of them cannot split an event."""
-        watched = self.watchdog.send
+        sent from its own task between two of them cannot split an event. The start goes
+        through the middlewares (`send`); body messages straight to the server (`raw_send`,
+        app.py's Edge: the middlewares only look at the start)."""
+        watched, task = self.watchdog.send, self._task
         await watched(send, {"type": "http.response.start", "status": self.status_code,
-                             "headers": self.raw_headers})  # fmt: skip
+                             "headers": self.raw_headers}, task)  # fmt: skip
         async for chunk in self.body_iterator:
-            await watched(send, {"type": "http.response.body", "body": chunk, "more_body": True})
+            await watched(raw_send, {"type": "http.response.body", "body": chunk,
+                                     "more_body": True}, task)  # fmt: skip
         self.active = False
-        await watched(send, {"type": "http.response.body", "body": b"", "more_body": False})
+        await watched(raw_send, {"type": "http.response.body", "body": b"", "more_body": False},
+                      task)  # fmt: skip
 
     def _end(self, reason: BaseException) -> None:
         """Stop the streaming task (from the listener or a ping task)."""
