@@ -592,3 +592,26 @@ def test_deleted_child_event_recreates_it_from_memory(cluster, monkeypatch):
     cluster.calls.clear()
     handlers._owner_changed(gone, "default", cluster.memo, LOG, "DELETED")
     assert cluster.writes() == [("apply", "Service")] and cluster.reads() == []
+
+
+def test_memory_prefers_the_newer_of_the_watch_and_its_own_write():
+    from sluice_operator.kinds import SERVICE
+    from sluice_operator.memory import Memory
+
+    def svc(rv, port):
+        labels = {"app.kubernetes.io/instance": "m"}
+        meta = {"name": "m", "namespace": "ns", "resourceVersion": str(rv), "labels": labels}
+        return {"kind": "Service", "metadata": meta, "spec": {"port": port}}
+
+    index: dict = {}
+    memory = Memory({SERVICE.index_id: index})
+    memory.wrote(svc(10, 1))
+    assert memory.get(SERVICE, "ns", "m")["spec"]["port"] == 1  # the watch has nothing yet
+    index[("ns", "m")] = [svc(9, 0)]  # the watch shows the state before our write
+    assert memory.get(SERVICE, "ns", "m")["spec"]["port"] == 1 and len(memory) == 1
+    index[("ns", "m")] = [svc(12, 2)]  # a later change by someone else
+    assert memory.get(SERVICE, "ns", "m")["spec"]["port"] == 2 and len(memory) == 0
+    memory.deleted(SERVICE, "ns", "m", svc(12, 2))
+    assert memory.get(SERVICE, "ns", "m") is None and len(memory) == 1  # the watch lags
+    index[("ns", "m")] = [svc(15, 3)]  # made again after our delete
+    assert memory.get(SERVICE, "ns", "m")["spec"]["port"] == 3 and len(memory) == 0
