@@ -58,6 +58,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         standalone=args.standalone or not args.peering,
         peering=args.peering,
         log_format=args.log_format,
+        resync_seconds=args.resync_seconds,
     )
 
 
@@ -123,6 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--log-format", choices=["json", "plain", "full"], default="json", help="log format"
+    )
+    run.add_argument(
+        "--resync-seconds",
+        type=float,
+        default=300.0,
+        help="converge every model this often, from memory (a settled model costs no API "
+        "call); 0 turns it off",
     )
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     run.set_defaults(func=_cmd_run)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any, Protocol
 
-from .kinds import POD, STREAMING_MODEL, plural_of
+from .builders.common import INSTANCE_LABEL, MANAGED_BY_LABEL, MANAGER
+from .kinds import POD, STREAMING_MODEL, Kind, plural_of
 
 FIELD_MANAGER = "sluice-operator"
 
@@ -32,9 +33,36 @@ class Cluster(Protocol):
 
     def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]: ...
 
-    def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
-        """Apply a JSON merge patch (RFC 7386: `null` deletes) to the status subresource."""
+    def patch_status(
+        self, namespace: str, name: str, patch: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """Apply a JSON merge patch (RFC 7386: `null` deletes) to the status subresource;
+        returns the StreamingModel as stored."""
         ...
+
+
+class LiveReads:
+    """A pass's reads straight from the API: one GET per child, a LIST for pods.
+
+    The operator reads from memory (`memory.Memory`, fed by its watches); this is what a
+    pass costs without them: `reconcile.converge` called on its own (one-off passes, tests).
+    """
+
+    def __init__(self, cluster: Cluster) -> None:
+        self._cluster = cluster
+
+    def get(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
+        return self._cluster.get(kind.api_version, kind.kind, namespace, name)
+
+    def pods(self, namespace: str, owner: str) -> list[dict[str, Any]]:
+        selector = f"{INSTANCE_LABEL}={owner},{MANAGED_BY_LABEL}={MANAGER}"
+        return self._cluster.list_pods(namespace, selector)
+
+    def wrote(self, obj: dict[str, Any] | None) -> dict[str, Any] | None:
+        return obj
+
+    def deleted(self, kind: Kind, namespace: str, name: str, last: dict[str, Any]) -> None:
+        pass
 
 
 class KubeCluster:
@@ -126,6 +154,6 @@ class KubeCluster:
         """
         sm = STREAMING_MODEL
         path = f"{collection_path(sm.api_version, sm.kind, namespace)}/{name}/status"
-        self._call(
+        return self._call(
             "PATCH", path, body={"status": patch}, content_type="application/merge-patch+json"
         )

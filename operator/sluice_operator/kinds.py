@@ -1,7 +1,7 @@
 """Every kind the operator touches, listed once: API coordinates, URL plural, builder.
 
 One table so the places that need a kind cannot drift apart: the handlers watch
-`WATCHED_KINDS`, the cluster client builds URLs from `plural_of`, reconcile applies
+`WATCHED_KINDS` and index `INDEXED_KINDS` in memory, the cluster client builds URLs from `plural_of`, reconcile applies
 `CHILD_KINDS` in order (and `KEDA_KIND`, `HTTPROUTE` apart), `render` and reconcile build through
 `desired_children`, and a chart test checks every entry against the operator chart's RBAC,
 so a kind added here without a matching rule fails that test.
@@ -54,6 +54,11 @@ class Kind:
     def version(self) -> str:
         return self.api_version.rpartition("/")[2]
 
+    @property
+    def index_id(self) -> str:
+        """Name of the in-memory index of this kind (a kopf index id and handler keyword)."""
+        return f"observed_{self.plural}"
+
 
 SERVICE = Kind("v1", "Service", "services", desired_service)
 DEPLOYMENT = Kind("apps/v1", "Deployment", "deployments", desired_deployment)
@@ -105,6 +110,8 @@ STREAMING_MODEL = Kind(f"{GROUP}/{VERSION}", KIND, PLURAL)
 
 # What the handlers watch (by the managed-by label) to converge the owner on any change.
 WATCHED_KINDS: tuple[Kind, ...] = (*CHILD_KINDS, POD)
+# What a pass reads from memory (`memory.Memory`, fed by one kopf index per kind), not the API.
+INDEXED_KINDS: tuple[Kind, ...] = (*WATCHED_KINDS, STREAMING_MODEL)
 
 # Everything the cluster client may address.
 RESOURCES: tuple[Kind, ...] = (*ALL_KINDS, POD, STREAMING_MODEL)

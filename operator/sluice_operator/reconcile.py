@@ -1,8 +1,10 @@
 """One converging pass: desired children vs live, apply only what drifted, then status.
 
-Called by every handler (create, update, resume, child changed). A pass over an object whose
-children match and whose status is current makes read calls only: no apply, no status
-patch, no Event. Children are compared by (a) a hash of the last applied manifest, kept in
+Called by every handler (create, update, resume, child changed, resync). The model, its
+watched children and pods are read from `reads`: in the operator the memory its watches
+fill (`memory.Memory`), so a pass makes write calls only, and a pass over an object whose
+children match and whose status is current makes no call at all. Every write's result is
+handed back to `reads`, so the next pass starts from what this one wrote. Children are compared by (a) a hash of the last applied manifest, kept in
 an annotation, which catches spec changes including removed fields, and (b) "every field we
 set still has our value", which catches hand edits, since the API server adds defaults we
 must not fight over.
@@ -21,10 +23,19 @@ from typing import Any
 
 import kopf
 
-from .builders.common import selector_string
 from .builders.keda import keda_hpa_name
-from .cluster import Cluster
-from .kinds import CHILD_KINDS, HPA, HTTPROUTE, KEDA_KIND, POD_MONITOR_KIND, Kind, desired_children
+from .cluster import Cluster, LiveReads
+from .kinds import (
+    CHILD_KINDS,
+    HPA,
+    HTTPROUTE,
+    KEDA_KIND,
+    POD_MONITOR_KIND,
+    WATCHED_KINDS,
+    Kind,
+    desired_children,
+)
+from .memory import Memory
 from .status import (
     GATEWAY_CONDITION,
     compute_status,
@@ -130,6 +141,7 @@ def report_invalid(
     message: str,
     post_event: PostEvent,
     now: str | None = None,
+    reads: Memory | LiveReads | None = None,
 ) -> bool:
     """SpecValid=False + one Event, once per distinct message (no storm on resync)."""
     meta = body["metadata"]
@@ -138,23 +150,35 @@ def report_invalid(
     new = {**current, **invalid_status(message, meta.get("generation"), current, now or _now())}
     patch = status_patch(current, new)
     if patch:
-        cluster.patch_status(meta["namespace"], meta["name"], patch)
+        stored = cluster.patch_status(meta["namespace"], meta["name"], patch)
+        if reads is not None:
+            reads.wrote(stored)
     if _spec_valid_message(current) != message:
         post_event("Warning", "InvalidSpec", message)
     return bool(patch)
 
 
 def converge(
-    cluster: Cluster, body: Mapping[str, Any], post_event: PostEvent, now: str | None = None
+    cluster: Cluster,
+    body: Mapping[str, Any],
+    post_event: PostEvent,
+    now: str | None = None,
+    reads: Memory | LiveReads | None = None,
 ) -> Outcome:
-    """Raises SpecError (after reporting it) for an invalid spec; API errors propagate."""
+    """Raises SpecError (after reporting it) for an invalid spec; API errors propagate.
+
+    `reads`: where the watched children and pods come from (default: GETs through `cluster`).
+    Kinds that are not watched (ScaledObject, PodMonitor, HTTPRoute, KEDA's HPA) are read
+    through `cluster`, and only by models that use them.
+    """
+    reads = reads if reads is not None else LiveReads(cluster)
     meta = body["metadata"]
     namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid")
     outcome = Outcome()
     try:
         model = load_model(body)
     except SpecError as exc:
-        outcome.status_written = report_invalid(cluster, body, str(exc), post_event, now)
+        outcome.status_written = report_invalid(cluster, body, str(exc), post_event, now, reads)
         outcome.phase = "Failed"
         raise
 
@@ -164,10 +188,14 @@ def converge(
     def converge_child(child: Kind) -> None:
         kind = child.kind
         manifest = desired[kind]
-        current = cluster.get(child.api_version, kind, namespace, name)
+        if child in WATCHED_KINDS:
+            current = reads.get(child, namespace, name)
+        else:
+            current = cluster.get(child.api_version, kind, namespace, name)
         if manifest is None:
             if current is not None and _owned_by(current, uid):
                 cluster.delete(child.api_version, kind, namespace, name)
+                reads.deleted(child, namespace, name, current)
                 outcome.deleted.append(kind)
             live[kind] = None
             return
@@ -176,14 +204,14 @@ def converge(
             live[kind] = current
             return
         try:
-            live[kind] = cluster.apply(manifest)
+            live[kind] = reads.wrote(cluster.apply(manifest))
         except Exception as exc:
             if getattr(exc, "status", None) not in (400, 422):
                 raise
             # The API server refused what the spec produced (e.g. a bad affinity or env
             # valueFrom passed through): the spec's fault, so report it like one.
             message = f"the API server rejected the {kind}: {_api_message(exc)}"
-            outcome.status_written = report_invalid(cluster, body, message, post_event, now)
+            outcome.status_written = report_invalid(cluster, body, message, post_event, now, reads)
             raise SpecError(message) from None
         outcome.applied.append(kind)
 
@@ -252,7 +280,7 @@ def converge(
     # Pods are only read when something is missing or a rollout is under way: they explain
     # why (no GPUs for the new or the surge pod, crash loop).
     pods = (
-        cluster.list_pods(namespace, selector_string(model))
+        reads.pods(namespace, name)
         if deployment is not None and not deployment_settled(deployment)
         else []
     )
@@ -285,7 +313,7 @@ def converge(
     patch = status_patch(current_status, new_status)
     if patch:
         log.info(f"status of {namespace}/{name} changed: {str(patch)[:2000]}")
-        cluster.patch_status(namespace, name, patch)
+        reads.wrote(cluster.patch_status(namespace, name, patch))
         outcome.status_written = True
 
     if outcome.applied or outcome.deleted:

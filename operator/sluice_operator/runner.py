@@ -13,6 +13,7 @@ def run(
     standalone: bool = True,
     peering: str | None = None,
     log_format: str = "json",
+    resync_seconds: float | None = None,
 ) -> int:
     import kopf
 
@@ -29,5 +30,6 @@ def run(
         liveness_endpoint=liveness or None,
         standalone=standalone and not peering,
         peering_name=peering,
+        memo=kopf.Memo(resync_seconds=resync_seconds),
     )
     return 0

@@ -4,10 +4,15 @@ dirs). The repository root and Kubernetes versions come from tests/testkit."""
 from __future__ import annotations
 
 import copy
+import itertools
 import json
+from collections.abc import Mapping
 from pathlib import Path
+from types import SimpleNamespace
 
 import yaml
+from sluice_operator.kinds import INDEXED_KINDS
+from sluice_operator.memory import Memory, index_key
 from testkit.repo import ROOT
 
 SAMPLES = sorted((ROOT / "samples").glob("*.yaml"))
@@ -109,9 +114,46 @@ def with_status(body, cluster):
     return body
 
 
+class Watched(Mapping):
+    """kopf's indexes as the operator's watches would fill them from the fake's objects:
+    index id -> (namespace, owner) -> objects. `lag` freezes them (a watch not caught up)."""
+
+    def __init__(self, cluster: FakeCluster) -> None:
+        self.cluster = cluster
+        self.frozen: dict | None = None
+
+    def _build(self) -> dict:
+        out: dict = {k.index_id: {} for k in INDEXED_KINDS}
+        by_kind = {k.kind: k for k in INDEXED_KINDS}
+        objects = [(k, o) for (k, _, _), o in self.cluster.objects.items() if k in by_kind]
+        for kind_name, obj in [*objects, *(("Pod", p) for p in self.cluster.pods)]:
+            kind = by_kind[kind_name]
+            key = index_key(kind, obj)
+            if key:
+                out[kind.index_id].setdefault(key, []).append(copy.deepcopy(obj))
+        return out
+
+    def lag(self) -> None:
+        self.frozen = self._build()
+
+    def catch_up(self) -> None:
+        self.frozen = None
+
+    def __getitem__(self, index_id):
+        return (self.frozen or self._build())[index_id]
+
+    def __iter__(self):
+        return iter(k.index_id for k in INDEXED_KINDS)
+
+    def __len__(self) -> int:
+        return len(INDEXED_KINDS)
+
+
 class FakeCluster:
     """In-memory API server stand-in: stores applied objects, adds server-side defaults and a
-    status like a real one would, and counts every call by verb."""
+    status like a real one would, and counts every call by verb. `memo` is what kopf hands the
+    handlers: this cluster and a `Memory` over `watched`, the fake's objects as the watches
+    would index them (reading them is no API call)."""
 
     def __init__(self) -> None:
         self.objects: dict[tuple[str, str, str], dict] = {}
@@ -121,6 +163,15 @@ class FakeCluster:
         self.statuses: list[dict] = []  # the whole status after each patch
         self.stored_status: dict[tuple[str, str], dict] = {}  # (namespace, name) -> stored status
         self.fail_with = None  # exception to raise on the next write
+        self._revisions = itertools.count(1)
+        self.watched = Watched(self)
+        self.memo = SimpleNamespace(cluster=self, memory=Memory(self.watched))
+
+    def _bump(self, obj: dict) -> None:
+        obj.setdefault("metadata", {})["resourceVersion"] = str(next(self._revisions))
+
+    def reads(self) -> list[tuple[str, str]]:
+        return [c for c in self.calls if c[0] in ("get", "list")]
 
     def _key(self, kind, namespace, name):
         return (kind, namespace, name)
@@ -151,6 +202,7 @@ class FakeCluster:
             obj["status"] = (old or {}).get("status") or {"observedGeneration": meta["generation"]}
         if obj["kind"] == "Service":
             obj["spec"]["clusterIP"] = "10.0.0.10"
+        self._bump(obj)
         self.objects[self._key(obj["kind"], meta["namespace"], meta["name"])] = obj
         return copy.deepcopy(obj)
 
@@ -172,13 +224,20 @@ class FakeCluster:
         self.statuses.append(copy.deepcopy(after))
         if stored is not None:
             stored["status"] = copy.deepcopy(after)
+            self._bump(stored)
+            return copy.deepcopy(stored)
+        return None
 
     def store(self, body: dict) -> dict:
         """Put a StreamingModel into the fake API server (handlers read it fresh)."""
         meta = body["metadata"]
-        self.objects[("StreamingModel", meta["namespace"], meta["name"])] = copy.deepcopy(body)
+        stored = copy.deepcopy(body)
+        stored.setdefault("kind", "StreamingModel")
+        self._bump(stored)
+        self.objects[("StreamingModel", meta["namespace"], meta["name"])] = stored
         return body
 
     def set_deployment_status(self, namespace, name, **status):
         dep = self.objects[("Deployment", namespace, name)]
         dep["status"] = {"observedGeneration": dep["metadata"]["generation"], **status}
+        self._bump(dep)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 
 import kopf
 import pytest
@@ -157,7 +156,7 @@ def _kwargs(cluster, body, retry=0):
         body=body,
         namespace=meta["namespace"],
         name=meta["name"],
-        memo=SimpleNamespace(cluster=cluster),
+        memo=cluster.memo,
         retry=retry,
         logger=LOG,
     )
@@ -224,14 +223,14 @@ def test_child_event_restores_and_updates_status(cluster, monkeypatch):
     )
     del cluster.objects[("Service", "default", "m")]
     child = cluster.objects[("Deployment", "default", "m")]
-    handlers._owner_changed(child, "default", SimpleNamespace(cluster=cluster), LOG, "MODIFIED")
+    handlers._owner_changed(child, "default", cluster.memo, LOG, "MODIFIED")
     assert ("Service", "default", "m") in cluster.objects
     assert cluster.statuses[-1]["phase"] == "Ready"
 
 
 def test_child_event_for_deleted_parent_does_nothing(cluster):
     child = {"metadata": {"name": "gone", "labels": {"app.kubernetes.io/instance": "gone"}}}
-    handlers._owner_changed(child, "default", SimpleNamespace(cluster=cluster), LOG, "DELETED")
+    handlers._owner_changed(child, "default", cluster.memo, LOG, "DELETED")
     assert cluster.writes() == []
 
 
@@ -286,12 +285,12 @@ def test_handler_reads_the_object_fresh_so_a_stale_event_body_writes_nothing(clu
         body=stale,
         namespace="default",
         name="m",
-        memo=SimpleNamespace(cluster=cluster),
+        memo=cluster.memo,
         retry=0,
         logger=LOG,
     )
     child = cluster.objects[("Deployment", "default", "m")]
-    handlers._owner_changed(child, "default", SimpleNamespace(cluster=cluster), LOG, "MODIFIED")
+    handlers._owner_changed(child, "default", cluster.memo, LOG, "MODIFIED")
     assert cluster.writes() == []
 
 
@@ -425,9 +424,27 @@ def test_surge_rollout_reads_pods_and_reports_the_unschedulable_surge_pod(cluste
     assert ("list", "Pod") not in cluster.calls and cluster.writes() == []
 
 
+def _slow_passes(monkeypatch):
+    """Count converge passes; the first one blocks until released."""
+    import threading
+
+    started, release = threading.Event(), threading.Event()
+    passes = []
+    real = handlers.converge
+
+    def slow(cluster, body, post, **kw):
+        passes.append(body["metadata"]["name"])
+        started.set()
+        release.wait(5)
+        return real(cluster, body, post, **kw)
+
+    monkeypatch.setattr(handlers, "converge", slow)
+    return started, release, passes
+
+
 def test_model_locks_collapse_bursts_and_forget_finished_models(cluster, monkeypatch):
-    """A burst of child events while a pass runs costs one more pass, not one per event;
-    the model's own handlers never skip; the lock table empties when passes end."""
+    """N child events while a pass runs cost one more pass, not N, and return at once (no
+    worker thread waits); the model's own handlers never skip; the lock table empties."""
     import threading
     import time
 
@@ -435,39 +452,166 @@ def test_model_locks_collapse_bursts_and_forget_finished_models(cluster, monkeyp
     body = body_of(minimal())
     cluster.store(body)
     converge(cluster, body, Events(), now=NOW)
-    started, release = threading.Event(), threading.Event()
-    passes = []
-    real_get = cluster.get
-
-    def slow_get(api_version, kind, namespace, name):
-        if kind == "StreamingModel":
-            passes.append(name)
-            started.set()
-            release.wait(5)
-        return real_get(api_version, kind, namespace, name)
-
-    cluster.get = slow_get
+    started, release, passes = _slow_passes(monkeypatch)
     child = cluster.objects[("Deployment", "default", "m")]
-    memo = SimpleNamespace(cluster=cluster)
 
     def event():
-        handlers._owner_changed(child, "default", memo, LOG, "MODIFIED")
+        handlers._owner_changed(child, "default", cluster.memo, LOG, "MODIFIED")
 
     first = threading.Thread(target=event)
     first.start()
     assert started.wait(5)
-    burst = [threading.Thread(target=event) for _ in range(10)]
-    for t in burst:
-        t.start()
-    time.sleep(0.3)
+    began = time.monotonic()
+    for _ in range(20):
+        event()  # each returns at once: the running pass is marked dirty
+    assert time.monotonic() - began < 1
     assert len(handlers._locks) == 1
     release.set()
-    for t in [first, *burst]:
-        t.join(5)
-    assert len(passes) == 2  # the running pass and one queued behind it
+    first.join(5)
+    assert len(passes) == 2  # the running pass and one more for the whole burst
     assert len(handlers._locks) == 0
     # Negative control: the model's own handler is never collapsed.
     passes.clear()
     handlers.reconcile(**_kwargs(cluster, body))
     handlers.reconcile(**_kwargs(cluster, body))
     assert len(passes) == 2 and len(handlers._locks) == 0
+
+
+def test_lock_table_stays_bounded_over_many_models_and_deletions(cluster, monkeypatch):
+    monkeypatch.setattr(kopf, "event", lambda body, **kw: None)
+    for i in range(30):
+        body = body_of({**minimal(), "metadata": {"name": f"m{i}", "namespace": "default"}})
+        handlers.reconcile(**_kwargs(cluster, body))
+        child = cluster.objects[("Deployment", "default", f"m{i}")]
+        del cluster.objects[("StreamingModel", "default", f"m{i}")]  # the model is deleted
+        handlers._owner_changed(child, "default", cluster.memo, LOG, "DELETED")
+        assert len(handlers._locks) == 0
+    cluster.memo.memory.prune()  # what the resync does: own writes of gone models are dropped
+    assert len(cluster.memo.memory) == 0
+
+
+def _resync(cluster):
+    resync = handlers.Resync(cluster, cluster.memo.memory, 60, LOG)
+    resync.adopt_context()  # what the first kopf handler call does
+    resync.run_once()
+    assert resync.passes == len(cluster.memo.memory.models())
+
+
+def test_index_fed_passes_make_no_reads_and_a_settled_pass_no_call(cluster, monkeypatch):
+    monkeypatch.setattr(kopf, "event", lambda body, **kw: None)
+    body = body_of(minimal(replicas=2))
+    handlers.reconcile(**_kwargs(cluster, body))
+    assert cluster.reads() == [] and cluster.writes()  # applied and status written, no GET
+    cluster.set_deployment_status(
+        "default", "m", replicas=2, readyReplicas=2, updatedReplicas=2, availableReplicas=2
+    )
+    child = cluster.objects[("Deployment", "default", "m")]
+    handlers._owner_changed(child, "default", cluster.memo, LOG, "MODIFIED")
+    assert cluster.reads() == [] and cluster.statuses[-1]["phase"] == "Ready"
+    cluster.calls.clear()
+    for _ in range(3):  # settled: child events and resyncs make no call at all
+        handlers._owner_changed(child, "default", cluster.memo, LOG, "MODIFIED")
+    _resync(cluster)
+    assert cluster.calls == []
+    # Negative control: the same pass reading through the API costs one GET per child kind.
+    converge(cluster, with_status(body, cluster), Events(), now=NOW)
+    assert len(cluster.reads()) >= 6 and cluster.writes() == []
+
+
+def test_resync_restores_a_hand_edit_it_was_not_told_about(cluster, monkeypatch):
+    monkeypatch.setattr(kopf, "event", lambda body, **kw: None)
+    body = body_of(minimal())
+    handlers.reconcile(**_kwargs(cluster, body))
+    cluster.objects[("Service", "default", "m")]["spec"]["ports"][0]["port"] = 9999
+    cluster.calls.clear()
+    _resync(cluster)
+    assert cluster.writes() == [("apply", "Service")] and cluster.reads() == []
+
+
+def _again(cluster, body):
+    """The model's handler once more, the model as stored (kopf's update/resume)."""
+    meta = body["metadata"]
+    handlers.reconcile(body=body, namespace=meta["namespace"], name=meta["name"],
+                       memo=cluster.memo, retry=0, logger=LOG)  # fmt: skip
+
+
+def test_a_lagging_watch_neither_recreates_nor_redeletes(cluster, monkeypatch):
+    """Right after a write the index does not show it yet: the pass after believes the
+    write's result, so nothing is applied, deleted or status-patched twice."""
+    monkeypatch.setattr(kopf, "event", lambda body, **kw: None)
+    body = body_of(ROOT / "samples/llama-70b-tp4.yaml")
+    cluster.store(body)
+    cluster.watched.lag()  # the watch shows the model, and none of what the passes write
+    handlers.reconcile(**_kwargs(cluster, body))
+    first = list(cluster.writes())
+    assert ("apply", "Deployment") in first and ("patch_status", "StreamingModel") in first
+    cluster.calls.clear()
+    _again(cluster, body)
+    assert cluster.calls == []
+    # The spec drops the Ingress: deleted once, though the lagging index still has it.
+    changed = with_status(body, cluster)
+    changed["spec"]["ingress"]["enabled"] = False
+    cluster.store(changed)
+    cluster.watched.catch_up()
+    cluster.watched.lag()
+    cluster.calls.clear()
+    handlers.reconcile(**_kwargs(cluster, changed))
+    assert ("delete", "Ingress") in cluster.writes()
+    cluster.calls.clear()
+    _again(cluster, changed)
+    assert cluster.calls == []
+    # Caught up: the remembered writes are dropped as the index shows them.
+    cluster.watched.catch_up()
+    cluster.memo.memory.forget("Ingress", "models", "llama-70b")  # the DELETED event
+    _again(cluster, changed)
+    _again(cluster, changed)  # reads what the one before wrote
+    assert len(cluster.memo.memory) == 0
+
+
+def test_lagging_watch_without_remembered_writes_would_write_twice(cluster, monkeypatch):
+    """Negative control for the test above: a memory that forgets its own writes applies
+    every child again while the watch lags."""
+    from sluice_operator.memory import Memory
+
+    monkeypatch.setattr(kopf, "event", lambda body, **kw: None)
+    body = body_of(minimal())
+    cluster.store(body)
+    cluster.watched.lag()
+    handlers.reconcile(**_kwargs(cluster, body))
+    cluster.memo.memory = Memory(cluster.watched)
+    cluster.calls.clear()
+    _again(cluster, body)
+    assert ("apply", "Deployment") in cluster.writes()
+
+
+def test_deleted_child_event_recreates_it_from_memory(cluster, monkeypatch):
+    monkeypatch.setattr(kopf, "event", lambda body, **kw: None)
+    body = body_of(minimal())
+    handlers.reconcile(**_kwargs(cluster, body))
+    gone = cluster.objects.pop(("Service", "default", "m"))
+    cluster.calls.clear()
+    handlers._owner_changed(gone, "default", cluster.memo, LOG, "DELETED")
+    assert cluster.writes() == [("apply", "Service")] and cluster.reads() == []
+
+
+def test_memory_prefers_the_newer_of_the_watch_and_its_own_write():
+    from sluice_operator.kinds import SERVICE
+    from sluice_operator.memory import Memory
+
+    def svc(rv, port):
+        labels = {"app.kubernetes.io/instance": "m"}
+        meta = {"name": "m", "namespace": "ns", "resourceVersion": str(rv), "labels": labels}
+        return {"kind": "Service", "metadata": meta, "spec": {"port": port}}
+
+    index: dict = {}
+    memory = Memory({SERVICE.index_id: index})
+    memory.wrote(svc(10, 1))
+    assert memory.get(SERVICE, "ns", "m")["spec"]["port"] == 1  # the watch has nothing yet
+    index[("ns", "m")] = [svc(9, 0)]  # the watch shows the state before our write
+    assert memory.get(SERVICE, "ns", "m")["spec"]["port"] == 1 and len(memory) == 1
+    index[("ns", "m")] = [svc(12, 2)]  # a later change by someone else
+    assert memory.get(SERVICE, "ns", "m")["spec"]["port"] == 2 and len(memory) == 0
+    memory.deleted(SERVICE, "ns", "m", svc(12, 2))
+    assert memory.get(SERVICE, "ns", "m") is None and len(memory) == 1  # the watch lags
+    index[("ns", "m")] = [svc(15, 3)]  # made again after our delete
+    assert memory.get(SERVICE, "ns", "m")["spec"]["port"] == 3 and len(memory) == 0

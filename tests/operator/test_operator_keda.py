@@ -412,7 +412,9 @@ def test_missing_keda_is_reported_the_rest_converges_and_the_pass_is_retried(sta
     import kopf
 
     with pytest.raises(kopf.TemporaryError):
-        handlers._converge(cluster, "default", "m", 0, __import__("logging").getLogger("t"))
+        handlers._converge(
+            cluster, cluster.memo.memory, "default", "m", 0, __import__("logging").getLogger("t")
+        )
     # KEDA installed (and granted) later: the next pass converges and clears the message.
     cluster.status = 200
     converge(cluster, body, Events(), now=NOW)

@@ -18,6 +18,7 @@ from sluice_operator.models.flags import (
     RESERVED_RE,
     RESERVED_SHORT,
     RESERVED_VLLM_DESTS,
+    positional_arg,
     reserved_flag,
 )
 from sluice_operator.validation import SpecError, load_model
@@ -44,8 +45,8 @@ def _reads_as(parser, argv: list[str], dest: str) -> bool:
     """vLLM's parser accepts argv and sets `dest` from it."""
     try:
         ns = parser.parse_args(argv)
-    except SystemExit:
-        return False
+    except (SystemExit, OSError, ValueError, AssertionError):
+        return False  # refused (--config 7: vLLM tries to read the file "7")
     default = parser.get_default(dest)
     return getattr(ns, dest) not in (default, None)
 
@@ -105,7 +106,8 @@ def test_every_other_vllm_flag_passes(parser):
 
 
 @pytest.mark.parametrize(
-    "arg", ["-tp", "-pp=2", "-dp", "--tensor_parallel_size=2", "--tensor-par", "-t", "-qawq"]
+    "arg",
+    ["-tp", "-pp=2", "-dp", "--tensor_parallel_size=2", "--tensor-par", "-t", "-qawq", "--config"],
 )
 def test_operator_names_the_spelling_and_the_reason(arg):
     with pytest.raises(SpecError, match=re.escape(arg) + ".*aliases, underscores"):
@@ -124,3 +126,27 @@ def test_negative_control_the_old_pattern_lets_aliases_through(parser):
             strict=True,
         )
     )
+
+
+@pytest.mark.parametrize(
+    "argv,tag",
+    [
+        (["org/other"], "org/other"),
+        (["org/other", "--enable-prefix-caching"], "org/other"),
+        (["--max-loras=4", "org/other"], "org/other"),
+        (["--enable-lora", "--max-loras", "4"], None),
+        (["--max-loras", "4", "--seed", "1"], None),
+        (["--", "org/other"], "--"),
+    ],
+)
+def test_a_bare_word_vllm_reads_as_the_model_is_refused(parser, argv, tag):
+    """What vLLM's parser reads as its positional model tag (after the operator's own flags,
+    which end with a value) is what the operator refuses; the CEL rule catches the first
+    argument and `--`."""
+    own = ["--model", "/models/m", "--dtype", "auto"]
+    ns = parser.parse_args(own + argv)
+    assert (ns.model_tag is not None) is (tag is not None)
+    assert positional_arg(argv) == tag
+    if tag is not None:
+        with pytest.raises(SpecError, match="as the model to serve"):
+            load_model(minimal(engine={"extraArgs": argv}))

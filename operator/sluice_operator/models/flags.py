@@ -18,8 +18,17 @@ against vLLM's parser by `tests/operator/test_operator_vllm_flags.py`: every spe
 sets a reserved destination must be refused, every other vLLM flag accepted, so an alias
 added in a vLLM release fails that test rather than production.
 
+`--config FILE` is reserved too: vLLM reads the flags in that YAML file as if they were on
+the command line, past every check here.
+
 The operator's check (`reserved_flag`) and the CRD's CEL rule (`RESERVED_RE`) are made from
 the same two tuples.
+
+A bare word is vLLM's positional model tag (which model to serve) where it cannot be a
+flag's value: first in `extraArgs` (the operator's own flags before it all end with their
+value), right after a flag given as `--flag=value`, and after `--`. `positional_arg` refuses
+those; CEL checks the first argument and `--`. A bare word after a bare value is not
+checked (it may be the second value of a multi-value flag such as `--lora-modules`).
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ RESERVED_LONG = (
     "--quantization",
     "--api-key",
     "--api-key-file",
+    "--config",
 )
 RESERVED_SHORT = ("-tp", "-pp", "-dp", "-dpl", "-q")
 # The vLLM settings (argparse destinations) behind them; the tests collect every option
@@ -68,6 +78,7 @@ RESERVED_VLLM_DESTS = frozenset(
         "dtype",
         "quantization",
         "api_key",
+        "config",
     }
 )
 # Reserved but not vLLM's: the server's own flags, and --swap-space (engine.swapSpaceGiB).
@@ -84,6 +95,21 @@ def reserved_flag(arg: str) -> bool:
         glued = any(len(f) == 2 and arg.startswith(f) for f in RESERVED_SHORT)
         return glued or any(flag.startswith(name) for flag in RESERVED_SHORT)
     return False
+
+
+def positional_arg(args: list[str]) -> str | None:
+    """The first argument vLLM's parser would read as the positional model tag, or None."""
+    complete = True  # the operator's flags before extraArgs end with their value
+    for arg in args:
+        if arg == "--":
+            return arg  # everything after it is positional
+        if arg.startswith("-"):
+            complete = "=" in arg
+        elif complete:
+            return arg
+        else:
+            complete = False  # a flag's value; a further bare word may be a second value
+    return None
 
 
 def _prefix_re(text: str) -> str:

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from pydantic import Field, StringConstraints, field_validator, model_validator
 
 from .base import ApiModel, FreeForm, Quantity, cel, sub
-from .flags import RESERVED_RE, reserved_flag
+from .flags import RESERVED_RE, positional_arg, reserved_flag
 
 # Object names (Secrets, PVCs, ...): DNS-1123 subdomain.
 Name = Annotated[
@@ -255,6 +255,13 @@ class EngineSpec(ApiModel):
                     "(model, parallelism, engine, auth...); set the spec field instead",
                     ".extraArgs",
                 ),
+                cel(
+                    "!has(self.extraArgs) || (self.extraArgs.all(a, a != '--') && "
+                    "(size(self.extraArgs) == 0 || self.extraArgs[0].startsWith('-')))",
+                    "engine.extraArgs must start with a flag and must not contain '--': vLLM "
+                    "reads a bare word there as the model to serve (set spec.model instead)",
+                    ".extraArgs",
+                ),
             ]
         }
     }
@@ -297,8 +304,10 @@ class EngineSpec(ApiModel):
         default_factory=list,
         description="Extra vLLM engine arguments, passed unchanged after `--`. Flags the spec "
         "sets (model, served name, host, port, tensor/pipeline/data parallel size, GPU memory, "
-        "batch limits, dtype, quantization, API key) are refused in every spelling vLLM accepts: "
-        "aliases (-tp, -pp, -dp, -q), underscores (--tensor_parallel_size) and abbreviations.",
+        "batch limits, dtype, quantization, API key) and --config FILE (vLLM would read flags "
+        "from that file) are refused in every spelling vLLM accepts: aliases (-tp, -pp, -dp, "
+        "-q), underscores (--tensor_parallel_size) and abbreviations. So is a bare word vLLM "
+        "would read as the model to serve: first, after --flag=value, or after --.",
     )
     env: list[EnvVar] = Field(
         default_factory=list, description="Extra environment variables of the server container."
@@ -317,6 +326,13 @@ class EngineSpec(ApiModel):
                 f"{', '.join(bad)} is set by the operator from the spec (vLLM reads aliases, "
                 "underscores and abbreviations of a flag as the flag); use the spec field "
                 "instead of extraArgs"
+            )
+        positional = positional_arg(v)
+        if positional is not None:
+            raise ValueError(
+                f"{positional}: vLLM would read this bare word as the model to serve (a "
+                "positional argument: first in extraArgs, after --flag=value, or after --); "
+                "set spec.model instead, and give flag values as --flag value"
             )
         return v
 
