@@ -1,4 +1,5 @@
-"""Fan-out client: how many concurrent streams one server process holds (own process).
+"""Fan-out client: how many concurrent streams one server holds (own process): one
+process, or a pod of `--api-workers` processes (CPU time and RSS are then the whole tree's).
 
 The server runs the simulator engine with stamped tokens: every token's text carries the
 wall-clock time the engine produced it (`word@1732950000.123456`). Client and server share
@@ -107,9 +108,33 @@ async def guarded(coro, st: State) -> None:
             st.error(f"{type(exc).__name__}: {exc}")
 
 
+def _tree(proc: psutil.Process) -> list[psutil.Process]:
+    """The server and its children (`--api-workers`: the supervisor and its workers)."""
+    try:
+        return [proc, *proc.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return [proc]
+
+
 def cpu_seconds(proc: psutil.Process) -> float:
-    t = proc.cpu_times()
-    return t.user + t.system
+    total = 0.0
+    for p in _tree(proc):
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
+
+
+def rss_bytes(proc: psutil.Process) -> int:
+    total = 0
+    for p in _tree(proc):
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            continue
+    return total
 
 
 async def run(cmd: dict) -> dict:
@@ -141,7 +166,7 @@ async def run(cmd: dict) -> dict:
         await asyncio.gather(*warm, return_exceptions=True)
         await asyncio.sleep(1.0)
         st = State()
-        baseline_rss = server.memory_info().rss
+        baseline_rss = rss_bytes(server)
         for target in cmd["stages"]:
             if time.monotonic() > deadline:
                 break
@@ -166,7 +191,7 @@ async def run(cmd: dict) -> dict:
             st.measuring = False
             elapsed = time.monotonic() - t0
             cores = (cpu_seconds(server) - cpu0) / elapsed
-            rss = server.memory_info().rss
+            rss = rss_bytes(server)
             tps = st.tokens / elapsed
             lags_ms = [x * 1000 for x in st.lags]
             stage = {
@@ -209,6 +234,7 @@ async def run(cmd: dict) -> dict:
     return {
         "protocol": protocol,
         "itl_ms": cmd["itl_ms"],
+        "workers": cmd.get("workers", 1),
         "baseline_rss_mb": baseline_rss / 2**20,
         "stages": stages,
         "max_ok_streams": best,

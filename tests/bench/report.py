@@ -188,8 +188,10 @@ def fanout_tables(fanout: list[dict]) -> str:
     parts = []
     for f in fanout:
         rate = 1000.0 / f["itl_ms"]
+        workers = f.get("workers", 1)
         parts.append(
-            f"**{f['protocol']}**, {rate:g} tokens/s per stream (simulator ITL {f['itl_ms']:g} ms): "
+            f"**{f['protocol']}**, {workers} worker{'s' if workers > 1 else ''}, "
+            f"{rate:g} tokens/s per stream (simulator ITL {f['itl_ms']:g} ms): "
             f"largest concurrency with p99 lag < 50 ms and no errors: **{f['max_ok_streams']:,}**; "
             f"idle server RSS {f.get('baseline_rss_mb', 0):.0f} MB."
         )
@@ -222,6 +224,65 @@ def fanout_tables(fanout: list[dict]) -> str:
             parts.append("Errors seen: " + "; ".join(f"`{e}`" for e in f["error_samples"]))
         parts.append("")
     return "\n".join(parts)
+
+
+# The pod the projection is for: its cores, one of them left to vLLM's engine core.
+PROJECTED_POD_CORES = 8
+
+
+def worker_scaling_table(fanout: list[dict]) -> str:
+    """Per protocol and rate, every stage of every worker count: tokens/s delivered, lag,
+    server cores, tokens/s per server core, and the scaling factor over one worker at the
+    same offered load (stage). Then a projection for an 8-core pod from the measured
+    per-core cost (the median over the stages of the run with the most workers), labelled
+    as such."""
+    rows = [
+        "| protocol | tok/s per stream | streams | workers | tok/s (expected) | lag p99 ms "
+        "| server cores | tok/s per core | scaling vs 1 worker |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    projections = []
+    groups: dict[tuple, list[dict]] = {}
+    for f in fanout:
+        groups.setdefault((f["protocol"], f["itl_ms"]), []).append(f)
+    for (proto, itl), runs in groups.items():
+        by_stage: dict[int, dict[int, dict]] = {}
+        for f in runs:
+            for st in f["stages"]:
+                by_stage.setdefault(st["streams"], {})[f.get("workers", 1)] = st
+        for streams in sorted(by_stage):
+            one = by_stage[streams].get(1)
+            for w, st in sorted(by_stage[streams].items()):
+                tps, cores = st["tokens_per_s"], st["server_cores"]
+                per_core = tps / cores if cores else None
+                scale = tps / one["tokens_per_s"] if one and one["tokens_per_s"] else None
+                rows.append(
+                    f"| {proto} | {1000 / itl:g} | {streams:,} | {w} | {_f(tps)} "
+                    f"({_f(st['expected_tokens_per_s'])}) | {_f(st['lag_p99_ms'], 1)} | "
+                    f"{_f(cores, 2)} | {_f(per_core)} | {_f(scale, 2)}{'x' if scale else ''} |"
+                )
+        most = max(runs, key=lambda f: f.get("workers", 1))
+        costs = sorted(st["tokens_per_s"] / st["server_cores"] for st in most["stages"]
+                       if st["server_cores"])  # fmt: skip
+        if costs:
+            per_core = costs[len(costs) // 2]
+            workers = PROJECTED_POD_CORES - 1
+            projections.append(
+                f"- {proto}, {1000 / itl:g} tok/s per stream: {workers} workers x "
+                f"{_f(per_core)} tok/s per core (median of the {most.get('workers', 1)}-worker "
+                f"stages) = **{_f(workers * per_core)} tok/s**, about "
+                f"{_f(workers * per_core / (1000 / itl))} streams at that rate"
+            )
+    text = "\n".join(rows)
+    if projections:
+        text += (
+            f"\n\n**Projection, not measured**: a {PROJECTED_POD_CORES}-core pod, one core "
+            f"left to vLLM's engine core and {PROJECTED_POD_CORES - 1} front-end workers, "
+            "if each worker's cost per token stays what it was here and nothing else (the "
+            "engine, the network) limits first. Here the client and other work shared the "
+            "same 2 cores, so the server got only part of them:\n\n" + "\n".join(projections)
+        )
+    return text + "\n"
 
 
 def plot(agg: dict, concs: list[int], systems: list[str], path: Path) -> None:
@@ -318,9 +379,13 @@ def generated_section(results: dict, out_dir: Path) -> str:
         ]
     if "fanout" in results:
         lines += [
-            "### Fan-out (simulator engine, one server process)",
+            "### Fan-out (simulator engine; one process, or several front-end workers)",
             "",
             fanout_tables(results["fanout"]),
+            "",
+            "### Front-end workers (`--api-workers`): scaling with cores",
+            "",
+            worker_scaling_table(results["fanout"]),
         ]
     lines += [END]
     return "\n".join(lines)
@@ -342,7 +407,10 @@ def write_all(results: dict, out_dir: Path) -> None:
         )
     if "fanout" in results:
         (out_dir / "bench-fanout.md").write_text(
-            "# Fan-out results (generated)\n\n" + fanout_tables(results["fanout"])
+            "# Fan-out results (generated)\n\n"
+            + fanout_tables(results["fanout"])
+            + "\n## Front-end workers\n\n"
+            + worker_scaling_table(results["fanout"])
         )
     note = out_dir / "benchmarks.md"
     section = generated_section(results, out_dir)

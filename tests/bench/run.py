@@ -97,6 +97,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--fanout-hold-s", type=float, default=3.0)
     p.add_argument("--fanout-protocols", default="sse,websocket")
+    p.add_argument(
+        "--fanout-workers", default="1,2", help="--api-workers values for the fan-out server"
+    )
     p.add_argument("--skip-matrix", action="store_true")
     p.add_argument("--skip-fanout", action="store_true")
     p.add_argument("--skip-crosscheck", action="store_true")
@@ -112,6 +115,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.fanout_stages = [int(s) for s in a.fanout_stages.split(",")]
     a.fanout_itl_ms = [float(s) for s in a.fanout_itl_ms.split(",")]
     a.fanout_protocols = [s for s in a.fanout_protocols.split(",") if s]
+    a.fanout_workers = [int(s) for s in a.fanout_workers.split(",") if s]
     return a
 
 
@@ -318,20 +322,24 @@ def run_fanout(args, group: ProcGroup, env, logs: Path) -> list[dict]:
     from tqdm import tqdm
 
     results = []
-    ramps = [(itl, proto) for itl in args.fanout_itl_ms for proto in args.fanout_protocols]
-    for itl, proto in tqdm(ramps, desc="fan-out", unit="ramp", dynamic_ncols=True):
+    ramps = [(itl, proto, w) for itl in args.fanout_itl_ms for proto in args.fanout_protocols
+             for w in args.fanout_workers]  # fmt: skip
+    for itl, proto, workers in tqdm(ramps, desc="fan-out", unit="ramp", dynamic_ncols=True):
         port = free_port()
         server = group.add(Server(
-            f"sluice-sim-{proto}-{int(itl)}",
+            f"sluice-sim-{proto}-{int(itl)}-w{workers}",
             [PY, str(HERE / "simserver.py"), "--model", "simulator", "--engine", "simulator",
              "--sim-ttft-ms", "50", "--sim-itl-ms", str(itl), "--host", "127.0.0.1",
              "--port", str(port), "--max-concurrent-streams", "20000",
-             "--protocols", "sse,websocket", "--log-level", "warning"],
+             "--protocols", "sse,websocket", "--log-level", "warning",
+             "--api-workers", str(workers)],
             env, logs, port, "/ready",
         ))  # fmt: skip
         server.wait_ready(60)
         client = group.add(
-            Worker(f"fanout-{proto}-{int(itl)}", [PY, str(HERE / "fanout.py")], env, logs)
+            Worker(
+                f"fanout-{proto}-{int(itl)}-w{workers}", [PY, str(HERE / "fanout.py")], env, logs
+            )  # fmt: skip
         )
         hold = args.fanout_hold_s
         try:
@@ -340,10 +348,11 @@ def run_fanout(args, group: ProcGroup, env, logs: Path) -> list[dict]:
                 "model": "simulator", "stages": args.fanout_stages, "itl_ms": itl,
                 "max_tokens": 1_000_000, "ramp_per_s": 1000, "settle_s": 1.0, "hold_s": hold,
                 "lag_target_ms": 50.0, "give_up_lag_ms": 500.0, "budget_s": 120,
-                "min_streams": 2000,
+                "min_streams": 2000, "workers": workers,
             }, timeout=300)  # fmt: skip
         except Exception as exc:  # keep the other ramps: report the failure instead
-            res = {"protocol": proto, "itl_ms": itl, "stages": [], "max_ok_streams": 0,
+            res = {"protocol": proto, "itl_ms": itl, "workers": workers, "stages": [],
+                   "max_ok_streams": 0,
                    "error_samples": [f"{type(exc).__name__}: {exc}"[:500]]}  # fmt: skip
         results.append(res)
         group.stop(client)

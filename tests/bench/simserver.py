@@ -2,7 +2,9 @@
 
 Same command line, same app, same uvicorn set-up as the real entry point; the one change
 is that the simulator engine is built with `stamp_tokens=True`, so each token's text carries
-the wall-clock time it was produced and the client can measure delivery lag.
+the wall-clock time it was produced and the client can measure delivery lag. The patch is
+applied on import, so `--api-workers` workers (spawned processes import this file again as
+`__mp_main__`) stamp too.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ def _stamped(cls: type) -> type:
     return cls
 
 
+_stamped(simulator.SimulatorEngine)
+
 if __name__ == "__main__":
-    _stamped(simulator.SimulatorEngine)
     from sluice_server.__main__ import main
 
     main()

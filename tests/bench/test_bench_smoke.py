@@ -1,6 +1,6 @@
 """`make bench` end to end in its short form (`run.py --quick`): every phase (vLLM's server,
 our server and the bare engine on the tiny model, the matrix, the cross-check with vLLM's
-own benchmark client, both fan-out ramps) runs on a fresh machine and writes its outputs.
+own benchmark client, both fan-out ramps with one and two front-end workers) runs on a fresh machine and writes its outputs.
 No speed is asserted here (numbers live in docs/benchmarks.md); errors are, because a
 benchmark request that fails is a bug, not noise."""
 
@@ -42,9 +42,10 @@ def test_quick_bench_runs_end_to_end(tmp_path):
 
     for ramp in results["fanout"]:
         assert ramp["stages"] and all(s["errors"] == 0 for s in ramp["stages"]), ramp
+    assert {r["workers"] for r in results["fanout"]} == {1, 2}  # one process, and a pod of 2
 
     for name in ("bench-results.md", "bench-throughput.png", "bench-fanout.md", "benchmarks.md"):
         assert (tmp_path / name).stat().st_size > 0, name
-    assert (
-        "### Cross-check with vLLM's benchmark client" in (tmp_path / "benchmarks.md").read_text()
-    )
+    note = (tmp_path / "benchmarks.md").read_text()
+    assert "### Cross-check with vLLM's benchmark client" in note
+    assert "### Front-end workers (`--api-workers`): scaling with cores" in note

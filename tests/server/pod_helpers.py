@@ -4,6 +4,7 @@ pod's `/metrics` as numbers."""
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -42,7 +43,7 @@ def worker_pids(proc: ManagedProcess) -> list[int]:
             if "spawn_main" in " ".join(c.cmdline())]  # fmt: skip
 
 
-_SAMPLE = re.compile(r"^(\w+)\{([^}]*)\} (\S+)$")
+_SAMPLE = re.compile(r"^([\w:]+)\{([^}]*)\} (\S+)$")  # vLLM's names have colons
 
 
 def metric(text: str, name: str, **labels: str) -> float:
@@ -62,3 +63,31 @@ async def scrape(client: httpx.AsyncClient) -> str:
     r = await client.get("/metrics")
     assert r.status_code == 200
     return r.text
+
+
+def client(url: str) -> httpx.AsyncClient:
+    """A new connection per request: a kept-alive one would stay with its worker."""
+    return httpx.AsyncClient(base_url=url, timeout=60,
+                             limits=httpx.Limits(max_keepalive_connections=0))  # fmt: skip
+
+
+async def read_stream(c: httpx.AsyncClient, max_tokens: int, key: str | None = None) -> dict:
+    """One /v1/stream read to its end: status, worker, token events, last payload."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    body = {"prompt": "fan out", "max_tokens": max_tokens, "ignore_eos": True}
+    out = {"tokens": 0, "last": None, "done": False}
+    async with c.stream("POST", "/v1/stream", json=body, headers=headers) as r:
+        out["status"], out["worker"] = r.status_code, r.headers.get("x-sluice-worker")
+        if r.status_code != 200:
+            out["error"] = json.loads(await r.aread())["error"]
+            return out
+        async for line in r.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                out["done"] = True
+            else:
+                out["last"] = json.loads(data)
+                out["tokens"] += 1
+    return out

@@ -7,46 +7,17 @@ worker that dies takes the pod to not-ready and then down with a non-zero exit."
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
 
 import httpx
 import pytest
-from pod_helpers import metric, scrape, start_pod, worker_pids
+from pod_helpers import client, metric, read_stream, scrape, start_pod, worker_pids
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.slow]
 
 SIM = ("--engine", "simulator", "--model", "sim", "--log-level", "warning")
-
-
-def client(url: str) -> httpx.AsyncClient:
-    """A new connection per request: a kept-alive one would stay with its worker."""
-    return httpx.AsyncClient(base_url=url, timeout=60,
-                             limits=httpx.Limits(max_keepalive_connections=0))  # fmt: skip
-
-
-async def _stream(c: httpx.AsyncClient, max_tokens: int, key: str | None = None) -> dict:
-    """One /v1/stream read to its end: status, worker, token events, last payload."""
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    body = {"prompt": "fan out", "max_tokens": max_tokens, "ignore_eos": True}
-    out = {"tokens": 0, "last": None, "done": False}
-    async with c.stream("POST", "/v1/stream", json=body, headers=headers) as r:
-        out["status"], out["worker"] = r.status_code, r.headers.get("x-sluice-worker")
-        if r.status_code != 200:
-            out["error"] = json.loads(await r.aread())["error"]
-            return out
-        async for line in r.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                out["done"] = True
-            else:
-                out["last"] = json.loads(data)
-                out["tokens"] += 1
-    return out
 
 
 async def test_streams_land_on_both_workers_and_metrics_sum(tmp_path):
@@ -55,7 +26,7 @@ async def test_streams_land_on_both_workers_and_metrics_sum(tmp_path):
         async with client(url) as c:
             results = []
             for _ in range(3):  # waves of concurrent connections
-                results += await asyncio.gather(*(_stream(c, 20) for _ in range(16)))
+                results += await asyncio.gather(*(read_stream(c, 20) for _ in range(16)))
             assert all(r["status"] == 200 and r["done"] for r in results)
             by_worker = {w: sum(r["worker"] == w for r in results) for w in ("0", "1")}
             assert by_worker["0"] > 0 and by_worker["1"] > 0, by_worker
@@ -90,7 +61,7 @@ async def test_concurrency_cap_and_rpm_are_the_pods(tmp_path, shared):
             # Requests per minute: bursts of short requests until both workers refused one.
             t0, admitted, refused_by = time.monotonic(), 0, set()
             for _ in range(30):
-                burst = await asyncio.gather(*(_stream(c, 1, "sk-rpm") for _ in range(4)))
+                burst = await asyncio.gather(*(read_stream(c, 1, "sk-rpm") for _ in range(4)))
                 for r in burst:
                     if r["status"] == 200:
                         admitted += 1
@@ -106,7 +77,7 @@ async def test_concurrency_cap_and_rpm_are_the_pods(tmp_path, shared):
             # Concurrent streams: long streams in bursts until both workers refused one.
             held, refused_by = [], set()
             for _ in range(20):
-                burst = [asyncio.create_task(_stream(c, 2000, "sk-cap")) for _ in range(4)]
+                burst = [asyncio.create_task(read_stream(c, 2000, "sk-cap")) for _ in range(4)]
                 await asyncio.sleep(0.5)  # admitted ones are streaming, refused ones done
                 for t in burst:
                     if t.done():
@@ -133,7 +104,7 @@ async def test_sigterm_drains_every_worker_and_exits_zero(tmp_path):
                           "--drain-timeout-seconds", "30")  # fmt: skip
     try:
         async with client(url) as c:
-            streams = [asyncio.create_task(_stream(c, 300)) for _ in range(12)]
+            streams = [asyncio.create_task(read_stream(c, 300)) for _ in range(12)]
             await asyncio.sleep(1.0)  # all streaming (3 s each)
             assert not any(t.done() for t in streams)
             proc.proc.send_signal(signal.SIGTERM)  # the supervisor only, as the kubelet does
@@ -161,7 +132,7 @@ async def test_a_dead_worker_makes_the_pod_not_ready_then_exit(tmp_path):
         assert len(pids) == 2, pids
         async with client(url) as c:
             # Long streams on both workers keep the survivor draining (and answering).
-            streams = [asyncio.create_task(_stream(c, 300)) for _ in range(12)]
+            streams = [asyncio.create_task(read_stream(c, 300)) for _ in range(12)]
             await asyncio.sleep(1.0)
             os.kill(pids[0], signal.SIGKILL)
             t_kill = time.monotonic()

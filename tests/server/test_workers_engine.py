@@ -1,0 +1,168 @@
+"""A pod with two front-end workers on ONE real vLLM engine core (tiny model, CPU), started
+as `sluice-server --api-workers 2` (vLLM's multi-API-server machinery): streams land on
+both workers, one scrape is the pod's totals (ours and vLLM's), a client that goes away is
+aborted on each worker, SIGTERM lets every worker's streams finish and exits 0, and a
+killed worker takes the pod to not-ready and down.
+
+One pod serves the first three tests (the last of them stops it); the dead-worker test
+starts its own. Each start costs 1-4 minutes here (engine core plus two front ends).
+
+The abort proof is weaker than test_stream_abort.py's: that one spies on the engine's
+output processor in the test's own process, which a separate pod does not allow. Here the
+engine's own counters show the request was cut short and the engine went idle; the code
+path in each worker is the one that test proves to 2 tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import tempfile
+import time
+
+import httpx
+import pytest
+from pod_helpers import client, metric, read_stream, scrape, start_pod, worker_pids
+
+pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.engine, pytest.mark.slow]
+
+START_S = 600  # engine core + two front ends on a busy 2-core machine
+
+
+def _pod(log_dir, *flags):
+    scratch = tempfile.mkdtemp(prefix="sluice-pod-")
+    env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "TMPDIR": scratch,
+           "VLLM_CACHE_ROOT": os.path.join(scratch, "vllm")}  # fmt: skip
+    return start_pod(log_dir, "--model", "tiny", "--max-model-len", "512",
+                     "--drain-timeout-seconds", "60", *flags, env=env, timeout=START_S)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pod(tmp_path_factory, tiny_model_path):
+    proc, url = _pod(tmp_path_factory.mktemp("pod"))
+    try:
+        yield proc, url
+    finally:
+        proc.stop(timeout=60)
+
+
+async def _settled(c: httpx.AsyncClient, limit_s: float = 10.0) -> str:
+    """The pod's metrics once no stream is active and vLLM's token count stopped moving."""
+    deadline, last = time.monotonic() + limit_s, None
+    while True:
+        text = await scrape(c)
+        now = metric(text, "vllm:generation_tokens_total")
+        if metric(text, "sluice_active_streams") == 0 and now == last:
+            return text
+        assert time.monotonic() < deadline, "the engine did not go idle"
+        last = now
+        await asyncio.sleep(0.2)
+
+
+async def test_streams_land_on_both_workers_and_metrics_sum(pod):
+    _, url = pod
+    async with client(url) as c:
+        results = await asyncio.gather(*(read_stream(c, 16) for _ in range(12)))
+        assert all(r["status"] == 200 and r["done"] for r in results)
+        assert {r["worker"] for r in results} == {"0", "1"}
+        text = await _settled(c)
+    n = len(results)
+    assert metric(text, "sluice_requests_total", protocol="sse") == n
+    assert metric(text, "sluice_ttft_seconds_count", protocol="sse") == n
+    assert metric(text, "sluice_ttft_seconds_bucket", protocol="sse", le="+Inf") == n
+    assert metric(text, "sluice_output_tokens_total", protocol="sse") == n * 16
+    # vLLM's own metrics, written by both front ends, summed the same way.
+    assert metric(text, "vllm:generation_tokens_total") == n * 16
+    assert metric(text, "vllm:request_success_total") == n
+
+
+async def _on_worker(c: httpx.AsyncClient, worker: str, body: dict):
+    """A stream that landed on `worker` (others are closed at once and retried)."""
+    for _ in range(40):
+        r = await c.send(c.build_request("POST", "/v1/stream", json=body), stream=True)
+        if r.headers.get("x-sluice-worker") == worker:
+            return r
+        await r.aclose()
+    raise AssertionError(f"no connection reached worker {worker}")
+
+
+@pytest.mark.parametrize("worker", ["0", "1"])
+async def test_disconnect_aborts_on_each_worker(pod, worker):
+    _, url = pod
+    long = {"prompt": "The river", "max_tokens": 400, "ignore_eos": True}
+    c = client(url)
+    probe = client(url)
+    try:
+        before = await _settled(probe)
+        r = await _on_worker(c, worker, long)
+        got = 0
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                got += 1
+                if got >= 20:
+                    break
+        await c.aclose()  # drop the TCP connection
+        after = await _settled(probe)
+    finally:
+        await probe.aclose()
+    generated = metric(after, "vllm:generation_tokens_total") - metric(
+        before, "vllm:generation_tokens_total"
+    )
+    print(f"\nworker {worker}: {got} tokens read, {generated:.0f} generated in all")
+    assert got <= generated < long["max_tokens"] - 100  # cut short, not run to 400
+    for name in ("sluice_client_disconnects_total", "sluice_aborts_total"):
+        assert metric(after, name, protocol="sse") - metric(before, name, protocol="sse") >= 1
+
+
+async def test_sigterm_drains_every_worker_and_exits_zero(pod):
+    proc, url = pod
+    async with client(url) as c:
+        streams = [asyncio.create_task(read_stream(c, 300)) for _ in range(8)]
+        await asyncio.sleep(2.0)
+        assert not any(t.done() for t in streams)
+        proc.proc.send_signal(signal.SIGTERM)  # the supervisor only, as the kubelet does
+        t_sig = time.monotonic()
+        while (await c.get("/ready")).status_code != 503:
+            assert time.monotonic() - t_sig < 5, "/ready did not turn 503"
+            await asyncio.sleep(0.02)
+        late = await c.post("/v1/stream", json={"prompt": "late", "max_tokens": 2})
+        assert late.status_code == 503 and late.json()["error"]["code"] == "draining"
+        results = await asyncio.gather(*streams)
+    assert {r["worker"] for r in results} == {"0", "1"}
+    for r in results:
+        assert r["done"] and r["last"]["finish_reason"] == "length", r
+        assert r["last"]["usage"]["completion_tokens"] == 300
+    assert proc.proc.wait(timeout=90) == 0, proc.tail()
+
+
+async def test_a_dead_worker_makes_the_pod_not_ready_then_exit(tmp_path, tiny_model_path):
+    proc, url = _pod(tmp_path)
+    try:
+        pids = worker_pids(proc)
+        assert len(pids) == 2, pids
+        async with client(url) as c:
+            # Streams on both workers keep the survivor draining (and answering) a while.
+            streams = [asyncio.create_task(read_stream(c, 400)) for _ in range(8)]
+            await asyncio.sleep(2.0)
+            os.kill(pids[0], signal.SIGKILL)
+            t_kill = time.monotonic()
+            while True:
+                try:
+                    if (await c.get("/ready")).status_code == 503:
+                        break
+                except httpx.TransportError:
+                    pass  # a connection that went to the killed worker
+                assert time.monotonic() - t_kill < 5, "/ready did not turn 503"
+                await asyncio.sleep(0.02)
+            results = await asyncio.gather(*streams, return_exceptions=True)
+        finished = [r for r in results if isinstance(r, dict) and r["done"]]
+        assert finished and all(r["last"]["finish_reason"] == "length" for r in finished)
+        assert proc.proc.wait(timeout=120) != 0, proc.tail()
+        log = proc.log_path.read_text(errors="replace")
+        # vLLM's wait names the worker (its exit code can read None: it is not reaped yet).
+        assert re.search(r"ApiServer_\d \(PID: \d+\) died with exit code", log), log[-3000:]
+        assert re.search(r"workers exited with \[(-9, 0|0, -9)\]", log), log[-3000:]
+    finally:
+        proc.stop(timeout=60)
