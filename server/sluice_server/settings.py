@@ -255,6 +255,11 @@ class Settings(BaseSettings):
             raise ValueError("--rate-limit-backend redis needs --redis-url (or SLUICE_REDIS_URL)")
         if self.jwt_jwks_file is not None and not (self.jwt_issuer and self.jwt_audience):
             raise ValueError("--jwt-jwks-file needs --jwt-issuer and --jwt-audience")
+        if self.api_workers > 1 and self.resume_grace_seconds > 0:
+            raise ValueError(
+                "--resume-grace-seconds needs --api-workers 1: a resumable stream lives in one "
+                "process, and a reconnect may reach another worker"
+            )
         return self
 
     @property

@@ -157,6 +157,16 @@ def test_api_workers_from_the_cpu_request(resources, server, workers):
         assert flag(args, "--api-workers") == str(workers)
 
 
+def test_resumable_streams_keep_one_worker():
+    # a resumed stream lives in one process: unset apiWorkers derives 1, a given 2 is refused
+    args = server_args(
+        model(resources={"requests": {"cpu": 6}}, streaming={"resume": {"graceSeconds": 30}})
+    )
+    assert "--api-workers" not in args
+    with pytest.raises(SpecError, match="resume"):
+        model(server={"apiWorkers": 2}, streaming={"resume": {"graceSeconds": 30}})
+
+
 def test_api_workers_bounds_are_refused():
     with pytest.raises(SpecError, match="apiWorkers"):
         model(server={"apiWorkers": 0})

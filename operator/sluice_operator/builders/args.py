@@ -40,12 +40,12 @@ def cpu_cores(quantity: int | str | None) -> float | None:
 
 def api_workers(model: StreamingModel) -> int:
     """spec.server.apiWorkers, else one per whole requested core beyond the engine core's,
-    capped (see the field's description)."""
+    capped, and 1 when streams are resumable (see the field's description)."""
     given = model.spec.server.api_workers
     if given is not None:
         return given
     cores = cpu_cores(model.spec.resources.requests.cpu)
-    if cores is None:
+    if cores is None or model.spec.streaming.resume.grace_seconds:
         return 1
     return max(1, min(MAX_DERIVED_API_WORKERS, math.floor(cores) - 1))
 

@@ -901,6 +901,13 @@ class NetworkPolicySpec(ApiModel):
     )
 
 
+RESUME_NEEDS_ONE_WORKER = (
+    "server.apiWorkers above 1 cannot be combined with streaming.resume.graceSeconds: a "
+    "resumable stream lives in one server process and a reconnect may reach another; "
+    "leave apiWorkers unset (resume makes it 1) or set it to 1, or turn resume off"
+)
+
+
 class ServerSpec(ApiModel):
     """The streaming server's own processes."""
 
@@ -911,7 +918,8 @@ class ServerSpec(ApiModel):
         description="Front-end processes per pod (the server's --api-workers), sharing the "
         "port and one engine; stream slots, rate limits, /metrics and /ready stay the pod's. "
         "Unset: derived from resources.requests.cpu, one per whole core beyond the one "
-        "vLLM's engine core busy-polls (max(1, cores - 1)), at most 8; no CPU request: 1.",
+        "vLLM's engine core busy-polls (max(1, cores - 1)), at most 8; no CPU request, or "
+        "streaming.resume on (a resumed stream lives in one process): 1.",
     )
 
 
@@ -935,6 +943,14 @@ class StreamingModelSpec(ApiModel):
                     "spec.gateway and spec.ingress.enabled are exclusive: expose the model "
                     "through a Gateway (HTTPRoute) or an Ingress, not both",
                     ".gateway",
+                ),
+                cel(
+                    "!has(self.server) || !has(self.server.apiWorkers) || self.server.apiWorkers "
+                    "== 1 || !has(self.streaming) || !has(self.streaming.resume) || "
+                    "!has(self.streaming.resume.graceSeconds) || "
+                    "self.streaming.resume.graceSeconds == 0",
+                    RESUME_NEEDS_ONE_WORKER,
+                    ".server.apiWorkers",
                 ),
                 cel(
                     "self.parallelism.tensor * self.parallelism.pipeline == self.resources.gpus",
@@ -1010,6 +1026,13 @@ class StreamingModelSpec(ApiModel):
                 "spec.gateway and spec.ingress.enabled are exclusive: expose the model "
                 "through a Gateway (HTTPRoute) or an Ingress, not both"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _resume_in_one_worker(self) -> StreamingModelSpec:
+        workers = self.server.api_workers
+        if workers is not None and workers > 1 and self.streaming.resume.grace_seconds:
+            raise ValueError(RESUME_NEEDS_ONE_WORKER)
         return self
 
     @model_validator(mode="after")

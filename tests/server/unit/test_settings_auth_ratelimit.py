@@ -42,6 +42,10 @@ def test_bad_flags_are_rejected():
         parse_settings(["--model", "m", "--protocols", "sse,grpc"])
     with pytest.raises(Exception, match="max_concurrent_streams"):
         parse_settings(["--model", "m", "--max-concurrent-streams", "0"])
+    # a resumed stream lives in one process: several workers would lose reconnects
+    with pytest.raises(Exception, match="needs --api-workers 1"):
+        parse_settings(["--model", "m", "--api-workers", "2", "--resume-grace-seconds", "30"])
+    assert parse_settings(["--model", "m", "--api-workers", "2"]).api_workers == 2
 
 
 def test_vllm_args_from_settings():
