@@ -72,10 +72,11 @@ class Edge:
             rid, t0, scope.get("path", ""), scope.get("method", "WS"), scope.get("headers")
         )
         scope["sluice.trail"] = trail
-        # The server's own send, for a stream's body messages (SSE events, WebSocket frames)
-        # after its response started: every middleware between here and the route only
-        # looks at the start (status, headers), so each event skips their pass-through
-        # frames (transport/sse.py, protocols/websocket.py).
+        # The send as it reaches Edge (only Starlette's ServerErrorMiddleware is outside),
+        # for a stream's body messages (SSE events, WebSocket frames) after its response
+        # started: every middleware between here and the route only looks at the start
+        # (status, headers), so each event skips their pass-through frames
+        # (transport/sse.py, protocols/websocket.py).
         scope["sluice.send"] = send
 
         extra = self.extra

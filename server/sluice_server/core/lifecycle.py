@@ -68,7 +68,10 @@ def open_stream(
             if state == FINISHED and grace > 0:
                 # Its last events may have been lost on the way (written to a proxy that
                 # then saw the client go): replayable for the grace window, then dropped.
-                entry.handle = (stream, meter, finish)
+                # Its cleanup already ran (`_ended`, not `finish`: a closure naming
+                # itself is a reference cycle, and it would keep the whole stream, its
+                # task and trail alive until a full garbage collection).
+                entry.handle = (stream, meter, _ended)
                 entry.timer = asyncio.get_running_loop().call_later(grace, forget)
 
     if rid is None:
@@ -95,6 +98,10 @@ def open_stream(
 
     entry.handle = (stream, meter, end_response)
     return entry.handle
+
+
+def _ended() -> None:
+    """The cleanup of a stream whose cleanup already ran."""
 
 
 async def resume_stream(

@@ -83,7 +83,7 @@ class Connection:
         # One timer per socket bounds every send (a reader that stops reading), not a
         # timeout scope per frame (server/sluice_server/sendwatch.py).
         self.watchdog = SendWatchdog(self.send_timeout, TimeoutError)
-        # Frames go straight to the server's send once accepted (app.py's Edge): the
+        # Frames skip the middlewares once accepted (the send app.py's Edge received): the
         # middlewares and Starlette's state checks in `WebSocket.send` only matter for the
         # handshake and the close.
         self.raw_send = ws.scope.get("sluice.send", ws.send)

@@ -165,8 +165,8 @@ class SSEResponse(Response):
     async def _send_all(self, send: Send, raw_send: Send) -> None:
         """Each chunk is one whole event (or several), written with one ASGI send: a ping
         sent from its own task between two of them cannot split an event. The start goes
-        through the middlewares (`send`); body messages straight to the server (`raw_send`,
-        app.py's Edge: the middlewares only look at the start)."""
+        through the middlewares (`send`); body messages skip them (`raw_send`, the send
+        app.py's Edge received: the middlewares inside it only look at the start)."""
         watched, task = self.watchdog.send, self._task
         await watched(send, {"type": "http.response.start", "status": self.status_code,
                              "headers": self.raw_headers}, task)  # fmt: skip

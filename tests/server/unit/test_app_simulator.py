@@ -1,6 +1,6 @@
 """The app over the simulator engine (no vLLM, seconds): the built-in OpenAI formatter with
-the official SDK, coalescing under a slow reader, engine failure -> 503 + /ready false, and
-the start-up heap frozen once the engine is open."""
+the official SDK, coalescing under a slow reader, engine failure -> 503 + /ready false, the
+start-up heap frozen once the engine is open, and no reference cycle left by a stream."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import json
 import httpx
 import pytest
 import pytest_asyncio
+import websockets
 from app_helpers import serve_simulator as serve
+from app_helpers import ws_url
 from sluice_server.app import build_app
 from sluice_server.engine.simulator import SimulatorEngine
 from sluice_server.settings import Settings
@@ -126,3 +128,33 @@ async def test_startup_heap_is_frozen_once_the_engine_is_open():
             assert gc.get_freeze_count() > 1000
     finally:
         gc.unfreeze()
+
+
+async def test_a_finished_stream_leaves_no_reference_cycle(sim):
+    """Per-stream objects (stream, producer task, meter, trail) must be freed by reference
+    counting when the stream ends: a cycle through them lets every stream pile up until a
+    full collection, which then walks and frees them all at once (a pause of every stream
+    on the loop). Token SSE, the OpenAI route and WebSocket; the collector saves whatever
+    it finds unreachable, and no Stream may be among it."""
+    msgs = [{"role": "user", "content": "hi"}]
+    async with serve(sim) as url:
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            async with httpx.AsyncClient(base_url=url) as c:
+                r = await c.post("/v1/stream", json={"prompt": "hi", "max_tokens": 5})
+                assert r.status_code == 200 and "[DONE]" in r.text
+                r = await c.post("/v1/chat/completions",
+                                 json={"messages": msgs, "max_tokens": 5, "stream": True})  # fmt: skip
+                assert r.status_code == 200 and "[DONE]" in r.text
+            async with websockets.connect(ws_url(url)) as ws:
+                await ws.send(json.dumps({"id": "a", "prompt": "hi", "params": {"max_tokens": 5}}))
+                while not json.loads(await ws.recv())["finished"]:
+                    pass
+            await asyncio.sleep(0.2)  # the server's side of each stream has ended
+            gc.collect()
+            cyclic = [type(o).__name__ for o in gc.garbage]
+            assert "Stream" not in cyclic, sorted(set(cyclic))
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
