@@ -204,6 +204,29 @@ def test_gateway_route_lifecycle(operator, admin, models, namespace):
             what="HTTPRoute in, Ingress out",
         )
 
+        # 3b. Resumable streams with session persistence (an Experimental channel field, in
+        # the schema the CRD is made from): the API server accepts and keeps it.
+        models.patch(
+            namespace,
+            "gw",
+            {
+                "spec": {
+                    "gateway": {"sessionPersistence": True},
+                    "streaming": {"resume": {"graceSeconds": 30}},
+                }
+            },
+        )
+        route = wait_for(
+            lambda: (
+                (r := _route(admin, namespace, "gw"))
+                and "sessionPersistence" in r["spec"]["rules"][0]
+                and r
+            ),
+            timeout=30,
+            what="the route's session persistence",
+        )
+        assert route["spec"]["rules"][0]["sessionPersistence"]["sessionName"] == "sluice-affinity"
+
         # 4. Both at once: refused by the API server (CEL).
         with pytest.raises(client.ApiException) as err:
             models.patch(namespace, "gw", {"spec": {"ingress": {"enabled": True}}})
