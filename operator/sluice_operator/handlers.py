@@ -160,6 +160,20 @@ def _poster(body: Any) -> Any:
     return post
 
 
+def _owner_check(cluster: Cluster, body: Any) -> Callable[[], bool]:
+    """One GET, only before a pass creates a child: is this model still there (memory may
+    not have seen its deletion yet, while the garbage collector removes the children)?"""
+    meta = body["metadata"]
+
+    def exists() -> bool:
+        sm = STREAMING_MODEL
+        live = cluster.get(sm.api_version, sm.kind, meta["namespace"], meta["name"])
+        live_meta = (live or {}).get("metadata") or {}
+        return live_meta.get("uid") == meta.get("uid") and not live_meta.get("deletionTimestamp")
+
+    return exists
+
+
 def _converge(
     cluster: Cluster,
     memory: Memory,
@@ -185,7 +199,10 @@ def _converge(
             body = memory.model(namespace, name)
             if body is None or body["metadata"].get("deletionTimestamp"):
                 return  # gone or going: the garbage collector removes the children
-            outcomes.append(converge(cluster, body, _poster(body), reads=memory))
+            check = _owner_check(cluster, body)
+            outcomes.append(
+                converge(cluster, body, _poster(body), reads=memory, owner_exists=check)
+            )
         except SpecError as exc:
             # Permanent: retrying cannot help until the spec changes (which re-triggers us).
             raise kopf.PermanentError(f"invalid spec: {exc}") from None

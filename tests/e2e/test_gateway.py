@@ -134,10 +134,16 @@ def test_gateway_route_lifecycle(operator, admin, models, namespace):
     assert cond["reason"] == "GatewayAPIUnavailable" and "not installed" in cond["message"]
     children = models.children(namespace, "gw")
     assert children["Deployment"] is not None and children["Service"] is not None
-    events = models.core.list_namespaced_event(
-        namespace, field_selector="reason=GatewayAPIUnavailable"
-    )
-    assert len(events.items) == 1
+
+    def warnings():
+        return models.core.list_namespaced_event(
+            namespace, field_selector="reason=GatewayAPIUnavailable"
+        ).items
+
+    # kopf posts Events in the background: the status may be written first.
+    wait_for(warnings, timeout=10, what="the GatewayAPIUnavailable Event")
+    time.sleep(1)
+    assert len(warnings()) == 1
     operator.process.check_alive()  # no crash loop
 
     # 2. The CRD appears: the retry (backoff) creates the route, the API server accepts it.
