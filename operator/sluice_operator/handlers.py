@@ -321,7 +321,10 @@ class Resync:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.seconds):
-            self.run_once()
+            try:
+                self.run_once()
+            except Exception:  # a bug in one pass must not end every later resync
+                self.logger.exception("resync failed")
 
 
 def _register_index(kind: Kind) -> None:

@@ -638,3 +638,28 @@ def test_memory_prefers_the_newer_of_the_watch_and_its_own_write():
     assert memory.get(SERVICE, "ns", "m") is None and len(memory) == 1  # the watch lags
     index[("ns", "m")] = [svc(15, 3)]  # made again after our delete
     assert memory.get(SERVICE, "ns", "m")["spec"]["port"] == 3 and len(memory) == 0
+
+
+def test_resync_thread_survives_a_failing_pass(cluster, monkeypatch):
+    import time
+
+    monkeypatch.setattr(kopf, "event", lambda body, **kw: None)
+    handlers.reconcile(**_kwargs(cluster, body_of(minimal())))
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(handlers, "converge", broken)
+    resync = handlers.Resync(cluster, cluster.memo.memory, 0.01, LOG)
+    resync.adopt_context()
+    resync.start()
+    try:
+        deadline = time.monotonic() + 5
+        while len(calls) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        resync.stop()
+    assert len(calls) >= 3  # every round tried again after the failure
+    assert len(handlers._locks) == 0
