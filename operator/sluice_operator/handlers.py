@@ -24,7 +24,7 @@ import kopf
 from .builders.common import INSTANCE_LABEL, MANAGED_BY_LABEL, MANAGER
 from .cluster import Cluster, KubeCluster
 from .kinds import INDEXED_KINDS, STREAMING_MODEL, WATCHED_KINDS, Kind
-from .memory import Memory, index_key
+from .memory import Memory, index_key, lean
 from .models import GROUP, PLURAL, VERSION
 from .reconcile import converge
 from .validation import SpecError
@@ -338,7 +338,7 @@ def _register_index(kind: Kind) -> None:
         if memory is not None and not memory.attached:
             memory.attach(kwargs)
         key = index_key(kind, body)
-        return {key: dict(body)} if key else None
+        return {key: lean(body)} if key else None
 
     kopf.index(
         group=kind.group, version=kind.version, plural=kind.plural, labels=labels, id=kind.index_id

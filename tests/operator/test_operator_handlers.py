@@ -663,3 +663,18 @@ def test_resync_thread_survives_a_failing_pass(cluster, monkeypatch):
         resync.stop()
     assert len(calls) >= 3  # every round tried again after the failure
     assert len(handlers._locks) == 0
+
+
+def test_memory_keeps_objects_without_managed_fields():
+    from sluice_operator.kinds import SERVICE
+    from sluice_operator.memory import Memory, lean
+
+    obj = {
+        "kind": "Service",
+        "metadata": {"name": "m", "namespace": "ns", "resourceVersion": "3",
+                     "managedFields": [{"manager": "sluice-operator"}]},
+    }  # fmt: skip
+    assert "managedFields" not in lean(obj)["metadata"] and "managedFields" in obj["metadata"]
+    memory = Memory({SERVICE.index_id: {}})
+    memory.wrote(obj)
+    assert "managedFields" not in memory.get(SERVICE, "ns", "m")["metadata"]
