@@ -24,7 +24,7 @@ import kopf
 from .builders.common import INSTANCE_LABEL, MANAGED_BY_LABEL, MANAGER
 from .cluster import Cluster, KubeCluster
 from .kinds import INDEXED_KINDS, STREAMING_MODEL, WATCHED_KINDS, Kind
-from .memory import Memory, index_key
+from .memory import Memory, index_key, lean
 from .models import GROUP, PLURAL, VERSION
 from .reconcile import converge
 from .validation import SpecError
@@ -160,6 +160,20 @@ def _poster(body: Any) -> Any:
     return post
 
 
+def _owner_check(cluster: Cluster, body: Any) -> Callable[[], bool]:
+    """One GET, only before a pass creates a child: is this model still there (memory may
+    not have seen its deletion yet, while the garbage collector removes the children)?"""
+    meta = body["metadata"]
+
+    def exists() -> bool:
+        sm = STREAMING_MODEL
+        live = cluster.get(sm.api_version, sm.kind, meta["namespace"], meta["name"])
+        live_meta = (live or {}).get("metadata") or {}
+        return live_meta.get("uid") == meta.get("uid") and not live_meta.get("deletionTimestamp")
+
+    return exists
+
+
 def _converge(
     cluster: Cluster,
     memory: Memory,
@@ -185,7 +199,10 @@ def _converge(
             body = memory.model(namespace, name)
             if body is None or body["metadata"].get("deletionTimestamp"):
                 return  # gone or going: the garbage collector removes the children
-            outcomes.append(converge(cluster, body, _poster(body), reads=memory))
+            check = _owner_check(cluster, body)
+            outcomes.append(
+                converge(cluster, body, _poster(body), reads=memory, owner_exists=check)
+            )
         except SpecError as exc:
             # Permanent: retrying cannot help until the spec changes (which re-triggers us).
             raise kopf.PermanentError(f"invalid spec: {exc}") from None
@@ -304,7 +321,10 @@ class Resync:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.seconds):
-            self.run_once()
+            try:
+                self.run_once()
+            except Exception:  # a bug in one pass must not end every later resync
+                self.logger.exception("resync failed")
 
 
 def _register_index(kind: Kind) -> None:
@@ -318,7 +338,7 @@ def _register_index(kind: Kind) -> None:
         if memory is not None and not memory.attached:
             memory.attach(kwargs)
         key = index_key(kind, body)
-        return {key: dict(body)} if key else None
+        return {key: lean(body)} if key else None
 
     kopf.index(
         group=kind.group, version=kind.version, plural=kind.plural, labels=labels, id=kind.index_id

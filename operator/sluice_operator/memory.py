@@ -109,7 +109,7 @@ class Memory:
         key = (obj.get("kind", ""), meta.get("namespace", ""), meta.get("name", ""))
         if _revision(obj) is not None:
             with self._guard:
-                self._own[key] = dict(obj)
+                self._own[key] = lean(obj)
         return dict(obj)
 
     def deleted(self, kind: Kind, namespace: str, name: str, last: Mapping[str, Any]) -> None:
@@ -131,6 +131,16 @@ class Memory:
         """The watch showed the object deleted: the index dropped it, so do we."""
         with self._guard:
             self._own.pop((kind_name, namespace, name), None)
+
+
+def lean(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """A shallow copy without `metadata.managedFields` (often the largest part of an object,
+    never read by a pass): what memory keeps of every object."""
+    out = dict(obj)
+    meta = out.get("metadata")
+    if isinstance(meta, Mapping) and "managedFields" in meta:
+        out["metadata"] = {k: v for k, v in meta.items() if k != "managedFields"}
+    return out
 
 
 def _name(obj: Mapping[str, Any]) -> str | None:

@@ -158,18 +158,42 @@ def report_invalid(
     return bool(patch)
 
 
+class _OwnerGone(Exception):
+    """The StreamingModel is gone from the API server: the pass stops, creating nothing."""
+
+
 def converge(
     cluster: Cluster,
     body: Mapping[str, Any],
     post_event: PostEvent,
     now: str | None = None,
     reads: Memory | LiveReads | None = None,
+    owner_exists: Callable[[], bool] | None = None,
+) -> Outcome:
+    """One pass (see `_converge`); a model found deleted before a create ends it quietly."""
+    try:
+        return _converge(cluster, body, post_event, now, reads, owner_exists)
+    except _OwnerGone:
+        return Outcome()
+
+
+def _converge(
+    cluster: Cluster,
+    body: Mapping[str, Any],
+    post_event: PostEvent,
+    now: str | None = None,
+    reads: Memory | LiveReads | None = None,
+    owner_exists: Callable[[], bool] | None = None,
 ) -> Outcome:
     """Raises SpecError (after reporting it) for an invalid spec; API errors propagate.
 
     `reads`: where the watched children and pods come from (default: GETs through `cluster`).
     Kinds that are not watched (ScaledObject, PodMonitor, HTTPRoute, KEDA's HPA) are read
     through `cluster`, and only by models that use them.
+    `owner_exists`: asked once, before the pass creates a child: False ends the pass. Memory
+    may still hold a model the API server has deleted (its DELETED event not yet processed)
+    while the garbage collector removes the children; without this the pass would create
+    them again.
     """
     reads = reads if reads is not None else LiveReads(cluster)
     meta = body["metadata"]
@@ -184,6 +208,14 @@ def converge(
 
     desired = desired_children(model)
     live: dict[str, dict[str, Any] | None] = {}
+    confirmed = owner_exists is None
+
+    def confirm_owner() -> None:
+        nonlocal confirmed
+        if not confirmed:
+            if not owner_exists():  # type: ignore[misc]
+                raise _OwnerGone
+            confirmed = True
 
     def converge_child(child: Kind) -> None:
         kind = child.kind
@@ -203,6 +235,8 @@ def converge(
         if in_sync(manifest, current):
             live[kind] = current
             return
+        if current is None:
+            confirm_owner()
         try:
             live[kind] = reads.wrote(cluster.apply(manifest))
         except Exception as exc:

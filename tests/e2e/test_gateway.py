@@ -134,10 +134,16 @@ def test_gateway_route_lifecycle(operator, admin, models, namespace):
     assert cond["reason"] == "GatewayAPIUnavailable" and "not installed" in cond["message"]
     children = models.children(namespace, "gw")
     assert children["Deployment"] is not None and children["Service"] is not None
-    events = models.core.list_namespaced_event(
-        namespace, field_selector="reason=GatewayAPIUnavailable"
-    )
-    assert len(events.items) == 1
+
+    def warnings():
+        return models.core.list_namespaced_event(
+            namespace, field_selector="reason=GatewayAPIUnavailable"
+        ).items
+
+    # kopf posts Events in the background: the status may be written first.
+    wait_for(warnings, timeout=10, what="the GatewayAPIUnavailable Event")
+    time.sleep(1)
+    assert len(warnings()) == 1
     operator.process.check_alive()  # no crash loop
 
     # 2. The CRD appears: the retry (backoff) creates the route, the API server accepts it.
@@ -203,6 +209,29 @@ def test_gateway_route_lifecycle(operator, admin, models, namespace):
             timeout=30,
             what="HTTPRoute in, Ingress out",
         )
+
+        # 3b. Resumable streams with session persistence (an Experimental channel field, in
+        # the schema the CRD is made from): the API server accepts and keeps it.
+        models.patch(
+            namespace,
+            "gw",
+            {
+                "spec": {
+                    "gateway": {"sessionPersistence": True},
+                    "streaming": {"resume": {"graceSeconds": 30}},
+                }
+            },
+        )
+        route = wait_for(
+            lambda: (
+                (r := _route(admin, namespace, "gw"))
+                and "sessionPersistence" in r["spec"]["rules"][0]
+                and r
+            ),
+            timeout=30,
+            what="the route's session persistence",
+        )
+        assert route["spec"]["rules"][0]["sessionPersistence"]["sessionName"] == "sluice-affinity"
 
         # 4. Both at once: refused by the API server (CEL).
         with pytest.raises(client.ApiException) as err:

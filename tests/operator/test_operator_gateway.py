@@ -65,6 +65,32 @@ def test_httproute_builder(stream_timeout, hostnames, path):
     assert desired_ingress(m) is None and desired_children(m)["Ingress"] is None
 
 
+@pytest.mark.parametrize(
+    "grace,asked,pinned", [(30, True, True), (0, True, False), (30, False, False)]
+)
+def test_session_persistence_only_with_resume_and_when_asked(grace, asked, pinned):
+    """Resumed streams must reach the pod that kept them: the rule gets the same session
+    cookie the Ingress uses, but only when asked (the field is Experimental channel)."""
+    m = model(
+        streaming={"resume": {"graceSeconds": grace}},
+        gateway={**GATEWAY, "sessionPersistence": asked},
+    )
+    route = desired_httproute(m)
+    validate_manifest(route, "1.35")
+    (rule,) = route["spec"]["rules"]
+    if pinned:
+        assert rule["sessionPersistence"] == {
+            "sessionName": "sluice-affinity",
+            "type": "Cookie",
+            "cookieConfig": {"lifetimeType": "Session"},
+        }
+        ingress = desired_ingress(model(streaming={"resume": {"graceSeconds": grace}},
+                                        ingress={"enabled": True}))  # fmt: skip
+        assert "sluice-affinity" in ingress["metadata"]["annotations"].values()
+    else:
+        assert "sessionPersistence" not in rule
+
+
 def test_route_url_and_no_route_without_gateway():
     m = model(gateway={**GATEWAY, "hostnames": ["chat.example.com"], "path": "/chat/"})
     assert route_url(m) == "http://chat.example.com/chat"
@@ -81,6 +107,8 @@ def test_schema_has_teeth():
         lambda r: r["spec"]["rules"][0].update(timeout="630s"),
         lambda r: r["spec"]["rules"][0]["matches"][0]["path"].update(type="Prefix"),
         lambda r: r["spec"].update(hostnames=["Chat.Example.com"]),
+        lambda r: r["spec"]["rules"][0].update(sessionPersistence={"type": "Sticky"}),
+        lambda r: r["spec"]["rules"][0].update(sessionPersistence={"cookieName": "x"}),
     ):
         bad = copy.deepcopy(route)
         breakage(bad)

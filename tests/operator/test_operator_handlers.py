@@ -501,7 +501,9 @@ def test_index_fed_passes_make_no_reads_and_a_settled_pass_no_call(cluster, monk
     monkeypatch.setattr(kopf, "event", lambda body, **kw: None)
     body = body_of(minimal(replicas=2))
     handlers.reconcile(**_kwargs(cluster, body))
-    assert cluster.reads() == [] and cluster.writes()  # applied and status written, no GET
+    # Applied and status written; one GET: the model is still there before creating.
+    assert cluster.reads() == [("get", "StreamingModel")] and cluster.writes()
+    cluster.calls.clear()
     cluster.set_deployment_status(
         "default", "m", replicas=2, readyReplicas=2, updatedReplicas=2, availableReplicas=2
     )
@@ -591,7 +593,28 @@ def test_deleted_child_event_recreates_it_from_memory(cluster, monkeypatch):
     gone = cluster.objects.pop(("Service", "default", "m"))
     cluster.calls.clear()
     handlers._owner_changed(gone, "default", cluster.memo, LOG, "DELETED")
-    assert cluster.writes() == [("apply", "Service")] and cluster.reads() == []
+    assert cluster.writes() == [("apply", "Service")]
+    assert cluster.reads() == [("get", "StreamingModel")]  # still there: create
+
+
+@pytest.mark.parametrize("model_deleted", [True, False])
+def test_children_of_a_model_memory_still_holds_are_not_recreated(
+    cluster, monkeypatch, model_deleted
+):
+    """The garbage collector removes the children of a deleted model while memory may still
+    hold the model (its DELETED event not yet processed): a pass asks the API server before
+    creating anything. Negative control: a model that is still there gets its child back."""
+    monkeypatch.setattr(kopf, "event", lambda body, **kw: None)
+    body = body_of(minimal())
+    handlers.reconcile(**_kwargs(cluster, body))
+    gone = cluster.objects.pop(("Deployment", "default", "m"))  # the garbage collector
+    cluster.watched.lag()  # the watch shows that, not yet the model's deletion
+    if model_deleted:
+        del cluster.objects[("StreamingModel", "default", "m")]
+    cluster.calls.clear()
+    handlers._owner_changed(gone, "default", cluster.memo, LOG, "DELETED")
+    assert cluster.reads() == [("get", "StreamingModel")]
+    assert cluster.writes() == ([] if model_deleted else [("apply", "Deployment")])
 
 
 def test_memory_prefers_the_newer_of_the_watch_and_its_own_write():
@@ -615,3 +638,43 @@ def test_memory_prefers_the_newer_of_the_watch_and_its_own_write():
     assert memory.get(SERVICE, "ns", "m") is None and len(memory) == 1  # the watch lags
     index[("ns", "m")] = [svc(15, 3)]  # made again after our delete
     assert memory.get(SERVICE, "ns", "m")["spec"]["port"] == 3 and len(memory) == 0
+
+
+def test_resync_thread_survives_a_failing_pass(cluster, monkeypatch):
+    import time
+
+    monkeypatch.setattr(kopf, "event", lambda body, **kw: None)
+    handlers.reconcile(**_kwargs(cluster, body_of(minimal())))
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(handlers, "converge", broken)
+    resync = handlers.Resync(cluster, cluster.memo.memory, 0.01, LOG)
+    resync.adopt_context()
+    resync.start()
+    try:
+        deadline = time.monotonic() + 5
+        while len(calls) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        resync.stop()
+    assert len(calls) >= 3  # every round tried again after the failure
+    assert len(handlers._locks) == 0
+
+
+def test_memory_keeps_objects_without_managed_fields():
+    from sluice_operator.kinds import SERVICE
+    from sluice_operator.memory import Memory, lean
+
+    obj = {
+        "kind": "Service",
+        "metadata": {"name": "m", "namespace": "ns", "resourceVersion": "3",
+                     "managedFields": [{"manager": "sluice-operator"}]},
+    }  # fmt: skip
+    assert "managedFields" not in lean(obj)["metadata"] and "managedFields" in obj["metadata"]
+    memory = Memory({SERVICE.index_id: {}})
+    memory.wrote(obj)
+    assert "managedFields" not in memory.get(SERVICE, "ns", "m")["metadata"]

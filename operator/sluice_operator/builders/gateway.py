@@ -11,8 +11,11 @@ Written against the `gateway.networking.k8s.io/v1` HTTPRoute of the Standard cha
 
 Gateway API has no request body size field: `spec.limits.maxRequestBytes` is enforced by
 the server behind the route (413), and per-implementation policies can add a proxy limit.
-Session persistence (`rules[].sessionPersistence`) is Experimental channel only, so it is
-not set: the route works on every conformant implementation with the Standard CRDs.
+Session persistence (`rules[].sessionPersistence`, a session cookie named like the
+Ingress's affinity cookie) brings a resumed stream (`streaming.resume.graceSeconds`) back to
+the pod that kept it. The field is in Gateway API's Experimental channel (v1.x), so it is
+set only when `gateway.sessionPersistence` asks for it: by default the route works on every
+conformant implementation with the Standard CRDs.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 
 from ..models.resource import StreamingModel
 from .common import PORT, metadata
-from .ingress import TIMEOUT_MARGIN_SECONDS
+from .ingress import AFFINITY_COOKIE, TIMEOUT_MARGIN_SECONDS
 
 API_VERSION = "gateway.networking.k8s.io/v1"
 
@@ -41,16 +44,19 @@ def desired_httproute(model: StreamingModel) -> dict[str, Any] | None:
         for p in gw.parent_refs
     ]
     timeout = route_timeout(model)
-    spec: dict[str, Any] = {
-        "parentRefs": parents,
-        "rules": [
-            {
-                "matches": [{"path": {"type": "PathPrefix", "value": gw.path}}],
-                "backendRefs": [{"name": model.name, "port": PORT}],
-                "timeouts": {"request": timeout, "backendRequest": timeout},
-            }
-        ],
+    rule: dict[str, Any] = {
+        "matches": [{"path": {"type": "PathPrefix", "value": gw.path}}],
+        "backendRefs": [{"name": model.name, "port": PORT}],
+        "timeouts": {"request": timeout, "backendRequest": timeout},
     }
+    if gw.session_persistence and model.spec.streaming.resume.grace_seconds:
+        # Experimental channel: a session cookie, gone when the browser session ends.
+        rule["sessionPersistence"] = {
+            "sessionName": AFFINITY_COOKIE,
+            "type": "Cookie",
+            "cookieConfig": {"lifetimeType": "Session"},
+        }
+    spec: dict[str, Any] = {"parentRefs": parents, "rules": [rule]}
     if gw.hostnames:
         spec["hostnames"] = list(gw.hostnames)
     return {

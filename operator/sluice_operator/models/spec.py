@@ -749,6 +749,15 @@ class GatewaySpec(ApiModel):
         description="Protocol of the Gateway listener, for the status URL (TLS is the "
         "Gateway's, not the route's).",
     )
+    session_persistence: bool = Field(
+        default=False,
+        description="With streaming.resume.graceSeconds > 0, pin each client to its pod with a "
+        "session cookie (sluice-affinity) on the route's rule, so a resumed stream reaches "
+        "the pod that kept it (rules[].sessionPersistence). That field is in the "
+        "Experimental channel of Gateway API v1.x, not the Standard one: turn this on only "
+        "where the Experimental HTTPRoute CRD is installed and the implementation supports "
+        "cookie session persistence (the Standard CRD drops the field).",
+    )
 
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
