@@ -347,7 +347,7 @@ def regression_rows(agg: dict, baseline: dict) -> list[dict]:
 def regression_table(rows: list[dict], baseline: dict) -> str:
     load = baseline.get("load_avg_at_start")
     lines = [
-        f"Against `{baseline['source']}` (`{baseline.get('command')}`"
+        f"Against {baseline['source']} (`{baseline.get('command')}`"
         + (f", load average at its start {', '.join(f'{x:.1f}' for x in load)}" if load else "")
         + f"), same server flags (`--api-workers 1`). Noise tolerance on a shared machine: "
         f"tok/s >= {REGRESSION_TPS_MIN:.2f}x and TTFT p50 <= {REGRESSION_TTFT_MAX:.2f}x of "

@@ -394,6 +394,8 @@ def main(argv=None) -> int:
             shown = base_path.resolve().relative_to(ROOT)
         except ValueError:
             shown = base_path
+        if args.baseline is None:
+            shown = f"{shown}, as it was before this run"
         baseline = baseline_from(json.loads(base_path.read_text()), str(shown))
     results: dict = {
         "command": " ".join(
