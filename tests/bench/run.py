@@ -40,7 +40,7 @@ from procs import (  # noqa: E402
     engine_env,
     separate_engines,
 )
-from report import SYSTEMS, write_all  # noqa: E402 (systems and their labels: report.py)
+from report import SYSTEMS, baseline_from, write_all  # noqa: E402 (systems, labels: report.py)
 from testkit.net import free_port  # noqa: E402
 from testkit.repo import ROOT  # noqa: E402
 
@@ -81,8 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--min-requests", type=int, default=8)
     p.add_argument("--systems", default=",".join(SYSTEMS))
-    p.add_argument("--crosscheck-concurrency", type=int, default=32)
-    p.add_argument("--crosscheck-rounds", type=int, default=3)
+    p.add_argument("--crosscheck-concurrency", type=int, default=64)
+    p.add_argument("--crosscheck-rounds", type=int, default=4)
     p.add_argument(
         "--settle-s",
         type=float,
@@ -106,9 +106,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smoke run: fewer points, short ramps")
     p.add_argument("--out", type=Path, default=ROOT / "docs")
     p.add_argument("--no-docs", action="store_true", help="write only bench-results.json")
+    p.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="earlier bench-results.json for the regression check "
+        "(default: the one in --out, read before this run replaces it)",
+    )
     a = p.parse_args(argv)
     if a.quick:
         a.concurrency, a.repeats, a.min_requests, a.crosscheck_rounds = "1,8", 1, 8, 1
+        a.crosscheck_concurrency = 8
         a.fanout_stages, a.fanout_itl_ms, a.fanout_hold_s = "100,300", "50", 2.0
     a.concurrency = [int(c) for c in a.concurrency.split(",")]
     a.systems = [s for s in a.systems.split(",") if s]
@@ -272,24 +280,26 @@ def run_matrix(args, run_point) -> list[dict]:
 
 
 def run_crosscheck(args, group, started, loadgen_run, model_path, env, scratch: Path, cpus) -> dict:
-    """vLLM's benchmark client and ours, alternating on the same point and prompts.
+    """vLLM's benchmark client and ours, on vLLM's server and our OpenAI route.
 
     The machine's load moves within seconds, so one back-to-back pair can differ by tens of
-    percent for reasons neither client controls: alternate for a few rounds and compare
-    medians (every round is kept in the results)."""
+    percent for reasons neither client controls: each round runs both clients on both
+    servers back to back (the servers' order alternating between rounds), so round i of
+    one server is comparable with round i of the other; medians over rounds and every
+    round are kept in the results."""
     conc = args.crosscheck_concurrency
     n = max(args.min_requests, int(args.requests_per_stream * conc))
     dataset = scratch / "prompts.jsonl"
     dataset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts()))
     logs = scratch / "logs"
-    bench = None
     out: dict = {"concurrency": conc, "num_requests": n, "rounds": args.crosscheck_rounds,
                  "targets": {}}  # fmt: skip
+    cmds = {}
     for system in ("vllm", "openai"):
         server = started.get(process_of(system))
         if server is None:
             continue
-        cmd = [
+        cmds[system] = [
             PY, str(HERE / "vllm_bench.py"), "--backend", "openai-chat",
             "--base-url", server.base_url, "--endpoint", "/v1/chat/completions",
             "--model", MODEL_NAME, "--tokenizer", str(model_path),
@@ -298,23 +308,26 @@ def run_crosscheck(args, group, started, loadgen_run, model_path, env, scratch: 
             "--num-prompts", str(n), "--max-concurrency", str(conc), "--request-rate", "inf",
             "--num-warmups", "0", "--disable-tqdm",
         ]  # fmt: skip
-        if bench is None:  # one worker: vLLM is imported once for every round
-            bench = group.add(
-                Worker("vllm-bench", [PY, str(HERE / "vllm_bench.py")], env, logs, cpus=cpus)
-            )
-        theirs_rounds, ours_rounds = [], []
-        for _ in range(args.crosscheck_rounds):
+        out["targets"][system] = {
+            "vllm_bench": [],
+            "ours": [],
+            "command": "python "
+            + shlex.join([str(Path(cmds[system][1]).relative_to(ROOT)), *cmds[system][2:]]),
+        }
+    if not cmds:
+        return out
+    # One worker: vLLM is imported once for every round.
+    bench = group.add(Worker("vllm-bench", [PY, str(HERE / "vllm_bench.py")], env, logs, cpus=cpus))
+    systems = list(cmds)
+    for rnd in range(args.crosscheck_rounds):
+        for system in systems if rnd % 2 == 0 else systems[::-1]:
+            target = out["targets"][system]
             settle(args.settle_s)
             try:
-                theirs_rounds.append(bench.call({"argv": cmd[2:]}, timeout=300))
+                target["vllm_bench"].append(bench.call({"argv": cmds[system][2:]}, timeout=300))
             except (RuntimeError, TimeoutError) as exc:
-                theirs_rounds.append({"error": str(exc)[-2000:]})
-            ours_rounds.append(loadgen_run(system, conc, n))
-        out["targets"][system] = {
-            "vllm_bench": theirs_rounds,
-            "ours": ours_rounds,
-            "command": "python " + shlex.join([str(Path(cmd[1]).relative_to(ROOT)), *cmd[2:]]),
-        }
+                target["vllm_bench"].append({"error": str(exc)[-2000:]})
+            target["ours"].append(loadgen_run(system, conc, n))
     return out
 
 
@@ -373,6 +386,17 @@ def main(argv=None) -> int:
     logs = scratch / "logs"
     logs.mkdir()
     env = engine_env(scratch)
+    # The regression check's reference: read now, before this run replaces the file.
+    base_path = args.baseline or out_dir / "bench-results.json"
+    baseline = None
+    if base_path.exists():
+        try:
+            shown = base_path.resolve().relative_to(ROOT)
+        except ValueError:
+            shown = base_path
+        if args.baseline is None:
+            shown = f"{shown}, as it was before this run"
+        baseline = baseline_from(json.loads(base_path.read_text()), str(shown))
     results: dict = {
         "command": " ".join(
             ["python tests/bench/run.py", shlex.join(argv if argv is not None else sys.argv[1:])]
@@ -395,6 +419,8 @@ def main(argv=None) -> int:
         },  # fmt: skip
         "phases_s": {},
     }
+    if baseline:
+        results["baseline"] = baseline
     print(f"bench: logs in {logs}", flush=True)
     with ProcGroup() as group:
         if not (args.skip_matrix and args.skip_crosscheck):

@@ -47,5 +47,6 @@ def test_quick_bench_runs_end_to_end(tmp_path):
     for name in ("bench-results.md", "bench-throughput.png", "bench-fanout.md", "benchmarks.md"):
         assert (tmp_path / name).stat().st_size > 0, name
     note = (tmp_path / "benchmarks.md").read_text()
+    assert "### Targets" in note and "| target | measured | met |" in note
     assert "### Cross-check with vLLM's benchmark client" in note
     assert "### Front-end workers (`--api-workers`): scaling with cores" in note
