@@ -35,7 +35,7 @@ def _pod(log_dir, *flags):
     scratch = tempfile.mkdtemp(prefix="sluice-pod-")
     env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "TMPDIR": scratch,
            "VLLM_CACHE_ROOT": os.path.join(scratch, "vllm")}  # fmt: skip
-    return start_pod(log_dir, "--model", "tiny", "--max-model-len", "512",
+    return start_pod(log_dir, "--model", "tiny", "--max-model-len", "4096",
                      "--drain-timeout-seconds", "60", *flags, env=env, timeout=START_S)  # fmt: skip
 
 
@@ -48,7 +48,7 @@ def pod(tmp_path_factory, tiny_model_path):
         proc.stop(timeout=60)
 
 
-async def _settled(c: httpx.AsyncClient, limit_s: float = 10.0) -> str:
+async def _settled(c: httpx.AsyncClient, limit_s: float = 30.0) -> str:
     """The pod's metrics once no stream is active and vLLM's token count stopped moving."""
     deadline, last = time.monotonic() + limit_s, None
     while True:
@@ -91,7 +91,9 @@ async def _on_worker(c: httpx.AsyncClient, worker: str, body: dict):
 @pytest.mark.parametrize("worker", ["0", "1"])
 async def test_disconnect_aborts_on_each_worker(pod, worker):
     _, url = pod
-    long = {"prompt": "The river", "max_tokens": 400, "ignore_eos": True}
+    # Long enough that a stream left running is unmistakable even when this machine's
+    # other work (another engine core busy-polling a CPU) delays the worker for seconds.
+    long = {"prompt": "The river", "max_tokens": 3000, "ignore_eos": True}
     c = client(url)
     probe = client(url)
     try:
@@ -111,7 +113,7 @@ async def test_disconnect_aborts_on_each_worker(pod, worker):
         before, "vllm:generation_tokens_total"
     )
     print(f"\nworker {worker}: {got} tokens read, {generated:.0f} generated in all")
-    assert got <= generated < long["max_tokens"] - 100  # cut short, not run to 400
+    assert got <= generated < long["max_tokens"] / 2  # cut short, not run to 3000
     for name in ("sluice_client_disconnects_total", "sluice_aborts_total"):
         assert metric(after, name, protocol="sse") - metric(before, name, protocol="sse") >= 1
 
@@ -154,7 +156,7 @@ async def test_a_dead_worker_makes_the_pod_not_ready_then_exit(tmp_path, tiny_mo
                         break
                 except httpx.TransportError:
                     pass  # a connection that went to the killed worker
-                assert time.monotonic() - t_kill < 5, "/ready did not turn 503"
+                assert time.monotonic() - t_kill < 30, "/ready did not turn 503"
                 await asyncio.sleep(0.02)
             results = await asyncio.gather(*streams, return_exceptions=True)
         finished = [r for r in results if isinstance(r, dict) and r["done"]]
