@@ -4,9 +4,13 @@ pod's `/metrics` as numbers."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import re
+import signal
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -91,3 +95,59 @@ async def read_stream(c: httpx.AsyncClient, max_tokens: int, key: str | None = N
                 out["last"] = json.loads(data)
                 out["tokens"] += 1
     return out
+
+
+async def _ready_turns_503(
+    c: httpx.AsyncClient, since: float, within_s: float, worker_killed: bool = False
+) -> None:
+    """Poll /ready until 503. With `worker_killed`, a connection that reaches the killed
+    worker's socket is retried; otherwise any transport error fails the test."""
+    while True:
+        try:
+            if (await c.get("/ready")).status_code == 503:
+                return
+        except httpx.TransportError:
+            if not worker_killed:
+                raise
+        assert time.monotonic() - since < within_s, "/ready did not turn 503"
+        await asyncio.sleep(0.02)
+
+
+async def drain_while_streaming(proc: ManagedProcess, url: str, *, streams: int, tokens: int,
+                                running_s: float, exit_s: float) -> None:  # fmt: skip
+    """SIGTERM the supervisor (only it, as the kubelet does) while `streams` reads run: /ready
+    turns 503 at once, a new stream is refused as draining, every read on both workers
+    finishes whole, and the pod exits 0."""
+    async with client(url) as c:
+        reads = [asyncio.create_task(read_stream(c, tokens)) for _ in range(streams)]
+        await asyncio.sleep(running_s)
+        assert not any(t.done() for t in reads)
+        proc.proc.send_signal(signal.SIGTERM)
+        await _ready_turns_503(c, time.monotonic(), within_s=5)
+        late = await c.post("/v1/stream", json={"prompt": "late", "max_tokens": 2})
+        assert late.status_code == 503 and late.json()["error"]["code"] == "draining"
+        results = await asyncio.gather(*reads)
+    assert {r["worker"] for r in results} == {"0", "1"}
+    for r in results:
+        assert r["done"] and r["last"]["finish_reason"] == "length", r
+        assert r["last"]["usage"]["completion_tokens"] == tokens
+    assert proc.proc.wait(timeout=exit_s) == 0, proc.tail()
+
+
+async def kill_a_worker_while_streaming(proc: ManagedProcess, url: str, *, streams: int,
+                                        tokens: int, running_s: float,
+                                        ready_within_s: float) -> list:  # fmt: skip
+    """SIGKILL the first worker while `streams` reads run on both: /ready turns 503 within
+    `ready_within_s`; the reads' results (dicts, or the errors of the killed worker's)."""
+    pids = worker_pids(proc)
+    assert len(pids) == 2, pids
+    async with client(url) as c:
+        # Streams on both workers keep the survivor draining (and answering) a while.
+        reads = [asyncio.create_task(read_stream(c, tokens)) for _ in range(streams)]
+        await asyncio.sleep(running_s)
+        os.kill(pids[0], signal.SIGKILL)
+        await _ready_turns_503(c, time.monotonic(), ready_within_s, worker_killed=True)
+        results = await asyncio.gather(*reads, return_exceptions=True)
+    finished = [r for r in results if isinstance(r, dict) and r["done"]]
+    assert finished and all(r["last"]["finish_reason"] == "length" for r in finished)
+    return results

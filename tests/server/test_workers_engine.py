@@ -18,13 +18,20 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import signal
 import tempfile
 import time
 
 import httpx
 import pytest
-from pod_helpers import client, metric, read_stream, scrape, start_pod, worker_pids
+from pod_helpers import (
+    client,
+    drain_while_streaming,
+    kill_a_worker_while_streaming,
+    metric,
+    read_stream,
+    scrape,
+    start_pod,
+)
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.engine, pytest.mark.slow]
 
@@ -120,47 +127,15 @@ async def test_disconnect_aborts_on_each_worker(pod, worker):
 
 async def test_sigterm_drains_every_worker_and_exits_zero(pod):
     proc, url = pod
-    async with client(url) as c:
-        streams = [asyncio.create_task(read_stream(c, 300)) for _ in range(8)]
-        await asyncio.sleep(2.0)
-        assert not any(t.done() for t in streams)
-        proc.proc.send_signal(signal.SIGTERM)  # the supervisor only, as the kubelet does
-        t_sig = time.monotonic()
-        while (await c.get("/ready")).status_code != 503:
-            assert time.monotonic() - t_sig < 5, "/ready did not turn 503"
-            await asyncio.sleep(0.02)
-        late = await c.post("/v1/stream", json={"prompt": "late", "max_tokens": 2})
-        assert late.status_code == 503 and late.json()["error"]["code"] == "draining"
-        results = await asyncio.gather(*streams)
-    assert {r["worker"] for r in results} == {"0", "1"}
-    for r in results:
-        assert r["done"] and r["last"]["finish_reason"] == "length", r
-        assert r["last"]["usage"]["completion_tokens"] == 300
-    assert proc.proc.wait(timeout=90) == 0, proc.tail()
+    await drain_while_streaming(proc, url, streams=8, tokens=300, running_s=2.0, exit_s=90)
 
 
 async def test_a_dead_worker_makes_the_pod_not_ready_then_exit(tmp_path, tiny_model_path):
     proc, url = _pod(tmp_path)
     try:
-        pids = worker_pids(proc)
-        assert len(pids) == 2, pids
-        async with client(url) as c:
-            # Streams on both workers keep the survivor draining (and answering) a while.
-            streams = [asyncio.create_task(read_stream(c, 400)) for _ in range(8)]
-            await asyncio.sleep(2.0)
-            os.kill(pids[0], signal.SIGKILL)
-            t_kill = time.monotonic()
-            while True:
-                try:
-                    if (await c.get("/ready")).status_code == 503:
-                        break
-                except httpx.TransportError:
-                    pass  # a connection that went to the killed worker
-                assert time.monotonic() - t_kill < 30, "/ready did not turn 503"
-                await asyncio.sleep(0.02)
-            results = await asyncio.gather(*streams, return_exceptions=True)
-        finished = [r for r in results if isinstance(r, dict) and r["done"]]
-        assert finished and all(r["last"]["finish_reason"] == "length" for r in finished)
+        await kill_a_worker_while_streaming(
+            proc, url, streams=8, tokens=400, running_s=2.0, ready_within_s=30
+        )
         assert proc.proc.wait(timeout=120) != 0, proc.tail()
         log = proc.log_path.read_text(errors="replace")
         # vLLM's wait names the worker (its exit code can read None: it is not reaped yet).

@@ -7,13 +7,18 @@ worker that dies takes the pod to not-ready and then down with a non-zero exit."
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
 
-import httpx
 import pytest
-from pod_helpers import client, metric, read_stream, scrape, start_pod, worker_pids
+from pod_helpers import (
+    client,
+    drain_while_streaming,
+    kill_a_worker_while_streaming,
+    metric,
+    read_stream,
+    scrape,
+    start_pod,
+)
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.slow]
 
@@ -102,24 +107,8 @@ async def test_concurrency_cap_and_rpm_are_the_pods(tmp_path, shared):
 async def test_sigterm_drains_every_worker_and_exits_zero(tmp_path):
     proc, url = start_pod(tmp_path, *SIM, "--sim-ttft-ms", "5", "--sim-itl-ms", "10",
                           "--drain-timeout-seconds", "30")  # fmt: skip
-    try:
-        async with client(url) as c:
-            streams = [asyncio.create_task(read_stream(c, 300)) for _ in range(12)]
-            await asyncio.sleep(1.0)  # all streaming (3 s each)
-            assert not any(t.done() for t in streams)
-            proc.proc.send_signal(signal.SIGTERM)  # the supervisor only, as the kubelet does
-            t_sig = time.monotonic()
-            while (await c.get("/ready")).status_code != 503:
-                assert time.monotonic() - t_sig < 5, "/ready did not turn 503"
-                await asyncio.sleep(0.02)
-            late = await c.post("/v1/stream", json={"prompt": "late", "max_tokens": 2})
-            assert late.status_code == 503 and late.json()["error"]["code"] == "draining"
-            results = await asyncio.gather(*streams)
-        assert {r["worker"] for r in results} == {"0", "1"}
-        for r in results:
-            assert r["done"] and r["last"]["finish_reason"] == "length", r
-            assert r["last"]["usage"]["completion_tokens"] == 300
-        assert proc.proc.wait(timeout=30) == 0, proc.tail()
+    try:  # 3 s streams, all running after 1 s
+        await drain_while_streaming(proc, url, streams=12, tokens=300, running_s=1.0, exit_s=30)
     finally:
         proc.stop()
 
@@ -128,27 +117,11 @@ async def test_a_dead_worker_makes_the_pod_not_ready_then_exit(tmp_path):
     proc, url = start_pod(tmp_path, *SIM, "--sim-ttft-ms", "5", "--sim-itl-ms", "10",
                           "--drain-timeout-seconds", "30")  # fmt: skip
     try:
-        pids = worker_pids(proc)
-        assert len(pids) == 2, pids
-        async with client(url) as c:
-            # Long streams on both workers keep the survivor draining (and answering).
-            streams = [asyncio.create_task(read_stream(c, 300)) for _ in range(12)]
-            await asyncio.sleep(1.0)
-            os.kill(pids[0], signal.SIGKILL)
-            t_kill = time.monotonic()
-            while True:
-                try:
-                    r = await c.get("/ready")
-                    if r.status_code == 503:
-                        break
-                except httpx.TransportError:
-                    pass  # the connection went to the killed worker's socket
-                assert time.monotonic() - t_kill < 5, "/ready did not turn 503"
-                await asyncio.sleep(0.02)
-            results = await asyncio.gather(*streams, return_exceptions=True)
+        results = await kill_a_worker_while_streaming(
+            proc, url, streams=12, tokens=300, running_s=1.0, ready_within_s=5
+        )
         # The survivor's streams finished (it drained); the killed worker's were cut.
         finished = [r for r in results if isinstance(r, dict) and r["done"]]
-        assert finished and all(r["last"]["finish_reason"] == "length" for r in finished)
         assert len(finished) < len(results)
         assert proc.proc.wait(timeout=45) != 0, proc.tail()
         assert "died with exit code -9" in proc.tail(60)
