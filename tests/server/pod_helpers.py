@@ -135,19 +135,52 @@ async def drain_while_streaming(proc: ManagedProcess, url: str, *, streams: int,
 
 
 async def kill_a_worker_while_streaming(proc: ManagedProcess, url: str, *, streams: int,
-                                        tokens: int, running_s: float,
-                                        ready_within_s: float) -> list:  # fmt: skip
-    """SIGKILL the first worker while `streams` reads run on both: /ready turns 503 within
-    `ready_within_s`; the reads' results (dicts, or the errors of the killed worker's)."""
+                                        tokens: int, running_s: float, ready_within_s: float,
+                                        hold_tokens: int) -> list:  # fmt: skip
+    """SIGKILL one worker while `streams` reads run on both: /ready turns 503 within
+    `ready_within_s`; the reads' results (dicts, or the errors of the killed worker's).
+
+    The 503 can only be seen while the survivor drains, which ends when its last stream
+    does. So a stream of `hold_tokens` is opened first, and the worker killed is the one
+    that does not serve it (found by its TCP connection): the survivor stays up, answering,
+    until the 503 was seen and the hold is closed."""
     pids = worker_pids(proc)
     assert len(pids) == 2, pids
     async with client(url) as c:
+        hold = await c.send(c.build_request("POST", "/v1/stream", json={
+            "prompt": "hold", "max_tokens": hold_tokens, "ignore_eos": True}), stream=True)  # fmt: skip
+        assert hold.status_code == 200, await hold.aread()
+        holder = _serving_pid(pids, hold.extensions["network_stream"])
+        reading = asyncio.create_task(_discard(hold))
         # Streams on both workers keep the survivor draining (and answering) a while.
         reads = [asyncio.create_task(read_stream(c, tokens)) for _ in range(streams)]
         await asyncio.sleep(running_s)
-        os.kill(pids[0], signal.SIGKILL)
-        await _ready_turns_503(c, time.monotonic(), ready_within_s, worker_killed=True)
+        assert not reading.done(), "the held stream ended before the kill"
+        os.kill(next(p for p in pids if p != holder), signal.SIGKILL)
+        try:
+            await _ready_turns_503(c, time.monotonic(), ready_within_s, worker_killed=True)
+        except AssertionError as e:
+            raise AssertionError(f"{e}; the pod's log ends:\n{proc.tail(40)}") from None
+        finally:
+            reading.cancel()
+            await asyncio.gather(reading, return_exceptions=True)
+            await hold.aclose()
         results = await asyncio.gather(*reads, return_exceptions=True)
     finished = [r for r in results if isinstance(r, dict) and r["done"]]
     assert finished and all(r["last"]["finish_reason"] == "length" for r in finished)
     return results
+
+
+def _serving_pid(pids: list[int], stream) -> int:
+    """The worker whose accepted socket is the other end of this client connection."""
+    here = stream.get_extra_info("client_addr")
+    for pid in pids:
+        for conn in psutil.Process(pid).net_connections(kind="tcp"):
+            if conn.raddr and (conn.raddr.ip, conn.raddr.port) == tuple(here):
+                return pid
+    raise AssertionError(f"no worker holds the connection from {here}")
+
+
+async def _discard(r: httpx.Response) -> None:
+    async for _ in r.aiter_raw():
+        pass

@@ -134,7 +134,13 @@ async def test_a_dead_worker_makes_the_pod_not_ready_then_exit(tmp_path, tiny_mo
     proc, url = _pod(tmp_path)
     try:
         await kill_a_worker_while_streaming(
-            proc, url, streams=8, tokens=400, running_s=2.0, ready_within_s=30
+            proc,
+            url,
+            streams=8,
+            tokens=400,
+            running_s=2.0,
+            ready_within_s=30,
+            hold_tokens=3000,
         )
         assert proc.proc.wait(timeout=120) != 0, proc.tail()
         log = proc.log_path.read_text(errors="replace")

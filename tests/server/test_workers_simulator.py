@@ -118,7 +118,13 @@ async def test_a_dead_worker_makes_the_pod_not_ready_then_exit(tmp_path):
                           "--drain-timeout-seconds", "30")  # fmt: skip
     try:
         results = await kill_a_worker_while_streaming(
-            proc, url, streams=12, tokens=300, running_s=1.0, ready_within_s=5
+            proc,
+            url,
+            streams=12,
+            tokens=300,
+            running_s=1.0,
+            ready_within_s=5,
+            hold_tokens=3000,
         )
         # The survivor's streams finished (it drained); the killed worker's were cut.
         finished = [r for r in results if isinstance(r, dict) and r["done"]]
