@@ -34,7 +34,7 @@ run: venv ## Start just the server on the tiny local model (port 8000)
 	$(PY) -m sluice_server --model tiny --port 8000
 
 test: lint ## Lint, then all tests (unit, real-engine, nginx, helm, schemathesis); e2e runs when K8S_ASSETS is set
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=25
 
 test-e2e: venv tools ## Every test that needs a real control plane (marked e2e, anywhere in tests/; needs K8S_ASSETS)
 	$(PY) -m pytest tests -m e2e
