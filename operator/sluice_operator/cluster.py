@@ -22,12 +22,24 @@ def collection_path(api_version: str, kind: str, namespace: str) -> str:
     return f"{prefix}/namespaces/{namespace}/{plural_of(api_version, kind)}"
 
 
+def object_path(manifest: dict[str, Any]) -> str:
+    meta = manifest["metadata"]
+    collection = collection_path(manifest["apiVersion"], manifest["kind"], meta["namespace"])
+    return f"{collection}/{meta['name']}"
+
+
 class Cluster(Protocol):
     def get(
         self, api_version: str, kind: str, namespace: str, name: str
     ) -> dict[str, Any] | None: ...
 
     def apply(self, manifest: dict[str, Any]) -> dict[str, Any]: ...
+
+    def replace_lists(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """A JSON merge patch (RFC 7386) of the manifest's content (`spec`, a ConfigMap's
+        `data`): maps merge key by key, every list in it replaces the live one whole
+        (entries other managers added go)."""
+        ...
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None: ...
 
@@ -107,8 +119,7 @@ class KubeCluster:
             raise
 
     def apply(self, manifest):
-        meta = manifest["metadata"]
-        path = f"{collection_path(manifest['apiVersion'], manifest['kind'], meta['namespace'])}/{meta['name']}"
+        path = object_path(manifest)
         # JSON is YAML: the apply-patch content type takes the JSON body as is. force: the
         # operator owns these fields; a hand edit must not block convergence.
         return self._call(
@@ -117,6 +128,16 @@ class KubeCluster:
             query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
             body=manifest,
             content_type="application/apply-patch+yaml",
+        )
+
+    def replace_lists(self, manifest):
+        path = object_path(manifest)
+        return self._call(
+            "PATCH",
+            path,
+            query=[("fieldManager", FIELD_MANAGER)],
+            body={k: v for k, v in manifest.items() if k not in ("apiVersion", "kind", "metadata")},
+            content_type="application/merge-patch+json",
         )
 
     def delete(self, api_version, kind, namespace, name):

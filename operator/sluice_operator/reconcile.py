@@ -217,6 +217,25 @@ def _converge(
                 raise _OwnerGone
             confirmed = True
 
+    def apply_child(manifest: dict[str, Any], exists: bool) -> dict[str, Any]:
+        """Server-side apply; for a child that exists, put its lists back when the apply
+        alone cannot. Server-side apply keeps list entries another manager added (a Service
+        port edited by hand, a container patched in): they stay after the apply, or make it
+        invalid (two ports named `http`). Then the spec's lists are replaced whole (a merge
+        patch) and the apply runs once more; a 422 from that is the spec's own fault."""
+        try:
+            applied = cluster.apply(manifest)
+            if not exists or contains(manifest, applied):
+                return applied
+        except Exception as exc:
+            if not exists or getattr(exc, "status", None) not in (400, 422):
+                raise
+        kind = manifest["kind"]
+        post_event("Warning", "ChildRepaired",
+                   f"the {kind} had entries the operator does not own; its lists were replaced")  # fmt: skip
+        cluster.replace_lists(manifest)
+        return cluster.apply(manifest)
+
     def converge_child(child: Kind) -> None:
         kind = child.kind
         manifest = desired[kind]
@@ -238,7 +257,7 @@ def _converge(
         if current is None:
             confirm_owner()
         try:
-            live[kind] = reads.wrote(cluster.apply(manifest))
+            live[kind] = reads.wrote(apply_child(manifest, current is not None))
         except Exception as exc:
             if getattr(exc, "status", None) not in (400, 422):
                 raise

@@ -205,6 +205,20 @@ def test_children_edited_or_deleted_by_hand_are_restored(operator, admin, models
     )
     assert restored.spec.ports[0].port == 8000
 
+    # A port edited by hand changes hands: server-side apply alone would keep it next to
+    # ours, and the API server refuses two ports named "http". The operator replaces the list.
+    edit = [{"op": "replace", "path": "/spec/ports/0/port", "value": 9999}]
+    models.core.patch_namespaced_service(name, namespace, edit)  # a JSON patch
+    wait_for(
+        lambda: (
+            [p.port for p in models.core.read_namespaced_service(name, namespace).spec.ports]
+            == [8000]
+        ),
+        timeout=15,
+        what="the hand-edited Service port to be put back, alone",
+    )
+    assert (models.condition(namespace, name, "SpecValid") or {}).get("status") != "False"
+
     image = children["Deployment"].spec.template.spec.containers[0].image
     container = children["Deployment"].spec.template.spec.containers[0].name
     models.apps.patch_namespaced_deployment(

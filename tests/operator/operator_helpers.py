@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import yaml
+from kubernetes.client.exceptions import ApiException
 from sluice_operator.kinds import INDEXED_KINDS
 from sluice_operator.memory import Memory, index_key
 from testkit.repo import ROOT
@@ -104,6 +105,22 @@ def merge_patch(target, patch):
     return out
 
 
+def _keep_foreign_ports(obj: dict, old: dict | None, last: dict | None) -> None:
+    """Server-side apply on a Service's ports (a list map keyed by port): entries this
+    manager never applied stay; two ports with one name are invalid (422)."""
+    ours = {p["port"] for p in ((last or {}).get("spec") or {}).get("ports", [])}
+    want = {p["port"] for p in obj["spec"]["ports"]}
+    for port in ((old or {}).get("spec") or {}).get("ports", []):
+        if port["port"] not in ours | want:
+            obj["spec"]["ports"].append(copy.deepcopy(port))
+    names = [p.get("name") for p in obj["spec"]["ports"]]
+    if len(names) != len(set(names)):
+        exc = ApiException(status=422, reason="Unprocessable Entity")
+        exc.body = json.dumps({"kind": "Status", "message": f'Service "{obj["metadata"]["name"]}" '
+                               'is invalid: spec.ports[1].name: Duplicate value: "http"'})  # fmt: skip
+        raise exc
+
+
 def with_status(body, cluster):
     """The object as the next watch event would deliver it (status as the fake stores it)."""
     body = copy.deepcopy(body)
@@ -163,6 +180,7 @@ class FakeCluster:
         self.statuses: list[dict] = []  # the whole status after each patch
         self.stored_status: dict[tuple[str, str], dict] = {}  # (namespace, name) -> stored status
         self.fail_with = None  # exception to raise on the next write
+        self.applied: dict[tuple[str, str, str], dict] = {}  # key -> the last manifest applied
         self._revisions = itertools.count(1)
         self.watched = Watched(self)
         self.memo = SimpleNamespace(cluster=self, memory=Memory(self.watched))
@@ -177,7 +195,9 @@ class FakeCluster:
         return (kind, namespace, name)
 
     def writes(self) -> list[tuple[str, str]]:
-        return [c for c in self.calls if c[0] in ("apply", "delete", "patch_status")]
+        return [
+            c for c in self.calls if c[0] in ("apply", "replace_lists", "delete", "patch_status")
+        ]
 
     def get(self, api_version, kind, namespace, name):
         self.calls.append(("get", kind))
@@ -191,7 +211,8 @@ class FakeCluster:
             raise exc
         obj = copy.deepcopy(manifest)
         meta = obj["metadata"]
-        old = self.objects.get(self._key(obj["kind"], meta["namespace"], meta["name"]))
+        key = self._key(obj["kind"], meta["namespace"], meta["name"])
+        old = self.objects.get(key)
         meta["generation"] = (old or {}).get("metadata", {}).get("generation", 0) + 1
         meta.setdefault("uid", f"uid-{obj['kind'].lower()}")
         if obj["kind"] == "Deployment":  # server-side defaults the operator must not fight
@@ -202,9 +223,26 @@ class FakeCluster:
             obj["status"] = (old or {}).get("status") or {"observedGeneration": meta["generation"]}
         if obj["kind"] == "Service":
             obj["spec"]["clusterIP"] = "10.0.0.10"
+            _keep_foreign_ports(obj, old, self.applied.get(key))
+        self.applied[key] = copy.deepcopy(manifest)
         self._bump(obj)
-        self.objects[self._key(obj["kind"], meta["namespace"], meta["name"])] = obj
+        self.objects[key] = obj
         return copy.deepcopy(obj)
+
+    def replace_lists(self, manifest):
+        self.calls.append(("replace_lists", manifest["kind"]))
+        meta = manifest["metadata"]
+        key = self._key(manifest["kind"], meta["namespace"], meta["name"])
+        content = {k: v for k, v in manifest.items() if k not in ("apiVersion", "kind", "metadata")}
+        self.objects[key] = merge_patch(self.objects[key], content)
+        self.applied.pop(key, None)  # the entries are this manager's again, as one write
+        self._bump(self.objects[key])
+        return copy.deepcopy(self.objects[key])
+
+    def edit_service_port(self, namespace, name, port):
+        """A hand edit (`kubectl patch --type json`) of the first port: the entry changes
+        hands, so an apply no longer removes it (server-side apply's list-map ownership)."""
+        self.objects[("Service", namespace, name)]["spec"]["ports"][0]["port"] = port
 
     def delete(self, api_version, kind, namespace, name):
         self.calls.append(("delete", kind))

@@ -70,11 +70,59 @@ def test_noop_counting_has_teeth(cluster):
     body = body_of(minimal())
     converge(cluster, body, Events(), now=NOW)
     body = with_status(body, cluster)
-    cluster.objects[("Service", "default", "m")]["spec"]["ports"][0]["port"] = 9999
+    cluster.objects[("Service", "default", "m")]["spec"]["ports"][0]["appProtocol"] = "grpc"
     cluster.calls.clear()
     out = converge(cluster, body, Events(), now=NOW)
     assert out.applied == ["Service"] and cluster.writes() == [("apply", "Service")]
-    assert cluster.objects[("Service", "default", "m")]["spec"]["ports"][0]["port"] == 8000
+    assert cluster.objects[("Service", "default", "m")]["spec"]["ports"][0]["appProtocol"] == "http"
+
+
+def test_a_hand_edited_list_entry_is_replaced_not_reported_as_invalid(cluster):
+    # A port edited by hand is another manager's entry: the apply keeps it next to ours and
+    # the API server refuses two ports named "http". The lists are replaced, then applied.
+    body = body_of(minimal())
+    converge(cluster, body, Events(), now=NOW)
+    body = with_status(body, cluster)
+    cluster.edit_service_port("default", "m", 9999)
+    cluster.calls.clear()
+    events = Events()
+    out = converge(cluster, body, events, now=NOW)
+    assert out.applied == ["Service"]
+    assert cluster.writes() == [("apply", "Service"), ("replace_lists", "Service"),
+                                ("apply", "Service")]  # fmt: skip
+    assert [p["port"] for p in cluster.objects[("Service", "default", "m")]["spec"]["ports"]] == [
+        8000
+    ]
+    assert [e[1] for e in events] == ["ChildRepaired", "Reconciled"]
+    assert not [c for c in cluster.statuses[-1].get("conditions", []) if c["status"] == "False"
+                and c["type"] == "SpecValid"]  # fmt: skip
+    cluster.calls.clear()
+    assert not converge(cluster, with_status(body, cluster), Events(), now=NOW).applied
+
+
+def test_a_child_the_api_server_refuses_after_the_repair_is_an_invalid_spec(cluster, monkeypatch):
+    # Negative control: what the repair cannot fix (the spec itself) is still reported.
+    body = body_of(minimal())
+    converge(cluster, body, Events(), now=NOW)
+    apply = cluster.apply
+
+    def refuse_deployments(manifest):
+        if manifest["kind"] == "Deployment":
+            cluster.calls.append(("apply", "Deployment"))
+            exc = ApiException(status=422, reason="Unprocessable Entity")
+            exc.body = '{"message": "spec.template.spec.affinity: bad"}'
+            raise exc
+        return apply(manifest)
+
+    monkeypatch.setattr(cluster, "apply", refuse_deployments)
+    cluster.objects[("Deployment", "default", "m")]["spec"]["paused"] = True  # drifted
+    cluster.objects[("Deployment", "default", "m")]["metadata"]["annotations"].clear()
+    cluster.calls.clear()
+    with pytest.raises(SpecError, match="rejected the Deployment: spec.template.spec.affinity"):
+        converge(cluster, with_status(body, cluster), Events(), now=NOW)
+    assert ("replace_lists", "Deployment") in cluster.writes()
+    cond = {c["type"]: c for c in cluster.statuses[-1]["conditions"]}["SpecValid"]
+    assert cond["status"] == "False"
 
 
 def test_deleted_child_is_recreated(cluster):
@@ -524,7 +572,7 @@ def test_resync_restores_a_hand_edit_it_was_not_told_about(cluster, monkeypatch)
     monkeypatch.setattr(kopf, "event", lambda body, **kw: None)
     body = body_of(minimal())
     handlers.reconcile(**_kwargs(cluster, body))
-    cluster.objects[("Service", "default", "m")]["spec"]["ports"][0]["port"] = 9999
+    cluster.objects[("Service", "default", "m")]["spec"]["ports"][0]["appProtocol"] = "grpc"
     cluster.calls.clear()
     _resync(cluster)
     assert cluster.writes() == [("apply", "Service")] and cluster.reads() == []
