@@ -218,21 +218,21 @@ def _converge(
             confirmed = True
 
     def apply_child(manifest: dict[str, Any], exists: bool) -> dict[str, Any]:
-        """Server-side apply; for a child that exists, put its lists back when the apply
-        alone cannot. Server-side apply keeps list entries another manager added (a Service
-        port edited by hand, a container patched in): they stay after the apply, or make it
-        invalid (two ports named `http`). Then the spec's lists are replaced whole (a merge
-        patch) and the apply runs once more; a 422 from that is the spec's own fault."""
+        """Server-side apply; for a child that exists and the API server refuses, replace
+        its lists and apply once more. Server-side apply keeps list entries another manager
+        added, and a Service port edited by hand is such an entry: it stays next to ours and
+        the API server refuses two ports named `http`, whatever the spec says. A refusal
+        after the lists were replaced (a merge patch) is the spec's own fault. Entries the
+        API server accepts (a container patched in) are left alone: they are someone else's."""
         try:
-            applied = cluster.apply(manifest)
-            if not exists or contains(manifest, applied):
-                return applied
+            return cluster.apply(manifest)
         except Exception as exc:
             if not exists or getattr(exc, "status", None) not in (400, 422):
                 raise
+            message = _api_message(exc)
         kind = manifest["kind"]
         post_event("Warning", "ChildRepaired",
-                   f"the {kind} had entries the operator does not own; its lists were replaced")  # fmt: skip
+                   f"the API server refused the {kind} ({message}); its lists were replaced")  # fmt: skip
         cluster.replace_lists(manifest)
         return cluster.apply(manifest)
 
