@@ -13,7 +13,8 @@ import shutil
 import httpx
 import pytest
 import pytest_asyncio
-from app_helpers import serve_simulator
+import websockets
+from app_helpers import serve_simulator, ws_url
 from sluice_server.core.auth import key_id
 from sluice_server.engine.simulator import SimulatorEngine
 
@@ -90,8 +91,6 @@ async def test_each_key_has_its_plan_and_metrics_name_tenants(sim, tmp_path, cap
 
 
 async def test_jwt_bearer_only_the_valid_token_is_admitted(sim, tmp_path, caplog, capfd):
-    import websockets
-    from app_helpers import ws_url
     from jwt_helpers import AUDIENCE, ISSUER, Issuer, bad_tokens, jwks
 
     issuer = Issuer("rsa-1")
@@ -122,13 +121,24 @@ async def test_jwt_bearer_only_the_valid_token_is_admitted(sim, tmp_path, caplog
                                           "params": {"max_tokens": 1}}))  # fmt: skip
                 while not json.loads(await asyncio.wait_for(ws.recv(), 10)).get("finished"):
                     pass
+            # A socket outlives its token: past `exp` (and the 30 s leeway) it starts no more.
+            ending = issuer.token(ttl=-28.5, tenant="webapp", sub="user-ws")
+            async with websockets.connect(ws_url(url) + f"?api_key={ending}") as ws:
+                await ws_generate(ws, "while valid")
+                while not json.loads(await asyncio.wait_for(ws.recv(), 10)).get("finished"):
+                    pass
+                await asyncio.sleep(2.0)
+                await ws_generate(ws, "expired")
+                refused = json.loads(await asyncio.wait_for(ws.recv(), 10))
+                assert refused.get("type") == "error", refused
+                assert refused["error"]["code"] == "invalid_token", refused
             for token in (bad["expired"], bad["alg none"]):
                 with pytest.raises(websockets.InvalidStatus) as info:
                     async with websockets.connect(ws_url(url) + f"?api_key={token}"):
                         pass
                 assert info.value.response.status_code == 401
             metrics = (await c.get("/metrics")).text
-    assert 'result="admitted",tenant="webapp"} 3.0' in metrics
+    assert 'result="admitted",tenant="webapp"} 4.0' in metrics
     secrets = [good, fresh, ACME, FREE, PLAIN, *bad.values()]
     secrets += [t.rsplit(".", 1)[-1] for t in secrets if t.count(".") == 2]  # signatures
     lines = server_log_lines(caplog, capfd)
@@ -177,6 +187,10 @@ async def wait_for_reload(c: httpx.AsyncClient, file: str, result: str, count: f
     raise AssertionError(f"no {result} reload of {file} within 5 s")
 
 
+async def ws_generate(ws, rid: str) -> None:
+    await ws.send(json.dumps({"id": rid, "prompt": "a", "params": {"max_tokens": 2}}))
+
+
 async def test_key_rotation_without_restart_while_a_stream_runs(tmp_path, caplog, capfd):
     caplog.set_level(logging.INFO)
     slow = SimulatorEngine(model_name="sim", ttft_ms=0, itl_ms=20)
@@ -186,7 +200,13 @@ async def test_key_rotation_without_restart_while_a_stream_runs(tmp_path, caplog
     try:
         async with serve_simulator(slow, api_key_file=secret.root / "api-keys",
                                    credentials_reload_seconds=0.1) as url:  # fmt: skip
-            async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+            async with (
+                httpx.AsyncClient(base_url=url, timeout=30) as c,
+                websockets.connect(ws_url(url), additional_headers=auth(old)) as ws_before,
+            ):
+                await ws_generate(ws_before, "before")
+                while not json.loads(await asyncio.wait_for(ws_before.recv(), 10)).get("finished"):
+                    pass
                 assert (await stream(c, new)).status_code == 401
                 body = {"prompt": "a b", "max_tokens": 100}  # 2 s of tokens
                 async with c.stream("POST", "/v1/stream", json=body, headers=auth(old)) as r:
@@ -198,6 +218,12 @@ async def test_key_rotation_without_restart_while_a_stream_runs(tmp_path, caplog
                     await wait_for_reload(c, "api_keys", "ok", 1)
                     assert (await stream(c, old)).status_code == 401
                     assert (await stream(c, new)).status_code == 200
+                    # A socket opened with the old key starts nothing more (one opened
+                    # before the rotation: `ws_before`, which generated once then).
+                    await ws_generate(ws_before, "after")
+                    refused = json.loads(await asyncio.wait_for(ws_before.recv(), 10))
+                    assert refused.get("type") == "error" and refused["id"] == "after", refused
+                    assert refused["error"]["type"] == "authentication_error", refused
                     rest = [ln async for ln in lines if ln.startswith("data:")]
                 final = json.loads(rest[-2][6:])
                 assert rest[-1] == "data: [DONE]" and final["finish_reason"] == "length"

@@ -73,12 +73,18 @@ class Services:
         conn.state.protocol = protocol
         trail = trail_of(conn)
         trail.protocol = protocol
-        try:
-            who = self.credentials.authenticate(api_key_of(conn, allow_query))
-        except ApiError as e:
-            raise self._counted(protocol, e) from None
+        who = self.authenticate(protocol, api_key_of(conn, allow_query))
         trail.kid, trail.tenant = who.id, who.tenant
         return who
+
+    def authenticate(self, protocol: str, presented: str | None) -> Principal:
+        """The caller of a credential as the server knows it now, or 401 (counted). A
+        WebSocket asks again for every generation it starts: a key a reload removed, or a
+        token past its expiry, starts nothing more on a socket opened with it."""
+        try:
+            return self.credentials.authenticate(presented)
+        except ApiError as e:
+            raise self._counted(protocol, e) from None
 
     async def admit(self, protocol: str, who: Principal) -> None:
         """Drain and capacity first (no limiter call for a request refused anyway), then the

@@ -4,8 +4,10 @@ Client frames: `{"id", "prompt"|"messages", "params": {...}}` starts one;
 `{"type": "stop", "id"}` stops one at once. Server frames: `{"id", "index", "token",
 "finished": false}`, a final `{"id", "index", "token": "", "finished": true,
 "finish_reason", "usage"}`, and `{"id", "type": "error", "error": {...}}`. A bad frame gets
-an error frame and the socket stays usable. Pings are the WebSocket protocol's own
-(uvicorn `ws_ping_interval` = --heartbeat-seconds).
+an error frame and the socket stays usable. The handshake's credential is checked again for
+every generation: once a reload removed the key, or the token expired, a new one gets a 401
+error frame (generations already running go on, as an HTTP stream does). Pings are the
+WebSocket protocol's own (uvicorn `ws_ping_interval` = --heartbeat-seconds).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from ..core.events import DISCONNECTED, FAILED, Failed, Finished, Meter, Stopped
 from ..core.identity import Principal
 from ..core.lifecycle import open_stream
 from ..core.params import to_stream_request
-from ..core.services import Services, services, trail_of
+from ..core.services import Services, api_key_of, services, trail_of
 from ..core.stream import Stream
 from ..core.trail import Trail
 from ..transport.cors import websocket_origin_allowed
@@ -58,7 +60,7 @@ async def ws_stream(ws: WebSocket) -> None:
         await _deny(ws, e)
         return
     await ws.accept()
-    await Connection(ws, svc, trail_of(ws), who).run()
+    await Connection(ws, svc, trail_of(ws), who, api_key_of(ws, allow_query=True)).run()
 
 
 async def _deny(ws: WebSocket, e: ApiError) -> None:
@@ -74,8 +76,10 @@ class Connection:
     (each task's own cleanup then aborts its engine request). Each generation has its own
     trail (the handshake's request id, the client's `id` as `stream`)."""
 
-    def __init__(self, ws: WebSocket, svc: Services, trail: Trail, who: Principal) -> None:
+    def __init__(self, ws: WebSocket, svc: Services, trail: Trail, who: Principal,
+                 credential: str | None) -> None:  # fmt: skip
         self.ws, self.svc, self.trail, self.who = ws, svc, trail, who
+        self.credential = credential
         self.tasks: dict[str, asyncio.Task] = {}
         self.streams: dict[str, Stream] = {}
         self.lock = asyncio.Lock()
@@ -139,6 +143,8 @@ class Connection:
         svc = self.svc
         trail = self.trail.child(str(rid), t0)
         try:
+            self.who = svc.authenticate(PROTOCOL, self.credential)
+            trail.kid, trail.tenant = self.who.id, self.who.tenant
             engine = await svc.require_engine()
             req = to_stream_request(body, f"ws-{uuid.uuid4().hex}", engine,
                                     svc.settings.model_label)  # fmt: skip
