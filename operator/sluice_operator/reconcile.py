@@ -23,6 +23,12 @@ from typing import Any
 
 import kopf
 
+from .builders.common import HASH_ANNOTATION
+from .builders.gateway import (
+    schema_lacks_session_persistence,
+    session_persistence_dropped,
+    without_session_persistence,
+)
 from .builders.keda import keda_hpa_name
 from .cluster import Cluster, LiveReads
 from .kinds import (
@@ -38,6 +44,7 @@ from .kinds import (
 from .memory import Memory
 from .status import (
     GATEWAY_CONDITION,
+    SESSION_PERSISTENCE_DROPPED,
     compute_status,
     deployment_settled,
     had_pod_monitor,
@@ -47,7 +54,6 @@ from .status import (
 )
 from .validation import SpecError, load_model
 
-HASH_ANNOTATION = "serving.sluice.dev/applied-hash"
 log = logging.getLogger("sluice_operator.reconcile")
 
 PostEvent = Callable[[str, str, str], None]  # (type, reason, message)
@@ -236,6 +242,19 @@ def _converge(
         cluster.replace_lists(manifest)
         return cluster.apply(manifest)
 
+    def apply_without_what_the_schema_lacks(
+        manifest: dict[str, Any], current: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        """`apply_child`; a route the Standard-channel CRD refuses for its sessionPersistence
+        is applied without it (same applied-hash, so later passes compare it without)."""
+        try:
+            return apply_child(manifest, current is not None)
+        except Exception as exc:
+            if not schema_lacks_session_persistence(exc):
+                raise
+        post_event("Warning", "SessionPersistenceUnsupported", SESSION_PERSISTENCE_DROPPED)
+        return apply_child(without_session_persistence(manifest), current is not None)
+
     def converge_child(child: Kind) -> None:
         kind = child.kind
         manifest = desired[kind]
@@ -251,13 +270,17 @@ def _converge(
             live[kind] = None
             return
         manifest = _adopt(manifest, body)
+        if session_persistence_dropped(manifest, current):
+            # A Standard-channel CRD has no such field: compare what the API server keeps
+            # (status says so), or every pass would apply the route again.
+            manifest = without_session_persistence(manifest)
         if in_sync(manifest, current):
             live[kind] = current
             return
         if current is None:
             confirm_owner()
         try:
-            live[kind] = reads.wrote(apply_child(manifest, current is not None))
+            live[kind] = reads.wrote(apply_without_what_the_schema_lacks(manifest, current))
         except Exception as exc:
             if getattr(exc, "status", None) not in (400, 422):
                 raise

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .builders.common import selector_string
-from .builders.gateway import route_url
+from .builders.gateway import route_url, wants_session_persistence
 from .builders.hpa import ttft_metric_name
 from .builders.ingress import ingress_url
 from .builders.service import service_url
@@ -142,12 +142,25 @@ def urls(
 GATEWAY_CONDITION = "GatewayRoute"
 
 
+SESSION_PERSISTENCE_DROPPED = (
+    "the HTTPRoute CRD installed has no rules[].sessionPersistence (Gateway API's Standard "
+    "channel), so the route is applied without it: install the Experimental channel CRDs, or "
+    "turn gateway.sessionPersistence off. Until then a resumed stream may reach another pod "
+    "and get a 404"
+)
+
+
 def gateway_condition(
-    route: Mapping[str, Any] | None, problem: str | None = None
+    route: Mapping[str, Any] | None, problem: str | None = None, persistence: bool = False
 ) -> dict[str, str]:
-    """GatewayRoute: whether every parent Gateway accepted the HTTPRoute (its status.parents)."""
+    """GatewayRoute: whether every parent Gateway accepted the HTTPRoute (its status.parents),
+    and, with `persistence` asked for, whether the stored route kept its sessionPersistence."""
     if problem:
         return _cond(GATEWAY_CONDITION, False, "GatewayAPIUnavailable", problem)
+    rules = ((route or {}).get("spec") or {}).get("rules") or []
+    if persistence and rules and not any("sessionPersistence" in r for r in rules):
+        return _cond(GATEWAY_CONDITION, False, "SessionPersistenceDropped",
+                     SESSION_PERSISTENCE_DROPPED)  # fmt: skip
     parents = ((route or {}).get("status") or {}).get("parents") or []
     refused = []
     for parent in parents:
@@ -303,7 +316,7 @@ def compute_status(
     out = _compute_status(model, generation, deployment, pods, ingress, previous, now, hpa)
     if model.spec.gateway is not None:
         out["conditions"] += _stamp(
-            [gateway_condition(route, route_problem)],
+            [gateway_condition(route, route_problem, wants_session_persistence(model))],
             previous.get("conditions") or [],
             now,
             generation,

@@ -5,7 +5,8 @@ crash loop); then with an HTTPRoute CRD whose schema is the strict one written f
 Gateway API reference (`tests/operator/schemas/gateway-httproute.schema.json`: the official
 CRD files are not in any registry reachable here), so the API server validates every route
 the operator writes; Ingress <-> Gateway switches leave exactly one; garbage collection
-removes the route. No Gateway controller runs, so nothing accepts the route: the condition
+removes the route; and with the Standard channel's CRD (no sessionPersistence) a route that
+asks for it is applied without it, with the condition saying so. No Gateway controller runs, so nothing accepts the route: the condition
 stays Unknown/Pending, which is what a cluster without a controller for the parent shows.
 """
 
@@ -238,13 +239,46 @@ def test_gateway_route_lifecycle(operator, admin, models, namespace):
             models.patch(namespace, "gw", {"spec": {"ingress": {"enabled": True}}})
         assert "exclusive" in err.value.body
 
-        # 5. Garbage collection.
+        # 5. Garbage collection. The garbage collector watches a new CRD's kind only from
+        # its next discovery sync (every 30 s), which may come after this delete.
         models.delete(namespace, "gw")
         wait_for(
             lambda: _route(admin, namespace, "gw") is None,
-            timeout=30,
+            timeout=90,
             what="the HTTPRoute to be garbage collected",
         )
+
+        # 6. The Standard channel's CRD (no rules[].sessionPersistence): server-side apply
+        # refuses a route that carries it (a 500, "field not declared in schema"), so the
+        # operator applies it without, and the condition says so.
+        standard = _httproute_crd()
+        spec_schema = standard["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+        del spec_schema["properties"]["spec"]["properties"]["rules"]["items"]["properties"][
+            "sessionPersistence"
+        ]
+        name = standard["metadata"]["name"]
+        standard["metadata"]["resourceVersion"] = ext.read_custom_resource_definition(
+            name
+        ).metadata.resource_version
+        ext.replace_custom_resource_definition(name, standard)
+        time.sleep(2)  # the API server serves the new schema
+        body = load_sample("chat-small.yaml", namespace, new_name="gw2")
+        body["spec"]["gateway"] = {**copy.deepcopy(GATEWAY), "sessionPersistence": True}
+        body["spec"].setdefault("streaming", {})["resume"] = {"graceSeconds": 30}
+        models.create(body)
+        cond = wait_for(
+            lambda: (
+                (c := _condition(models, namespace, "gw2"))
+                and c["reason"] == "SessionPersistenceDropped"
+                and c
+            ),
+            timeout=30,
+            what="GatewayRoute=False: the CRD has no sessionPersistence",
+        )
+        assert cond["status"] == "False" and "Experimental channel" in cond["message"]
+        route = _route(admin, namespace, "gw2")
+        assert route["spec"]["hostnames"] == GATEWAY["hostnames"]
+        assert "sessionPersistence" not in route["spec"]["rules"][0]
     finally:
         ext.delete_custom_resource_definition("httproutes.gateway.networking.k8s.io")
         time.sleep(1)

@@ -277,3 +277,70 @@ def test_missing_gateway_api_is_a_condition_the_rest_converges_and_it_retries(re
     assert ("HTTPRoute", "default", "m") in cluster.objects
     cond = {c["type"]: c for c in cluster.statuses[-1]["conditions"]}["GatewayRoute"]
     assert cond["reason"] == "Pending"
+
+
+class StandardChannelCluster(FakeCluster):
+    """The Standard-channel HTTPRoute CRD, which has no `rules[].sessionPersistence`: a
+    server-side apply carrying it is refused (as the real API server does: a 500), and with
+    `installed_later` the route was stored under the Experimental CRD and reads back pruned."""
+
+    def __init__(self, installed_later: bool = False) -> None:
+        super().__init__()
+        self.installed_later = installed_later
+
+    def apply(self, manifest):
+        rules = manifest["spec"]["rules"] if manifest["kind"] == "HTTPRoute" else []
+        if any("sessionPersistence" in r for r in rules):
+            if not self.installed_later:
+                self.calls.append(("apply", "HTTPRoute"))
+                exc = ApiException(status=500, reason="Internal Server Error")
+                exc.body = ("failed to create typed patch object (default/m; gateway.networking."
+                            "k8s.io/v1, Kind=HTTPRoute): .spec.rules[0].sessionPersistence: "
+                            "field not declared in schema")  # fmt: skip
+                raise exc
+            stored = super().apply(manifest)
+            for rule in self.objects[("HTTPRoute", "default", "m")]["spec"]["rules"]:
+                rule.pop("sessionPersistence")  # the CRD is swapped: reads come back pruned
+            return stored
+        return super().apply(manifest)
+
+
+@pytest.mark.parametrize("cluster,reason", [
+    (StandardChannelCluster(), "SessionPersistenceDropped"),
+    (StandardChannelCluster(installed_later=True), "SessionPersistenceDropped"),
+    (FakeCluster(), "Accepted"),
+], ids=["standard", "standard-later", "experimental"])  # fmt: skip
+def test_session_persistence_the_crd_lacks_is_reported_and_not_reapplied(cluster, reason):
+    body = body_of(minimal(gateway={**GATEWAY, "sessionPersistence": True},
+                           streaming={"resume": {"graceSeconds": 30}}))  # fmt: skip
+    events = Events()
+    converge(cluster, body, events, now=NOW)
+    route = cluster.objects[("HTTPRoute", "default", "m")]  # applied, with or without it
+    route["status"] = _route_status(("True", "Accepted"))
+    if isinstance(cluster, StandardChannelCluster) and not cluster.installed_later:
+        assert "sessionPersistence" not in route["spec"]["rules"][0]
+        assert ("Warning", "SessionPersistenceUnsupported") in [e[:2] for e in events]
+    for _ in range(3):
+        cluster.calls.clear()
+        out = converge(cluster, with_status(body, cluster), Events(), now=NOW)
+        assert out.applied == [], cluster.calls
+    cond = {c["type"]: c for c in cluster.statuses[-1]["conditions"]}["GatewayRoute"]
+    assert cond["reason"] == reason
+    if reason == "SessionPersistenceDropped":
+        assert cond["status"] == "False" and "Experimental channel" in cond["message"]
+    # A spec change is still applied (the hash differs).
+    body = with_status(body, cluster)
+    body["spec"]["gateway"]["hostnames"] = ["chat.example.com"]
+    assert "HTTPRoute" in converge(cluster, body, Events(), now=NOW).applied
+    assert cluster.objects[("HTTPRoute", "default", "m")]["spec"]["hostnames"] == [
+        "chat.example.com"
+    ]
+
+
+def test_gateway_condition_says_when_session_persistence_was_dropped():
+    kept = {"spec": {"rules": [{"sessionPersistence": {}}]}, "status": _route_status(("True", "A"))}
+    dropped = {"spec": {"rules": [{}]}, "status": _route_status(("True", "A"))}
+    assert gateway_condition(kept, persistence=True)["reason"] == "Accepted"
+    assert gateway_condition(dropped, persistence=False)["reason"] == "Accepted"
+    cond = gateway_condition(dropped, persistence=True)
+    assert (cond["status"], cond["reason"]) == ("False", "SessionPersistenceDropped")

@@ -12,6 +12,8 @@ MANAGER = "sluice-operator"
 NAME_LABEL = "app.kubernetes.io/name"
 INSTANCE_LABEL = "app.kubernetes.io/instance"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+# The hash of the manifest the operator last applied, on every child (reconcile.py).
+HASH_ANNOTATION = "serving.sluice.dev/applied-hash"
 
 
 def selector_labels(model: StreamingModel) -> dict[str, str]:

@@ -15,7 +15,12 @@ Session persistence (`rules[].sessionPersistence`, a session cookie named like t
 Ingress's affinity cookie) brings a resumed stream (`streaming.resume.graceSeconds`) back to
 the pod that kept it. The field is in Gateway API's Experimental channel (v1.x), so it is
 set only when `gateway.sessionPersistence` asks for it: by default the route works on every
-conformant implementation with the Standard CRDs.
+conformant implementation with the Standard CRDs. Where the Standard CRD is installed anyway,
+the API server refuses a server-side apply that carries the field ("field not declared in
+schema", a 500: `schema_lacks_session_persistence`), and a CRD swapped to the Standard one
+later prunes it from stored routes. Either way the operator applies the route without it,
+compares the route without it from then on (`session_persistence_dropped`: no re-apply on
+every pass), and the `GatewayRoute` condition says so.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..models.resource import StreamingModel
-from .common import PORT, metadata
+from .common import HASH_ANNOTATION, PORT, metadata
 from .ingress import AFFINITY_COOKIE, TIMEOUT_MARGIN_SECONDS
 
 API_VERSION = "gateway.networking.k8s.io/v1"
@@ -32,6 +37,42 @@ API_VERSION = "gateway.networking.k8s.io/v1"
 def route_timeout(model: StreamingModel) -> str:
     """Gateway API Duration ("930s"): the stream timeout plus the proxy margin."""
     return f"{model.spec.streaming.stream_timeout_seconds + TIMEOUT_MARGIN_SECONDS}s"
+
+
+def wants_session_persistence(model: StreamingModel) -> bool:
+    gw = model.spec.gateway
+    return bool(gw and gw.session_persistence and model.spec.streaming.resume.grace_seconds)
+
+
+def session_persistence_dropped(desired: dict[str, Any], live: dict[str, Any] | None) -> bool:
+    """The route as applied (same applied-hash annotation) lost its rules' sessionPersistence:
+    the API server pruned it (a Standard-channel CRD)."""
+    if live is None or desired.get("kind") != "HTTPRoute":
+        return False
+    applied = (live["metadata"].get("annotations") or {}).get(HASH_ANNOTATION)
+    if applied != desired["metadata"]["annotations"][HASH_ANNOTATION]:
+        return False
+    rules = (live.get("spec") or {}).get("rules") or []
+    if len(rules) != len(desired["spec"]["rules"]):
+        return False
+    pairs = zip(desired["spec"]["rules"], rules, strict=True)
+    return any("sessionPersistence" in want and "sessionPersistence" not in have
+               for want, have in pairs)  # fmt: skip
+
+
+def schema_lacks_session_persistence(exc: Exception) -> bool:
+    """The API server refused the route because its HTTPRoute CRD has no sessionPersistence
+    (server-side apply: "failed to create typed patch object ...: .spec.rules[0].
+    sessionPersistence: field not declared in schema")."""
+    body = str(getattr(exc, "body", "") or "")
+    return "sessionPersistence" in body and "not declared in schema" in body
+
+
+def without_session_persistence(desired: dict[str, Any]) -> dict[str, Any]:
+    """The route as a Standard-channel CRD stores it."""
+    rules = [{k: v for k, v in r.items() if k != "sessionPersistence"}
+             for r in desired["spec"]["rules"]]  # fmt: skip
+    return {**desired, "spec": {**desired["spec"], "rules": rules}}
 
 
 def desired_httproute(model: StreamingModel) -> dict[str, Any] | None:
@@ -49,7 +90,7 @@ def desired_httproute(model: StreamingModel) -> dict[str, Any] | None:
         "backendRefs": [{"name": model.name, "port": PORT}],
         "timeouts": {"request": timeout, "backendRequest": timeout},
     }
-    if gw.session_persistence and model.spec.streaming.resume.grace_seconds:
+    if wants_session_persistence(model):
         # Experimental channel: a session cookie, gone when the browser session ends.
         rule["sessionPersistence"] = {
             "sessionName": AFFINITY_COOKIE,

@@ -756,7 +756,8 @@ class GatewaySpec(ApiModel):
         "the pod that kept it (rules[].sessionPersistence). That field is in the "
         "Experimental channel of Gateway API v1.x, not the Standard one: turn this on only "
         "where the Experimental HTTPRoute CRD is installed and the implementation supports "
-        "cookie session persistence (the Standard CRD drops the field).",
+        "cookie session persistence. With the Standard CRD the route is applied without it "
+        "and condition GatewayRoute is False (SessionPersistenceDropped).",
     )
 
 
