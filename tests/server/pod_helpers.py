@@ -75,12 +75,24 @@ def client(url: str) -> httpx.AsyncClient:
                              limits=httpx.Limits(max_keepalive_connections=0))  # fmt: skip
 
 
-async def read_stream(c: httpx.AsyncClient, max_tokens: int, key: str | None = None) -> dict:
-    """One /v1/stream read to its end: status, worker, token events, last payload."""
+async def read_stream(c: httpx.AsyncClient, max_tokens: int, key: str | None = None, *,
+                      worker: str | None = None,
+                      streaming: asyncio.Future | None = None) -> dict:  # fmt: skip
+    """One /v1/stream read to its end: status, worker, token events, last payload. With
+    `worker`, a stream that lands on another worker is closed and sent again (at once: no
+    token read); `streaming` is resolved at the first token (or the refusal)."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     body = {"prompt": "fan out", "max_tokens": max_tokens, "ignore_eos": True}
     out = {"tokens": 0, "last": None, "done": False}
-    async with c.stream("POST", "/v1/stream", json=body, headers=headers) as r:
+    for _ in range(50):
+        r = await c.send(c.build_request("POST", "/v1/stream", json=body, headers=headers),
+                         stream=True)  # fmt: skip
+        if worker is None or r.headers.get("x-sluice-worker") == worker:
+            break
+        await r.aclose()
+    else:
+        raise AssertionError(f"no stream landed on worker {worker}")
+    try:
         out["status"], out["worker"] = r.status_code, r.headers.get("x-sluice-worker")
         if r.status_code != 200:
             out["error"] = json.loads(await r.aread())["error"]
@@ -94,7 +106,13 @@ async def read_stream(c: httpx.AsyncClient, max_tokens: int, key: str | None = N
             else:
                 out["last"] = json.loads(data)
                 out["tokens"] += 1
-    return out
+                if streaming is not None and not streaming.done():
+                    streaming.set_result(out["worker"])
+        return out
+    finally:
+        if streaming is not None and not streaming.done():
+            streaming.set_result(None)
+        await r.aclose()
 
 
 async def _ready_turns_503(
@@ -102,14 +120,22 @@ async def _ready_turns_503(
 ) -> None:
     """Poll /ready until 503. With `worker_killed`, a connection that reaches the killed
     worker's socket is retried; otherwise any transport error fails the test."""
+    tries: list[str] = []  # what each poll got, for the failure message
     while True:
+        t0 = time.monotonic()
         try:
-            if (await c.get("/ready")).status_code == 503:
+            r = await c.get("/ready")
+            if r.status_code == 503:
                 return
-        except httpx.TransportError:
+            got = f"{r.status_code} {r.text[:80]}"
+        except httpx.TransportError as e:
             if not worker_killed:
                 raise
-        assert time.monotonic() - since < within_s, "/ready did not turn 503"
+            got = repr(e)[:80]
+        tries.append(f"{t0 - since:.2f}s +{time.monotonic() - t0:.2f}s: {got}")
+        assert time.monotonic() - since < within_s, (
+            f"/ready did not turn 503: {tries[:6]} ... {tries[-2:]}"
+        )
         await asyncio.sleep(0.02)
 
 
@@ -135,27 +161,32 @@ async def drain_while_streaming(proc: ManagedProcess, url: str, *, streams: int,
 
 
 async def kill_a_worker_while_streaming(proc: ManagedProcess, url: str, *, streams: int,
-                                        tokens: int, running_s: float, ready_within_s: float,
+                                        tokens: int, ready_within_s: float,
                                         hold_tokens: int) -> list:  # fmt: skip
-    """SIGKILL one worker while `streams` reads run on both: /ready turns 503 within
-    `ready_within_s`; the reads' results (dicts, or the errors of the killed worker's).
+    """SIGKILL one worker while `streams` reads run on both (at least one on each): /ready
+    turns 503 within `ready_within_s`, the survivor's reads finish whole; the reads'
+    results (dicts, or the errors of the killed worker's).
 
     The 503 can only be seen while the survivor drains, which ends when its last stream
-    does. So a stream of `hold_tokens` is opened first, and the worker killed is the one
-    that does not serve it (found by its TCP connection): the survivor stays up, answering,
-    until the 503 was seen and the hold is closed."""
+    does. So once every read streams (their first tokens, not a time: a starved test
+    process may take seconds to get there), a stream of `hold_tokens` is opened, and the
+    worker killed at once is the one that does not serve it (found by its TCP connection):
+    the survivor stays up, answering, until the 503 was seen and the hold is closed."""
     pids = worker_pids(proc)
     assert len(pids) == 2, pids
     async with client(url) as c:
+        loop = asyncio.get_running_loop()
+        started = [loop.create_future() for _ in range(streams)]
+        pins = ["0", "1"] + [None] * (streams - 2)
+        reads = [asyncio.create_task(read_stream(c, tokens, worker=w, streaming=f))
+                 for w, f in zip(pins, started, strict=True)]  # fmt: skip
+        assert all(await asyncio.gather(*started)), "a read was refused before the kill"
         hold = await c.send(c.build_request("POST", "/v1/stream", json={
             "prompt": "hold", "max_tokens": hold_tokens, "ignore_eos": True}), stream=True)  # fmt: skip
         assert hold.status_code == 200, await hold.aread()
         holder = _serving_pid(pids, hold.extensions["network_stream"])
+        survivor = hold.headers["x-sluice-worker"]
         reading = asyncio.create_task(_discard(hold))
-        # Streams on both workers keep the survivor draining (and answering) a while.
-        reads = [asyncio.create_task(read_stream(c, tokens)) for _ in range(streams)]
-        await asyncio.sleep(running_s)
-        assert not reading.done(), "the held stream ended before the kill"
         os.kill(next(p for p in pids if p != holder), signal.SIGKILL)
         try:
             await _ready_turns_503(c, time.monotonic(), ready_within_s, worker_killed=True)
@@ -166,8 +197,8 @@ async def kill_a_worker_while_streaming(proc: ManagedProcess, url: str, *, strea
             await asyncio.gather(reading, return_exceptions=True)
             await hold.aclose()
         results = await asyncio.gather(*reads, return_exceptions=True)
-    finished = [r for r in results if isinstance(r, dict) and r["done"]]
-    assert finished and all(r["last"]["finish_reason"] == "length" for r in finished)
+    kept = [r for r in results if isinstance(r, dict) and r["worker"] == survivor]
+    assert kept and all(r["done"] and r["last"]["finish_reason"] == "length" for r in kept), kept
     return results
 
 

@@ -142,7 +142,7 @@ async def test_resume_through_nginx_with_affinity(make_server, engine, core_toke
         whole = text_of(events)
         n_events = sum('"finished":false' in e.get("data", "") for e in events)
         await settle(engine)
-        ok, reconnects = 0, []
+        ok, reconnects, whole_before_drop = 0, [], 0
         for share in CUTS:
             cut = max(1, min(n_events - 1, round(share * n_events)))
             await settle(engine)
@@ -151,12 +151,18 @@ async def test_resume_through_nginx_with_affinity(make_server, engine, core_toke
             first, status, rest, took = await interrupted(proxy.url, cut)
             await settle(engine)
             after_req = metric_sum([await _metrics(u) for u in urls], "sluice_requests_total")
-            ids = [int(e["id"].rsplit(":", 1)[1]) for e in first + rest]
-            good = (status == 200 and text_of(first) + text_of(rest) == whole
-                    and ids == list(range(len(ids))) and rest[-1]["data"] == "[DONE]")  # fmt: skip
             generated = sum(core_tokens)
             assert after_req - before_req == 1, "a reconnect started a generation"
             assert generated == N_TOKENS, f"the engine made {generated} tokens for one answer"
+            if first[-1].get("data") == "[DONE]":
+                # Tokens coalesced into fewer events under load: the first read got to the
+                # end before `cut` token events, so the reconnect has nothing to resume.
+                assert status == 204, status
+                whole_before_drop += 1
+                continue
+            ids = [int(e["id"].rsplit(":", 1)[1]) for e in first + rest]
+            good = (status == 200 and text_of(first) + text_of(rest) == whole
+                    and ids == list(range(len(ids))) and rest[-1]["data"] == "[DONE]")  # fmt: skip
             ok += good
             reconnects.append(took)
             assert good, (cut, status, text_of(first) + text_of(rest), whole)
@@ -166,7 +172,8 @@ async def test_resume_through_nginx_with_affinity(make_server, engine, core_toke
             f"{statistics.median(reconnects) * 1e3:.1f} ms, max {max(reconnects) * 1e3:.1f} ms"
         )
         m = [await _metrics(u) for u in urls]
-        assert metric_sum(m, "sluice_stream_resumes_total") == len(CUTS)
+        assert metric_sum(m, "sluice_stream_resumes_total") == len(CUTS) - whole_before_drop
+        assert whole_before_drop <= 2, "most cuts must interrupt a stream"
         assert metric_sum(m, "sluice_stream_resumes_expired_total") == 0
 
         # Negative control: without the affinity cookie, round robin sends the reconnect

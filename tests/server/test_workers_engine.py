@@ -138,7 +138,6 @@ async def test_a_dead_worker_makes_the_pod_not_ready_then_exit(tmp_path, tiny_mo
             url,
             streams=8,
             tokens=400,
-            running_s=2.0,
             ready_within_s=30,
             hold_tokens=3000,
         )

@@ -122,7 +122,6 @@ async def test_a_dead_worker_makes_the_pod_not_ready_then_exit(tmp_path):
             url,
             streams=12,
             tokens=300,
-            running_s=1.0,
             ready_within_s=5,
             hold_tokens=3000,
         )
