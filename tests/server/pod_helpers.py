@@ -124,7 +124,9 @@ async def _ready_turns_503(
     while True:
         t0 = time.monotonic()
         try:
-            r = await c.get("/ready")
+            # A poll of its own, bounded: one answer that comes late (seen: 12.7 s, "ready"
+            # from before the supervisor noticed the death) must not eat the whole drain.
+            r = await c.get("/ready", timeout=2.0)
             if r.status_code == 503:
                 return
             got = f"{r.status_code} {r.text[:80]}"
@@ -140,13 +142,17 @@ async def _ready_turns_503(
 
 
 async def drain_while_streaming(proc: ManagedProcess, url: str, *, streams: int, tokens: int,
-                                running_s: float, exit_s: float) -> None:  # fmt: skip
+                                exit_s: float) -> None:  # fmt: skip
     """SIGTERM the supervisor (only it, as the kubelet does) while `streams` reads run: /ready
     turns 503 at once, a new stream is refused as draining, every read on both workers
     finishes whole, and the pod exits 0."""
     async with client(url) as c:
-        reads = [asyncio.create_task(read_stream(c, tokens)) for _ in range(streams)]
-        await asyncio.sleep(running_s)
+        loop = asyncio.get_running_loop()
+        started = [loop.create_future() for _ in range(streams)]
+        pins = ["0", "1"] + [None] * (streams - 2)
+        reads = [asyncio.create_task(read_stream(c, tokens, worker=w, streaming=f))
+                 for w, f in zip(pins, started, strict=True)]  # fmt: skip
+        assert all(await asyncio.gather(*started)), "a read was refused before the SIGTERM"
         assert not any(t.done() for t in reads)
         proc.proc.send_signal(signal.SIGTERM)
         await _ready_turns_503(c, time.monotonic(), within_s=5)

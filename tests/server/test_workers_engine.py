@@ -127,7 +127,7 @@ async def test_disconnect_aborts_on_each_worker(pod, worker):
 
 async def test_sigterm_drains_every_worker_and_exits_zero(pod):
     proc, url = pod
-    await drain_while_streaming(proc, url, streams=8, tokens=300, running_s=2.0, exit_s=90)
+    await drain_while_streaming(proc, url, streams=8, tokens=300, exit_s=90)
 
 
 async def test_a_dead_worker_makes_the_pod_not_ready_then_exit(tmp_path, tiny_model_path):
