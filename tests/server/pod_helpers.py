@@ -141,18 +141,25 @@ async def _ready_turns_503(
         await asyncio.sleep(0.02)
 
 
+async def streaming_on_both(c: httpx.AsyncClient, streams: int, tokens: int) -> list:
+    """`streams` read tasks (`read_stream`), one pinned to each worker, once every one of
+    them got its first token: streams that surely run, whatever the test process's delays."""
+    loop = asyncio.get_running_loop()
+    started = [loop.create_future() for _ in range(streams)]
+    pins = ["0", "1"] + [None] * (streams - 2)
+    reads = [asyncio.create_task(read_stream(c, tokens, worker=w, streaming=f))
+             for w, f in zip(pins, started, strict=True)]  # fmt: skip
+    assert all(await asyncio.gather(*started)), "a read was refused before it streamed"
+    return reads
+
+
 async def drain_while_streaming(proc: ManagedProcess, url: str, *, streams: int, tokens: int,
                                 exit_s: float) -> None:  # fmt: skip
     """SIGTERM the supervisor (only it, as the kubelet does) while `streams` reads run: /ready
     turns 503 at once, a new stream is refused as draining, every read on both workers
     finishes whole, and the pod exits 0."""
     async with client(url) as c:
-        loop = asyncio.get_running_loop()
-        started = [loop.create_future() for _ in range(streams)]
-        pins = ["0", "1"] + [None] * (streams - 2)
-        reads = [asyncio.create_task(read_stream(c, tokens, worker=w, streaming=f))
-                 for w, f in zip(pins, started, strict=True)]  # fmt: skip
-        assert all(await asyncio.gather(*started)), "a read was refused before the SIGTERM"
+        reads = await streaming_on_both(c, streams, tokens)
         assert not any(t.done() for t in reads)
         proc.proc.send_signal(signal.SIGTERM)
         await _ready_turns_503(c, time.monotonic(), within_s=5)
@@ -181,12 +188,7 @@ async def kill_a_worker_while_streaming(proc: ManagedProcess, url: str, *, strea
     pids = worker_pids(proc)
     assert len(pids) == 2, pids
     async with client(url) as c:
-        loop = asyncio.get_running_loop()
-        started = [loop.create_future() for _ in range(streams)]
-        pins = ["0", "1"] + [None] * (streams - 2)
-        reads = [asyncio.create_task(read_stream(c, tokens, worker=w, streaming=f))
-                 for w, f in zip(pins, started, strict=True)]  # fmt: skip
-        assert all(await asyncio.gather(*started)), "a read was refused before the kill"
+        reads = await streaming_on_both(c, streams, tokens)
         hold = await c.send(c.build_request("POST", "/v1/stream", json={
             "prompt": "hold", "max_tokens": hold_tokens, "ignore_eos": True}), stream=True)  # fmt: skip
         assert hold.status_code == 200, await hold.aread()
