@@ -5,6 +5,7 @@ pod's `/metrics` as numbers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -75,44 +76,78 @@ def client(url: str) -> httpx.AsyncClient:
                              limits=httpx.Limits(max_keepalive_connections=0))  # fmt: skip
 
 
+@contextlib.asynccontextmanager
+async def pinned(url: str, worker: str):
+    """A client whose one kept-alive connection is served by `worker`. A cheap GET /ready
+    finds the worker of each new connection, and a connection to another worker is closed
+    and tried again: no stream is ever opened on the wrong worker (one left to run while
+    a starved test process gets round to closing it skews the engine's counters)."""
+    for _ in range(50):
+        c = httpx.AsyncClient(base_url=url, timeout=60,
+                              limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))  # fmt: skip
+        if (await c.get("/ready")).headers.get("x-sluice-worker") == worker:
+            break
+        await c.aclose()
+    else:
+        raise AssertionError(f"no connection reached worker {worker}")
+    try:
+        yield c
+    finally:
+        await c.aclose()
+
+
 async def read_stream(c: httpx.AsyncClient, max_tokens: int, key: str | None = None, *,
                       worker: str | None = None,
                       streaming: asyncio.Future | None = None) -> dict:  # fmt: skip
-    """One /v1/stream read to its end: status, worker, token events, last payload. With
-    `worker`, a stream that lands on another worker is closed and sent again (at once: no
-    token read); `streaming` is resolved at the first token (or the refusal)."""
+    """One /v1/stream read to its end: status, worker, request id, token events, last
+    payload. With `worker`, the stream is sent on a connection `pinned` to it; `streaming`
+    is resolved at the first token (or the refusal)."""
+    if worker is not None:
+        async with pinned(str(c.base_url), worker) as own:
+            return await read_stream(own, max_tokens, key, streaming=streaming)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     body = {"prompt": "fan out", "max_tokens": max_tokens, "ignore_eos": True}
     out = {"tokens": 0, "last": None, "done": False}
-    for _ in range(50):
-        r = await c.send(c.build_request("POST", "/v1/stream", json=body, headers=headers),
-                         stream=True)  # fmt: skip
-        if worker is None or r.headers.get("x-sluice-worker") == worker:
-            break
-        await r.aclose()
-    else:
-        raise AssertionError(f"no stream landed on worker {worker}")
     try:
-        out["status"], out["worker"] = r.status_code, r.headers.get("x-sluice-worker")
-        if r.status_code != 200:
-            out["error"] = json.loads(await r.aread())["error"]
+        async with c.stream("POST", "/v1/stream", json=body, headers=headers) as r:
+            out["status"], out["worker"] = r.status_code, r.headers.get("x-sluice-worker")
+            out["rid"] = r.headers.get("x-request-id")
+            if r.status_code != 200:
+                out["error"] = json.loads(await r.aread())["error"]
+                return out
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    out["done"] = True
+                else:
+                    out["last"] = json.loads(data)
+                    out["tokens"] += 1
+                    if streaming is not None and not streaming.done():
+                        streaming.set_result(out["worker"])
             return out
-        async for line in r.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                out["done"] = True
-            else:
-                out["last"] = json.loads(data)
-                out["tokens"] += 1
-                if streaming is not None and not streaming.done():
-                    streaming.set_result(out["worker"])
-        return out
     finally:
         if streaming is not None and not streaming.done():
             streaming.set_result(None)
-        await r.aclose()
+
+
+def access_entry(proc: ManagedProcess, rid: str, within_s: float = 30) -> dict[str, str]:
+    """The fields of the pod's access-log line for request `rid`, written when the
+    request ends: the server's own account of it, whatever the test process saw."""
+    deadline = time.monotonic() + within_s
+    while True:
+        for line in proc.log_path.read_text(errors="replace").splitlines():
+            if f" access request_id={rid} " in line:
+                return dict(re.findall(r"(\w+)=(\S+)", line))
+        assert time.monotonic() < deadline, f"no access-log line for {rid}"
+        time.sleep(0.2)
+
+
+def drains_logged(proc: ManagedProcess) -> list[int]:
+    """The stream count of each worker's "draining (up to ...s for N streams)" line."""
+    log = proc.log_path.read_text(errors="replace")
+    return [int(n) for n in re.findall(r"draining \(up to \S+ for (\d+) streams\)", log)]
 
 
 async def _ready_turns_503(
@@ -157,10 +192,11 @@ async def drain_while_streaming(proc: ManagedProcess, url: str, *, streams: int,
                                 exit_s: float) -> None:  # fmt: skip
     """SIGTERM the supervisor (only it, as the kubelet does) while `streams` reads run: /ready
     turns 503 at once, a new stream is refused as draining, every read on both workers
-    finishes whole, and the pod exits 0."""
+    finishes whole, and the pod exits 0. Each worker's log says how many streams its drain
+    waited for: at least one each, or the reads ended before the signal (a test process
+    starved for longer than a read lasts) and the drain was not shown."""
     async with client(url) as c:
         reads = await streaming_on_both(c, streams, tokens)
-        assert not any(t.done() for t in reads)
         proc.proc.send_signal(signal.SIGTERM)
         await _ready_turns_503(c, time.monotonic(), within_s=5)
         late = await c.post("/v1/stream", json={"prompt": "late", "max_tokens": 2})
@@ -171,6 +207,8 @@ async def drain_while_streaming(proc: ManagedProcess, url: str, *, streams: int,
         assert r["done"] and r["last"]["finish_reason"] == "length", r
         assert r["last"]["usage"]["completion_tokens"] == tokens
     assert proc.proc.wait(timeout=exit_s) == 0, proc.tail()
+    drained = drains_logged(proc)
+    assert len(drained) == 2 and min(drained) >= 1, drained
 
 
 async def kill_a_worker_while_streaming(proc: ManagedProcess, url: str, *, streams: int,

@@ -22,7 +22,7 @@ from pod_helpers import (
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.slow]
 
-SIM = ("--engine", "simulator", "--model", "sim", "--log-level", "warning")
+SIM = ("--engine", "simulator", "--model", "sim")
 
 
 async def test_streams_land_on_both_workers_and_metrics_sum(tmp_path):
