@@ -76,8 +76,7 @@ def client(url: str) -> httpx.AsyncClient:
                              limits=httpx.Limits(max_keepalive_connections=0))  # fmt: skip
 
 
-@contextlib.asynccontextmanager
-async def pinned(url: str, worker: str):
+async def pin(url: str, worker: str) -> httpx.AsyncClient:
     """A client whose one kept-alive connection is served by `worker`. A cheap GET /ready
     finds the worker of each new connection, and a connection to another worker is closed
     and tried again: no stream is ever opened on the wrong worker (one left to run while
@@ -86,10 +85,15 @@ async def pinned(url: str, worker: str):
         c = httpx.AsyncClient(base_url=url, timeout=60,
                               limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))  # fmt: skip
         if (await c.get("/ready")).headers.get("x-sluice-worker") == worker:
-            break
+            return c
         await c.aclose()
-    else:
-        raise AssertionError(f"no connection reached worker {worker}")
+    raise AssertionError(f"no connection reached worker {worker}")
+
+
+@contextlib.asynccontextmanager
+async def pinned(url: str, worker: str):
+    """`pin` as a context: the client is closed on the way out."""
+    c = await pin(url, worker)
     try:
         yield c
     finally:
@@ -97,14 +101,16 @@ async def pinned(url: str, worker: str):
 
 
 async def read_stream(c: httpx.AsyncClient, max_tokens: int, key: str | None = None, *,
-                      worker: str | None = None,
-                      streaming: asyncio.Future | None = None) -> dict:  # fmt: skip
+                      streaming: asyncio.Future | None = None,
+                      close: bool = False) -> dict:  # fmt: skip
     """One /v1/stream read to its end: status, worker, request id, token events, last
-    payload. With `worker`, the stream is sent on a connection `pinned` to it; `streaming`
-    is resolved at the first token (or the refusal)."""
-    if worker is not None:
-        async with pinned(str(c.base_url), worker) as own:
-            return await read_stream(own, max_tokens, key, streaming=streaming)
+    payload. `streaming` is resolved at the first token (or the refusal); with `close`,
+    the client is closed at the end (a client of its own, from `pin`)."""
+    if close:
+        try:
+            return await read_stream(c, max_tokens, key, streaming=streaming)
+        finally:
+            await c.aclose()
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     body = {"prompt": "fan out", "max_tokens": max_tokens, "ignore_eos": True}
     out = {"tokens": 0, "last": None, "done": False}
@@ -176,36 +182,43 @@ async def _ready_turns_503(
         await asyncio.sleep(0.02)
 
 
-async def streaming_on_both(c: httpx.AsyncClient, streams: int, tokens: int) -> list:
-    """`streams` read tasks (`read_stream`), one pinned to each worker, once every one of
-    them got its first token: streams that surely run, whatever the test process's delays."""
+async def streaming_on_both(c: httpx.AsyncClient, streams: int, tokens: int,
+                            pinned_tokens: int | None = None) -> list:  # fmt: skip
+    """`streams` read tasks (`read_stream`) of `tokens` each, once every one of them got its
+    first token. The first two run on connections pinned to worker 0 and 1 (of
+    `pinned_tokens`, when given), both pinned before any read starts."""
+    pins = [await pin(str(c.base_url), w) for w in "01"]
     loop = asyncio.get_running_loop()
     started = [loop.create_future() for _ in range(streams)]
-    pins = ["0", "1"] + [None] * (streams - 2)
-    reads = [asyncio.create_task(read_stream(c, tokens, worker=w, streaming=f))
-             for w, f in zip(pins, started, strict=True)]  # fmt: skip
+    reads = [asyncio.create_task(read_stream(own, pinned_tokens or tokens, streaming=f,
+                                             close=True))
+             for own, f in zip(pins, started, strict=False)]  # fmt: skip
+    reads += [asyncio.create_task(read_stream(c, tokens, streaming=f)) for f in started[2:]]
     assert all(await asyncio.gather(*started)), "a read was refused before it streamed"
     return reads
 
 
 async def drain_while_streaming(proc: ManagedProcess, url: str, *, streams: int, tokens: int,
-                                exit_s: float) -> None:  # fmt: skip
+                                hold_tokens: int, exit_s: float) -> None:  # fmt: skip
     """SIGTERM the supervisor (only it, as the kubelet does) while `streams` reads run: /ready
     turns 503 at once, a new stream is refused as draining, every read on both workers
-    finishes whole, and the pod exits 0. Each worker's log says how many streams its drain
-    waited for: at least one each, or the reads ended before the signal (a test process
-    starved for longer than a read lasts) and the drain was not shown."""
+    finishes whole, and the pod exits 0.
+
+    The reads pinned to each worker are of `hold_tokens`, long enough to be running still
+    when a starved test process gets round to the signal (seen: 14 s late) and short enough
+    to finish within the drain. Each worker's log says how many streams its drain waited for:
+    at least one each."""
     async with client(url) as c:
-        reads = await streaming_on_both(c, streams, tokens)
+        reads = await streaming_on_both(c, streams, tokens, pinned_tokens=hold_tokens)
         proc.proc.send_signal(signal.SIGTERM)
         await _ready_turns_503(c, time.monotonic(), within_s=5)
         late = await c.post("/v1/stream", json={"prompt": "late", "max_tokens": 2})
         assert late.status_code == 503 and late.json()["error"]["code"] == "draining"
         results = await asyncio.gather(*reads)
     assert {r["worker"] for r in results} == {"0", "1"}
-    for r in results:
+    for i, r in enumerate(results):
         assert r["done"] and r["last"]["finish_reason"] == "length", r
-        assert r["last"]["usage"]["completion_tokens"] == tokens
+        assert r["last"]["usage"]["completion_tokens"] == (hold_tokens if i < 2 else tokens)
     assert proc.proc.wait(timeout=exit_s) == 0, proc.tail()
     drained = drains_logged(proc)
     assert len(drained) == 2 and min(drained) >= 1, drained

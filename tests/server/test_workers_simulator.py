@@ -107,8 +107,8 @@ async def test_concurrency_cap_and_rpm_are_the_pods(tmp_path, shared):
 async def test_sigterm_drains_every_worker_and_exits_zero(tmp_path):
     proc, url = start_pod(tmp_path, *SIM, "--sim-ttft-ms", "5", "--sim-itl-ms", "10",
                           "--drain-timeout-seconds", "30")  # fmt: skip
-    try:  # 3 s streams
-        await drain_while_streaming(proc, url, streams=12, tokens=300, exit_s=30)
+    try:  # 3 s streams, the two pinned ones 15 s
+        await drain_while_streaming(proc, url, streams=12, tokens=300, hold_tokens=1500, exit_s=45)
     finally:
         proc.stop()
 
