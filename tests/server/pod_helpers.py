@@ -101,16 +101,9 @@ async def pinned(url: str, worker: str):
 
 
 async def read_stream(c: httpx.AsyncClient, max_tokens: int, key: str | None = None, *,
-                      streaming: asyncio.Future | None = None,
-                      close: bool = False) -> dict:  # fmt: skip
+                      streaming: asyncio.Future | None = None) -> dict:  # fmt: skip
     """One /v1/stream read to its end: status, worker, request id, token events, last
-    payload. `streaming` is resolved at the first token (or the refusal); with `close`,
-    the client is closed at the end (a client of its own, from `pin`)."""
-    if close:
-        try:
-            return await read_stream(c, max_tokens, key, streaming=streaming)
-        finally:
-            await c.aclose()
+    payload. `streaming` is resolved at the first token (or the refusal)."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     body = {"prompt": "fan out", "max_tokens": max_tokens, "ignore_eos": True}
     out = {"tokens": 0, "last": None, "done": False}
@@ -187,12 +180,17 @@ async def streaming_on_both(c: httpx.AsyncClient, streams: int, tokens: int,
     """`streams` read tasks (`read_stream`) of `tokens` each, once every one of them got its
     first token. The first two run on connections pinned to worker 0 and 1 (of
     `pinned_tokens`, when given), both pinned before any read starts."""
+
+    async def on_own(own: httpx.AsyncClient, started: asyncio.Future) -> dict:
+        try:
+            return await read_stream(own, pinned_tokens or tokens, streaming=started)
+        finally:
+            await own.aclose()
+
     pins = [await pin(str(c.base_url), w) for w in "01"]
     loop = asyncio.get_running_loop()
     started = [loop.create_future() for _ in range(streams)]
-    reads = [asyncio.create_task(read_stream(own, pinned_tokens or tokens, streaming=f,
-                                             close=True))
-             for own, f in zip(pins, started, strict=False)]  # fmt: skip
+    reads = [asyncio.create_task(on_own(own, f)) for own, f in zip(pins, started, strict=False)]
     reads += [asyncio.create_task(read_stream(c, tokens, streaming=f)) for f in started[2:]]
     assert all(await asyncio.gather(*started)), "a read was refused before it streamed"
     return reads

@@ -2,9 +2,9 @@
 
 A full run imports vLLM, torch, transformers, schemathesis and every test module into one
 process: about a million objects that live until the end. Each full (generation 2)
-collection walks all of them, which takes seconds here, and more while a pod under test
-keeps both cores busy. During such a pause the test's event loop is stopped: its reads
-fall behind, its timeouts fire late, a disconnect it means to make happens seconds later.
+collection walks all of them, which took up to 1.06 s here, and longer while a pod under
+test keeps both cores busy. During such a pause the test's event loop is stopped: its reads
+fall behind, its timeouts fire late, a disconnect it means to make happens late.
 
 So, once collection has imported everything, those objects are moved out of the
 collector's sight (`gc.freeze()`, as vLLM's own server does after start-up), and every
