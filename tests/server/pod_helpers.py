@@ -29,13 +29,19 @@ PER_WORKER_LIMITS = (
 
 def start_pod(log_dir: Path, *flags: str, workers: int = 2, shared: bool = True,
               env: dict | None = None, timeout: float = 60) -> tuple[ManagedProcess, str]:  # fmt: skip
-    """Start the supervisor (`python -m sluice_server`) on a free port and wait for /ready."""
+    """Start the supervisor (`python -m sluice_server`) on a free port and wait for /ready.
+
+    The pod runs at a lower CPU priority than the test (nice 10, its whole session): the
+    test is its client, and what the client sees must not be an artefact of the pod's
+    engine keeping both cores busy. At equal priority a waking process here waited up to
+    14.5 s for a CPU (a 50 ms sleep loop, its own schedstat run-queue wait); niced, none
+    over 0.55 s in the same runs."""
     port = free_port()
     head = ["-m", "sluice_server"] if shared else ["-c", PER_WORKER_LIMITS]
     argv = [sys.executable, *head, "--host", "127.0.0.1", "--port", str(port),
             "--api-workers", str(workers), *flags]  # fmt: skip
     name = f"pod-{port}"
-    proc = ManagedProcess(name, argv, log_dir, env=env).start()
+    proc = ManagedProcess(name, argv, log_dir, env=env, nice=10).start()
     url = f"http://127.0.0.1:{port}"
     wait_http(f"{url}/ready", timeout=timeout, process=proc)
     return proc, url
@@ -245,10 +251,12 @@ async def kill_a_worker_while_streaming(proc: ManagedProcess, url: str, *, strea
         survivor = hold.headers["x-sluice-worker"]
         reading = asyncio.create_task(_discard(hold))
         os.kill(next(p for p in pids if p != holder), signal.SIGKILL)
+        killed_at = time.strftime("%H:%M:%S")
         try:
             await _ready_turns_503(c, time.monotonic(), ready_within_s, worker_killed=True)
         except AssertionError as e:
-            raise AssertionError(f"{e}; the pod's log ends:\n{proc.tail(40)}") from None
+            raise AssertionError(f"{e}; killed at {killed_at}; the pod's log ends:\n"
+                                 f"{proc.tail(40)}") from None  # fmt: skip
         finally:
             reading.cancel()
             await asyncio.gather(reading, return_exceptions=True)

@@ -14,8 +14,8 @@ request was cut short and the engine went idle; the code path in each worker is 
 that test proves to 2 tokens.
 
 What these tests check is the pod's own account (its access log, its counters), never how
-fast the test process got somewhere: in a full run this process may be starved for
-seconds while the pod's engine keeps both cores busy.
+fast the test process got somewhere. The pod runs at a lower CPU priority than the test
+(`start_pod`), so its engine keeping both cores busy does not starve the client.
 """
 
 from __future__ import annotations

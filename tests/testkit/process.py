@@ -23,6 +23,7 @@ class ManagedProcess:
     Each child leads its own process group (`start_new_session`), so stopping it also stops
     anything it spawned (vLLM's engine-core processes, for one), and nothing is found or
     killed by name. `cpus` pins the child (its threads and children inherit the mask);
+    `nice` lowers the CPU priority of the child's whole session (`_lower_priority`);
     `pipes=True` gives the parent `proc.stdin`/`proc.stdout` (JSON-lines workers) and sends
     only stderr to the log.
     """
@@ -35,18 +36,27 @@ class ManagedProcess:
         env: dict[str, str] | None = None,
         *,
         cpus: Collection[int] | None = None,
+        nice: int = 0,
         pipes: bool = False,
     ):
         self.name = name
         self.argv = argv
         self.env = env
         self.cpus = set(cpus) if cpus else None
+        self.nice = nice
         self.pipes = pipes
         self.log_path = Path(log_dir) / f"{name}.log"
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> ManagedProcess:
-        cpus = self.cpus
+        cpus, nice = self.cpus, self.nice
+
+        def setup() -> None:  # in the child, after setsid
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+            if nice:
+                _lower_priority(nice)
+
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 self.argv,
@@ -55,7 +65,7 @@ class ManagedProcess:
                 stderr=log if self.pipes else subprocess.STDOUT,
                 env=self.env,
                 start_new_session=True,
-                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+                preexec_fn=setup if cpus or nice else None,
             )
         # Belt and braces: if the run dies before its fixtures' teardown, stop it anyway.
         atexit.register(self.stop)
@@ -108,3 +118,15 @@ class ManagedProcess:
         for pipe in (self.proc.stdin, self.proc.stdout):
             if pipe is not None and not pipe.closed:
                 pipe.close()
+
+
+def _lower_priority(nice: int) -> None:
+    """Lower the calling process's CPU priority, and its session's: with the kernel's
+    autogroup scheduling (`/proc/sys/kernel/sched_autogroup_enabled`) CPU time is shared
+    between sessions first, and a process's own nice only counts within its session."""
+    os.nice(nice)
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write(str(nice))
+    except OSError:
+        pass  # no autogroup: the process's nice is all there is

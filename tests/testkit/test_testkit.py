@@ -1,5 +1,6 @@
 """The shared helpers keep their contracts: a stopped process leaves nothing of its group
-behind, readiness waits fail fast when the process dies, virtual time does not sleep."""
+behind, a niced one is niced with its whole session, readiness waits fail fast when the
+process dies, virtual time does not sleep."""
 
 from __future__ import annotations
 
@@ -43,6 +44,18 @@ def test_stop_kills_children_that_outlive_their_leader(tmp_path):
         time.sleep(0.05)
     assert not _alive(child)
     proc.stop()  # twice is fine
+
+
+def test_nice_lowers_the_priority_of_the_childs_session(tmp_path):
+    code = "import os; print(os.nice(0), open('/proc/self/autogroup').read(), flush=True)"
+    ours = os.nice(0)
+    for nice in (0, 10):  # the control first: our own priority, inherited as is
+        proc = ManagedProcess(f"nice{nice}", [sys.executable, "-c", code], tmp_path, nice=nice)
+        proc.start().proc.wait(10)
+        out = proc.log_path.read_text()
+        assert out.startswith(f"{min(ours + nice, 19)} "), out
+        if Path("/proc/self/autogroup").exists():  # the session's share, not only its own
+            assert out.rstrip().endswith(f"nice {nice}"), out
 
 
 def test_wait_http_waits_for_200_and_fails_fast_when_the_process_exits(tmp_path):
