@@ -81,6 +81,10 @@ class FakeGpuNode:
         return self
 
     def stop(self, delete: bool = True) -> None:
+        """Stop the kubelet's loops; with `delete`, remove the Node and the pods bound to
+        it, at once, as the pod garbage collector would 40-60 s later (its quarantine of a
+        deleted node plus its period): a namespace deleted after the node's test would
+        otherwise wait that long for them."""
         self._stop.set()
         for t in self._threads:
             t.join(timeout=10)
@@ -90,6 +94,17 @@ class FakeGpuNode:
             except ApiException as e:
                 if e.status != 404:
                     raise
+            bound = self.core.list_pod_for_all_namespaces(
+                field_selector=f"spec.nodeName={self.name}"
+            )
+            for pod in bound.items:
+                try:
+                    self.core.delete_namespaced_pod(
+                        pod.metadata.name, pod.metadata.namespace, grace_period_seconds=0
+                    )
+                except ApiException as e:
+                    if e.status != 404:
+                        raise
 
     # --- heartbeat --------------------------------------------------------------------
     def _heartbeat_loop(self) -> None:
