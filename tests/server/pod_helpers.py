@@ -208,10 +208,9 @@ async def drain_while_streaming(proc: ManagedProcess, url: str, *, streams: int,
     turns 503 at once, a new stream is refused as draining, every read on both workers
     finishes whole, and the pod exits 0.
 
-    The reads pinned to each worker are of `hold_tokens`, long enough to be running still
-    when a starved test process gets round to the signal (seen: 14 s late) and short enough
-    to finish within the drain. Each worker's log says how many streams its drain waited for:
-    at least one each."""
+    The reads pinned to each worker are of `hold_tokens`: still running when the signal
+    comes (once every read has its first token), and short enough to finish within the
+    drain. Each worker's log says how many streams its drain waited for: at least one each."""
     async with client(url) as c:
         reads = await streaming_on_both(c, streams, tokens, pinned_tokens=hold_tokens)
         proc.proc.send_signal(signal.SIGTERM)
