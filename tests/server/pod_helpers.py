@@ -31,11 +31,11 @@ def start_pod(log_dir: Path, *flags: str, workers: int = 2, shared: bool = True,
               env: dict | None = None, timeout: float = 60) -> tuple[ManagedProcess, str]:  # fmt: skip
     """Start the supervisor (`python -m sluice_server`) on a free port and wait for /ready.
 
-    The pod runs at a lower CPU priority than the test (nice 10, its whole session): the
-    test is its client, and what the client sees must not be an artefact of the pod's
-    engine keeping both cores busy. At equal priority a waking process here waited up to
-    14.5 s for a CPU (a 50 ms sleep loop, its own schedstat run-queue wait); niced, none
-    over 0.55 s in the same runs."""
+    The pod runs at a lower CPU priority than the test (nice 10, its whole session: the
+    kernel's autogroup shares CPU time between sessions first). The test is its client, and
+    what the client sees must not be an artefact of the pod's engine keeping both cores
+    busy. At equal priority a 50 ms sleep loop beside a streaming engine pod woke up to
+    15.7 s late, with no CPU steal; niced, never more than 0.55 s late."""
     port = free_port()
     head = ["-m", "sluice_server"] if shared else ["-c", PER_WORKER_LIMITS]
     argv = [sys.executable, *head, "--host", "127.0.0.1", "--port", str(port),
