@@ -47,7 +47,10 @@ def test_stop_kills_children_that_outlive_their_leader(tmp_path):
 
 
 def test_nice_lowers_the_priority_of_the_childs_session(tmp_path):
-    code = "import os; print(os.nice(0), open('/proc/self/autogroup').read(), flush=True)"
+    code = (
+        "import os, pathlib; g = pathlib.Path('/proc/self/autogroup'); "
+        "print(os.nice(0), g.read_text() if g.exists() else '', flush=True)"
+    )
     ours = os.nice(0)
     for nice in (0, 10):  # the control first: our own priority, inherited as is
         proc = ManagedProcess(f"nice{nice}", [sys.executable, "-c", code], tmp_path, nice=nice)
