@@ -50,7 +50,7 @@ lint: venv tools ## ruff (checks and formatting), import contracts (pyproject.to
 docs: venv ## Regenerate the server's flag tables (server/README.md, docs/design.md) and module map
 	$(PY) -m sluice_server.docgen --write
 
-crds: venv ## Regenerate the CRD (crds/, the chart's copy), docs/api.md and the model chart's values schema
+crds: venv ## Regenerate the CRD (crds/, the chart's copy), docs/api.md, the model chart's values schema, the Grafana dashboard and docs/helm.md's values and RBAC tables
 	$(PY) -m sluice_operator crds --write
 
 chart: venv tools ## Lint and render the charts

@@ -68,14 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     crds = commands.add_parser(
         "crds",
-        help="print the generated CRD, or write or check every file generated from the models",
+        help="print the generated CRD, or write or check every generated file",
     )
     mode = crds.add_mutually_exclusive_group()
     mode.add_argument(
         "--write",
         action="store_true",
-        help="write crds/, charts/sluice-operator/crds/, docs/api.md and "
-        "charts/streaming-model/values.schema.json",
+        help="write crds/, charts/sluice-operator/crds/, docs/api.md, "
+        "charts/streaming-model/values.schema.json, the Grafana dashboard and docs/helm.md's "
+        "values and RBAC tables",
     )
     mode.add_argument(
         "--check", action="store_true", help="exit 1 when a checked-in generated file is stale"
