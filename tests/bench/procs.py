@@ -58,7 +58,7 @@ def separate_engines(fronts: list[ManagedProcess]) -> dict:
     message, vLLM's `SpinCondition`). On a 2-core machine it then shares the second core
     with the API server and the load generator and starves them: the load generator
     waited up to 1.5 s in the run queue while tokens piled up server-side (bursts after
-    ~0.3-3 s, then ITL 0; the "1-second TTFT clusters" of earlier runs). Moving every
+    ~0.3-3 s, then ITL 0: TTFTs clustered around 1 s). Moving every
     engine-core process next to its worker, and every front end (servers' main processes,
     the bare-engine process, load generators) onto the other cores, gives every system the
     same layout and removes the stalls. Returns the layout used ({} if there is nothing to

@@ -10,10 +10,10 @@ with a send() that drops the bytes. Two measurements:
   event (an event can carry several coalesced tokens when the consumer falls behind).
   `--variant engine` iterates the simulator alone (the floor); `--variant no-timeout`
   replaces our SSE send (a direct send watched by one timer per response) with a plain
-  `await send(...)`: what the send-timeout protection costs per event. (The A/B behind the
-  fix in docs/benchmarks.md "Hot spots" compared a cancel scope per send with a plain send
-  the same way.) `--variant tracing` turns OpenTelemetry on (every request sampled, spans
-  exported over OTLP/HTTP to a receiver in another process, tests/testkit/otlp.py);
+  `await send(...)`: what the send-timeout protection costs per event (the cost of a cancel
+  scope per send, in transport/sendwatch.py, was measured the same way). `--variant
+  tracing` turns OpenTelemetry on (every request sampled, spans exported over OTLP/HTTP to
+  a receiver in another process, tests/testkit/otlp.py);
   `--variant access-log` writes the access log (to /dev/null): what each costs per token.
 * `ab`: the `cpu` measurement for this checkout (B) and another one (A, `--against
   DIR`, e.g. a detached worktree of main) in alternating subprocesses, pinned to one core

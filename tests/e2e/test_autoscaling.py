@@ -63,8 +63,8 @@ MAX_REPLICAS = 4
 NODE_CPUS = 3  # room for 3 pods
 # The simulator's queueing model (loadgen.py): TTFT ~= 200 ms + 200 ms x other streams on the
 # pod. With 22 streams: 1 replica ~4.4 s, 2 replicas ~2.2 s (over target), 3 replicas ~1.5 s.
-# Seconds rather than milliseconds so that the client's own delays on a busy 2-core machine
-# (up to a second was seen) do not decide the result.
+# Seconds rather than milliseconds so that the client's own delays (up to a second on a busy
+# 2-core machine) do not decide the result.
 SIM = {"ttftMs": 200, "itlMs": 10, "ttftPerStreamMs": 200, "jitter": 0}
 LOAD_A, LOAD_B = 22, 60
 SCALE_DOWN_STABILIZATION = 20

@@ -144,11 +144,9 @@ def test_one_replica_rollout_never_drops_to_zero_ready(operator, models, namespa
     assert minimum >= 1
 
 
-def test_in_place_rollout_is_still_available_and_drops_to_zero(
-    operator, models, namespace, own_node
-):
-    """maxSurge 0 / maxUnavailable 1 (the old behaviour, for full clusters) still works, and is
-    the negative control of the sampler: the one replica is gone while the new pod loads."""
+def test_in_place_rollout_drops_to_zero(operator, models, namespace, own_node):
+    """maxSurge 0 / maxUnavailable 1 (in place, for full clusters) works, and is the negative
+    control of the sampler: the one replica is gone while the new pod loads."""
     _, placement = own_node(gpus=1)
     body = _model(namespace, placement, rollout={"maxSurge": 0, "maxUnavailable": 1})
     models.create(body)

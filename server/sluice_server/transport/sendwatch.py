@@ -4,7 +4,7 @@ scope per message.
 A client that stops reading fills the socket buffers; then a send waits for the transport
 to drain and would wait forever. `asyncio.timeout` / anyio's `move_on_after` around every
 send bound that, but cost a timer-heap push and pop and a context object per token event:
-about a third of the server's CPU under SSE fan-out (docs/benchmarks.md "Hot spots"), a
+about a third of the server's CPU under SSE fan-out (`tests/bench/stack_cost.py cpu`), a
 fifth under WebSocket fan-out. Here each send only records when it started; one timer per
 connection fires about once per `timeout` while sends complete (at the oldest pending
 send's deadline otherwise) and cancels a send pending that long, which then raises the
