@@ -1,4 +1,5 @@
-"""Status from what the cluster shows: a pure function of the Deployment, its pods and Ingress.
+"""Status from what the cluster shows: a pure function of the Deployment, its pods, the
+Ingress, the HPA and the optional kinds (`kinds.OPTIONAL_KINDS`), built in `compute_status`.
 
 Phases: Failed (spec invalid, or no replica ready and the rollout is stuck or crashing),
 Pending (pods cannot be scheduled, e.g. no free GPUs; or scaled to zero), Progressing
@@ -12,10 +13,11 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .builders.common import selector_string
-from .builders.gateway import route_url, wants_session_persistence
+from .builders.gateway import route_url
 from .builders.hpa import ttft_metric_name
 from .builders.ingress import ingress_url
 from .builders.service import service_url
+from .kinds import OPTIONAL_KINDS, OptionalKind, Unavailable
 from .models.resource import StreamingModel
 
 # Container states that will not fix themselves without a change (image, args, secrets).
@@ -139,48 +141,6 @@ def urls(
     return base, endpoints
 
 
-GATEWAY_CONDITION = "GatewayRoute"
-
-
-SESSION_PERSISTENCE_DROPPED = (
-    "the HTTPRoute CRD installed has no rules[].sessionPersistence (Gateway API's Standard "
-    "channel), so the route is applied without it: install the Experimental channel CRDs, or "
-    "turn gateway.sessionPersistence off. Until then a resumed stream may reach another pod "
-    "and get a 404"
-)
-
-
-def gateway_condition(
-    route: Mapping[str, Any] | None, problem: str | None = None, persistence: bool = False
-) -> dict[str, str]:
-    """GatewayRoute: whether every parent Gateway accepted the HTTPRoute (its status.parents),
-    and, with `persistence` asked for, whether the stored route kept its sessionPersistence."""
-    if problem:
-        return _cond(GATEWAY_CONDITION, False, "GatewayAPIUnavailable", problem)
-    rules = ((route or {}).get("spec") or {}).get("rules") or []
-    if persistence and rules and not any("sessionPersistence" in r for r in rules):
-        return _cond(GATEWAY_CONDITION, False, "SessionPersistenceDropped",
-                     SESSION_PERSISTENCE_DROPPED)  # fmt: skip
-    parents = ((route or {}).get("status") or {}).get("parents") or []
-    refused = []
-    for parent in parents:
-        ref = parent.get("parentRef") or {}
-        for c in parent.get("conditions") or []:
-            if c.get("type") == "Accepted" and c.get("status") != "True":
-                who = f"{ref.get('namespace', '')}/{ref.get('name', '?')}".lstrip("/")
-                refused.append(f"Gateway {who}: {c.get('reason', '')} {c.get('message', '')}")
-    if refused:
-        return _cond(GATEWAY_CONDITION, False, "NotAccepted", "; ".join(refused)[:1024])
-    if not parents:
-        return _cond(
-            GATEWAY_CONDITION,
-            None,
-            "Pending",
-            "waiting for a Gateway controller to accept the route",
-        )
-    return _cond(GATEWAY_CONDITION, True, "Accepted", "the HTTPRoute is accepted by its Gateways")
-
-
 def _stamp(
     conditions: list[dict[str, Any]],
     previous: Iterable[Mapping[str, Any]],
@@ -198,35 +158,35 @@ def _stamp(
     return conditions
 
 
-POD_MONITOR_CONDITION = "PodMonitorReady"
+def _condition_of(status: Mapping[str, Any], type_: str) -> Mapping[str, Any] | None:
+    return next((c for c in status.get("conditions") or [] if c.get("type") == type_), None)
 
 
-def with_pod_monitor(
-    status: dict[str, Any],
-    problem: str | None,
-    previous: Mapping[str, Any],
-    now: str,
-    generation: int | None,
-) -> dict[str, Any]:
-    """Add PodMonitorReady to a computed status: True once applied, False with `problem`
-    (the Prometheus Operator's CRD is missing, or the chart grants no access)."""
-    if problem is None:
-        cond = _cond(
-            POD_MONITOR_CONDITION, True, "Applied", "the PodMonitor selects the model's pods"
-        )
-    else:
-        reason = "Forbidden" if "may not" in problem else "CRDMissing"
-        cond = _cond(POD_MONITOR_CONDITION, False, reason, problem)
-    conditions = [
-        *status.get("conditions", []),
-        *_stamp([cond], previous.get("conditions") or [], now, generation),
-    ]
-    return {**status, "conditions": conditions}
+def remembered(optional: OptionalKind, status: Mapping[str, Any]) -> bool:
+    """Whether the status says the last pass wanted this kind (so one may still exist)."""
+    if optional.condition is None:
+        return (status.get("autoscaling") or {}).get("backend") == "keda"
+    return _condition_of(status, optional.condition) is not None
 
 
-def had_pod_monitor(previous: Mapping[str, Any]) -> bool:
-    """Whether the status says a PodMonitor was wanted (so one may still exist)."""
-    return any(c.get("type") == POD_MONITOR_CONDITION for c in previous.get("conditions") or [])
+def reported(optional: OptionalKind, status: Mapping[str, Any]) -> str | None:
+    """What the status says about this kind: its condition's message, or the autoscaling one."""
+    if optional.condition is None:
+        return (status.get("autoscaling") or {}).get("message")
+    return (_condition_of(status, optional.condition) or {}).get("message")
+
+
+def optional_condition(
+    optional: OptionalKind,
+    model: StreamingModel,
+    live: Mapping[str, Any] | None,
+    unavailable: Unavailable | None = None,
+) -> dict[str, str]:
+    """The kind's condition: why it cannot be reached, else what its `ready` reads."""
+    assert optional.condition is not None and optional.ready is not None
+    if unavailable is not None:
+        return _cond(optional.condition, False, unavailable.reason, unavailable.message)
+    return _cond(optional.condition, *optional.ready(model, live))
 
 
 def invalid_status(
@@ -309,18 +269,28 @@ def compute_status(
     previous: Mapping[str, Any] | None = None,
     now: str = "",
     hpa: Mapping[str, Any] | None = None,
-    route: Mapping[str, Any] | None = None,
-    route_problem: str | None = None,
+    optional: Mapping[str, Mapping[str, Any] | None] | None = None,
+    unavailable: Mapping[str, Unavailable] | None = None,
 ) -> dict[str, Any]:
+    """The whole status of a pass: the Deployment, its pods, the Ingress and the HPA as
+    observed, then each of `kinds.OPTIONAL_KINDS` the model wants (`optional`: kind -> the
+    object as stored) or cannot reach (`unavailable`: kind -> why)."""
     previous = previous or {}
+    optional = optional or {}
+    unavailable = unavailable or {}
     out = _compute_status(model, generation, deployment, pods, ingress, previous, now, hpa)
-    if model.spec.gateway is not None:
-        out["conditions"] += _stamp(
-            [gateway_condition(route, route_problem, wants_session_persistence(model))],
-            previous.get("conditions") or [],
-            now,
-            generation,
-        )
+    conditions = []
+    for row in OPTIONAL_KINDS:
+        problem = unavailable.get(row.name)
+        if row.condition is not None:
+            if row.wanted(model):
+                conditions.append(optional_condition(row, model, optional.get(row.name), problem))
+        elif problem is not None:  # the ScaledObject: status.autoscaling reports it
+            scaling = {**(out.get("autoscaling") or {}), "message": problem.message}
+            if not row.wanted(model):
+                scaling["backend"] = "keda"  # a ScaledObject may still exist: keep cleaning up
+            out["autoscaling"] = scaling
+    out["conditions"] += _stamp(conditions, previous.get("conditions") or [], now, generation)
     return out
 
 

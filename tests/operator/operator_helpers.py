@@ -279,3 +279,35 @@ class FakeCluster:
         dep = self.objects[("Deployment", namespace, name)]
         dep["status"] = {"observedGeneration": dep["metadata"]["generation"], **status}
         self._bump(dep)
+
+
+class AbsentKind(FakeCluster):
+    """Kinds the cluster cannot serve (one, or several), answered as a real API server and
+    `KubeCluster` would: 404 (the CRD is not installed: a GET finds nothing, which
+    `KubeCluster.get` reads as None, and an apply fails), 403 (the chart grants no access:
+    every call fails), or any other status (every call fails). `refuse = 0`: installed and
+    granted from then on."""
+
+    def __init__(self, kind: str | tuple[str, ...], refuse: int) -> None:
+        super().__init__()
+        self.kinds = {kind} if isinstance(kind, str) else set(kind)
+        self.refuse = refuse
+
+    def _check(self, kind: str, verb: str) -> None:
+        if kind not in self.kinds or not self.refuse:
+            return
+        if self.refuse == 404 and verb in ("get", "delete"):
+            return  # no such object: `KubeCluster` answers None, and deleting it is a no-op
+        raise ApiException(status=self.refuse, reason=f"{kind} refused by the test")
+
+    def get(self, api_version, kind, namespace, name):
+        self._check(kind, "get")
+        return super().get(api_version, kind, namespace, name)
+
+    def apply(self, manifest):
+        self._check(manifest["kind"], "apply")
+        return super().apply(manifest)
+
+    def delete(self, api_version, kind, namespace, name):
+        self._check(kind, "delete")
+        return super().delete(api_version, kind, namespace, name)

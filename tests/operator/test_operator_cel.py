@@ -7,12 +7,17 @@ suite proves the real API server agrees."""
 from __future__ import annotations
 
 import copy
+import typing
 from typing import Any
 
 import jsonschema
 import pytest
 from operator_helpers import INVALID_SAMPLES, SAMPLES, expectations, load
 from sluice_operator.generate.crd import build_crd
+from sluice_operator.models.base import ApiModel
+from sluice_operator.models.resource import NAME_RULE
+from sluice_operator.models.spec import StreamingModelSpec
+from sluice_operator.validation import SpecError, parse_object, parse_spec
 
 celpy = pytest.importorskip("celpy", reason="cel-python not installed (tests/requirements.txt)")
 
@@ -123,7 +128,7 @@ def test_defaults_make_nested_objects_whole():
     assert spec["engine"]["gpuMemoryUtilization"] == 0.92 and "extraArgs" not in spec["engine"]
 
 
-@pytest.mark.parametrize(
+CASES = pytest.mark.parametrize(
     "spec_patch,message",
     [
         ({"resources": {"gpus": 8}, "parallelism": {"tensor": 4, "pipeline": 2}}, None),
@@ -139,6 +144,9 @@ def test_defaults_make_nested_objects_whole():
         ({"autoscaling": {"minReplicas": 5}}, "minReplicas must not exceed"),
     ],
 )
+
+
+@CASES
 def test_cel_rules_directly(spec_patch, message):
     spec = {"model": {"uri": "hf://org/model"}, **spec_patch}
     _, cel_errors = check({"metadata": {"name": "m"}, "spec": spec})
@@ -146,6 +154,70 @@ def test_cel_rules_directly(spec_patch, message):
         assert cel_errors == []
     else:
         assert any(message in m for m in cel_errors), cel_errors
+
+
+@CASES
+def test_the_operator_agrees_with_cel_and_says_the_same_message(spec_patch, message):
+    spec = {"model": {"uri": "hf://org/model"}, **spec_patch}
+    _, cel_errors = check({"metadata": {"name": "m"}, "spec": spec})
+    if message is None:
+        parse_spec(spec, name="m")
+        return
+    with pytest.raises(SpecError) as info:
+        parse_spec(spec, name="m")
+    (cel_message,) = cel_errors
+    assert cel_message in str(info.value) and message in str(info.value)
+
+
+@pytest.mark.parametrize("path", INVALID_SAMPLES, ids=lambda p: p.stem)
+def test_an_invalid_sample_gets_the_same_rule_message_from_both(path):
+    """One rule, one message: where CEL refuses a sample, the operator's error carries the
+    same message (plus what it found), not a second wording of the rule."""
+    _, cel_errors = check(load(path))
+    with pytest.raises(SpecError) as info:
+        parse_object(load(path))
+    assert all(m in str(info.value) for m in cel_errors), (cel_errors, str(info.value))
+
+
+def test_every_rule_is_in_the_crd_once():
+    """The CRD's `x-kubernetes-validations` are the models' `RULES` (and the name rule),
+    nothing written beside them."""
+    in_crd = sorted(
+        v["message"] for _, n in _nodes(SCHEMA) for v in n.get("x-kubernetes-validations", [])
+    )
+    rules = sorted(
+        {r.message for m in _models(StreamingModelSpec) for r in m.RULES} | {NAME_RULE.message}
+    )
+    assert in_crd == rules and len(rules) >= 12
+
+
+def _nodes(node: dict[str, Any], path: str = ""):
+    yield path, node
+    for name, child in (node.get("properties") or {}).items():
+        yield from _nodes(child, f"{path}.{name}")
+    if isinstance(node.get("items"), dict):
+        yield from _nodes(node["items"], f"{path}[]")
+
+
+def _models(model: type) -> set[type]:
+    """Every ApiModel reachable from `model` through its fields."""
+    seen: set[type] = set()
+    stack = [model]
+    while stack:
+        m = stack.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        for f in m.model_fields.values():
+            stack += [
+                t for t in _types(f.annotation) if isinstance(t, type) and issubclass(t, ApiModel)
+            ]
+    return seen
+
+
+def _types(annotation: Any) -> list[Any]:
+    args = typing.get_args(annotation)
+    return [annotation, *(t for a in args for t in _types(a))]
 
 
 def test_name_rule():

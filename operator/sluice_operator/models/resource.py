@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
+from .base import Rule
 from .spec import StreamingModelSpec
+
+# The object's name becomes the Service's, so it must be a DNS-1035 label. On the CRD's root
+# (generate/crd.py): `self` is the whole object there, and the operator checks the name.
+DNS1035 = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
+NAME_RULE = Rule(
+    f"self.metadata.name.size() <= 63 && self.metadata.name.matches('{DNS1035}')",
+    "metadata.name must be a DNS-1035 label (lower case letters, digits and '-', starting with a "
+    "letter, at most 63 characters): it also names the Service",
+    holds=lambda name: len(name) <= 63 and re.match(DNS1035, name) is not None,
+    detail=lambda name: f"got {name!r}: rename the resource",
+)
 
 # Where things live inside the server pod.
 CACHE_DIR = "/cache"

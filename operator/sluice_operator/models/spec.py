@@ -3,7 +3,8 @@
 The CRD in crds/ is generated from these classes (`python -m sluice_operator crds --write`),
 and the operator validates every object with them again before it renders anything, so a
 cluster without CEL support or an object written before a rule existed still gets a clear
-`SpecValid=False` instead of a broken Deployment. Each CEL rule below has a pydantic twin.
+`SpecValid=False` instead of a broken Deployment. Each class's `RULES` are both: the CEL rule
+in the CRD and the operator's check, with one message (`base.Rule`).
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import Field, StringConstraints, field_validator, model_validator
+from pydantic import Field, StringConstraints, field_validator
 
-from .base import ApiModel, FreeForm, Quantity, cel, sub
+from .base import ApiModel, FreeForm, Quantity, Rule, sub
 from .flags import RESERVED_RE, positional_arg, reserved_flag
 
 # Object names (Secrets, PVCs, ...): DNS-1123 subdomain.
@@ -33,11 +34,6 @@ MODEL_URI_PATTERN = (
     r"|/[!-~]*"
     r"|tiny)$"
 )
-MODEL_URI_HELP = (
-    "use hf://org/name (optionally @revision), pvc://claim/path/in/claim, "
-    "an absolute path inside the image, or tiny"
-)
-
 
 # nginx's size syntax (client_max_body_size): bytes, or k/m/g (binary multiples).
 NGINX_SIZE_PATTERN = r"^[0-9]{1,10}[kKmMgG]?$"
@@ -90,17 +86,16 @@ class ModelCache(ApiModel):
 class ModelSpec(ApiModel):
     """Which model to serve and where its weights come from."""
 
-    model_config = ApiModel.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                cel(
-                    f"self.uri.matches('{MODEL_URI_PATTERN}')",
-                    f"model.uri: {MODEL_URI_HELP}",
-                    ".uri",
-                ),
-            ]
-        }
-    }
+    RULES = (
+        Rule(
+            f"self.uri.matches('{MODEL_URI_PATTERN}')",
+            "model.uri: use hf://org/name (optionally @revision), pvc://claim/path/in/claim, "
+            "an absolute path inside the image, or tiny",
+            holds=lambda m: re.match(MODEL_URI_PATTERN, m.uri) is not None,
+            field=".uri",
+            detail=lambda m: f"got {m.uri!r}",
+        ),
+    )
 
     uri: Annotated[str, StringConstraints(min_length=1, max_length=512)] = Field(
         description="Model location: hf://org/name or hf://org/name@revision (Hugging Face Hub), "
@@ -118,13 +113,6 @@ class ModelSpec(ApiModel):
         "Passed to the server as the HF_TOKEN environment variable, never as an argument.",
     )
     cache: ModelCache = sub(ModelCache, "Cache volume for downloaded weights.")
-
-    @field_validator("uri")
-    @classmethod
-    def _uri_shape(cls, v: str) -> str:
-        if not re.match(MODEL_URI_PATTERN, v):
-            raise ValueError(f"{v!r} is not a model location: {MODEL_URI_HELP}")
-        return v
 
 
 class Toleration(ApiModel):
@@ -243,28 +231,41 @@ class EnvVar(ApiModel):
     )
 
 
+def _reserved(engine: EngineSpec) -> list[str]:
+    return [a for a in engine.extra_args if reserved_flag(a)]
+
+
 class EngineSpec(ApiModel):
     """Inference engine settings (vLLM engine arguments)."""
 
-    model_config = ApiModel.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                cel(
-                    f"!has(self.extraArgs) || self.extraArgs.all(a, !a.matches('{RESERVED_RE}'))",
-                    "engine.extraArgs must not repeat flags the operator sets from the spec "
-                    "(model, parallelism, engine, auth...); set the spec field instead",
-                    ".extraArgs",
-                ),
-                cel(
-                    "!has(self.extraArgs) || (self.extraArgs.all(a, a != '--') && "
-                    "(size(self.extraArgs) == 0 || self.extraArgs[0].startsWith('-')))",
-                    "engine.extraArgs must start with a flag and must not contain '--': vLLM "
-                    "reads a bare word there as the model to serve (set spec.model instead)",
-                    ".extraArgs",
-                ),
-            ]
-        }
-    }
+    RULES = (
+        Rule(
+            f"!has(self.extraArgs) || self.extraArgs.all(a, !a.matches('{RESERVED_RE}'))",
+            "engine.extraArgs must not repeat flags the operator sets from the spec "
+            "(model, parallelism, engine, auth...); set the spec field instead",
+            holds=lambda e: not _reserved(e),
+            field=".extraArgs",
+            detail=lambda e: (
+                f"got {', '.join(_reserved(e))}: vLLM reads aliases, underscores "
+                "and abbreviations of a flag as the flag"
+            ),
+        ),
+        Rule(
+            # CEL checks the first argument and `--`; the operator also a bare word after
+            # --flag=value (`positional_arg`).
+            "!has(self.extraArgs) || (self.extraArgs.all(a, a != '--') && "
+            "(size(self.extraArgs) == 0 || self.extraArgs[0].startsWith('-')))",
+            "engine.extraArgs must start with a flag and must not contain '--': vLLM "
+            "reads a bare word there as the model to serve (set spec.model instead)",
+            holds=lambda e: positional_arg(e.extra_args) is None,
+            field=".extraArgs",
+            detail=lambda e: (
+                f"got {positional_arg(e.extra_args)}: a bare word first in "
+                "extraArgs, after --flag=value or after -- is the model; give flag values as "
+                "--flag value"
+            ),
+        ),
+    )
 
     backend: Literal["vllm", "simulator"] = Field(
         default="vllm",
@@ -316,25 +317,6 @@ class EngineSpec(ApiModel):
         default=None,
         description="Simulator timing; used only when backend is simulator (defaults apply when unset).",
     )
-
-    @field_validator("extra_args")
-    @classmethod
-    def _no_reserved(cls, v: list[str]) -> list[str]:
-        bad = [a for a in v if reserved_flag(a)]
-        if bad:
-            raise ValueError(
-                f"{', '.join(bad)} is set by the operator from the spec (vLLM reads aliases, "
-                "underscores and abbreviations of a flag as the flag); use the spec field "
-                "instead of extraArgs"
-            )
-        positional = positional_arg(v)
-        if positional is not None:
-            raise ValueError(
-                f"{positional}: vLLM would read this bare word as the model to serve (a "
-                "positional argument: first in extraArgs, after --flag=value, or after --); "
-                "set spec.model instead, and give flag values as --flag value"
-            )
-        return v
 
 
 Protocol = Literal["sse", "websocket", "responses", "anthropic"]
@@ -436,17 +418,14 @@ class RedisUrlSecretRef(SecretKeyRef):
 class RateLimitSpec(ApiModel):
     """Per API key (or JWT subject) token buckets (0 = unlimited)."""
 
-    model_config = ApiModel.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                cel(
-                    "!has(self.backend) || self.backend != 'redis' || has(self.redisUrlSecretRef)",
-                    "rateLimit.backend redis needs rateLimit.redisUrlSecretRef",
-                    ".redisUrlSecretRef",
-                ),
-            ]
-        }
-    }
+    RULES = (
+        Rule(
+            "!has(self.backend) || self.backend != 'redis' || has(self.redisUrlSecretRef)",
+            "rateLimit.backend redis needs rateLimit.redisUrlSecretRef",
+            holds=lambda r: r.backend != "redis" or r.redis_url_secret_ref is not None,
+            field=".redisUrlSecretRef",
+        ),
+    )
 
     requests_per_minute: int = Field(
         default=0,
@@ -477,26 +456,17 @@ class RateLimitSpec(ApiModel):
         "refuses with 503 and Retry-After. The server retries Redis by itself.",
     )
 
-    @model_validator(mode="after")
-    def _redis_url(self) -> RateLimitSpec:
-        if self.backend == "redis" and self.redis_url_secret_ref is None:
-            raise ValueError("rateLimit.backend redis needs rateLimit.redisUrlSecretRef")
-        return self
-
 
 class JwksSource(ApiModel):
     """Where the JWKS comes from: exactly one of a Secret key or a ConfigMap key."""
 
-    model_config = ApiModel.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                cel(
-                    "has(self.secretRef) != has(self.configMapRef)",
-                    "auth.jwt.jwks needs exactly one of secretRef or configMapRef",
-                ),
-            ]
-        }
-    }
+    RULES = (
+        Rule(
+            "has(self.secretRef) != has(self.configMapRef)",
+            "auth.jwt.jwks needs exactly one of secretRef or configMapRef",
+            holds=lambda j: (j.secret_ref is None) != (j.config_map_ref is None),
+        ),
+    )
 
     secret_ref: JwksKeyRef | None = Field(
         default=None, description="A Secret key whose value is the JWKS (JSON)."
@@ -504,12 +474,6 @@ class JwksSource(ApiModel):
     config_map_ref: JwksKeyRef | None = Field(
         default=None, description="A ConfigMap key whose value is the JWKS (JSON)."
     )
-
-    @model_validator(mode="after")
-    def _one_source(self) -> JwksSource:
-        if (self.secret_ref is None) == (self.config_map_ref is None):
-            raise ValueError("auth.jwt.jwks needs exactly one of secretRef or configMapRef")
-        return self
 
 
 class JwtSpec(ApiModel):
@@ -577,17 +541,15 @@ class KedaSpec(ApiModel):
 class AutoscalingSpec(ApiModel):
     """Horizontal autoscaling on time to first token: an HPA fed by prometheus-adapter with the chart's rule (backend hpa), or a KEDA ScaledObject running the same query (backend keda)."""
 
-    model_config = ApiModel.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                cel(
-                    "self.minReplicas <= self.maxReplicas",
-                    "autoscaling.minReplicas must not exceed autoscaling.maxReplicas",
-                    ".minReplicas",
-                ),
-            ]
-        }
-    }
+    RULES = (
+        Rule(
+            "self.minReplicas <= self.maxReplicas",
+            "autoscaling.minReplicas must not exceed autoscaling.maxReplicas",
+            holds=lambda a: a.min_replicas <= a.max_replicas,
+            field=".minReplicas",
+            detail=lambda a: f"got minReplicas {a.min_replicas}, maxReplicas {a.max_replicas}",
+        ),
+    )
 
     enabled: bool = Field(
         default=True,
@@ -633,29 +595,18 @@ class AutoscalingSpec(ApiModel):
         description="Scale-down stabilization window in seconds, for either backend (model start-up is slow; avoid flapping).",
     )
 
-    @model_validator(mode="after")
-    def _bounds(self) -> AutoscalingSpec:
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(
-                f"autoscaling.minReplicas ({self.min_replicas}) must not exceed autoscaling.maxReplicas ({self.max_replicas})"
-            )
-        return self
-
 
 class IngressSpec(ApiModel):
     """An Nginx Ingress with streaming-safe settings (buffering off, long timeouts)."""
 
-    model_config = ApiModel.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                cel(
-                    "!has(self.tlsSecretName) || has(self.host)",
-                    "ingress.tlsSecretName needs ingress.host (the name on the certificate)",
-                    ".tlsSecretName",
-                ),
-            ]
-        }
-    }
+    RULES = (
+        Rule(
+            "!has(self.tlsSecretName) || has(self.host)",
+            "ingress.tlsSecretName needs ingress.host (the name on the certificate)",
+            holds=lambda i: not i.tls_secret_name or bool(i.host),
+            field=".tlsSecretName",
+        ),
+    )
 
     enabled: bool = Field(default=False, description="Create an Ingress.")
     class_name: Annotated[str, StringConstraints(max_length=253)] = Field(
@@ -697,14 +648,6 @@ class IngressSpec(ApiModel):
         default_factory=dict,
         description="Extra Ingress annotations, merged over the operator's (yours win).",
     )
-
-    @model_validator(mode="after")
-    def _tls_needs_host(self) -> IngressSpec:
-        if self.tls_secret_name and not self.host:
-            raise ValueError(
-                "ingress.tlsSecretName needs ingress.host (the name on the certificate)"
-            )
-        return self
 
 
 Hostname = Annotated[
@@ -794,20 +737,17 @@ class StartupSpec(ApiModel):
 class RolloutSpec(ApiModel):
     """How a spec change replaces pods (the Deployment's rolling update)."""
 
-    model_config = ApiModel.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                cel(
-                    # has(): the API server checks this rule on the field's default ({}) too,
-                    # before the members' own defaults apply.
-                    "(has(self.maxSurge) ? self.maxSurge : 1)"
-                    " + (has(self.maxUnavailable) ? self.maxUnavailable : 0) > 0",
-                    "rollout.maxSurge and rollout.maxUnavailable cannot both be 0 (nothing "
-                    "could be replaced); surge: maxSurge: 1; in place: maxUnavailable: 1",
-                ),
-            ]
-        }
-    }
+    RULES = (
+        Rule(
+            # has(): the API server checks this rule on the field's default ({}) too,
+            # before the members' own defaults apply.
+            "(has(self.maxSurge) ? self.maxSurge : 1)"
+            " + (has(self.maxUnavailable) ? self.maxUnavailable : 0) > 0",
+            "rollout.maxSurge and rollout.maxUnavailable cannot both be 0 (nothing "
+            "could be replaced); surge: maxSurge: 1; in place: maxUnavailable: 1",
+            holds=lambda r: r.max_surge + r.max_unavailable > 0,
+        ),
+    )
 
     max_surge: int = Field(
         default=1,
@@ -827,15 +767,6 @@ class RolloutSpec(ApiModel):
         "replaces in place (a one-replica model is down while the new pod loads). Also the "
         "PodDisruptionBudget's maxUnavailable (at least 1, so node drains never block).",
     )
-
-    @model_validator(mode="after")
-    def _something_moves(self) -> RolloutSpec:
-        if self.max_surge + self.max_unavailable == 0:
-            raise ValueError(
-                "rollout.maxSurge and rollout.maxUnavailable cannot both be 0 (nothing could be "
-                "replaced); surge: maxSurge: 1; in place: maxUnavailable: 1"
-            )
-        return self
 
 
 class PodMonitorSpec(ApiModel):
@@ -911,13 +842,6 @@ class NetworkPolicySpec(ApiModel):
     )
 
 
-RESUME_NEEDS_ONE_WORKER = (
-    "server.apiWorkers above 1 cannot be combined with streaming.resume.graceSeconds: a "
-    "resumable stream lives in one server process and a reconnect may reach another; "
-    "leave apiWorkers unset (resume makes it 1) or set it to 1, or turn resume off"
-)
-
-
 class ServerSpec(ApiModel):
     """The streaming server's own processes."""
 
@@ -942,35 +866,47 @@ class LocalObjectReference(ApiModel):
 DEFAULT_IMAGE = "ghcr.io/sluice-dev/sluice-server:0.1.0"
 
 
+def _gpus_detail(spec: StreamingModelSpec) -> str:
+    tensor, pipeline, gpus = spec.parallelism.tensor, spec.parallelism.pipeline, spec.resources.gpus
+    return (
+        f"got {tensor} x {pipeline} = {tensor * pipeline} and gpus: {gpus}; "
+        f"set gpus: {tensor * pipeline} or change the parallelism"
+    )
+
+
 class StreamingModelSpec(ApiModel):
     """Desired state of a StreamingModel: a model served as a streaming endpoint."""
 
-    model_config = ApiModel.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                cel(
-                    "!has(self.gateway) || !self.ingress.enabled",
-                    "spec.gateway and spec.ingress.enabled are exclusive: expose the model "
-                    "through a Gateway (HTTPRoute) or an Ingress, not both",
-                    ".gateway",
-                ),
-                cel(
-                    "!has(self.server) || !has(self.server.apiWorkers) || self.server.apiWorkers "
-                    "== 1 || !has(self.streaming) || !has(self.streaming.resume) || "
-                    "!has(self.streaming.resume.graceSeconds) || "
-                    "self.streaming.resume.graceSeconds == 0",
-                    RESUME_NEEDS_ONE_WORKER,
-                    ".server.apiWorkers",
-                ),
-                cel(
-                    "self.parallelism.tensor * self.parallelism.pipeline == self.resources.gpus",
-                    "parallelism.tensor x parallelism.pipeline must equal resources.gpus "
-                    "(e.g. gpus: 4 with tensor: 4, pipeline: 1, or tensor: 2, pipeline: 2)",
-                    ".parallelism",
-                ),
-            ]
-        }
-    }
+    RULES = (
+        Rule(
+            "!has(self.gateway) || !self.ingress.enabled",
+            "spec.gateway and spec.ingress.enabled are exclusive: expose the model "
+            "through a Gateway (HTTPRoute) or an Ingress, not both",
+            holds=lambda s: s.gateway is None or not s.ingress.enabled,
+            field=".gateway",
+        ),
+        Rule(
+            "!has(self.server) || !has(self.server.apiWorkers) || self.server.apiWorkers "
+            "== 1 || !has(self.streaming) || !has(self.streaming.resume) || "
+            "!has(self.streaming.resume.graceSeconds) || "
+            "self.streaming.resume.graceSeconds == 0",
+            "server.apiWorkers above 1 cannot be combined with streaming.resume.graceSeconds: a "
+            "resumable stream lives in one server process and a reconnect may reach another; "
+            "leave apiWorkers unset (resume makes it 1) or set it to 1, or turn resume off",
+            holds=lambda s: (
+                (s.server.api_workers or 1) <= 1 or not s.streaming.resume.grace_seconds
+            ),
+            field=".server.apiWorkers",
+        ),
+        Rule(
+            "self.parallelism.tensor * self.parallelism.pipeline == self.resources.gpus",
+            "parallelism.tensor x parallelism.pipeline must equal resources.gpus "
+            "(e.g. gpus: 4 with tensor: 4, pipeline: 1, or tensor: 2, pipeline: 2)",
+            holds=lambda s: s.parallelism.tensor * s.parallelism.pipeline == s.resources.gpus,
+            field=".parallelism",
+            detail=_gpus_detail,
+        ),
+    )
 
     model: ModelSpec = Field(description="Which model to serve.")
     resources: ResourcesSpec = sub(
@@ -1028,32 +964,6 @@ class StreamingModelSpec(ApiModel):
     service_account_name: Name | None = Field(
         default=None, description="ServiceAccount of the pods; namespace default when unset."
     )
-
-    @model_validator(mode="after")
-    def _one_way_in(self) -> StreamingModelSpec:
-        if self.gateway is not None and self.ingress.enabled:
-            raise ValueError(
-                "spec.gateway and spec.ingress.enabled are exclusive: expose the model "
-                "through a Gateway (HTTPRoute) or an Ingress, not both"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _resume_in_one_worker(self) -> StreamingModelSpec:
-        workers = self.server.api_workers
-        if workers is not None and workers > 1 and self.streaming.resume.grace_seconds:
-            raise ValueError(RESUME_NEEDS_ONE_WORKER)
-        return self
-
-    @model_validator(mode="after")
-    def _gpus_match_parallelism(self) -> StreamingModelSpec:
-        p, g = self.parallelism, self.resources.gpus
-        if p.tensor * p.pipeline != g:
-            raise ValueError(
-                f"parallelism.tensor x parallelism.pipeline ({p.tensor} x {p.pipeline} = {p.tensor * p.pipeline}) "
-                f"must equal resources.gpus ({g}); set gpus: {p.tensor * p.pipeline} or change the parallelism"
-            )
-        return self
 
     @property
     def max_request_bytes(self) -> int:
