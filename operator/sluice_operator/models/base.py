@@ -7,6 +7,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
+from pydantic.config import JsonDict
 
 # A Kubernetes quantity ("8Gi", "500m", 4). The CRD generator turns the marker into
 # `x-kubernetes-int-or-string: true`, which is what the API server expects for quantities.
@@ -37,9 +38,9 @@ FREEFORM_MARKER = "x-sluice-freeform"
 FreeForm = Annotated[dict[str, Any], Field(json_schema_extra={FREEFORM_MARKER: True})]
 
 
-def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
+def cel(rule: str, message: str, field_path: str | None = None) -> JsonDict:
     """One `x-kubernetes-validations` entry; `fieldPath` makes the API server point at the field."""
-    entry = {"rule": rule, "message": message}
+    entry: JsonDict = {"rule": rule, "message": message}
     if field_path:
         entry["fieldPath"] = field_path
     return entry
