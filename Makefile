@@ -39,10 +39,11 @@ test: lint ## Lint, then all tests (unit, real-engine, nginx, helm, schemathesis
 test-e2e: venv tools ## Every test that needs a real control plane (marked e2e, anywhere in tests/; needs K8S_ASSETS)
 	$(PY) -m pytest tests -m e2e
 
-lint: venv tools ## ruff (checks and formatting), import contracts (pyproject.toml), yamllint, hadolint, helm lint
+lint: venv tools ## ruff (checks and formatting), import contracts and mypy (pyproject.toml), yamllint, hadolint, helm lint
 	$(PY) -m ruff check server operator tests
 	$(PY) -m ruff format --check server operator tests
 	PYTHONPATH=operator:server $(VENV)/bin/lint-imports --no-cache
+	$(PY) -m mypy
 	$(PY) -m yamllint -c tests/yamllint.yaml crds samples
 	$(VENV)/bin/hadolint server/Dockerfile operator/Dockerfile
 	$(TOOLS)/helm lint charts/*

@@ -85,7 +85,15 @@ class KubeCluster:
 
         self._client = api_client or client.ApiClient()
 
-    def _call(self, method: str, path: str, *, query=None, body=None, content_type=None) -> Any:
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: list[tuple[str, str]] | None = None,
+        body: Any = None,
+        content_type: str | None = None,
+    ) -> Any:
         from kubernetes.client.exceptions import ApiException
 
         headers = {"Accept": "application/json"}
@@ -108,39 +116,44 @@ class KubeCluster:
             raise ApiException.from_response(http_resp=resp, body=text, data=None)
         return json.loads(resp.data) if resp.data else None
 
-    def get(self, api_version, kind, namespace, name):
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         from kubernetes.client.exceptions import ApiException
 
         try:
-            return self._call("GET", f"{collection_path(api_version, kind, namespace)}/{name}")
+            obj: dict[str, Any] = self._call(
+                "GET", f"{collection_path(api_version, kind, namespace)}/{name}"
+            )
+            return obj
         except ApiException as exc:
             if exc.status == 404:
                 return None
             raise
 
-    def apply(self, manifest):
+    def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
         path = object_path(manifest)
         # JSON is YAML: the apply-patch content type takes the JSON body as is. force: the
         # operator owns these fields; a hand edit must not block convergence.
-        return self._call(
+        stored: dict[str, Any] = self._call(
             "PATCH",
             path,
             query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
             body=manifest,
             content_type="application/apply-patch+yaml",
         )
+        return stored
 
-    def replace_lists(self, manifest):
+    def replace_lists(self, manifest: dict[str, Any]) -> dict[str, Any]:
         path = object_path(manifest)
-        return self._call(
+        stored: dict[str, Any] = self._call(
             "PATCH",
             path,
             query=[("fieldManager", FIELD_MANAGER)],
             body={k: v for k, v in manifest.items() if k not in ("apiVersion", "kind", "metadata")},
             content_type="application/merge-patch+json",
         )
+        return stored
 
-    def delete(self, api_version, kind, namespace, name):
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
         from kubernetes.client.exceptions import ApiException
 
         try:
@@ -154,15 +167,18 @@ class KubeCluster:
             if exc.status != 404:
                 raise
 
-    def list_pods(self, namespace, selector):
+    def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         data = self._call(
             "GET",
             collection_path(POD.api_version, POD.kind, namespace),
             query=[("labelSelector", selector)],
         )
-        return (data or {}).get("items") or []
+        pods: list[dict[str, Any]] = (data or {}).get("items") or []
+        return pods
 
-    def patch_status(self, namespace, name, patch):
+    def patch_status(
+        self, namespace: str, name: str, patch: dict[str, Any]
+    ) -> dict[str, Any] | None:
         """A merge patch of only what changed, nulls for what vanished (`status.status_patch`).
 
         Why this and not the alternatives: server-side apply on /status would only remove
@@ -175,6 +191,7 @@ class KubeCluster:
         """
         sm = STREAMING_MODEL
         path = f"{collection_path(sm.api_version, sm.kind, namespace)}/{name}/status"
-        return self._call(
+        stored: dict[str, Any] | None = self._call(
             "PATCH", path, body={"status": patch}, content_type="application/merge-patch+json"
         )
+        return stored

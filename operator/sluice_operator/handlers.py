@@ -109,7 +109,7 @@ def backoff(retry: int) -> float:
 
 @kopf.on.startup()
 def configure(
-    settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any
+    settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.Logger, **_: Any
 ) -> None:
     # Keep kopf's bookkeeping in our own annotations, and off the status we own.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
@@ -185,7 +185,7 @@ def _converge(
     namespace: str,
     name: str,
     retry: int,
-    logger: logging.Logger,
+    logger: kopf.Logger,
     collapsible: bool = False,
 ) -> None:
     """Converge one StreamingModel, read from memory under its lock.
@@ -235,13 +235,14 @@ def _converge(
 @kopf.on.update(GROUP, VERSION, PLURAL)
 def reconcile(
     body: kopf.Body,
-    namespace: str,
+    namespace: str | None,
     name: str,
     memo: kopf.Memo,
     retry: int,
-    logger: logging.Logger,
+    logger: kopf.Logger,
     **_: Any,
 ) -> None:
+    assert namespace is not None  # StreamingModels are namespaced
     _adopt_context(memo)
     _converge(memo.cluster, memo.memory, namespace, name, retry, logger)
 
@@ -253,7 +254,7 @@ def _adopt_context(memo: kopf.Memo) -> None:
 
 
 def _converge_quietly(
-    cluster: Cluster, memory: Memory, namespace: str, name: str, logger: logging.Logger, why: str
+    cluster: Cluster, memory: Memory, namespace: str, name: str, logger: kopf.Logger, why: str
 ) -> None:
     """A pass nobody retries (child event, resync): errors are logged, never raised."""
     try:
@@ -270,7 +271,7 @@ def _owner_changed(
     body: kopf.Body,
     namespace: str | None,
     memo: kopf.Memo,
-    logger: logging.Logger,
+    logger: kopf.Logger,
     event_type: str | None,
 ) -> None:
     _adopt_context(memo)
@@ -289,7 +290,7 @@ class Resync:
     """Every `seconds`, one collapsible pass per known model, from memory: a settled model
     costs no API call; a model whose last event-driven pass failed is converged again."""
 
-    def __init__(self, cluster: Cluster, memory: Memory, seconds: float, logger: logging.Logger):
+    def __init__(self, cluster: Cluster, memory: Memory, seconds: float, logger: kopf.Logger):
         self.cluster, self.memory, self.seconds, self.logger = cluster, memory, seconds, logger
         self.passes = 0
         self._context: contextvars.Context | None = None
@@ -357,7 +358,7 @@ def _register_child_watches() -> None:
             body: kopf.Body,
             namespace: str | None,
             memo: kopf.Memo,
-            logger: logging.Logger,
+            logger: kopf.Logger,
             type: str | None,  # noqa: A002 - kopf's keyword
             **_: Any,
         ) -> None:

@@ -31,8 +31,9 @@ Indexes = Mapping[str, Mapping[tuple[str, str], Iterable[Mapping[str, Any]]]]
 
 
 def _revision(obj: Mapping[str, Any]) -> int | None:
+    version = (obj.get("metadata") or {}).get("resourceVersion")
     try:
-        return int((obj.get("metadata") or {}).get("resourceVersion"))
+        return int(version) if version is not None else None
     except (TypeError, ValueError):
         return None
 

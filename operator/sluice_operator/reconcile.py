@@ -119,7 +119,8 @@ def _adopt(manifest: dict[str, Any], owner: Mapping[str, Any]) -> dict[str, Any]
     # children, so adopt them to a label-less view of the owner.
     owner_view = copy.deepcopy(dict(owner))
     owner_view.setdefault("metadata", {})["labels"] = {}
-    kopf.adopt(manifest, owner=owner_view)
+    # kopf annotates its Body view, but only reads the owner as a mapping (metadata).
+    kopf.adopt(manifest, owner=owner_view)  # type: ignore[arg-type]
     manifest["metadata"].setdefault("annotations", {})[HASH_ANNOTATION] = manifest_hash(manifest)
     return manifest
 

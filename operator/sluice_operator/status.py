@@ -82,9 +82,9 @@ def autoscaling_status(
     model: StreamingModel, hpa: Mapping[str, Any] | None
 ) -> dict[str, Any] | None:
     """The HPA's last reading and decision, so `kubectl get sm -o wide` shows TTFT."""
-    if not model.spec.autoscaling_enabled:
-        return None
     a = model.spec.autoscaling
+    if a is None or not a.enabled:
+        return None
     metric = ttft_metric_name(a.ttft_percentile)
     out: dict[str, Any] = {
         "backend": a.backend,
@@ -151,8 +151,10 @@ def _stamp(
     before = {c.get("type"): c for c in previous or []}
     for c in conditions:
         old = before.get(c["type"])
-        same = old is not None and old.get("status") == c["status"]
-        c["lastTransitionTime"] = old.get("lastTransitionTime", now) if same else now
+        if old is not None and old.get("status") == c["status"]:
+            c["lastTransitionTime"] = old.get("lastTransitionTime", now)
+        else:
+            c["lastTransitionTime"] = now
         if generation is not None:
             c["observedGeneration"] = generation
     return conditions
@@ -317,11 +319,8 @@ def _compute_status(
     spec_ok = _cond("SpecValid", True, "Valid", "spec is valid")
 
     if deployment is None:
-        desired = (
-            model.spec.autoscaling.min_replicas
-            if model.spec.autoscaling_enabled
-            else model.spec.replicas
-        )
+        a = model.spec.autoscaling
+        desired = a.min_replicas if a is not None and a.enabled else model.spec.replicas
         out.update(phase="Pending", message="creating the Deployment", replicas=0, readyReplicas=0)
         out["ready"] = f"0/{desired}"
         conditions = [

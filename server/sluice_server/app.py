@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -147,7 +148,7 @@ def build_reloader(settings: Settings, svc: Services) -> Reloader | None:
     s, creds = settings, svc.credentials
     if not s.credentials_reload_seconds or not creds.enabled:
         return None
-    sources = []
+    sources: list[Source[Any]] = []
     if s.api_key_file is not None:
         path = s.api_key_file
         sources.append(Source(

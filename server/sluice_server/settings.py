@@ -14,6 +14,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 Protocol = Literal["sse", "websocket", "responses", "anthropic"]
+ALL_PROTOCOLS: tuple[Protocol, ...] = ("sse", "websocket", "responses", "anthropic")
 
 
 class Settings(BaseSettings):
@@ -71,7 +72,7 @@ class Settings(BaseSettings):
 
     # Streaming behaviour
     protocols: Annotated[list[Protocol], NoDecode] = Field(
-        default_factory=lambda: ["sse", "websocket", "responses", "anthropic"],
+        default_factory=lambda: list(ALL_PROTOCOLS),
         description="Served protocols, comma-separated: `sse` covers the OpenAI chat, "
         "completions and models routes, `/v1/stream`, `/tokenize`, `/detokenize` and "
         "`/version`; `websocket` `/ws/stream`; `responses` OpenAI's `/v1/responses`; "

@@ -9,6 +9,7 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import yaml
 from kubernetes.client.exceptions import ApiException
@@ -199,12 +200,12 @@ class FakeCluster:
             c for c in self.calls if c[0] in ("apply", "replace_lists", "delete", "patch_status")
         ]
 
-    def get(self, api_version, kind, namespace, name):
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         self.calls.append(("get", kind))
         obj = self.objects.get(self._key(kind, namespace, name))
         return copy.deepcopy(obj) if obj else None
 
-    def apply(self, manifest):
+    def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
         self.calls.append(("apply", manifest["kind"]))
         if self.fail_with:
             exc, self.fail_with = self.fail_with, None
@@ -229,7 +230,7 @@ class FakeCluster:
         self.objects[key] = obj
         return copy.deepcopy(obj)
 
-    def replace_lists(self, manifest):
+    def replace_lists(self, manifest: dict[str, Any]) -> dict[str, Any]:
         self.calls.append(("replace_lists", manifest["kind"]))
         meta = manifest["metadata"]
         key = self._key(manifest["kind"], meta["namespace"], meta["name"])
@@ -244,15 +245,17 @@ class FakeCluster:
         hands, so an apply no longer removes it (server-side apply's list-map ownership)."""
         self.objects[("Service", namespace, name)]["spec"]["ports"][0]["port"] = port
 
-    def delete(self, api_version, kind, namespace, name):
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
         self.calls.append(("delete", kind))
         self.objects.pop(self._key(kind, namespace, name), None)
 
-    def list_pods(self, namespace, selector):
+    def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         self.calls.append(("list", "Pod"))
         return copy.deepcopy(self.pods)
 
-    def patch_status(self, namespace, name, patch):
+    def patch_status(
+        self, namespace: str, name: str, patch: dict[str, Any]
+    ) -> dict[str, Any] | None:
         self.calls.append(("patch_status", "StreamingModel"))
         self.status_patches.append(copy.deepcopy(patch))
         stored = self.objects.get(("StreamingModel", namespace, name))
@@ -300,14 +303,14 @@ class AbsentKind(FakeCluster):
             return  # no such object: `KubeCluster` answers None, and deleting it is a no-op
         raise ApiException(status=self.refuse, reason=f"{kind} refused by the test")
 
-    def get(self, api_version, kind, namespace, name):
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         self._check(kind, "get")
         return super().get(api_version, kind, namespace, name)
 
-    def apply(self, manifest):
+    def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
         self._check(manifest["kind"], "apply")
         return super().apply(manifest)
 
-    def delete(self, api_version, kind, namespace, name):
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
         self._check(kind, "delete")
         return super().delete(api_version, kind, namespace, name)

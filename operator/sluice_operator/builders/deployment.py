@@ -124,13 +124,13 @@ def _volumes(model: StreamingModel) -> tuple[list[dict[str, Any]], list[dict[str
     if jwt:
         # A whole-volume mount (no subPath), so the kubelet's updates reach the pod and the
         # server reloads the keys without a restart.
-        src = jwt.jwks.secret_ref or jwt.jwks.config_map_ref
-        assert src is not None  # the CRD and validation require exactly one
-        items = {"items": [{"key": src.key, "path": JWKS_FILE}], "defaultMode": 0o440}
+        jwks_ref = jwt.jwks.secret_ref or jwt.jwks.config_map_ref
+        assert jwks_ref is not None  # the CRD and validation require exactly one
+        items = {"items": [{"key": jwks_ref.key, "path": JWKS_FILE}], "defaultMode": 0o440}
         if jwt.jwks.secret_ref:
-            volumes.append({"name": "jwks", "secret": {"secretName": src.name, **items}})
+            volumes.append({"name": "jwks", "secret": {"secretName": jwks_ref.name, **items}})
         else:
-            volumes.append({"name": "jwks", "configMap": {"name": src.name, **items}})
+            volumes.append({"name": "jwks", "configMap": {"name": jwks_ref.name, **items}})
         mounts.append({"name": "jwks", "mountPath": JWKS_DIR, "readOnly": True})
     return volumes, mounts
 

@@ -23,6 +23,7 @@ def desired_hpa(model: StreamingModel) -> dict[str, Any] | None:
     if spec.autoscaling_backend != "hpa":
         return None
     a = spec.autoscaling
+    assert a is not None  # the backend is hpa only with autoscaling on
     return {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",

@@ -214,7 +214,11 @@ def replace_sections(text: str, parts: dict[str, str]) -> str:
         pattern = re.compile(rf"(<!-- generated:{name} -->\n).*?(<!-- end:{name} -->)", re.S)
         if not pattern.search(text):
             raise ValueError(f"{HELM_DOC}: no <!-- generated:{name} --> ... <!-- end:{name} -->")
-        text = pattern.sub(lambda m, body=body: m.group(1) + body + m.group(2), text)
+
+        def fill(m: re.Match[str], body: str = body) -> str:
+            return m.group(1) + body + m.group(2)
+
+        text = pattern.sub(fill, text)
     return text
 
 

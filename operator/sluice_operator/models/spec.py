@@ -320,7 +320,7 @@ class EngineSpec(ApiModel):
 
 
 Protocol = Literal["sse", "websocket", "responses", "anthropic"]
-ALL_PROTOCOLS: list[str] = ["sse", "websocket", "responses", "anthropic"]
+ALL_PROTOCOLS: list[Protocol] = ["sse", "websocket", "responses", "anthropic"]
 
 
 Origin = Annotated[str, StringConstraints(max_length=253, pattern=r"^(\*|https?://[^/\s,]+)$")]
@@ -369,7 +369,7 @@ class StreamingSpec(ApiModel):
         "/tokenize, /detokenize and /version; websocket /ws/stream; responses the OpenAI "
         "Responses API (/v1/responses); anthropic the Anthropic Messages API (/v1/messages, "
         "/v1/messages/count_tokens). The others answer 404 naming this field.",
-        json_schema_extra={"x-kubernetes-list-type": "set", "default": ALL_PROTOCOLS},
+        json_schema_extra={"x-kubernetes-list-type": "set", "default": [*ALL_PROTOCOLS]},
     )
     heartbeat_seconds: int = Field(
         default=15,
@@ -578,7 +578,8 @@ class AutoscalingSpec(ApiModel):
         alias="targetTTFTMilliseconds",
         description="Target time to first token per pod, in milliseconds, at ttftPercentile.",
     )
-    ttft_percentile: Literal[0.5, 0.75, 0.9, 0.95, 0.99] = Field(
+    # Float literals: pydantic validates them (an enum in the CRD); the typing spec has none.
+    ttft_percentile: Literal[0.5, 0.75, 0.9, 0.95, 0.99] = Field(  # type: ignore[valid-type]
         default=0.9,
         description="Which TTFT percentile the target applies to (0.5, 0.75, 0.9, 0.95 or 0.99).",
     )
@@ -982,8 +983,10 @@ class StreamingModelSpec(ApiModel):
     @property
     def autoscaling_backend(self) -> Literal["hpa", "keda"] | None:
         """Which autoscaler object the operator makes; None when autoscaling is off."""
-        return self.autoscaling.backend if self.autoscaling_enabled else None
+        a = self.autoscaling
+        return a.backend if a is not None and a.enabled else None
 
     @property
     def max_possible_replicas(self) -> int:
-        return self.autoscaling.max_replicas if self.autoscaling_enabled else self.replicas
+        a = self.autoscaling
+        return a.max_replicas if a is not None and a.enabled else self.replicas

@@ -16,14 +16,21 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import jwt
 
 from .errors import ApiError
 from .identity import DEFAULT_TENANT, NO_LIMITS, Plan, Principal, valid_tenant
 
+if TYPE_CHECKING:
+    from jwt.algorithms import AllowedPublicKeys
+
 # Key type (and curve) -> the one algorithm that key verifies.
-ALGORITHMS = {("RSA", None): "RS256", ("EC", "P-256"): "ES256"}
+ALGORITHMS: dict[tuple[str | None, str | None], str] = {
+    ("RSA", None): "RS256",
+    ("EC", "P-256"): "ES256",
+}
 LEEWAY_SECONDS = 30  # clock skew allowed on exp/nbf
 
 
@@ -43,11 +50,11 @@ def looks_like_jwt(credential: str) -> bool:
 
 
 class JwtVerifier:
-    def __init__(self, jwks: dict, issuer: str, audience: str, tenant_claim: str = "tenant",
-                 default: Plan = NO_LIMITS) -> None:  # fmt: skip
+    def __init__(self, jwks: dict[str, Any], issuer: str, audience: str,
+                 tenant_claim: str = "tenant", default: Plan = NO_LIMITS) -> None:  # fmt: skip
         self.issuer, self.audience = issuer, audience
         self.tenant_claim, self.default = tenant_claim, default
-        self.keys: list[tuple[str | None, str, object]] = []  # (kid, algorithm, key)
+        self.keys: list[tuple[str | None, str, AllowedPublicKeys]] = []  # (kid, algorithm, key)
         entries = jwks.get("keys") if isinstance(jwks, dict) else None
         if not isinstance(entries, list):
             raise ValueError('a JWKS is a JSON object {"keys": [...]}')
@@ -115,7 +122,7 @@ class JwtVerifier:
             raise invalid_token("bad signature")
         return self._principal(claims)
 
-    def _principal(self, claims: dict) -> Principal:
+    def _principal(self, claims: dict[str, Any]) -> Principal:
         tenant = claims.get(self.tenant_claim, DEFAULT_TENANT)
         if not isinstance(tenant, str) or not valid_tenant(tenant):
             raise invalid_token(f"`{self.tenant_claim}` must be a plain name")

@@ -18,6 +18,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 
+from ..engine.base import Delta
 from .events import DISCONNECTED, Meter
 from .events import FINISHED as DONE
 from .identity import Principal
@@ -27,12 +28,12 @@ from .services import Services
 from .stream import Stream
 from .trail import Trail
 
-Handle = tuple[Stream, Meter, Callable[[], None]]
+Handle = tuple[Stream[Delta], Meter, Callable[[], None]]
 ATTACH_WAIT_SECONDS = 2.0  # a reconnect may overtake the server noticing the disconnect
 
 
 def open_stream(
-    svc: Services, trail: Trail, who: Principal, source: AsyncIterator, t0: float,
+    svc: Services, trail: Trail, who: Principal, source: AsyncIterator[Delta], t0: float,
     prompt_tokens: Callable[[], int] = lambda: 0, rid: str | None = None,
 ) -> Handle:  # fmt: skip
     """Start producing at once (the engine works while headers go out). The returned
@@ -96,8 +97,9 @@ def open_stream(
             return
         finish()
 
-    entry.handle = (stream, meter, end_response)
-    return entry.handle
+    handle: Handle = (stream, meter, end_response)
+    entry.handle = handle
+    return handle
 
 
 def _ended() -> None:
@@ -125,7 +127,7 @@ async def resume_stream(
                                 code="stream_attached")  # fmt: skip
         await asyncio.sleep(0.01)
     if entry.state == FINISHED:
-        handle = entry.handle  # replayable for the grace window after its end
+        handle: Handle | None = entry.handle  # replayable for the grace window after its end
         if handle is None or start > handle[0].n_events:
             return None
         svc.metrics.resumes.labels(protocol, svc.metrics.model).inc()
@@ -135,7 +137,8 @@ async def resume_stream(
                             "(resume is off, or its grace window passed); send the request "
                             "again without Last-Event-ID.", "Last-Event-ID", status=410,
                             code="stream_aborted")  # fmt: skip
-    stream, meter, end_response = entry.handle
+    detached: Handle = entry.handle
+    stream, meter, end_response = detached
     if start > stream.n_events:
         if stream.ended is None:
             raise svc.bad_input(protocol, f"Last-Event-ID: stream {rid} has sent only "
@@ -148,4 +151,4 @@ async def resume_stream(
     entry.timer = None
     entry.state = LIVE
     svc.metrics.resumes.labels(protocol, svc.metrics.model).inc()
-    return entry.handle
+    return detached

@@ -160,6 +160,16 @@ class Bound:
 
     __slots__ = ("ttft", "itl", "e2e", "queue_wait", "output_tokens", "requests",
                  "disconnects", "aborts", "stream_errors", "active")  # fmt: skip
+    ttft: Histogram
+    itl: Histogram
+    e2e: Histogram
+    queue_wait: Histogram
+    output_tokens: Counter
+    requests: Counter
+    disconnects: Counter
+    aborts: Counter
+    stream_errors: Counter
+    active: Gauge
 
     def __init__(self, m: Metrics, protocol: str) -> None:
         for name in self.__slots__:
@@ -167,7 +177,7 @@ class Bound:
 
 
 def bind(metrics: Metrics, protocol: str) -> Bound:
-    cache = metrics.__dict__.setdefault("_bound", {})
+    cache: dict[str, Bound] = metrics.__dict__.setdefault("_bound", {})
     b = cache.get(protocol)
     if b is None:
         b = cache[protocol] = Bound(metrics, protocol)

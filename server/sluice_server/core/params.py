@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..engine.base import Engine, Flag, PromptOrMessages, SamplingOptions, StreamRequest, not_a_flag
@@ -39,7 +41,9 @@ def describe_validation_error(e: ValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "Invalid request", param
 
 
-def to_stream_request(body: dict, request_id: str, engine: Engine, served: str) -> StreamRequest:
+def to_stream_request(
+    body: dict[str, Any], request_id: str, engine: Engine, served: str
+) -> StreamRequest:
     """Validated StreamRequest (prompt rendered and length-checked when the engine can),
     or ApiError 400 saying what is wrong (`reason` bad_input)."""
     try:

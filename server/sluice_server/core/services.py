@@ -7,6 +7,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from starlette.requests import HTTPConnection, Request
 
@@ -37,7 +38,7 @@ class Services:
     engine: Engine | None = None
     engine_error: str | None = None
     pod: PodSeat | None = None  # this worker's seat when the pod runs several (--api-workers)
-    _bills: set[asyncio.Task] = field(default_factory=set)
+    _bills: set[asyncio.Task[None]] = field(default_factory=set)
     recent: RecentStreams = field(default_factory=RecentStreams)
 
     async def require_engine(self) -> Engine:
@@ -146,7 +147,8 @@ class Services:
 
 
 def services(conn: HTTPConnection) -> Services:
-    return conn.app.state.services
+    svc: Services = conn.app.state.services
+    return svc
 
 
 def trail_of(conn: HTTPConnection) -> Trail:
@@ -164,7 +166,7 @@ def received_at(conn: HTTPConnection) -> float:
     return conn.scope.get("sluice.t0") or time.perf_counter()
 
 
-async def read_json(request: Request, svc: Services, protocol: str) -> dict:
+async def read_json(request: Request, svc: Services, protocol: str) -> dict[str, Any]:
     """Body within the size limit, parsed as a JSON object; OpenAI-style errors otherwise."""
     limit = svc.settings.max_body_bytes
     declared = request.headers.get("content-length")

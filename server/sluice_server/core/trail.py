@@ -23,7 +23,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Protocol
+from typing import Any, Protocol
 
 from opentelemetry.trace import SpanKind, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -62,14 +62,14 @@ class Recorder:
         self.tracing = tracing
 
     def open(self, rid: str, t0: float, path: str = "", method: str = "",
-             headers: list | None = None) -> Trail:  # fmt: skip
+             headers: list[tuple[bytes, bytes]] | None = None) -> Trail:  # fmt: skip
         trail = Trail(self, rid, t0, path, method)
         if self.tracing is not None and headers:
             trail.carrier = {k.decode(): v.decode("latin-1") for k, v in headers
                              if k in TRACE_HEADERS}  # fmt: skip
         return trail
 
-    def write(self, record: dict) -> None:
+    def write(self, record: dict[str, Any]) -> None:
         if not self.enabled or not self.log.isEnabledFor(logging.INFO):
             return
         if self.json:
@@ -154,7 +154,7 @@ class Trail:
             first_byte = meter.first_write if meter is not None else None
             self._span(record, now, first_output, first_byte)
 
-    def _span(self, record: dict, now: float, first_output: float | None,
+    def _span(self, record: dict[str, Any], now: float, first_output: float | None,
               first_byte: float | None) -> None:  # fmt: skip
         # perf_counter times -> epoch nanoseconds, anchored at `now`.
         wall = time.time_ns()
@@ -162,7 +162,9 @@ class Trail:
         def ns(t: float) -> int:
             return wall - int((now - t) * 1e9)
 
-        span = self.rec.tracing.tracer.start_span(
+        tracing = self.rec.tracing
+        assert tracing is not None  # end() calls this only with tracing on
+        span = tracing.tracer.start_span(
             f"{self.method} {self.path}",
             context=_propagator.extract(self.carrier) if self.carrier else None,
             kind=SpanKind.SERVER,

@@ -39,7 +39,7 @@ import asyncio
 import random
 import time
 import zlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
 from .base import Delta, StreamRequest
@@ -122,7 +122,7 @@ class SimulatorEngine:
         request.prompt_token_ids = [zlib.crc32(w.encode()) & 0x7FFF for w in words]
         return len(words)
 
-    def generate(self, request: StreamRequest) -> AsyncIterator[Delta]:
+    def generate(self, request: StreamRequest) -> AsyncGenerator[Delta, None]:
         return self._generate(request)
 
     async def abort(self, request_id: str) -> None:
@@ -165,7 +165,7 @@ class SimulatorEngine:
                 parts.extend(p.get("text", "") for p in content if isinstance(p, dict))
         return "\n".join(parts)
 
-    async def _generate(self, request: StreamRequest) -> AsyncIterator[Delta]:
+    async def _generate(self, request: StreamRequest) -> AsyncGenerator[Delta, None]:
         if self._dead:
             raise EngineDeadError("simulator engine is shut down")
         rid = request.request_id
@@ -173,9 +173,8 @@ class SimulatorEngine:
             raise ValueError(f"request id {rid!r} is already running")
         opts = request.options
         prompt = self._prompt_text(request)
-        if request.prompt_token_ids is None:
-            self.prepare(request)
-        prompt_tokens = len(request.prompt_token_ids)
+        ids = request.prompt_token_ids
+        prompt_tokens = self.prepare(request) if ids is None else len(ids)
         max_tokens = min(opts.max_tokens, self.max_model_len - prompt_tokens)
         eos_at = None if opts.ignore_eos else self.eos_after_tokens
         seed = opts.seed if opts.seed is not None else zlib.crc32(prompt.encode())

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -62,7 +62,7 @@ class MeteredClient:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._llm, name)
 
-    async def generate(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+    async def generate(self, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
         tap = usage_tap.get()
         gen = self._llm.generate(*args, **kwargs)
         try:
@@ -152,21 +152,21 @@ class VllmApi:
         self.state = state
         self._classes = _request_classes()
 
-    async def models(self) -> dict:
+    async def models(self) -> dict[str, Any]:
         return (await self.state.openai_serving_models.show_available_models()).model_dump()
 
-    def version(self) -> dict:
+    def version(self) -> dict[str, Any]:
         from vllm.version import __version__
 
         return {"version": __version__}
 
-    def parse(self, body: dict, kind: ApiKind) -> Any:
+    def parse(self, body: dict[str, Any], kind: ApiKind) -> Any:
         cls = self._classes[kind]
         if hasattr(cls, "validate_python"):
             return cls.validate_python(body)
         return cls.model_validate(body)
 
-    async def respond(self, request: Any, kind: ApiKind, http_request: Any):
+    async def respond(self, request: Any, kind: ApiKind, http_request: Any) -> ApiReply | ApiStream:
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.entrypoints.serve.exception_handling.error_response import (
             create_error_response,
@@ -192,7 +192,7 @@ class VllmApi:
         return ApiStream(_chunks(events, tap), lambda: tap.prompt_tokens)
 
 
-async def _framed(events: AsyncIterator[Any]) -> AsyncIterator[str]:
+async def _framed(events: AsyncGenerator[Any, None]) -> AsyncGenerator[str, None]:
     """Responses events (pydantic objects) framed as vLLM's own route frames them."""
     try:
         async for event in events:
@@ -202,7 +202,7 @@ async def _framed(events: AsyncIterator[Any]) -> AsyncIterator[str]:
         await events.aclose()
 
 
-async def _chunks(sse: AsyncIterator[str], tap: UsageTap) -> AsyncIterator[Delta]:
+async def _chunks(sse: AsyncIterator[str], tap: UsageTap) -> AsyncGenerator[Delta, None]:
     """vLLM's framed events as Deltas, token counts from the tap; a finished Delta last."""
     usage_tap.set(tap)  # vLLM's generator runs in this (the stream's producer) task
     seen = 0
@@ -251,13 +251,14 @@ class VllmEngine:
         request.prompt_token_ids = ids
         return len(ids)
 
-    async def generate(self, request: StreamRequest) -> AsyncIterator[Delta]:
+    async def generate(self, request: StreamRequest) -> AsyncGenerator[Delta, None]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         if request.prompt_token_ids is None:
             self.prepare(request)
         ids = request.prompt_token_ids
+        assert ids is not None  # prepare() sets them
         opts = request.options
         max_tokens = min(opts.max_tokens, self.max_model_len - len(ids))
         params = SamplingParams(

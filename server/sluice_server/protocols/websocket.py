@@ -80,8 +80,8 @@ class Connection:
                  credential: str | None) -> None:  # fmt: skip
         self.ws, self.svc, self.trail, self.who = ws, svc, trail, who
         self.credential = credential
-        self.tasks: dict[str, asyncio.Task] = {}
-        self.streams: dict[str, Stream] = {}
+        self.tasks: dict[str | int, asyncio.Task] = {}  # by the frame's id (string or number)
+        self.streams: dict[str | int, Stream] = {}
         self.lock = asyncio.Lock()
         self.send_timeout = svc.settings.send_timeout_seconds
         # One timer per socket bounds every send (a reader that stops reading), not a

@@ -22,8 +22,8 @@ class SendWatchdog:
     def __init__(self, timeout: float | None, expired: Callable[[], BaseException]) -> None:
         self.timeout = timeout
         self._make_error = expired
-        self._pending: dict[asyncio.Task, float] = {}  # task -> when its send started
-        self._expired: asyncio.Task | None = None  # the task whose send was cut
+        self._pending: dict[asyncio.Task[Any], float] = {}  # task -> when its send started
+        self._expired: asyncio.Task[Any] | None = None  # the task whose send was cut
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.last_send = 0.0  # loop time the last send started (idle detection)
@@ -44,7 +44,7 @@ class SendWatchdog:
         self,
         send: Callable[[Any], Awaitable[None]],
         message: Any,
-        task: asyncio.Task | None = None,
+        task: asyncio.Task[Any] | None = None,
     ) -> None:
         """`await send(message)`; raises `expired()` if it was pending for `timeout` s.
         `task`: the calling task when the caller knows it (saves a lookup per send)."""
@@ -53,8 +53,10 @@ class SendWatchdog:
             self.last_send = loop.time() if loop is not None else 0.0
             await send(message)
             return
+        assert loop is not None  # a timer is armed only on a started loop
         if task is None:
             task = asyncio.current_task()
+            assert task is not None  # sends are made from tasks
         pending = self._pending
         pending[task] = self.last_send = loop.time()
         try:
@@ -72,6 +74,7 @@ class SendWatchdog:
     def _check(self) -> None:
         """Cancel a send pending for `timeout`; re-arm for the next deadline."""
         loop, timeout = self._loop, self.timeout
+        assert loop is not None and timeout is not None  # armed by start() only with both
         now = loop.time()
         next_at = now + timeout
         for task, since in self._pending.items():

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from starlette.background import BackgroundTask
 from starlette.responses import Response
@@ -48,7 +49,9 @@ class Heartbeat:
     its send is covered by the response's send timeout like any other send. The timer stops
     when the last response closes."""
 
-    _by_loop: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[float, Heartbeat]] = (
+        weakref.WeakKeyDictionary()
+    )
 
     def __init__(self, loop: asyncio.AbstractEventLoop, interval: float) -> None:
         self.loop, self.interval = loop, interval
@@ -112,8 +115,8 @@ class SSEResponse(Response):
         ]
         self.watchdog = SendWatchdog(send_timeout, SendTimeoutError)
         self.active = True
-        self.ping_task: asyncio.Task | None = None
-        self._task: asyncio.Task | None = None  # the task streaming the response
+        self.ping_task: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[Any] | None = None  # the task streaming the response
         self._ended_by: BaseException | None = None  # why the stream task was cancelled
 
     __hash__ = object.__hash__  # a dict key in the heartbeat
@@ -139,7 +142,8 @@ class SSEResponse(Response):
 
     async def _stream(self, receive: Receive, send: Send, raw_send: Send) -> None:
         loop = asyncio.get_running_loop()
-        self._task = asyncio.current_task()
+        self._task = task = asyncio.current_task()
+        assert task is not None  # a response is sent from a task
         self.watchdog.start()
         heartbeat = Heartbeat.on(loop, self.ping_interval) if self.ping_interval > 0 else None
         if heartbeat is not None:
@@ -149,7 +153,7 @@ class SSEResponse(Response):
             await self._send_all(send, raw_send)
         except asyncio.CancelledError:
             ended_by = self._ended_by
-            if ended_by is None or self._task.uncancel() > 0:
+            if ended_by is None or task.uncancel() > 0:
                 raise  # cancelled by someone else (server shutdown): let that win
             if not isinstance(ended_by, Disconnected):
                 raise ended_by from None  # the heartbeat's send failed
@@ -182,6 +186,7 @@ class SSEResponse(Response):
         if self.active and self._ended_by is None:
             self.active = False
             self._ended_by = reason
+            assert self._task is not None  # set before the listener and pings start
             self._task.cancel()
 
     async def _end_on_disconnect(self, receive: Receive) -> None:
