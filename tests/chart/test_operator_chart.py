@@ -294,6 +294,7 @@ EXPECTED = {
     },
     ("policy", "poddisruptionbudgets"): {"get", "list", "watch", "create", "patch", "delete"},
     ("gateway.networking.k8s.io", "httproutes"): {"get", "create", "patch", "delete"},
+    ("inference.networking.k8s.io", "inferencepools"): {"get", "create", "patch", "delete"},
     ("networking.k8s.io", "networkpolicies"): {
         "get",
         "list",

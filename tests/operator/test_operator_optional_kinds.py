@@ -20,6 +20,7 @@ WANTS = {
     "ScaledObject": {"autoscaling": {"backend": "keda", "maxReplicas": 3}},
     "HTTPRoute": {"gateway": {"parentRefs": [{"name": "public"}]}},
     "PodMonitor": {"observability": {"podMonitor": {"enabled": True}}},
+    "InferencePool": {"routing": {"inferencePool": {"enabled": True}}},
 }
 ROWS = [pytest.param(o, id=o.name) for o in OPTIONAL_KINDS]
 

@@ -59,6 +59,12 @@ rule's "why" there, and each `if .Values.x` block its "granted" column.
 - apiGroups: ["gateway.networking.k8s.io"]
   resources: ["httproutes"]
   verbs: ["get", "create", "patch", "delete"]
+# Gateway API Inference Extension InferencePools for models with
+# `routing.inferencePool.enabled`: read, server-side applied, deleted when it is turned off.
+# Not watched (the CRD may be absent), so no list/watch.
+- apiGroups: ["inference.networking.k8s.io"]
+  resources: ["inferencepools"]
+  verbs: ["get", "create", "patch", "delete"]
 # Read only: model pods are watched and kept in memory, so a pod turning Ready or Pending
 # updates the status at once, and the status says why pods are Pending (PodScheduled
 # condition, e.g. no free GPUs).

@@ -14,7 +14,7 @@ from ..models.resource import (
     StreamingModel,
 )
 from .args import PRESTOP_SECONDS, server_args, termination_grace_seconds
-from .common import PORT, PORT_NAME, labels, metadata, selector_labels
+from .common import PORT, PORT_NAME, endpoint_picker_labels, labels, metadata, selector_labels
 
 # Loading a large model (download + weights into GPU memory + CUDA graphs) takes tens of
 # minutes; the startup probe holds liveness off for spec.startup.timeoutSeconds. The
@@ -220,7 +220,8 @@ def desired_deployment(model: StreamingModel) -> dict[str, Any]:
         "progressDeadlineSeconds": progress_deadline_seconds(model),
         "template": {
             "metadata": {
-                "labels": {**spec.pod_labels, **labels(model)},
+                # podLabels may change the EPP's labels (a role), never the operator's own.
+                "labels": {**endpoint_picker_labels(model), **spec.pod_labels, **labels(model)},
                 "annotations": pod_annotations(model),
             },
             "spec": pod_spec,
