@@ -18,7 +18,9 @@ change routing, so a wrong annotation fails a test: ingress-nginx cookie affinit
 upstream server that answered it first, as ingress-nginx's balancer does (its cookie holds
 a hash of the endpoint; ours holds the endpoint itself, mapped back over a fixed list).
 Several upstream URLs make one round-robin upstream. `path` is the Ingress rule's path
-(Prefix): only it is routed, unchanged, and everything else gets nginx's 404.
+(Prefix): only it is routed, unchanged, and everything else gets nginx's 404. `http2`:
+the client side speaks HTTP/2 in cleartext (prior knowledge, as a gateway hop does); the
+upstream side stays HTTP/1.1.
 
 Measured with nginx 1.22: `proxy_buffering on` by itself does not delay an SSE response
 (nginx forwards what it has read whenever the client socket is writable), so it is no
@@ -69,6 +71,7 @@ def render_config(
     max_body: str = "1m",
     annotations: dict[str, str] | None = None,
     path: str = "/",
+    http2: bool = False,
 ) -> str:
     """nginx.conf text. `upstream` is host:port (or several). Everything nginx writes stays
     in `prefix`."""
@@ -138,7 +141,7 @@ http {{
     upstream sluice {{ {servers} }}
     {affinity_map}
     server {{
-        listen 127.0.0.1:{listen_port};
+        listen 127.0.0.1:{listen_port}{" http2" if http2 else ""};
         client_max_body_size {max_body};
 {locations}
     }}
