@@ -62,8 +62,9 @@ chart: venv tools ## Lint and render the charts
 render: venv ## Print the manifests the operator would apply for SAMPLE=samples/x.yaml
 	$(PY) -m sluice_operator render -f $(SAMPLE)
 
-bench: venv ## Benchmarks: our server vs vLLM's server vs the bare engine; fan-out (writes docs/)
+bench: venv ## Benchmarks: our server vs vLLM's server vs the bare engine; fan-out; balancing (writes docs/)
 	$(PY) tests/bench/run.py
+	$(PY) tests/bench/balance.py --write
 
 bench-ab: venv ## CPU per token event, this checkout (B) vs BASE=<another checkout> (A), pinned pairs
 	$(PY) tests/bench/stack_cost.py ab --against $(BASE) --pairs 4 --cpu $${CPU:-0}
