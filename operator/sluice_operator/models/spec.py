@@ -741,8 +741,9 @@ class InferencePoolSpec(ApiModel):
     )
     app_protocol: Literal["http", "kubernetes.io/h2c"] = Field(
         default="http",
-        description="Protocol the gateway speaks to the pods (the server speaks HTTP/1.1; "
-        "kubernetes.io/h2c only behind a server started with HTTP/2 cleartext).",
+        description="Protocol the gateway speaks to the pods. The Sluice server speaks "
+        "HTTP/1.1 (uvicorn has no HTTP/2): keep http unless the image serves HTTP/2 in "
+        "cleartext (kubernetes.io/h2c).",
     )
     endpoint_picker: EndpointPickerRef | None = Field(
         default=None,
