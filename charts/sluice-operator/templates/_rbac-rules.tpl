@@ -90,3 +90,20 @@ unless peering is enabled. The end-to-end tests run the operator under exactly t
 {{- end }}
 {{- end }}
 {{- end -}}
+
+{{/*
+Leader election (leaderElection.enabled): one Lease in the release namespace, in a Role
+there whatever the watch mode. The operator reads it, creates it once and renews or releases
+it with a PUT carrying the resourceVersion it read (no patch, list, watch or delete).
+*/}}
+{{- define "sluice-operator.rules.election" -}}
+# Creating cannot be limited to a name (RBAC sees no name on a create).
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  verbs: ["create"]
+# Reading and renewing: only the operator's own Lease.
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  resourceNames: [{{ include "sluice-operator.fullname" . | quote }}]
+  verbs: ["get", "update"]
+{{- end -}}
