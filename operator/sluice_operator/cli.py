@@ -87,6 +87,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         resync_seconds=args.resync_seconds,
         identity=args.identity,
         election=election,
+        max_rollouts=args.max_concurrent_model_rollouts,
     )
 
 
@@ -162,6 +163,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=300.0,
         help="converge every model this often, from memory (a settled model costs no API "
         "call); 0 turns it off",
+    )
+    run.add_argument(
+        "--max-concurrent-model-rollouts",
+        type=int,
+        default=2,
+        metavar="N",
+        help="when this operator release renders a new pod template for models nobody changed, "
+        "roll at most N of them at a time, each until its new pods are Ready (0: no limit); "
+        "a model whose own spec changed is never held back",
     )
     run.add_argument(
         "--identity",

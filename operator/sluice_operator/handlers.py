@@ -32,9 +32,10 @@ from . import __version__
 from .builders.common import INSTANCE_LABEL, MANAGED_BY_LABEL, MANAGER
 from .cluster import Cluster, FencedCluster, KubeCluster, KubeLeases, WriteFenced
 from .election import AlwaysLeading, ElectionSettings, Elector
-from .kinds import INDEXED_KINDS, STREAMING_MODEL, WATCHED_KINDS, Kind
+from .kinds import DEPLOYMENT, INDEXED_KINDS, STREAMING_MODEL, WATCHED_KINDS, Kind
 from .memory import Memory, index_key, lean
 from .models import GROUP, PLURAL, VERSION
+from .pacing import RolloutPacer
 from .reconcile import converge
 from .validation import SpecError
 
@@ -44,6 +45,7 @@ OURS = {MANAGED_BY_LABEL: MANAGER}
 CHILD_RESOURCES = tuple((k.group, k.version, k.plural) for k in WATCHED_KINDS)
 MAX_BACKOFF_SECONDS = 300
 DEFAULT_RESYNC_SECONDS = 300.0
+DEFAULT_MAX_ROLLOUTS = 2
 # Threads for the (sync) handlers. A pass mostly waits on the API server, and every child
 # and pod event runs one: with kopf's default (CPUs + 4) a burst of child events kept new
 # models waiting (50 models at once: last model's children 6.9-8.4 s, 5.3-5.9 s with 20).
@@ -225,6 +227,12 @@ def configure(
     seconds = getattr(memo, "resync_seconds", None)
     seconds = DEFAULT_RESYNC_SECONDS if seconds is None else float(seconds)
     memo.resync = Resync(memo.cluster, memo.memory, seconds, logger, leading=leading)
+    limit = getattr(memo, "max_rollouts", None)
+    memo.pacer = memo.resync.pacer = RolloutPacer(
+        DEFAULT_MAX_ROLLOUTS if limit is None else int(limit),
+        deployments=lambda: memo.memory.every(DEPLOYMENT),
+        wake=memo.resync.converge_soon,
+    )
     if election is not None and getattr(memo, "leadership", None) is None:
 
         def started() -> None:
@@ -309,6 +317,7 @@ def _converge(
     retry: int,
     logger: logging.Logger,
     collapsible: bool = False,
+    pacer: RolloutPacer | None = None,
 ) -> None:
     """Converge one StreamingModel, read from memory under its lock.
 
@@ -328,7 +337,14 @@ def _converge(
                 return  # gone or going: the garbage collector removes the children
             check = _owner_check(cluster, body)
             outcomes.append(
-                converge(cluster, body, _poster(body, cluster), reads=memory, owner_exists=check)
+                converge(
+                    cluster,
+                    body,
+                    _poster(body, cluster),
+                    reads=memory,
+                    owner_exists=check,
+                    pacer=pacer,
+                )
             )
         except WriteFenced as exc:
             # Lost the Lease mid-pass: nothing more is sent; the new leader converges it.
@@ -368,7 +384,8 @@ def reconcile(
     **_: Any,
 ) -> None:
     _adopt_context(memo)
-    _converge(memo.cluster, memo.memory, namespace, name, retry, logger)
+    pacer = getattr(memo, "pacer", None)
+    _converge(memo.cluster, memo.memory, namespace, name, retry, logger, pacer=pacer)
 
 
 def _adopt_context(memo: kopf.Memo) -> None:
@@ -391,10 +408,11 @@ def _converge_quietly(
     name: str,
     logger: logging.Logger,
     why: str,
+    pacer: RolloutPacer | None = None,
 ) -> None:
     """A pass nobody retries (child event, resync): errors are logged, never raised."""
     try:
-        _converge(cluster, memory, namespace, name, 0, logger, collapsible=True)
+        _converge(cluster, memory, namespace, name, 0, logger, collapsible=True, pacer=pacer)
     except kopf.PermanentError:
         pass  # already reported on the StreamingModel (status + Event)
     except kopf.TemporaryError as exc:
@@ -418,14 +436,17 @@ def _owner_changed(
     if not owner or not namespace or not _leadership(memo).leading():
         return
     _converge_quietly(
-        memo.cluster, memo.memory, namespace, owner, logger, f"a {event_type} child event"
-    )
+        memo.cluster, memo.memory, namespace, owner, logger, f"a {event_type} child event",
+        getattr(memo, "pacer", None),
+    )  # fmt: skip
 
 
 class Resync:
     """Every `seconds` (0: never), one collapsible pass per known model, from memory: a
     settled model costs no API call; a model whose last event-driven pass failed is
-    converged again. `kick()` runs a round now: a replica that just became the leader."""
+    converged again. `kick()` runs a round now: a replica that just became the leader.
+    `converge_soon(keys)` converges just those models now: the pacer's waiting models when
+    a rollout slot frees."""
 
     def __init__(
         self,
@@ -437,7 +458,10 @@ class Resync:
     ):
         self.cluster, self.memory, self.seconds, self.logger = cluster, memory, seconds, logger
         self.leading = leading
+        self.pacer: RolloutPacer | None = None
         self.passes = 0
+        self._soon: set[tuple[str, str]] = set()
+        self._soon_guard = threading.Lock()
         self._context: contextvars.Context | None = None
         self._missed = False  # a round was due before kopf's listings were complete
         self._all_due = False  # kick(): the next wake-up converges every model
@@ -457,11 +481,17 @@ class Resync:
         self._all_due = True
         self._kicked.set()
 
+    def converge_soon(self, keys: list[tuple[str, str]]) -> None:
+        with self._soon_guard:
+            self._soon.update(keys)
+        self._kicked.set()
+
     def _converge(self, namespace: str, name: str, why: str) -> None:
         assert self._context is not None
         self._context.copy().run(
-            _converge_quietly, self.cluster, self.memory, namespace, name, self.logger, why
-        )
+            _converge_quietly, self.cluster, self.memory, namespace, name, self.logger, why,
+            self.pacer,
+        )  # fmt: skip
         self.passes += 1
 
     def adopt_context(self) -> None:
@@ -497,10 +527,16 @@ class Resync:
             if self._stop.is_set():
                 return
             every, self._all_due = self._all_due or not woken, False
-            if not every or not self.leading():
+            with self._soon_guard:
+                soon, self._soon = sorted(self._soon), set()
+            if not self.leading():
                 continue
             try:
-                self.run_once()
+                if every:
+                    self.run_once()
+                elif soon and self._context is not None:
+                    for namespace, name in soon:
+                        self._converge(namespace, name, "a free rollout slot")
             except Exception:  # a bug in one pass must not end every later resync
                 self.logger.exception("resync failed")
 

@@ -33,6 +33,7 @@ from .builders.keda import keda_hpa_name
 from .cluster import Cluster, LiveReads
 from .kinds import (
     CHILD_KINDS,
+    DEPLOYMENT,
     HPA,
     HTTPROUTE,
     KEDA_KIND,
@@ -42,6 +43,7 @@ from .kinds import (
     desired_children,
 )
 from .memory import Memory
+from .pacing import PACED, TEMPLATE_HASH, RolloutPacer, cause_of_change, stamp, template_hash
 from .status import (
     GATEWAY_CONDITION,
     SESSION_PERSISTENCE_DROPPED,
@@ -50,7 +52,9 @@ from .status import (
     had_pod_monitor,
     invalid_status,
     status_patch,
+    was_waiting,
     with_pod_monitor,
+    with_template_wait,
 )
 from .validation import SpecError, load_model
 
@@ -175,10 +179,11 @@ def converge(
     now: str | None = None,
     reads: Memory | LiveReads | None = None,
     owner_exists: Callable[[], bool] | None = None,
+    pacer: RolloutPacer | None = None,
 ) -> Outcome:
     """One pass (see `_converge`); a model found deleted before a create ends it quietly."""
     try:
-        return _converge(cluster, body, post_event, now, reads, owner_exists)
+        return _converge(cluster, body, post_event, now, reads, owner_exists, pacer)
     except _OwnerGone:
         return Outcome()
 
@@ -190,6 +195,7 @@ def _converge(
     now: str | None = None,
     reads: Memory | LiveReads | None = None,
     owner_exists: Callable[[], bool] | None = None,
+    pacer: RolloutPacer | None = None,
 ) -> Outcome:
     """Raises SpecError (after reporting it) for an invalid spec; API errors propagate.
 
@@ -200,6 +206,8 @@ def _converge(
     may still hold a model the API server has deleted (its DELETED event not yet processed)
     while the garbage collector removes the children; without this the pass would create
     them again.
+    `pacer`: operator-caused pod template changes wait for a rollout slot (`pacing.py`);
+    without one they are applied at once.
     """
     reads = reads if reads is not None else LiveReads(cluster)
     meta = body["metadata"]
@@ -215,6 +223,29 @@ def _converge(
     desired = desired_children(model)
     live: dict[str, dict[str, Any] | None] = {}
     confirmed = owner_exists is None
+    waiting: list[Any] = []  # the pacer's Decision when the Deployment waits for a slot
+
+    def pace_deployment(manifest: dict[str, Any], current: dict[str, Any] | None) -> bool:
+        """Stamp the Deployment for pacing; False: hold it (an operator-caused template
+        change, no slot free), keeping the live one."""
+        generation = meta.get("generation")
+        live_template = ((current or {}).get("spec") or {}).get("template") or {}
+        contained = contains(manifest["spec"]["template"], live_template)
+        observed = (body.get("status") or {}).get("observedGeneration")
+        cause = cause_of_change(manifest, current, generation, observed, contained)
+        new = template_hash(manifest)
+        old = ((current or {}).get("metadata") or {}).get("annotations") or {}
+        paced = old.get(PACED) == new
+        if cause == "operator" and pacer is not None:
+            decision = pacer.admit((namespace, name), new, old.get(TEMPLATE_HASH))
+            if not decision.admitted:
+                waiting.append(decision)
+                return False
+            paced = True
+        elif pacer is not None:
+            pacer.forget((namespace, name))
+        stamp(manifest, paced)
+        return True
 
     def confirm_owner() -> None:
         nonlocal confirmed
@@ -268,6 +299,9 @@ def _converge(
                 reads.deleted(child, namespace, name, current)
                 outcome.deleted.append(kind)
             live[kind] = None
+            return
+        if child is DEPLOYMENT and not pace_deployment(manifest, current):
+            live[kind] = current
             return
         manifest = _adopt(manifest, body)
         if session_persistence_dropped(manifest, current):
@@ -379,6 +413,14 @@ def _converge(
         problem = pod_monitor_problem(pm_error) if pm_error is not None else None
         new_status = with_pod_monitor(new_status, problem, current_status, now or _now(),
                                       meta.get("generation"))  # fmt: skip
+    if waiting and pacer is not None:
+        message = waiting[0].message(pacer.limit)
+        new_status = with_template_wait(new_status, message, current_status, now or _now(),
+                                        meta.get("generation"))  # fmt: skip
+        if not was_waiting(current_status):
+            post_event("Normal", "RolloutWaiting", message)
+    if pacer is not None:
+        pacer.observe((namespace, name), deployment)
     if keda_error is not None:
         scaling = dict(new_status.get("autoscaling") or {})
         scaling["message"] = keda_problem(keda_error)

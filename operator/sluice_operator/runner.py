@@ -16,6 +16,7 @@ def run(
     resync_seconds: float | None = None,
     identity: str | None = None,
     election: object | None = None,
+    max_rollouts: int | None = None,
 ) -> int:
     """`election`: `election.ElectionSettings` for `--leader-elect`, or None (one replica)."""
     import kopf
@@ -33,6 +34,11 @@ def run(
         liveness_endpoint=liveness or None,
         standalone=standalone and not peering,
         peering_name=peering,
-        memo=kopf.Memo(resync_seconds=resync_seconds, identity=identity, leader_election=election),
+        memo=kopf.Memo(
+            resync_seconds=resync_seconds,
+            identity=identity,
+            leader_election=election,
+            max_rollouts=max_rollouts,
+        ),
     )
     return 0

@@ -224,6 +224,33 @@ def with_pod_monitor(
     return {**status, "conditions": conditions}
 
 
+TEMPLATE_CONDITION = "TemplateCurrent"
+
+
+def with_template_wait(
+    status: dict[str, Any],
+    message: str,
+    previous: Mapping[str, Any],
+    now: str,
+    generation: int | None,
+) -> dict[str, Any]:
+    """Add TemplateCurrent=False: the operator's release changes this model's pod template
+    and the model waits for a rollout slot (`pacing.py`); absent otherwise."""
+    cond = _cond(TEMPLATE_CONDITION, False, "WaitingForRolloutSlot", message)
+    conditions = [
+        *status.get("conditions", []),
+        *_stamp([cond], previous.get("conditions") or [], now, generation),
+    ]
+    return {**status, "conditions": conditions}
+
+
+def was_waiting(previous: Mapping[str, Any]) -> bool:
+    return any(
+        c.get("type") == TEMPLATE_CONDITION and c.get("status") == "False"
+        for c in previous.get("conditions") or []
+    )
+
+
 def had_pod_monitor(previous: Mapping[str, Any]) -> bool:
     """Whether the status says a PodMonitor was wanted (so one may still exist)."""
     return any(c.get("type") == POD_MONITOR_CONDITION for c in previous.get("conditions") or [])

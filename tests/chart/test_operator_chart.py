@@ -117,6 +117,7 @@ def test_deployment_runs_the_operator_with_kopf_health(h):
         "--standalone",
         "--liveness=http://0.0.0.0:8080/healthz",
         "--log-format=json",
+        "--max-concurrent-model-rollouts=2",
     ]
     assert c["image"] == "ghcr.io/sluice-dev/sluice-operator:0.1.0"
     for probe in ("livenessProbe", "readinessProbe"):
@@ -148,6 +149,7 @@ def test_operator_cli_accepts_the_rendered_arguments(h):
             assert args.namespace == ["team-a", "team-b"] and not args.all_namespaces
         else:
             assert args.all_namespaces and not args.namespace
+        assert args.max_concurrent_model_rollouts == 2
         election = cli.election_settings(args)  # refuses unsafe timing with ValueError
         assert (election.name, election.namespace) == ("sluice-sluice-operator", "sluice-system")
         assert (election.lease_duration, election.renew_deadline, election.retry_period) == (
