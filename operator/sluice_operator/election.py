@@ -189,7 +189,7 @@ class Elector:
             if await self._try(within=self.settings.renew_deadline):
                 return
             holder = self.holder
-            if holder and holder != self._standby_for:
+            if holder and holder not in (self._standby_for, self.settings.identity):
                 log.info(f"leader election: standby; the leader is {holder}")
                 self._standby_for = holder
             await asyncio.sleep(self.settings.retry_period)

@@ -166,11 +166,33 @@ class _LeaderOnlyDiffBase(kopf.AnnotationsDiffBaseStorage):
             super().store(**kwargs)
 
 
+READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def _kopf_write_fence(memo: kopf.Memo) -> Callable[..., Any]:
+    """An aiohttp client middleware for kopf's session: a write is refused (nothing sent)
+    unless this replica leads. kopf composes its annotation patches and Events only while
+    leading (the storages above, `posting.enabled`), but retries a request that failed
+    (a connection cut, an apiserver 5xx) for up to a minute: without this, a patch composed
+    before the Lease was lost could be sent again after a standby took over."""
+    import aiohttp
+
+    async def fence(request: Any, handler: Any) -> Any:
+        if request.method not in READ_METHODS and not _leadership(memo).leading():
+            raise aiohttp.ClientConnectionError(
+                f"not the leader: {request.method} {request.url.path} not sent"
+            )
+        return await handler(request)
+
+    return fence
+
+
 @kopf.on.login()
 async def login(memo: kopf.Memo, logger: logging.Logger, **kwargs: Any) -> Any:
     """kopf's own login (the Kubernetes client's in-cluster config or kubeconfig), in an
-    aiohttp session that sends our user agent: kopf's requests (watches, its annotations,
-    Events) then name the replica in the audit log like the operator's own requests do."""
+    aiohttp session that sends our user agent (kopf's requests, watches, its annotations and
+    Events, then name the replica in the audit log like the operator's own requests do) and
+    refuses writes while this replica is not the leader (`_kopf_write_fence`)."""
     import aiohttp
 
     info = kopf.login_via_client(logger=logger, **kwargs)
@@ -184,6 +206,7 @@ async def login(memo: kopf.Memo, logger: logging.Logger, **kwargs: Any) -> Any:
         },
         proxy=info.proxy_url,
         trust_env=info.trust_env,
+        middlewares=(_kopf_write_fence(memo),),
     )
     return kopf.AiohttpSession(
         aiohttp_session=session,

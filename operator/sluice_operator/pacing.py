@@ -9,7 +9,7 @@ pods, say so in their status (condition `TemplateCurrent=False`, reason
 `WaitingForRolloutSlot`) and get one `RolloutWaiting` Event, and are converged again as soon
 as a slot frees (first come, first served).
 
-How a template change is told apart: every Deployment carries the annotation
+How a template change is told apart: every Deployment carries the label
 `serving.sluice.dev/template-hash`, a hash of the pod template the operator applied, and the
 model's `status.observedGeneration` is the `metadata.generation` the operator last converged
 (it is written only after every child was applied for it). A desired template whose hash
@@ -20,10 +20,13 @@ differs from the live one is
   so the difference comes from the operator's release: paced.
 A Deployment written by a release without the annotation is compared by its template
 instead (every field the operator sets still has that value; a field a release stops
-setting is not seen this way, only on later upgrades). A paced Deployment also carries
-`serving.sluice.dev/paced-rollout` (the template hash it rolls to), so a new leader counts
-the rollouts still under way from memory. Neither annotation changes unless the template
-does: recording them costs no write of its own (after the first upgrade that adds them).
+setting is not seen this way, only on later upgrades). A paced Deployment also carries the
+label `serving.sluice.dev/paced-rollout` (the template hash it rolls to), so a new leader
+counts the rollouts still under way from memory. Labels, not annotations: a Deployment's
+annotations are copied to its ReplicaSets, so changing one bumps its `generation`; a label
+does not. Neither label changes unless the template does, and neither enters the applied
+manifest's hash (`reconcile`'s `applied-hash` annotation), so the upgrade that first adds
+them rewrites no annotation and moves no generation.
 
 Pure: no kopf, no API client; memory and the Deployments' status come in from the caller.
 """
@@ -51,17 +54,17 @@ def template_hash(deployment: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def _annotations(obj: Mapping[str, Any] | None) -> Mapping[str, str]:
-    return ((obj or {}).get("metadata") or {}).get("annotations") or {}
+def _labels(obj: Mapping[str, Any] | None) -> Mapping[str, str]:
+    return ((obj or {}).get("metadata") or {}).get("labels") or {}
 
 
 def stamp(manifest: dict[str, Any], paced: bool) -> dict[str, Any]:
-    """The Deployment manifest with the annotations pacing reads back (before hashing)."""
-    annotations = manifest["metadata"].setdefault("annotations", {})
+    """The Deployment manifest with the labels pacing reads back."""
+    labels = manifest["metadata"].setdefault("labels", {})
     digest = template_hash(manifest)
-    annotations[TEMPLATE_HASH] = digest
+    labels[TEMPLATE_HASH] = digest
     if paced:
-        annotations[PACED] = digest
+        labels[PACED] = digest
     return manifest
 
 
@@ -78,7 +81,7 @@ def cause_of_change(
     for Deployments from releases that wrote no template hash)."""
     if live is None:
         return "none"  # a new Deployment: nothing restarts
-    have = _annotations(live).get(TEMPLATE_HASH)
+    have = _labels(live).get(TEMPLATE_HASH)
     changed = have != template_hash(desired) if have else not template_contained
     if not changed:
         return "none"
@@ -92,13 +95,9 @@ def rolling(deployment: Mapping[str, Any] | None) -> bool:
     and its new pods are not all Ready yet."""
     if deployment is None:
         return False
-    annotations = _annotations(deployment)
-    paced = annotations.get(PACED)
-    return (
-        bool(paced)
-        and paced == annotations.get(TEMPLATE_HASH)
-        and not deployment_settled(deployment)
-    )
+    labels = _labels(deployment)
+    paced = labels.get(PACED)
+    return bool(paced) and paced == labels.get(TEMPLATE_HASH) and not deployment_settled(deployment)
 
 
 @dataclass(frozen=True)
@@ -152,7 +151,7 @@ class RolloutPacer:
         seen = dict(self._deployments())
         for key, (new, old) in list(self._claims.items()):
             dep = seen.get(key)
-            live = _annotations(dep).get(TEMPLATE_HASH)
+            live = _labels(dep).get(TEMPLATE_HASH)
             if dep is None or (live == new and deployment_settled(dep)) or live not in (new, old):
                 # Gone, rolled out and Ready, or changed since by a spec change.
                 del self._claims[key]
@@ -186,7 +185,7 @@ class RolloutPacer:
         with self._guard:
             if not self._waiting:
                 return
-            paced = key in self._claims or bool(_annotations(deployment).get(PACED))
+            paced = key in self._claims or bool(_labels(deployment).get(PACED))
             if not paced or rolling(deployment):
                 return
             free = self.limit - len(self._in_flight())

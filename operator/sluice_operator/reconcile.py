@@ -226,15 +226,16 @@ def _converge(
     waiting: list[Any] = []  # the pacer's Decision when the Deployment waits for a slot
 
     def pace_deployment(manifest: dict[str, Any], current: dict[str, Any] | None) -> bool:
-        """Stamp the Deployment for pacing; False: hold it (an operator-caused template
-        change, no slot free), keeping the live one."""
+        """Label the Deployment for pacing (after its applied-hash: the labels never change
+        it); False: hold it (an operator-caused template change, no slot free), keeping the
+        live one."""
         generation = meta.get("generation")
         live_template = ((current or {}).get("spec") or {}).get("template") or {}
         contained = contains(manifest["spec"]["template"], live_template)
         observed = (body.get("status") or {}).get("observedGeneration")
         cause = cause_of_change(manifest, current, generation, observed, contained)
         new = template_hash(manifest)
-        old = ((current or {}).get("metadata") or {}).get("annotations") or {}
+        old = ((current or {}).get("metadata") or {}).get("labels") or {}
         paced = old.get(PACED) == new
         if cause == "operator" and pacer is not None:
             decision = pacer.admit((namespace, name), new, old.get(TEMPLATE_HASH))
@@ -300,10 +301,10 @@ def _converge(
                 outcome.deleted.append(kind)
             live[kind] = None
             return
+        manifest = _adopt(manifest, body)
         if child is DEPLOYMENT and not pace_deployment(manifest, current):
             live[kind] = current
             return
-        manifest = _adopt(manifest, body)
         if session_persistence_dropped(manifest, current):
             # A Standard-channel CRD has no such field: compare what the API server keeps
             # (status says so), or every pass would apply the route again.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from types import SimpleNamespace
 
 import kopf
 import pytest
@@ -216,3 +217,32 @@ def test_a_lease_won_during_start_up_converges_once_the_listings_are_complete(cl
     assert resync._kicked.is_set()
     resync.run_once()
     assert resync.passes == 1 and ("Deployment", "default", "m") in cluster.objects
+
+
+def test_kopfs_own_requests_write_only_while_leading():
+    """kopf retries a failed patch or Event for up to a minute: its session's middleware
+    refuses every write (nothing sent) once the fence is closed; reads always pass."""
+    import aiohttp
+    from yarl import URL
+
+    switch = Switch(False)
+    fence = handlers._kopf_write_fence(kopf.Memo(leadership=switch))
+    sent = []
+
+    async def handler(request):
+        sent.append(request.method)
+        return "response"
+
+    def request(method):
+        return SimpleNamespace(method=method, url=URL("https://api/apis/x/v1/namespaces/n/y/m"))
+
+    async def main():
+        assert await fence(request("GET"), handler) == "response"
+        for method in ("PATCH", "POST", "PUT", "DELETE"):
+            with pytest.raises(aiohttp.ClientConnectionError, match="not the leader"):
+                await fence(request(method), handler)
+        switch.on = True
+        assert await fence(request("PATCH"), handler) == "response"
+
+    asyncio.run(main())
+    assert sent == ["GET", "PATCH"]

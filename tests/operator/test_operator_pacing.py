@@ -49,7 +49,7 @@ NEW = copy.deepcopy(OLD) | {"metadata": {"labels": {"a": "1"}, "annotations": {"
         (_deployment(NEW), 1, 1, True, "none"),  # the template is the one rendered
         (_deployment(OLD), 2, 1, False, "spec"),  # the model changed since
         (_deployment(OLD), 1, 1, False, "operator"),  # nobody changed it: the release did
-        # Written by a release without the annotations: judged by the template and status.
+        # Written by a release without the labels: judged by the template and status.
         ({"metadata": {}, "spec": {"template": OLD}}, 1, 1, True, "none"),
         ({"metadata": {}, "spec": {"template": OLD}}, 3, 3, False, "operator"),
         ({"metadata": {}, "spec": {"template": OLD}}, 4, 3, False, "spec"),
@@ -63,12 +63,12 @@ def test_who_changes_the_template(live, generation, observed, contained, cause):
 
 def test_stamp_records_the_template_it_applied():
     dep = _deployment(NEW, paced=True)
-    annotations = dep["metadata"]["annotations"]
-    assert annotations[TEMPLATE_HASH] == template_hash(dep) == annotations[PACED]
-    assert PACED not in _deployment(NEW)["metadata"]["annotations"]
-    assert "annotations" not in dep["spec"]["template"]["metadata"] or (
-        TEMPLATE_HASH not in dep["spec"]["template"]["metadata"]["annotations"]
-    )  # nothing of pacing in the pod template itself
+    labels = dep["metadata"]["labels"]
+    assert labels[TEMPLATE_HASH] == template_hash(dep) == labels[PACED]
+    assert PACED not in _deployment(NEW)["metadata"]["labels"]
+    # Nothing of pacing in the pod template, and no annotation (those move a generation).
+    assert TEMPLATE_HASH not in dep["spec"]["template"]["metadata"]["labels"]
+    assert "annotations" not in dep["metadata"]
 
 
 def test_a_paced_rollout_is_under_way_until_the_new_pods_are_ready():
@@ -103,8 +103,8 @@ def test_at_most_limit_admitted_in_arrival_order_and_a_freed_slot_wakes_the_next
     # m0 and m1 roll (their writes are in memory), m2 asks again: still no slot.
     for key in keys[:2]:
         fleet.deployments[key] = _deployment(NEW, paced=True, readyReplicas=0)
-        fleet.deployments[key]["metadata"]["annotations"][TEMPLATE_HASH] = "new"
-        fleet.deployments[key]["metadata"]["annotations"][PACED] = "new"
+        fleet.deployments[key]["metadata"]["labels"][TEMPLATE_HASH] = "new"
+        fleet.deployments[key]["metadata"]["labels"][PACED] = "new"
     assert not pacer.admit(keys[2], "new", old).admitted
     pacer.observe(keys[0], fleet.deployments[keys[0]])
     assert fleet.woken == []  # still rolling
@@ -175,7 +175,8 @@ def _memory_pacer(cluster, limit, woken):
 
 
 def test_an_upgrade_that_changes_no_template_rolls_nothing(monkeypatch):
-    """Deployments written before pacing (no annotations) get them, and no new template."""
+    """Deployments written before pacing (no labels) get them, the same applied-hash
+    annotation (annotations move a Deployment's generation) and no new template."""
     cluster = FakeCluster()
     bodies = _fleet(cluster, 3)
     before = {b["metadata"]["name"]: copy.deepcopy(_template(cluster, b["metadata"]["name"]))
@@ -183,7 +184,10 @@ def test_an_upgrade_that_changes_no_template_rolls_nothing(monkeypatch):
     for key, obj in cluster.objects.items():
         if key[0] == "Deployment":  # what an earlier release left
             for a in (TEMPLATE_HASH, PACED):
-                obj["metadata"]["annotations"].pop(a, None)
+                obj["metadata"]["labels"].pop(a, None)
+    hashes = {
+        k: o["metadata"]["annotations"] for k, o in cluster.objects.items() if k[0] == "Deployment"
+    }
     pacer = _memory_pacer(cluster, 1, [])
     for body in bodies:
         events = Events()
@@ -191,6 +195,11 @@ def test_an_upgrade_that_changes_no_template_rolls_nothing(monkeypatch):
         assert not [e for e in events if e[1] == "RolloutWaiting"]
     for name, template in before.items():
         assert _template(cluster, name) == template
+        key = ("Deployment", "default", name)
+        labels = cluster.objects[key]["metadata"]["labels"]
+        assert labels[TEMPLATE_HASH] == template_hash(cluster.applied[key])  # as applied
+    for key, kept in hashes.items():
+        assert cluster.objects[key]["metadata"]["annotations"] == kept
     assert pacer.waiting == []
 
 
@@ -251,7 +260,7 @@ def test_a_model_whose_spec_changed_is_never_held_back(monkeypatch):
     assert args[args.index("--protocols") + 1] == "sse"
     assert pacer.waiting == [("default", "m1")]
     dep = cluster.objects[("Deployment", "default", "m2")]
-    assert PACED not in dep["metadata"]["annotations"]  # took no slot
+    assert PACED not in dep["metadata"]["labels"]  # took no slot
 
 
 def test_without_a_pacer_a_release_applies_everywhere(monkeypatch):
