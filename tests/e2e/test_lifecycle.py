@@ -9,9 +9,10 @@ One scenario, in order (each test starts from where the previous one left the cl
 2. The current CRD is applied over it: every stored object reads back unchanged, passes the
    new schema and CEL rules on an unchanged update and a dry-run create.
 3. `helm upgrade` to the current chart and operator: the old, non-electing pod is gone before
-   the first electing one starts (the chart chose `Recreate` for this upgrade), then exactly
-   one of the two new pods writes; no Deployment gets a new pod template (generation
-   unchanged) and every model is reconciled under the new operator (observedGeneration).
+   the first electing one starts (the chart chose `Recreate` and kept one replica for this
+   upgrade), a second `helm upgrade` rolls to two electing replicas, and exactly one of them
+   writes; no Deployment gets a new pod template (fleet models: generation unchanged) and
+   every model is reconciled under the new operator (observedGeneration).
 4. `helm upgrade` to a release whose operator renders a new pod template (a readiness probe
    change made to a copy of the current operator): models roll at most
    `operator.maxConcurrentModelRollouts` (2) at a time, none ever without a Ready replica
