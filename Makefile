@@ -10,7 +10,7 @@ export SLUICE_CACHE ?= $(CURDIR)/.cache
 
 SAMPLE ?= samples/chat-small.yaml
 
-.PHONY: help venv tools demo run test test-e2e lint docs crds chart render bench bench-ab clean
+.PHONY: help venv tools demo run test test-e2e lint docs crds golden chart render bench bench-ab clean
 
 help:
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
@@ -53,6 +53,9 @@ docs: venv ## Regenerate the server's flag tables (server/README.md, docs/design
 
 crds: venv ## Regenerate the CRD (crds/, the chart's copy), docs/api.md, the model chart's values schema, the Grafana dashboard and docs/helm.md's values and RBAC tables
 	$(PY) -m sluice_operator crds --write
+
+golden: venv ## Accept the pod templates the operator renders now (tests/operator/golden/, checked by a test in make test)
+	SLUICE_UPDATE_GOLDEN=1 $(PY) -m pytest tests/operator/test_operator_golden.py -q
 
 chart: venv tools ## Lint and render the charts
 	$(TOOLS)/helm lint charts/*

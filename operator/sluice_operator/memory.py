@@ -95,6 +95,13 @@ class Memory:
     def pods(self, namespace: str, owner: str) -> list[dict[str, Any]]:
         return [dict(p) for p in self._watched(POD, namespace, owner)]
 
+    def every(self, kind: Kind) -> list[tuple[tuple[str, str], dict[str, Any] | None]]:
+        """((namespace, owner), object) for every owner the watch has an object of `kind`
+        for, each read like `get` (own writes preferred until the watch shows them)."""
+        if self._indexes is None:
+            return []
+        return [(key, self.get(kind, *key)) for key in list(self._indexes[kind.index_id])]
+
     def models(self) -> list[tuple[str, str]]:
         """(namespace, name) of every StreamingModel the watch knows."""
         if self._indexes is None:

@@ -46,6 +46,7 @@ from .kinds import (
 )
 from .memory import Memory
 from .models.resource import StreamingModel
+from .pacing import PACED, TEMPLATE_HASH, RolloutPacer, cause_of_change, stamp, template_hash
 from .status import (
     compute_status,
     deployment_settled,
@@ -53,6 +54,8 @@ from .status import (
     remembered,
     reported,
     status_patch,
+    was_waiting,
+    with_template_wait,
 )
 from .validation import SpecError, load_model
 
@@ -178,10 +181,11 @@ def converge(
     now: str | None = None,
     reads: Memory | LiveReads | None = None,
     owner_exists: Callable[[], bool] | None = None,
+    pacer: RolloutPacer | None = None,
 ) -> Outcome:
     """One pass (see `_converge`); a model found deleted before a create ends it quietly."""
     try:
-        return _converge(cluster, body, post_event, now, reads, owner_exists)
+        return _converge(cluster, body, post_event, now, reads, owner_exists, pacer)
     except _OwnerGone:
         return Outcome()
 
@@ -193,6 +197,7 @@ def _converge(
     now: str | None = None,
     reads: Memory | LiveReads | None = None,
     owner_exists: Callable[[], bool] | None = None,
+    pacer: RolloutPacer | None = None,
 ) -> Outcome:
     """Raises SpecError (after reporting it) for an invalid spec; API errors propagate.
 
@@ -203,6 +208,8 @@ def _converge(
     may still hold a model the API server has deleted (its DELETED event not yet processed)
     while the garbage collector removes the children; without this the pass would create
     them again.
+    `pacer`: operator-caused pod template changes wait for a rollout slot (`pacing.py`);
+    without one they are applied at once.
     """
     reads = reads if reads is not None else LiveReads(cluster)
     try:
@@ -210,7 +217,7 @@ def _converge(
     except SpecError as exc:
         report_invalid(cluster, body, str(exc), post_event, now, reads)
         raise
-    run = _Pass(cluster, body, model, post_event, now or _now(), reads, owner_exists)
+    run = _Pass(cluster, body, model, post_event, now or _now(), reads, owner_exists, pacer)
     status = body.get("status") or {}
     touched = [row for row in OPTIONAL_KINDS if run.wants(row) or remembered(row, status)]
     # A kind no longer wanted goes before what it excludes is applied (never two HPAs).
@@ -244,9 +251,12 @@ class _Pass:
         now: str,
         reads: Memory | LiveReads,
         owner_exists: Callable[[], bool] | None,
+        pacer: RolloutPacer | None = None,
     ) -> None:
         self.cluster, self.body, self.model, self.reads = cluster, body, model, reads
         self.post_event, self.now, self.owner_exists = post_event, now, owner_exists
+        self.pacer = pacer
+        self.waiting: list[Any] = []  # the pacer's Decision when the Deployment waits for a slot
         meta = body["metadata"]
         self.namespace, self.name, self.uid = meta["namespace"], meta["name"], meta.get("uid")
         self.status = body.get("status") or {}
@@ -264,6 +274,30 @@ class _Pass:
             if not self.owner_exists():
                 raise _OwnerGone
             self.owner_exists = None
+
+    def pace_deployment(self, manifest: dict[str, Any], current: dict[str, Any] | None) -> bool:
+        """Label the Deployment for pacing (after its applied-hash: the labels never change
+        it); False: hold it (an operator-caused template change, no slot free), keeping the
+        live one."""
+        generation = self.body["metadata"].get("generation")
+        live_template = ((current or {}).get("spec") or {}).get("template") or {}
+        contained = contains(manifest["spec"]["template"], live_template)
+        observed = self.status.get("observedGeneration")
+        cause = cause_of_change(manifest, current, generation, observed, contained)
+        new = template_hash(manifest)
+        old = ((current or {}).get("metadata") or {}).get("labels") or {}
+        paced = old.get(PACED) == new
+        key = (self.namespace, self.name)
+        if cause == "operator" and self.pacer is not None:
+            decision = self.pacer.admit(key, new, old.get(TEMPLATE_HASH))
+            if not decision.admitted:
+                self.waiting.append(decision)
+                return False
+            paced = True
+        elif self.pacer is not None:
+            self.pacer.forget(key)
+        stamp(manifest, paced)
+        return True
 
     def apply_child(self, manifest: dict[str, Any], exists: bool) -> dict[str, Any]:
         """Server-side apply; for a child that exists and the API server refuses, replace
@@ -310,6 +344,9 @@ class _Pass:
             self.live[kind] = None
             return
         manifest = _adopt(manifest, self.body)
+        if child is DEPLOYMENT and not self.pace_deployment(manifest, current):
+            self.live[kind] = current
+            return
         if session_persistence_dropped(manifest, current):
             # A Standard-channel CRD has no such field: compare what the API server keeps
             # (status says so), or every pass would apply the route again.
@@ -370,6 +407,14 @@ class _Pass:
             optional=self.live,
             unavailable={kind: unavailable for kind, (unavailable, _) in self.refused.items()},
         )
+        generation = self.body["metadata"].get("generation")
+        if self.waiting and self.pacer is not None:
+            message = self.waiting[0].message(self.pacer.limit)
+            new = with_template_wait(new, message, self.status, self.now, generation)
+            if not was_waiting(self.status):
+                self.post_event("Normal", "RolloutWaiting", message)
+        if self.pacer is not None:
+            self.pacer.observe((self.namespace, self.name), deployment)
         self.outcome.phase = new["phase"]
         patch = status_patch(self.status, new)
         if patch:

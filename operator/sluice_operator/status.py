@@ -191,6 +191,34 @@ def optional_condition(
     return _cond(optional.condition, *optional.ready(model, live))
 
 
+TEMPLATE_CONDITION = "TemplateCurrent"
+
+
+def with_template_wait(
+    status: dict[str, Any],
+    message: str,
+    previous: Mapping[str, Any],
+    now: str,
+    generation: int | None,
+) -> dict[str, Any]:
+    """Add TemplateCurrent=False: the operator's release changes this model's pod template
+    and the model waits for a rollout slot (`pacing.py`); absent otherwise."""
+    cond = _cond(TEMPLATE_CONDITION, False, "WaitingForRolloutSlot", message)
+    conditions = [
+        *status.get("conditions", []),
+        *_stamp([cond], previous.get("conditions") or [], now, generation),
+    ]
+    return {**status, "conditions": conditions}
+
+
+def was_waiting(previous: Mapping[str, Any]) -> bool:
+    return any(
+        c.get("type") == TEMPLATE_CONDITION and c.get("status") == "False"
+        for c in previous.get("conditions") or []
+    )
+
+
+
 def invalid_status(
     message: str, generation: int | None, previous: Mapping[str, Any] | None, now: str
 ) -> dict[str, Any]:

@@ -102,3 +102,24 @@ rule's "why" there, and each `if .Values.x` block its "granted" column.
 {{- end }}
 {{- end }}
 {{- end -}}
+
+{{/*
+Leader election (leaderElection.enabled): one Lease in the release namespace, in a Role
+there whatever the watch mode. The operator reads it, creates it once and renews or releases
+it with a PUT carrying the resourceVersion it read (no patch, list, watch or delete).
+*/}}
+{{- define "sluice-operator.rules.election" -}}
+{{- if .Values.leaderElection.enabled }}
+# Leader election (a Role in the release namespace): creating the Lease, which cannot be
+# limited to a name (RBAC sees no name on a create).
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  verbs: ["create"]
+# Leader election: reading and renewing (a PUT with the resourceVersion read) only the
+# operator's own Lease.
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  resourceNames: [{{ include "sluice-operator.fullname" . | quote }}]
+  verbs: ["get", "update"]
+{{- end }}
+{{- end -}}

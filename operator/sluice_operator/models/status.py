@@ -96,7 +96,8 @@ class StreamingModelStatus(ApiModel):
         default_factory=list,
         description="SpecValid, Available, Progressing and Ready conditions; with spec.gateway "
         "also GatewayRoute (the HTTPRoute accepted by its Gateways, or why not: the Gateway API "
-        "CRDs missing, access forbidden, a Gateway refusing the route).",
+        "CRDs missing, access forbidden, a Gateway refusing the route); TemplateCurrent=False "
+        "while an operator upgrade's new pod template waits for a rollout slot.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     observed_generation: int | None = Field(

@@ -6,7 +6,10 @@ kubelet's side of that contract in two threads:
 - heartbeat: renews the Lease and the Ready condition every `heartbeat` seconds;
 - pods: watches pods bound to this node, reports them Running and Ready with a pod IP
   (what the Deployment controller and Endpoints need), and removes pods being deleted.
-No container ever runs: this tests the control-plane side of the operator, not the image.
+No container runs unless a `runtime` is given (an object with `start(pod)`, called before
+the pod is reported Running and returning once its container would be Ready, and
+`stop(pod)`, called when the pod is being deleted and returning once the container has
+exited, before the pod is removed): `operator_pods.OperatorPods` runs operator pods so.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class FakeGpuNode:
         heartbeat: float = 5.0,
         ready_after: float = 0.0,
         taint: dict[str, str] | None = None,
+        runtime: object | None = None,
     ) -> None:
         self.core = client.CoreV1Api(api)
         self.coordination = client.CoordinationV1Api(api)
@@ -59,6 +63,7 @@ class FakeGpuNode:
         # Seconds a pod stays Running but not Ready (a model loading), as a real server would.
         self.ready_after = ready_after
         self.taint = taint  # {key, value, effect}: keeps other tests' pods off this node
+        self.runtime = runtime
         self.host_ip = "127.0.0.1"
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -220,9 +225,13 @@ class FakeGpuNode:
         meta = pod.metadata
         try:
             if meta.deletion_timestamp is not None:
+                if self.runtime is not None:
+                    self.runtime.stop(pod)
                 # The kubelet's last word: the containers are gone, remove the object.
                 self.core.delete_namespaced_pod(meta.name, meta.namespace, grace_period_seconds=0)
             elif not (pod.status and pod.status.phase == "Running" and pod.status.pod_ip):
+                if self.runtime is not None:
+                    self.runtime.start(pod)
                 ready = self.ready_after <= 0
                 status = self._running(pod, ready=ready)
                 self.core.patch_namespaced_pod_status(meta.name, meta.namespace, status)
