@@ -226,25 +226,27 @@ class FencedCluster:
         if not self.may_write():
             raise WriteFenced(f"not the leader: {what} not sent")
 
-    def get(self, api_version, kind, namespace, name):
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         return self._cluster.get(api_version, kind, namespace, name)
 
-    def list_pods(self, namespace, selector):
+    def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         return self._cluster.list_pods(namespace, selector)
 
-    def apply(self, manifest):
+    def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
         self._check(f"apply of {manifest.get('kind')}")
         return self._cluster.apply(manifest)
 
-    def replace_lists(self, manifest):
+    def replace_lists(self, manifest: dict[str, Any]) -> dict[str, Any]:
         self._check(f"merge patch of {manifest.get('kind')}")
         return self._cluster.replace_lists(manifest)
 
-    def delete(self, api_version, kind, namespace, name):
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
         self._check(f"delete of {kind}")
         return self._cluster.delete(api_version, kind, namespace, name)
 
-    def patch_status(self, namespace, name, patch):
+    def patch_status(
+        self, namespace: str, name: str, patch: dict[str, Any]
+    ) -> dict[str, Any] | None:
         self._check("status patch")
         return self._cluster.patch_status(namespace, name, patch)
 

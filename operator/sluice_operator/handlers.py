@@ -188,7 +188,7 @@ def _kopf_write_fence(memo: kopf.Memo) -> Callable[..., Any]:
 
 
 @kopf.on.login()
-async def login(memo: kopf.Memo, logger: logging.Logger, **kwargs: Any) -> Any:
+async def login(memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any) -> Any:
     """kopf's own login (the Kubernetes client's in-cluster config or kubeconfig), in an
     aiohttp session that sends our user agent (kopf's requests, watches, its annotations and
     Events, then name the replica in the audit log like the operator's own requests do) and

@@ -218,7 +218,6 @@ def was_waiting(previous: Mapping[str, Any]) -> bool:
     )
 
 
-
 def invalid_status(
     message: str, generation: int | None, previous: Mapping[str, Any] | None, now: str
 ) -> dict[str, Any]:
