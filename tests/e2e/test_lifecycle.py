@@ -145,11 +145,7 @@ class Plane:
 
         helm = find_helm()
         assert helm, "helm not found (make tools)"
-        # The test apiserver (built from source) never answers client-go's OpenAPI v3
-        # requests for one group version (`?hash=...`: a timeout, then 503), which helm
-        # validates manifests against; the API server validates them on create anyway.
-        argv = [helm, *args, "--disable-openapi-validation",
-                "--kubeconfig", str(self.cp.kubeconfigs["admin"])]  # fmt: skip
+        argv = [helm, *args, "--kubeconfig", str(self.cp.kubeconfigs["admin"])]
         done = subprocess.run(argv, capture_output=True, text=True)
         assert done.returncode == 0, f"helm {args[0]} failed: {done.stderr[-3000:]}"
         return done.stdout
@@ -237,27 +233,10 @@ def _fleet_model(name: str) -> dict:
 # ---- 1. the pinned release ---------------------------------------------------------------
 
 
-def _install_crd(plane: Plane, path: Path) -> None:
-    """What `helm install` does first with the chart's crds/ (helm is then run with
-    `--skip-crds`: it validates them against the OpenAPI v3 document the test apiserver does
-    not serve, see `Plane.helm`)."""
-    body = yaml.safe_load(path.read_text())
-    plane.ext.create_custom_resource_definition(body)
-
-    def established():
-        got = plane.ext.read_custom_resource_definition(body["metadata"]["name"])
-        return any(
-            c.type == "Established" and c.status == "True" for c in got.status.conditions or []
-        )
-
-    wait_for(established, timeout=30, what="the pinned CRD to be Established")
-
-
 def test_1_pinned_release_installs_and_reconciles_models(plane, state):
     chart = plane.old / "charts/sluice-operator"
-    _install_crd(plane, chart / "crds/streamingmodels.serving.sluice.dev.yaml")
     plane.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=NS)))
-    out = plane.helm("install", RELEASE, str(chart), "--skip-crds", "-n", NS,
+    out = plane.helm("install", RELEASE, str(chart), "-n", NS,
                      "-f", str(plane.values), "--set", "image.tag=pinned",
                      "--wait", "--timeout", "120s")  # fmt: skip
     assert "STATUS: deployed" in out
