@@ -156,7 +156,7 @@ async def test_stalled_reader_is_cut_off_with_the_apis_error_event(engine, tiny_
 
 async def test_a_steady_slow_reader_is_never_cut_and_gets_coalesced_events(make_server):
     """The real engine, the server's own uvicorn configuration, a 5 s send timeout: a reader
-    at 2 KB/s through a 4 KiB receive buffer takes a whole 480-token answer (longer than
+    at 2 KB/s through a small receive buffer takes a whole 480-token answer (longer than
     the send timeout), in fewer events than tokens, and the server counts it finished."""
     from slow_client import Pace, post_stream, read, sse_done
 

@@ -35,8 +35,11 @@ transport is paused. Both are pinned with uvicorn in server/pyproject.toml and c
 tests/server/unit/test_uvicorn_contract.py.
 
 Measured (tests/server/test_slow_readers.py: 3,000 tokens at 500 tokens/s, readers with a
-4 KiB receive buffer): readers at 64, 16, 4, 2 and 1 KB/s all finish, at about 0.6-0.9,
-0.22, 0.04, 0.025 and 0.02 events per token; a reader that stops is cut 10-12.5 s later.
+receive buffer of about 2 KiB): SSE readers at 64, 16, 4, 2 and 1 KB/s all finish, with
+about 0.55-0.65, 0.21, 0.035, 0.015 and 0.013 events per token (WebSocket at 4 and 1 KB/s:
+0.08 and 0.03); a reader that stops is cut 10-12.5 s later. Judged by sends instead, with
+uvicorn's default transport buffer and a 64 KiB kernel send buffer, the 4 KB/s reader is
+cut after about 900 events.
 
 Cost. Each send reads the loop's clock (for the heartbeat's idle check) and counts itself:
 no timeout scope, no timer and no task lookup per send (a cancel scope per send was about
