@@ -45,8 +45,10 @@ from .protocols import (
     websocket,
 )
 from .settings import Settings
+from .transport import handshake
 from .transport.cors import install_cors
 from .transport.prefix import PathPrefix
+from .transport.sendwatch import transport_of
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,8 @@ class Edge:
         # (status, headers), so each event skips their pass-through frames
         # (transport/sse.py, protocols/websocket.py).
         scope["sluice.send"] = send
+        # The connection's transport: what the send watchdog watches (transport/sendwatch.py).
+        scope["sluice.transport"] = transport_of(receive)
 
         extra = self.extra
 
@@ -90,6 +94,8 @@ class Edge:
             elif t == "websocket.accept":
                 trail.status = 101
                 message["headers"] = [*message.get("headers", ()), _request_id(trail), *extra]
+            elif t == "websocket.http.response.body" and not message.get("more_body"):
+                handshake.refused()  # a refusal is an outcome (transport/handshake.py)
             await send(message)
 
         failed = True

@@ -93,8 +93,9 @@ class Settings(BaseSettings):
         "request is aborted.",
     )  # fmt: skip
     send_timeout_seconds: float = Field(
-        10.0, gt=0, description="A client that accepts no bytes for this long (a stalled "
-        "reader) is cut off and its request aborted.",
+        10.0, gt=0, description="A client that accepts no bytes for this long while bytes "
+        "wait for it (a stalled reader) is cut off and its request aborted; a reader that "
+        "keeps accepting bytes, however slowly, never is.",
     )  # fmt: skip
     stream_buffer_tokens: int = Field(
         4096, ge=1, description="Per-stream cap of undelivered engine outputs; past it the "

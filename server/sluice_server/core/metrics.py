@@ -71,7 +71,8 @@ class Metrics:
             registry=r,
         )  # fmt: skip
         self.disconnects = Counter(
-            "sluice_client_disconnects", "Clients that went away mid-stream.", labels,
+            "sluice_client_disconnects",
+            "Clients that went away mid-stream, or stopped reading and were cut off.", labels,
             registry=r,
         )  # fmt: skip
         self.aborts = Counter(

@@ -211,7 +211,7 @@ class Trail:
 
 
 # The status of a request that ended before its response started.
-_UNSENT = {"failed": 500, "disconnected": 499}
+_UNSENT = {"failed": 500, "disconnected": 499, "stalled": 499}
 
 
 def _zero() -> int:
