@@ -20,8 +20,8 @@ from kubernetes import client, config, utils
 from testkit.live_cluster import skip_without_control_plane
 
 from .harness.control_plane import ControlPlane
-from .harness.fake_node import FakeGpuNode
 from .harness.kube import CRD_FILE, Models, wait_for
+from .harness.node_agent import NodeAgent
 from .harness.operator_process import OperatorProcess, RenderedChart, install_operator_identity
 
 OPERATOR_NAMESPACE = "sluice-system"
@@ -109,7 +109,7 @@ def crd(admin) -> dict:
 
 @pytest.fixture(scope="session")
 def gpu_node(admin):
-    node = FakeGpuNode(admin, "gpu-node-0", gpus=8).start()
+    node = NodeAgent(admin, "gpu-node-0", gpus=8).start()
     core = client.CoreV1Api(admin)
 
     def schedulable():

@@ -1,8 +1,9 @@
 """The HPA on time to first token, end to end, with nothing faked on the metric path.
 
 Real kube-apiserver (with the aggregation layer), kube-controller-manager (the real HPA
-controller, 5 s sync), kube-scheduler, the operator under the chart's RBAC; a fake node
-whose pods run the real server (simulator engine) on loopback addresses; Debian's
+controller, 5 s sync), kube-scheduler, the operator under the chart's RBAC; a node
+agent whose pods run the real server (simulator engine) under bubblewrap on loopback
+addresses; Debian's
 Prometheus discovering and scraping them; the custom metrics API answered from the chart's
 prometheus-adapter rule; closed-loop SSE load measured at the client.
 
@@ -48,9 +49,9 @@ from .autoscaling.prometheus import (
     prometheus_binary,
     scrape_config,
 )
-from .autoscaling.serving_node import ServingNode
 from .autoscaling.timeline import Timeline
 from .harness.kube import CRD_FILE, Models, load_sample, wait_for
+from .harness.node_agent import NodeAgent
 from .harness.operator_process import OperatorProcess, RenderedChart, install_operator_identity
 
 pytestmark = pytest.mark.slow
@@ -127,7 +128,8 @@ def kube(cp) -> client.ApiClient:
 
 @pytest.fixture(scope="module")
 def node(kube, cp):
-    n = ServingNode(kube, "gpu-serving-0", cp.logs / "pods", gpus=8, cpu=str(NODE_CPUS)).start()
+    n = NodeAgent(kube, "gpu-serving-0", gpus=8, cpu=str(NODE_CPUS), run_pods=True,
+                  workdir=cp.logs / "node").start()  # fmt: skip
     core = client.CoreV1Api(kube)
     wait_for(lambda: not any(t.effect == "NoSchedule" for t in core.read_node(n.name).spec.taints or []),
              timeout=30, what="the serving node to lose its not-ready taint")  # fmt: skip

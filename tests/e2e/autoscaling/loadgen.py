@@ -12,7 +12,7 @@ More replicas bring TTFT down, which is what the HPA is meant to achieve.
 
 The Service is resolved to its ready pods (its selector, Ready condition), as kube-proxy
 would route: the Service's EndpointSlices stay empty here because Kubernetes refuses
-loopback addresses in them (serving_node.py).
+loopback addresses in them (harness/endpoints.py).
 
 Bounded: at most `max_streams` streams in all, `timeout` seconds per stream, and every
 worker stops when `stop()` is called or `concurrency` drops below its index. The client runs
@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import httpx
 from kubernetes import client
 
+from ..harness.endpoints import ready_pod_ips
+
 PORT = 8000
 
 
@@ -42,18 +44,6 @@ class Sample:
     ttft: float | None  # seconds to the first token event; None: failed
     endpoint: str
     error: str = ""
-
-
-def ready_pod_ips(core: client.CoreV1Api, namespace: str, service: str) -> list[str]:
-    svc = core.read_namespaced_service(service, namespace)
-    selector = ",".join(f"{k}={v}" for k, v in sorted((svc.spec.selector or {}).items()))
-    ips = []
-    for pod in core.list_namespaced_pod(namespace, label_selector=selector).items:
-        if pod.metadata.deletion_timestamp or not (pod.status and pod.status.pod_ip):
-            continue
-        if any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or []):
-            ips.append(pod.status.pod_ip)
-    return sorted(ips)
 
 
 class LoadGenerator:
