@@ -6,7 +6,6 @@ grace period). The live half needs `bwrap` and user namespaces; it is skipped wi
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -109,16 +108,7 @@ def test_projection_swaps_data_atomically_like_the_kubelet(tmp_path):
 
 
 # --- live, under bubblewrap ----------------------------------------------------------
-def _bwrap_works() -> bool:
-    if shutil.which("bwrap") is None or shutil.which("nsenter") is None:
-        return False
-    r = subprocess.run(["bwrap", "--ro-bind", "/", "/", "--unshare-user", "--unshare-pid",
-                        "--as-pid-1", "--", "/bin/true"], capture_output=True)  # fmt: skip
-    return r.returncode == 0
-
-
-live = pytest.mark.skipif(not _bwrap_works(), reason="bubblewrap with user namespaces "
-                          "not available (apt-get install bubblewrap)")  # fmt: skip
+live = pytest.mark.skipif(sb.sandbox_problem() is not None, reason=str(sb.sandbox_problem()))
 
 
 class FakeHost:

@@ -222,6 +222,20 @@ def _own_address(arg: str, pod_ip: str) -> str:
     return arg
 
 
+def sandbox_problem() -> str | None:
+    """Why pods cannot run under bubblewrap here (None: they can)."""
+    import subprocess
+
+    if shutil.which(BWRAP) is None or shutil.which("nsenter") is None:
+        return "bubblewrap not installed (make tools, or apt-get install -y bubblewrap)"
+    probe = [BWRAP, "--ro-bind", "/", "/", "--unshare-user", "--unshare-pid", "--as-pid-1",
+             "--", "/bin/true"]  # fmt: skip
+    got = subprocess.run(probe, capture_output=True, text=True)
+    if got.returncode != 0:
+        return f"bubblewrap cannot make a sandbox here: {got.stderr.strip()}"
+    return None
+
+
 # --- security context -----------------------------------------------------------------
 def run_as(container: Mapping[str, Any], pod: Mapping[str, Any], image: Image) -> tuple[int, int]:
     """(uid, gid) from the container's securityContext over the pod's over the image's."""
