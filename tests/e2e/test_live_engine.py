@@ -82,7 +82,8 @@ def test_real_engine_pod_streams_through_the_ingress_and_recovers_from_a_wedged_
         metadata=client.V1ObjectMeta(name="keys"), string_data={"keys": KEY + "\n", "hf": "x"}))  # fmt: skip
     body = load_sample("chat-small.yaml", namespace, new_name="real")
     body["spec"].update({
-        "model": {"uri": "pvc://weights/tiny", "hfTokenSecretRef": {"name": "keys", "key": "hf"}},
+        "model": {"uri": "pvc://weights/tiny", "servedName": "real",
+                  "hfTokenSecretRef": {"name": "keys", "key": "hf"}},
         "engine": {"maxModelLen": 512, "maxNumSeqs": 8},
         "resources": {"gpus": 1, "requests": {"cpu": "1", "memory": "4Gi"}, **placement},
         "streaming": {"streamTimeoutSeconds": 60},
