@@ -37,7 +37,7 @@ def test_operator_annotations_become_directives(tmp_path):
     for directive in ("proxy_buffering off;", "proxy_request_buffering off;",
                       "proxy_read_timeout 630s;", "proxy_send_timeout 630s;",
                       "client_max_body_size 1048576;", "proxy_http_version 1.1;",
-                      "proxy_pass http://$pin_ns_m_http;",
+                      "proxy_pass http://$pin_",
                       'Set-Cookie "sluice-affinity=$upstream_addr; Path=/llm; HttpOnly"'):  # fmt: skip
         assert directive in loc, directive
     assert _location(conf, "= /llm")  # Prefix /llm: /llm itself and /llm/..., not /llmx
@@ -66,8 +66,11 @@ def test_first_ingress_keeps_a_path_and_hosts_get_their_own_server(tmp_path):
 
 @pytest.mark.skipif(find_nginx() is None, reason="nginx not installed (apt-get install nginx)")
 def test_nginx_accepts_the_rendered_config(tmp_path):
+    """Names as long as Kubernetes allows (a 63-character namespace and Service)."""
+    long = "n" * 63
     conf = tmp_path / "nginx.conf"
-    conf.write_text(render([_route(OPERATOR), _route({}, host="h", endpoints=())], 8080, tmp_path))
+    routes = [_route(OPERATOR, namespace=long, service=long), _route({}, host="h", endpoints=())]
+    conf.write_text(render(routes, 8080, tmp_path))
     got = subprocess.run([find_nginx(), "-t", "-p", str(tmp_path), "-e",
                           str(tmp_path / "error.log"), "-c", str(conf)],
                          capture_output=True, text=True)  # fmt: skip

@@ -28,6 +28,7 @@ controller changes endpoints through Lua without a reload); HTTPRoute is not fol
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shutil
 import signal
@@ -83,6 +84,12 @@ class Route:
     def upstream(self) -> str:
         return re.sub(r"[^A-Za-z0-9_]", "_", f"{self.namespace}_{self.service}_{self.port}")
 
+    @property
+    def pin(self) -> str:
+        """The affinity map's variable: short, whatever the names (nginx hashes variable
+        names in buckets of 64 bytes by default)."""
+        return "$pin_" + hashlib.sha1(self.upstream.encode()).hexdigest()[:12]
+
 
 def _seconds(value: str) -> str:
     return value if value.endswith(("s", "m", "h")) else f"{value}s"
@@ -104,7 +111,7 @@ def _location_body(route: Route) -> str:
     if route.ann("affinity") == "cookie":
         name = route.ann("session-cookie-name")
         path = route.annotations.get(ANN + "session-cookie-path") or route.path or "/"
-        target = f"$pin_{route.upstream}"
+        target = route.pin
         lines.append(
             f'add_header Set-Cookie "{name}=$upstream_addr; Path={path}; HttpOnly" always;'
         )
@@ -133,7 +140,7 @@ def render(routes: list[Route], listen_port: int, prefix: Path) -> str:
     """nginx.conf for `routes` (the first Ingress to claim a host+path keeps it, as
     ingress-nginx keeps the oldest)."""
     upstreams: dict[str, tuple[str, ...]] = {}
-    pins: dict[str, tuple[str, str]] = {}  # upstream -> (cookie name, map)
+    pins: dict[str, tuple[str, str]] = {}  # upstream -> (cookie name, map variable)
     servers: dict[str, dict[str, Route]] = {}
     for r in routes:
         taken = servers.setdefault(r.host, {})
@@ -142,16 +149,16 @@ def render(routes: list[Route], listen_port: int, prefix: Path) -> str:
         if r.endpoints:
             upstreams[r.upstream] = r.endpoints
             if r.ann("affinity") == "cookie":
-                pins[r.upstream] = (r.ann("session-cookie-name"), r.upstream)
+                pins[r.upstream] = (r.ann("session-cookie-name"), r.pin)
     http = []
     for name, eps in sorted(upstreams.items()):
         http.append(f"    upstream {name} {{ {' '.join(f'server {e};' for e in eps)} }}")
-    for upstream, (cookie, _) in sorted(pins.items()):
+    for upstream, (cookie, var) in sorted(pins.items()):
         known = "".join(
             f'        "~(^|;\\s*){re.escape(cookie)}={re.escape(e)}(;|$)" {e};\n'
             for e in upstreams[upstream]
         )
-        http.append(f"    map $http_cookie $pin_{upstream} {{\n        default {upstream};\n"
+        http.append(f"    map $http_cookie {var} {{\n        default {upstream};\n"
                     f"{known}    }}")  # fmt: skip
     if "" not in servers:
         servers[""] = {}
