@@ -14,6 +14,7 @@ read speed, no client timing.
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -161,9 +162,10 @@ def test_pod_deletion_under_load_completes_in_flight_streams(
 
 # --- resume across replicas ------------------------------------------------------------
 def _first_events(http: httpx.Client, url: str, n: int, **kw) -> tuple[str, httpx.Cookies, str]:
-    """Start a token stream, read `n` token events, drop the connection; (last event id,
+    """Start a 30 s token stream (a resume after its end gets 204), read `n` token events,
+    drop the connection; (last event id,
     the cookies the ingress set, the request id)."""
-    body = {"messages": [{"role": "user", "content": "resume me"}], "max_tokens": 60}
+    body = {"messages": [{"role": "user", "content": "resume me"}], "max_tokens": 200}
     last = ""
     with http.stream("POST", f"{url}/v1/stream", json=body, **kw) as r:
         assert r.status_code == 200, r.read()
@@ -172,7 +174,7 @@ def _first_events(http: httpx.Client, url: str, n: int, **kw) -> tuple[str, http
         for line in r.iter_lines():
             if line.startswith("id:"):
                 last = line[3:].strip()
-            elif line.startswith("data:") and '"finished": false' in line:
+            elif line.startswith("data: {") and json.loads(line[6:]).get("finished") is False:
                 seen += 1
                 if seen == n:
                     break
