@@ -18,7 +18,8 @@ controller the operator's default annotations are written for (builders/ingress.
   `affinity: cookie` with `session-cookie-name` (INGRESSCOOKIE) and `session-cookie-path`;
 - WebSocket upgrade only when the client asks; `proxy_next_upstream error timeout`, 3 tries
   (its defaults), so a pod that went away between two reloads costs a retry, not an error;
-- a backend with no Ready endpoint answers 503, as ingress-nginx does.
+- a backend with no Ready endpoint answers 503, as ingress-nginx does;
+- harness only: every proxied response carries `X-E2E-Upstream: <pod ip:port>`.
 What it leaves out: TLS, the `nginx.org/*` (F5) annotations, regex paths and rewrites, auth
 and rate-limit annotations, upstream keep-alive, canary and every other annotation; the
 affinity cookie holds the endpoint's address (ingress-nginx stores a hash of it) and always
@@ -117,6 +118,8 @@ def _location_body(route: Route) -> str:
         )
     on_off = {"on": "on", "off": "off", "true": "on", "false": "off"}
     lines += [
+        # Harness only: which pod answered, for clients that must know (the autoscaling load).
+        "add_header X-E2E-Upstream $upstream_addr always;",
         f"proxy_pass http://{target};",
         f"proxy_http_version {route.ann('proxy-http-version')};",
         "proxy_set_header Host $host;",
