@@ -153,7 +153,7 @@ HOST = "e2e.local/host"
 SCRIPT = r"""
 echo "pid=$$$$ uid=$(id -u) token=$TOKEN"
 touch /rootfs-write 2>/dev/null && echo "root writable" || echo "root read-only"
-echo hello > /data/out && touch /work/ready
+echo hello > /mnt/e2e/data/out && touch /mnt/e2e/work/ready
 trap 'echo "TERM received"; sleep 0.3; echo drained; exit 0' TERM
 while true; do sleep 0.1; done
 """
@@ -165,10 +165,10 @@ def test_a_pod_runs_as_its_spec_says_and_drains_on_deletion(tmp_path):
     c = {"name": "app", "image": HOST, "command": ["/bin/sh", "-c", SCRIPT],
          "env": [{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "keys", "key": "token"}}}],
          "securityContext": {"runAsUser": 65532, "readOnlyRootFilesystem": True},
-         "volumeMounts": [{"name": "work", "mountPath": "/work"},
-                          {"name": "claim", "mountPath": "/data"},
-                          {"name": "keys", "mountPath": "/etc/e2e-keys", "readOnly": True}],
-         "readinessProbe": {"exec": {"command": ["test", "-f", "/work/ready"]},
+         "volumeMounts": [{"name": "work", "mountPath": "/mnt/e2e/work"},
+                          {"name": "claim", "mountPath": "/mnt/e2e/data"},
+                          {"name": "keys", "mountPath": "/mnt/e2e/keys", "readOnly": True}],
+         "readinessProbe": {"exec": {"command": ["test", "-f", "/mnt/e2e/work/ready"]},
                             "periodSeconds": 1},
          "lifecycle": {"preStop": {"sleep": {"seconds": 1}}}}  # fmt: skip
     volumes = [{"name": "work", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
@@ -193,7 +193,7 @@ def test_a_pod_runs_as_its_spec_says_and_drains_on_deletion(tmp_path):
         assert pod.refresh_projections() == 1
         box = pod.container("app")
         got = subprocess.run(["nsenter", "-t", str(box.pid1()), "-U", "-m",
-                              "--preserve-credentials", "cat", "/etc/e2e-keys/token"],
+                              "--preserve-credentials", "cat", "/mnt/e2e/keys/token"],
                              capture_output=True, text=True)  # fmt: skip
         assert got.stdout == "rotated"
         started = time.monotonic()
@@ -228,12 +228,12 @@ def test_sigterm_ignored_means_sigkill_at_the_grace_period(tmp_path):
 @live
 def test_liveness_failure_restarts_and_exits_restart_per_policy(tmp_path):
     host = FakeHost(tmp_path)
-    # Alive while /work/alive exists (an emptyDir survives a container restart, as in a pod).
+    # Alive while /mnt/e2e/work/alive exists (an emptyDir survives a container restart, as in a pod).
     live_c = {"name": "wedges", "image": HOST, "command": ["/bin/sh", "-c",
-              "trap 'exit 0' TERM; [ -f /work/seen ] || { touch /work/seen /work/alive; };"
+              "trap 'exit 0' TERM; [ -f /mnt/e2e/work/seen ] || { touch /mnt/e2e/work/seen /mnt/e2e/work/alive; };"
               " while true; do sleep 0.1; done"],
-              "volumeMounts": [{"name": "work", "mountPath": "/work"}],
-              "livenessProbe": {"exec": {"command": ["test", "-f", "/work/alive"]},
+              "volumeMounts": [{"name": "work", "mountPath": "/mnt/e2e/work"}],
+              "livenessProbe": {"exec": {"command": ["test", "-f", "/mnt/e2e/work/alive"]},
                                 "periodSeconds": 1, "failureThreshold": 2}}  # fmt: skip
     crash = {"name": "crashes", "image": HOST, "command": ["/bin/sh", "-c", "exit 3"]}
     pod = PodRuntime(_pod([live_c, crash], [{"name": "work", "emptyDir": {}}]),

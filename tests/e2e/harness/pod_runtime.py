@@ -376,7 +376,6 @@ class PodRuntime:
         need_ok = int(probe.get("successThreshold", 1))
         need_fail = int(probe.get("failureThreshold", 3))
         ok = fail = 0
-        alive = threading.Event()
 
         def current() -> bool:
             return c.generation == gen and not self.terminating.is_set() and c.proc is not None
@@ -404,7 +403,7 @@ class PodRuntime:
                 elif fail >= need_fail:  # liveness
                     c.kill_reason = "LivenessProbeFailed"
                     return
-            alive.wait(period)
+            self.terminating.wait(period)
 
     def _probe_once(self, c: ContainerState, probe: dict, timeout: float) -> bool:
         if "httpGet" in probe:

@@ -228,6 +228,8 @@ def sandbox_problem() -> str | None:
 
     if shutil.which(BWRAP) is None or shutil.which("nsenter") is None:
         return "bubblewrap not installed (make tools, or apt-get install -y bubblewrap)"
+    if os.geteuid() != 0:
+        return "the node agent makes volume mount points on the host's root: run as root"
     probe = [BWRAP, "--ro-bind", "/", "/", "--unshare-user", "--unshare-pid", "--as-pid-1",
              "--", "/bin/true"]  # fmt: skip
     got = subprocess.run(probe, capture_output=True, text=True)

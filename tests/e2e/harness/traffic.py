@@ -179,7 +179,13 @@ async def _client(a: argparse.Namespace) -> None:
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    loop.add_reader(sys.stdin.fileno(), lambda: stop.set() if sys.stdin.readline() else stop.set())
+
+    def on_stdin() -> None:  # "stop", or the parent gone (EOF): no new arrivals
+        sys.stdin.readline()
+        stop.set()
+        loop.remove_reader(sys.stdin.fileno())
+
+    loop.add_reader(sys.stdin.fileno(), on_stdin)
     timeout = httpx.Timeout(a.timeout, connect=10.0)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
 
