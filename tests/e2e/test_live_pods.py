@@ -83,7 +83,8 @@ def test_rollout_under_load_cuts_no_stream_and_fails_no_request(
     TIMINGS["live rollout, default surge: streams cut / new requests failed"] = (
         f"{v['long_cut']} of {v['long']} / {v['short_failed']} of {v['short']}")  # fmt: skip
     assert v["long"] == 20 and v["short"] > 0, v
-    assert (v["long_cut"], v["short_failed"], v["not_finished_in_server_log"]) == (0, 0, 0), v
+    assert (v["long_cut"], v["short_failed"], v["not_finished_in_server_log"]) == (0, 0, 0), (
+        v["failures"])  # fmt: skip
     assert v["old_pod_draining_streams"] == 20, v  # all 20 were in flight at SIGTERM
     assert v["old_pod_exits"] == [(0, "Completed")], v
     assert v["served_by_new_pod"] > 0, v  # new arrivals moved to the new pod
@@ -138,7 +139,8 @@ def test_scale_down_under_load_completes_in_flight_streams(
     v = _two_replicas_under_load(models, namespace, live_nodes, ingress, scale_down)
     TIMINGS["live scale-down 2 -> 1: streams cut / new requests failed"] = (
         f"{v['long_cut']} of {v['long']} / {v['short_failed']} of {v['short']}")  # fmt: skip
-    assert (v["long_cut"], v["short_failed"], v["not_finished_in_server_log"]) == (0, 0, 0), v
+    assert (v["long_cut"], v["short_failed"], v["not_finished_in_server_log"]) == (0, 0, 0), (
+        v["failures"])  # fmt: skip
     assert v["gone_pod_draining_streams"] and v["gone_pod_draining_streams"] > 0, v
     assert v["gone_pod_exits"] == [(0, "Completed")], v
 
@@ -154,7 +156,8 @@ def test_pod_deletion_under_load_completes_in_flight_streams(
     v = _two_replicas_under_load(models, namespace, live_nodes, ingress, delete_one)
     TIMINGS["live pod deletion: streams cut / new requests failed"] = (
         f"{v['long_cut']} of {v['long']} / {v['short_failed']} of {v['short']}")  # fmt: skip
-    assert (v["long_cut"], v["short_failed"], v["not_finished_in_server_log"]) == (0, 0, 0), v
+    assert (v["long_cut"], v["short_failed"], v["not_finished_in_server_log"]) == (0, 0, 0), (
+        v["failures"])  # fmt: skip
     assert v["gone_pod_draining_streams"] and v["gone_pod_draining_streams"] > 0, v
     assert v["gone_pod_exits"] == [(0, "Completed")], v
     ready_model(models, namespace, "pair")  # the ReplicaSet's replacement serves

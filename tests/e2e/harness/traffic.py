@@ -7,8 +7,9 @@
 returns one `Outcome` per request.
 
 A request counts as served only when its stream ended the way the protocol says a complete
-stream ends: status 200, every token, a final event with a `finish_reason`, then
-`data: [DONE]`. Anything else (an error event, a connection cut, a 5xx from the ingress, a
+stream ends: status 200, a final event with a `finish_reason` whose usage counts every
+token asked for, then `data: [DONE]` (token events are not counted: the server coalesces
+them when a reader lags, so their number depends on read speed). Anything else (an error event, a connection cut, a 5xx from the ingress, a
 timeout) is a failure, with what the client saw. `served_by_pods()` cross-checks with the
 servers' own access logs: the request id the response carried must have an access-log line
 with `outcome=finished`, so the verdict does not rest on the client alone.
@@ -158,6 +159,9 @@ async def _one(http, url: str, kind: str, tokens: int, started: asyncio.Event | 
                             ev = json.loads(data)
                             if ev.get("finished"):
                                 reason = ev.get("finish_reason")
+                                # Token events coalesce when the reader lags: count
+                                # what the stream says it generated, not events.
+                                n = (ev.get("usage") or {}).get("completion_tokens", n)
                             else:
                                 n += 1
                                 if started is not None and n == 1:
