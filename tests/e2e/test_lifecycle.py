@@ -46,8 +46,8 @@ from testkit.repo import ROOT
 from .conftest import TIMINGS
 from .harness import pinned
 from .harness.control_plane import ControlPlane, is_write
-from .harness.fake_node import FakeGpuNode
 from .harness.kube import GROUP, PLURAL, VERSION, Models, model_body, wait_for
+from .harness.node_agent import NodeAgent
 from .harness.operator_pods import OperatorPods, writer_of
 from .harness.operator_process import find_helm
 
@@ -100,11 +100,11 @@ class Plane:
         code = {"pinned": self.old, "current": ROOT, "next": self.next}
         self.pods = OperatorPods(self.cp, self.api, code, self.cp.logs)
         self.nodes = [
-            FakeGpuNode(self.api, "operator-node", gpus=0, labels={ROLE: "operator"},
+            NodeAgent(self.api, "operator-node", gpus=0, labels={ROLE: "operator"},
                         taint={"key": ROLE, "value": "operator", "effect": "NoSchedule"},
                         runtime=self.pods),
-            FakeGpuNode(self.api, "gpu-a", gpus=32, ready_after=LOAD_SECONDS),
-            FakeGpuNode(self.api, "gpu-b", gpus=32, ready_after=LOAD_SECONDS),
+            NodeAgent(self.api, "gpu-a", gpus=32, ready_after=LOAD_SECONDS),
+            NodeAgent(self.api, "gpu-b", gpus=32, ready_after=LOAD_SECONDS),
         ]  # fmt: skip
         for node in self.nodes:
             node.start()

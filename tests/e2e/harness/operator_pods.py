@@ -1,7 +1,7 @@
 """Operator pods that really run: the container runtime behind a fake node for the chart's pods.
 
 `helm install`/`upgrade` of `charts/sluice-operator` makes a Deployment; the controller
-manager makes its pods and the scheduler binds them to a `FakeGpuNode` whose `runtime` is an
+manager makes its pods and the scheduler binds them to a `NodeAgent` whose `runtime` is an
 `OperatorPods`. For each pod it does what a kubelet would for the container: it runs the
 pod's own command and arguments (`python -m sluice_operator run ...`) with the pod's
 environment (values, downward-API fieldRefs, envFrom ConfigMaps) and a token of the pod's
@@ -60,7 +60,7 @@ class OperatorPods:
         self.containers: dict[str, Container] = {}  # pod uid -> its running container
         self.history: list[Container] = []
 
-    # --- what FakeGpuNode calls -----------------------------------------------------------
+    # --- what NodeAgent calls -----------------------------------------------------------
     def start(self, pod: client.V1Pod) -> None:
         meta = pod.metadata
         if meta.uid in self.containers:
