@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .builders.adapters import ADAPTERS_SUFFIX, desired_adapter_config_map
 from .builders.deployment import desired_deployment
 from .builders.gateway import desired_httproute
 from .builders.hpa import desired_hpa
@@ -44,6 +45,15 @@ class Kind:
     plural: str
     builder: Builder | None = None
     optional: bool = False
+    # Children are named like their model; a kind whose name would clash with the user's
+    # own objects (a ConfigMap) gets a suffix.
+    name_suffix: str = ""
+
+    def child_name(self, model_name: str) -> str:
+        return model_name + self.name_suffix
+
+    def owner_of(self, child_name: str) -> str:
+        return child_name.removesuffix(self.name_suffix) if self.name_suffix else child_name
 
     @property
     def group(self) -> str:
@@ -61,6 +71,12 @@ class Kind:
 
 
 SERVICE = Kind("v1", "Service", "services", desired_service)
+# The adapter list (spec.adapters), mounted in the pods; only while LoRA is on. Named
+# <model>-adapters: a user's own ConfigMap (a JWKS) may well carry the model's name.
+ADAPTER_CONFIG_MAP = Kind(
+    "v1", "ConfigMap", "configmaps", desired_adapter_config_map, optional=True,
+    name_suffix=ADAPTERS_SUFFIX,
+)  # fmt: skip
 DEPLOYMENT = Kind("apps/v1", "Deployment", "deployments", desired_deployment)
 INGRESS = Kind("networking.k8s.io/v1", "Ingress", "ingresses", desired_ingress, optional=True)
 HPA = Kind(
@@ -80,8 +96,10 @@ NETWORK_POLICY = Kind(
 )
 
 # Children applied on every pass, in apply order (the Service before the Deployment whose
-# pods it selects).
-CHILD_KINDS: tuple[Kind, ...] = (SERVICE, DEPLOYMENT, INGRESS, HPA, PDB, NETWORK_POLICY)
+# pods it selects, the adapter ConfigMap before the pods that mount it).
+CHILD_KINDS: tuple[Kind, ...] = (
+    SERVICE, ADAPTER_CONFIG_MAP, DEPLOYMENT, INGRESS, HPA, PDB, NETWORK_POLICY
+)  # fmt: skip
 
 # KEDA's ScaledObject (autoscaling.backend: keda) is kept apart: its CRD exists only where
 # KEDA is installed and the chart grants it only with keda.enabled, so the operator neither

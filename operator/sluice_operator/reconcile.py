@@ -258,14 +258,15 @@ def _converge(
     def converge_child(child: Kind) -> None:
         kind = child.kind
         manifest = desired[kind]
+        child_name = child.child_name(name)
         if child in WATCHED_KINDS:
-            current = reads.get(child, namespace, name)
+            current = reads.get(child, namespace, child_name)
         else:
-            current = cluster.get(child.api_version, kind, namespace, name)
+            current = cluster.get(child.api_version, kind, namespace, child_name)
         if manifest is None:
             if current is not None and _owned_by(current, uid):
-                cluster.delete(child.api_version, kind, namespace, name)
-                reads.deleted(child, namespace, name, current)
+                cluster.delete(child.api_version, kind, namespace, child_name)
+                reads.deleted(child, namespace, child_name, current)
                 outcome.deleted.append(kind)
             live[kind] = None
             return

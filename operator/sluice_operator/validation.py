@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from .models.resource import StreamingModel
-from .models.spec import StreamingModelSpec
+from .models.spec import ADAPTER_NAME_IS_BASE, StreamingModelSpec
 
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
@@ -57,11 +57,20 @@ def parse_spec(spec: Mapping[str, Any] | None, name: str | None = None) -> Strea
             field="metadata.name",
         )
     try:
-        return StreamingModelSpec.model_validate(dict(spec or {}))
+        parsed = StreamingModelSpec.model_validate(dict(spec or {}))
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
         message = "; ".join(_describe(e) for e in errors)
         raise SpecError(message, field=_loc(errors[0]["loc"])) from None
+    # The twin of the CRD root's rule: an unnamed non-hf base is served under the object's name.
+    if (
+        name is not None
+        and parsed.model.served_name is None
+        and not (parsed.model.uri.startswith("hf://"))
+    ):
+        if any(a.name == name for a in parsed.adapters):
+            raise SpecError(f"spec.{ADAPTER_NAME_IS_BASE}: {name}", field="spec.adapters")
+    return parsed
 
 
 def parse_object(body: Mapping[str, Any]) -> StreamingModelSpec:

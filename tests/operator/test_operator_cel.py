@@ -70,6 +70,9 @@ def cel_failures(node: dict[str, Any], value: Any, path: str = "") -> list[str]:
         for name, child in (node.get("properties") or {}).items():
             if name in value and name != "metadata":
                 failed += cel_failures(child, value[name], f"{path}.{name}")
+    elif isinstance(value, list) and isinstance(node.get("items"), dict):
+        for i, item in enumerate(value):  # the API server runs item rules on every item
+            failed += cel_failures(node["items"], item, f"{path}[{i}]")
     return failed
 
 
@@ -93,6 +96,8 @@ def test_every_rule_compiles():
             ENV.compile(v["rule"])
             count += 1
         stack += list((node.get("properties") or {}).values())
+        if isinstance(node.get("items"), dict):
+            stack.append(node["items"])
     assert count >= 6
 
 

@@ -17,12 +17,18 @@ from ..models import (
     StreamingModelSpec,
     StreamingModelStatus,
 )
+from ..models.spec import ADAPTER_NAME_IS_BASE
 from ..yamldump import dump_yaml
 from .structural import model_schema
 
 CRD_NAME = f"{PLURAL}.{GROUP}"
 CRD_FILENAME = f"{CRD_NAME}.yaml"
 
+ADAPTER_NAME_IS_OBJECT_RULE = (
+    "!has(self.spec.adapters) || has(self.spec.model.servedName) || "
+    "self.spec.model.uri.startsWith('hf://') || "
+    "self.spec.adapters.all(a, a.name != self.metadata.name)"
+)
 DNS1035_RULE = (
     "self.metadata.name.size() <= 63 && self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')"
 )
@@ -49,7 +55,14 @@ def openapi_schema() -> dict[str, Any]:
                 "rule": DNS1035_RULE,
                 "message": "metadata.name must be a DNS-1035 label (lower case letters, digits and '-', "
                 "starting with a letter, at most 63 characters): it also names the Service",
-            }
+            },
+            # The one adapter rule that needs the object's name (the base's served name
+            # defaults to it); the others are on the spec (models/spec.py, ADAPTER_RULES).
+            {
+                "rule": ADAPTER_NAME_IS_OBJECT_RULE,
+                "message": ADAPTER_NAME_IS_BASE,
+                "fieldPath": ".spec.adapters",
+            },
         ],
     }
 

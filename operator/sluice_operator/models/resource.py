@@ -14,6 +14,9 @@ API_KEYS_DIR = "/etc/sluice/auth"
 API_KEYS_FILE = "api-keys"
 JWKS_DIR = "/etc/sluice/jwks"
 JWKS_FILE = "jwks.json"
+ADAPTERS_DIR = "/etc/sluice/adapters"
+ADAPTERS_FILE = "adapters.json"
+ADAPTER_PVC_DIR = "/mnt/adapters"  # pvc:// adapters: each claim at ADAPTER_PVC_DIR/<claim>
 
 
 @dataclass(frozen=True)

@@ -127,6 +127,147 @@ class ModelSpec(ApiModel):
         return v
 
 
+# -- LoRA adapters: fine-tunes served by name on the base model's engine ---------------------
+# Their rules, each a CEL rule with its pydantic twin, are grouped here: ADAPTER_RULES (on
+# StreamingModelSpec, which sees the base model, the engine limits and the list) and
+# LORA_RULES (on LoraSpec).
+
+# hf://org/name[@revision] | pvc://claim/path | /absolute/path: where an adapter's folder is
+# (adapter_config.json + adapter_model.safetensors). Not `tiny` (that names a base model).
+ADAPTER_URI_PATTERN = (
+    r"^(hf://([A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?"
+    r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[!-~]*)?"
+    r"|/[!-~]*)$"
+)
+ADAPTER_URI_HELP = (
+    "use hf://org/name (optionally @revision), pvc://claim/path/in/claim or an absolute path "
+    "inside the image"
+)
+# A served name: what clients put in `model`, also a metric label and a key-file value.
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._/:-]*[A-Za-z0-9])?$"
+MAX_ADAPTERS = 32
+# vLLM 0.32's --max-lora-rank choices (vllm.config.lora.MaxLoRARanks).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+DEFAULT_MAX_LORAS = 4
+DEFAULT_MAX_LORA_RANK = 16
+ENGINE_START = (
+    "Fixed when the engine starts: changing it replaces the pods (a rolling update; the "
+    "status says so)."
+)
+
+LORA_CPU_BELOW_GPU = (
+    "engine.lora.maxCpuLoras must be at least engine.lora.maxLoras (vLLM keeps every adapter "
+    "of a batch in its CPU cache too)"
+)
+ADAPTER_NAMES_REPEAT = "adapters: every adapter needs its own name (a name appears twice)"
+ADAPTER_NAME_IS_BASE = (
+    "adapters: an adapter cannot take the base model's served name (model.servedName, or "
+    "org/name of an hf:// model): clients could not tell them apart"
+)
+ADAPTER_RANK_OVER_MAX = (
+    "adapters: an adapter's rank exceeds engine.lora.maxLoraRank (default 16): raise "
+    "maxLoraRank (this rolls the pods) or use a smaller adapter"
+)
+ADAPTERS_ON_SIMULATOR = (
+    "adapters and engine.lora need engine.backend vllm (the simulator serves no adapters)"
+)
+
+
+class LoraSpec(ApiModel):
+    """vLLM's LoRA limits (--enable-lora and its sizes). Set it, even to {}, to start the
+    engine with LoRA on before the first adapter, so that adding one does not roll the pods."""
+
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                cel(
+                    "!has(self.maxCpuLoras) || self.maxCpuLoras >= "
+                    f"(has(self.maxLoras) ? self.maxLoras : {DEFAULT_MAX_LORAS})",
+                    LORA_CPU_BELOW_GPU,
+                    ".maxCpuLoras",
+                ),
+            ]
+        }
+    }
+
+    max_loras: int = Field(
+        default=DEFAULT_MAX_LORAS,
+        ge=1,
+        le=256,
+        description="Adapters one engine batch can use at once (vLLM --max-loras); requests "
+        "for further adapters wait for a slot. Each slot reserves GPU memory for "
+        "maxLoraRank-sized weights. " + ENGINE_START,
+    )
+    max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = Field(
+        default=DEFAULT_MAX_LORA_RANK,
+        description="Largest adapter rank the engine accepts (vLLM --max-lora-rank: 1, 8, 16, "
+        "32, 64, 128, 256, 320 or 512). " + ENGINE_START,
+    )
+    max_cpu_loras: int | None = Field(
+        default=None,
+        ge=1,
+        le=1024,
+        description="Adapters kept loaded in CPU memory (vLLM --max-cpu-loras, at least "
+        "maxLoras); others are read from the pod's cache volume again when asked for. "
+        "Unset: maxLoras. " + ENGINE_START,
+    )
+
+    @model_validator(mode="after")
+    def _cpu_holds_gpu(self) -> LoraSpec:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"{LORA_CPU_BELOW_GPU}: maxCpuLoras {self.max_cpu_loras} < maxLoras "
+                f"{self.max_loras}"
+            )
+        return self
+
+
+class AdapterSpec(ApiModel):
+    """A LoRA adapter (fine-tune) of the base model, served under its own name."""
+
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                cel(
+                    f"self.uri.matches('{ADAPTER_URI_PATTERN}')",
+                    f"adapters[].uri: {ADAPTER_URI_HELP}",
+                    ".uri",
+                ),
+            ]
+        }
+    }
+
+    name: Annotated[
+        str, StringConstraints(min_length=1, max_length=128, pattern=ADAPTER_NAME_PATTERN)
+    ] = Field(
+        description="The served name: clients put it in `model` (OpenAI, Anthropic, token "
+        "SSE, WebSocket frames), /v1/models lists it with the base as `parent`, metrics and "
+        "the access log carry it. Letters, digits and . _ / : - ; not the base's served name."
+    )
+    uri: Annotated[str, StringConstraints(min_length=1, max_length=512)] = Field(
+        description="The adapter folder (adapter_config.json and adapter_model.safetensors, "
+        "as PEFT saves them): hf://org/name or hf://org/name@revision (downloaded once per "
+        "pod into the cache volume, with model.hfTokenSecretRef), pvc://claim/path (the "
+        "claim is mounted read-only; a claim no other adapter or the base uses adds a "
+        "volume, which rolls the pods), or an absolute path inside the image."
+    )
+    rank: int | None = Field(
+        default=None,
+        ge=1,
+        le=512,
+        description="The adapter's rank (`r` in its adapter_config.json), when known: checked "
+        "against engine.lora.maxLoraRank before any pod tries it. Unset: the engine checks "
+        "it on loading (a larger rank is reported as Failed in the status).",
+    )
+
+    @field_validator("uri")
+    @classmethod
+    def _uri_shape(cls, v: str) -> str:
+        if not re.match(ADAPTER_URI_PATTERN, v):
+            raise ValueError(f"{v!r} is not an adapter location: {ADAPTER_URI_HELP}")
+        return v
+
+
 class Toleration(ApiModel):
     """A Kubernetes toleration (same fields as in a Pod spec)."""
 
@@ -304,7 +445,7 @@ class EngineSpec(ApiModel):
         default_factory=list,
         description="Extra vLLM engine arguments, passed unchanged after `--`. Flags the spec "
         "sets (model, served name, host, port, tensor/pipeline/data parallel size, GPU memory, "
-        "batch limits, dtype, quantization, API key) and --config FILE (vLLM would read flags "
+        "batch limits, dtype, quantization, LoRA limits and modules, API key) and --config FILE (vLLM would read flags "
         "from that file) are refused in every spelling vLLM accepts: aliases (-tp, -pp, -dp, "
         "-q), underscores (--tensor_parallel_size) and abbreviations. So is a bare word vLLM "
         "would read as the model to serve: first, after --flag=value, or after --.",
@@ -315,6 +456,13 @@ class EngineSpec(ApiModel):
     simulator: SimulatorSpec | None = Field(
         default=None,
         description="Simulator timing; used only when backend is simulator (defaults apply when unset).",
+    )
+    lora: LoraSpec | None = Field(
+        default=None,
+        description="LoRA limits of the engine. The engine runs with LoRA on when this is set "
+        "or spec.adapters is non-empty; turning it on or off, or raising a limit, restarts the "
+        "engine (the pods roll). Adding, changing or removing adapters within the limits does "
+        "not.",
     )
 
     @field_validator("extra_args")
@@ -939,6 +1087,43 @@ class LocalObjectReference(ApiModel):
     name: Name = Field(description="Object name.")
 
 
+# The adapter rules on the whole spec (their pydantic twins: `_adapters_fit` below). The
+# metadata.name case of ADAPTER_NAME_IS_BASE is on the CRD's root (generate/crd.py), the
+# only place CEL sees the object's name; its twin is in validation.parse_spec.
+_LORA_MAX_RANK_CEL = (
+    "(has(self.engine.lora) && has(self.engine.lora.maxLoraRank) ? "
+    f"self.engine.lora.maxLoraRank : {DEFAULT_MAX_LORA_RANK})"
+)
+ADAPTER_RULES = [
+    cel(
+        "!has(self.adapters) || "
+        "self.adapters.all(a, self.adapters.filter(b, b.name == a.name).size() == 1)",
+        ADAPTER_NAMES_REPEAT,
+        ".adapters",
+    ),
+    cel(
+        "!has(self.adapters) || self.adapters.all(a, has(self.model.servedName) ? "
+        "a.name != self.model.servedName : "
+        "!(self.model.uri == 'hf://' + a.name || self.model.uri.startsWith('hf://' + a.name + '@')))",
+        ADAPTER_NAME_IS_BASE,
+        ".adapters",
+    ),
+    cel(
+        "!has(self.adapters) || self.adapters.all(a, !has(a.rank) || a.rank <= "
+        + _LORA_MAX_RANK_CEL
+        + ")",
+        ADAPTER_RANK_OVER_MAX,
+        ".adapters",
+    ),
+    cel(
+        "!((has(self.adapters) && size(self.adapters) > 0) || has(self.engine.lora)) || "
+        "!has(self.engine.backend) || self.engine.backend == 'vllm'",
+        ADAPTERS_ON_SIMULATOR,
+        ".adapters",
+    ),
+]
+
+
 DEFAULT_IMAGE = "ghcr.io/sluice-dev/sluice-server:0.1.0"
 
 
@@ -962,6 +1147,7 @@ class StreamingModelSpec(ApiModel):
                     RESUME_NEEDS_ONE_WORKER,
                     ".server.apiWorkers",
                 ),
+                *ADAPTER_RULES,
                 cel(
                     "self.parallelism.tensor * self.parallelism.pipeline == self.resources.gpus",
                     "parallelism.tensor x parallelism.pipeline must equal resources.gpus "
@@ -1003,6 +1189,17 @@ class StreamingModelSpec(ApiModel):
     )
     limits: LimitsSpec = sub(LimitsSpec, "Request size limits (server and proxy alike).")
     server: ServerSpec = sub(ServerSpec, "The streaming server's own processes.")
+    adapters: Annotated[list[AdapterSpec], Field(max_length=MAX_ADAPTERS)] = Field(
+        default_factory=list,
+        description=f"LoRA adapters (fine-tunes of the base model) served by name next to "
+        f"the base, at most {MAX_ADAPTERS}. Adding, changing or removing one does not restart "
+        "anything: the operator writes the list to the ConfigMap <name>-adapters, which every "
+        "pod has mounted, and each server process loads and unloads adapters in its running "
+        "engine (the kubelet refreshes a mounted ConfigMap within about a minute). Only "
+        "engine.lora's limits (and LoRA turning on with the first adapter, unless engine.lora "
+        "is set) restart the engine. status.adapters says per adapter whether every pod "
+        "serves it (Ready), is still loading it (Loading), or could not (Failed, with why).",
+    )
     startup: StartupSpec = sub(StartupSpec, "Startup budget of a new pod.")
     rollout: RolloutSpec = sub(
         RolloutSpec, "How spec changes replace pods: surge (default) or in place."
@@ -1054,6 +1251,35 @@ class StreamingModelSpec(ApiModel):
                 f"must equal resources.gpus ({g}); set gpus: {p.tensor * p.pipeline} or change the parallelism"
             )
         return self
+
+    @model_validator(mode="after")
+    def _adapters_fit(self) -> StreamingModelSpec:
+        """The pydantic twins of ADAPTER_RULES."""
+        names = [a.name for a in self.adapters]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"{ADAPTER_NAMES_REPEAT}: {', '.join(twice)}")
+        served = self.model.served_name
+        if served is None and self.model.uri.startswith("hf://"):
+            served = self.model.uri.removeprefix("hf://").partition("@")[0]
+        if served is not None and served in names:
+            raise ValueError(f"{ADAPTER_NAME_IS_BASE}: {served}")
+        top = self.lora_limits.max_lora_rank if self.lora_enabled else DEFAULT_MAX_LORA_RANK
+        over = [f"{a.name} (rank {a.rank})" for a in self.adapters if a.rank and a.rank > top]
+        if over:
+            raise ValueError(f"{ADAPTER_RANK_OVER_MAX}: {', '.join(over)} > {top}")
+        if self.lora_enabled and self.engine.backend != "vllm":
+            raise ValueError(ADAPTERS_ON_SIMULATOR)
+        return self
+
+    @property
+    def lora_enabled(self) -> bool:
+        """The engine starts with LoRA on: engine.lora is set or adapters are declared."""
+        return self.engine.lora is not None or bool(self.adapters)
+
+    @property
+    def lora_limits(self) -> LoraSpec:
+        return self.engine.lora or LoraSpec()
 
     @property
     def max_request_bytes(self) -> int:
