@@ -69,6 +69,28 @@ class Settings(BaseSettings):
         "arguments, unchanged (they win over what the flags above derive).",
     )  # fmt: skip
 
+    # LoRA adapters
+    adapters_file: Path | None = Field(
+        None, description="JSON file listing the LoRA adapters to serve next to the base, "
+        "`{\"adapters\": [{\"name\", \"uri\", \"rank\"?, \"id\"?}]}` (`uri`: a local folder or "
+        "`hf://org/name[@revision]`); watched, and adapters are loaded and unloaded in the "
+        "running engine when it changes (on Kubernetes: the `<name>-adapters` ConfigMap). "
+        "Turns LoRA on.",
+    )  # fmt: skip
+    adapters_reload_seconds: float = Field(
+        2.0, gt=0, description="How often `--adapters-file` is checked for changes (one "
+        "`stat`).",
+    )  # fmt: skip
+    max_loras: int | None = Field(
+        None, ge=1, description="vLLM: adapters in one batch (`--max-loras`); turns LoRA on. "
+        "Fixed at engine start.",
+    )  # fmt: skip
+    max_lora_rank: int | None = Field(None, ge=1, description="vLLM: largest adapter rank "
+                                      "(`--max-lora-rank`). Fixed at engine start.")  # fmt: skip
+    max_cpu_loras: int | None = Field(None, ge=1, description="vLLM: adapters kept in CPU "
+                                      "memory (`--max-cpu-loras`). Fixed at engine "
+                                      "start.")  # fmt: skip
+
     # Streaming behaviour
     protocols: Annotated[list[Protocol], NoDecode] = Field(
         default_factory=lambda: ["sse", "websocket", "responses", "anthropic"],
@@ -261,6 +283,10 @@ class Settings(BaseSettings):
                 "process, and a reconnect may reach another worker"
             )
         return self
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.adapters_file is not None or self.max_loras is not None
 
     @property
     def model_label(self) -> str:
