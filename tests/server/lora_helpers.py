@@ -60,14 +60,14 @@ def write_adapters(path: Path, adapters: dict[str, Path | str]) -> None:
     os.replace(tmp, path)
 
 
-async def eventually(check: Callable[[], Awaitable[T]], timeout: float = 30.0,
+async def eventually(check: Callable[[], Awaitable[T]], within: float = 30.0,
                      every: float = 0.1) -> T:  # fmt: skip
-    """`check()`'s first truthy result; AssertionError with the last one after `timeout`."""
-    deadline = time.monotonic() + timeout
+    """`check()`'s first truthy result; AssertionError with the last one after `within` seconds."""
+    deadline = time.monotonic() + within
     while True:
         result = await check()
         if result:
             return result
         if time.monotonic() > deadline:
-            raise AssertionError(f"still {result!r} after {timeout} s")
+            raise AssertionError(f"still {result!r} after {within} s")
         await asyncio.sleep(every)
