@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any, Protocol
 
-from .builders.common import INSTANCE_LABEL, MANAGED_BY_LABEL, MANAGER
+from .builders.common import INSTANCE_LABEL, MANAGED_BY_LABEL, MANAGER, PORT
 from .kinds import POD, STREAMING_MODEL, Kind, plural_of
 
 FIELD_MANAGER = "sluice-operator"
@@ -178,3 +178,20 @@ class KubeCluster:
         return self._call(
             "PATCH", path, body={"status": patch}, content_type="application/merge-patch+json"
         )
+
+
+def pod_metrics_page(pod: dict[str, Any], timeout: float = 2.0) -> str | None:
+    """A model pod's own /metrics page (GET, no credential: what Prometheus scrapes), or
+    None when it cannot be read. The only call the operator makes to a pod
+    (adapterstatus.py says why it is the way adapter states reach the status)."""
+    import urllib.request
+
+    ip = (pod.get("status") or {}).get("podIP")
+    if not ip:
+        return None
+    host = f"[{ip}]" if ":" in ip else ip
+    try:
+        with urllib.request.urlopen(f"http://{host}:{PORT}/metrics", timeout=timeout) as r:
+            return r.read(4 << 20).decode("utf-8", "replace")
+    except (OSError, ValueError):
+        return None

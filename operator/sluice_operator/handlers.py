@@ -22,7 +22,7 @@ from typing import Any
 import kopf
 
 from .builders.common import INSTANCE_LABEL, MANAGED_BY_LABEL, MANAGER
-from .cluster import Cluster, KubeCluster
+from .cluster import Cluster, KubeCluster, pod_metrics_page
 from .kinds import INDEXED_KINDS, STREAMING_MODEL, WATCHED_KINDS, Kind
 from .memory import Memory, index_key, lean
 from .models import GROUP, PLURAL, VERSION
@@ -33,6 +33,7 @@ OURS = {MANAGED_BY_LABEL: MANAGER}
 # (group, version, plural) of every child watch, from the one table of kinds.
 CHILD_RESOURCES = tuple((k.group, k.version, k.plural) for k in WATCHED_KINDS)
 MAX_BACKOFF_SECONDS = 300
+ADAPTER_RECHECK_SECONDS = 10
 DEFAULT_RESYNC_SECONDS = 300.0
 # Threads for the (sync) handlers. A pass mostly waits on the API server, and every child
 # and pod event runs one: with kopf's default (CPUs + 4) a burst of child events kept new
@@ -205,9 +206,8 @@ def _converge(
             if body is None or body["metadata"].get("deletionTimestamp"):
                 return  # gone or going: the garbage collector removes the children
             check = _owner_check(cluster, body)
-            outcomes.append(
-                converge(cluster, body, _poster(body), reads=memory, owner_exists=check)
-            )
+            outcomes.append(converge(cluster, body, _poster(body), reads=memory,
+                                     owner_exists=check, pod_metrics=pod_metrics_page))  # fmt: skip
         except SpecError as exc:
             # Permanent: retrying cannot help until the spec changes (which re-triggers us).
             raise kopf.PermanentError(f"invalid spec: {exc}") from None
@@ -228,6 +228,10 @@ def _converge(
                 f"converged: phase={outcome.phase} applied={outcome.applied} "
                 f"deleted={outcome.deleted}"
             )
+    if not collapsible and any(o.adapters_settling for o in outcomes):
+        # No event follows an adapter finishing its load on a pod: look again soon, until
+        # every adapter is Ready or Failed.
+        raise kopf.TemporaryError("LoRA adapters still loading", delay=ADAPTER_RECHECK_SECONDS)
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)

@@ -23,6 +23,7 @@ from typing import Any
 
 import kopf
 
+from .adapterstatus import adapters_status, settling
 from .builders.common import HASH_ANNOTATION
 from .builders.gateway import (
     schema_lacks_session_persistence,
@@ -50,6 +51,7 @@ from .status import (
     had_pod_monitor,
     invalid_status,
     status_patch,
+    with_condition,
     with_pod_monitor,
 )
 from .validation import SpecError, load_model
@@ -65,6 +67,11 @@ class Outcome:
     deleted: list[str] = field(default_factory=list)
     status_written: bool = False
     phase: str | None = None
+    # An adapter is still loading on some pod: look again soon (handlers.py retries).
+    adapters_settling: bool = False
+
+
+PodMetrics = Callable[[Mapping[str, Any]], str | None]  # a pod's /metrics page, or None
 
 
 def manifest_hash(manifest: Mapping[str, Any]) -> str:
@@ -175,10 +182,11 @@ def converge(
     now: str | None = None,
     reads: Memory | LiveReads | None = None,
     owner_exists: Callable[[], bool] | None = None,
+    pod_metrics: PodMetrics | None = None,
 ) -> Outcome:
     """One pass (see `_converge`); a model found deleted before a create ends it quietly."""
     try:
-        return _converge(cluster, body, post_event, now, reads, owner_exists)
+        return _converge(cluster, body, post_event, now, reads, owner_exists, pod_metrics)
     except _OwnerGone:
         return Outcome()
 
@@ -190,6 +198,7 @@ def _converge(
     now: str | None = None,
     reads: Memory | LiveReads | None = None,
     owner_exists: Callable[[], bool] | None = None,
+    pod_metrics: PodMetrics | None = None,
 ) -> Outcome:
     """Raises SpecError (after reporting it) for an invalid spec; API errors propagate.
 
@@ -200,6 +209,8 @@ def _converge(
     may still hold a model the API server has deleted (its DELETED event not yet processed)
     while the garbage collector removes the children; without this the pass would create
     them again.
+    `pod_metrics`: reads a ready pod's /metrics, for status.adapters (models with LoRA on);
+    None: adapters are reported Unknown.
     """
     reads = reads if reads is not None else LiveReads(cluster)
     meta = body["metadata"]
@@ -356,9 +367,12 @@ def _converge(
     deployment = live["Deployment"]
     # Pods are only read when something is missing or a rollout is under way: they explain
     # why (no GPUs for the new or the surge pod, crash loop).
+    lora = model.spec.lora_enabled
+    # Pods are also read for models with LoRA on: their pages say how they stand with each
+    # adapter (adapterstatus.py).
     pods = (
         reads.pods(namespace, name)
-        if deployment is not None and not deployment_settled(deployment)
+        if deployment is not None and (lora or not deployment_settled(deployment))
         else []
     )
     hpa = live.get(HPA.kind)
@@ -380,6 +394,10 @@ def _converge(
         problem = pod_monitor_problem(pm_error) if pm_error is not None else None
         new_status = with_pod_monitor(new_status, problem, current_status, now or _now(),
                                       meta.get("generation"))  # fmt: skip
+    if lora:
+        new_status = _with_adapters(model, new_status, pods, current_status, pod_metrics,
+                                    post_event, now or _now(), meta.get("generation"))  # fmt: skip
+        outcome.adapters_settling = settling(new_status.get("adapters"))
     if keda_error is not None:
         scaling = dict(new_status.get("autoscaling") or {})
         scaling["message"] = keda_problem(keda_error)
@@ -421,6 +439,39 @@ def _converge(
             post_event("Warning", "PodMonitorUnavailable", message)
         raise pm_error
     return outcome
+
+
+def _with_adapters(
+    model: Any,
+    status: dict[str, Any],
+    pods: list[dict[str, Any]],
+    previous: Mapping[str, Any],
+    pod_metrics: PodMetrics | None,
+    post_event: PostEvent,
+    now: str,
+    generation: int | None,
+) -> dict[str, Any]:
+    """status.adapters and AdaptersReady from the ready pods' pages; an Event for each
+    adapter that newly failed."""
+    from .adapterstatus import ready
+
+    pages = {}
+    if pod_metrics is not None and model.spec.adapters:
+        for pod in pods:
+            if ready(pod):
+                pages[(pod.get("metadata") or {}).get("name", "?")] = pod_metrics(pod)
+    result = adapters_status(model, pods, pages)
+    assert result is not None  # LoRA is on
+    entries, cond = result
+    before = {e.get("name"): e for e in previous.get("adapters") or []}
+    for e in entries:
+        old = before.get(e["name"]) or {}
+        if e["state"] == "Failed" and (old.get("state"), old.get("message")) != (
+            "Failed", e["message"]):  # fmt: skip
+            post_event("Warning", "AdapterFailed", f"adapter {e['name']}: {e['message']}")
+    status = with_condition(status, cond, previous, now, generation)
+    status["adapters"] = entries
+    return status
 
 
 def pod_monitor_problem(exc: Exception) -> str:

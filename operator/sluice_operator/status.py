@@ -224,6 +224,18 @@ def with_pod_monitor(
     return {**status, "conditions": conditions}
 
 
+def with_condition(
+    status: dict[str, Any],
+    cond: dict[str, str],
+    previous: Mapping[str, Any],
+    now: str,
+    generation: int | None,
+) -> dict[str, Any]:
+    """Add one more condition to a computed status (lastTransitionTime kept as usual)."""
+    stamped = _stamp([dict(cond)], previous.get("conditions") or [], now, generation)
+    return {**status, "conditions": [*status.get("conditions", []), *stamped]}
+
+
 def had_pod_monitor(previous: Mapping[str, Any]) -> bool:
     """Whether the status says a PodMonitor was wanted (so one may still exist)."""
     return any(c.get("type") == POD_MONITOR_CONDITION for c in previous.get("conditions") or [])

@@ -43,6 +43,20 @@ async def engine(tiny_model_path):
         yield eng
 
 
+# LoRA limits of `lora_engine` (the tests' adapters have rank 8; one of rank 16 is refused).
+LORA_LIMITS = {"max_loras": 2, "max_lora_rank": 8, "max_cpu_loras": 4}
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def lora_engine(tiny_model_path):
+    """A second real engine, started with LoRA on (vLLM's LoRA limits are fixed at engine
+    start), once per session and only for the adapter tests that ask for it."""
+    from sluice_server.engine import open_engine
+
+    async with open_engine(engine_settings(tiny_model_path, **LORA_LIMITS)) as eng:
+        yield eng
+
+
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def make_server(engine, tiny_model_path):
     """`await make_server(**settings_overrides) -> base_url` (http://127.0.0.1:PORT).
