@@ -160,9 +160,9 @@ class Settings(BaseSettings):
     # Security
     api_key_file: Path | None = Field(
         None, description="File with one API key per line (`#` comments and blank lines "
-        "ignored), each optionally followed by `tenant=NAME rpm=N tpm=N` (that key's tenant "
-        "and limits; the defaults are tenant `default` and the `--rate-limit-*` flags); auth "
-        "is off when unset.",
+        "ignored), each optionally followed by `tenant=NAME rpm=N tpm=N models=A,B` (that "
+        "key's tenant, limits and the served names it may use; the defaults are tenant "
+        "`default`, the `--rate-limit-*` flags and every name); auth is off when unset.",
     )  # fmt: skip
     jwt_jwks_file: Path | None = Field(
         None, description="JWKS file (JSON `{\"keys\": [...]}`, public RSA or EC P-256 keys) "

@@ -687,7 +687,8 @@ class AuthSpec(ApiModel):
     api_key_secret_ref: ApiKeySecretRef | None = Field(
         default=None,
         description="Secret key with API keys, mounted as a file: one key per line, "
-        "optionally followed by tenant=NAME rpm=N tpm=N. Reloaded when the Secret changes (no "
+        "optionally followed by tenant=NAME rpm=N tpm=N models=A,B (models: the served names, "
+        "base or adapters, the key may use). Reloaded when the Secret changes (no "
         "restart). Unset (and no jwt): no authentication.",
     )
     jwt: JwtSpec | None = Field(
