@@ -8,6 +8,7 @@ listed in operator/README.md ("Kubernetes API access"), which the chart's RBAC f
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from .builders.common import INSTANCE_LABEL, MANAGED_BY_LABEL, MANAGER, PORT
@@ -180,7 +181,7 @@ class KubeCluster:
         )
 
 
-def pod_metrics_page(pod: dict[str, Any], timeout: float = 2.0) -> str | None:
+def pod_metrics_page(pod: Mapping[str, Any], timeout: float = 2.0) -> str | None:
     """A model pod's own /metrics page (GET, no credential: what Prometheus scrapes), or
     None when it cannot be read. The only call the operator makes to a pod
     (adapterstatus.py says why it is the way adapter states reach the status)."""
@@ -192,6 +193,7 @@ def pod_metrics_page(pod: dict[str, Any], timeout: float = 2.0) -> str | None:
     host = f"[{ip}]" if ":" in ip else ip
     try:
         with urllib.request.urlopen(f"http://{host}:{PORT}/metrics", timeout=timeout) as r:
-            return r.read(4 << 20).decode("utf-8", "replace")
+            body: bytes = r.read(4 << 20)
+            return body.decode("utf-8", "replace")
     except (OSError, ValueError):
         return None
