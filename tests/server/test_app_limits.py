@@ -204,7 +204,9 @@ async def test_bad_input_token_stream(server_url, name, body, says, param):
         # An unknown model is a 404 listing what is served (LoRA adapters: docs), not a 400.
         assert r.status_code == (404 if name == "unknown model" else 400), r.text
         err = error_of(r)
-        assert err["type"] == "invalid_request_error"
+        assert err["type"] == (
+            "not_found_error" if name == "unknown model" else "invalid_request_error"
+        )
         assert says in err["message"], err
         if param:
             assert err["param"] == param
