@@ -10,7 +10,7 @@ export SLUICE_CACHE ?= $(CURDIR)/.cache
 
 SAMPLE ?= samples/chat-small.yaml
 
-.PHONY: help venv tools demo run test test-e2e lint docs crds golden chart render bench bench-ab clean
+.PHONY: help venv tools demo run test test-e2e lint docs crds golden chart render bench bench-lora bench-ab clean
 
 help:
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
@@ -67,6 +67,9 @@ render: venv ## Print the manifests the operator would apply for SAMPLE=samples/
 
 bench: venv ## Benchmarks: our server vs vLLM's server vs the bare engine; fan-out (writes docs/)
 	$(PY) tests/bench/run.py
+
+bench-lora: venv ## Benchmark only a LoRA adapter next to the base on one engine (docs/bench-lora.md)
+	$(PY) tests/bench/lora_ratio.py
 
 bench-ab: venv ## CPU per token event, this checkout (B) vs BASE=<another checkout> (A), pinned pairs
 	$(PY) tests/bench/stack_cost.py ab --against $(BASE) --pairs 4 --cpu $${CPU:-0}

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from .builders.common import INSTANCE_LABEL, MANAGED_BY_LABEL, MANAGER
+from .builders.common import INSTANCE_LABEL, MANAGED_BY_LABEL, MANAGER, PORT
 from .election import LeaseConflict, LeaseRecord
 from .kinds import POD, STREAMING_MODEL, Kind, plural_of
 
@@ -326,3 +326,21 @@ class KubeLeases:
         body = self._body(record)
         path = f"{self._collection}/{self.name}"
         return _lease_record(await asyncio.to_thread(self._send, "PUT", path, body))
+
+
+def pod_metrics_page(pod: Mapping[str, Any], timeout: float = 2.0) -> str | None:
+    """A model pod's own /metrics page (GET, no credential: what Prometheus scrapes), or
+    None when it cannot be read. The only call the operator makes to a pod
+    (adapterstatus.py says why it is the way adapter states reach the status)."""
+    import urllib.request
+
+    ip = (pod.get("status") or {}).get("podIP")
+    if not ip:
+        return None
+    host = f"[{ip}]" if ":" in ip else ip
+    try:
+        with urllib.request.urlopen(f"http://{host}:{PORT}/metrics", timeout=timeout) as r:
+            body: bytes = r.read(4 << 20)
+            return body.decode("utf-8", "replace")
+    except (OSError, ValueError):
+        return None

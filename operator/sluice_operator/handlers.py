@@ -30,7 +30,7 @@ import kopf
 
 from . import __version__
 from .builders.common import INSTANCE_LABEL, MANAGED_BY_LABEL, MANAGER
-from .cluster import Cluster, FencedCluster, KubeCluster, KubeLeases, WriteFenced
+from .cluster import Cluster, FencedCluster, KubeCluster, KubeLeases, WriteFenced, pod_metrics_page
 from .election import AlwaysLeading, ElectionSettings, Elector
 from .kinds import DEPLOYMENT, INDEXED_KINDS, STREAMING_MODEL, WATCHED_KINDS, Kind
 from .memory import Memory, index_key, lean
@@ -44,6 +44,7 @@ OURS = {MANAGED_BY_LABEL: MANAGER}
 # (group, version, plural) of every child watch, from the one table of kinds.
 CHILD_RESOURCES = tuple((k.group, k.version, k.plural) for k in WATCHED_KINDS)
 MAX_BACKOFF_SECONDS = 300
+ADAPTER_RECHECK_SECONDS = 10
 DEFAULT_RESYNC_SECONDS = 300.0
 DEFAULT_MAX_ROLLOUTS = 2
 # Threads for the (sync) handlers. A pass mostly waits on the API server, and every child
@@ -367,6 +368,7 @@ def _converge(
                     reads=memory,
                     owner_exists=check,
                     pacer=pacer,
+                    pod_metrics=pod_metrics_page,
                 )
             )
         except WriteFenced as exc:
@@ -392,6 +394,10 @@ def _converge(
                 f"converged: phase={outcome.phase} applied={outcome.applied} "
                 f"deleted={outcome.deleted}"
             )
+    if not collapsible and any(o.adapters_settling for o in outcomes):
+        # No event follows an adapter finishing its load on a pod: look again soon, until
+        # every adapter is Ready or Failed.
+        raise kopf.TemporaryError("LoRA adapters still loading", delay=ADAPTER_RECHECK_SECONDS)
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL, when=_leading)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .builders.adapters import ADAPTERS_SUFFIX, desired_adapter_config_map
 from .builders.deployment import desired_deployment
 from .builders.gateway import desired_httproute, route_verdict, wants_session_persistence
 from .builders.hpa import desired_hpa
@@ -46,6 +47,15 @@ class Kind:
     plural: str
     builder: Builder | None = None
     optional: bool = False
+    # Children are named like their model; a kind whose name would clash with the user's
+    # own objects (a ConfigMap) gets a suffix.
+    name_suffix: str = ""
+
+    def child_name(self, model_name: str) -> str:
+        return model_name + self.name_suffix
+
+    def owner_of(self, child_name: str) -> str:
+        return child_name.removesuffix(self.name_suffix) if self.name_suffix else child_name
 
     @property
     def group(self) -> str:
@@ -63,6 +73,12 @@ class Kind:
 
 
 SERVICE = Kind("v1", "Service", "services", desired_service)
+# The adapter list (spec.adapters), mounted in the pods; only while LoRA is on. Named
+# <model>-adapters: a user's own ConfigMap (a JWKS) may well carry the model's name.
+ADAPTER_CONFIG_MAP = Kind(
+    "v1", "ConfigMap", "configmaps", desired_adapter_config_map, optional=True,
+    name_suffix=ADAPTERS_SUFFIX,
+)  # fmt: skip
 DEPLOYMENT = Kind("apps/v1", "Deployment", "deployments", desired_deployment)
 INGRESS = Kind("networking.k8s.io/v1", "Ingress", "ingresses", desired_ingress, optional=True)
 HPA = Kind(
@@ -82,8 +98,10 @@ NETWORK_POLICY = Kind(
 )
 
 # Children applied on every pass, in apply order (the Service before the Deployment whose
-# pods it selects).
-CHILD_KINDS: tuple[Kind, ...] = (SERVICE, DEPLOYMENT, INGRESS, HPA, PDB, NETWORK_POLICY)
+# pods it selects, the adapter ConfigMap before the pods that mount it).
+CHILD_KINDS: tuple[Kind, ...] = (
+    SERVICE, ADAPTER_CONFIG_MAP, DEPLOYMENT, INGRESS, HPA, PDB, NETWORK_POLICY
+)  # fmt: skip
 
 # The optional kinds whose API a cluster may lack: not watched, see `OptionalKind`.
 KEDA_KIND = Kind(

@@ -72,8 +72,9 @@ class Memory:
         return list(index.get((namespace, owner)) or ())
 
     def get(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
-        """The object named `name` of a model `name` (children share the model's name)."""
-        watched = [o for o in self._watched(kind, namespace, name) if _name(o) == name]
+        """The object named `name` (a child: its model's name, plus the kind's suffix)."""
+        owner = kind.owner_of(name)
+        watched = [o for o in self._watched(kind, namespace, owner) if _name(o) == name]
         seen = max(watched, key=lambda o: _revision(o) or 0) if watched else None
         key = (kind.kind, namespace, name)
         with self._guard:

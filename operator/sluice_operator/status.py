@@ -204,11 +204,7 @@ def with_template_wait(
     """Add TemplateCurrent=False: the operator's release changes this model's pod template
     and the model waits for a rollout slot (`pacing.py`); absent otherwise."""
     cond = _cond(TEMPLATE_CONDITION, False, "WaitingForRolloutSlot", message)
-    conditions = [
-        *status.get("conditions", []),
-        *_stamp([cond], previous.get("conditions") or [], now, generation),
-    ]
-    return {**status, "conditions": conditions}
+    return with_condition(status, cond, previous, now, generation)
 
 
 def was_waiting(previous: Mapping[str, Any]) -> bool:
@@ -216,6 +212,18 @@ def was_waiting(previous: Mapping[str, Any]) -> bool:
         c.get("type") == TEMPLATE_CONDITION and c.get("status") == "False"
         for c in previous.get("conditions") or []
     )
+
+
+def with_condition(
+    status: dict[str, Any],
+    cond: dict[str, str],
+    previous: Mapping[str, Any],
+    now: str,
+    generation: int | None,
+) -> dict[str, Any]:
+    """Add one more condition to a computed status (lastTransitionTime kept as usual)."""
+    stamped = _stamp([dict(cond)], previous.get("conditions") or [], now, generation)
+    return {**status, "conditions": [*status.get("conditions", []), *stamped]}
 
 
 def invalid_status(

@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .core.adapters import Adapters
 from .core.auth import KeyStore
 from .core.credentials import Credentials
 from .core.errors import install_error_handlers
@@ -191,6 +192,9 @@ def build_services(
         recorder=Recorder(
             settings.model_label, settings.access_log, settings.access_log_format, tracing
         ),  # fmt: skip
+        adapters=Adapters(
+            settings.model_label, metrics, settings.adapters_file, settings.adapters_reload_seconds
+        ),  # fmt: skip
         engine=engine,
         pod=pod,
     )
@@ -210,12 +214,15 @@ def build_app(
     @asynccontextmanager
     async def serving_engine() -> AsyncIterator[None]:
         if engine is not None:
+            await svc.adapters.start(engine)
             yield
             return
         try:
             async with open_engine(settings, **(engine_options or {})) as opened:
                 svc.engine = opened
                 log.info("engine ready: %s (%s)", settings.model_label, settings.engine)
+                # The current adapter list before ready: a restarted pod serves it at once.
+                await svc.adapters.start(opened)
                 freeze_startup_heap()
                 if pod is not None:
                     pod.set_ready(True)
@@ -233,12 +240,16 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         watcher = asyncio.create_task(reloader.run()) if reloader else None
+        adapters = None
         try:
             async with serving_engine():
+                if settings.adapters_file is not None:
+                    adapters = asyncio.create_task(svc.adapters.run())
                 yield
         finally:
-            if watcher is not None:
-                watcher.cancel()
+            for task in (watcher, adapters):
+                if task is not None:
+                    task.cancel()
             await svc.limiter.close()
             if svc.recorder.tracing is not None:
                 svc.recorder.tracing.shutdown()  # exports the spans still batched

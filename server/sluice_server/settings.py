@@ -70,6 +70,28 @@ class Settings(BaseSettings):
         "arguments, unchanged (they win over what the flags above derive).",
     )  # fmt: skip
 
+    # LoRA adapters
+    adapters_file: Path | None = Field(
+        None, description="JSON file listing the LoRA adapters to serve next to the base, "
+        "`{\"adapters\": [{\"name\", \"uri\", \"rank\"?, \"id\"?}]}` (`uri`: a local folder or "
+        "`hf://org/name[@revision]`); watched, and adapters are loaded and unloaded in the "
+        "running engine when it changes (on Kubernetes: the `<name>-adapters` ConfigMap). "
+        "Turns LoRA on.",
+    )  # fmt: skip
+    adapters_reload_seconds: float = Field(
+        2.0, gt=0, description="How often `--adapters-file` is checked for changes (one "
+        "`stat`).",
+    )  # fmt: skip
+    max_loras: int | None = Field(
+        None, ge=1, description="vLLM: adapters in one batch (`--max-loras`); turns LoRA on. "
+        "Fixed at engine start.",
+    )  # fmt: skip
+    max_lora_rank: int | None = Field(None, ge=1, description="vLLM: largest adapter rank "
+                                      "(`--max-lora-rank`). Fixed at engine start.")  # fmt: skip
+    max_cpu_loras: int | None = Field(None, ge=1, description="vLLM: adapters kept in CPU "
+                                      "memory (`--max-cpu-loras`). Fixed at engine "
+                                      "start.")  # fmt: skip
+
     # Streaming behaviour
     protocols: Annotated[list[Protocol], NoDecode] = Field(
         default_factory=lambda: list(ALL_PROTOCOLS),
@@ -140,9 +162,9 @@ class Settings(BaseSettings):
     # Security
     api_key_file: Path | None = Field(
         None, description="File with one API key per line (`#` comments and blank lines "
-        "ignored), each optionally followed by `tenant=NAME rpm=N tpm=N` (that key's tenant "
-        "and limits; the defaults are tenant `default` and the `--rate-limit-*` flags); auth "
-        "is off when unset.",
+        "ignored), each optionally followed by `tenant=NAME rpm=N tpm=N models=A,B` (that "
+        "key's tenant, limits and the served names it may use; the defaults are tenant "
+        "`default`, the `--rate-limit-*` flags and every name); auth is off when unset.",
     )  # fmt: skip
     jwt_jwks_file: Path | None = Field(
         None, description="JWKS file (JSON `{\"keys\": [...]}`, public RSA or EC P-256 keys) "
@@ -263,6 +285,10 @@ class Settings(BaseSettings):
                 "process, and a reconnect may reach another worker"
             )
         return self
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.adapters_file is not None or self.max_loras is not None
 
     @property
     def model_label(self) -> str:

@@ -341,6 +341,7 @@ EXPECTED = {
     ("serving.sluice.dev", "streamingmodels/finalizers"): {"update"},
     ("apps", "deployments"): {"get", "list", "watch", "create", "patch"},
     ("", "services"): {"get", "list", "watch", "create", "patch"},
+    ("", "configmaps"): {"get", "list", "watch", "create", "patch", "delete"},
     ("networking.k8s.io", "ingresses"): {"get", "list", "watch", "create", "patch", "delete"},
     ("autoscaling", "horizontalpodautoscalers"): {
         "get",
@@ -813,12 +814,19 @@ def test_network_policy_set_and_not_rendered(h):
     assert policy["spec"]["podSelector"]["matchLabels"] == deploy["spec"]["selector"]["matchLabels"]
     assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
     assert policy["spec"]["ingress"] == [{"ports": [{"port": 8080, "protocol": "TCP"}]}]
-    dns, api = policy["spec"]["egress"]
+    dns, api, pods = policy["spec"]["egress"]
     assert {p["port"] for p in dns["ports"]} == {53}
     assert [p["port"] for p in api["ports"]] == [443, 6443] and "to" not in api
+    # The model pods' /metrics (status.adapters), only pods the operator manages.
+    assert pods["ports"] == [{"port": 8000, "protocol": "TCP"}]
+    assert pods["to"] == [{"namespaceSelector": {}, "podSelector": {"matchLabels": {
+        "app.kubernetes.io/managed-by": "sluice-operator"}}}]  # fmt: skip
     docs = h.template(OPERATOR_CHART, values=[ALL_ON])
-    (_, api) = one(docs, "NetworkPolicy")["spec"]["egress"]
+    (_, api, _) = one(docs, "NetworkPolicy")["spec"]["egress"]
     assert api["to"] == [{"ipBlock": {"cidr": "10.0.0.1/32"}}]
+    docs = h.template(OPERATOR_CHART, set_=["networkPolicy.enabled=true",
+                                            "networkPolicy.modelPodMetrics=false"])  # fmt: skip
+    assert len(one(docs, "NetworkPolicy")["spec"]["egress"]) == 2
 
 
 @pytest.mark.parametrize(

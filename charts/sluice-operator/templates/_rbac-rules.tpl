@@ -35,6 +35,12 @@ rule's "why" there, and each `if .Values.x` block its "granted" column.
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["get", "list", "watch", "create", "patch"]
+# The adapter list of models with LoRA on (`<name>-adapters`, mounted in their pods): as the
+# Deployment, and deleted when LoRA is turned off. Only ConfigMaps with the operator's
+# labels are watched; the operator never reads other ConfigMaps.
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # The Ingress: as the Deployment, and deleted when `spec.ingress.enabled` turns false.
 - apiGroups: ["networking.k8s.io"]
   resources: ["ingresses"]

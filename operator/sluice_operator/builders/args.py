@@ -7,6 +7,7 @@ import re
 
 from ..models.resource import API_KEYS_DIR, API_KEYS_FILE, JWKS_DIR, JWKS_FILE, StreamingModel
 from ..models.spec import SimulatorSpec
+from .adapters import lora_args
 from .common import PORT, fmt_number
 
 # SIGTERM to exit: the pod keeps serving in-flight streams for the stream timeout, after a
@@ -81,6 +82,7 @@ def server_args(model: StreamingModel) -> list[str]:
         args += ["--dtype", e.dtype]
         if e.quantization:
             args += ["--quantization", e.quantization]
+        args += lora_args(model)
 
     s = spec.streaming
     args += ["--protocols", ",".join(sorted(s.protocols))]

@@ -13,6 +13,7 @@ from ..models.resource import (
     MODEL_PVC_DIR,
     StreamingModel,
 )
+from .adapters import adapter_volumes
 from .args import PRESTOP_SECONDS, server_args, termination_grace_seconds
 from .common import PORT, PORT_NAME, labels, metadata, selector_labels
 
@@ -132,7 +133,9 @@ def _volumes(model: StreamingModel) -> tuple[list[dict[str, Any]], list[dict[str
         else:
             volumes.append({"name": "jwks", "configMap": {"name": jwks_ref.name, **items}})
         mounts.append({"name": "jwks", "mountPath": JWKS_DIR, "readOnly": True})
-    return volumes, mounts
+    # The adapter list's ConfigMap (by name only: its content changes without a rollout).
+    more_volumes, more_mounts = adapter_volumes(model)
+    return volumes + more_volumes, mounts + more_mounts
 
 
 def _probe(path: str, period: int, failures: int, timeout: int = 5) -> dict[str, Any]:

@@ -56,6 +56,14 @@ RESERVED_LONG = (
     "--api-key",
     "--api-key-file",
     "--config",
+    # LoRA: engine.lora and spec.adapters (the adapter list reaches the pods as a file).
+    "--enable-lora",
+    "--no-enable-lora",
+    "--max-loras",
+    "--max-lora-rank",
+    "--max-cpu-loras",
+    "--lora-modules",
+    "--adapters-file",
 )
 RESERVED_SHORT = ("-tp", "-pp", "-dp", "-dpl", "-q")
 # The vLLM settings (argparse destinations) behind them; the tests collect every option
@@ -79,10 +87,15 @@ RESERVED_VLLM_DESTS = frozenset(
         "quantization",
         "api_key",
         "config",
+        "enable_lora",
+        "max_loras",
+        "max_lora_rank",
+        "max_cpu_loras",
+        "lora_modules",
     }
 )
 # Reserved but not vLLM's: the server's own flags, and --swap-space (engine.swapSpaceGiB).
-RESERVED_NOT_VLLM = frozenset({"--engine", "--api-key-file", "--swap-space"})
+RESERVED_NOT_VLLM = frozenset({"--engine", "--api-key-file", "--swap-space", "--adapters-file"})
 
 
 def reserved_flag(arg: str) -> bool:

@@ -46,7 +46,7 @@ def open_stream(
     protocol = trail.protocol or ""
     trail.prompt_tokens = prompt_tokens
     trail.admitted_at = time.perf_counter()
-    meter = Meter(bind(svc.metrics, protocol), t0, trail)
+    meter = Meter(bind(svc.metrics, protocol, trail.model), t0, trail)
     s = svc.settings
     grace = s.resume_grace_seconds if rid is not None else 0.0
     stream = Stream(source, cap=s.stream_buffer_tokens, timeout=s.stream_timeout_seconds,

@@ -143,7 +143,7 @@ class Connection:
             trail.kid, trail.tenant = self.who.id, self.who.tenant
             engine = await svc.require_engine()
             req = to_stream_request(body, f"ws-{uuid.uuid4().hex}", engine,
-                                    svc.settings.model_label)  # fmt: skip
+                                    lambda m: svc.route(trail, self.who, m))  # fmt: skip
             await svc.admit(PROTOCOL, self.who)
         except ApiError as e:
             svc.refuse(trail, e)
