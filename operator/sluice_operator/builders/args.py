@@ -45,7 +45,7 @@ def api_workers(model: StreamingModel) -> int:
     if given is not None:
         return given
     cores = cpu_cores(model.spec.resources.requests.cpu)
-    if cores is None or model.spec.streaming.resume.grace_seconds:
+    if cores is None or model.spec.streaming.resume.grace_seconds or model.multi_node:
         return 1
     return max(1, min(MAX_DERIVED_API_WORKERS, math.floor(cores) - 1))
 
