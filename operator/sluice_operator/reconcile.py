@@ -37,6 +37,7 @@ from .kinds import (
     DEPLOYMENT,
     HPA,
     INGRESS,
+    LWS_KIND,
     OPTIONAL_KINDS,
     WATCHED_KINDS,
     Kind,
@@ -383,7 +384,10 @@ class _Pass:
                 self.refused[row.name] = (unavailable, exc)
 
     def write_status(self) -> None:
-        deployment = self.live[DEPLOYMENT.kind]
+        # The workload: the Deployment, or the LeaderWorkerSet of a multi-node model (its
+        # status has the same replica counts, in groups).
+        workload = LWS_KIND if self.model.multi_node else DEPLOYMENT
+        deployment = self.live.get(workload.kind)
         # Pods are only read when something is missing or a rollout is under way: they explain
         # why (no GPUs for the new or the surge pod, crash loop).
         pods = (

@@ -123,7 +123,10 @@ def test_invalid_samples_fail_schema_or_cel(path):
 def test_defaults_make_nested_objects_whole():
     obj = apply_defaults(SCHEMA, {"metadata": {"name": "m"}, "spec": {"model": {"uri": "tiny"}}})
     spec = obj["spec"]
-    assert spec["parallelism"] == {"tensor": 1, "pipeline": 1, "nodes": 1} and spec["resources"]["gpus"] == 1
+    assert (
+        spec["parallelism"] == {"tensor": 1, "pipeline": 1, "nodes": 1}
+        and spec["resources"]["gpus"] == 1
+    )
     assert spec["streaming"]["protocols"] == ["sse", "websocket", "responses", "anthropic"]
     assert spec["engine"]["gpuMemoryUtilization"] == 0.92 and "extraArgs" not in spec["engine"]
 
