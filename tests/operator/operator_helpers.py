@@ -15,7 +15,7 @@ import yaml
 from kubernetes.client.exceptions import ApiException
 from sluice_operator.kinds import INDEXED_KINDS
 from sluice_operator.memory import Memory, index_key
-from testkit.repo import ROOT
+from testkit.repo import LWS_CRD, ROOT, shared_crd
 
 SAMPLES = sorted((ROOT / "samples").glob("*.yaml"))
 INVALID_SAMPLES = sorted((ROOT / "samples" / "invalid").glob("*.yaml"))
@@ -27,19 +27,6 @@ POD_MONITOR_SCHEMA = ROOT / "tests" / "operator" / "schemas" / "podmonitor.schem
 # Gateway API's HTTPRoute likewise: a strict subset written from the Gateway API reference
 # (the official CRDs are not in any registry reachable here).
 HTTPROUTE_SCHEMA = ROOT / "tests" / "operator" / "schemas" / "gateway-httproute.schema.json"
-
-
-def shared_crd(relative: str) -> Path | None:
-    """An official CRD from the workplace's `shared/crds/` (next to the checkout or above
-    it); None in a clone without it (a user's, CI)."""
-    for parent in ROOT.parents:
-        path = parent / "shared" / "crds" / relative
-        if path.exists():
-            return path
-    return None
-
-
-LWS_CRD = "lws/leaderworkerset.x-k8s.io_leaderworkersets.yaml"
 
 
 def _unknown_fields(value, schema: dict, at: str = "") -> list[str]:

@@ -9,15 +9,7 @@ import copy
 import jsonschema
 import kubernetes_validate
 import pytest
-from operator_helpers import (
-    LWS_CRD,
-    FakeCluster,
-    body_of,
-    minimal,
-    shared_crd,
-    validate_manifest,
-    with_status,
-)
+from operator_helpers import FakeCluster, body_of, minimal, validate_manifest, with_status
 from sluice_operator.builders.args import ENGINE_MASTER_PORT
 from sluice_operator.builders.deployment import desired_deployment, pod_template
 from sluice_operator.builders.keda import pod_matchers
@@ -27,6 +19,7 @@ from sluice_operator.render import render_objects
 from sluice_operator.status import compute_status
 from sluice_operator.validation import load_model
 from testkit.k8s import K8S_VERSIONS
+from testkit.repo import LWS_CRD, shared_crd
 
 NOW = "2026-12-01T06:00:00Z"
 TWO_NODES = {"resources": {"gpus": 8}, "parallelism": {"tensor": 8, "pipeline": 2, "nodes": 2}}
@@ -188,3 +181,14 @@ def test_status_counts_groups_from_the_lws():
     status = compute_status(m, 1, lws, now=NOW)
     assert status["ready"] == "1/2" and status["message"] == "1/2 groups ready"
     assert compute_status(m, 1, None, now=NOW)["message"] == "creating the LeaderWorkerSet"
+
+
+def test_network_policy_lets_a_groups_pods_reach_each_other_on_any_port():
+    out = by_kind(minimal(**TWO_NODES, networkPolicy={"enabled": True}))
+    served, group = out["NetworkPolicy"]["spec"]["ingress"]
+    assert served["ports"] == [{"protocol": "TCP", "port": 8000}]
+    assert "ports" not in group
+    own = {"app.kubernetes.io/name": "sluice-server", "app.kubernetes.io/instance": "m"}
+    assert group["from"] == [{"podSelector": {"matchLabels": own}}]
+    one = by_kind(minimal(networkPolicy={"enabled": True}))
+    assert len(one["NetworkPolicy"]["spec"]["ingress"]) == 1
