@@ -388,5 +388,7 @@ def run_headless_worker(settings: Settings, model_path: str) -> int:
     which join the leader's engine through the rendezvous at --master-addr."""
     from vllm.entrypoints.cli.serve import run_headless
 
-    run_headless(parse_vllm_args(settings, model_path))
+    args = parse_vllm_args(settings, model_path)
+    args.api_server_count = 0  # as `vllm serve --headless` sets it: no API servers here
+    run_headless(args)
     return 0
