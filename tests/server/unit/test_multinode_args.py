@@ -90,3 +90,18 @@ def test_vllm_refuses_what_we_refuse_too():
     )
     with pytest.raises(Exception, match="nnodes"):
         engine_args.create_engine_config()
+
+
+def test_a_worker_hands_vllms_headless_entry_point_what_vllm_serve_headless_would(monkeypatch):
+    """`run_headless` as `vllm serve --headless` calls it (api_server_count 0: it refuses
+    None, found when two processes were run as two nodes), here captured, not run."""
+    import vllm.entrypoints.cli.serve as vllm_serve
+    from sluice_server.engine import run_engine_worker
+
+    seen = []
+    monkeypatch.setattr(vllm_serve, "run_headless", seen.append)
+    settings = parse_settings([*LEADER, *ADDR, "--node-rank", "1"])
+    assert run_engine_worker(settings) == 0
+    (args,) = seen
+    assert args.headless and args.api_server_count == 0
+    assert (args.nnodes, args.node_rank, args.master_addr) == (2, 1, "10.0.0.7")
