@@ -23,6 +23,7 @@ from .builders.gateway import desired_httproute, route_verdict, wants_session_pe
 from .builders.hpa import desired_hpa
 from .builders.ingress import desired_ingress
 from .builders.keda import desired_scaled_object
+from .builders.leaderworkerset import desired_leaderworkerset
 from .builders.networkpolicy import desired_network_policy
 from .builders.pdb import desired_pdb
 from .builders.podmonitor import desired_pod_monitor
@@ -79,7 +80,8 @@ ADAPTER_CONFIG_MAP = Kind(
     "v1", "ConfigMap", "configmaps", desired_adapter_config_map, optional=True,
     name_suffix=ADAPTERS_SUFFIX,
 )  # fmt: skip
-DEPLOYMENT = Kind("apps/v1", "Deployment", "deployments", desired_deployment)
+# Optional: a LeaderWorkerSet replaces it for models on several nodes per replica.
+DEPLOYMENT = Kind("apps/v1", "Deployment", "deployments", desired_deployment, optional=True)
 INGRESS = Kind("networking.k8s.io/v1", "Ingress", "ingresses", desired_ingress, optional=True)
 HPA = Kind(
     "autoscaling/v2",
@@ -112,6 +114,13 @@ POD_MONITOR_KIND = Kind(
 )
 HTTPROUTE = Kind(
     "gateway.networking.k8s.io/v1", "HTTPRoute", "httproutes", desired_httproute, optional=True
+)
+LWS_KIND = Kind(
+    "leaderworkerset.x-k8s.io/v1",
+    "LeaderWorkerSet",
+    "leaderworkersets",
+    desired_leaderworkerset,
+    optional=True,
 )
 
 # (status, reason, message) of a condition: True/False, or None for Unknown.
@@ -214,9 +223,26 @@ PROMETHEUS_OPERATOR = OptionalKind(
     condition="PodMonitorReady",
     ready=_applied("the PodMonitor selects the model's pods"),
 )
+LEADER_WORKER_SET = OptionalKind(
+    LWS_KIND,
+    event="LeaderWorkerSetUnavailable",
+    forbidden="the operator may not manage leaderworkerset.x-k8s.io LeaderWorkerSets: upgrade "
+    "the sluice-operator chart (its RBAC grants them), or set parallelism.nodes: 1",
+    missing="LeaderWorkerSet is not installed: the API server has no leaderworkerset.x-k8s.io/v1 "
+    "LeaderWorkerSet resource, which models with parallelism.nodes above 1 run on (install "
+    "LWS v0.10 or later, or set parallelism.nodes: 1)",
+    condition="LeaderWorkerSetReady",
+    ready=_applied("the LeaderWorkerSet runs each replica as a group of pods"),
+    excludes=DEPLOYMENT,  # one workload per model: never both
+)
 # In the order a pass converges them (after the children, but see `excludes`), reports
 # them (conditions in this order) and raises the first refusal.
-OPTIONAL_KINDS: tuple[OptionalKind, ...] = (KEDA, GATEWAY_API, PROMETHEUS_OPERATOR)
+OPTIONAL_KINDS: tuple[OptionalKind, ...] = (
+    KEDA,
+    GATEWAY_API,
+    PROMETHEUS_OPERATOR,
+    LEADER_WORKER_SET,
+)
 ALL_KINDS: tuple[Kind, ...] = (*CHILD_KINDS, *(o.kind for o in OPTIONAL_KINDS))
 
 # Not children, but addressed by the cluster client: pods are listed (why they are Pending)

@@ -38,6 +38,7 @@ from .kinds import (
     DEPLOYMENT,
     HPA,
     INGRESS,
+    LWS_KIND,
     OPTIONAL_KINDS,
     WATCHED_KINDS,
     Kind,
@@ -397,7 +398,10 @@ class _Pass:
                 self.refused[row.name] = (unavailable, exc)
 
     def write_status(self) -> None:
-        deployment = self.live[DEPLOYMENT.kind]
+        # The workload: the Deployment, or the LeaderWorkerSet of a multi-node model (its
+        # status has the same replica counts, in groups).
+        workload = LWS_KIND if self.model.multi_node else DEPLOYMENT
+        deployment = self.live.get(workload.kind)
         # Pods are only read when something is missing or a rollout is under way: they explain
         # why (no GPUs for the new or the surge pod, crash loop); and for models with LoRA on,
         # whose pages say how they stand with each adapter (adapterstatus.py).

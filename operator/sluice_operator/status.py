@@ -320,7 +320,9 @@ def compute_status(
     for row in OPTIONAL_KINDS:
         problem = unavailable.get(row.name)
         if row.condition is not None:
-            if row.wanted(model):
+            # An unwanted kind that excludes a child stays reported while its delete is
+            # refused: the status remembers it, so the next pass tries again.
+            if row.wanted(model) or (problem is not None and row.excludes is not None):
                 conditions.append(optional_condition(row, model, optional.get(row.name), problem))
         elif problem is not None:  # the ScaledObject: status.autoscaling reports it
             scaling = {**(out.get("autoscaling") or {}), "message": problem.message}
@@ -353,16 +355,21 @@ def _compute_status(
         out["autoscaling"] = scaling
     spec_ok = _cond("SpecValid", True, "Valid", "spec is valid")
 
+    # A multi-node model's LeaderWorkerSet counts replicas in groups of pods.
+    workload, unit = (
+        ("LeaderWorkerSet", "groups") if model.multi_node else ("Deployment", "replicas")
+    )
     if deployment is None:
         a = model.spec.autoscaling
         desired = a.min_replicas if a is not None and a.enabled else model.spec.replicas
-        out.update(phase="Pending", message="creating the Deployment", replicas=0, readyReplicas=0)
+        out.update(phase="Pending", message=f"creating the {workload}", replicas=0, readyReplicas=0)
         out["ready"] = f"0/{desired}"
+        missing = f"the {workload} does not exist yet"
         conditions = [
             spec_ok,
-            _cond("Available", False, "DeploymentMissing", "the Deployment does not exist yet"),
-            _cond("Progressing", True, "Creating", "creating the Deployment"),
-            _cond("Ready", False, "DeploymentMissing", "the Deployment does not exist yet"),
+            _cond("Available", False, f"{workload}Missing", missing),
+            _cond("Progressing", True, "Creating", f"creating the {workload}"),
+            _cond("Ready", False, f"{workload}Missing", missing),
         ]
         out["conditions"] = _stamp(conditions, previous.get("conditions") or [], now, generation)
         return out
@@ -384,7 +391,7 @@ def _compute_status(
     if desired == 0:
         phase, message = "Pending", "scaled to 0 replicas"
     elif ready >= desired and not rolling:
-        phase, message = "Ready", f"{ready}/{desired} replicas ready"
+        phase, message = "Ready", f"{ready}/{desired} {unit} ready"
     elif waiting_for_room:
         phase = "Progressing"
         message = (
@@ -394,7 +401,7 @@ def _compute_status(
         )
     elif ready > 0 and (stuck or deadline or unschedulable):
         phase = "Degraded"
-        message = f"{ready}/{desired} replicas ready; " + "; ".join(
+        message = f"{ready}/{desired} {unit} ready; " + "; ".join(
             (stuck or unschedulable)[:3] or ["rollout stuck"]
         )
     elif stuck or deadline:
@@ -410,9 +417,9 @@ def _compute_status(
             f"rolling out: {updated}/{desired} updated, {ready}/{desired} ready",
         )
     elif ready > 0:
-        phase, message = "Degraded", f"{ready}/{desired} replicas ready"
+        phase, message = "Degraded", f"{ready}/{desired} {unit} ready"
     else:
-        phase, message = "Progressing", f"0/{desired} replicas ready (starting, loading the model)"
+        phase, message = "Progressing", f"0/{desired} {unit} ready (starting, loading the model)"
     out.update(phase=phase, message=message)
 
     if deadline:

@@ -339,7 +339,7 @@ EXPECTED = {
     ("serving.sluice.dev", "streamingmodels"): {"get", "list", "watch", "patch"},
     ("serving.sluice.dev", "streamingmodels/status"): {"get", "patch"},
     ("serving.sluice.dev", "streamingmodels/finalizers"): {"update"},
-    ("apps", "deployments"): {"get", "list", "watch", "create", "patch"},
+    ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "delete"},
     ("", "services"): {"get", "list", "watch", "create", "patch"},
     ("", "configmaps"): {"get", "list", "watch", "create", "patch", "delete"},
     ("networking.k8s.io", "ingresses"): {"get", "list", "watch", "create", "patch", "delete"},
@@ -353,6 +353,7 @@ EXPECTED = {
     },
     ("policy", "poddisruptionbudgets"): {"get", "list", "watch", "create", "patch", "delete"},
     ("gateway.networking.k8s.io", "httproutes"): {"get", "create", "patch", "delete"},
+    ("leaderworkerset.x-k8s.io", "leaderworkersets"): {"get", "create", "patch", "delete"},
     ("networking.k8s.io", "networkpolicies"): {
         "get",
         "list",

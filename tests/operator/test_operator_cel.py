@@ -128,7 +128,10 @@ def test_invalid_samples_fail_schema_or_cel(path):
 def test_defaults_make_nested_objects_whole():
     obj = apply_defaults(SCHEMA, {"metadata": {"name": "m"}, "spec": {"model": {"uri": "tiny"}}})
     spec = obj["spec"]
-    assert spec["parallelism"] == {"tensor": 1, "pipeline": 1} and spec["resources"]["gpus"] == 1
+    assert (
+        spec["parallelism"] == {"tensor": 1, "pipeline": 1, "nodes": 1}
+        and spec["resources"]["gpus"] == 1
+    )
     assert spec["streaming"]["protocols"] == ["sse", "websocket", "responses", "anthropic"]
     assert spec["engine"]["gpuMemoryUtilization"] == 0.92 and "extraArgs" not in spec["engine"]
 
@@ -138,6 +141,20 @@ CASES = pytest.mark.parametrize(
     [
         ({"resources": {"gpus": 8}, "parallelism": {"tensor": 4, "pipeline": 2}}, None),
         ({"resources": {"gpus": 8}, "parallelism": {"tensor": 4}}, "must equal resources.gpus"),
+        ({"resources": {"gpus": 8}, "parallelism": {"tensor": 8, "pipeline": 2, "nodes": 2}}, None),
+        (
+            {"resources": {"gpus": 8}, "parallelism": {"tensor": 8, "nodes": 2}},
+            "must equal resources.gpus x parallelism.nodes",
+        ),
+        (
+            {"resources": {"gpus": 4}, "parallelism": {"tensor": 4, "pipeline": 2, "nodes": 2}},
+            None,
+        ),
+        ({"parallelism": {"nodes": 2, "pipeline": 2}, "server": {"apiWorkers": 1}}, None),
+        (
+            {"parallelism": {"nodes": 2, "pipeline": 2}, "server": {"apiWorkers": 2}},
+            "cannot be combined with parallelism.nodes",
+        ),
         ({"engine": {"extraArgs": ["--enable-prefix-caching"]}}, None),
         ({"engine": {"extraArgs": ["--model=x"]}}, "extraArgs must not repeat"),
         ({"engine": {"extraArgs": ["--max-model-len", "9"]}}, "extraArgs must not repeat"),

@@ -167,9 +167,10 @@ def _rules(node: dict) -> list[str]:
 
 def test_cel_rules_present_with_messages():
     spec = SCHEMA["properties"]["spec"]
-    assert "self.parallelism.tensor * self.parallelism.pipeline == self.resources.gpus" in _rules(
-        spec
-    )
+    assert (
+        "self.parallelism.tensor * self.parallelism.pipeline == self.resources.gpus * "
+        "(has(self.parallelism.nodes) ? self.parallelism.nodes : 1)"
+    ) in _rules(spec)
     assert "self.minReplicas <= self.maxReplicas" in _rules(spec["properties"]["autoscaling"])
     assert "!has(self.tlsSecretName) || has(self.host)" in _rules(spec["properties"]["ingress"])
     assert any("matches" in r for r in _rules(spec["properties"]["model"]))

@@ -136,6 +136,10 @@ COMBINATIONS: dict[str, dict] = {
         },
     },
     "simulator": {"engine": {"backend": "simulator"}, "resources": {"gpus": 1}},
+    "two-nodes-tp8-pp2": {
+        "resources": {"gpus": 8},
+        "parallelism": {"tensor": 8, "pipeline": 2, "nodes": 2},
+    },
 }
 
 
@@ -174,9 +178,17 @@ CASES: dict[str, dict] = {
 
 
 def pod_template(body: dict) -> dict:
-    """The pod template of the model's Deployment, as the operator renders it."""
-    (deployment,) = [m for m in render_objects(copy.deepcopy(body)) if m["kind"] == "Deployment"]
-    return deployment["spec"]["template"]
+    """The pod template of the model's Deployment, as the operator renders it; for a model
+    on several nodes, its LeaderWorkerSet's leader and worker templates."""
+    (workload,) = [
+        m
+        for m in render_objects(copy.deepcopy(body))
+        if m["kind"] in ("Deployment", "LeaderWorkerSet")
+    ]
+    if workload["kind"] == "LeaderWorkerSet":
+        group = workload["spec"]["leaderWorkerTemplate"]
+        return {k: group[k] for k in ("leaderTemplate", "workerTemplate")}
+    return workload["spec"]["template"]
 
 
 def _golden_text(name: str, body: dict) -> str:
@@ -248,9 +260,10 @@ def test_pod_template_does_not_follow_the_operator_version(name, monkeypatch):
         monkeypatch.setattr(sluice_operator, "__version__", version)
         templates.append(pod_template(body))
     assert templates[0] == templates[1]
-    meta = templates[0]["metadata"]
+    pods = [templates[0][k] for k in ("leaderTemplate", "workerTemplate") if k in templates[0]]
     named = [
         k
+        for meta in [p["metadata"] for p in pods or [templates[0]]]
         for k in {**meta.get("labels", {}), **meta.get("annotations", {})}
         if VERSION_WORDS.search(k)
     ]

@@ -26,11 +26,12 @@ rule's "why" there, and each `if .Values.x` block its "granted" column.
   verbs: ["update"]
 # The model's Deployment: server-side applied (a patch that creates an object is also
 # authorized as create) and watched, so hand edits and deletions are put back and its
-# rollout shows in the status. No delete: deleting a StreamingModel removes its children
-# through owner references and the garbage collector.
+# rollout shows in the status. Deleted only when a model moves to several nodes per replica
+# (a LeaderWorkerSet replaces it); deleting a StreamingModel removes its children through
+# owner references and the garbage collector.
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["get", "list", "watch", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # The model's Service: as the Deployment (server-side applied, watched, never deleted).
 - apiGroups: [""]
   resources: ["services"]
@@ -64,6 +65,12 @@ rule's "why" there, and each `if .Values.x` block its "granted" column.
 # so no list/watch; granting a resource a cluster does not serve is harmless.
 - apiGroups: ["gateway.networking.k8s.io"]
   resources: ["httproutes"]
+  verbs: ["get", "create", "patch", "delete"]
+# LeaderWorkerSets (LWS v0.10+) for models with `parallelism.nodes` above 1: read,
+# server-side applied, deleted when a model moves back to one node (a Deployment). Not
+# watched (the LWS CRD may be absent; the model's pods are), so no list/watch.
+- apiGroups: ["leaderworkerset.x-k8s.io"]
+  resources: ["leaderworkersets"]
   verbs: ["get", "create", "patch", "delete"]
 # Read only: model pods are watched and kept in memory, so a pod turning Ready or Pending
 # updates the status at once, and the status says why pods are Pending (PodScheduled

@@ -156,7 +156,9 @@ def pod_annotations(model: StreamingModel) -> dict[str, str]:
     }
 
 
-def desired_deployment(model: StreamingModel) -> dict[str, Any]:
+def pod_template(model: StreamingModel) -> dict[str, Any]:
+    """The server pod: the Deployment's, and a LeaderWorkerSet group's leader
+    (`builders/leaderworkerset.py` derives the worker from it)."""
     spec = model.spec
     volumes, mounts = _volumes(model)
     container: dict[str, Any] = {
@@ -207,7 +209,20 @@ def desired_deployment(model: StreamingModel) -> dict[str, Any]:
         "imagePullSecrets": [{"name": s.name} for s in spec.image_pull_secrets] or None,
     }
     pod_spec.update({k: v for k, v in optional.items() if v})
+    return {
+        "metadata": {
+            "labels": {**spec.pod_labels, **labels(model)},
+            "annotations": pod_annotations(model),
+        },
+        "spec": pod_spec,
+    }
 
+
+def desired_deployment(model: StreamingModel) -> dict[str, Any] | None:
+    """None with parallelism.nodes > 1: a LeaderWorkerSet runs the replicas instead."""
+    if model.multi_node:
+        return None
+    spec = model.spec
     deployment_spec: dict[str, Any] = {
         "selector": {"matchLabels": selector_labels(model)},
         # Default surge 1 / unavailable 0: the old pods serve until the new one has loaded
@@ -221,13 +236,7 @@ def desired_deployment(model: StreamingModel) -> dict[str, Any]:
         },
         "revisionHistoryLimit": 3,
         "progressDeadlineSeconds": progress_deadline_seconds(model),
-        "template": {
-            "metadata": {
-                "labels": {**spec.pod_labels, **labels(model)},
-                "annotations": pod_annotations(model),
-            },
-            "spec": pod_spec,
-        },
+        "template": pod_template(model),
     }
     # With autoscaling the HPA owns .spec.replicas; leaving it out of the apply lets the
     # HPA's value stand instead of being reset on every reconcile.

@@ -64,8 +64,14 @@ RESERVED_LONG = (
     "--max-cpu-loras",
     "--lora-modules",
     "--adapters-file",
+    # Multi-node: spec.parallelism.nodes (the operator sets each node's rank and rendezvous).
+    "--nnodes",
+    "--node-rank",
+    "--master-addr",
+    "--master-port",
+    "--headless",
 )
-RESERVED_SHORT = ("-tp", "-pp", "-dp", "-dpl", "-q")
+RESERVED_SHORT = ("-tp", "-pp", "-dp", "-dpl", "-q", "-n", "-r")
 # The vLLM settings (argparse destinations) behind them; the tests collect every option
 # string vLLM's parser has for these and compare with the tuples above.
 RESERVED_VLLM_DESTS = frozenset(
@@ -81,6 +87,11 @@ RESERVED_VLLM_DESTS = frozenset(
         "data_parallel_size_local",
         "gpu_memory_utilization",
         "max_model_len",
+        "nnodes",
+        "node_rank",
+        "master_addr",
+        "master_port",
+        "headless",
         "max_num_seqs",
         "max_num_batched_tokens",
         "dtype",

@@ -95,3 +95,8 @@ class StreamingModel:
     @property
     def simulated(self) -> bool:
         return self.spec.engine.backend == "simulator"
+
+    @property
+    def multi_node(self) -> bool:
+        """A replica is a group of pods on several nodes (a LeaderWorkerSet)."""
+        return self.spec.parallelism.nodes > 1

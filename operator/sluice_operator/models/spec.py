@@ -261,14 +261,16 @@ class ComputeResources(ApiModel):
 
 
 class ResourcesSpec(ApiModel):
-    """GPUs, CPU, memory and placement of each replica."""
+    """GPUs, CPU, memory and placement of each pod (a replica's pod, or with
+    parallelism.nodes > 1 each pod of its group)."""
 
     gpus: int = Field(
         default=1,
         ge=1,
         le=64,
-        description="GPUs per replica. Must equal parallelism.tensor x parallelism.pipeline. "
-        "Not requested when engine.backend is simulator.",
+        description="GPUs per pod: per replica, or with parallelism.nodes > 1 per node of the "
+        "replica's group. parallelism.tensor x parallelism.pipeline must equal gpus x "
+        "parallelism.nodes. Not requested when engine.backend is simulator.",
     )
     gpu_resource_name: Annotated[
         str,
@@ -282,7 +284,7 @@ class ResourcesSpec(ApiModel):
     )
     requests: ComputeResources = Field(
         default_factory=lambda: ComputeResources(cpu="4", memory="32Gi"),
-        description="CPU/memory requests of the server container.",
+        description="CPU/memory requests of the server container (of each pod of a group).",
         json_schema_extra={"default": {"cpu": "4", "memory": "32Gi"}},
     )
     limits: ComputeResources = Field(
@@ -306,8 +308,27 @@ class ResourcesSpec(ApiModel):
     priority_class_name: Name | None = Field(default=None, description="PriorityClass of the pods.")
 
 
+Key = Annotated[
+    str,
+    StringConstraints(
+        max_length=316,
+        pattern=r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$",
+    ),
+]
+
+
 class ParallelismSpec(ApiModel):
-    """How one replica splits the model over its GPUs."""
+    """How one replica splits the model over its GPUs and, with nodes > 1, over several nodes."""
+
+    RULES = (
+        Rule(
+            "!has(self.exclusiveTopologyKey) || (has(self.nodes) && self.nodes > 1)",
+            "parallelism.exclusiveTopologyKey places the pods of a multi-node group; it needs "
+            "parallelism.nodes above 1",
+            holds=lambda p: p.exclusive_topology_key is None or p.nodes > 1,
+            field=".exclusiveTopologyKey",
+        ),
+    )
 
     tensor: int = Field(
         default=1, ge=1, le=64, description="Tensor-parallel size (GPUs a layer is split over)."
@@ -317,6 +338,23 @@ class ParallelismSpec(ApiModel):
         ge=1,
         le=64,
         description="Pipeline-parallel size (stages the layers are split into).",
+    )
+    nodes: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Nodes per replica. 1: a replica is one pod (a Deployment). Above 1: a "
+        "replica is a group of this many pods, one per node, each with resources.gpus GPUs "
+        "(a LeaderWorkerSet, leaderworkerset.x-k8s.io/v1, LWS v0.10 or later must be "
+        "installed): the leader runs the server and vLLM's engine, the workers run vLLM's "
+        "headless workers (its multiprocessing multi-node backend), and the whole group is "
+        "recreated when any of its pods fails. tensor x pipeline must equal gpus x nodes.",
+    )
+    exclusive_topology_key: Key | None = Field(
+        default=None,
+        description="With nodes > 1: a node label (e.g. a rack or NVLink-domain label) whose "
+        "value every pod of one group shares, with one group per value (LWS exclusive "
+        "placement). Unset: the scheduler places the group's pods freely.",
     )
 
 
@@ -982,8 +1020,9 @@ class ServerSpec(ApiModel):
         description="Front-end processes per pod (the server's --api-workers), sharing the "
         "port and one engine; stream slots, rate limits, /metrics and /ready stay the pod's. "
         "Unset: derived from resources.requests.cpu, one per whole core beyond the one "
-        "vLLM's engine core busy-polls (max(1, cores - 1)), at most 8; no CPU request, or "
-        "streaming.resume on (a resumed stream lives in one process): 1.",
+        "vLLM's engine core busy-polls (max(1, cores - 1)), at most 8; no CPU request, "
+        "streaming.resume on (a resumed stream lives in one process) or parallelism.nodes "
+        "above 1 (the leader runs one process): 1.",
     )
 
 
@@ -1062,9 +1101,20 @@ DEFAULT_IMAGE = "ghcr.io/sluice-dev/sluice-server:0.1.0"
 
 def _gpus_detail(spec: StreamingModelSpec) -> str:
     tensor, pipeline, gpus = spec.parallelism.tensor, spec.parallelism.pipeline, spec.resources.gpus
+    nodes = spec.parallelism.nodes
+    if nodes == 1:
+        return (
+            f"got {tensor} x {pipeline} = {tensor * pipeline} and gpus: {gpus}; "
+            f"set gpus: {tensor * pipeline} or change the parallelism"
+        )
+    fix = (
+        f"set gpus: {tensor * pipeline // nodes}"
+        if tensor * pipeline % nodes == 0
+        else "change the parallelism"
+    )
     return (
-        f"got {tensor} x {pipeline} = {tensor * pipeline} and gpus: {gpus}; "
-        f"set gpus: {tensor * pipeline} or change the parallelism"
+        f"got {tensor} x {pipeline} = {tensor * pipeline} and gpus x nodes: {gpus} x {nodes} "
+        f"= {gpus * nodes}; {fix}"
     )
 
 
@@ -1094,22 +1144,46 @@ class StreamingModelSpec(ApiModel):
         ),
         *ADAPTER_RULES,
         Rule(
-            "self.parallelism.tensor * self.parallelism.pipeline == self.resources.gpus",
-            "parallelism.tensor x parallelism.pipeline must equal resources.gpus "
-            "(e.g. gpus: 4 with tensor: 4, pipeline: 1, or tensor: 2, pipeline: 2)",
-            holds=lambda s: s.parallelism.tensor * s.parallelism.pipeline == s.resources.gpus,
+            "self.parallelism.tensor * self.parallelism.pipeline == self.resources.gpus * "
+            "(has(self.parallelism.nodes) ? self.parallelism.nodes : 1)",
+            "parallelism.tensor x parallelism.pipeline must equal resources.gpus x "
+            "parallelism.nodes (e.g. gpus: 4 with tensor: 4, pipeline: 1, or tensor: 2, "
+            "pipeline: 2; gpus: 8 with nodes: 2 and tensor: 8, pipeline: 2)",
+            holds=lambda s: (
+                s.parallelism.tensor * s.parallelism.pipeline
+                == s.resources.gpus * s.parallelism.nodes
+            ),
             field=".parallelism",
             detail=_gpus_detail,
+        ),
+        Rule(
+            "!has(self.parallelism.nodes) || self.parallelism.nodes == 1 || "
+            "!has(self.engine.backend) || self.engine.backend == 'vllm'",
+            "parallelism.nodes above 1 needs engine.backend vllm: the simulator has no "
+            "multi-node engine",
+            holds=lambda s: s.parallelism.nodes == 1 or s.engine.backend == "vllm",
+            field=".parallelism.nodes",
+        ),
+        Rule(
+            "!has(self.parallelism.nodes) || self.parallelism.nodes == 1 || "
+            "!has(self.server) || !has(self.server.apiWorkers) || self.server.apiWorkers == 1",
+            "server.apiWorkers above 1 cannot be combined with parallelism.nodes above 1: a "
+            "multi-node leader runs one server process with the engine in it; leave apiWorkers "
+            "unset (nodes above 1 make it 1) or set it to 1",
+            holds=lambda s: s.parallelism.nodes == 1 or (s.server.api_workers or 1) <= 1,
+            field=".server.apiWorkers",
         ),
     )
 
     model: ModelSpec = Field(description="Which model to serve.")
     resources: ResourcesSpec = sub(
-        ResourcesSpec, "GPUs, CPU, memory and placement of each replica."
+        ResourcesSpec,
+        "GPUs, CPU, memory and placement of each pod (per node with parallelism.nodes > 1).",
     )
     parallelism: ParallelismSpec = sub(
         ParallelismSpec,
-        "Tensor and pipeline parallelism; tensor x pipeline must equal resources.gpus.",
+        "Tensor, pipeline and node parallelism; tensor x pipeline must equal resources.gpus "
+        "x nodes.",
     )
     engine: EngineSpec = sub(EngineSpec, "Inference engine settings.")
     streaming: StreamingSpec = sub(StreamingSpec, "Streaming protocols and limits.")
@@ -1118,7 +1192,8 @@ class StreamingModelSpec(ApiModel):
         default=1,
         ge=0,
         le=1000,
-        description="Replicas when autoscaling is off (also the scale subresource).",
+        description="Replicas when autoscaling is off (also the scale subresource); with "
+        "parallelism.nodes > 1 each replica is a group of that many pods.",
     )
     autoscaling: AutoscalingSpec | None = Field(
         default=None, description="TTFT autoscaling; unset: fixed spec.replicas."

@@ -92,6 +92,14 @@ def vllm_cli_args(settings: Settings, model_path: str, cpu_defaults: bool) -> li
         args += ["--revision", settings.revision]
     args += ["--tensor-parallel-size", str(settings.tensor_parallel_size)]
     args += ["--pipeline-parallel-size", str(settings.pipeline_parallel_size)]
+    if settings.nnodes > 1:
+        # vLLM's multiprocessing backend across nodes: every node runs the same arguments
+        # with its own rank; the workers (rank > 0) are headless.
+        args += ["--nnodes", str(settings.nnodes), "--node-rank", str(settings.node_rank)]
+        args += ["--master-addr", str(settings.master_addr)]
+        args += ["--master-port", str(settings.master_port)]
+        if settings.headless:
+            args += ["--headless"]
     args += ["--gpu-memory-utilization", str(settings.gpu_memory_utilization)]
     args += ["--dtype", settings.dtype]
     for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "quantization"):
@@ -417,3 +425,15 @@ def _has_kv_size(settings: Settings) -> bool:
     return any(a.startswith("--kv-cache-memory") for a in settings.engine_args) or bool(
         os.environ.get("VLLM_CPU_KVCACHE_SPACE")
     )
+
+
+def run_headless_worker(settings: Settings, model_path: str) -> int:
+    """vLLM's own headless entry point (`vllm serve --headless`) with the leader's engine
+    arguments and this node's rank: the multiprocessing executor's workers for its GPUs,
+    which join the leader's engine through the rendezvous at --master-addr."""
+    from vllm.entrypoints.cli.serve import run_headless
+
+    args = parse_vllm_args(settings, model_path)
+    args.api_server_count = 0  # as `vllm serve --headless` sets it: no API servers here
+    run_headless(args)
+    return 0
