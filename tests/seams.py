@@ -11,7 +11,7 @@ A new implementation (or a new test fake) gets a parameter here.
 from __future__ import annotations
 
 from operator_helpers import AbsentKind, FakeCluster
-from sluice_operator.cluster import Cluster, KubeCluster
+from sluice_operator.cluster import Cluster, FencedCluster, KubeCluster
 from sluice_server.core.ratelimit import Limiter, MemoryLimiter, RedisLimiter
 from sluice_server.engine.base import ApiServing, Engine
 from sluice_server.engine.builtin_api import BuiltinApi
@@ -31,5 +31,7 @@ def limiters(memory: MemoryLimiter, redis: RedisLimiter) -> list[Limiter]:
     return [memory, redis]
 
 
-def clusters(kube: KubeCluster, fake: FakeCluster, absent: AbsentKind) -> list[Cluster]:
-    return [kube, fake, absent]
+def clusters(
+    kube: KubeCluster, fake: FakeCluster, absent: AbsentKind, fenced: FencedCluster
+) -> list[Cluster]:
+    return [kube, fake, absent, fenced]

@@ -17,11 +17,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .builders.adapters import ADAPTERS_SUFFIX, desired_adapter_config_map
 from .builders.deployment import desired_deployment
 from .builders.gateway import desired_httproute, route_verdict, wants_session_persistence
 from .builders.hpa import desired_hpa
 from .builders.ingress import desired_ingress
 from .builders.keda import desired_scaled_object
+from .builders.leaderworkerset import desired_leaderworkerset
 from .builders.networkpolicy import desired_network_policy
 from .builders.pdb import desired_pdb
 from .builders.podmonitor import desired_pod_monitor
@@ -47,6 +49,15 @@ class Kind:
     plural: str
     builder: Builder | None = None
     optional: bool = False
+    # Children are named like their model; a kind whose name would clash with the user's
+    # own objects (a ConfigMap) gets a suffix.
+    name_suffix: str = ""
+
+    def child_name(self, model_name: str) -> str:
+        return model_name + self.name_suffix
+
+    def owner_of(self, child_name: str) -> str:
+        return child_name.removesuffix(self.name_suffix) if self.name_suffix else child_name
 
     @property
     def group(self) -> str:
@@ -64,7 +75,14 @@ class Kind:
 
 
 SERVICE = Kind("v1", "Service", "services", desired_service)
-DEPLOYMENT = Kind("apps/v1", "Deployment", "deployments", desired_deployment)
+# The adapter list (spec.adapters), mounted in the pods; only while LoRA is on. Named
+# <model>-adapters: a user's own ConfigMap (a JWKS) may well carry the model's name.
+ADAPTER_CONFIG_MAP = Kind(
+    "v1", "ConfigMap", "configmaps", desired_adapter_config_map, optional=True,
+    name_suffix=ADAPTERS_SUFFIX,
+)  # fmt: skip
+# Optional: a LeaderWorkerSet replaces it for models on several nodes per replica.
+DEPLOYMENT = Kind("apps/v1", "Deployment", "deployments", desired_deployment, optional=True)
 INGRESS = Kind("networking.k8s.io/v1", "Ingress", "ingresses", desired_ingress, optional=True)
 HPA = Kind(
     "autoscaling/v2",
@@ -83,8 +101,10 @@ NETWORK_POLICY = Kind(
 )
 
 # Children applied on every pass, in apply order (the Service before the Deployment whose
-# pods it selects).
-CHILD_KINDS: tuple[Kind, ...] = (SERVICE, DEPLOYMENT, INGRESS, HPA, PDB, NETWORK_POLICY)
+# pods it selects, the adapter ConfigMap before the pods that mount it).
+CHILD_KINDS: tuple[Kind, ...] = (
+    SERVICE, ADAPTER_CONFIG_MAP, DEPLOYMENT, INGRESS, HPA, PDB, NETWORK_POLICY
+)  # fmt: skip
 
 # The optional kinds whose API a cluster may lack: not watched, see `OptionalKind`.
 KEDA_KIND = Kind(
@@ -101,6 +121,13 @@ INFERENCE_POOL_KIND = Kind(
     "InferencePool",
     "inferencepools",
     desired_inference_pool,
+    optional=True,
+)
+LWS_KIND = Kind(
+    "leaderworkerset.x-k8s.io/v1",
+    "LeaderWorkerSet",
+    "leaderworkersets",
+    desired_leaderworkerset,
     optional=True,
 )
 
@@ -216,6 +243,18 @@ PROMETHEUS_OPERATOR = OptionalKind(
     condition="PodMonitorReady",
     ready=_applied("the PodMonitor selects the model's pods"),
 )
+LEADER_WORKER_SET = OptionalKind(
+    LWS_KIND,
+    event="LeaderWorkerSetUnavailable",
+    forbidden="the operator may not manage leaderworkerset.x-k8s.io LeaderWorkerSets: upgrade "
+    "the sluice-operator chart (its RBAC grants them), or set parallelism.nodes: 1",
+    missing="LeaderWorkerSet is not installed: the API server has no leaderworkerset.x-k8s.io/v1 "
+    "LeaderWorkerSet resource, which models with parallelism.nodes above 1 run on (install "
+    "LWS v0.10 or later, or set parallelism.nodes: 1)",
+    condition="LeaderWorkerSetReady",
+    ready=_applied("the LeaderWorkerSet runs each replica as a group of pods"),
+    excludes=DEPLOYMENT,  # one workload per model: never both
+)
 # In the order a pass converges them (after the children, but see `excludes`), reports
 # them (conditions in this order) and raises the first refusal.
 # The pool goes before the route that names it.
@@ -224,6 +263,7 @@ OPTIONAL_KINDS: tuple[OptionalKind, ...] = (
     GATEWAY_API_INFERENCE_EXTENSION,
     GATEWAY_API,
     PROMETHEUS_OPERATOR,
+    LEADER_WORKER_SET,
 )
 ALL_KINDS: tuple[Kind, ...] = (*CHILD_KINDS, *(o.kind for o in OPTIONAL_KINDS))
 

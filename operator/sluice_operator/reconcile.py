@@ -23,6 +23,7 @@ from typing import Any
 
 import kopf
 
+from .adapterstatus import adapters_status, ready, settling
 from .builders.common import HASH_ANNOTATION
 from .builders.gateway import (
     SESSION_PERSISTENCE_DROPPED,
@@ -37,6 +38,7 @@ from .kinds import (
     DEPLOYMENT,
     HPA,
     INGRESS,
+    LWS_KIND,
     OPTIONAL_KINDS,
     WATCHED_KINDS,
     Kind,
@@ -46,6 +48,7 @@ from .kinds import (
 )
 from .memory import Memory
 from .models.resource import StreamingModel
+from .pacing import PACED, TEMPLATE_HASH, RolloutPacer, cause_of_change, stamp, template_hash
 from .status import (
     compute_status,
     deployment_settled,
@@ -53,6 +56,9 @@ from .status import (
     remembered,
     reported,
     status_patch,
+    was_waiting,
+    with_condition,
+    with_template_wait,
 )
 from .validation import SpecError, load_model
 
@@ -67,6 +73,11 @@ class Outcome:
     deleted: list[str] = field(default_factory=list)
     status_written: bool = False
     phase: str | None = None
+    # An adapter is still loading on some pod: look again soon (handlers.py retries).
+    adapters_settling: bool = False
+
+
+PodMetrics = Callable[[Mapping[str, Any]], str | None]  # a pod's /metrics page, or None
 
 
 def manifest_hash(manifest: Mapping[str, Any]) -> str:
@@ -178,10 +189,12 @@ def converge(
     now: str | None = None,
     reads: Memory | LiveReads | None = None,
     owner_exists: Callable[[], bool] | None = None,
+    pacer: RolloutPacer | None = None,
+    pod_metrics: PodMetrics | None = None,
 ) -> Outcome:
     """One pass (see `_converge`); a model found deleted before a create ends it quietly."""
     try:
-        return _converge(cluster, body, post_event, now, reads, owner_exists)
+        return _converge(cluster, body, post_event, now, reads, owner_exists, pacer, pod_metrics)
     except _OwnerGone:
         return Outcome()
 
@@ -193,6 +206,8 @@ def _converge(
     now: str | None = None,
     reads: Memory | LiveReads | None = None,
     owner_exists: Callable[[], bool] | None = None,
+    pacer: RolloutPacer | None = None,
+    pod_metrics: PodMetrics | None = None,
 ) -> Outcome:
     """Raises SpecError (after reporting it) for an invalid spec; API errors propagate.
 
@@ -203,6 +218,10 @@ def _converge(
     may still hold a model the API server has deleted (its DELETED event not yet processed)
     while the garbage collector removes the children; without this the pass would create
     them again.
+    `pacer`: operator-caused pod template changes wait for a rollout slot (`pacing.py`);
+    without one they are applied at once.
+    `pod_metrics`: reads a ready pod's /metrics, for status.adapters (models with LoRA on);
+    None: adapters are reported Unknown.
     """
     reads = reads if reads is not None else LiveReads(cluster)
     try:
@@ -210,7 +229,9 @@ def _converge(
     except SpecError as exc:
         report_invalid(cluster, body, str(exc), post_event, now, reads)
         raise
-    run = _Pass(cluster, body, model, post_event, now or _now(), reads, owner_exists)
+    run = _Pass(
+        cluster, body, model, post_event, now or _now(), reads, owner_exists, pacer, pod_metrics
+    )
     status = body.get("status") or {}
     touched = [row for row in OPTIONAL_KINDS if run.wants(row) or remembered(row, status)]
     # A kind no longer wanted goes before what it excludes is applied (never two HPAs).
@@ -244,9 +265,13 @@ class _Pass:
         now: str,
         reads: Memory | LiveReads,
         owner_exists: Callable[[], bool] | None,
+        pacer: RolloutPacer | None = None,
+        pod_metrics: PodMetrics | None = None,
     ) -> None:
         self.cluster, self.body, self.model, self.reads = cluster, body, model, reads
         self.post_event, self.now, self.owner_exists = post_event, now, owner_exists
+        self.pacer, self.pod_metrics = pacer, pod_metrics
+        self.waiting: list[Any] = []  # the pacer's Decision when the Deployment waits for a slot
         meta = body["metadata"]
         self.namespace, self.name, self.uid = meta["namespace"], meta["name"], meta.get("uid")
         self.status = body.get("status") or {}
@@ -264,6 +289,30 @@ class _Pass:
             if not self.owner_exists():
                 raise _OwnerGone
             self.owner_exists = None
+
+    def pace_deployment(self, manifest: dict[str, Any], current: dict[str, Any] | None) -> bool:
+        """Label the Deployment for pacing (after its applied-hash: the labels never change
+        it); False: hold it (an operator-caused template change, no slot free), keeping the
+        live one."""
+        generation = self.body["metadata"].get("generation")
+        live_template = ((current or {}).get("spec") or {}).get("template") or {}
+        contained = contains(manifest["spec"]["template"], live_template)
+        observed = self.status.get("observedGeneration")
+        cause = cause_of_change(manifest, current, generation, observed, contained)
+        new = template_hash(manifest)
+        old = ((current or {}).get("metadata") or {}).get("labels") or {}
+        paced = old.get(PACED) == new
+        key = (self.namespace, self.name)
+        if cause == "operator" and self.pacer is not None:
+            decision = self.pacer.admit(key, new, old.get(TEMPLATE_HASH))
+            if not decision.admitted:
+                self.waiting.append(decision)
+                return False
+            paced = True
+        elif self.pacer is not None:
+            self.pacer.forget(key)
+        stamp(manifest, paced)
+        return True
 
     def apply_child(self, manifest: dict[str, Any], exists: bool) -> dict[str, Any]:
         """Server-side apply; for a child that exists and the API server refuses, replace
@@ -296,7 +345,7 @@ class _Pass:
         return self.apply_child(without_session_persistence(manifest), current is not None)
 
     def child(self, child: Kind) -> None:
-        kind, namespace, name = child.kind, self.namespace, self.name
+        kind, namespace, name = child.kind, self.namespace, child.child_name(self.name)
         manifest = self.desired[kind]
         if child in WATCHED_KINDS:
             current = self.reads.get(child, namespace, name)
@@ -310,6 +359,9 @@ class _Pass:
             self.live[kind] = None
             return
         manifest = _adopt(manifest, self.body)
+        if child is DEPLOYMENT and not self.pace_deployment(manifest, current):
+            self.live[kind] = current
+            return
         if session_persistence_dropped(manifest, current):
             # A Standard-channel CRD has no such field: compare what the API server keeps
             # (status says so), or every pass would apply the route again.
@@ -346,12 +398,17 @@ class _Pass:
                 self.refused[row.name] = (unavailable, exc)
 
     def write_status(self) -> None:
-        deployment = self.live[DEPLOYMENT.kind]
+        # The workload: the Deployment, or the LeaderWorkerSet of a multi-node model (its
+        # status has the same replica counts, in groups).
+        workload = LWS_KIND if self.model.multi_node else DEPLOYMENT
+        deployment = self.live.get(workload.kind)
         # Pods are only read when something is missing or a rollout is under way: they explain
-        # why (no GPUs for the new or the surge pod, crash loop).
+        # why (no GPUs for the new or the surge pod, crash loop); and for models with LoRA on,
+        # whose pages say how they stand with each adapter (adapterstatus.py).
+        lora = self.model.spec.lora_enabled
         pods = (
             self.reads.pods(self.namespace, self.name)
-            if deployment is not None and not deployment_settled(deployment)
+            if deployment is not None and (lora or not deployment_settled(deployment))
             else []
         )
         hpa = self.live.get(HPA.kind)
@@ -370,6 +427,18 @@ class _Pass:
             optional=self.live,
             unavailable={kind: unavailable for kind, (unavailable, _) in self.refused.items()},
         )
+        generation = self.body["metadata"].get("generation")
+        if self.waiting and self.pacer is not None:
+            message = self.waiting[0].message(self.pacer.limit)
+            new = with_template_wait(new, message, self.status, self.now, generation)
+            if not was_waiting(self.status):
+                self.post_event("Normal", "RolloutWaiting", message)
+        if lora:
+            new = _with_adapters(self.model, new, pods, self.status, self.pod_metrics,
+                                 self.post_event, self.now, generation)  # fmt: skip
+            self.outcome.adapters_settling = settling(new.get("adapters"))
+        if self.pacer is not None:
+            self.pacer.observe((self.namespace, self.name), deployment)
         self.outcome.phase = new["phase"]
         patch = status_patch(self.status, new)
         if patch:
@@ -389,3 +458,34 @@ class _Pass:
             unavailable, _ = self.refused.get(row.name, (None, None))
             if unavailable is not None and reported(row, self.status) != unavailable.message:
                 self.post_event("Warning", row.event, unavailable.message)
+
+
+def _with_adapters(
+    model: StreamingModel,
+    status: dict[str, Any],
+    pods: list[dict[str, Any]],
+    previous: Mapping[str, Any],
+    pod_metrics: PodMetrics | None,
+    post_event: PostEvent,
+    now: str,
+    generation: int | None,
+) -> dict[str, Any]:
+    """status.adapters and AdaptersReady from the ready pods' pages; an Event for each
+    adapter that newly failed."""
+    pages: dict[str, str | None] = {}
+    if pod_metrics is not None and model.spec.adapters:
+        for pod in pods:
+            if ready(pod):
+                pages[(pod.get("metadata") or {}).get("name", "?")] = pod_metrics(pod)
+    result = adapters_status(model, pods, pages)
+    assert result is not None  # LoRA is on
+    entries, cond = result
+    before = {e.get("name"): e for e in previous.get("adapters") or []}
+    for e in entries:
+        old = before.get(e["name"]) or {}
+        if e["state"] == "Failed" and (old.get("state"), old.get("message")) != (
+            "Failed", e["message"]):  # fmt: skip
+            post_event("Warning", "AdapterFailed", f"adapter {e['name']}: {e['message']}")
+    status = with_condition(status, cond, previous, now, generation)
+    status["adapters"] = entries
+    return status

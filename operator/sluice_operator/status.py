@@ -192,6 +192,41 @@ def optional_condition(
     return _cond(optional.condition, *optional.ready(model, live))
 
 
+TEMPLATE_CONDITION = "TemplateCurrent"
+
+
+def with_template_wait(
+    status: dict[str, Any],
+    message: str,
+    previous: Mapping[str, Any],
+    now: str,
+    generation: int | None,
+) -> dict[str, Any]:
+    """Add TemplateCurrent=False: the operator's release changes this model's pod template
+    and the model waits for a rollout slot (`pacing.py`); absent otherwise."""
+    cond = _cond(TEMPLATE_CONDITION, False, "WaitingForRolloutSlot", message)
+    return with_condition(status, cond, previous, now, generation)
+
+
+def was_waiting(previous: Mapping[str, Any]) -> bool:
+    return any(
+        c.get("type") == TEMPLATE_CONDITION and c.get("status") == "False"
+        for c in previous.get("conditions") or []
+    )
+
+
+def with_condition(
+    status: dict[str, Any],
+    cond: dict[str, str],
+    previous: Mapping[str, Any],
+    now: str,
+    generation: int | None,
+) -> dict[str, Any]:
+    """Add one more condition to a computed status (lastTransitionTime kept as usual)."""
+    stamped = _stamp([dict(cond)], previous.get("conditions") or [], now, generation)
+    return {**status, "conditions": [*status.get("conditions", []), *stamped]}
+
+
 def invalid_status(
     message: str, generation: int | None, previous: Mapping[str, Any] | None, now: str
 ) -> dict[str, Any]:
@@ -286,7 +321,9 @@ def compute_status(
     for row in OPTIONAL_KINDS:
         problem = unavailable.get(row.name)
         if row.condition is not None:
-            if row.wanted(model):
+            # An unwanted kind that excludes a child stays reported while its delete is
+            # refused: the status remembers it, so the next pass tries again.
+            if row.wanted(model) or (problem is not None and row.excludes is not None):
                 conditions.append(optional_condition(row, model, optional.get(row.name), problem))
         elif problem is not None:  # the ScaledObject: status.autoscaling reports it
             scaling = {**(out.get("autoscaling") or {}), "message": problem.message}
@@ -323,16 +360,21 @@ def _compute_status(
         out["autoscaling"] = scaling
     spec_ok = _cond("SpecValid", True, "Valid", "spec is valid")
 
+    # A multi-node model's LeaderWorkerSet counts replicas in groups of pods.
+    workload, unit = (
+        ("LeaderWorkerSet", "groups") if model.multi_node else ("Deployment", "replicas")
+    )
     if deployment is None:
         a = model.spec.autoscaling
         desired = a.min_replicas if a is not None and a.enabled else model.spec.replicas
-        out.update(phase="Pending", message="creating the Deployment", replicas=0, readyReplicas=0)
+        out.update(phase="Pending", message=f"creating the {workload}", replicas=0, readyReplicas=0)
         out["ready"] = f"0/{desired}"
+        missing = f"the {workload} does not exist yet"
         conditions = [
             spec_ok,
-            _cond("Available", False, "DeploymentMissing", "the Deployment does not exist yet"),
-            _cond("Progressing", True, "Creating", "creating the Deployment"),
-            _cond("Ready", False, "DeploymentMissing", "the Deployment does not exist yet"),
+            _cond("Available", False, f"{workload}Missing", missing),
+            _cond("Progressing", True, "Creating", f"creating the {workload}"),
+            _cond("Ready", False, f"{workload}Missing", missing),
         ]
         out["conditions"] = _stamp(conditions, previous.get("conditions") or [], now, generation)
         return out
@@ -354,7 +396,7 @@ def _compute_status(
     if desired == 0:
         phase, message = "Pending", "scaled to 0 replicas"
     elif ready >= desired and not rolling:
-        phase, message = "Ready", f"{ready}/{desired} replicas ready"
+        phase, message = "Ready", f"{ready}/{desired} {unit} ready"
     elif waiting_for_room:
         phase = "Progressing"
         message = (
@@ -364,7 +406,7 @@ def _compute_status(
         )
     elif ready > 0 and (stuck or deadline or unschedulable):
         phase = "Degraded"
-        message = f"{ready}/{desired} replicas ready; " + "; ".join(
+        message = f"{ready}/{desired} {unit} ready; " + "; ".join(
             (stuck or unschedulable)[:3] or ["rollout stuck"]
         )
     elif stuck or deadline:
@@ -380,9 +422,9 @@ def _compute_status(
             f"rolling out: {updated}/{desired} updated, {ready}/{desired} ready",
         )
     elif ready > 0:
-        phase, message = "Degraded", f"{ready}/{desired} replicas ready"
+        phase, message = "Degraded", f"{ready}/{desired} {unit} ready"
     else:
-        phase, message = "Progressing", f"0/{desired} replicas ready (starting, loading the model)"
+        phase, message = "Progressing", f"0/{desired} {unit} ready (starting, loading the model)"
     out.update(phase=phase, message=message)
 
     if deadline:

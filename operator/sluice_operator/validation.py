@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from .models.base import RULE_ERROR
-from .models.resource import NAME_RULE, StreamingModel
+from .models.resource import ADAPTER_NAME_RULE, NAME_RULE, StreamingModel
 from .models.spec import StreamingModelSpec
 
 
@@ -58,11 +58,14 @@ def parse_spec(spec: Mapping[str, Any] | None, name: str | None = None) -> Strea
     if name is not None and not NAME_RULE.holds(name):
         raise SpecError(NAME_RULE.error(name), field="metadata.name")
     try:
-        return StreamingModelSpec.model_validate(dict(spec or {}))
+        parsed = StreamingModelSpec.model_validate(dict(spec or {}))
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
         message = "; ".join(_describe(e) for e in errors)
         raise SpecError(message, field=_loc(errors[0])) from None
+    if name is not None and not ADAPTER_NAME_RULE.holds((name, parsed)):
+        raise SpecError(f"spec.{ADAPTER_NAME_RULE.error((name, parsed))}", field="spec.adapters")
+    return parsed
 
 
 def parse_object(body: Mapping[str, Any]) -> StreamingModelSpec:

@@ -29,7 +29,7 @@ from .app import build_app
 from .core.pod import PodSeat, PodState
 from .core.trail import ACCESS_LOGGER
 from .settings import Settings
-from .transport import redact
+from .transport import handshake, redact
 
 log = logging.getLogger("sluice_server")
 
@@ -78,7 +78,9 @@ def uvicorn_config(settings: Settings, app) -> uvicorn.Config:
         timeout_graceful_shutdown=5,
         access_log=False,
     )
-    redact.install()  # after the Config: it (re)configures uvicorn's loggers
+    # After the Config: it (re)configures uvicorn's loggers.
+    redact.install()
+    handshake.install()
     return config
 
 

@@ -15,7 +15,7 @@ import yaml
 from kubernetes.client.exceptions import ApiException
 from sluice_operator.kinds import INDEXED_KINDS
 from sluice_operator.memory import Memory, index_key
-from testkit.repo import ROOT
+from testkit.repo import LWS_CRD, ROOT, shared_crd
 
 SAMPLES = sorted((ROOT / "samples").glob("*.yaml"))
 INVALID_SAMPLES = sorted((ROOT / "samples" / "invalid").glob("*.yaml"))
@@ -32,11 +32,61 @@ HTTPROUTE_SCHEMA = ROOT / "tests" / "operator" / "schemas" / "gateway-httproute.
 INFERENCE_POOL_SCHEMA = ROOT / "tests" / "operator" / "schemas" / "inferencepool.schema.json"
 
 
+def _unknown_fields(value, schema: dict, at: str = "") -> list[str]:
+    """Fields a structural schema does not declare (the API server would prune them)."""
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return []
+    if isinstance(value, dict):
+        props = schema.get("properties")
+        extra = schema.get("additionalProperties")
+        out = []
+        for key, sub in value.items():
+            if props is not None and key in props:
+                out += _unknown_fields(sub, props[key], f"{at}.{key}")
+            elif isinstance(extra, dict):
+                out += _unknown_fields(sub, extra, f"{at}.{key}")
+            elif props is not None or extra is not True:
+                out.append(f"{at}.{key}")
+        return out
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [
+            u
+            for i, v in enumerate(value)
+            for u in _unknown_fields(v, schema["items"], f"{at}[{i}]")
+        ]
+    return []
+
+
+def validate_leaderworkerset(manifest: dict, version: str) -> None:
+    """Each pod template strictly as a Pod (kubernetes-validate, always); the whole object
+    against the official LWS v0.10 CRD (types, enums, no unknown field) where it is here."""
+    import kubernetes_validate
+
+    templates = manifest["spec"]["leaderWorkerTemplate"]
+    for role in ("leaderTemplate", "workerTemplate"):
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, **templates[role]}
+        pod["metadata"] = {"name": "p", **templates[role].get("metadata", {})}
+        kubernetes_validate.validate(pod, version, strict=True)
+    path = shared_crd(LWS_CRD)
+    if path is None:
+        return
+    import jsonschema
+
+    crd = yaml.safe_load(path.read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    jsonschema.Draft7Validator(schema).validate(manifest)
+    body = {k: v for k, v in manifest.items() if k not in ("apiVersion", "kind", "metadata")}
+    assert _unknown_fields(body, schema) == [], _unknown_fields(body, schema)
+
+
 def validate_manifest(manifest: dict, version: str) -> None:
     """Strict schema validation: kubernetes-validate for built-in kinds, ours for KEDA's
     ScaledObject, Gateway API's HTTPRoute, the Inference Extension's InferencePool and the
     Prometheus Operator's PodMonitor."""
     api_version = manifest.get("apiVersion", "")
+    if api_version.startswith("leaderworkerset.x-k8s.io/"):
+        validate_leaderworkerset(manifest, version)
+        return
     own = {
         "keda.sh/": KEDA_SCHEMA,
         "gateway.networking.k8s.io/": HTTPROUTE_SCHEMA,

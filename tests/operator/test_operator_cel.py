@@ -15,7 +15,7 @@ import pytest
 from operator_helpers import INVALID_SAMPLES, SAMPLES, expectations, load
 from sluice_operator.generate.crd import build_crd
 from sluice_operator.models.base import ApiModel
-from sluice_operator.models.resource import NAME_RULE
+from sluice_operator.models.resource import ADAPTER_NAME_RULE, NAME_RULE
 from sluice_operator.models.spec import StreamingModelSpec
 from sluice_operator.validation import SpecError, parse_object, parse_spec
 
@@ -75,6 +75,9 @@ def cel_failures(node: dict[str, Any], value: Any, path: str = "") -> list[str]:
         for name, child in (node.get("properties") or {}).items():
             if name in value and name != "metadata":
                 failed += cel_failures(child, value[name], f"{path}.{name}")
+    elif isinstance(value, list) and isinstance(node.get("items"), dict):
+        for i, item in enumerate(value):  # the API server runs item rules on every item
+            failed += cel_failures(node["items"], item, f"{path}[{i}]")
     return failed
 
 
@@ -98,6 +101,8 @@ def test_every_rule_compiles():
             ENV.compile(v["rule"])
             count += 1
         stack += list((node.get("properties") or {}).values())
+        if isinstance(node.get("items"), dict):
+            stack.append(node["items"])
     assert count >= 6
 
 
@@ -123,7 +128,10 @@ def test_invalid_samples_fail_schema_or_cel(path):
 def test_defaults_make_nested_objects_whole():
     obj = apply_defaults(SCHEMA, {"metadata": {"name": "m"}, "spec": {"model": {"uri": "tiny"}}})
     spec = obj["spec"]
-    assert spec["parallelism"] == {"tensor": 1, "pipeline": 1} and spec["resources"]["gpus"] == 1
+    assert (
+        spec["parallelism"] == {"tensor": 1, "pipeline": 1, "nodes": 1}
+        and spec["resources"]["gpus"] == 1
+    )
     assert spec["streaming"]["protocols"] == ["sse", "websocket", "responses", "anthropic"]
     assert spec["engine"]["gpuMemoryUtilization"] == 0.92 and "extraArgs" not in spec["engine"]
 
@@ -133,6 +141,20 @@ CASES = pytest.mark.parametrize(
     [
         ({"resources": {"gpus": 8}, "parallelism": {"tensor": 4, "pipeline": 2}}, None),
         ({"resources": {"gpus": 8}, "parallelism": {"tensor": 4}}, "must equal resources.gpus"),
+        ({"resources": {"gpus": 8}, "parallelism": {"tensor": 8, "pipeline": 2, "nodes": 2}}, None),
+        (
+            {"resources": {"gpus": 8}, "parallelism": {"tensor": 8, "nodes": 2}},
+            "must equal resources.gpus x parallelism.nodes",
+        ),
+        (
+            {"resources": {"gpus": 4}, "parallelism": {"tensor": 4, "pipeline": 2, "nodes": 2}},
+            None,
+        ),
+        ({"parallelism": {"nodes": 2, "pipeline": 2}, "server": {"apiWorkers": 1}}, None),
+        (
+            {"parallelism": {"nodes": 2, "pipeline": 2}, "server": {"apiWorkers": 2}},
+            "cannot be combined with parallelism.nodes",
+        ),
         ({"engine": {"extraArgs": ["--enable-prefix-caching"]}}, None),
         ({"engine": {"extraArgs": ["--model=x"]}}, "extraArgs must not repeat"),
         ({"engine": {"extraArgs": ["--max-model-len", "9"]}}, "extraArgs must not repeat"),
@@ -180,13 +202,14 @@ def test_an_invalid_sample_gets_the_same_rule_message_from_both(path):
 
 
 def test_every_rule_is_in_the_crd_once():
-    """The CRD's `x-kubernetes-validations` are the models' `RULES` (and the name rule),
+    """The CRD's `x-kubernetes-validations` are the models' `RULES` (and the two root rules),
     nothing written beside them."""
     in_crd = sorted(
         v["message"] for _, n in _nodes(SCHEMA) for v in n.get("x-kubernetes-validations", [])
     )
     rules = sorted(
-        {r.message for m in _models(StreamingModelSpec) for r in m.RULES} | {NAME_RULE.message}
+        [r.message for m in _models(StreamingModelSpec) for r in m.RULES]
+        + [NAME_RULE.message, ADAPTER_NAME_RULE.message]
     )
     assert in_crd == rules and len(rules) >= 12
 

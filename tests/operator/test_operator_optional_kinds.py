@@ -1,5 +1,5 @@
 """The optional kinds (`kinds.OPTIONAL_KINDS`: KEDA's ScaledObject, the HTTPRoute, the
-PodMonitor), each row run through the same pass: a cluster that lacks the kind's CRD (404)
+PodMonitor, the LeaderWorkerSet), each row run through the same pass: a cluster that lacks the kind's CRD (404)
 or the grant (403) gets the rest of the model, the row's message in the status, one Warning
 Event and a retried pass; once installed the kind converges. A row added to the table is
 run here too, once `WANTS` says which spec asks for it."""
@@ -9,7 +9,13 @@ from __future__ import annotations
 import pytest
 from kubernetes.client.exceptions import ApiException
 from operator_helpers import AbsentKind, Events, body_of, minimal, with_status
-from sluice_operator.kinds import CHILD_KINDS, OPTIONAL_KINDS, WATCHED_KINDS, OptionalKind
+from sluice_operator.kinds import (
+    CHILD_KINDS,
+    DEPLOYMENT,
+    OPTIONAL_KINDS,
+    WATCHED_KINDS,
+    OptionalKind,
+)
 from sluice_operator.reconcile import converge
 from sluice_operator.status import reported
 
@@ -21,6 +27,7 @@ WANTS = {
     "HTTPRoute": {"gateway": {"parentRefs": [{"name": "public"}]}},
     "PodMonitor": {"observability": {"podMonitor": {"enabled": True}}},
     "InferencePool": {"routing": {"inferencePool": {"enabled": True}}},
+    "LeaderWorkerSet": {"parallelism": {"pipeline": 2, "nodes": 2}},
 }
 ROWS = [pytest.param(o, id=o.name) for o in OPTIONAL_KINDS]
 
@@ -45,7 +52,9 @@ def test_refused_kind_is_reported_the_rest_converges_and_it_is_retried(
     with pytest.raises(ApiException) as info:
         converge(cluster, body, events, now=NOW)
     assert info.value.status == refuse
-    assert {"Service", "Deployment"} <= {k[0] for k in cluster.objects}
+    # The rest converges; a kind that replaces the Deployment (the LeaderWorkerSet) leaves none.
+    workload = set() if row.excludes is DEPLOYMENT else {"Deployment"}
+    assert {"Service", *workload} <= {k[0] for k in cluster.objects}
     message = row.forbidden if refuse == 403 else row.missing
     assert reported(row, cluster.statuses[-1]) == message
     assert [e for e in events if e[0] == "Warning"] == [("Warning", row.event, message)]

@@ -35,6 +35,7 @@ from testkit.repo import shared_crd
 NOW = "2026-12-01T06:00:00Z"
 GATEWAY = {"parentRefs": [{"name": "public"}]}
 EPP = {"name": "m-epp", "port": {"number": 9002}, "failureMode": "FailOpen"}
+EPP_LABELS = {"llm-d.ai/engine-type": "vllm", "llm-d.ai/role": "both"}
 POOL_CRD = shared_crd(
     "gateway-api-inference-extension/inference.networking.k8s.io_inferencepools.yaml"
 )
@@ -190,11 +191,16 @@ def test_pool_crd_missing_says_so_in_the_backend_condition_and_the_route_still_c
     assert [e[1] for e in events if e[0] == "Warning"] == [row.event]
 
 
-def test_vllm_pods_carry_the_labels_an_endpoint_picker_reads():
+def test_vllm_pods_of_a_pool_carry_the_labels_an_endpoint_picker_reads():
+    pool = {"inferencePool": {"enabled": True}}
+
     def pod_labels(**spec):
         return desired_deployment(model(**spec))["spec"]["template"]["metadata"]["labels"]
 
-    assert {"llm-d.ai/engine-type": "vllm", "llm-d.ai/role": "both"}.items() <= pod_labels().items()
-    assert pod_labels(podLabels={"llm-d.ai/role": "decode"})["llm-d.ai/role"] == "decode"
-    simulated = pod_labels(engine={"backend": "simulator"})
+    assert EPP_LABELS.items() <= pod_labels(routing=pool).items()
+    role = pod_labels(routing=pool, podLabels={"llm-d.ai/role": "decode"})["llm-d.ai/role"]
+    assert role == "decode"
+    # Without a pool the pod template is what it was: an operator upgrade rolls no pod.
+    assert not [k for k in pod_labels() if k.startswith("llm-d.ai/")]
+    simulated = pod_labels(routing=pool, engine={"backend": "simulator"})
     assert not [k for k in simulated if k.startswith("llm-d.ai/")]

@@ -9,6 +9,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # Binaries `make tools` installs (helm, kubectl, nginx wrappers): searched before PATH.
 TOOLS_BIN = ROOT / ".tools" / "bin"
+# The official LeaderWorkerSet CRD (LWS v0.10.0), relative to a `shared/crds/` folder.
+LWS_CRD = "lws/leaderworkerset.x-k8s.io_leaderworkersets.yaml"
 
 
 def find_tool(name: str, *extra_dirs: str) -> str | None:
@@ -19,14 +21,12 @@ def find_tool(name: str, *extra_dirs: str) -> str | None:
     return shutil.which(name, path=path)
 
 
-# Official upstream CRDs (Gateway API, the Inference Extension, ...) kept beside the checkout
-# in `../shared/crds` (see its INDEX.md), never copied into the project; SLUICE_SHARED_CRDS
-# points elsewhere (a git worktree one level deeper). Absent in a user's clone: the tests that
-# need them skip.
-SHARED_CRDS = Path(os.environ.get("SLUICE_SHARED_CRDS") or ROOT.parent / "shared" / "crds")
-
-
+# Official upstream CRDs (Gateway API, the Inference Extension, LeaderWorkerSet, ...) kept in
+# the workplace's `shared/crds/` (next to the checkout or above it, see its INDEX.md), never
+# copied into the project; SLUICE_SHARED_CRDS points elsewhere. Absent in a user's clone
+# (CI): the tests that need them skip.
 def shared_crd(relative: str) -> Path | None:
-    """An official CRD file under `SHARED_CRDS`, or None where that folder lacks it."""
-    path = SHARED_CRDS / relative
-    return path if path.is_file() else None
+    """An official CRD file under the shared CRD folder, or None where none holds it."""
+    override = os.environ.get("SLUICE_SHARED_CRDS")
+    folders = [Path(override)] if override else [p / "shared" / "crds" for p in ROOT.parents]
+    return next((f / relative for f in folders if (f / relative).is_file()), None)

@@ -38,9 +38,10 @@ ROLE_LABEL = "llm-d.ai/role"
 
 
 def endpoint_picker_labels(model: StreamingModel) -> dict[str, str]:
-    """On vLLM pods (whose /metrics carry the `vllm:*` gauges an EPP reads); none on the
-    simulator, which an EPP could not read."""
-    if model.simulated:
+    """On the vLLM pods of a model with an InferencePool (whose /metrics carry the `vllm:*`
+    gauges an EPP reads). None without the pool: an operator upgrade then changes (and
+    rolls) no other model's pods. None on the simulator, which an EPP could not read."""
+    if model.simulated or not model.spec.routing.inference_pool.enabled:
         return {}
     return {ENGINE_TYPE_LABEL: "vllm", ROLE_LABEL: "both"}
 

@@ -30,8 +30,10 @@ if TYPE_CHECKING:
     from .metrics import Bound
     from .trail import Trail
 
-# Outcomes (for logs and metrics)
+# Outcomes (for logs and metrics). STALLED: the reader accepted no bytes for the send
+# timeout and was cut off (counted as a disconnect: it is a client gone from the stream).
 FINISHED, DISCONNECTED, FAILED, STOPPED = "finished", "disconnected", "failed", "stopped"
+STALLED = "stalled"
 ENDED_EARLY = "Engine stream ended without finishing."
 ABORTED_BY_SERVER = "Generation was aborted by the server."
 
@@ -116,7 +118,7 @@ class Meter:
             m.output_tokens.inc(self.tokens)
         if stream is not None and stream.first_output_at is not None:
             m.queue_wait.observe(stream.first_output_at - self.t0)
-        if outcome == DISCONNECTED:
+        if outcome == DISCONNECTED or outcome == STALLED:
             m.disconnects.inc()
             m.aborts.inc()
         elif outcome == FAILED:

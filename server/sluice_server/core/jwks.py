@@ -6,8 +6,9 @@ an HMAC algorithm (the HS/RS confusion attack signs with the public key as an HM
 or anything else is refused before any key is tried, and each key only verifies the
 algorithm of its own type (RSA: RS256, EC P-256: ES256). Claims: `exp`, `iss`, `aud` and
 `sub` are required; the tenant comes from the configured claim (default `tenant`; absent:
-tenant `default`), limits from `rpm`/`tpm` (absent: the `--rate-limit-*` flags). Limits
-apply per subject (issuer + `sub`), as they apply per key. Refusals say what was wrong,
+tenant `default`), limits from `rpm`/`tpm` (absent: the `--rate-limit-*` flags), the served
+names the token may use from `models` (a list, or one comma-separated string, as the key
+file's `models=`; absent: every one). Limits apply per subject (issuer + `sub`), as they apply per key. Refusals say what was wrong,
 never the token.
 """
 
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import jwt
 
 from .errors import ApiError
-from .identity import DEFAULT_TENANT, NO_LIMITS, Plan, Principal, valid_tenant
+from .identity import DEFAULT_TENANT, NO_LIMITS, Plan, Principal, parse_models, valid_tenant
 
 if TYPE_CHECKING:
     from jwt.algorithms import AllowedPublicKeys
@@ -132,5 +133,16 @@ class JwtVerifier:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise invalid_token(f"`{name}` must be a whole number >= 0")
             limits[name] = value
+        models = claims.get("models")
+        if models is not None:  # a list of served names, or one comma-separated string
+            if isinstance(models, list) and all(isinstance(m, str) for m in models):
+                models = ",".join(models)
+            try:
+                models = parse_models(models) if isinstance(models, str) else None
+            except ValueError:
+                models = None
+            if models is None:
+                raise invalid_token("`models` must list served model names")
         subject = f"{claims['iss']}\n{claims['sub']}".encode()
-        return Principal("jwt-" + hashlib.sha256(subject).hexdigest()[:16], tenant, Plan(**limits))
+        return Principal("jwt-" + hashlib.sha256(subject).hexdigest()[:16], tenant,
+                         Plan(**limits), models)  # fmt: skip

@@ -19,7 +19,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from ..engine.base import Delta
-from .events import DISCONNECTED, Meter
+from .events import DISCONNECTED, STALLED, Meter
 from .events import FINISHED as DONE
 from .identity import Principal
 from .metrics import bind
@@ -28,7 +28,8 @@ from .services import Services
 from .stream import Stream
 from .trail import Trail
 
-Handle = tuple[Stream[Delta], Meter, Callable[[], None]]
+# The cleanup takes `stalled`: the send timeout cut the reader off (transport/sendwatch.py).
+Handle = tuple[Stream[Delta], Meter, Callable[[bool], None]]
 ATTACH_WAIT_SECONDS = 2.0  # a reconnect may overtake the server noticing the disconnect
 
 
@@ -37,14 +38,15 @@ def open_stream(
     prompt_tokens: Callable[[], int] = lambda: 0, rid: str | None = None,
 ) -> Handle:  # fmt: skip
     """Start producing at once (the engine works while headers go out). The returned
-    cleanup is idempotent and must run however the response ends: it aborts an unfinished
-    engine request, frees the slot and bills the caller's tokens. The stream's end also
-    ends `trail` (its protocol and caller are the stream's). With `rid` the stream is
-    recorded in `svc.recent` (and detached instead when it may be resumed)."""
+    cleanup(stalled) is idempotent and must run however the response ends: it aborts an
+    unfinished engine request, frees the slot and bills the caller's tokens; a stream that
+    did not end on its own ends as a disconnect, or with `stalled` as a reader cut off. The
+    stream's end also ends `trail` (its protocol and caller are the stream's). With `rid`
+    the stream is recorded in `svc.recent` (and detached instead when it may be resumed)."""
     protocol = trail.protocol or ""
     trail.prompt_tokens = prompt_tokens
     trail.admitted_at = time.perf_counter()
-    meter = Meter(bind(svc.metrics, protocol), t0, trail)
+    meter = Meter(bind(svc.metrics, protocol, trail.model), t0, trail)
     s = svc.settings
     grace = s.resume_grace_seconds if rid is not None else 0.0
     stream = Stream(source, cap=s.stream_buffer_tokens, timeout=s.stream_timeout_seconds,
@@ -52,7 +54,7 @@ def open_stream(
     svc.gate.streams.add(stream)
     done = False
 
-    def finish() -> None:
+    def finish(stalled: bool = False) -> None:
         nonlocal done
         if done:
             return
@@ -61,10 +63,10 @@ def open_stream(
         svc.gate.streams.discard(stream)
         svc.gate.release()
         if meter.outcome is None:
-            meter.finish(DISCONNECTED, stream)
+            meter.finish(STALLED if stalled else DISCONNECTED, stream)
         svc.bill(who, prompt_tokens() + meter.tokens)
         if rid is not None:
-            state = ABORTED if meter.outcome == DISCONNECTED else FINISHED
+            state = ABORTED if meter.outcome in (DISCONNECTED, STALLED) else FINISHED
             svc.recent.end(rid, state)
             if state == FINISHED and grace > 0:
                 # Its last events may have been lost on the way (written to a proxy that
@@ -79,6 +81,7 @@ def open_stream(
         return stream, meter, finish
 
     entry = svc.recent.add(rid, who.id, None)
+    cut = False  # the last response ended because its reader stalled
 
     def forget() -> None:
         entry.handle = entry.timer = None
@@ -86,23 +89,25 @@ def open_stream(
     def expire() -> None:
         if entry.state == DETACHED:
             svc.metrics.resumes_expired.labels(protocol, svc.metrics.model).inc()
-            finish()
+            finish(cut)
 
-    def end_response() -> None:
+    def end_response(stalled: bool = False) -> None:
+        nonlocal cut
         if done:
             return
         if meter.outcome is None and grace > 0:
+            cut = stalled
             entry.state = DETACHED
             entry.timer = asyncio.get_running_loop().call_later(grace, expire)
             return
-        finish()
+        finish(stalled)
 
     handle: Handle = (stream, meter, end_response)
     entry.handle = handle
     return handle
 
 
-def _ended() -> None:
+def _ended(stalled: bool = False) -> None:
     """The cleanup of a stream whose cleanup already ran."""
 
 
@@ -145,7 +150,7 @@ async def resume_stream(
                                 f"{stream.n_events} events.", "Last-Event-ID")  # fmt: skip
         meter.finish(DONE, stream)  # the client saw the final event
         entry.timer.cancel()
-        end_response()
+        end_response(False)
         return None
     entry.timer.cancel()
     entry.timer = None

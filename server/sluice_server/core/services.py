@@ -11,8 +11,9 @@ from typing import Any
 
 from starlette.requests import HTTPConnection, Request
 
-from ..engine.base import Engine
+from ..engine.base import Adapter, Engine
 from ..settings import Settings
+from .adapters import Adapters
 from .auth import bearer
 from .credentials import Credentials
 from .errors import ApiError
@@ -35,6 +36,7 @@ class Services:
     limiter: Limiter
     credentials: Credentials
     recorder: Recorder
+    adapters: Adapters
     engine: Engine | None = None
     engine_error: str | None = None
     pod: PodSeat | None = None  # this worker's seat when the pod runs several (--api-workers)
@@ -86,6 +88,16 @@ class Services:
             return self.credentials.authenticate(presented)
         except ApiError as e:
             raise self._counted(protocol, e) from None
+
+    def route(self, trail: Trail, who: Principal, model: str | None) -> Adapter | None:
+        """The LoRA adapter a request names in `model` (None: the base), or 404/403/503
+        (counted). The request's metrics and access-log line carry the name from here on."""
+        try:
+            adapter = self.adapters.resolve(model, who)
+        except ApiError as e:
+            raise self._counted(trail.protocol or "", e) from None
+        trail.model = adapter.name if adapter is not None else None
+        return adapter
 
     async def admit(self, protocol: str, who: Principal) -> None:
         """Drain and capacity first (no limiter call for a request refused anyway), then the

@@ -93,7 +93,7 @@ class Trail:
     `stream` is the client's id of a WebSocket generation."""
 
     __slots__ = ("rec", "rid", "t0", "path", "method", "protocol", "kid", "tenant", "stream",
-                 "status", "ended", "prompt_tokens", "carrier", "admitted_at")  # fmt: skip
+                 "status", "ended", "prompt_tokens", "carrier", "admitted_at", "model")  # fmt: skip
 
     def __init__(self, rec: Recorder, rid: str, t0: float, path: str, method: str) -> None:
         self.rec, self.rid, self.t0, self.path, self.method = rec, rid, t0, path, method
@@ -106,6 +106,7 @@ class Trail:
         self.prompt_tokens = _zero
         self.carrier: dict[str, str] | None = None  # the caller's trace headers
         self.admitted_at: float | None = None
+        self.model: str | None = None  # a LoRA adapter's name, when the request named one
 
     def child(self, stream: str, t0: float) -> Trail:
         """A trail for one generation on a WebSocket: same request id, its own clock."""
@@ -135,7 +136,7 @@ class Trail:
             "stream": self.stream,
             "key_id": self.kid,
             "tenant": self.tenant,
-            "model": self.rec.model,
+            "model": self.model or self.rec.model,
             "protocol": self.protocol,
             "method": self.method,
             "path": self.path,
@@ -174,7 +175,7 @@ class Trail:
             return
         attrs = {
             "sluice.request_id": self.rid,
-            "sluice.model": self.rec.model,
+            "sluice.model": record["model"],
             "sluice.protocol": record["protocol"] or "",
             "sluice.outcome": record["outcome"],
             "sluice.prompt_tokens": record["prompt_tokens"],
@@ -211,7 +212,7 @@ class Trail:
 
 
 # The status of a request that ended before its response started.
-_UNSENT = {"failed": 500, "disconnected": 499}
+_UNSENT = {"failed": 500, "disconnected": 499, "stalled": 499}
 
 
 def _zero() -> int:

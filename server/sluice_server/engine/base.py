@@ -90,6 +90,22 @@ class SamplingOptions:
     ignore_eos: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class Adapter:
+    """A LoRA adapter as the engine loads it: its served name, its folder on this machine
+    (adapter_config.json + adapter_model.safetensors) and vLLM's integer LoRA id, which
+    every API worker of a pod derives alike (core/adapters.py), so they all address one
+    adapter in the shared engine core by one id."""
+
+    name: str
+    path: str
+    lora_id: int
+
+
+class AdapterLoadError(Exception):
+    """The engine could not load an adapter; the message says why in a person's words."""
+
+
 @dataclass(slots=True)
 class StreamRequest:
     request_id: str
@@ -101,6 +117,8 @@ class StreamRequest:
     prompt_token_ids: list[int] | None = None
     # The caller's W3C trace headers, for engines that trace (vLLM with an OTLP endpoint).
     trace_headers: dict[str, str] | None = None
+    # A LoRA adapter to generate with (None: the base model).
+    adapter: Adapter | None = None
 
 
 @dataclass(slots=True)
@@ -208,6 +226,13 @@ class Engine(Protocol):
 
     async def abort(self, request_id: str) -> None:
         """Stop a request at once; its iterator ends with finish_reason "abort"."""
+
+    async def load_adapter(self, adapter: Adapter) -> None:
+        """Load (or find already loaded) a LoRA adapter, so requests naming it, through
+        `generate` or through `api`, use it; AdapterLoadError when it cannot be used."""
+
+    async def unload_adapter(self, adapter: Adapter) -> None:
+        """Forget an adapter: requests can no longer name it."""
 
     async def check_health(self) -> None:
         """Raise if the engine is dead (the server then reports 503 and /health fails)."""

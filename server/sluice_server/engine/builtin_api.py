@@ -170,8 +170,14 @@ class BuiltinApi:
         self._engine = engine
 
     async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0,
-                                            "owned_by": "sluice"}]}  # fmt: skip
+        """The base, then each loaded adapter with the base as `parent` (as vLLM lists them)."""
+        data: list[dict[str, Any]] = [
+            {"id": self.model, "object": "model", "created": 0, "owned_by": "sluice"}
+        ]
+        for a in getattr(self._engine, "adapters", {}).values():
+            data.append({"id": a.name, "object": "model", "created": 0, "owned_by": "sluice",
+                         "root": a.path, "parent": self.model})  # fmt: skip
+        return {"object": "list", "data": data}
 
     def version(self) -> dict[str, Any]:
         return {"version": "simulator"}
@@ -203,6 +209,7 @@ class BuiltinApi:
             return ApiReply({"count": len(ids), "max_model_len": self._engine.max_model_len,
                              "tokens": ids, "token_strs": None})  # fmt: skip
         req, framer = self._request(b, kind)
+        req.adapter = getattr(self._engine, "adapters", {}).get(getattr(b, "model", None))
         deltas = self._engine.generate(req)
         if b.stream:
             return ApiStream(_chunks(deltas, framer), lambda: len(req.prompt_token_ids or ()))
