@@ -20,12 +20,14 @@ from operator_helpers import (
 from sluice_operator.builders.deployment import desired_deployment
 from sluice_operator.builders.gateway import desired_httproute
 from sluice_operator.builders.ingress import balance_annotations, desired_ingress
+from sluice_operator.builders.leaderworkerset import desired_leaderworkerset
 from sluice_operator.builders.routing import (
     Backend,
     backend_ref,
     desired_inference_pool,
     route_backend,
 )
+from sluice_operator.builders.service import desired_service
 from sluice_operator.kinds import GATEWAY_API_INFERENCE_EXTENSION
 from sluice_operator.reconcile import converge
 from sluice_operator.status import reported
@@ -36,6 +38,7 @@ NOW = "2026-12-01T06:00:00Z"
 GATEWAY = {"parentRefs": [{"name": "public"}]}
 EPP = {"name": "m-epp", "port": {"number": 9002}, "failureMode": "FailOpen"}
 EPP_LABELS = {"llm-d.ai/engine-type": "vllm", "llm-d.ai/role": "both"}
+TWO_NODES = {"resources": {"gpus": 8}, "parallelism": {"tensor": 8, "pipeline": 2, "nodes": 2}}
 POOL_CRD = shared_crd(
     "gateway-api-inference-extension/inference.networking.k8s.io_inferencepools.yaml"
 )
@@ -204,3 +207,19 @@ def test_vllm_pods_of_a_pool_carry_the_labels_an_endpoint_picker_reads():
     assert not [k for k in pod_labels() if k.startswith("llm-d.ai/")]
     simulated = pod_labels(routing=pool, engine={"backend": "simulator"})
     assert not [k for k in simulated if k.startswith("llm-d.ai/")]
+
+
+def test_a_multi_node_pool_selects_the_leaders_and_the_route_takes_the_same_switch():
+    m = model(gateway=GATEWAY, routing={"inferencePool": {"enabled": True}}, **TWO_NODES)
+    lws = desired_leaderworkerset(m)["spec"]["leaderWorkerTemplate"]
+    leader, worker = lws["leaderTemplate"], lws["workerTemplate"]
+    selector = desired_inference_pool(m)["spec"]["selector"]["matchLabels"]
+    assert selector == desired_service(m)["spec"]["selector"]
+    assert selector.items() <= leader["metadata"]["labels"].items()
+    assert not selector.items() <= worker["metadata"]["labels"].items()
+    assert EPP_LABELS.items() <= leader["metadata"]["labels"].items()
+    assert not [k for k in worker["metadata"]["labels"] if k.startswith("llm-d.ai/")]
+    assert route_backend(m) is Backend.INFERENCE_POOL
+    (rule,) = desired_httproute(m)["spec"]["rules"]
+    assert rule["backendRefs"] == [backend_ref(m)]
+    assert backend_ref(m)["kind"] == "InferencePool"

@@ -10,8 +10,9 @@ The InferencePool is written against `inference.networking.k8s.io/v1` as GAIE v1
 declares it (`../shared/crds`, GAIE tag v1.6.0; endpointPickerRef optional there since
 GAIE #2949):
 
-- `selector.matchLabels`: the Deployment's selector labels, so the pool holds exactly the
-  model's pods (the EPP watches them and scrapes each pod's `/metrics` on a target port);
+- `selector.matchLabels`: the Service's selector, so the pool holds exactly the model's
+  serving pods (a multi-node group's leaders, never its workers; the EPP watches them and
+  scrapes each pod's `/metrics` on a target port);
 - `targetPorts`: the server's one port; `appProtocol`: HTTP/1.1 unless asked for h2c;
 - `endpointPickerRef`: the platform's EPP Service (name, port, failureMode), or none: the
   field is optional in v1.6.0, and the gateway implementation then picks on its own.
@@ -28,6 +29,7 @@ from typing import Any
 
 from ..models.resource import StreamingModel
 from .common import PORT, metadata, selector_labels
+from .leaderworkerset import leader_selector
 
 POOL_API_VERSION = "inference.networking.k8s.io/v1"
 POOL_GROUP = "inference.networking.k8s.io"
@@ -84,7 +86,8 @@ def desired_inference_pool(model: StreamingModel) -> dict[str, Any] | None:
     if not pool.enabled:
         return None
     spec: dict[str, Any] = {
-        "selector": {"matchLabels": selector_labels(model)},
+        # As the Service: with several nodes per replica only the leaders serve HTTP.
+        "selector": {"matchLabels": {**selector_labels(model), **leader_selector(model)}},
         "targetPorts": [{"number": PORT}],
         "appProtocol": pool.app_protocol,
     }
