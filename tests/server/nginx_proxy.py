@@ -46,12 +46,10 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from testkit.net import free_port
-from testkit.nginx import find_nginx, run_as_root_directive
+from testkit.nginx import LB_DIRECTIVES, find_nginx, run_as_root_directive
 
 __all__ = ["NginxProxy", "find_nginx", "render_config"]
 Mode = Literal["ingress", "nginx-default", "buffered"]
-
-LB_DIRECTIVES = {"round_robin": "", "least_conn": "least_conn; "}
 
 
 ING = "nginx.ingress.kubernetes.io/"
