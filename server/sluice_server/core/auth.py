@@ -1,30 +1,44 @@
-"""API keys from a file, compared in constant time, each with its tenant and plan.
+"""API keys from a file, compared in constant time, each with its tenant, plan, priority
+class and its tenant's weight.
 
-One key per line; `#` comments and blank lines are ignored. After the key, optional
-`name=value` fields give that key its own limits and tenant:
+The key file's grammar, parsed here and nowhere else: one key per line; `#` comments and
+blank lines are ignored. After the key, `name=value` attributes, each at most once per line
+(`ATTRIBUTES` is the table; a new attribute is one row and one `Principal` field):
 
-    sk-plain-key                               # tenant "default", the --rate-limit-* plan
-    sk-acme-1  tenant=acme  rpm=600  tpm=200000
-    sk-free    tenant=free  rpm=10                # tpm: --rate-limit-tpm
+    sk-plain-key                                   # tenant "default", the --rate-limit-* plan
+    sk-acme-1  tenant=acme  rpm=600  tpm=200000  weight=3  priority=interactive
+    sk-acme-2  tenant=acme  priority=batch         # acme's weight is 3 for every acme key
+    sk-free    tenant=free  rpm=10                 # tpm: --rate-limit-tpm
 
-`rpm`/`tpm` of 0 turn that limit off for the key. Keys are never logged nor put in
-metrics: the limiter sees `key_id` (a short hash), metrics and logs the tenant. A file
-that cannot be parsed is refused as a whole, with the line number (never the line) in the
-message.
+- `tenant=NAME`: who the key bills to (metrics, logs, fair shares); default `default`;
+- `rpm=N`, `tpm=N`: that key's limits, 0 turns one off; default the `--rate-limit-*` flags;
+- `priority=CLASS`: one of `--priority-classes`; default `--default-priority`;
+- `weight=N` (1-1000): the tenant's weight, on any one of its lines or on all of them
+  alike (two lines that give one tenant different weights, or a line that disagrees with
+  `--tenant-weights`, refuse the file); default `--tenant-weights`, else 1.
+
+Keys are never logged nor put in metrics: the limiter sees `key_id` (a short hash), metrics
+and logs the tenant. A file that cannot be parsed is refused as a whole, with the line
+number (never the line) in the message.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Callable
 from pathlib import Path
 
 from .errors import ApiError
 from .identity import (
     ANONYMOUS_TENANT,
+    DEFAULT_PRIORITY,
     DEFAULT_TENANT,
+    MAX_WEIGHT,
     NO_LIMITS,
+    PRIORITY_NAME,
     TENANT,
+    CallerRules,
     Plan,
     Principal,
     valid_tenant,
@@ -35,31 +49,79 @@ def key_id(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
-def parse_key_line(line: str, number: int, default: Plan) -> tuple[str, Principal] | None:
-    """(key, principal) of one line, None for a blank or comment line; ValueError naming
+# Each parser takes the value's text and raises ValueError saying what the value must be
+# (the message follows the attribute's name: "line 3: rpm must be ...").
+def _tenant(value: str, rules: CallerRules) -> str:
+    if not valid_tenant(value):
+        raise ValueError(f"must match {TENANT.pattern}")
+    return value
+
+
+def _whole(value: str, rules: CallerRules) -> int:
+    if not value.isdigit():
+        raise ValueError("must be a whole number >= 0")
+    return int(value)
+
+
+def _priority(value: str, rules: CallerRules) -> str:
+    if not rules.priorities.configured:
+        raise ValueError("needs --priority-classes (no priority classes are configured)")
+    if PRIORITY_NAME.fullmatch(value) is None or value not in rules.priorities.classes:
+        raise ValueError(f"must be one of the priority classes ({rules.priorities.spelled})")
+    return value
+
+
+def _weight(value: str, rules: CallerRules) -> int:
+    if not value.isdigit() or not 1 <= int(value) <= MAX_WEIGHT:
+        raise ValueError(f"must be a whole number from 1 to {MAX_WEIGHT}")
+    return int(value)
+
+
+# name -> (what its value looks like, parser: value text -> value, ValueError saying why).
+ATTRIBUTES: dict[str, tuple[str, Callable[[str, CallerRules], object]]] = {
+    "tenant": ("NAME", _tenant),
+    "rpm": ("N", _whole),
+    "tpm": ("N", _whole),
+    "priority": ("CLASS", _priority),
+    "weight": ("N", _weight),
+}
+GRAMMAR = "KEY " + " ".join(f"[{name}={shape}]" for name, (shape, _) in ATTRIBUTES.items())
+
+
+def parse_key_line(line: str, number: int, rules: CallerRules) -> tuple[str, dict] | None:
+    """(key, attributes) of one line, None for a blank or comment line; ValueError naming
     the line number (never its text: it holds a key)."""
     text = line.split(" #", 1)[0].strip()
     if not text or text.startswith("#"):
         return None
     key, *fields = text.split()
-    tenant, rpm, tpm = DEFAULT_TENANT, default.rpm, default.tpm
-    seen = set()
-    for field in fields:
-        name, sep, value = field.partition("=")
-        if not sep or name not in ("tenant", "rpm", "tpm") or name in seen:
-            raise ValueError(f"line {number}: expected `KEY [tenant=NAME] [rpm=N] [tpm=N]`")
-        seen.add(name)
-        if name == "tenant":
-            if not valid_tenant(value):
-                raise ValueError(f"line {number}: tenant must match {TENANT.pattern}")
-            tenant = value
-        elif not value.isdigit():
-            raise ValueError(f"line {number}: {name} must be a whole number >= 0")
-        elif name == "rpm":
-            rpm = int(value)
-        else:
-            tpm = int(value)
-    return key, Principal(key_id(key), tenant, Plan(rpm, tpm))
+    attrs: dict[str, object] = {}
+    for item in fields:
+        name, sep, value = item.partition("=")
+        if not sep or name not in ATTRIBUTES or name in attrs:
+            raise ValueError(f"line {number}: expected `{GRAMMAR}`, each attribute once")
+        try:
+            attrs[name] = ATTRIBUTES[name][1](value, rules)
+        except ValueError as e:
+            raise ValueError(f"line {number}: {name} {e}") from None
+    return key, attrs
+
+
+def _tenant_weights(lines: list[tuple[int, dict]], rules: CallerRules) -> dict[str, int]:
+    """Each tenant's one weight: its lines' `weight=` and `--tenant-weights` must agree."""
+    weights = dict(rules.weights)
+    given: dict[str, tuple[int, str]] = {t: (w, "--tenant-weights") for t, w in weights.items()}
+    for number, attrs in lines:
+        if "weight" not in attrs:
+            continue
+        tenant, weight = attrs.get("tenant", DEFAULT_TENANT), attrs["weight"]
+        if tenant in given and given[tenant][0] != weight:
+            w, where = given[tenant]
+            raise ValueError(f"line {number}: tenant {tenant} gets weight {weight} here and "
+                             f"{w} on {where}: one tenant has one weight")  # fmt: skip
+        given.setdefault(tenant, (weight, f"line {number}"))
+        weights[tenant] = weight
+    return weights
 
 
 class KeyStore:
@@ -67,22 +129,37 @@ class KeyStore:
         if not keys:
             raise ValueError("the API key file holds no keys")
         self._keys = [(k.encode(), who) for k, who in keys.items()]
+        self.weights: dict[str, int] = {}  # tenant -> weight, from the file and the flags
 
     @classmethod
-    def parse(cls, text: str, default: Plan = NO_LIMITS) -> KeyStore:
-        keys: dict[str, Principal] = {}
+    def parse(cls, text: str, rules: CallerRules | Plan = NO_LIMITS) -> KeyStore:
+        """`rules` (a bare `Plan` reads as rules with just that plan)."""
+        if isinstance(rules, Plan):
+            rules = CallerRules(plan=rules)
+        lines: list[tuple[int, str, dict]] = []
+        seen: set[str] = set()
         for number, line in enumerate(text.splitlines(), 1):
-            entry = parse_key_line(line, number, default)
+            entry = parse_key_line(line, number, rules)
             if entry is None:
                 continue
-            if entry[0] in keys:
+            if entry[0] in seen:
                 raise ValueError(f"line {number}: the same key appears twice")
-            keys[entry[0]] = entry[1]
-        return cls(keys)
+            seen.add(entry[0])
+            lines.append((number, *entry))
+        weights = _tenant_weights([(n, attrs) for n, _, attrs in lines], rules)
+        keys: dict[str, Principal] = {}
+        for _, key, attrs in lines:
+            tenant = attrs.get("tenant", DEFAULT_TENANT)
+            plan = Plan(attrs.get("rpm", rules.plan.rpm), attrs.get("tpm", rules.plan.tpm))
+            priority = rules.priorities.resolve(attrs.get("priority"))
+            keys[key] = Principal(key_id(key), tenant, plan, priority, weights.get(tenant, 1))
+        store = cls(keys)
+        store.weights = weights
+        return store
 
     @classmethod
-    def from_file(cls, path: Path, default: Plan = NO_LIMITS) -> KeyStore:
-        return cls.parse(path.read_text(), default)
+    def from_file(cls, path: Path, rules: CallerRules | Plan = NO_LIMITS) -> KeyStore:
+        return cls.parse(path.read_text(), rules)
 
     @property
     def tenants(self) -> set[str]:
@@ -111,8 +188,8 @@ def bearer(authorization: str | None) -> str | None:
     return token.strip() if scheme.lower() == "bearer" else None
 
 
-def anonymous(plan: Plan) -> Principal:
-    return Principal("anonymous", ANONYMOUS_TENANT, plan)
+def anonymous(plan: Plan, priority: str = DEFAULT_PRIORITY, weight: int = 1) -> Principal:
+    return Principal("anonymous", ANONYMOUS_TENANT, plan, priority, weight)
 
 
 def missing_credential() -> ApiError:

@@ -185,7 +185,7 @@ class BuiltinApi:
             raise ApiRequestError(400, str(e)) from None
         return req
 
-    async def respond(self, b: Any, kind: ApiKind, http_request: Any):
+    async def respond(self, b: Any, kind: ApiKind, http_request: Any, priority: int = 0):
         if kind == "detokenize":
             raise ApiRequestError(501, "The simulator has no vocabulary to detokenize with; "
                                   "/detokenize needs a model (--engine vllm).")  # fmt: skip
@@ -202,6 +202,7 @@ class BuiltinApi:
             return ApiReply({"count": len(ids), "max_model_len": self._engine.max_model_len,
                              "tokens": ids, "token_strs": None})  # fmt: skip
         req, framer = self._request(b, kind)
+        req.priority = priority
         deltas = self._engine.generate(req)
         if b.stream:
             return ApiStream(_chunks(deltas, framer), lambda: len(req.prompt_token_ids or ()))
