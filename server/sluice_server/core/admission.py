@@ -10,8 +10,8 @@ The policy, in the order it decides:
    shed to make room if the newcomer is better (higher priority, or the same priority
    from a tenant with fewer places per weight), else the newcomer is refused. Either gets
    429 `queue_full` at once, with `Retry-After` from the measured drain rate (freed slots
-   per second, decayed over `DRAIN_TAU_SECONDS`): waiting ahead / rate. An admitted stream
-   is never shed.
+   per second, weighted over the last `DRAIN_TAU_SECONDS`): requests waiting ahead at the
+   same or a higher priority, plus one, over that rate. An admitted stream is never shed.
 2. **Slot shares** (`sharing`). A tenant's share of the slots is `slots x weight / sum of
    the active tenants' weights` (active: holds a slot, waits, or was seen within `window`
    seconds). Below its share a tenant may always take a free slot. Above it, it may borrow
@@ -87,7 +87,7 @@ class Ticket:
         self.admitted_at: float | None = self.queued_at  # None while waiting or when refused
         self.refused_at: float | None = None
         self.error: ApiError | None = None
-        # Set by the gate: give the slot back; count a slot granted after a wait.
+        # Set by the gate: its own count of a slot given back, or granted after a wait.
         self.release_slot: Callable[[], None] | None = None
         self.on_admit: Callable[[Ticket], None] | None = None
 
@@ -122,8 +122,11 @@ class Ticket:
 
     def release(self) -> None:
         state, self.state = self.state, RELEASED
-        if state == ADMITTED and self.release_slot is not None:
-            self.release_slot()
+        if state == ADMITTED:
+            if self.adm is not None:
+                self.adm.release(self)
+            if self.release_slot is not None:
+                self.release_slot()
         elif state == QUEUED and self.adm is not None:
             self.adm.leave(self)
 
@@ -308,6 +311,8 @@ class Admission:
         t.held.value = max(0, t.held.value - 1)
         t.t_seen[row] = now
         count, stamp = t.releases[0], t.releases[1]
+        if not t.releases[2]:
+            t.releases[2] = now  # the first freed slot: the rate's history starts here
         t.releases[0] = count * math.exp(-(now - stamp) / DRAIN_TAU_SECONDS) + 1.0
         t.releases[1] = now
         return self._dispatch(now)
@@ -407,9 +412,17 @@ class Admission:
                         code="queue_full", headers={"Retry-After": str(retry)})  # fmt: skip
 
     def _retry_after(self, ahead: int, now: float) -> int:
-        count, stamp = self.t.releases[0], self.t.releases[1]
-        rate = count * math.exp(-(now - stamp) / DRAIN_TAU_SECONDS) / DRAIN_TAU_SECONDS
+        """Seconds until `ahead` + 1 requests will have left the queue at the rate slots
+        were freed lately (an exponentially weighted count over DRAIN_TAU_SECONDS, divided
+        by the weight of the time it covers, so a young pod is not read as a slow one);
+        the queue's timeout when nothing was freed yet, and never more."""
+        count, stamp, first = self.t.releases[0], self.t.releases[1], self.t.releases[2]
         cap = max(1, math.ceil(self.timeout))
+        if not first:
+            return cap
+        tau = DRAIN_TAU_SECONDS
+        covered = tau * (1.0 - math.exp(-max(now - first, 1e-3) / tau))
+        rate = count * math.exp(-(now - stamp) / tau) / covered
         if rate <= 0:
             return cap
         return max(1, min(cap, math.ceil((ahead + 1) / rate)))

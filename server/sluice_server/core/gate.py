@@ -80,9 +80,8 @@ class Gate:
         self._idle.clear()
 
     def _release(self, ticket: Ticket) -> None:
-        if self.queue is not None:
-            self.queue.release(ticket)
-        elif self.slots is not None and self.active > 0:
+        """An admitted ticket's slot is back (the queue's own count is the ticket's)."""
+        if self.queue is None and self.slots is not None and self.active > 0:
             self.slots.give_slot()
         self.active -= 1
         if self.active <= 0:

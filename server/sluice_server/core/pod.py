@@ -145,7 +145,8 @@ class QueueTable:
         self.t_active = ctx.RawArray("b", t)
         self.active = ctx.RawArray("i", t)  # rows of active tenants, `n_active` of them
         self.n_active = ctx.RawValue("i", 0)
-        self.releases = ctx.RawArray("d", 2)  # decayed count of freed slots, its time
+        # Freed slots: decayed count, when last, when first (the drain rate, Retry-After).
+        self.releases = ctx.RawArray("d", 3)
 
     def tenant_row(self, name: str) -> int:
         """The tenant's row, taken now if it has none (its counters zeroed)."""
