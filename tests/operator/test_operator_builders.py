@@ -172,6 +172,37 @@ def test_api_workers_bounds_are_refused():
         model(server={"apiWorkers": 0})
 
 
+def test_queue_priorities_and_weights_reach_the_server():
+    assert "--queue-size" not in server_args(model())  # no queue: a full pod answers 429
+    args = server_args(model(server={"queue": {
+        "size": 128, "timeoutSeconds": 20, "priorities": ["interactive", "batch"],
+        "defaultPriority": "interactive", "tenantWeights": {"globex": 1, "acme": 3},
+        "slotSharing": False}}))  # fmt: skip
+    assert (flag(args, "--queue-size"), flag(args, "--queue-timeout-seconds")) == ("128", "20")
+    assert flag(args, "--priority-classes") == "interactive,batch"
+    assert flag(args, "--default-priority") == "interactive"
+    assert flag(args, "--tenant-weights") == "acme=3,globex=1"
+    assert flag(args, "--queue-slot-sharing") == "false"
+    assert flag(args, "--fair-share-window-seconds") == "30"
+
+
+@pytest.mark.parametrize("queue, says", [
+    ({"timeoutSeconds": 30}, "server.queue needs size: a queue is always bounded"),
+    ({"size": 0}, "greater than or equal to 1"),
+    ({"size": 8, "priorities": ["a"], "defaultPriority": "b"}, "must be one of server.queue.priorities"),
+    ({"size": 8, "defaultPriority": "b"}, "must be one of server.queue.priorities"),
+    ({"size": 8, "priorities": ["a", "a"]}, "must not repeat"),
+    ({"size": 8, "priorities": ["Urgent"]}, "should match pattern"),
+    ({"size": 8, "tenantWeights": {"acme": -1}}, "greater than or equal to 1"),
+    ({"size": 8, "tenantWeights": {"acme": 1001}}, "less than or equal to 1000"),
+    ({"size": 8, "tenantWeights": {"a/b": 2}}, "not a plain name: a/b"),
+])  # fmt: skip
+def test_bad_queues_are_refused(queue, says):
+    with pytest.raises(SpecError) as e:
+        model(server={"queue": queue})
+    assert says in str(e.value)
+
+
 def test_unset_engine_values_are_left_to_vllm():
     args = server_args(model())
     for name in (

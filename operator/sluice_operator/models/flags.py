@@ -33,7 +33,8 @@ checked (it may be the second value of a multi-value flag such as `--lora-module
 
 from __future__ import annotations
 
-# The server's own flags (`--engine`, `--api-key-file`) and the vLLM options the spec sets.
+# The server's own flags (`--engine`, `--api-key-file`) and the vLLM options the spec sets
+# (`--scheduling-policy` follows server.queue.priorities).
 RESERVED_LONG = (
     "--model",
     "--revision",
@@ -56,6 +57,7 @@ RESERVED_LONG = (
     "--api-key",
     "--api-key-file",
     "--config",
+    "--scheduling-policy",
 )
 RESERVED_SHORT = ("-tp", "-pp", "-dp", "-dpl", "-q")
 # The vLLM settings (argparse destinations) behind them; the tests collect every option
@@ -79,6 +81,7 @@ RESERVED_VLLM_DESTS = frozenset(
         "quantization",
         "api_key",
         "config",
+        "scheduling_policy",
     }
 )
 # Reserved but not vLLM's: the server's own flags, and --swap-space (engine.swapSpaceGiB).

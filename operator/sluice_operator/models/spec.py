@@ -531,6 +531,11 @@ class JwtSpec(ApiModel):
         description="Claim naming the tenant (metrics and logs are labelled by tenant). The "
         "claims rpm and tpm give a token its limits.",
     )
+    priority_claim: Annotated[str, StringConstraints(min_length=1, max_length=253)] = Field(
+        default="priority",
+        description="Claim naming the caller's priority class (with server.queue.priorities; "
+        "a class that is not one of them: 401).",
+    )
 
 
 class AuthSpec(ApiModel):
@@ -539,8 +544,8 @@ class AuthSpec(ApiModel):
     api_key_secret_ref: ApiKeySecretRef | None = Field(
         default=None,
         description="Secret key with API keys, mounted as a file: one key per line, "
-        "optionally followed by tenant=NAME rpm=N tpm=N. Reloaded when the Secret changes (no "
-        "restart). Unset (and no jwt): no authentication.",
+        "optionally followed by tenant=NAME rpm=N tpm=N priority=CLASS weight=N. Reloaded "
+        "when the Secret changes (no restart). Unset (and no jwt): no authentication.",
     )
     jwt: JwtSpec | None = Field(
         default=None, description="Accept Bearer JWTs (as well as API keys, if both are set)."
@@ -918,6 +923,121 @@ RESUME_NEEDS_ONE_WORKER = (
 )
 
 
+# Priority class and tenant names: the server's grammar (sluice_server/names.py), as RE2.
+PRIORITY_PATTERN = r"^[a-z][a-z0-9-]{0,30}$"
+TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+PriorityName = Annotated[str, StringConstraints(pattern=PRIORITY_PATTERN)]
+Weight = Annotated[int, Field(ge=1, le=1000)]
+
+QUEUE_NEEDS_SIZE = (
+    "server.queue needs size: a queue is always bounded (at most that many requests wait per "
+    "pod; past it they get 429 with Retry-After at once)"
+)
+QUEUE_DEFAULT_IS_A_CLASS = "server.queue.defaultPriority must be one of server.queue.priorities"
+QUEUE_WEIGHTS = (
+    "server.queue.tenantWeights: every weight is a whole number from 1 to 1000 (a tenant "
+    "without one weighs 1), every tenant a plain name"
+)
+
+
+class QueueSpec(ApiModel):
+    """The admission queue: a request that finds every stream slot of the pod taken waits,
+    instead of an instant 429, served by priority class, then by tenant weight."""
+
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                cel("has(self.size)", QUEUE_NEEDS_SIZE, ".size"),
+                cel(
+                    "!has(self.defaultPriority) || (has(self.priorities) && "
+                    "self.defaultPriority in self.priorities)",
+                    QUEUE_DEFAULT_IS_A_CLASS,
+                    ".defaultPriority",
+                ),
+                cel(
+                    "!has(self.tenantWeights) || self.tenantWeights.all(t, "
+                    f"t.matches('{TENANT_PATTERN}') && "
+                    "self.tenantWeights[t] >= 1 && self.tenantWeights[t] <= 1000)",
+                    QUEUE_WEIGHTS,
+                    ".tenantWeights",
+                ),
+            ]
+        }
+    }
+
+    size: int | None = Field(
+        default=None,
+        ge=1,
+        le=100000,
+        description="Requests per pod that may wait for a stream slot (required: a queue is "
+        "always bounded). Past it: 429 with a Retry-After from the queue's measured drain "
+        "rate, at once, the lowest priority shed first.",
+    )
+    timeout_seconds: int = Field(
+        default=30,
+        ge=1,
+        le=3600,
+        description="Longest wait in the queue; then 429 with Retry-After (or, for a stream "
+        "that already got its 200 after a heartbeat of waiting, its protocol's error event "
+        "with code queue_timeout).",
+    )
+    priorities: Annotated[list[PriorityName], Field(max_length=16)] = Field(
+        default_factory=list,
+        description="Priority classes, highest first (e.g. [interactive, batch]). A caller's "
+        "class comes from its API key line (priority=CLASS) or its JWT (auth.jwt."
+        "priorityClaim); higher classes are served first and shed last, and vLLM runs with "
+        "--scheduling-policy priority. A key file naming another class is refused by the "
+        "server. Empty: one class.",
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+    )
+    default_priority: PriorityName | None = Field(
+        default=None,
+        description="Class of a caller that names none; default: the last (lowest) of priorities.",
+    )
+    tenant_weights: Annotated[dict[str, Weight], Field(max_length=256)] = Field(
+        default_factory=dict,
+        description="Tenants' weights (1-1000, default 1): a tenant's share of the pod, in "
+        "generated tokens and in slots, against the other active tenants'. A key line's "
+        "weight=N says the same for its tenant (the two must agree).",
+    )
+    slot_sharing: bool = Field(
+        default=True,
+        description="A tenant holds at most its weighted share of the slots while another "
+        "tenant is active, and one slot stays free for each active tenant below its share "
+        "(at most a quarter of the slots); false: slots go to the queue's order alone.",
+    )
+    fair_share_window_seconds: int = Field(
+        default=30,
+        ge=0,
+        le=3600,
+        description="How long a tenant counts as active after its last request, for the "
+        "slot shares.",
+    )
+
+    @field_validator("priorities")
+    @classmethod
+    def _distinct(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError("server.queue.priorities must not repeat a class")
+        return v
+
+    @field_validator("tenant_weights")
+    @classmethod
+    def _tenants(cls, v: dict[str, int]) -> dict[str, int]:
+        bad = [t for t in v if not re.match(TENANT_PATTERN, t)]
+        if bad:
+            raise ValueError(f"{QUEUE_WEIGHTS}; not a plain name: {', '.join(bad)}")
+        return v
+
+    @model_validator(mode="after")
+    def _bounded(self) -> QueueSpec:
+        if self.size is None:
+            raise ValueError(QUEUE_NEEDS_SIZE)
+        if self.default_priority is not None and self.default_priority not in self.priorities:
+            raise ValueError(QUEUE_DEFAULT_IS_A_CLASS)
+        return self
+
+
 class ServerSpec(ApiModel):
     """The streaming server's own processes."""
 
@@ -930,6 +1050,11 @@ class ServerSpec(ApiModel):
         "Unset: derived from resources.requests.cpu, one per whole core beyond the one "
         "vLLM's engine core busy-polls (max(1, cores - 1)), at most 8; no CPU request, or "
         "streaming.resume on (a resumed stream lives in one process): 1.",
+    )
+    queue: QueueSpec | None = Field(
+        default=None,
+        description="Admission queue with priority classes and tenant weights, shared by "
+        "every API worker of a pod; unset: a full pod answers 429 at once.",
     )
 
 
