@@ -1,21 +1,12 @@
 """API keys from a file, compared in constant time, each with its tenant, plan, priority
 class and its tenant's weight.
 
-The key file's grammar, parsed here and nowhere else: one key per line; `#` comments and
-blank lines are ignored. After the key, `name=value` attributes, each at most once per line
-(`ATTRIBUTES` is the table; a new attribute is one row and one `Principal` field):
-
-    sk-plain-key                                   # tenant "default", the --rate-limit-* plan
-    sk-acme-1  tenant=acme  rpm=600  tpm=200000  weight=3  priority=interactive
-    sk-acme-2  tenant=acme  priority=batch         # acme's weight is 3 for every acme key
-    sk-free    tenant=free  rpm=10                 # tpm: --rate-limit-tpm
-
-- `tenant=NAME`: who the key bills to (metrics, logs, fair shares); default `default`;
-- `rpm=N`, `tpm=N`: that key's limits, 0 turns one off; default the `--rate-limit-*` flags;
-- `priority=CLASS`: one of `--priority-classes`; default `--default-priority`;
-- `weight=N` (1-1000): the tenant's weight, on any one of its lines or on all of them
-  alike (two lines that give one tenant different weights, or a line that disagrees with
-  `--tenant-weights`, refuse the file); default `--tenant-weights`, else 1.
+The key file's one grammar, parsed here and nowhere else (documented for users in
+server/README.md, "API keys: tenants, plans, priorities and weights"): a key per line, `#`
+comments and blank lines ignored, then `name=value` attributes, each at most once a line.
+`ATTRIBUTES` is the table: an attribute is one row (its value's shape and a parser that
+raises ValueError saying what the value must be) and one `Principal` field. A tenant's
+weight is checked across lines (and against `--tenant-weights`) once the file is read.
 
 Keys are never logged nor put in metrics: the limiter sees `key_id` (a short hash), metrics
 and logs the tenant. A file that cannot be parsed is refused as a whole, with the line

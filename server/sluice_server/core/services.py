@@ -123,7 +123,7 @@ class Services:
         if not ticket.waiting:
             await self._refused_if(protocol, ticket)
             return True
-        admitted = asyncio.ensure_future(ticket.wait())
+        admitted = asyncio.shield(ticket.future)  # resolved when admitted or refused
         gone = asyncio.ensure_future(_disconnect(request))
         try:
             done, _ = await asyncio.wait((admitted, gone), timeout=commit_after,

@@ -106,3 +106,29 @@ def test_bad_flags_fail_at_start_up(argv, says):
     with pytest.raises(ValidationError) as e:
         parse_settings(["--model", "m", *argv])
     assert says in str(e.value)
+
+
+def test_priority_classes_start_vllm_with_its_priority_policy():
+    from sluice_server.engine.vllm_engine import vllm_cli_args
+
+    plain = vllm_cli_args(Settings(model="m"), "/m", cpu_defaults=False)
+    assert "--scheduling-policy" not in plain  # vLLM's default: first come, first served
+    s = Settings(model="m", priority_classes=["interactive", "batch"])
+    args = vllm_cli_args(s, "/m", cpu_defaults=False)
+    assert args[args.index("--scheduling-policy") + 1] == "priority"
+
+
+def test_vllm_routes_see_the_callers_priority_never_the_clients():
+    from sluice_server.engine.vllm_engine import PRIORITY_HEADER, _at_priority
+    from starlette.requests import Request
+
+    async def receive():  # pragma: no cover - never called
+        return {"type": "http.request"}
+
+    state: dict = {}
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "state": state,
+             "headers": [(b"x-vllm-priority", b"-100"), (b"content-type", b"application/json")]}  # fmt: skip
+    seen = _at_priority(Request(scope, receive), 1)
+    assert seen.headers.getlist(PRIORITY_HEADER.decode()) == ["1"]  # vLLM prefers the header
+    assert seen.headers["content-type"] == "application/json" and seen.scope["state"] is state
+    assert _at_priority(None, 1) is None
