@@ -128,12 +128,12 @@ class Settings(BaseSettings):
         "event with code `queue_timeout`. Needs `--queue-size`.",
     )  # fmt: skip
     queue_slot_sharing: bool = Field(
-        True, description="With a queue: a tenant holds at most its weighted share of the "
-        "slots while another tenant is active (queued, streaming or seen within "
-        "`--fair-share-window-seconds`), and keeps one slot free for each active tenant "
-        "below its share (at most a quarter of the slots); free slots are lent when nobody "
-        "else needs them. `false`: every free slot goes to the next request in the queue's "
-        "order.",
+        True, description="With a queue: a tenant takes more than its weighted share of the "
+        "slots only while slots stay free for every other active tenant (queued, streaming "
+        "or seen within `--fair-share-window-seconds`) below its share: as many as it held "
+        "at once lately, at least one, at most a quarter of the slots in all; free slots are "
+        "lent when nobody else needs them. `false`: every free slot goes to the next request "
+        "in the queue's order.",
     )  # fmt: skip
     fair_share_window_seconds: float = Field(
         30.0, ge=0, le=3600, description="How long a tenant counts as active after its last "

@@ -1003,9 +1003,10 @@ class QueueSpec(ApiModel):
     )
     slot_sharing: bool = Field(
         default=True,
-        description="A tenant holds at most its weighted share of the slots while another "
-        "tenant is active, and one slot stays free for each active tenant below its share "
-        "(at most a quarter of the slots); false: slots go to the queue's order alone.",
+        description="A tenant takes more than its weighted share of the slots only while "
+        "slots stay free for every other active tenant below its share (as many as that "
+        "tenant held at once lately, at least one, at most a quarter of the slots in all); "
+        "false: slots go to the queue's order alone.",
     )
     fair_share_window_seconds: int = Field(
         default=30,

@@ -15,10 +15,14 @@ The policy, in the order it decides:
 2. **Slot shares** (`sharing`). A tenant's share of the slots is `slots x weight / sum of
    the active tenants' weights` (active: holds a slot, waits, or was seen within `window`
    seconds). Below its share a tenant may always take a free slot. Above it, it may borrow
-   one only if that still leaves a free slot for each other active tenant below its share
-   (at most `RESERVE_FRACTION` of the slots): a steady tenant behind a flooding one then
-   finds a slot at once instead of waiting for one of the flood's long streams to end.
-   The cost is the flood's: up to that many slots stay idle while it waits.
+   one only if that still leaves free slots for each other active tenant below its share:
+   room to reach the most slots it held at once lately (its peak within `window`, at least
+   one more slot, at most its share), and at most `RESERVE_FRACTION` of the slots for all
+   of them. A steady tenant beside a flooding one then finds a slot at once, for each of
+   its requests that overlap as they did lately, instead of waiting for one of the flood's
+   long streams to end (no admitted stream is ever preempted, so a slot the flood took is
+   back only when its stream ends). The cost is the flood's: those slots stay idle while it
+   waits.
 3. **Order.** Among the requests allowed a slot: the highest priority class first; within
    it the tenant with the least virtual time, then arrival order. A tenant's virtual time
    is the tokens its streams generated divided by its weight (charged as they are
@@ -133,7 +137,7 @@ class Ticket:
     def charge(self, tokens: int) -> None:
         """Tokens this request generated, to its tenant's virtual time."""
         if self.adm is not None and tokens > 0 and self.row >= 0:
-            self.adm.charge(self.row, tokens)
+            self.adm.charge(self.row, self.tenant, tokens)
 
     async def metered(self, source: AsyncIterator) -> AsyncIterator:
         """`source` (engine deltas), charging its tokens as they are generated."""
@@ -228,9 +232,13 @@ class Admission:
             woken = self._unhold(ticket.row, self.clock())
         self._deliver(woken)
 
-    def charge(self, row: int, tokens: int) -> None:
+    def charge(self, row: int, tenant: str, tokens: int) -> None:
+        """`tokens` to the tenant's virtual time (unless its row went to another tenant:
+        the last tokens of a stream can come after its slot was given back)."""
+        key = self.t.tenant_key(tenant)
         with self.lock:
-            self.t.t_vt[row] += tokens / (self.t.t_weight[row] or 1.0)
+            if self.t.t_key[row] == key:
+                self.t.t_vt[row] += tokens / (self.t.t_weight[row] or 1.0)
 
     def refuse_waiting(self) -> int:
         """Drain: every request this worker has waiting gets 503 now."""
@@ -295,15 +303,29 @@ class Admission:
         share = self.slots * t.t_weight[row] / total
         if t.t_held[row] < share:
             return True
-        below = sum(
-            1 for r in rows if r != row and t.t_held[r] < self.slots * t.t_weight[r] / total
-        )
-        return self._free() - 1 >= min(below, self.reserve)
+        keep = 0  # free slots the other tenants below their share may need
+        for r in rows:
+            if r == row:
+                continue
+            held, room = t.t_held[r], self.slots * t.t_weight[r] / total - t.t_held[r]
+            if room > 0:
+                keep += min(math.ceil(room), max(1, self._peak(r, now) - held))
+        return self._free() - 1 >= min(keep, self.reserve)
+
+    def _peak(self, row: int, now: float) -> int:
+        """The most slots the tenant held at once within `window` (or now)."""
+        t = self.t
+        if now - t.t_peak_at[row] > self.window:
+            return t.t_held[row]
+        return max(t.t_peak[row], t.t_held[row])
 
     def _hold(self, row: int, now: float) -> None:
-        self.t.t_held[row] += 1
-        self.t.held.value += 1
-        self.t.t_seen[row] = now
+        t = self.t
+        held = t.t_held[row] = t.t_held[row] + 1
+        t.held.value += 1
+        t.t_seen[row] = now
+        if held >= t.t_peak[row] or now - t.t_peak_at[row] > self.window:
+            t.t_peak[row], t.t_peak_at[row] = held, now
 
     def _unhold(self, row: int, now: float) -> list[int]:
         t = self.t

@@ -115,8 +115,8 @@ class QueueTable:
     or shed stays taken until its owner has read the outcome): state, owning worker,
     priority rank, tenant row, arrival number (identity and FIFO order). Tenant rows (an
     open-addressing table keyed by the tenant's hash): slots held, requests queued, weight,
-    virtual time (generated tokens / weight), last seen, and whether the row is on the
-    `active` list. A row is only ever overwritten, never emptied, so probe chains stay
+    virtual time (generated tokens / weight), last seen, the most slots held at once lately
+    and when, and whether the row is on the `active` list. A row is only ever overwritten, never emptied, so probe chains stay
     whole; one that holds nothing, waits for nothing and is off the active list may be
     taken by another tenant."""
 
@@ -142,15 +142,21 @@ class QueueTable:
         self.t_weight = ctx.RawArray("d", t)
         self.t_vt = ctx.RawArray("d", t)
         self.t_seen = ctx.RawArray("d", t)
+        self.t_peak = ctx.RawArray("i", t)
+        self.t_peak_at = ctx.RawArray("d", t)
         self.t_active = ctx.RawArray("b", t)
         self.active = ctx.RawArray("i", t)  # rows of active tenants, `n_active` of them
         self.n_active = ctx.RawValue("i", 0)
         # Freed slots: decayed count, when last, when first (the drain rate, Retry-After).
         self.releases = ctx.RawArray("d", 3)
 
+    @staticmethod
+    def tenant_key(name: str) -> int:
+        return SharedBuckets._hash(name)
+
     def tenant_row(self, name: str) -> int:
         """The tenant's row, taken now if it has none (its counters zeroed)."""
-        h = SharedBuckets._hash(name)
+        h = self.tenant_key(name)
         keys, n = self.t_key, self.tenants
         reuse = -1
         for i in range(n):
@@ -168,8 +174,8 @@ class QueueTable:
                 raise RuntimeError("tenant table full")
         row = reuse if reuse >= 0 else row
         keys[row] = h
-        self.t_held[row] = self.t_queued[row] = 0
-        self.t_vt[row] = self.t_seen[row] = 0.0
+        self.t_held[row] = self.t_queued[row] = self.t_peak[row] = 0
+        self.t_vt[row] = self.t_seen[row] = self.t_peak_at[row] = 0.0
         self.t_weight[row] = 1.0
         return row
 

@@ -36,6 +36,12 @@ def held(adm: Admission, tenant: str) -> int:
     return adm.t.t_held[adm.t.tenant_row(tenant)]
 
 
+def end_one(tickets: list) -> None:
+    """The first admitted stream among `tickets` ends."""
+    running = next(t for t in tickets if t.admitted)
+    running.release()
+
+
 async def test_bound_is_exact_and_the_refusal_says_when_to_come_back():
     adm = queue(2, 3)
     tickets = [adm.enter(caller()) for _ in range(5)]
@@ -106,7 +112,7 @@ async def test_virtual_time_is_tokens_over_weight():
     running = adm.enter(caller("a", weight=4))
     b_next, a_next = adm.enter(caller("b", weight=1)), adm.enter(caller("a", weight=4))
     running.charge(300)  # a: 300 / 4 = 75
-    adm.charge(adm.t.tenant_row("b"), 100)  # b: 100 / 1 = 100, though b arrived first
+    adm.charge(adm.t.tenant_row("b"), "b", 100)  # b: 100 / 1 = 100, though b arrived first
     running.release()
     assert a_next.admitted and b_next.waiting
 
@@ -136,6 +142,28 @@ async def test_a_flooding_tenant_leaves_a_slot_for_an_active_steady_one():
     assert held(adm, "a") == 2 and adm.depth == 7
     steady.release()  # b holds nothing: a may borrow all but b's one slot again
     assert held(adm, "a") == 3
+
+
+async def test_the_headroom_is_what_the_steady_tenant_held_at_once_lately():
+    adm = queue(8, 50, window=20.0)
+    overlapping = [adm.enter(caller("b")) for _ in range(2)]  # b held two slots at once
+    for t in overlapping:
+        t.release()
+    flood = [adm.enter(caller("a")) for _ in range(20)]
+    assert held(adm, "a") == 6  # two slots kept for b, its recent peak
+    again = [adm.enter(caller("b")) for _ in range(2)]
+    assert all(t.admitted for t in again)  # both at once
+    for t in again:
+        t.release()
+    adm.clock.t += 21  # b not seen for longer than the window: nobody else asks
+    end_one(flood)
+    assert held(adm, "a") == 8  # the slack is lent
+    late = adm.enter(caller("b"))
+    assert late.waiting  # no stream is ever preempted: b waits for one of a's to end
+    end_one(flood)
+    assert late.admitted and held(adm, "a") == 7
+    end_one(flood)
+    assert held(adm, "a") == 6  # b's peak is now 1: one more slot kept for it
 
 
 async def test_control_without_slot_sharing_the_flood_takes_every_slot():
