@@ -10,9 +10,12 @@ tenants, each with its own API key. Tenant A floods: a closed loop of 24 workers
 long generations (a 429 is retried after its Retry-After). Tenant B is steady: short
 requests at a fixed rate, never retried. Scenarios, each on a fresh server:
 
-1. **TTFT of the steady tenant.** B alone; then A and B under today's behaviour (no queue:
-   429 at once), with a queue but no slot shares, and with the queue and slot shares.
-   Reported: B's TTFT p50/p99 and 429 rate, A's tokens/s (the cost of B's headroom).
+1. **TTFT of the steady tenant.** B alone; B beside 6 of A's streams that never wait (the
+   engine's load with nobody queued: what B's TTFT can be at best beside the flood); then
+   A and B under today's behaviour (no queue: 429 at once), with a queue but no slot
+   shares, and with the queue and slot shares. Reported: B's TTFT p50/p99, its queue wait
+   p99 as the server measured it (`sluice_queue_wait_seconds`, scraped at the window's
+   start and end) and its 429s, and A's tokens/s (the cost of B's headroom).
 2. **Shares when both are backlogged.** A (weight 3, long generations) and B (weight 1,
    short ones) both flood: tokens generated per tenant in the measurement window, against
    the weights' 75/25.
@@ -59,6 +62,7 @@ BEGIN, END = "<!-- bench:fairness:begin -->", "<!-- bench:fairness:end -->"
 CAP = 8
 CLASSES = "interactive,batch"
 KEYS = {"a": "sk-tenant-a", "b": "sk-tenant-b", "hi": "sk-interactive", "lo": "sk-batch"}
+TENANTS = {"a": "a", "b": "b", "hi": "c", "lo": "c"}  # the key file's tenant of each key
 ENGINE_ARGS = ["--enforce-eager", "--kv-cache-memory-bytes", str(256 * 2**20),
                "--max-model-len", "1024"]  # fmt: skip
 
@@ -251,22 +255,69 @@ POLICIES = {
 }
 
 
+_BUCKET = re.compile(r"^sluice_queue_wait_seconds_bucket\{([^}]*)\} (\S+)$", re.M)
+
+
+async def queue_waits(session, base: str) -> dict[str, dict[float, float]]:
+    """The server's own queue-wait histogram: tenant -> {upper bound: cumulative count}."""
+    async with session.get(f"{base}/metrics") as r:
+        text = await r.text()
+    out: dict[str, dict[float, float]] = {}
+    for labels, value in _BUCKET.findall(text):
+        have = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        le = float(have["le"])
+        tenant = out.setdefault(have["tenant"], {})
+        tenant[le] = tenant.get(le, 0.0) + float(value)
+    return out
+
+
+def wait_quantile(before: dict[float, float], after: dict[float, float], q: float):
+    """The q-quantile (ms) of the waits between two scrapes, interpolated in its bucket
+    as Prometheus's histogram_quantile does; None without samples."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    total = counts[-1] if counts else 0
+    if not total:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for bound, cum in zip(bounds, counts, strict=True):
+        if cum >= rank:
+            if bound == float("inf"):
+                return lower * 1000
+            inside = cum - below
+            return (lower + (bound - lower) * ((rank - below) / inside if inside else 1)) * 1000
+        lower, below = bound, cum
+    return None
+
+
 async def run_load(base: str, shape: Shape, parties: dict) -> dict:
-    """`parties`: name -> ("flood", who, workers, tokens) | ("steady", who, rate, tokens)."""
+    """`parties`: name -> ("flood", who, workers, tokens) | ("steady", who, rate, tokens).
+    Each party's numbers, with its tenant's queue wait p99 as the server measured it."""
     timeout = aiohttp.ClientTimeout(total=600)
     conn = aiohttp.TCPConnector(limit=0)
     records: dict[str, list[Req]] = {name: [] for name in parties}
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
         start = time.perf_counter()
         t0, t1 = start + shape.warmup, start + shape.warmup + shape.seconds
-        jobs = []
+
+        async def at_window_start():
+            await asyncio.sleep(shape.warmup)
+            return await queue_waits(session, base)
+
+        jobs = [at_window_start()]
         for name, (kind, who, size, tokens) in parties.items():
             if kind == "flood":
                 jobs.append(flood(session, base, who, size, tokens, t1, records[name]))
             else:
                 jobs.append(steady(session, base, who, size, tokens, t1, records[name]))
-        await asyncio.gather(*jobs)
-    return {name: summary(recs, t0, t1) for name, recs in records.items()}
+        before, *_ = await asyncio.gather(*jobs)
+        after = await queue_waits(session, base)
+    out = {name: summary(recs, t0, t1) for name, recs in records.items()}
+    for name, (_, who, _, _) in parties.items():
+        tenant = TENANTS[who]
+        out[name]["queue_wait_p99_ms"] = wait_quantile(before.get(tenant, {}),
+                                                       after.get(tenant, {}), 0.99)  # fmt: skip
+    return out
 
 
 async def scenario_ttft(pods: Pods, shape: Shape) -> dict:
@@ -275,6 +326,10 @@ async def scenario_ttft(pods: Pods, shape: Shape) -> dict:
     a = ("flood", "a", 24, shape.a_tokens)
     base = pods.start("alone", keys(), QUEUE)
     out["B alone"] = await run_load(base, shape, {"B": b})
+    # The engine's load without anyone waiting: A at 6 streams, never more (6 + B's 2 fit).
+    out["B beside 6 of A's streams, no waits"] = await run_load(
+        base, shape, {"A": ("flood", "a", 6, shape.a_tokens), "B": b}
+    )
     for label, flags in POLICIES.items():
         base = pods.start(re.sub(r"[^a-z]+", "-", label).strip("-"), keys(), flags)
         out[label] = await run_load(base, shape, {"A": a, "B": b})
@@ -331,16 +386,17 @@ def tables(engine: str, res: dict) -> str:
              f"tokens a request. B: {shape['b_rate']:g} requests/s, about {shape['b_tokens']} "
              f"tokens each. Window {shape['seconds']:g} s after {shape['warmup']:g} s of warm-up.",
              "",
-             "| policy | B TTFT p50 ms | B TTFT p99 ms | B p99 / alone | B 429 | B requests | A tokens/s | A 429 |",
+             "| policy | B TTFT p50 ms | B TTFT p99 ms | B p99 / alone | B queue wait p99 ms | B 429 | A tokens/s | A 429 |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     ttft = res["ttft"]
     alone = ttft["B alone"]["B"]["ttft_p99_ms"]
     for label, r in ttft.items():
         b, a = r["B"], r.get("A")
         ratio = b["ttft_p99_ms"] / alone if b["ttft_p99_ms"] and alone else None
+        a = a if a and a["requests"] else None
         lines.append(f"| {label} | {_f(b['ttft_p50_ms'], 1)} | {_f(b['ttft_p99_ms'], 1)} | "
-                     f"{_f(ratio, 2)}x | {b['refused_429']} / {b['requests']} "
-                     f"({100 * b['refused_429'] / max(1, b['requests']):.0f}%) | {b['requests']} | "
+                     f"{_f(ratio, 2)}x | {_f(b.get('queue_wait_p99_ms'), 1)} | "
+                     f"{b['refused_429']} / {b['requests']} | "
                      f"{_f(a['tokens_per_s']) if a else '-'} | {a['refused_429'] if a else '-'} |")  # fmt: skip
     sh = res["shares"]
     lines += ["", "Both backlogged, weights A 3 : B 1 (A's generations 4x B's length):", "",

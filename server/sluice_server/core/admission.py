@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import multiprocessing
 import os
 import time
 from collections.abc import AsyncIterator, Callable
@@ -63,7 +64,7 @@ RESERVE_FRACTION = 0.25
 CHARGE_EVERY = 16  # tokens charged to the tenant's virtual time at a time
 SWEEP_SECONDS = 1.0  # a worker with waiters re-decides this often (activity windows end)
 
-# Refusal reasons (shed metric label) -> (status, code, message).
+# Why the queue refused a request (an entry's `e_reason`), and its shed metric label.
 QUEUE_FULL, DISPLACED, TIMEOUT, DRAINING = 1, 2, 3, 4
 REASONS = {QUEUE_FULL: "queue_full", DISPLACED: "displaced", TIMEOUT: "timeout",
            DRAINING: "draining"}  # fmt: skip
@@ -176,8 +177,6 @@ class Admission:
     @classmethod
     def local(cls, shape: QueueShape, **kw) -> Admission:
         """A queue for this process alone (one worker, or the per-worker control)."""
-        import multiprocessing
-
         table = QueueTable(multiprocessing.get_context("spawn"), shape)
         return cls(table, contextlib.nullcontext(), 0, **kw)
 
@@ -242,16 +241,16 @@ class Admission:
 
     def refuse_waiting(self) -> int:
         """Drain: every request this worker has waiting gets 503 now."""
-        tickets = list(self.waiters.values())
-        for ticket in tickets:
+        refused = 0
+        for ticket in list(self.waiters.values()):
             with self.lock:
                 e = ticket.entry
-                if self.t.e_seq[e] == ticket.seq and self.t.e_state[e] == WAITING:
-                    self._remove(e)
-                else:
-                    continue
+                if self.t.e_seq[e] != ticket.seq or self.t.e_state[e] != WAITING:
+                    continue  # decided meanwhile: its own outcome is on its way
+                self._remove(e)
             self._settle(ticket, REFUSED, DRAINING)
-        return len(tickets)
+            refused += 1
+        return refused
 
     @property
     def depth(self) -> int:
