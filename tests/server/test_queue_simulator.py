@@ -308,3 +308,27 @@ async def test_drain_refuses_the_queue_at_once_and_lets_streams_finish(tmp_path,
         # The server's own clock: the queued request was answered before the stream ended.
         assert line["duration_ms"] < running_line["duration_ms"]
         assert eng.started == [1]
+
+
+async def test_a_key_file_reload_changes_a_callers_class_never_the_classes(tmp_path, access):
+    async with pod(tmp_path, credentials_reload_seconds=0.1) as (c, _, eng):
+        keys = tmp_path / "keys"
+
+        async def reloads(result: str) -> float:
+            return metric(await scrape(c), "sluice_credential_reloads_total", result=result)
+
+        async def class_of_a_request() -> str:
+            r = await c.post("/v1/stream", json={"prompt": "q", "max_tokens": 1},
+                             headers=AUTH["low"])  # fmt: skip
+            line = await eventually(lambda: access.of(r.headers["x-request-id"]))
+            return line["priority"]
+
+        assert await class_of_a_request() == "batch"
+        keys.write_text(KEYS.replace("sk-low tenant=b priority=batch",
+                                     "sk-low tenant=b priority=interactive"))  # fmt: skip
+        await eventually(lambda: _is(reloads("ok"), 1), what="reloaded")
+        assert await class_of_a_request() == "interactive"
+        keys.write_text(KEYS.replace("sk-low tenant=b priority=batch", "sk-low priority=urgent"))
+        await eventually(lambda: _is(reloads("error"), 1), what="refused")
+        assert await class_of_a_request() == "interactive"  # the keys before it stay
+        assert eng.started == [1, 0, 0]
