@@ -4,6 +4,7 @@ and vLLM's priority scheduler, measured (docs/benchmarks.md, "Sharing a pod").
     python tests/bench/fairness.py --engine simulator     # about 6 minutes
     python tests/bench/fairness.py --engine vllm          # the tiny model, about 15 minutes
     python tests/bench/fairness.py --quick                # smoke run (simulator, short)
+    python tests/bench/fairness.py --render               # the docs section from the JSON
 
 One pod (a server process; `--max-concurrent-streams 8`, so the flood fills it) and two
 tenants, each with its own API key. Tenant A floods: a closed loop of 24 workers asking for
@@ -395,7 +396,7 @@ def tables(engine: str, res: dict) -> str:
         ratio = b["ttft_p99_ms"] / alone if b["ttft_p99_ms"] and alone else None
         a = a if a and a["requests"] else None
         lines.append(f"| {label} | {_f(b['ttft_p50_ms'], 1)} | {_f(b['ttft_p99_ms'], 1)} | "
-                     f"{_f(ratio, 2)}x | {_f(b.get('queue_wait_p99_ms'), 1)} | "
+                     f"{_f(ratio, 2) + 'x' if ratio else '-'} | {_f(b.get('queue_wait_p99_ms'), 1)} | "
                      f"{b['refused_429']} / {b['requests']} | "
                      f"{_f(a['tokens_per_s']) if a else '-'} | {a['refused_429'] if a else '-'} |")  # fmt: skip
     sh = res["shares"]
@@ -463,7 +464,13 @@ def main(argv=None) -> int:
     p.add_argument("--engine", choices=("simulator", "vllm"), default="simulator")
     p.add_argument("--quick", action="store_true", help="smoke run: simulator, short windows")
     p.add_argument("--out", type=Path, default=ROOT / "docs")
+    p.add_argument("--render", action="store_true",
+                   help="rewrite the docs section from --out's bench-fairness.json, no run")  # fmt: skip
     a = p.parse_args(argv)
+    store = a.out / "bench-fairness.json"
+    if a.render:
+        write_docs(json.loads(store.read_text()), a.out)
+        return 0
     engine = "simulator" if a.quick else a.engine
     shape = SHAPES["quick" if a.quick else engine]
     cache = Path(os.environ.get("SLUICE_CACHE") or ROOT / ".cache")
@@ -475,7 +482,6 @@ def main(argv=None) -> int:
         res = asyncio.run(run(engine, shape, pods))
     cmd = "python tests/bench/fairness.py " + ("--quick" if a.quick else f"--engine {engine}")
     res["command"] = cmd
-    store = a.out / "bench-fairness.json"
     results = json.loads(store.read_text()) if store.exists() else {}
     results[engine] = res
     a.out.mkdir(parents=True, exist_ok=True)
