@@ -14,10 +14,12 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .core.adapters import Adapters
 from .core.admission import Admission
 from .core.auth import KeyStore
 from .core.credentials import Credentials
@@ -45,8 +47,10 @@ from .protocols import (
     websocket,
 )
 from .settings import Settings
+from .transport import handshake
 from .transport.cors import install_cors
 from .transport.prefix import PathPrefix
+from .transport.sendwatch import transport_of
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +83,8 @@ class Edge:
         # (status, headers), so each event skips their pass-through frames
         # (transport/sse.py, protocols/websocket.py).
         scope["sluice.send"] = send
+        # The connection's transport: what the send watchdog watches (transport/sendwatch.py).
+        scope["sluice.transport"] = transport_of(receive)
 
         extra = self.extra
 
@@ -90,6 +96,8 @@ class Edge:
             elif t == "websocket.accept":
                 trail.status = 101
                 message["headers"] = [*message.get("headers", ()), _request_id(trail), *extra]
+            elif t == "websocket.http.response.body" and not message.get("more_body"):
+                handshake.refused()  # a refusal is an outcome (transport/handshake.py)
             await send(message)
 
         failed = True
@@ -157,7 +165,7 @@ def build_reloader(settings: Settings, svc: Services) -> Reloader | None:
     s, creds = settings, svc.credentials
     if not s.credentials_reload_seconds or not creds.enabled:
         return None
-    sources = []
+    sources: list[Source[Any]] = []
     if s.api_key_file is not None:
         path = s.api_key_file
         sources.append(Source(
@@ -186,11 +194,12 @@ def build_queue(settings: Settings, metrics: Metrics, pod: PodSeat | None) -> Ad
         return None
     priorities = caller_rules(settings).priorities
     metrics.queue_classes(priorities.names)
-    kw = dict(timeout=settings.queue_timeout, priorities=priorities, metrics=metrics,
-              sharing=settings.queue_slot_sharing, window=settings.fair_share_window_seconds)  # fmt: skip
-    if pod is not None and pod.state.queue is not None:
-        state = pod.state
-        return Admission(state.queue, state.lock, pod.index, wake=state.wake, **kw)
+    kw: dict[str, Any] = dict(timeout=settings.queue_timeout, priorities=priorities,
+                              metrics=metrics, sharing=settings.queue_slot_sharing,
+                              window=settings.fair_share_window_seconds)  # fmt: skip
+    queue = pod.state.queue if pod is not None else None
+    if pod is not None and queue is not None:
+        return Admission(queue, pod.state.lock, pod.index, wake=pod.state.wake, **kw)
     return Admission.local(shape, **kw)
 
 
@@ -215,6 +224,9 @@ def build_services(
             tracing,
             priorities=bool(settings.priority_classes),
         ),  # fmt: skip
+        adapters=Adapters(
+            settings.model_label, metrics, settings.adapters_file, settings.adapters_reload_seconds
+        ),  # fmt: skip
         engine=engine,
         pod=pod,
     )
@@ -234,12 +246,15 @@ def build_app(
     @asynccontextmanager
     async def serving_engine() -> AsyncIterator[None]:
         if engine is not None:
+            await svc.adapters.start(engine)
             yield
             return
         try:
             async with open_engine(settings, **(engine_options or {})) as opened:
                 svc.engine = opened
                 log.info("engine ready: %s (%s)", settings.model_label, settings.engine)
+                # The current adapter list before ready: a restarted pod serves it at once.
+                await svc.adapters.start(opened)
                 freeze_startup_heap()
                 if pod is not None:
                     pod.set_ready(True)
@@ -257,12 +272,16 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         watcher = asyncio.create_task(reloader.run()) if reloader else None
+        adapters = None
         try:
             async with serving_engine():
+                if settings.adapters_file is not None:
+                    adapters = asyncio.create_task(svc.adapters.run())
                 yield
         finally:
-            if watcher is not None:
-                watcher.cancel()
+            for task in (watcher, adapters):
+                if task is not None:
+                    task.cancel()
             await svc.limiter.close()
             if svc.recorder.tracing is not None:
                 svc.recorder.tracing.shutdown()  # exports the spans still batched

@@ -16,8 +16,8 @@ import pytest
 from kubernetes import client
 
 from .conftest import TIMINGS
-from .harness.fake_node import FakeGpuNode
 from .harness.kube import load_sample, wait_for
+from .harness.node_agent import NodeAgent
 
 LOAD_SECONDS = 3.0
 
@@ -25,13 +25,13 @@ LOAD_SECONDS = 3.0
 @pytest.fixture
 def own_node(admin, namespace):
     """(node, the StreamingModel placement that puts pods on it and only there)."""
-    created: list[FakeGpuNode] = []
+    created: list[NodeAgent] = []
     core = client.CoreV1Api(admin)
 
-    def make(gpus: int) -> tuple[FakeGpuNode, dict]:
+    def make(gpus: int) -> tuple[NodeAgent, dict]:
         name = f"rollout-{uuid.uuid4().hex[:6]}"
         taint = {"key": "sluice.dev/e2e-node", "value": name, "effect": "NoSchedule"}
-        node = FakeGpuNode(
+        node = NodeAgent(
             admin,
             name,
             gpus=gpus,

@@ -26,15 +26,22 @@ rule's "why" there, and each `if .Values.x` block its "granted" column.
   verbs: ["update"]
 # The model's Deployment: server-side applied (a patch that creates an object is also
 # authorized as create) and watched, so hand edits and deletions are put back and its
-# rollout shows in the status. No delete: deleting a StreamingModel removes its children
-# through owner references and the garbage collector.
+# rollout shows in the status. Deleted only when a model moves to several nodes per replica
+# (a LeaderWorkerSet replaces it); deleting a StreamingModel removes its children through
+# owner references and the garbage collector.
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["get", "list", "watch", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # The model's Service: as the Deployment (server-side applied, watched, never deleted).
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["get", "list", "watch", "create", "patch"]
+# The adapter list of models with LoRA on (`<name>-adapters`, mounted in their pods): as the
+# Deployment, and deleted when LoRA is turned off. Only ConfigMaps with the operator's
+# labels are watched; the operator never reads other ConfigMaps.
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # The Ingress: as the Deployment, and deleted when `spec.ingress.enabled` turns false.
 - apiGroups: ["networking.k8s.io"]
   resources: ["ingresses"]
@@ -58,6 +65,12 @@ rule's "why" there, and each `if .Values.x` block its "granted" column.
 # so no list/watch; granting a resource a cluster does not serve is harmless.
 - apiGroups: ["gateway.networking.k8s.io"]
   resources: ["httproutes"]
+  verbs: ["get", "create", "patch", "delete"]
+# LeaderWorkerSets (LWS v0.10+) for models with `parallelism.nodes` above 1: read,
+# server-side applied, deleted when a model moves back to one node (a Deployment). Not
+# watched (the LWS CRD may be absent; the model's pods are), so no list/watch.
+- apiGroups: ["leaderworkerset.x-k8s.io"]
+  resources: ["leaderworkersets"]
   verbs: ["get", "create", "patch", "delete"]
 # Read only: model pods are watched and kept in memory, so a pod turning Ready or Pending
 # updates the status at once, and the status says why pods are Pending (PodScheduled
@@ -100,5 +113,26 @@ rule's "why" there, and each `if .Values.x` block its "granted" column.
   resources: ["kopfpeerings"]
   verbs: ["get", "list", "watch", "patch"]
 {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/*
+Leader election (leaderElection.enabled): one Lease in the release namespace, in a Role
+there whatever the watch mode. The operator reads it, creates it once and renews or releases
+it with a PUT carrying the resourceVersion it read (no patch, list, watch or delete).
+*/}}
+{{- define "sluice-operator.rules.election" -}}
+{{- if .Values.leaderElection.enabled }}
+# Leader election (a Role in the release namespace): creating the Lease, which cannot be
+# limited to a name (RBAC sees no name on a create).
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  verbs: ["create"]
+# Leader election: reading and renewing (a PUT with the resourceVersion read) only the
+# operator's own Lease.
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  resourceNames: [{{ include "sluice-operator.fullname" . | quote }}]
+  verbs: ["get", "update"]
 {{- end }}
 {{- end -}}

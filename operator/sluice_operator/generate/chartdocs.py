@@ -56,6 +56,8 @@ class Rule:
     verbs: tuple[str, ...]
     when: tuple[str, ...]  # dotted value paths, "not x" for an else branch; () = always
     why: str
+    define: str = ""  # the named template that holds it (which Role includes it)
+    resource_names: tuple[str, ...] = ()
 
 
 # ---- values -------------------------------------------------------------------------------
@@ -139,7 +141,8 @@ def values_table(text: str, source: Path) -> str:
 _IF = re.compile(r"\{\{-?\s*if\s+\.Values\.([\w.]+)\s*-?\}\}$")
 _ELSE = re.compile(r"\{\{-?\s*else\s*-?\}\}$")
 _END = re.compile(r"\{\{-?\s*end\s*-?\}\}$")
-_DEFINE = re.compile(r"\{\{-?\s*define\s+\"[^\"]+\"\s*-?\}\}$")
+_DEFINE = re.compile(r"\{\{-?\s*define\s+\"([^\"]+)\"\s*-?\}\}$")
+_EXPR = re.compile(r"\{\{.*?\}\}")  # a value inside a rule, e.g. the Lease's name
 
 
 def parse_rbac_rules(text: str) -> list[Rule]:
@@ -149,16 +152,18 @@ def parse_rbac_rules(text: str) -> list[Rule]:
     when: list[str | None] = []  # None: a define block (no condition)
     comment: list[str] = []
     body: list[str] = []
+    define = ""
 
     def close_rule() -> None:
         if not body:
             return
-        (rule,) = yaml.safe_load("\n".join(body))
+        (rule,) = yaml.safe_load(_EXPR.sub('"<release fullname>"', "\n".join(body)))
         if not comment:
             raise ValueError(f"{RBAC_RULES}: rule without a comment saying why: {rule}")
         why = " ".join(line.lstrip("#").strip() for line in comment)
         rules.append(Rule(tuple(rule["apiGroups"]), tuple(rule["resources"]),
-                          tuple(rule["verbs"]), tuple(w for w in when if w), why))  # fmt: skip
+                          tuple(rule["verbs"]), tuple(w for w in when if w), why, define,
+                          tuple(rule.get("resourceNames") or ())))  # fmt: skip
         comment.clear()
         body.clear()
 
@@ -174,8 +179,9 @@ def parse_rbac_rules(text: str) -> list[Rule]:
                 when[-1] = f"not {when[-1]}"
             elif _END.match(line) and when:
                 when.pop()
-            elif _DEFINE.match(line):
+            elif m := _DEFINE.match(line):
                 when.append(None)
+                define = m.group(1)
             else:
                 raise ValueError(f"{RBAC_RULES}: template line the RBAC table cannot read: {line}")
         elif line.startswith("#"):
@@ -201,6 +207,8 @@ def rbac_table(text: str) -> str:
     for r in parse_rbac_rules(text):
         groups = ", ".join(f"`{g}`" if g else "core" for g in r.api_groups)
         resources = ", ".join(f"`{res}`" for res in r.resources)
+        if r.resource_names:
+            resources += " (only " + ", ".join(f"`{n}`" for n in r.resource_names) + ")"
         lines.append(f"| {groups} | {resources} | {', '.join(r.verbs)} | {_when(r.when)} | "
                      f"{_cell(r.why)} |")  # fmt: skip
     return "\n".join(lines) + "\n"
@@ -214,7 +222,11 @@ def replace_sections(text: str, parts: dict[str, str]) -> str:
         pattern = re.compile(rf"(<!-- generated:{name} -->\n).*?(<!-- end:{name} -->)", re.S)
         if not pattern.search(text):
             raise ValueError(f"{HELM_DOC}: no <!-- generated:{name} --> ... <!-- end:{name} -->")
-        text = pattern.sub(lambda m, body=body: m.group(1) + body + m.group(2), text)
+
+        def fill(m: re.Match[str], body: str = body) -> str:
+            return m.group(1) + body + m.group(2)
+
+        text = pattern.sub(fill, text)
     return text
 
 

@@ -57,6 +57,7 @@ from .identity import Principal, Priorities
 from .pod import FREE, GRANTED, REFUSED, WAITING, QueueShape, QueueTable, WakeLines
 
 if TYPE_CHECKING:
+    from ..engine.base import Delta
     from .metrics import Metrics
 
 DRAIN_TAU_SECONDS = 10.0
@@ -86,7 +87,7 @@ class Ticket:
         self.entry = self.seq = self.row = -1
         self.tenant, self.priority, self.rank = tenant, priority, rank
         self.state = ADMITTED
-        self.future: asyncio.Future | None = None
+        self.future: asyncio.Future[None] | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.queued_at = time.perf_counter()
         self.admitted_at: float | None = self.queued_at  # None while waiting or when refused
@@ -120,7 +121,7 @@ class Ticket:
     async def wait(self) -> None:
         """Until admitted; raises the refusal (ApiError). Cancelling the wait leaves the
         ticket as it is (release it to leave the queue)."""
-        if self.state == QUEUED:
+        if self.state == QUEUED and self.future is not None:
             await asyncio.shield(self.future)
         if self.error is not None:
             raise self.error
@@ -140,7 +141,7 @@ class Ticket:
         if self.adm is not None and tokens > 0 and self.row >= 0:
             self.adm.charge(self.row, self.tenant, tokens)
 
-    async def metered(self, source: AsyncIterator) -> AsyncIterator:
+    async def metered(self, source: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
         """`source` (engine deltas), charging its tokens as they are generated."""
         pending = 0
         try:
@@ -175,7 +176,7 @@ class Admission:
         self._reading = False
 
     @classmethod
-    def local(cls, shape: QueueShape, **kw) -> Admission:
+    def local(cls, shape: QueueShape, **kw: Any) -> Admission:
         """A queue for this process alone (one worker, or the per-worker control)."""
         table = QueueTable(multiprocessing.get_context("spawn"), shape)
         return cls(table, contextlib.nullcontext(), 0, **kw)
@@ -255,12 +256,12 @@ class Admission:
     @property
     def depth(self) -> int:
         """Requests waiting in the pod's queue."""
-        return self.t.waiting.value
+        return int(self.t.waiting.value)
 
     # -- decisions (lock held) ------------------------------------------------------
 
     def _free(self) -> int:
-        return self.slots - self.t.held.value
+        return int(self.slots - self.t.held.value)
 
     def _activate(self, tenant: str, weight: int, now: float) -> int:
         t = self.t
@@ -315,8 +316,8 @@ class Admission:
         """The most slots the tenant held at once within `window` (or now)."""
         t = self.t
         if now - t.t_peak_at[row] > self.window:
-            return t.t_held[row]
-        return max(t.t_peak[row], t.t_held[row])
+            return int(t.t_held[row])
+        return int(max(t.t_peak[row], t.t_held[row]))
 
     def _hold(self, row: int, now: float) -> None:
         t = self.t
@@ -405,7 +406,7 @@ class Admission:
         t.t_queued[row] = max(0, t.t_queued[row] - 1)
 
     def _places(self, row: int, extra: int = 0) -> float:
-        return (self.t.t_queued[row] + extra) / (self.t.t_weight[row] or 1.0)
+        return float((self.t.t_queued[row] + extra) / (self.t.t_weight[row] or 1.0))
 
     def _worst(self) -> int:
         t = self.t
@@ -421,7 +422,7 @@ class Admission:
     def _better(self, ticket: Ticket, victim: int) -> bool:
         t = self.t
         if ticket.rank != t.e_prio[victim]:
-            return ticket.rank < t.e_prio[victim]
+            return bool(ticket.rank < t.e_prio[victim])
         row = t.e_tenant[victim]
         return row != ticket.row and self._places(ticket.row, 1) < self._places(row)
 
@@ -446,7 +447,7 @@ class Admission:
         rate = count * math.exp(-(now - stamp) / tau) / covered
         if rate <= 0:
             return cap
-        return max(1, min(cap, math.ceil((ahead + 1) / rate)))
+        return int(max(1, min(cap, math.ceil((ahead + 1) / rate))))
 
     # -- this worker's waiters ------------------------------------------------------
 
@@ -501,8 +502,9 @@ class Admission:
                 self.wake.wake(worker)
 
     def _on_wake(self) -> None:
-        with contextlib.suppress(BlockingIOError, InterruptedError):
-            os.read(self.wake.reader(self.worker), 4096)
+        if self.wake is not None:  # only then is this the pipe's reader
+            with contextlib.suppress(BlockingIOError, InterruptedError):
+                os.read(self.wake.reader(self.worker), 4096)
         self._sweep()
 
     def _sweep(self) -> None:

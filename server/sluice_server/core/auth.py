@@ -3,10 +3,17 @@ class and its tenant's weight.
 
 The key file's one grammar, parsed here and nowhere else (documented for users in
 server/README.md, "API keys: tenants, plans, priorities and weights"): a key per line, `#`
-comments and blank lines ignored, then `name=value` attributes, each at most once a line.
+comments and blank lines ignored, then `name=value` attributes, each at most once a line:
+
+    sk-plain-key                               # tenant "default", the --rate-limit-* plan
+    sk-acme-1  tenant=acme  rpm=600  tpm=200000  priority=interactive  weight=3
+    sk-legal   tenant=legal models=legal-v2,base  # only these served names (else 403)
+
 `ATTRIBUTES` is the table: an attribute is one row (its value's shape and a parser that
-raises ValueError saying what the value must be) and one `Principal` field. A tenant's
-weight is checked across lines (and against `--tenant-weights`) once the file is read.
+raises ValueError saying what the value must be) and one `Principal` field. `models=A,B`:
+the served names (the base model's, LoRA adapters') the key may use; any other gets 403
+`model_not_allowed`; absent: every served name. A tenant's weight is checked across lines
+(and against `--tenant-weights`) once the file is read.
 
 Keys are never logged nor put in metrics: the limiter sees `key_id` (a short hash), metrics
 and logs the tenant. A file that cannot be parsed is refused as a whole, with the line
@@ -19,20 +26,19 @@ import hashlib
 import hmac
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from ..names import MAX_WEIGHT, PRIORITY_NAME, TENANT, valid_tenant
 from .errors import ApiError
 from .identity import (
     ANONYMOUS_TENANT,
     DEFAULT_PRIORITY,
     DEFAULT_TENANT,
-    MAX_WEIGHT,
     NO_LIMITS,
-    PRIORITY_NAME,
-    TENANT,
     CallerRules,
     Plan,
     Principal,
-    valid_tenant,
+    parse_models,
 )
 
 
@@ -62,6 +68,10 @@ def _priority(value: str, rules: CallerRules) -> str:
     return value
 
 
+def _models(value: str, rules: CallerRules) -> frozenset[str]:
+    return parse_models(value)
+
+
 def _weight(value: str, rules: CallerRules) -> int:
     if not value.isdigit() or not 1 <= int(value) <= MAX_WEIGHT:
         raise ValueError(f"must be a whole number from 1 to {MAX_WEIGHT}")
@@ -69,24 +79,25 @@ def _weight(value: str, rules: CallerRules) -> int:
 
 
 # name -> (what its value looks like, parser: value text -> value, ValueError saying why).
-ATTRIBUTES: dict[str, tuple[str, Callable[[str, CallerRules], object]]] = {
+ATTRIBUTES: dict[str, tuple[str, Callable[[str, CallerRules], Any]]] = {
     "tenant": ("NAME", _tenant),
     "rpm": ("N", _whole),
     "tpm": ("N", _whole),
+    "models": ("A,B", _models),
     "priority": ("CLASS", _priority),
     "weight": ("N", _weight),
 }
 GRAMMAR = "KEY " + " ".join(f"[{name}={shape}]" for name, (shape, _) in ATTRIBUTES.items())
 
 
-def parse_key_line(line: str, number: int, rules: CallerRules) -> tuple[str, dict] | None:
+def parse_key_line(line: str, number: int, rules: CallerRules) -> tuple[str, dict[str, Any]] | None:
     """(key, attributes) of one line, None for a blank or comment line; ValueError naming
     the line number (never its text: it holds a key)."""
     text = line.split(" #", 1)[0].strip()
     if not text or text.startswith("#"):
         return None
     key, *fields = text.split()
-    attrs: dict[str, object] = {}
+    attrs: dict[str, Any] = {}
     for item in fields:
         name, sep, value = item.partition("=")
         if not sep or name not in ATTRIBUTES or name in attrs:
@@ -98,7 +109,7 @@ def parse_key_line(line: str, number: int, rules: CallerRules) -> tuple[str, dic
     return key, attrs
 
 
-def _tenant_weights(lines: list[tuple[int, dict]], rules: CallerRules) -> dict[str, int]:
+def _tenant_weights(lines: list[tuple[int, dict[str, Any]]], rules: CallerRules) -> dict[str, int]:
     """Each tenant's one weight: its lines' `weight=` and `--tenant-weights` must agree."""
     weights = dict(rules.weights)
     given: dict[str, tuple[int, str]] = {t: (w, "--tenant-weights") for t, w in weights.items()}
@@ -127,7 +138,7 @@ class KeyStore:
         """`rules` (a bare `Plan` reads as rules with just that plan)."""
         if isinstance(rules, Plan):
             rules = CallerRules(plan=rules)
-        lines: list[tuple[int, str, dict]] = []
+        lines: list[tuple[int, str, dict[str, Any]]] = []
         seen: set[str] = set()
         for number, line in enumerate(text.splitlines(), 1):
             entry = parse_key_line(line, number, rules)
@@ -143,7 +154,8 @@ class KeyStore:
             tenant = attrs.get("tenant", DEFAULT_TENANT)
             plan = Plan(attrs.get("rpm", rules.plan.rpm), attrs.get("tpm", rules.plan.tpm))
             priority = rules.priorities.resolve(attrs.get("priority"))
-            keys[key] = Principal(key_id(key), tenant, plan, priority, weights.get(tenant, 1))
+            keys[key] = Principal(key_id(key), tenant, plan, priority, weights.get(tenant, 1),
+                                  attrs.get("models"))  # fmt: skip
         store = cls(keys)
         store.weights = weights
         return store

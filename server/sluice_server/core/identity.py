@@ -8,17 +8,11 @@ with (highest first): fixed for the process, because the engine's scheduling pol
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ..names import (  # noqa: F401 - the names' grammar, re-exported for the core
-    MAX_WEIGHT,
-    PRIORITY_NAME,
-    TENANT,
-    check_priority_classes,
-    check_weight,
-    valid_tenant,
-)
+from ..names import check_priority_classes
 
 
 @dataclass(frozen=True)
@@ -89,6 +83,20 @@ class Principal:
     plan: Plan
     priority: str = DEFAULT_PRIORITY  # its priority class
     weight: int = 1  # its tenant's share of the pod, against other tenants' weights
+    # The served names (base, LoRA adapters) this caller may use; None: every one.
+    models: frozenset[str] | None = None
+
+
+# A served model name in a key file's `models=` or a token's `models` claim.
+MODEL_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._/:-]{0,126}[A-Za-z0-9])?")
+
+
+def parse_models(value: str) -> frozenset[str]:
+    """`a,b` -> {a, b}; ValueError for an empty list or a name that cannot be served."""
+    names = [n for n in value.split(",") if n]
+    if not names or not all(MODEL_NAME.fullmatch(n) for n in names):
+        raise ValueError(f"must be served names separated by commas ({MODEL_NAME.pattern})")
+    return frozenset(names)
 
 
 ANONYMOUS_TENANT = "anonymous"

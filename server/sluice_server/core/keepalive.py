@@ -26,7 +26,9 @@ log = logging.getLogger(__name__)
 
 
 class KeepAlive:
-    _by_loop: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[float, KeepAlive]] = (
+        weakref.WeakKeyDictionary()
+    )
 
     def __init__(self, loop: asyncio.AbstractEventLoop, interval: float) -> None:
         self.loop, self.interval = loop, interval

@@ -20,6 +20,7 @@ container, with fresh shared memory).
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import multiprocessing
 import os
@@ -196,7 +197,7 @@ class WakeLines:
         self.pipes = [ctx.Pipe(duplex=False) for _ in range(workers)]  # (reader, writer)
 
     def reader(self, worker: int) -> int:
-        fd = self.pipes[worker][0].fileno()
+        fd: int = self.pipes[worker][0].fileno()
         os.set_blocking(fd, False)
         return fd
 
@@ -219,7 +220,7 @@ class PodState:
         # False only for the tests' negative control: each worker then limits on its own.
         self.share_limits = share_limits
         self.lock = ctx.Lock()
-        self.streams = ctx.RawValue("i", 0)
+        self.streams: ctypes.c_int = ctx.RawValue("i", 0)
         self.ready = ctx.RawArray("b", workers)
         self.buckets = SharedBuckets(ctx)
         self.queue = QueueTable(ctx, queue) if queue is not None and share_limits else None

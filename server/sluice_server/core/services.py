@@ -7,11 +7,13 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from starlette.requests import HTTPConnection, Request
 
-from ..engine.base import Engine
+from ..engine.base import Adapter, Engine
 from ..settings import Settings
+from .adapters import Adapters
 from .admission import Ticket
 from .auth import bearer
 from .credentials import Credentials
@@ -39,10 +41,11 @@ class Services:
     limiter: Limiter
     credentials: Credentials
     recorder: Recorder
+    adapters: Adapters
     engine: Engine | None = None
     engine_error: str | None = None
     pod: PodSeat | None = None  # this worker's seat when the pod runs several (--api-workers)
-    _bills: set[asyncio.Task] = field(default_factory=set)
+    _bills: set[asyncio.Task[None]] = field(default_factory=set)
     recent: RecentStreams = field(default_factory=RecentStreams)
 
     async def require_engine(self) -> Engine:
@@ -97,6 +100,16 @@ class Services:
         except ApiError as e:
             raise self._counted(protocol, e) from None
 
+    def route(self, trail: Trail, who: Principal, model: str | None) -> Adapter | None:
+        """The LoRA adapter a request names in `model` (None: the base), or 404/403/503
+        (counted). The request's metrics and access-log line carry the name from here on."""
+        try:
+            adapter = self.adapters.resolve(model, who)
+        except ApiError as e:
+            raise self._counted(trail.protocol or "", e) from None
+        trail.model = adapter.name if adapter is not None else None
+        return adapter
+
     async def admit(self, protocol: str, who: Principal, trail: Trail | None = None) -> Ticket:
         """Drain and capacity first (no limiter call for a request refused anyway), then the
         rate limit; 429/503 with Retry-After, counted. The ticket holds a stream slot, or,
@@ -120,7 +133,7 @@ class Services:
         False when it still waits after `commit_after` seconds (a stream then commits to
         200 and waits in the stream core, with keep-alives). Refused: ApiError 429/503
         with Retry-After (counted). The client leaving: ClientGone, out of the queue."""
-        if not ticket.waiting:
+        if not ticket.waiting or ticket.future is None:
             await self._refused_if(protocol, ticket)
             return True
         admitted = asyncio.shield(ticket.future)  # resolved when admitted or refused
@@ -201,7 +214,8 @@ async def _disconnect(request: Request) -> None:
 
 
 def services(conn: HTTPConnection) -> Services:
-    return conn.app.state.services
+    svc: Services = conn.app.state.services
+    return svc
 
 
 def trail_of(conn: HTTPConnection) -> Trail:
@@ -219,7 +233,7 @@ def received_at(conn: HTTPConnection) -> float:
     return conn.scope.get("sluice.t0") or time.perf_counter()
 
 
-async def read_json(request: Request, svc: Services, protocol: str) -> dict:
+async def read_json(request: Request, svc: Services, protocol: str) -> dict[str, Any]:
     """Body within the size limit, parsed as a JSON object; OpenAI-style errors otherwise."""
     limit = svc.settings.max_body_bytes
     declared = request.headers.get("content-length")

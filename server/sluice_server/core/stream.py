@@ -28,14 +28,25 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from ..engine.base import Delta
 from .keepalive import KeepAlive
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-KEEPALIVE: list = []  # next_batch's answer when a keep-alive is due (compared by identity)
+KEEPALIVE: list[Any] = []  # next_batch's answer when a keep-alive is due (compared by identity)
+
+
+class Admitting(Protocol):
+    """What a waiting stream reads from its admission ticket (core/admission.py)."""
+
+    @property
+    def waited(self) -> float:
+        """Seconds waited so far."""
+
+    async def wait(self) -> None:
+        """Until admitted; raises the refusal."""
 
 
 class Stream(Generic[T]):
@@ -50,7 +61,7 @@ class Stream(Generic[T]):
         cap: int,
         timeout: float,
         replayable: bool = False,
-        admission=None,
+        admission: Admitting | None = None,
         keepalive: float = 0.0,
     ) -> None:
         self._source = source
@@ -59,7 +70,7 @@ class Stream(Generic[T]):
         # The consumer's wake-up: a bare future while it waits, else None. (An
         # asyncio.Event costs a loop lookup and a waiter deque per wait and per set: about a
         # tenth of the server's CPU per token event, tests/bench/stack_cost.py.)
-        self._waiter: asyncio.Future | None = None
+        self._waiter: asyncio.Future[None] | None = None
         self._done = False
         self.error: str | None = None
         self.error_code, self.error_status = "stream_error", 500
@@ -97,7 +108,7 @@ class Stream(Generic[T]):
     @property
     def waited(self) -> float:
         """Seconds this stream has waited for admission."""
-        return getattr(self.admission, "waited", 0.0)
+        return self.admission.waited if self.admission is not None else 0.0
 
     async def _produce(self) -> None:
         source = self._source

@@ -35,7 +35,7 @@ def test_key_lines_give_priority_and_the_tenants_weight():
     assert four.weight == 2  # the tenant's weight, given on another of its lines
     assert (five.tenant, five.priority, five.weight) == ("default", "batch", 1)
     assert ks.weights == {"acme": 3, "free": 2}
-    assert GRAMMAR == "KEY [tenant=NAME] [rpm=N] [tpm=N] [priority=CLASS] [weight=N]"
+    assert GRAMMAR == "KEY [tenant=NAME] [rpm=N] [tpm=N] [models=A,B] [priority=CLASS] [weight=N]"
 
 
 @pytest.mark.parametrize("text, says", [
