@@ -26,14 +26,17 @@ def test_key_lines_give_priority_and_the_tenants_weight():
         "sk-2 tenant=acme weight=3\n"  # agrees with --tenant-weights
         "sk-3 tenant=free weight=2 priority=batch rpm=5\n"
         "sk-4 tenant=free\n"
-        "sk-5\n",
+        "sk-5\n"
+        "sk-6 tenant=acme models=legal-v2,qwen priority=interactive\n",  # the adapters' scoping
         RULES,
     )
-    one, two, three, four, five = (ks.match(f"sk-{i}") for i in range(1, 6))
+    one, two, three, four, five, six = (ks.match(f"sk-{i}") for i in range(1, 7))
     assert (one.priority, one.weight, two.priority, two.weight) == ("interactive", 3, "batch", 3)
     assert (three.priority, three.weight, three.plan) == ("batch", 2, Plan(5, 0))
     assert four.weight == 2  # the tenant's weight, given on another of its lines
     assert (five.tenant, five.priority, five.weight) == ("default", "batch", 1)
+    assert (six.models, six.priority, six.weight) == ({"legal-v2", "qwen"}, "interactive", 3)
+    assert one.models is None  # every served name
     assert ks.weights == {"acme": 3, "free": 2}
     assert GRAMMAR == "KEY [tenant=NAME] [rpm=N] [tpm=N] [models=A,B] [priority=CLASS] [weight=N]"
 
@@ -66,6 +69,8 @@ def test_jwt_priority_claim_and_the_tenants_weight():
     v = JwtVerifier(jwks(RSA), ISSUER, AUDIENCE, rules=RULES, priority_claim="tier")
     assert v.verify(RSA.token(tier="interactive")).priority == "interactive"
     assert v.verify(RSA.token()).priority == "batch"  # no claim: the default class
+    both = v.verify(RSA.token(tier="interactive", models=["legal-v2", "qwen"]))
+    assert (both.priority, both.models) == ("interactive", {"legal-v2", "qwen"})
     with pytest.raises(ApiError) as e:
         v.verify(RSA.token(tier="urgent"))
     assert e.value.status == 401 and "`tier` must be one of the priority classes" in e.value.message
