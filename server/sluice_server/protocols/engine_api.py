@@ -31,9 +31,7 @@ from ..core.params import describe_validation_error
 from ..core.services import ClientGone, Services, read_json, received_at, services, trail_of
 from ..core.stream import Stream
 from ..engine.base import GENERATING, ApiKind, ApiRequestError, ApiStream
-from ..transport.sse import SSEResponse
-
-QUEUED = b": queued\n\n"  # the keep-alive of a stream waiting for a slot (an SSE comment)
+from ..transport.sse import QUEUED, SSEResponse
 
 
 def openai_error_event(message: str, code: str = "stream_error", sent: int = 0,

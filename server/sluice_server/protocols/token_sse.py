@@ -29,7 +29,7 @@ from ..core.lifecycle import open_stream, resume_stream
 from ..core.params import to_stream_request
 from ..core.services import ClientGone, Services, read_json, received_at, services, trail_of
 from ..core.stream import Stream
-from ..transport.sse import SSEResponse
+from ..transport.sse import QUEUED, SSEResponse
 from .openapi import stream_body, stream_query, streamed
 
 router = APIRouter(tags=["token stream"])
@@ -120,9 +120,6 @@ def _respond(svc: Services, handle, rid: str, start: int | None) -> Response:
         ping=svc.settings.heartbeat_seconds,
         send_timeout=svc.settings.send_timeout_seconds,
     )
-
-
-QUEUED = b": queued\n\n"  # the keep-alive of a stream waiting for a slot (an SSE comment)
 
 
 def error_payload(rid: str, message: str, code: str = "stream_error") -> str:
