@@ -30,6 +30,8 @@ from .sendwatch import SendWatchdog
 
 NO_BUFFERING = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 PING = b": ping\n\n"
+# The keep-alive of a stream waiting for a stream slot (the events loop's `Waiting`).
+QUEUED = b": queued\n\n"
 
 
 class Disconnected(Exception):
