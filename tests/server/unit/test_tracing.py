@@ -18,6 +18,7 @@ from app_helpers import serve_simulator as serve
 from app_helpers import ws_url
 from sluice_server.engine.simulator import SimulatorEngine
 from testkit.otlp import OtlpReceiver
+from testkit.wait import eventually_async
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 EVENTS = ["admitted", "first_output", "first_byte", "end"]
@@ -42,12 +43,10 @@ def parent() -> tuple[str, str, dict]:
 
 
 async def spans_of(rx: OtlpReceiver, trace: str, n: int = 1) -> list[dict]:
-    def mine(spans):
-        return [s for s in spans if s["trace_id"] == trace]
-
-    spans = await asyncio.to_thread(rx.wait_for, lambda s: len(mine(s)) >= n)
-    found = mine(spans)
-    assert len(found) == n, (trace, spans)
+    found = await eventually_async(
+        lambda: rx.trace(trace, at_least=n), timeout=15, message=f"{n} span(s) of trace {trace}"
+    )
+    assert len(found) == n, (trace, rx.snapshot())
     return found
 
 
