@@ -225,3 +225,55 @@ async def test_eventually_async_awaits_and_keeps_to_the_loops_clock():
     with pytest.raises(KeyError):  # not retried: fails at once
         await eventually_async(lambda: {}["status"], timeout=30)
     assert loop.time() == pytest.approx(2.0)
+
+
+FAKE_ENGINE = """
+import os, subprocess, sys, setproctitle
+setproctitle.setproctitle("VLLM::EngineCore")
+worker = subprocess.Popen([sys.executable, "-c",
+    "import os, setproctitle, sys; setproctitle.setproctitle('VLLM::Worker'); "
+    "os.sched_setaffinity(0, {0}); print('up', flush=True); sys.stdin.read()"],
+    stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+worker.stdout.readline()
+print("up", flush=True)
+sys.stdin.read()
+worker.stdin.close()
+worker.wait()
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to separate")
+def test_engine_apart_moves_the_engine_core_beside_its_worker_and_us_away(tmp_path):
+    """vLLM's layout faked by two processes named as vLLM names its own: an engine core (our
+    child) and its model worker bound to CPU 0, as vLLM's auto binding leaves them."""
+    import subprocess
+
+    from testkit.cpus import engine_apart_from_this_process
+
+    ours = os.sched_getaffinity(0)
+    with engine_apart_from_this_process() as layout:
+        assert layout == {}  # the negative control: no engine, nothing moved
+        assert os.sched_getaffinity(0) == ours
+    core = subprocess.Popen([sys.executable, "-c", FAKE_ENGINE], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE)  # fmt: skip
+    try:
+        assert core.stdout.readline() == b"up\n"
+        core_mask = os.sched_getaffinity(core.pid)
+        with engine_apart_from_this_process() as layout:
+            front = ours - {0}
+            assert layout == {"engine_cpus": [0], "front_cpus": sorted(front)}
+            assert os.sched_getaffinity(core.pid) == {0}
+            tids = [int(t) for t in os.listdir(f"/proc/{os.getpid()}/task")]
+            assert {frozenset(os.sched_getaffinity(t)) for t in tids} == {frozenset(front)}
+            started_inside = subprocess.run(
+                [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                capture_output=True,
+                text=True,
+                check=True,
+            )  # nginx, a browser: started meanwhile, on the front's cores
+            assert started_inside.stdout.strip() == str(sorted(front))
+        assert os.sched_getaffinity(0) == ours  # every mask back as it was
+        assert os.sched_getaffinity(core.pid) == core_mask
+    finally:
+        core.stdin.close()
+        core.wait(10)
