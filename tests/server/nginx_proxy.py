@@ -37,12 +37,12 @@ import signal
 import socket
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
 from testkit.net import free_port
+from testkit.wait import eventually
 
 Mode = Literal["ingress", "nginx-default", "buffered"]
 
@@ -188,20 +188,28 @@ class NginxProxy:
                  "-c", str(conf)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
             )  # fmt: skip
-            deadline = time.monotonic() + wait_seconds
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    break
-                try:
-                    with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                        return self
-                except OSError:
-                    time.sleep(0.05)
-            err = self.proc.stderr.read().decode() if self.proc.poll() is not None else ""
+            try:
+                state = eventually(self._listening_or_exited, timeout=wait_seconds,
+                                   message=lambda: f"nginx to listen\n{self.error_log()}")  # fmt: skip
+            except AssertionError:
+                self.stop(cleanup=False)
+                raise
+            if state == "listening":
+                return self
+            err = self.proc.stderr.read().decode()
             self.stop(cleanup=False)
             if "Address already in use" not in err + self.error_log() or attempt == 2:
                 raise RuntimeError(f"nginx did not start: {err}\n{self.error_log()}")
         raise AssertionError("unreachable")
+
+    def _listening_or_exited(self) -> str | None:
+        if self.proc.poll() is not None:
+            return "exited"
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                return "listening"
+        except OSError:
+            return None
 
     def stop(self, cleanup: bool = True) -> None:
         proc, self.proc = self.proc, None

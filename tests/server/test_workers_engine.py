@@ -24,7 +24,6 @@ import asyncio
 import os
 import re
 import tempfile
-import time
 
 import httpx
 import pytest
@@ -39,6 +38,7 @@ from pod_helpers import (
     scrape,
     start_pod,
 )
+from testkit.wait import eventually_async
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.engine, pytest.mark.slow]
 
@@ -69,16 +69,18 @@ def pod(tmp_path_factory, tiny_model_path):
 
 
 async def _settled(c: httpx.AsyncClient, limit_s: float = 30.0) -> str:
-    """The pod's metrics once no stream is active and vLLM's token count stopped moving."""
-    deadline, last = time.monotonic() + limit_s, None
-    while True:
+    """The pod's metrics once no stream is active and vLLM's token count stopped moving
+    (the same in two scrapes in a row)."""
+    previous: dict[str, float | None] = {"tokens": None}
+
+    async def idle() -> str | None:
         text = await scrape(c)
-        now = metric(text, "vllm:generation_tokens_total")
-        if metric(text, "sluice_active_streams") == 0 and now == last:
-            return text
-        assert time.monotonic() < deadline, "the engine did not go idle"
-        last = now
-        await asyncio.sleep(0.2)
+        tokens = metric(text, "vllm:generation_tokens_total")
+        moved, previous["tokens"] = tokens != previous["tokens"], tokens
+        return text if metric(text, "sluice_active_streams") == 0 and not moved else None
+
+    return await eventually_async(idle, timeout=limit_s, interval=0.2, retry_on=(),
+                                  message="the engine to go idle")  # fmt: skip
 
 
 async def test_streams_land_on_both_workers_and_metrics_sum(pod):
