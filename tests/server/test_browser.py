@@ -16,10 +16,17 @@ import time
 
 import httpx
 import pytest
-from browser import chrome, missing, static_site, wait_for
+from browser import chrome, missing, page_eventually, static_site
 from nginx_proxy import NginxProxy, find_nginx
+from testkit.wait import eventually_async
 
-pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
+# The browser, nginx and the servers on cores of their own, apart from the engine's (the
+# arrival times of a stream are the verdict here): `engine_apart` in conftest.py.
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.usefixtures("engine_apart"),
+    pytest.mark.asyncio(loop_scope="session"),
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -55,14 +62,14 @@ async def metrics(url: str) -> str:
 def playground_chat(page: str, transport: str) -> dict:
     with chrome() as d:
         d.get(page)
-        wait_for(d, "document.getElementById('model').textContent === 'tiny'")
+        page_eventually(d, "document.getElementById('model').textContent === 'tiny'")
         d.execute_script(f"""
             document.getElementById('transport').value = '{transport}';
             document.getElementById('max_tokens').value = '150';
             document.getElementById('temperature').value = '0';
             window.sluicePlayground.extra = {{ignore_eos: true}};
             document.getElementById('send').click();""")
-        wait_for(d, "window.sluicePlayground.done", 120)
+        page_eventually(d, "window.sluicePlayground.done", 120)
         return d.execute_script("""const s = window.sluicePlayground;
             return {arrivals: s.arrivals, tokens: s.tokens, error: document.getElementById('out').className,
                     stats: document.getElementById('stats').textContent};""")
@@ -85,17 +92,17 @@ async def test_playground_streams_incrementally(server_url, transport):
 def playground_stop(page: str, engine_busy) -> dict:
     with chrome() as d:
         d.get(page)
-        wait_for(d, "document.getElementById('model').textContent === 'tiny'")
+        page_eventually(d, "document.getElementById('model').textContent === 'tiny'")
         d.execute_script("""
             document.getElementById('transport').value = 'websocket';
             document.getElementById('max_tokens').value = '400';
             window.sluicePlayground.extra = {ignore_eos: true};
             document.getElementById('send').click();""")
-        wait_for(d, "window.sluicePlayground.arrivals.length >= 10", 120)
+        page_eventually(d, "window.sluicePlayground.arrivals.length >= 10", 120)
         assert engine_busy()
         t = time.monotonic()
         d.find_element("id", "stop").click()
-        wait_for(d, "window.sluicePlayground.done", 30)
+        page_eventually(d, "window.sluicePlayground.done", 30)
         clicked_to_done = time.monotonic() - t
         return {"reason": d.execute_script("return window.sluicePlayground.finishReason"),
                 "tokens": d.execute_script("return window.sluicePlayground.tokens"),
@@ -106,10 +113,8 @@ async def test_playground_websocket_stop_ends_the_request(server_url, engine):
     with NginxProxy(server_url, "ingress", annotations=ingress_annotations()) as proxy:
         got = await asyncio.to_thread(playground_stop, proxy.url + "/playground",
                                       lambda: engine.num_unfinished_requests() > 0)  # fmt: skip
-        t0 = time.monotonic()
-        while engine.num_unfinished_requests():
-            assert time.monotonic() - t0 < 2, "the engine request outlived Stop"
-            await asyncio.sleep(0.01)
+        await eventually_async(lambda: engine.num_unfinished_requests() == 0, timeout=2,
+                               interval=0.01, message="the engine request to end after Stop")  # fmt: skip
     print(f"\nBROWSER stop: final frame {got['took'] * 1e3:.0f} ms after the click, "
           f"{got['tokens']} tokens of 400")  # fmt: skip
     assert got["reason"] == "abort" and got["tokens"] < 400
@@ -129,7 +134,7 @@ fetch(base + "/v1/chat/completions", {method: "POST",
 def cross_origin(site: str, api: str) -> dict:
     with chrome() as d:
         d.get(f"{site}/?api={api}")
-        return wait_for(d, "window.result", 60)
+        return page_eventually(d, "window.result", 60)
 
 
 async def test_cross_origin_page_allowed_and_refused(make_server):
@@ -158,7 +163,7 @@ es.onmessage = (e) => { window.msgs++; if (e.data === "[DONE]") window.done++; }
 def naive_event_source(page_url: str) -> dict:
     with chrome() as d:
         d.get(page_url)
-        wait_for(d, "window.done >= 1", 60)
+        page_eventually(d, "window.done >= 1", 60)
         t = time.monotonic()
         time.sleep(15)
         state = d.execute_script("return {msgs: window.msgs, done: window.done, "
