@@ -2,9 +2,9 @@
 the whole session, and a factory of uvicorn servers on loopback around it.
 
 Names are a contract with the other server test files: `tiny_model_path`, `engine`,
-`engine_apart`, `make_server`, `server_url`. Everything runs in pytest-asyncio's session loop. Plain
-helpers (settings, serving an app in the test loop) live in app_helpers.py, so tests
-import them from there and never from this file.
+`engine_apart`, `make_server`, `server_url`. Everything runs in pytest-asyncio's session
+loop. Plain helpers (settings, serving an app in the test loop) live in app_helpers.py, so
+tests import them from there and never from this file.
 """
 
 from __future__ import annotations
