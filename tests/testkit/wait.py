@@ -2,9 +2,9 @@
 
 A test that waits for a log line, a status condition, a port that listens or a counter
 that settles polls for it with one deadline, and fails saying what it waited for and the
-last thing it saw. This module is the one place such a loop is written; there is no sleep
-used as synchronisation anywhere else (a sleep that only lets time pass, to show that
-something does *not* happen, is not a wait and stays a sleep).
+last thing it saw, instead of sleeping for a guess of how long that takes. This module is
+the one place such a loop is written. (A sleep that only lets time pass, to show that
+something does *not* happen, is not a wait.)
 
 `eventually(fn, timeout=..., ...)` calls `fn` until it returns something truthy and
 returns that value. An exception listed in `retry_on` (by default `AssertionError`, so `fn`
