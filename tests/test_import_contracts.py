@@ -33,7 +33,9 @@ def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(LINT_IMPORTS), "--config", str(root / "pyproject.toml"), "--no-cache"],
         cwd=root,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)},
+        # lint-imports wraps its report at the terminal's width (80 without one): a wide one
+        # keeps each contract's name, and its KEPT or BROKEN, on one line.
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p), "COLUMNS": "1000"},
         capture_output=True,
         text=True,
         timeout=300,

@@ -7,7 +7,10 @@ first two work on a laptop without a kubeconfig (GitOps users render and commit 
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import sys
+import uuid
 from pathlib import Path
 
 
@@ -47,9 +50,32 @@ def _cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
+def election_settings(args: argparse.Namespace) -> object | None:
+    """The `--leader-elect*` flags as `election.ElectionSettings` (None without the flag).
+    The Lease holder is the identity plus a random suffix (client-go's hostname_uuid): a
+    restarted container in the same pod is a new candidate, never the old leader."""
+    if not args.leader_elect:
+        return None
+    from .election import ElectionSettings
+
+    return ElectionSettings(
+        name=args.leader_elect_resource_name,
+        namespace=args.leader_elect_resource_namespace,
+        identity=f"{args.identity}_{uuid.uuid4().hex[:8]}",
+        lease_duration=args.leader_elect_lease_duration,
+        renew_deadline=args.leader_elect_renew_deadline,
+        retry_period=args.leader_elect_retry_period,
+    )
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from .runner import run
 
+    try:
+        election = election_settings(args)
+    except ValueError as exc:
+        print(f"sluice-operator run: {exc}", file=sys.stderr)
+        return 2
     return run(
         namespaces=args.namespace,
         all_namespaces=args.all_namespaces,
@@ -59,6 +85,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         peering=args.peering,
         log_format=args.log_format,
         resync_seconds=args.resync_seconds,
+        identity=args.identity,
+        election=election,
+        max_rollouts=args.max_concurrent_model_rollouts,
     )
 
 
@@ -68,14 +97,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     crds = commands.add_parser(
         "crds",
-        help="print the generated CRD, or write or check every file generated from the models",
+        help="print the generated CRD, or write or check every generated file",
     )
     mode = crds.add_mutually_exclusive_group()
     mode.add_argument(
         "--write",
         action="store_true",
-        help="write crds/, charts/sluice-operator/crds/, docs/api.md and "
-        "charts/streaming-model/values.schema.json",
+        help="write crds/, charts/sluice-operator/crds/, docs/api.md, "
+        "charts/streaming-model/values.schema.json, the Grafana dashboard and docs/helm.md's "
+        "values and RBAC tables",
     )
     mode.add_argument(
         "--check", action="store_true", help="exit 1 when a checked-in generated file is stale"
@@ -120,7 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--standalone", action="store_true", help="no peering (the default without --peering)"
     )
     peer.add_argument(
-        "--peering", default=None, help="kopf peering object name (several replicas, one active)"
+        "--peering",
+        default=None,
+        help="kopf peering object name: pause while a higher-priority operator runs (not "
+        "leader election: see --leader-elect)",
     )
     run.add_argument(
         "--log-format", choices=["json", "plain", "full"], default="json", help="log format"
@@ -131,6 +164,54 @@ def build_parser() -> argparse.ArgumentParser:
         default=300.0,
         help="converge every model this often, from memory (a settled model costs no API "
         "call); 0 turns it off",
+    )
+    run.add_argument(
+        "--max-concurrent-model-rollouts",
+        type=int,
+        default=2,
+        metavar="N",
+        help="when this operator release renders a new pod template for models nobody changed, "
+        "roll at most N of them at a time, each until its new pods are Ready (0: no limit); "
+        "a model whose own spec changed is never held back",
+    )
+    run.add_argument(
+        "--identity",
+        default=os.environ.get("POD_NAME") or socket.gethostname(),
+        help="who this replica is, in its user agent and Lease holder identity (default: "
+        "$POD_NAME, else the host name)",
+    )
+    elect = run.add_argument_group("leader election (several replicas, one writes)")
+    elect.add_argument(
+        "--leader-elect",
+        action="store_true",
+        help="only the holder of a coordination.k8s.io Lease reconciles; the others watch "
+        "and take over when it stops renewing",
+    )
+    elect.add_argument(
+        "--leader-elect-resource-name", default="sluice-operator", help="name of the Lease"
+    )
+    elect.add_argument(
+        "--leader-elect-resource-namespace",
+        default=os.environ.get("POD_NAMESPACE") or "default",
+        help="namespace of the Lease (default: $POD_NAMESPACE, else default)",
+    )
+    elect.add_argument(
+        "--leader-elect-lease-duration",
+        type=float,
+        default=15.0,
+        help="seconds a standby waits after the Lease last changed before taking it",
+    )
+    elect.add_argument(
+        "--leader-elect-renew-deadline",
+        type=float,
+        default=10.0,
+        help="seconds the leader keeps writing without a successful renewal; then it stops",
+    )
+    elect.add_argument(
+        "--leader-elect-retry-period",
+        type=float,
+        default=2.0,
+        help="seconds between attempts to acquire or renew the Lease",
     )
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     run.set_defaults(func=_cmd_run)

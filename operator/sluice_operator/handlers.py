@@ -9,10 +9,17 @@ Passes read the model, children and pods from memory (`memory.Memory`): one kopf
 kind in `kinds.INDEXED_KINDS`, filled by the watches kopf runs anyway, plus the operator's
 own writes. No kopf timers: they would put a finalizer on every StreamingModel (deletion
 would then hang whenever the operator is down); the resync is a plain background thread.
+
+With `--leader-elect` (`election.Elector`), every replica watches and indexes, and only the
+Lease holder writes: the model handlers are filtered (`when=`), child events and the resync
+return early, every write goes through `cluster.FencedCluster`, kopf's own annotation writes
+through `_LeaderOnlyProgress`/`_LeaderOnlyDiffBase` and its Events are off. A replica that
+becomes the leader converges every model from its warm memory at once (`Resync.kick`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import logging
 import threading
@@ -21,19 +28,25 @@ from typing import Any
 
 import kopf
 
+from . import __version__
 from .builders.common import INSTANCE_LABEL, MANAGED_BY_LABEL, MANAGER
-from .cluster import Cluster, KubeCluster
-from .kinds import INDEXED_KINDS, STREAMING_MODEL, WATCHED_KINDS, Kind
+from .cluster import Cluster, FencedCluster, KubeCluster, KubeLeases, WriteFenced, pod_metrics_page
+from .election import AlwaysLeading, ElectionSettings, Elector
+from .kinds import DEPLOYMENT, INDEXED_KINDS, STREAMING_MODEL, WATCHED_KINDS, Kind
 from .memory import Memory, index_key, lean
 from .models import GROUP, PLURAL, VERSION
+from .pacing import RolloutPacer
 from .reconcile import converge
 from .validation import SpecError
 
+log = logging.getLogger("sluice_operator.handlers")
 OURS = {MANAGED_BY_LABEL: MANAGER}
 # (group, version, plural) of every child watch, from the one table of kinds.
 CHILD_RESOURCES = tuple((k.group, k.version, k.plural) for k in WATCHED_KINDS)
 MAX_BACKOFF_SECONDS = 300
+ADAPTER_RECHECK_SECONDS = 10
 DEFAULT_RESYNC_SECONDS = 300.0
+DEFAULT_MAX_ROLLOUTS = 2
 # Threads for the (sync) handlers. A pass mostly waits on the API server, and every child
 # and pod event runs one: with kopf's default (CPUs + 4) a burst of child events kept new
 # models waiting (50 models at once: last model's children 6.9-8.4 s, 5.3-5.9 s with 20).
@@ -107,39 +120,176 @@ def backoff(retry: int) -> float:
     return float(min(MAX_BACKOFF_SECONDS, 5 * 2**retry))
 
 
+def user_agent(identity: str | None) -> str:
+    """What every request of this replica carries, so an audit log tells replicas apart."""
+    return f"sluice-operator/{__version__}" + (f" ({identity})" if identity else "")
+
+
+def _leadership(memo: kopf.Memo) -> Any:
+    return getattr(memo, "leadership", None) or AlwaysLeading()
+
+
+def _leading(memo: kopf.Memo, **_: Any) -> bool:
+    """kopf filter of the model handlers: only the leader runs them."""
+    return bool(_leadership(memo).leading())
+
+
+class _LeaderOnlyProgress(kopf.AnnotationsProgressStorage):
+    """kopf's handler progress annotations, written only while this replica leads."""
+
+    def __init__(self, leading: Callable[[], bool], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._leading = leading
+
+    def store(self, **kwargs: Any) -> None:
+        if self._leading():
+            super().store(**kwargs)
+
+    def purge(self, **kwargs: Any) -> None:
+        if self._leading():
+            super().purge(**kwargs)
+
+    def touch(self, **kwargs: Any) -> None:
+        if self._leading():
+            super().touch(**kwargs)
+
+
+class _LeaderOnlyDiffBase(kopf.AnnotationsDiffBaseStorage):
+    """kopf's last-handled-configuration annotation, written only while this replica leads
+    (a standby's skipped handlers would otherwise record the change as handled)."""
+
+    def __init__(self, leading: Callable[[], bool], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._leading = leading
+
+    def store(self, **kwargs: Any) -> None:
+        if self._leading():
+            super().store(**kwargs)
+
+
+READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def _kopf_write_fence(memo: kopf.Memo) -> Callable[..., Any]:
+    """An aiohttp client middleware for kopf's session: a write is refused (nothing sent)
+    unless this replica leads. kopf composes its annotation patches and Events only while
+    leading (the storages above, `posting.enabled`), but retries a request that failed
+    (a connection cut, an apiserver 5xx) for up to a minute: without this, a patch composed
+    before the Lease was lost could be sent again after a standby took over."""
+    import aiohttp
+
+    async def fence(request: Any, handler: Any) -> Any:
+        if request.method not in READ_METHODS and not _leadership(memo).leading():
+            raise aiohttp.ClientConnectionError(
+                f"not the leader: {request.method} {request.url.path} not sent"
+            )
+        return await handler(request)
+
+    return fence
+
+
+@kopf.on.login()
+async def login(memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any) -> Any:
+    """kopf's own login (the Kubernetes client's in-cluster config or kubeconfig), in an
+    aiohttp session that sends our user agent (kopf's requests, watches, its annotations and
+    Events, then name the replica in the audit log like the operator's own requests do) and
+    refuses writes while this replica is not the leader (`_kopf_write_fence`)."""
+    import aiohttp
+
+    info = kopf.login_via_client(logger=logger, **kwargs)
+    if info is None:
+        return None
+    session = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, ssl=info.as_ssl_context()),
+        headers={
+            **info.as_http_headers(),
+            "User-Agent": user_agent(getattr(memo, "identity", None)),
+        },
+        proxy=info.proxy_url,
+        trust_env=info.trust_env,
+        middlewares=(_kopf_write_fence(memo),),
+    )
+    return kopf.AiohttpSession(
+        aiohttp_session=session,
+        server=info.server,
+        default_namespace=info.default_namespace,
+        priority=info.priority,
+        expiration=info.expiration,
+    )
+
+
 @kopf.on.startup()
 def configure(
-    settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any
+    settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.Logger, **_: Any
 ) -> None:
-    # Keep kopf's bookkeeping in our own annotations, and off the status we own.
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=GROUP, key="last-handled-configuration"
+    election: ElectionSettings | None = getattr(memo, "leader_election", None)
+
+    def leading() -> bool:
+        return bool(_leadership(memo).leading())
+
+    # Keep kopf's bookkeeping in our own annotations, and off the status we own; written by
+    # the leader only.
+    settings.persistence.progress_storage = _LeaderOnlyProgress(leading, prefix=GROUP)
+    settings.persistence.diffbase_storage = _LeaderOnlyDiffBase(
+        leading, prefix=GROUP, key="last-handled-configuration"
     )
     # No runtime CRD/namespace scanning: less RBAC (the CRD is installed before the operator).
     settings.scanning.disabled = True
     # Only warnings and errors become Events; our own Events say what changed. Otherwise
-    # every handler run would post one (a write per resync).
+    # every handler run would post one (a write per resync). A standby posts none.
     settings.posting.level = logging.WARNING
+    settings.posting.enabled = election is None
     settings.watching.server_timeout = 300
     settings.execution.max_workers = HANDLER_THREADS
     if getattr(memo, "cluster", None) is None:
-        memo.cluster = KubeCluster(_load_kube_config())
+        api = _load_kube_config()
+        api.user_agent = user_agent(getattr(memo, "identity", None))
+        memo.kube = KubeCluster(api)
+        memo.cluster = FencedCluster(memo.kube, leading)
     if getattr(memo, "memory", None) is None:
         memo.memory = Memory()
     seconds = getattr(memo, "resync_seconds", None)
     seconds = DEFAULT_RESYNC_SECONDS if seconds is None else float(seconds)
-    if seconds > 0:
-        memo.resync = Resync(memo.cluster, memo.memory, seconds, logger)
-        memo.resync.start()
+    memo.resync = Resync(memo.cluster, memo.memory, seconds, logger, leading=leading)
+    limit = getattr(memo, "max_rollouts", None)
+    memo.pacer = memo.resync.pacer = RolloutPacer(
+        DEFAULT_MAX_ROLLOUTS if limit is None else int(limit),
+        deployments=lambda: memo.memory.every(DEPLOYMENT),
+        wake=memo.resync.converge_soon,
+    )
+    if election is not None and getattr(memo, "leadership", None) is None:
+
+        def started() -> None:
+            settings.posting.enabled = True
+            memo.resync.kick()  # converge every model from memory now, not at the next resync
+
+        def stopped(reason: str) -> None:
+            settings.posting.enabled = False
+
+        store = KubeLeases(memo.kube, election.namespace, election.name, election.renew_deadline)
+        memo.leadership = Elector(election, store, on_started=started, on_stopped=stopped)
+    memo.resync.start()
     logger.info("sluice operator started", extra={"field_manager": "sluice-operator"})
 
 
+@kopf.on.startup()
+async def start_leader_election(memo: kopf.Memo, **_: Any) -> None:
+    """With `--leader-elect`: campaign on kopf's loop, beside the watches."""
+    elector = getattr(memo, "leadership", None)
+    if isinstance(elector, Elector) and getattr(memo, "election_task", None) is None:
+        memo.election_task = asyncio.create_task(elector.run(), name="sluice-leader-election")
+
+
 @kopf.on.cleanup()
-def stop_resync(memo: kopf.Memo, **_: Any) -> None:
+async def stop(memo: kopf.Memo, **_: Any) -> None:
+    """Close the fence and release the Lease (a standby takes over at once), stop the resync."""
+    task = getattr(memo, "election_task", None)
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
     resync = getattr(memo, "resync", None)
     if resync is not None:
-        resync.stop()
+        await asyncio.to_thread(resync.stop)
 
 
 def _load_kube_config() -> Any:
@@ -158,8 +308,12 @@ def _load_kube_config() -> Any:
     return client.ApiClient()
 
 
-def _poster(body: Any) -> Any:
+def _poster(body: Any, cluster: Cluster) -> Any:
+    may_write = getattr(cluster, "may_write", None)
+
     def post(type_: str, reason: str, message: str) -> None:
+        if may_write is not None and not may_write():
+            raise WriteFenced(f"not the leader: Event {reason} not posted")
         kopf.event(body, type=type_, reason=reason, message=message[:1024])
 
     return post
@@ -185,8 +339,9 @@ def _converge(
     namespace: str,
     name: str,
     retry: int,
-    logger: logging.Logger,
+    logger: kopf.Logger,
     collapsible: bool = False,
+    pacer: RolloutPacer | None = None,
 ) -> None:
     """Converge one StreamingModel, read from memory under its lock.
 
@@ -206,8 +361,19 @@ def _converge(
                 return  # gone or going: the garbage collector removes the children
             check = _owner_check(cluster, body)
             outcomes.append(
-                converge(cluster, body, _poster(body), reads=memory, owner_exists=check)
+                converge(
+                    cluster,
+                    body,
+                    _poster(body, cluster),
+                    reads=memory,
+                    owner_exists=check,
+                    pacer=pacer,
+                    pod_metrics=pod_metrics_page,
+                )
             )
+        except WriteFenced as exc:
+            # Lost the Lease mid-pass: nothing more is sent; the new leader converges it.
+            log.info(f"pass of {namespace}/{name} stopped: {exc}")
         except SpecError as exc:
             # Permanent: retrying cannot help until the spec changes (which re-triggers us).
             raise kopf.PermanentError(f"invalid spec: {exc}") from None
@@ -228,22 +394,28 @@ def _converge(
                 f"converged: phase={outcome.phase} applied={outcome.applied} "
                 f"deleted={outcome.deleted}"
             )
+    if not collapsible and any(o.adapters_settling for o in outcomes):
+        # No event follows an adapter finishing its load on a pod: look again soon, until
+        # every adapter is Ready or Failed.
+        raise kopf.TemporaryError("LoRA adapters still loading", delay=ADAPTER_RECHECK_SECONDS)
 
 
-@kopf.on.resume(GROUP, VERSION, PLURAL)
-@kopf.on.create(GROUP, VERSION, PLURAL)
-@kopf.on.update(GROUP, VERSION, PLURAL)
+@kopf.on.resume(GROUP, VERSION, PLURAL, when=_leading)
+@kopf.on.create(GROUP, VERSION, PLURAL, when=_leading)
+@kopf.on.update(GROUP, VERSION, PLURAL, when=_leading)
 def reconcile(
     body: kopf.Body,
-    namespace: str,
+    namespace: str | None,
     name: str,
     memo: kopf.Memo,
     retry: int,
-    logger: logging.Logger,
+    logger: kopf.Logger,
     **_: Any,
 ) -> None:
+    assert namespace is not None  # StreamingModels are namespaced
     _adopt_context(memo)
-    _converge(memo.cluster, memo.memory, namespace, name, retry, logger)
+    pacer = getattr(memo, "pacer", None)
+    _converge(memo.cluster, memo.memory, namespace, name, retry, logger, pacer=pacer)
 
 
 def _adopt_context(memo: kopf.Memo) -> None:
@@ -252,12 +424,25 @@ def _adopt_context(memo: kopf.Memo) -> None:
         resync.adopt_context()
 
 
+@kopf.on.event(GROUP, VERSION, PLURAL, id="model-seen")
+def model_seen(memo: kopf.Memo, **_: Any) -> None:
+    """Writes nothing. kopf calls it once its listings are complete, also on a standby
+    (whose model handlers are filtered out): from then on a takeover pass may run."""
+    _adopt_context(memo)
+
+
 def _converge_quietly(
-    cluster: Cluster, memory: Memory, namespace: str, name: str, logger: logging.Logger, why: str
+    cluster: Cluster,
+    memory: Memory,
+    namespace: str,
+    name: str,
+    logger: kopf.Logger,
+    why: str,
+    pacer: RolloutPacer | None = None,
 ) -> None:
     """A pass nobody retries (child event, resync): errors are logged, never raised."""
     try:
-        _converge(cluster, memory, namespace, name, 0, logger, collapsible=True)
+        _converge(cluster, memory, namespace, name, 0, logger, collapsible=True, pacer=pacer)
     except kopf.PermanentError:
         pass  # already reported on the StreamingModel (status + Event)
     except kopf.TemporaryError as exc:
@@ -270,7 +455,7 @@ def _owner_changed(
     body: kopf.Body,
     namespace: str | None,
     memo: kopf.Memo,
-    logger: logging.Logger,
+    logger: kopf.Logger,
     event_type: str | None,
 ) -> None:
     _adopt_context(memo)
@@ -278,22 +463,40 @@ def _owner_changed(
     if event_type == "DELETED" and namespace:
         memo.memory.forget(body.get("kind", ""), namespace, meta.get("name", ""))
     owner = (meta.get("labels") or {}).get(INSTANCE_LABEL)
-    if not owner or not namespace:
+    if not owner or not namespace or not _leadership(memo).leading():
         return
     _converge_quietly(
-        memo.cluster, memo.memory, namespace, owner, logger, f"a {event_type} child event"
-    )
+        memo.cluster, memo.memory, namespace, owner, logger, f"a {event_type} child event",
+        getattr(memo, "pacer", None),
+    )  # fmt: skip
 
 
 class Resync:
-    """Every `seconds`, one collapsible pass per known model, from memory: a settled model
-    costs no API call; a model whose last event-driven pass failed is converged again."""
+    """Every `seconds` (0: never), one collapsible pass per known model, from memory: a
+    settled model costs no API call; a model whose last event-driven pass failed is
+    converged again. `kick()` runs a round now: a replica that just became the leader.
+    `converge_soon(keys)` converges just those models now: the pacer's waiting models when
+    a rollout slot frees."""
 
-    def __init__(self, cluster: Cluster, memory: Memory, seconds: float, logger: logging.Logger):
+    def __init__(
+        self,
+        cluster: Cluster,
+        memory: Memory,
+        seconds: float,
+        logger: kopf.Logger,
+        leading: Callable[[], bool] = lambda: True,
+    ):
         self.cluster, self.memory, self.seconds, self.logger = cluster, memory, seconds, logger
+        self.leading = leading
+        self.pacer: RolloutPacer | None = None
         self.passes = 0
+        self._soon: set[tuple[str, str]] = set()
+        self._soon_guard = threading.Lock()
         self._context: contextvars.Context | None = None
+        self._missed = False  # a round was due before kopf's listings were complete
+        self._all_due = False  # kick(): the next wake-up converges every model
         self._stop = threading.Event()
+        self._kicked = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="sluice-resync", daemon=True)
 
     def start(self) -> None:
@@ -301,33 +504,69 @@ class Resync:
 
     def stop(self) -> None:
         self._stop.set()
+        self._kicked.set()
         self._thread.join(timeout=5)
+
+    def kick(self) -> None:
+        self._all_due = True
+        self._kicked.set()
+
+    def converge_soon(self, keys: list[tuple[str, str]]) -> None:
+        with self._soon_guard:
+            self._soon.update(keys)
+        self._kicked.set()
+
+    def _converge(self, namespace: str, name: str, why: str) -> None:
+        assert self._context is not None
+        self._context.copy().run(
+            _converge_quietly, self.cluster, self.memory, namespace, name, self.logger, why,
+            self.pacer,
+        )  # fmt: skip
+        self.passes += 1
 
     def adopt_context(self) -> None:
         """Keep a copy of a handler's context: kopf.event (the pass's Events) needs the
-        operator's event queue, which kopf only puts into the context of its handlers."""
+        operator's event queue, which kopf only puts into the context of its handlers.
+        kopf runs handlers only once every listing is complete, so from then on memory is
+        whole; a round asked for before that (a Lease won during start-up) runs now."""
         if self._context is None:
             self._context = contextvars.copy_context()
+            if self._missed:
+                self.kick()
 
     def run_once(self) -> None:
         self.memory.prune()
         models = self.memory.models()
         if self._context is None:
+            self._missed = True
             return  # no handler has run yet: kopf is still listing, nothing to resync
+        done = 0
         for namespace, name in models:
-            if self._stop.is_set():
-                return
-            self._context.copy().run(
-                _converge_quietly, self.cluster, self.memory, namespace, name, self.logger,
-                "resync",
-            )  # fmt: skip
-            self.passes += 1
-        self.logger.info(f"resync: {len(models)} models converged from memory")
+            if self._stop.is_set() or not self.leading():
+                break
+            self._converge(namespace, name, "resync")
+            done += 1
+        if done:
+            self.logger.info(f"resync: {done} models converged from memory")
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.seconds):
+        timeout = self.seconds if self.seconds > 0 else None
+        while not self._stop.is_set():
+            woken = self._kicked.wait(timeout)
+            self._kicked.clear()
+            if self._stop.is_set():
+                return
+            every, self._all_due = self._all_due or not woken, False
+            with self._soon_guard:
+                soon, self._soon = sorted(self._soon), set()
+            if not self.leading():
+                continue
             try:
-                self.run_once()
+                if every:
+                    self.run_once()
+                elif soon and self._context is not None:
+                    for namespace, name in soon:
+                        self._converge(namespace, name, "a free rollout slot")
             except Exception:  # a bug in one pass must not end every later resync
                 self.logger.exception("resync failed")
 
@@ -357,7 +596,7 @@ def _register_child_watches() -> None:
             body: kopf.Body,
             namespace: str | None,
             memo: kopf.Memo,
-            logger: logging.Logger,
+            logger: kopf.Logger,
             type: str | None,  # noqa: A002 - kopf's keyword
             **_: Any,
         ) -> None:

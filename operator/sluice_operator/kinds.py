@@ -1,8 +1,10 @@
 """Every kind the operator touches, listed once: API coordinates, URL plural, builder.
 
 One table so the places that need a kind cannot drift apart: the handlers watch
-`WATCHED_KINDS` and index `INDEXED_KINDS` in memory, the cluster client builds URLs from `plural_of`, reconcile applies
-`CHILD_KINDS` in order (and `KEDA_KIND`, `HTTPROUTE` apart), `render` and reconcile build through
+`WATCHED_KINDS` and index `INDEXED_KINDS` in memory, the cluster client builds URLs from
+`plural_of`, reconcile applies `CHILD_KINDS` in order and `OPTIONAL_KINDS` around them (each
+row says when it is touched, how the status reports it and what a missing CRD means),
+`status` reports the optional ones from the same rows, `render` and reconcile build through
 `desired_children`, and a chart test checks every entry against the operator chart's RBAC,
 so a kind added here without a matching rule fails that test.
 
@@ -11,15 +13,17 @@ Pure: builders in, no kopf and no API client.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .builders.adapters import ADAPTERS_SUFFIX, desired_adapter_config_map
 from .builders.deployment import desired_deployment
-from .builders.gateway import desired_httproute
+from .builders.gateway import desired_httproute, route_verdict, wants_session_persistence
 from .builders.hpa import desired_hpa
 from .builders.ingress import desired_ingress
 from .builders.keda import desired_scaled_object
+from .builders.leaderworkerset import desired_leaderworkerset
 from .builders.networkpolicy import desired_network_policy
 from .builders.pdb import desired_pdb
 from .builders.podmonitor import desired_pod_monitor
@@ -44,6 +48,15 @@ class Kind:
     plural: str
     builder: Builder | None = None
     optional: bool = False
+    # Children are named like their model; a kind whose name would clash with the user's
+    # own objects (a ConfigMap) gets a suffix.
+    name_suffix: str = ""
+
+    def child_name(self, model_name: str) -> str:
+        return model_name + self.name_suffix
+
+    def owner_of(self, child_name: str) -> str:
+        return child_name.removesuffix(self.name_suffix) if self.name_suffix else child_name
 
     @property
     def group(self) -> str:
@@ -61,7 +74,14 @@ class Kind:
 
 
 SERVICE = Kind("v1", "Service", "services", desired_service)
-DEPLOYMENT = Kind("apps/v1", "Deployment", "deployments", desired_deployment)
+# The adapter list (spec.adapters), mounted in the pods; only while LoRA is on. Named
+# <model>-adapters: a user's own ConfigMap (a JWKS) may well carry the model's name.
+ADAPTER_CONFIG_MAP = Kind(
+    "v1", "ConfigMap", "configmaps", desired_adapter_config_map, optional=True,
+    name_suffix=ADAPTERS_SUFFIX,
+)  # fmt: skip
+# Optional: a LeaderWorkerSet replaces it for models on several nodes per replica.
+DEPLOYMENT = Kind("apps/v1", "Deployment", "deployments", desired_deployment, optional=True)
 INGRESS = Kind("networking.k8s.io/v1", "Ingress", "ingresses", desired_ingress, optional=True)
 HPA = Kind(
     "autoscaling/v2",
@@ -80,28 +100,150 @@ NETWORK_POLICY = Kind(
 )
 
 # Children applied on every pass, in apply order (the Service before the Deployment whose
-# pods it selects).
-CHILD_KINDS: tuple[Kind, ...] = (SERVICE, DEPLOYMENT, INGRESS, HPA, PDB, NETWORK_POLICY)
+# pods it selects, the adapter ConfigMap before the pods that mount it).
+CHILD_KINDS: tuple[Kind, ...] = (
+    SERVICE, ADAPTER_CONFIG_MAP, DEPLOYMENT, INGRESS, HPA, PDB, NETWORK_POLICY
+)  # fmt: skip
 
-# KEDA's ScaledObject (autoscaling.backend: keda) is kept apart: its CRD exists only where
-# KEDA is installed and the chart grants it only with keda.enabled, so the operator neither
-# watches it nor reads it unless a model uses (or last used) the keda backend.
+# The optional kinds whose API a cluster may lack: not watched, see `OptionalKind`.
 KEDA_KIND = Kind(
     "keda.sh/v1alpha1", "ScaledObject", "scaledobjects", desired_scaled_object, optional=True
 )
-# The Prometheus Operator's PodMonitor (observability.podMonitor) is apart for the same
-# reason: its CRD exists only where the Prometheus Operator runs; a missing CRD is reported
-# in the status, and the rest of the model converges.
 POD_MONITOR_KIND = Kind(
     "monitoring.coreos.com/v1", "PodMonitor", "podmonitors", desired_pod_monitor, optional=True
 )
-# The Gateway API HTTPRoute (spec.gateway) likewise: its CRDs exist only where a Gateway API
-# implementation is installed, so it is not watched, and only read by models that use it (or
-# last did, which the status remembers).
 HTTPROUTE = Kind(
     "gateway.networking.k8s.io/v1", "HTTPRoute", "httproutes", desired_httproute, optional=True
 )
-ALL_KINDS: tuple[Kind, ...] = (*CHILD_KINDS, KEDA_KIND, POD_MONITOR_KIND, HTTPROUTE)
+LWS_KIND = Kind(
+    "leaderworkerset.x-k8s.io/v1",
+    "LeaderWorkerSet",
+    "leaderworkersets",
+    desired_leaderworkerset,
+    optional=True,
+)
+
+# (status, reason, message) of a condition: True/False, or None for Unknown.
+Verdict = tuple[bool | None, str, str]
+Ready = Callable[[StreamingModel, Mapping[str, Any] | None], Verdict]
+
+
+@dataclass(frozen=True)
+class Unavailable:
+    """Why an optional kind cannot be reached: the condition's reason and the message."""
+
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class OptionalKind:
+    """A child whose API a cluster may lack (no CRD: 404) or the operator chart may not
+    grant (403), so it is neither watched nor read unless the model wants it (its builder
+    returns a manifest) or the status says it did on the last pass (then it is deleted).
+
+    A 403 or 404 on it stops only this kind: the rest of the model converges, the status
+    says why (`forbidden`, `missing`), a Warning Event `event` is posted when that message
+    is new, and the pass then fails so the handler retries with backoff and the kind is
+    picked up once it is installed or granted. A refusal while the model no longer wants
+    the kind is dropped (an object the operator cannot reach is none it made), except with
+    `excludes`.
+
+    `condition`: the status condition that reports the kind, with `ready` (model, the object
+    as stored) while it is reachable and `reasons` (403, 404) when not; its presence in the
+    status remembers the kind was wanted. None: `status.autoscaling` reports it (the
+    ScaledObject is an autoscaler: `autoscaling.message` says why, `autoscaling.backend:
+    keda` remembers it).
+    `excludes`: a child that must never exist beside this one (two HPAs would fight): while
+    unwanted this kind is deleted before the children are applied, and a refusal of that
+    delete is reported and retried (a leftover would keep fighting); while wanted it is
+    applied after them, once the other is gone.
+    """
+
+    kind: Kind
+    event: str
+    forbidden: str
+    missing: str
+    condition: str | None = None
+    ready: Ready | None = None
+    reasons: tuple[str, str] = ("Forbidden", "CRDMissing")
+    excludes: Kind | None = None
+
+    @property
+    def name(self) -> str:
+        return self.kind.kind
+
+    def wanted(self, model: StreamingModel) -> bool:
+        return self.kind.builder(model) is not None  # type: ignore[misc]
+
+    def unavailable(self, exc: Exception) -> Unavailable | None:
+        """What a refusal means for this kind; None for any error but 403 and 404."""
+        status = getattr(exc, "status", None)
+        if status == 403:
+            return Unavailable(self.reasons[0], self.forbidden)
+        if status == 404:
+            return Unavailable(self.reasons[1], self.missing)
+        return None
+
+
+def _applied(message: str) -> Ready:
+    return lambda model, live: (True, "Applied", message)
+
+
+KEDA = OptionalKind(
+    KEDA_KIND,
+    event="KedaUnavailable",
+    forbidden="the operator may not manage keda.sh ScaledObjects: install the sluice-operator "
+    "chart with keda.enabled=true (or set autoscaling.backend: hpa)",
+    missing="KEDA is not installed: the API server has no keda.sh/v1alpha1 ScaledObject "
+    "resource (install KEDA, or set autoscaling.backend: hpa)",
+    excludes=HPA,  # KEDA makes its own HPA from the ScaledObject
+)
+GATEWAY_API = OptionalKind(
+    HTTPROUTE,
+    event="GatewayAPIUnavailable",
+    forbidden="the operator may not manage gateway.networking.k8s.io HTTPRoutes: upgrade the "
+    "sluice-operator chart (its RBAC grants them), or use spec.ingress instead",
+    missing="the Gateway API is not installed: the API server has no "
+    "gateway.networking.k8s.io/v1 HTTPRoute resource (install a Gateway API implementation "
+    "and its CRDs, v1.2 or later, or use spec.ingress instead)",
+    condition="GatewayRoute",
+    ready=lambda model, route: route_verdict(route, wants_session_persistence(model)),
+    reasons=("GatewayAPIUnavailable", "GatewayAPIUnavailable"),
+)
+PROMETHEUS_OPERATOR = OptionalKind(
+    POD_MONITOR_KIND,
+    event="PodMonitorUnavailable",
+    forbidden="the operator may not manage monitoring.coreos.com PodMonitors: install the "
+    "sluice-operator chart with podMonitors.enabled=true (or turn observability.podMonitor "
+    "off)",
+    missing="the Prometheus Operator is not installed: the API server has no "
+    "monitoring.coreos.com/v1 PodMonitor resource (install it, or turn "
+    "observability.podMonitor off; the pods' prometheus.io annotations still work)",
+    condition="PodMonitorReady",
+    ready=_applied("the PodMonitor selects the model's pods"),
+)
+LEADER_WORKER_SET = OptionalKind(
+    LWS_KIND,
+    event="LeaderWorkerSetUnavailable",
+    forbidden="the operator may not manage leaderworkerset.x-k8s.io LeaderWorkerSets: upgrade "
+    "the sluice-operator chart (its RBAC grants them), or set parallelism.nodes: 1",
+    missing="LeaderWorkerSet is not installed: the API server has no leaderworkerset.x-k8s.io/v1 "
+    "LeaderWorkerSet resource, which models with parallelism.nodes above 1 run on (install "
+    "LWS v0.10 or later, or set parallelism.nodes: 1)",
+    condition="LeaderWorkerSetReady",
+    ready=_applied("the LeaderWorkerSet runs each replica as a group of pods"),
+    excludes=DEPLOYMENT,  # one workload per model: never both
+)
+# In the order a pass converges them (after the children, but see `excludes`), reports
+# them (conditions in this order) and raises the first refusal.
+OPTIONAL_KINDS: tuple[OptionalKind, ...] = (
+    KEDA,
+    GATEWAY_API,
+    PROMETHEUS_OPERATOR,
+    LEADER_WORKER_SET,
+)
+ALL_KINDS: tuple[Kind, ...] = (*CHILD_KINDS, *(o.kind for o in OPTIONAL_KINDS))
 
 # Not children, but addressed by the cluster client: pods are listed (why they are Pending)
 # and watched (status follows them); the StreamingModel is read and its status patched.

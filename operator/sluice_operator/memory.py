@@ -31,8 +31,9 @@ Indexes = Mapping[str, Mapping[tuple[str, str], Iterable[Mapping[str, Any]]]]
 
 
 def _revision(obj: Mapping[str, Any]) -> int | None:
+    version = (obj.get("metadata") or {}).get("resourceVersion")
     try:
-        return int((obj.get("metadata") or {}).get("resourceVersion"))
+        return int(version) if version is not None else None
     except (TypeError, ValueError):
         return None
 
@@ -71,8 +72,9 @@ class Memory:
         return list(index.get((namespace, owner)) or ())
 
     def get(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
-        """The object named `name` of a model `name` (children share the model's name)."""
-        watched = [o for o in self._watched(kind, namespace, name) if _name(o) == name]
+        """The object named `name` (a child: its model's name, plus the kind's suffix)."""
+        owner = kind.owner_of(name)
+        watched = [o for o in self._watched(kind, namespace, owner) if _name(o) == name]
         seen = max(watched, key=lambda o: _revision(o) or 0) if watched else None
         key = (kind.kind, namespace, name)
         with self._guard:
@@ -93,6 +95,13 @@ class Memory:
 
     def pods(self, namespace: str, owner: str) -> list[dict[str, Any]]:
         return [dict(p) for p in self._watched(POD, namespace, owner)]
+
+    def every(self, kind: Kind) -> list[tuple[tuple[str, str], dict[str, Any] | None]]:
+        """((namespace, owner), object) for every owner the watch has an object of `kind`
+        for, each read like `get` (own writes preferred until the watch shows them)."""
+        if self._indexes is None:
+            return []
+        return [(key, self.get(kind, *key)) for key in list(self._indexes[kind.index_id])]
 
     def models(self) -> list[tuple[str, str]]:
         """(namespace, name) of every StreamingModel the watch knows."""

@@ -23,8 +23,10 @@ from typing import Any
 
 import kopf
 
+from .adapterstatus import adapters_status, ready, settling
 from .builders.common import HASH_ANNOTATION
 from .builders.gateway import (
+    SESSION_PERSISTENCE_DROPPED,
     schema_lacks_session_persistence,
     session_persistence_dropped,
     without_session_persistence,
@@ -33,24 +35,30 @@ from .builders.keda import keda_hpa_name
 from .cluster import Cluster, LiveReads
 from .kinds import (
     CHILD_KINDS,
+    DEPLOYMENT,
     HPA,
-    HTTPROUTE,
-    KEDA_KIND,
-    POD_MONITOR_KIND,
+    INGRESS,
+    LWS_KIND,
+    OPTIONAL_KINDS,
     WATCHED_KINDS,
     Kind,
+    OptionalKind,
+    Unavailable,
     desired_children,
 )
 from .memory import Memory
+from .models.resource import StreamingModel
+from .pacing import PACED, TEMPLATE_HASH, RolloutPacer, cause_of_change, stamp, template_hash
 from .status import (
-    GATEWAY_CONDITION,
-    SESSION_PERSISTENCE_DROPPED,
     compute_status,
     deployment_settled,
-    had_pod_monitor,
     invalid_status,
+    remembered,
+    reported,
     status_patch,
-    with_pod_monitor,
+    was_waiting,
+    with_condition,
+    with_template_wait,
 )
 from .validation import SpecError, load_model
 
@@ -65,6 +73,11 @@ class Outcome:
     deleted: list[str] = field(default_factory=list)
     status_written: bool = False
     phase: str | None = None
+    # An adapter is still loading on some pod: look again soon (handlers.py retries).
+    adapters_settling: bool = False
+
+
+PodMetrics = Callable[[Mapping[str, Any]], str | None]  # a pod's /metrics page, or None
 
 
 def manifest_hash(manifest: Mapping[str, Any]) -> str:
@@ -117,7 +130,8 @@ def _adopt(manifest: dict[str, Any], owner: Mapping[str, Any]) -> dict[str, Any]
     # children, so adopt them to a label-less view of the owner.
     owner_view = copy.deepcopy(dict(owner))
     owner_view.setdefault("metadata", {})["labels"] = {}
-    kopf.adopt(manifest, owner=owner_view)
+    # kopf annotates its Body view, but only reads the owner as a mapping (metadata).
+    kopf.adopt(manifest, owner=owner_view)  # type: ignore[arg-type]
     manifest["metadata"].setdefault("annotations", {})[HASH_ANNOTATION] = manifest_hash(manifest)
     return manifest
 
@@ -175,10 +189,12 @@ def converge(
     now: str | None = None,
     reads: Memory | LiveReads | None = None,
     owner_exists: Callable[[], bool] | None = None,
+    pacer: RolloutPacer | None = None,
+    pod_metrics: PodMetrics | None = None,
 ) -> Outcome:
     """One pass (see `_converge`); a model found deleted before a create ends it quietly."""
     try:
-        return _converge(cluster, body, post_event, now, reads, owner_exists)
+        return _converge(cluster, body, post_event, now, reads, owner_exists, pacer, pod_metrics)
     except _OwnerGone:
         return Outcome()
 
@@ -190,40 +206,115 @@ def _converge(
     now: str | None = None,
     reads: Memory | LiveReads | None = None,
     owner_exists: Callable[[], bool] | None = None,
+    pacer: RolloutPacer | None = None,
+    pod_metrics: PodMetrics | None = None,
 ) -> Outcome:
     """Raises SpecError (after reporting it) for an invalid spec; API errors propagate.
 
     `reads`: where the watched children and pods come from (default: GETs through `cluster`).
-    Kinds that are not watched (ScaledObject, PodMonitor, HTTPRoute, KEDA's HPA) are read
-    through `cluster`, and only by models that use them.
+    Kinds that are not watched (`kinds.OPTIONAL_KINDS`, KEDA's HPA) are read through
+    `cluster`, and only by models that use them or, as their status says, last did.
     `owner_exists`: asked once, before the pass creates a child: False ends the pass. Memory
     may still hold a model the API server has deleted (its DELETED event not yet processed)
     while the garbage collector removes the children; without this the pass would create
     them again.
+    `pacer`: operator-caused pod template changes wait for a rollout slot (`pacing.py`);
+    without one they are applied at once.
+    `pod_metrics`: reads a ready pod's /metrics, for status.adapters (models with LoRA on);
+    None: adapters are reported Unknown.
     """
     reads = reads if reads is not None else LiveReads(cluster)
-    meta = body["metadata"]
-    namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid")
-    outcome = Outcome()
     try:
         model = load_model(body)
     except SpecError as exc:
-        outcome.status_written = report_invalid(cluster, body, str(exc), post_event, now, reads)
-        outcome.phase = "Failed"
+        report_invalid(cluster, body, str(exc), post_event, now, reads)
         raise
+    run = _Pass(
+        cluster, body, model, post_event, now or _now(), reads, owner_exists, pacer, pod_metrics
+    )
+    status = body.get("status") or {}
+    touched = [row for row in OPTIONAL_KINDS if run.wants(row) or remembered(row, status)]
+    # A kind no longer wanted goes before what it excludes is applied (never two HPAs).
+    first = [row for row in touched if row.excludes is not None and not run.wants(row)]
+    for row in first:
+        run.optional(row)
+    for child in CHILD_KINDS:
+        run.child(child)
+    for row in touched:
+        if row not in first:
+            run.optional(row)
+    run.write_status()
+    run.post_events()
+    # A missing CRD or grant fails the pass after the rest converged: the handler retries
+    # with backoff (handlers.py), so the kind appears once it is installed.
+    refused = [run.refused[row.name] for row in OPTIONAL_KINDS if row.name in run.refused]
+    if refused:
+        raise refused[0][1]
+    return run.outcome
 
-    desired = desired_children(model)
-    live: dict[str, dict[str, Any] | None] = {}
-    confirmed = owner_exists is None
 
-    def confirm_owner() -> None:
-        nonlocal confirmed
-        if not confirmed:
-            if not owner_exists():  # type: ignore[misc]
+class _Pass:
+    """One pass over one model: the steps of `_converge` and what they found."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        body: Mapping[str, Any],
+        model: StreamingModel,
+        post_event: PostEvent,
+        now: str,
+        reads: Memory | LiveReads,
+        owner_exists: Callable[[], bool] | None,
+        pacer: RolloutPacer | None = None,
+        pod_metrics: PodMetrics | None = None,
+    ) -> None:
+        self.cluster, self.body, self.model, self.reads = cluster, body, model, reads
+        self.post_event, self.now, self.owner_exists = post_event, now, owner_exists
+        self.pacer, self.pod_metrics = pacer, pod_metrics
+        self.waiting: list[Any] = []  # the pacer's Decision when the Deployment waits for a slot
+        meta = body["metadata"]
+        self.namespace, self.name, self.uid = meta["namespace"], meta["name"], meta.get("uid")
+        self.status = body.get("status") or {}
+        self.desired = desired_children(model)
+        self.live: dict[str, dict[str, Any] | None] = {}
+        # Optional kinds the cluster refused (403/404): kind -> (what it means, the error).
+        self.refused: dict[str, tuple[Unavailable, Exception]] = {}
+        self.outcome = Outcome()
+
+    def wants(self, row: OptionalKind) -> bool:
+        return self.desired[row.name] is not None
+
+    def confirm_owner(self) -> None:
+        if self.owner_exists is not None:
+            if not self.owner_exists():
                 raise _OwnerGone
-            confirmed = True
+            self.owner_exists = None
 
-    def apply_child(manifest: dict[str, Any], exists: bool) -> dict[str, Any]:
+    def pace_deployment(self, manifest: dict[str, Any], current: dict[str, Any] | None) -> bool:
+        """Label the Deployment for pacing (after its applied-hash: the labels never change
+        it); False: hold it (an operator-caused template change, no slot free), keeping the
+        live one."""
+        generation = self.body["metadata"].get("generation")
+        live_template = ((current or {}).get("spec") or {}).get("template") or {}
+        contained = contains(manifest["spec"]["template"], live_template)
+        observed = self.status.get("observedGeneration")
+        cause = cause_of_change(manifest, current, generation, observed, contained)
+        new = template_hash(manifest)
+        old = ((current or {}).get("metadata") or {}).get("labels") or {}
+        paced = old.get(PACED) == new
+        key = (self.namespace, self.name)
+        if cause == "operator" and self.pacer is not None:
+            decision = self.pacer.admit(key, new, old.get(TEMPLATE_HASH))
+            if not decision.admitted:
+                self.waiting.append(decision)
+                return False
+            paced = True
+        elif self.pacer is not None:
+            self.pacer.forget(key)
+        stamp(manifest, paced)
+        return True
+
+    def apply_child(self, manifest: dict[str, Any], exists: bool) -> dict[str, Any]:
         """Server-side apply; for a child that exists and the API server refuses, replace
         its lists and apply once more. Server-side apply keeps list entries another manager
         added, and a Service port edited by hand is such an entry: it stays next to ours and
@@ -231,231 +322,170 @@ def _converge(
         after the lists were replaced (a merge patch) is the spec's own fault. Entries the
         API server accepts (a container patched in) are left alone: they are someone else's."""
         try:
-            return cluster.apply(manifest)
+            return self.cluster.apply(manifest)
         except Exception as exc:
             if not exists or getattr(exc, "status", None) not in (400, 422):
                 raise
             message = _api_message(exc)
         kind = manifest["kind"]
-        post_event("Warning", "ChildRepaired",
-                   f"the API server refused the {kind} ({message}); its lists were replaced")  # fmt: skip
-        cluster.replace_lists(manifest)
-        return cluster.apply(manifest)
+        self.post_event("Warning", "ChildRepaired",
+                        f"the API server refused the {kind} ({message}); its lists were replaced")  # fmt: skip
+        self.cluster.replace_lists(manifest)
+        return self.cluster.apply(manifest)
 
-    def apply_without_what_the_schema_lacks(
-        manifest: dict[str, Any], current: dict[str, Any] | None
-    ) -> dict[str, Any]:
+    def apply(self, manifest: dict[str, Any], current: dict[str, Any] | None) -> dict[str, Any]:
         """`apply_child`; a route the Standard-channel CRD refuses for its sessionPersistence
         is applied without it (same applied-hash, so later passes compare it without)."""
         try:
-            return apply_child(manifest, current is not None)
+            return self.apply_child(manifest, current is not None)
         except Exception as exc:
             if not schema_lacks_session_persistence(exc):
                 raise
-        post_event("Warning", "SessionPersistenceUnsupported", SESSION_PERSISTENCE_DROPPED)
-        return apply_child(without_session_persistence(manifest), current is not None)
+        self.post_event("Warning", "SessionPersistenceUnsupported", SESSION_PERSISTENCE_DROPPED)
+        return self.apply_child(without_session_persistence(manifest), current is not None)
 
-    def converge_child(child: Kind) -> None:
-        kind = child.kind
-        manifest = desired[kind]
+    def child(self, child: Kind) -> None:
+        kind, namespace, name = child.kind, self.namespace, child.child_name(self.name)
+        manifest = self.desired[kind]
         if child in WATCHED_KINDS:
-            current = reads.get(child, namespace, name)
+            current = self.reads.get(child, namespace, name)
         else:
-            current = cluster.get(child.api_version, kind, namespace, name)
+            current = self.cluster.get(child.api_version, kind, namespace, name)
         if manifest is None:
-            if current is not None and _owned_by(current, uid):
-                cluster.delete(child.api_version, kind, namespace, name)
-                reads.deleted(child, namespace, name, current)
-                outcome.deleted.append(kind)
-            live[kind] = None
+            if current is not None and _owned_by(current, self.uid):
+                self.cluster.delete(child.api_version, kind, namespace, name)
+                self.reads.deleted(child, namespace, name, current)
+                self.outcome.deleted.append(kind)
+            self.live[kind] = None
             return
-        manifest = _adopt(manifest, body)
+        manifest = _adopt(manifest, self.body)
+        if child is DEPLOYMENT and not self.pace_deployment(manifest, current):
+            self.live[kind] = current
+            return
         if session_persistence_dropped(manifest, current):
             # A Standard-channel CRD has no such field: compare what the API server keeps
             # (status says so), or every pass would apply the route again.
             manifest = without_session_persistence(manifest)
         if in_sync(manifest, current):
-            live[kind] = current
+            self.live[kind] = current
             return
         if current is None:
-            confirm_owner()
+            self.confirm_owner()
         try:
-            live[kind] = reads.wrote(apply_without_what_the_schema_lacks(manifest, current))
+            self.live[kind] = self.reads.wrote(self.apply(manifest, current))
         except Exception as exc:
             if getattr(exc, "status", None) not in (400, 422):
                 raise
             # The API server refused what the spec produced (e.g. a bad affinity or env
             # valueFrom passed through): the spec's fault, so report it like one.
             message = f"the API server rejected the {kind}: {_api_message(exc)}"
-            outcome.status_written = report_invalid(cluster, body, message, post_event, now, reads)
+            self.outcome.status_written = report_invalid(
+                self.cluster, self.body, message, self.post_event, self.now, self.reads
+            )
             raise SpecError(message) from None
-        outcome.applied.append(kind)
+        self.outcome.applied.append(kind)
 
-    current_status = body.get("status") or {}
-    backend = model.spec.autoscaling_backend
-    # The ScaledObject is only touched when this model uses KEDA or last did (the status
-    # remembers): clusters without KEDA have no such resource and no RBAC for it. Order
-    # matters so two HPAs never fight: ours is deleted before the ScaledObject (whose HPA
-    # KEDA makes) is applied, and the ScaledObject deleted before ours is applied.
-    was_keda = (current_status.get("autoscaling") or {}).get("backend") == "keda"
-    keda_error: Exception | None = None
-
-    def converge_keda() -> None:
-        nonlocal keda_error
+    def optional(self, row: OptionalKind) -> None:
+        """`child` for an optional kind; a 403/404 is kept for the status and the Event."""
         try:
-            converge_child(KEDA_KIND)
+            self.child(row.kind)
         except Exception as exc:
-            if getattr(exc, "status", None) not in (403, 404):
+            unavailable = row.unavailable(exc)
+            if unavailable is None:
                 raise
-            # KEDA missing (no such resource) or the chart's keda.enabled off (forbidden):
-            # converge everything else, say why in the status, then fail the pass so the
-            # handler retries with backoff and picks KEDA up once it is there.
-            keda_error = exc
-            live[KEDA_KIND.kind] = None
+            self.live[row.name] = None
+            if self.wants(row) or row.excludes is not None:
+                self.refused[row.name] = (unavailable, exc)
 
-    if backend != "keda" and was_keda:
-        converge_keda()
-    for child in CHILD_KINDS:
-        converge_child(child)
-    if backend == "keda":
-        converge_keda()
-    # The PodMonitor likewise: only touched when wanted, or when the status says it was
-    # (then it is deleted); a missing CRD or grant is reported, everything else converges.
-    pm_wanted = model.spec.observability.pod_monitor.enabled
-    pm_error: Exception | None = None
-    if pm_wanted or had_pod_monitor(current_status):
-        try:
-            converge_child(POD_MONITOR_KIND)
-        except Exception as exc:
-            if getattr(exc, "status", None) not in (403, 404):
-                raise
-            pm_error = exc if pm_wanted else None
-
-    # The HTTPRoute, like the ScaledObject, is only touched by models that use a Gateway or
-    # did on the last pass (their status has the GatewayRoute condition): clusters without
-    # Gateway API have no such resource. Applied after the Ingress is deleted, deleted after
-    # the Ingress is applied, so a switch never ends with both.
-    uses_route = model.spec.gateway is not None
-    had_route = any(
-        c.get("type") == GATEWAY_CONDITION for c in current_status.get("conditions") or []
-    )
-    route_error: Exception | None = None
-    if uses_route or had_route:
-        try:
-            converge_child(HTTPROUTE)
-        except Exception as exc:
-            if getattr(exc, "status", None) not in (403, 404):
-                raise
-            live[HTTPROUTE.kind] = None
-            # Missing CRDs or RBAC: the rest converges; a model that no longer wants a route
-            # cannot have one the operator could reach, so there is nothing left to clean up.
-            if uses_route:
-                route_error = exc
-
-    deployment = live["Deployment"]
-    # Pods are only read when something is missing or a rollout is under way: they explain
-    # why (no GPUs for the new or the surge pod, crash loop).
-    pods = (
-        reads.pods(namespace, name)
-        if deployment is not None and not deployment_settled(deployment)
-        else []
-    )
-    hpa = live.get(HPA.kind)
-    if backend == "keda":  # KEDA's own HPA has the reading and the decision
-        hpa = cluster.get(HPA.api_version, HPA.kind, namespace, keda_hpa_name(model))
-    new_status = compute_status(
-        model,
-        meta.get("generation"),
-        deployment,
-        pods,
-        live.get("Ingress"),
-        current_status,
-        now or _now(),
-        hpa=hpa,
-        route=live.get(HTTPROUTE.kind),
-        route_problem=gateway_problem(route_error) if route_error is not None else None,
-    )
-    if pm_wanted:
-        problem = pod_monitor_problem(pm_error) if pm_error is not None else None
-        new_status = with_pod_monitor(new_status, problem, current_status, now or _now(),
-                                      meta.get("generation"))  # fmt: skip
-    if keda_error is not None:
-        scaling = dict(new_status.get("autoscaling") or {})
-        scaling["message"] = keda_problem(keda_error)
-        if backend != "keda":
-            scaling["backend"] = "keda"  # a ScaledObject may still exist: keep cleaning up
-        new_status["autoscaling"] = scaling
-    outcome.phase = new_status["phase"]
-    patch = status_patch(current_status, new_status)
-    if patch:
-        log.info(f"status of {namespace}/{name} changed: {str(patch)[:2000]}")
-        reads.wrote(cluster.patch_status(namespace, name, patch))
-        outcome.status_written = True
-
-    if outcome.applied or outcome.deleted:
-        parts = [f"applied {', '.join(outcome.applied)}"] if outcome.applied else []
-        parts += [f"deleted {', '.join(outcome.deleted)}"] if outcome.deleted else []
-        post_event("Normal", "Reconciled", "; ".join(parts))
-        log.info(f"{namespace}/{name}: {'; '.join(parts)}")
-    if route_error is not None:
-        message = gateway_problem(route_error)
-        before = [
-            c for c in current_status.get("conditions") or [] if c.get("type") == GATEWAY_CONDITION
-        ]
-        if not before or before[0].get("message") != message:
-            post_event("Warning", "GatewayAPIUnavailable", message)
-        if keda_error is None:
-            raise route_error
-    if keda_error is not None:
-        message = keda_problem(keda_error)
-        if (current_status.get("autoscaling") or {}).get("message") != message:
-            post_event("Warning", "KedaUnavailable", message)
-        raise keda_error
-    if pm_error is not None:
-        # Retried with backoff (handlers.py), so the PodMonitor appears once the CRD does.
-        message = pod_monitor_problem(pm_error)
-        before = [c.get("message") for c in current_status.get("conditions") or []
-                  if c.get("type") == "PodMonitorReady"]  # fmt: skip
-        if before != [message]:
-            post_event("Warning", "PodMonitorUnavailable", message)
-        raise pm_error
-    return outcome
-
-
-def pod_monitor_problem(exc: Exception) -> str:
-    if getattr(exc, "status", None) == 403:
-        return (
-            "the operator may not manage monitoring.coreos.com PodMonitors: install the "
-            "sluice-operator chart with podMonitors.enabled=true (or turn "
-            "observability.podMonitor off)"
+    def write_status(self) -> None:
+        # The workload: the Deployment, or the LeaderWorkerSet of a multi-node model (its
+        # status has the same replica counts, in groups).
+        workload = LWS_KIND if self.model.multi_node else DEPLOYMENT
+        deployment = self.live.get(workload.kind)
+        # Pods are only read when something is missing or a rollout is under way: they explain
+        # why (no GPUs for the new or the surge pod, crash loop); and for models with LoRA on,
+        # whose pages say how they stand with each adapter (adapterstatus.py).
+        lora = self.model.spec.lora_enabled
+        pods = (
+            self.reads.pods(self.namespace, self.name)
+            if deployment is not None and (lora or not deployment_settled(deployment))
+            else []
         )
-    return (
-        "the Prometheus Operator is not installed: the API server has no "
-        "monitoring.coreos.com/v1 PodMonitor resource (install it, or turn "
-        "observability.podMonitor off; the pods' prometheus.io annotations still work)"
-    )
-
-
-def keda_problem(exc: Exception) -> str:
-    if getattr(exc, "status", None) == 403:
-        return (
-            "the operator may not manage keda.sh ScaledObjects: install the sluice-operator "
-            "chart with keda.enabled=true (or set autoscaling.backend: hpa)"
+        hpa = self.live.get(HPA.kind)
+        if self.model.spec.autoscaling_backend == "keda":  # KEDA's HPA has the reading
+            hpa = self.cluster.get(HPA.api_version, HPA.kind, self.namespace,
+                                   keda_hpa_name(self.model))  # fmt: skip
+        new = compute_status(
+            self.model,
+            self.body["metadata"].get("generation"),
+            deployment,
+            pods,
+            self.live.get(INGRESS.kind),
+            self.status,
+            self.now,
+            hpa=hpa,
+            optional=self.live,
+            unavailable={kind: unavailable for kind, (unavailable, _) in self.refused.items()},
         )
-    return (
-        "KEDA is not installed: the API server has no keda.sh/v1alpha1 ScaledObject "
-        "resource (install KEDA, or set autoscaling.backend: hpa)"
-    )
+        generation = self.body["metadata"].get("generation")
+        if self.waiting and self.pacer is not None:
+            message = self.waiting[0].message(self.pacer.limit)
+            new = with_template_wait(new, message, self.status, self.now, generation)
+            if not was_waiting(self.status):
+                self.post_event("Normal", "RolloutWaiting", message)
+        if lora:
+            new = _with_adapters(self.model, new, pods, self.status, self.pod_metrics,
+                                 self.post_event, self.now, generation)  # fmt: skip
+            self.outcome.adapters_settling = settling(new.get("adapters"))
+        if self.pacer is not None:
+            self.pacer.observe((self.namespace, self.name), deployment)
+        self.outcome.phase = new["phase"]
+        patch = status_patch(self.status, new)
+        if patch:
+            log.info(f"status of {self.namespace}/{self.name} changed: {str(patch)[:2000]}")
+            self.reads.wrote(self.cluster.patch_status(self.namespace, self.name, patch))
+            self.outcome.status_written = True
+
+    def post_events(self) -> None:
+        """What changed, then a Warning per refused kind whose message the status lacked."""
+        applied, deleted = self.outcome.applied, self.outcome.deleted
+        if applied or deleted:
+            parts = [f"applied {', '.join(applied)}"] if applied else []
+            parts += [f"deleted {', '.join(deleted)}"] if deleted else []
+            self.post_event("Normal", "Reconciled", "; ".join(parts))
+            log.info(f"{self.namespace}/{self.name}: {'; '.join(parts)}")
+        for row in OPTIONAL_KINDS:
+            unavailable, _ = self.refused.get(row.name, (None, None))
+            if unavailable is not None and reported(row, self.status) != unavailable.message:
+                self.post_event("Warning", row.event, unavailable.message)
 
 
-def gateway_problem(exc: Exception) -> str:
-    if getattr(exc, "status", None) == 403:
-        return (
-            "the operator may not manage gateway.networking.k8s.io HTTPRoutes: upgrade the "
-            "sluice-operator chart (its RBAC grants them), or use spec.ingress instead"
-        )
-    return (
-        "the Gateway API is not installed: the API server has no gateway.networking.k8s.io/v1 "
-        "HTTPRoute resource (install a Gateway API implementation and its CRDs, v1.2 or later, "
-        "or use spec.ingress instead)"
-    )
+def _with_adapters(
+    model: StreamingModel,
+    status: dict[str, Any],
+    pods: list[dict[str, Any]],
+    previous: Mapping[str, Any],
+    pod_metrics: PodMetrics | None,
+    post_event: PostEvent,
+    now: str,
+    generation: int | None,
+) -> dict[str, Any]:
+    """status.adapters and AdaptersReady from the ready pods' pages; an Event for each
+    adapter that newly failed."""
+    pages: dict[str, str | None] = {}
+    if pod_metrics is not None and model.spec.adapters:
+        for pod in pods:
+            if ready(pod):
+                pages[(pod.get("metadata") or {}).get("name", "?")] = pod_metrics(pod)
+    result = adapters_status(model, pods, pages)
+    assert result is not None  # LoRA is on
+    entries, cond = result
+    before = {e.get("name"): e for e in previous.get("adapters") or []}
+    for e in entries:
+        old = before.get(e["name"]) or {}
+        if e["state"] == "Failed" and (old.get("state"), old.get("message")) != (
+            "Failed", e["message"]):  # fmt: skip
+            post_event("Warning", "AdapterFailed", f"adapter {e['name']}: {e['message']}")
+    status = with_condition(status, cond, previous, now, generation)
+    status["adapters"] = entries
+    return status

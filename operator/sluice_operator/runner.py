@@ -14,7 +14,11 @@ def run(
     peering: str | None = None,
     log_format: str = "json",
     resync_seconds: float | None = None,
+    identity: str | None = None,
+    election: object | None = None,
+    max_rollouts: int | None = None,
 ) -> int:
+    """`election`: `election.ElectionSettings` for `--leader-elect`, or None (one replica)."""
     import kopf
 
     from . import handlers  # noqa: F401 - registers the handlers with kopf's default registry
@@ -30,6 +34,11 @@ def run(
         liveness_endpoint=liveness or None,
         standalone=standalone and not peering,
         peering_name=peering,
-        memo=kopf.Memo(resync_seconds=resync_seconds),
+        memo=kopf.Memo(
+            resync_seconds=resync_seconds,
+            identity=identity,
+            leader_election=election,
+            max_rollouts=max_rollouts,
+        ),
     )
     return 0

@@ -1,4 +1,5 @@
-"""Status from what the cluster shows: a pure function of the Deployment, its pods and Ingress.
+"""Status from what the cluster shows: a pure function of the Deployment, its pods, the
+Ingress, the HPA and the optional kinds (`kinds.OPTIONAL_KINDS`), built in `compute_status`.
 
 Phases: Failed (spec invalid, or no replica ready and the rollout is stuck or crashing),
 Pending (pods cannot be scheduled, e.g. no free GPUs; or scaled to zero), Progressing
@@ -12,10 +13,11 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .builders.common import selector_string
-from .builders.gateway import route_url, wants_session_persistence
+from .builders.gateway import route_url
 from .builders.hpa import ttft_metric_name
 from .builders.ingress import ingress_url
 from .builders.service import service_url
+from .kinds import OPTIONAL_KINDS, OptionalKind, Unavailable
 from .models.resource import StreamingModel
 
 # Container states that will not fix themselves without a change (image, args, secrets).
@@ -80,9 +82,9 @@ def autoscaling_status(
     model: StreamingModel, hpa: Mapping[str, Any] | None
 ) -> dict[str, Any] | None:
     """The HPA's last reading and decision, so `kubectl get sm -o wide` shows TTFT."""
-    if not model.spec.autoscaling_enabled:
-        return None
     a = model.spec.autoscaling
+    if a is None or not a.enabled:
+        return None
     metric = ttft_metric_name(a.ttft_percentile)
     out: dict[str, Any] = {
         "backend": a.backend,
@@ -139,48 +141,6 @@ def urls(
     return base, endpoints
 
 
-GATEWAY_CONDITION = "GatewayRoute"
-
-
-SESSION_PERSISTENCE_DROPPED = (
-    "the HTTPRoute CRD installed has no rules[].sessionPersistence (Gateway API's Standard "
-    "channel), so the route is applied without it: install the Experimental channel CRDs, or "
-    "turn gateway.sessionPersistence off. Until then a resumed stream may reach another pod "
-    "and get a 404"
-)
-
-
-def gateway_condition(
-    route: Mapping[str, Any] | None, problem: str | None = None, persistence: bool = False
-) -> dict[str, str]:
-    """GatewayRoute: whether every parent Gateway accepted the HTTPRoute (its status.parents),
-    and, with `persistence` asked for, whether the stored route kept its sessionPersistence."""
-    if problem:
-        return _cond(GATEWAY_CONDITION, False, "GatewayAPIUnavailable", problem)
-    rules = ((route or {}).get("spec") or {}).get("rules") or []
-    if persistence and rules and not any("sessionPersistence" in r for r in rules):
-        return _cond(GATEWAY_CONDITION, False, "SessionPersistenceDropped",
-                     SESSION_PERSISTENCE_DROPPED)  # fmt: skip
-    parents = ((route or {}).get("status") or {}).get("parents") or []
-    refused = []
-    for parent in parents:
-        ref = parent.get("parentRef") or {}
-        for c in parent.get("conditions") or []:
-            if c.get("type") == "Accepted" and c.get("status") != "True":
-                who = f"{ref.get('namespace', '')}/{ref.get('name', '?')}".lstrip("/")
-                refused.append(f"Gateway {who}: {c.get('reason', '')} {c.get('message', '')}")
-    if refused:
-        return _cond(GATEWAY_CONDITION, False, "NotAccepted", "; ".join(refused)[:1024])
-    if not parents:
-        return _cond(
-            GATEWAY_CONDITION,
-            None,
-            "Pending",
-            "waiting for a Gateway controller to accept the route",
-        )
-    return _cond(GATEWAY_CONDITION, True, "Accepted", "the HTTPRoute is accepted by its Gateways")
-
-
 def _stamp(
     conditions: list[dict[str, Any]],
     previous: Iterable[Mapping[str, Any]],
@@ -191,42 +151,79 @@ def _stamp(
     before = {c.get("type"): c for c in previous or []}
     for c in conditions:
         old = before.get(c["type"])
-        same = old is not None and old.get("status") == c["status"]
-        c["lastTransitionTime"] = old.get("lastTransitionTime", now) if same else now
+        if old is not None and old.get("status") == c["status"]:
+            c["lastTransitionTime"] = old.get("lastTransitionTime", now)
+        else:
+            c["lastTransitionTime"] = now
         if generation is not None:
             c["observedGeneration"] = generation
     return conditions
 
 
-POD_MONITOR_CONDITION = "PodMonitorReady"
+def _condition_of(status: Mapping[str, Any], type_: str) -> Mapping[str, Any] | None:
+    return next((c for c in status.get("conditions") or [] if c.get("type") == type_), None)
 
 
-def with_pod_monitor(
+def remembered(optional: OptionalKind, status: Mapping[str, Any]) -> bool:
+    """Whether the status says the last pass wanted this kind (so one may still exist)."""
+    if optional.condition is None:
+        return (status.get("autoscaling") or {}).get("backend") == "keda"
+    return _condition_of(status, optional.condition) is not None
+
+
+def reported(optional: OptionalKind, status: Mapping[str, Any]) -> str | None:
+    """What the status says about this kind: its condition's message, or the autoscaling one."""
+    if optional.condition is None:
+        return (status.get("autoscaling") or {}).get("message")
+    return (_condition_of(status, optional.condition) or {}).get("message")
+
+
+def optional_condition(
+    optional: OptionalKind,
+    model: StreamingModel,
+    live: Mapping[str, Any] | None,
+    unavailable: Unavailable | None = None,
+) -> dict[str, str]:
+    """The kind's condition: why it cannot be reached, else what its `ready` reads."""
+    assert optional.condition is not None and optional.ready is not None
+    if unavailable is not None:
+        return _cond(optional.condition, False, unavailable.reason, unavailable.message)
+    return _cond(optional.condition, *optional.ready(model, live))
+
+
+TEMPLATE_CONDITION = "TemplateCurrent"
+
+
+def with_template_wait(
     status: dict[str, Any],
-    problem: str | None,
+    message: str,
     previous: Mapping[str, Any],
     now: str,
     generation: int | None,
 ) -> dict[str, Any]:
-    """Add PodMonitorReady to a computed status: True once applied, False with `problem`
-    (the Prometheus Operator's CRD is missing, or the chart grants no access)."""
-    if problem is None:
-        cond = _cond(
-            POD_MONITOR_CONDITION, True, "Applied", "the PodMonitor selects the model's pods"
-        )
-    else:
-        reason = "Forbidden" if "may not" in problem else "CRDMissing"
-        cond = _cond(POD_MONITOR_CONDITION, False, reason, problem)
-    conditions = [
-        *status.get("conditions", []),
-        *_stamp([cond], previous.get("conditions") or [], now, generation),
-    ]
-    return {**status, "conditions": conditions}
+    """Add TemplateCurrent=False: the operator's release changes this model's pod template
+    and the model waits for a rollout slot (`pacing.py`); absent otherwise."""
+    cond = _cond(TEMPLATE_CONDITION, False, "WaitingForRolloutSlot", message)
+    return with_condition(status, cond, previous, now, generation)
 
 
-def had_pod_monitor(previous: Mapping[str, Any]) -> bool:
-    """Whether the status says a PodMonitor was wanted (so one may still exist)."""
-    return any(c.get("type") == POD_MONITOR_CONDITION for c in previous.get("conditions") or [])
+def was_waiting(previous: Mapping[str, Any]) -> bool:
+    return any(
+        c.get("type") == TEMPLATE_CONDITION and c.get("status") == "False"
+        for c in previous.get("conditions") or []
+    )
+
+
+def with_condition(
+    status: dict[str, Any],
+    cond: dict[str, str],
+    previous: Mapping[str, Any],
+    now: str,
+    generation: int | None,
+) -> dict[str, Any]:
+    """Add one more condition to a computed status (lastTransitionTime kept as usual)."""
+    stamped = _stamp([dict(cond)], previous.get("conditions") or [], now, generation)
+    return {**status, "conditions": [*status.get("conditions", []), *stamped]}
 
 
 def invalid_status(
@@ -309,18 +306,30 @@ def compute_status(
     previous: Mapping[str, Any] | None = None,
     now: str = "",
     hpa: Mapping[str, Any] | None = None,
-    route: Mapping[str, Any] | None = None,
-    route_problem: str | None = None,
+    optional: Mapping[str, Mapping[str, Any] | None] | None = None,
+    unavailable: Mapping[str, Unavailable] | None = None,
 ) -> dict[str, Any]:
+    """The whole status of a pass: the Deployment, its pods, the Ingress and the HPA as
+    observed, then each of `kinds.OPTIONAL_KINDS` the model wants (`optional`: kind -> the
+    object as stored) or cannot reach (`unavailable`: kind -> why)."""
     previous = previous or {}
+    optional = optional or {}
+    unavailable = unavailable or {}
     out = _compute_status(model, generation, deployment, pods, ingress, previous, now, hpa)
-    if model.spec.gateway is not None:
-        out["conditions"] += _stamp(
-            [gateway_condition(route, route_problem, wants_session_persistence(model))],
-            previous.get("conditions") or [],
-            now,
-            generation,
-        )
+    conditions = []
+    for row in OPTIONAL_KINDS:
+        problem = unavailable.get(row.name)
+        if row.condition is not None:
+            # An unwanted kind that excludes a child stays reported while its delete is
+            # refused: the status remembers it, so the next pass tries again.
+            if row.wanted(model) or (problem is not None and row.excludes is not None):
+                conditions.append(optional_condition(row, model, optional.get(row.name), problem))
+        elif problem is not None:  # the ScaledObject: status.autoscaling reports it
+            scaling = {**(out.get("autoscaling") or {}), "message": problem.message}
+            if not row.wanted(model):
+                scaling["backend"] = "keda"  # a ScaledObject may still exist: keep cleaning up
+            out["autoscaling"] = scaling
+    out["conditions"] += _stamp(conditions, previous.get("conditions") or [], now, generation)
     return out
 
 
@@ -346,19 +355,21 @@ def _compute_status(
         out["autoscaling"] = scaling
     spec_ok = _cond("SpecValid", True, "Valid", "spec is valid")
 
+    # A multi-node model's LeaderWorkerSet counts replicas in groups of pods.
+    workload, unit = (
+        ("LeaderWorkerSet", "groups") if model.multi_node else ("Deployment", "replicas")
+    )
     if deployment is None:
-        desired = (
-            model.spec.autoscaling.min_replicas
-            if model.spec.autoscaling_enabled
-            else model.spec.replicas
-        )
-        out.update(phase="Pending", message="creating the Deployment", replicas=0, readyReplicas=0)
+        a = model.spec.autoscaling
+        desired = a.min_replicas if a is not None and a.enabled else model.spec.replicas
+        out.update(phase="Pending", message=f"creating the {workload}", replicas=0, readyReplicas=0)
         out["ready"] = f"0/{desired}"
+        missing = f"the {workload} does not exist yet"
         conditions = [
             spec_ok,
-            _cond("Available", False, "DeploymentMissing", "the Deployment does not exist yet"),
-            _cond("Progressing", True, "Creating", "creating the Deployment"),
-            _cond("Ready", False, "DeploymentMissing", "the Deployment does not exist yet"),
+            _cond("Available", False, f"{workload}Missing", missing),
+            _cond("Progressing", True, "Creating", f"creating the {workload}"),
+            _cond("Ready", False, f"{workload}Missing", missing),
         ]
         out["conditions"] = _stamp(conditions, previous.get("conditions") or [], now, generation)
         return out
@@ -380,7 +391,7 @@ def _compute_status(
     if desired == 0:
         phase, message = "Pending", "scaled to 0 replicas"
     elif ready >= desired and not rolling:
-        phase, message = "Ready", f"{ready}/{desired} replicas ready"
+        phase, message = "Ready", f"{ready}/{desired} {unit} ready"
     elif waiting_for_room:
         phase = "Progressing"
         message = (
@@ -390,7 +401,7 @@ def _compute_status(
         )
     elif ready > 0 and (stuck or deadline or unschedulable):
         phase = "Degraded"
-        message = f"{ready}/{desired} replicas ready; " + "; ".join(
+        message = f"{ready}/{desired} {unit} ready; " + "; ".join(
             (stuck or unschedulable)[:3] or ["rollout stuck"]
         )
     elif stuck or deadline:
@@ -406,9 +417,9 @@ def _compute_status(
             f"rolling out: {updated}/{desired} updated, {ready}/{desired} ready",
         )
     elif ready > 0:
-        phase, message = "Degraded", f"{ready}/{desired} replicas ready"
+        phase, message = "Degraded", f"{ready}/{desired} {unit} ready"
     else:
-        phase, message = "Progressing", f"0/{desired} replicas ready (starting, loading the model)"
+        phase, message = "Progressing", f"0/{desired} {unit} ready (starting, loading the model)"
     out.update(phase=phase, message=message)
 
     if deadline:

@@ -7,16 +7,14 @@ is where people look first.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
 from pydantic import ValidationError
 
-from .models.resource import StreamingModel
+from .models.base import RULE_ERROR
+from .models.resource import ADAPTER_NAME_RULE, NAME_RULE, StreamingModel
 from .models.spec import StreamingModelSpec
-
-DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 
 class SpecError(ValueError):
@@ -27,16 +25,23 @@ class SpecError(ValueError):
         self.field = field
 
 
-def _loc(loc: tuple[Any, ...]) -> str:
-    return ".".join(["spec", *(str(p) for p in loc)])
+def _loc(error: Mapping[str, Any]) -> str:
+    """Where the error is: the field, or for a `Rule` its node and fieldPath (as the API
+    server says it)."""
+    path = ["spec", *(str(p) for p in error["loc"])]
+    if error["type"] == RULE_ERROR and error["ctx"]["field"]:
+        path.append(error["ctx"]["field"].lstrip("."))
+    return ".".join(path)
 
 
 def _describe(error: Mapping[str, Any]) -> str:
-    where = _loc(error["loc"])
+    where = _loc(error)
     if error["type"] == "extra_forbidden":
         return f"{where}: unknown field (check the spelling against `kubectl explain streamingmodel.spec`)"
     if error["type"] == "missing":
         return f"{where}: required field is missing"
+    if error["type"] == RULE_ERROR:
+        return f"{where}: {error['msg']}"
     msg = error["msg"].removeprefix("Value error, ")
     # Validators raising ValueError already say what to do; pydantic's own messages get the value.
     if (
@@ -50,18 +55,17 @@ def _describe(error: Mapping[str, Any]) -> str:
 
 def parse_spec(spec: Mapping[str, Any] | None, name: str | None = None) -> StreamingModelSpec:
     """Validate a raw `.spec` (camelCase, as stored) and the object's name."""
-    if name is not None and (len(name) > 63 or not DNS1035.match(name)):
-        raise SpecError(
-            f"metadata.name must be a DNS-1035 label (lower case letters, digits and '-', starting with a "
-            f"letter, at most 63 characters); {name!r} is not. It also names the Service: rename the resource",
-            field="metadata.name",
-        )
+    if name is not None and not NAME_RULE.holds(name):
+        raise SpecError(NAME_RULE.error(name), field="metadata.name")
     try:
-        return StreamingModelSpec.model_validate(dict(spec or {}))
+        parsed = StreamingModelSpec.model_validate(dict(spec or {}))
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
         message = "; ".join(_describe(e) for e in errors)
-        raise SpecError(message, field=_loc(errors[0]["loc"])) from None
+        raise SpecError(message, field=_loc(errors[0])) from None
+    if name is not None and not ADAPTER_NAME_RULE.holds((name, parsed)):
+        raise SpecError(f"spec.{ADAPTER_NAME_RULE.error((name, parsed))}", field="spec.adapters")
+    return parsed
 
 
 def parse_object(body: Mapping[str, Any]) -> StreamingModelSpec:

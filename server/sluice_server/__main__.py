@@ -1,5 +1,6 @@
 """`sluice-server` / `python -m sluice_server`: parse flags + env, serve, drain on SIGTERM
-(one process, or a supervisor of `--api-workers` front-end processes)."""
+(one process, or a supervisor of `--api-workers` front-end processes); with `--node-rank`
+above 0 a multi-node worker, vLLM's headless workers only."""
 
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"sluice-server: invalid settings: {problems}", file=sys.stderr)
         return 2
+    if settings.headless:
+        from .engine import run_engine_worker
+
+        return run_engine_worker(settings)
     if settings.api_workers > 1:
         return run_pod(settings)
     return serve(settings)

@@ -14,10 +14,12 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .core.adapters import Adapters
 from .core.auth import KeyStore
 from .core.credentials import Credentials
 from .core.errors import install_error_handlers
@@ -44,8 +46,10 @@ from .protocols import (
     websocket,
 )
 from .settings import Settings
+from .transport import handshake
 from .transport.cors import install_cors
 from .transport.prefix import PathPrefix
+from .transport.sendwatch import transport_of
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +82,8 @@ class Edge:
         # (status, headers), so each event skips their pass-through frames
         # (transport/sse.py, protocols/websocket.py).
         scope["sluice.send"] = send
+        # The connection's transport: what the send watchdog watches (transport/sendwatch.py).
+        scope["sluice.transport"] = transport_of(receive)
 
         extra = self.extra
 
@@ -89,6 +95,8 @@ class Edge:
             elif t == "websocket.accept":
                 trail.status = 101
                 message["headers"] = [*message.get("headers", ()), _request_id(trail), *extra]
+            elif t == "websocket.http.response.body" and not message.get("more_body"):
+                handshake.refused()  # a refusal is an outcome (transport/handshake.py)
             await send(message)
 
         failed = True
@@ -147,7 +155,7 @@ def build_reloader(settings: Settings, svc: Services) -> Reloader | None:
     s, creds = settings, svc.credentials
     if not s.credentials_reload_seconds or not creds.enabled:
         return None
-    sources = []
+    sources: list[Source[Any]] = []
     if s.api_key_file is not None:
         path = s.api_key_file
         sources.append(Source(
@@ -184,6 +192,9 @@ def build_services(
         recorder=Recorder(
             settings.model_label, settings.access_log, settings.access_log_format, tracing
         ),  # fmt: skip
+        adapters=Adapters(
+            settings.model_label, metrics, settings.adapters_file, settings.adapters_reload_seconds
+        ),  # fmt: skip
         engine=engine,
         pod=pod,
     )
@@ -203,12 +214,15 @@ def build_app(
     @asynccontextmanager
     async def serving_engine() -> AsyncIterator[None]:
         if engine is not None:
+            await svc.adapters.start(engine)
             yield
             return
         try:
             async with open_engine(settings, **(engine_options or {})) as opened:
                 svc.engine = opened
                 log.info("engine ready: %s (%s)", settings.model_label, settings.engine)
+                # The current adapter list before ready: a restarted pod serves it at once.
+                await svc.adapters.start(opened)
                 freeze_startup_heap()
                 if pod is not None:
                     pod.set_ready(True)
@@ -226,12 +240,16 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         watcher = asyncio.create_task(reloader.run()) if reloader else None
+        adapters = None
         try:
             async with serving_engine():
+                if settings.adapters_file is not None:
+                    adapters = asyncio.create_task(svc.adapters.run())
                 yield
         finally:
-            if watcher is not None:
-                watcher.cancel()
+            for task in (watcher, adapters):
+                if task is not None:
+                    task.cancel()
             await svc.limiter.close()
             if svc.recorder.tracing is not None:
                 svc.recorder.tracing.shutdown()  # exports the spans still batched

@@ -50,7 +50,11 @@ def render(text: str, parts: dict[str, str]) -> str:
         pattern = re.compile(rf"(<!-- generated:{name} -->\n).*?(<!-- end:{name} -->)", re.S)
         if not pattern.search(text):
             raise ValueError(f"no <!-- generated:{name} --> ... <!-- end:{name} --> markers")
-        text = pattern.sub(lambda m, body=body: m.group(1) + body + m.group(2), text)
+
+        def fill(m: re.Match[str], body: str = body) -> str:
+            return m.group(1) + body + m.group(2)
+
+        text = pattern.sub(fill, text)
     return text
 
 

@@ -29,7 +29,7 @@ from .app import build_app
 from .core.pod import PodSeat, PodState
 from .core.trail import ACCESS_LOGGER
 from .settings import Settings
-from .transport import redact
+from .transport import handshake, redact
 
 log = logging.getLogger("sluice_server")
 
@@ -73,11 +73,14 @@ def uvicorn_config(settings: Settings, app) -> uvicorn.Config:
         ws_ping_interval=settings.heartbeat_seconds,
         ws_ping_timeout=settings.heartbeat_seconds,
         ws_max_size=settings.max_body_bytes,  # one limit for bodies and frames
-        timeout_keep_alive=settings.keep_alive_seconds,
+        # uvicorn annotates an int but only hands it to loop.call_later: seconds as a float.
+        timeout_keep_alive=settings.keep_alive_seconds,  # type: ignore[arg-type]
         timeout_graceful_shutdown=5,
         access_log=False,
     )
-    redact.install()  # after the Config: it (re)configures uvicorn's loggers
+    # After the Config: it (re)configures uvicorn's loggers.
+    redact.install()
+    handshake.install()
     return config
 
 

@@ -14,6 +14,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 Protocol = Literal["sse", "websocket", "responses", "anthropic"]
+ALL_PROTOCOLS: tuple[Protocol, ...] = ("sse", "websocket", "responses", "anthropic")
 
 
 class Settings(BaseSettings):
@@ -50,6 +51,25 @@ class Settings(BaseSettings):
     # vLLM engine (None = vLLM's own default)
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism (GPUs).")
     pipeline_parallel_size: int = Field(1, ge=1, description="vLLM pipeline parallelism.")
+    nnodes: int = Field(
+        1, ge=1, le=64, description="Nodes the engine spans (vLLM's multiprocessing "
+        "multi-node backend); tensor x pipeline parallel size is split evenly over them. "
+        "Above 1 needs `--engine vllm`, `--master-addr` and `--api-workers 1`. On "
+        "Kubernetes `spec.parallelism.nodes` sets it (a LeaderWorkerSet group).",
+    )  # fmt: skip
+    node_rank: int = Field(
+        0, ge=0, description="This node's rank, 0 to `--nnodes` - 1. 0: the leader, which "
+        "serves the API with the engine's rank-0 node; above 0: a worker, which runs only "
+        "vLLM's headless workers for the leader's engine (no HTTP port).",
+    )  # fmt: skip
+    master_addr: str | None = Field(
+        None, description="With `--nnodes` above 1: the leader's address (host name or IP), "
+        "where vLLM's torch.distributed rendezvous listens; the same on every node.",
+    )  # fmt: skip
+    master_port: int = Field(
+        29501, ge=1, le=65535, description="With `--nnodes` above 1: the port of that "
+        "rendezvous on the leader.",
+    )  # fmt: skip
     gpu_memory_utilization: float = Field(0.92, gt=0, le=1, description="vLLM: share of "
                                           "GPU memory for weights and KV cache.")  # fmt: skip
     max_model_len: int | None = Field(None, ge=1, description="vLLM: context length "
@@ -69,9 +89,31 @@ class Settings(BaseSettings):
         "arguments, unchanged (they win over what the flags above derive).",
     )  # fmt: skip
 
+    # LoRA adapters
+    adapters_file: Path | None = Field(
+        None, description="JSON file listing the LoRA adapters to serve next to the base, "
+        "`{\"adapters\": [{\"name\", \"uri\", \"rank\"?, \"id\"?}]}` (`uri`: a local folder or "
+        "`hf://org/name[@revision]`); watched, and adapters are loaded and unloaded in the "
+        "running engine when it changes (on Kubernetes: the `<name>-adapters` ConfigMap). "
+        "Turns LoRA on.",
+    )  # fmt: skip
+    adapters_reload_seconds: float = Field(
+        2.0, gt=0, description="How often `--adapters-file` is checked for changes (one "
+        "`stat`).",
+    )  # fmt: skip
+    max_loras: int | None = Field(
+        None, ge=1, description="vLLM: adapters in one batch (`--max-loras`); turns LoRA on. "
+        "Fixed at engine start.",
+    )  # fmt: skip
+    max_lora_rank: int | None = Field(None, ge=1, description="vLLM: largest adapter rank "
+                                      "(`--max-lora-rank`). Fixed at engine start.")  # fmt: skip
+    max_cpu_loras: int | None = Field(None, ge=1, description="vLLM: adapters kept in CPU "
+                                      "memory (`--max-cpu-loras`). Fixed at engine "
+                                      "start.")  # fmt: skip
+
     # Streaming behaviour
     protocols: Annotated[list[Protocol], NoDecode] = Field(
-        default_factory=lambda: ["sse", "websocket", "responses", "anthropic"],
+        default_factory=lambda: list(ALL_PROTOCOLS),
         description="Served protocols, comma-separated: `sse` covers the OpenAI chat, "
         "completions and models routes, `/v1/stream`, `/tokenize`, `/detokenize` and "
         "`/version`; `websocket` `/ws/stream`; `responses` OpenAI's `/v1/responses`; "
@@ -92,8 +134,9 @@ class Settings(BaseSettings):
         "request is aborted.",
     )  # fmt: skip
     send_timeout_seconds: float = Field(
-        10.0, gt=0, description="A client that accepts no bytes for this long (a stalled "
-        "reader) is cut off and its request aborted.",
+        10.0, gt=0, description="A client that accepts no bytes for this long while bytes "
+        "wait for it (a stalled reader) is cut off and its request aborted; a reader that "
+        "keeps accepting bytes, however slowly, never is.",
     )  # fmt: skip
     stream_buffer_tokens: int = Field(
         4096, ge=1, description="Per-stream cap of undelivered engine outputs; past it the "
@@ -138,9 +181,9 @@ class Settings(BaseSettings):
     # Security
     api_key_file: Path | None = Field(
         None, description="File with one API key per line (`#` comments and blank lines "
-        "ignored), each optionally followed by `tenant=NAME rpm=N tpm=N` (that key's tenant "
-        "and limits; the defaults are tenant `default` and the `--rate-limit-*` flags); auth "
-        "is off when unset.",
+        "ignored), each optionally followed by `tenant=NAME rpm=N tpm=N models=A,B` (that "
+        "key's tenant, limits and the served names it may use; the defaults are tenant "
+        "`default`, the `--rate-limit-*` flags and every name); auth is off when unset.",
     )  # fmt: skip
     jwt_jwks_file: Path | None = Field(
         None, description="JWKS file (JSON `{\"keys\": [...]}`, public RSA or EC P-256 keys) "
@@ -255,12 +298,49 @@ class Settings(BaseSettings):
             raise ValueError("--rate-limit-backend redis needs --redis-url (or SLUICE_REDIS_URL)")
         if self.jwt_jwks_file is not None and not (self.jwt_issuer and self.jwt_audience):
             raise ValueError("--jwt-jwks-file needs --jwt-issuer and --jwt-audience")
+        self._check_nodes()
         if self.api_workers > 1 and self.resume_grace_seconds > 0:
             raise ValueError(
                 "--resume-grace-seconds needs --api-workers 1: a resumable stream lives in one "
                 "process, and a reconnect may reach another worker"
             )
         return self
+
+    def _check_nodes(self) -> None:
+        """Multi-node arguments that vLLM would refuse late (or hang on) are refused here."""
+        if self.node_rank >= self.nnodes:
+            raise ValueError(
+                f"--node-rank {self.node_rank} must be below --nnodes {self.nnodes} "
+                "(ranks are 0 to nnodes - 1; 0 is the leader)"
+            )
+        if self.nnodes == 1:
+            return
+        if self.engine != "vllm":
+            raise ValueError("--nnodes above 1 needs --engine vllm (the simulator is one process)")
+        if not self.master_addr:
+            raise ValueError(
+                "--nnodes above 1 needs --master-addr: the leader's address, the same on every node"
+            )
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        if world % self.nnodes:
+            raise ValueError(
+                f"--tensor-parallel-size x --pipeline-parallel-size ({world}) must split "
+                f"evenly over --nnodes {self.nnodes} (the same number of GPUs on every node)"
+            )
+        if self.api_workers > 1:
+            raise ValueError(
+                "--api-workers above 1 cannot be combined with --nnodes above 1: a "
+                "multi-node leader runs one server process with the engine in it"
+            )
+
+    @property
+    def headless(self) -> bool:
+        """A worker node: no HTTP API, only vLLM's headless workers for the leader's engine."""
+        return self.node_rank > 0
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.adapters_file is not None or self.max_loras is not None
 
     @property
     def model_label(self) -> str:

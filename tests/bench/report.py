@@ -1,8 +1,8 @@
 """Turn bench-results.json into the markdown tables, the plot and docs/benchmarks.md.
 
 `python tests/bench/report.py docs/bench-results.json` re-renders without rerunning.
-docs/benchmarks.md keeps its hand-written analysis: only the part between the
-`<!-- bench:generated -->` markers is replaced.
+docs/benchmarks.md keeps its hand-written method and reading guide: only the part between
+the `<!-- bench:generated -->` markers is replaced.
 """
 
 from __future__ import annotations
@@ -299,17 +299,17 @@ def worker_scaling_table(fanout: list[dict]) -> str:
     return text + "\n"
 
 
-# The regression check: this run's routes against an earlier run's (run.py embeds that
-# run's medians as results["baseline"], read before it overwrites the file). The runs may
-# land on different machines or loads (both are shared), which moves every system alike:
-# the verdict compares each route's ratio to vLLM's server (unchanged between the runs)
-# now and then, and a normalised ratio inside these bounds counts as noise. The raw
+# The regression check: this run's routes against the results file it replaces (run.py
+# embeds that file's medians as results["baseline"], read before it overwrites it). The
+# runs may land on different machines or loads (both are shared), which moves every system
+# alike: the verdict compares each route's ratio to vLLM's server (unchanged between the
+# runs) now and then, and a normalised ratio inside these bounds counts as noise. The raw
 # ratios are shown too.
 REGRESSION_TPS_MIN, REGRESSION_TTFT_MAX = 0.90, 1.20
 
 
 def baseline_from(results: dict, source: str) -> dict | None:
-    """The medians the regression check needs from an earlier results file."""
+    """The medians the regression check needs from another results file."""
     if not results.get("matrix"):
         return None
     points = [
@@ -353,12 +353,9 @@ def regression_rows(agg: dict, baseline: dict) -> list[dict]:
 
 
 def regression_table(rows: list[dict], baseline: dict) -> str:
-    load = baseline.get("load_avg_at_start")
     lines = [
-        f"Against {baseline['source']} (`{baseline.get('command')}`"
-        + (f", {baseline['cpu']}" if baseline.get("cpu") else "")
-        + (f", load average at its start {', '.join(f'{x:.1f}' for x in load)}" if load else "")
-        + "), same server flags (`--api-workers 1`). Now / before, raw and normalised by "
+        f"Against {baseline['source']} (`{baseline.get('command')}`), same server flags "
+        "(`--api-workers 1`). Now / before, raw and normalised by "
         "vLLM's server (unchanged between the runs, so its own ratio is how much the machine "
         "moved): a point is not worse when the normalised tok/s ratio is >= "
         f"{REGRESSION_TPS_MIN:.2f}x and the normalised TTFT p50 ratio <= "
@@ -541,9 +538,9 @@ def generated_section(results: dict, out_dir: Path) -> str:
         + ", ".join(f"{k} {val:.0f} s" for k, val in results["phases_s"].items() if k != "total")
         + ").",
         "",
-        f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, {m['os']}; "
-        f"load average at start {', '.join(f'{x:.1f}' for x in m['load_avg_at_start'])} "
-        "(the cores are shared with other work: compare ratios within one run).",
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, {m['os']} "
+        "(compare ratios within one run: see Noise; bench-results.json has the load average "
+        "at every point).",
         "",
         "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()) + ".",
         "",

@@ -9,7 +9,8 @@ Phases (each system in its own process, the load generator in another, all on 12
    and ignore_eos, one closed-loop load generator;
 3. cross-check one point with vLLM's own benchmark client;
 4. fan-out: our server on the simulator engine, SSE and WebSocket ramped separately;
-5. write docs/bench-results.{json,md}, docs/bench-throughput.png, docs/bench-fanout.md and
+5. a LoRA adapter next to the base on one engine (lora_ratio.py: TTFT and tokens/s ratios);
+6. write docs/bench-results.{json,md}, docs/bench-throughput.png, docs/bench-fanout.md and
    the generated part of docs/benchmarks.md.
 
 `python tests/bench/run.py --help` for knobs (`--quick` for a smoke run).
@@ -102,6 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--skip-matrix", action="store_true")
     p.add_argument("--skip-fanout", action="store_true")
+    p.add_argument("--skip-lora", action="store_true", help="skip the LoRA adapter/base ratio")
     p.add_argument("--skip-crosscheck", action="store_true")
     p.add_argument("--quick", action="store_true", help="smoke run: fewer points, short ramps")
     p.add_argument("--out", type=Path, default=ROOT / "docs")
@@ -460,6 +462,17 @@ def main(argv=None) -> int:
             t = time.time()
             results["fanout"] = run_fanout(args, group, env, logs)
             results["phases_s"]["fanout"] = time.time() - t
+        if not args.skip_lora:
+            from lora_ratio import run_lora
+            from lora_ratio import write as write_lora
+
+            t = time.time()
+            print("bench: LoRA adapter next to the base...", flush=True)
+            results["lora"] = run_lora(group, env, logs, scratch, prompts=prompts(),
+                                       repeats=1 if args.quick else 3)  # fmt: skip
+            if not args.no_docs:
+                write_lora(results["lora"], out_dir)
+            results["phases_s"]["lora"] = time.time() - t
     results["phases_s"]["total"] = time.time() - t_start
     (out_dir / "bench-results.json").write_text(json.dumps(results, indent=1))
     if not args.no_docs:

@@ -10,10 +10,10 @@ with a send() that drops the bytes. Two measurements:
   event (an event can carry several coalesced tokens when the consumer falls behind).
   `--variant engine` iterates the simulator alone (the floor); `--variant no-timeout`
   replaces our SSE send (a direct send watched by one timer per response) with a plain
-  `await send(...)`: what the send-timeout protection costs per event. (The A/B behind the
-  fix in docs/benchmarks.md "Hot spots" compared a cancel scope per send with a plain send
-  the same way.) `--variant tracing` turns OpenTelemetry on (every request sampled, spans
-  exported over OTLP/HTTP to a receiver in another process, tests/testkit/otlp.py);
+  `await send(...)`: what the send-timeout protection costs per event (the cost of a cancel
+  scope per send, in transport/sendwatch.py, was measured the same way). `--variant
+  tracing` turns OpenTelemetry on (every request sampled, spans exported over OTLP/HTTP to
+  a receiver in another process, tests/testkit/otlp.py);
   `--variant access-log` writes the access log (to /dev/null): what each costs per token.
 * `ab`: the `cpu` measurement for this checkout (B) and another one (A, `--against
   DIR`, e.g. a detached worktree of main) in alternating subprocesses, pinned to one core
@@ -79,6 +79,41 @@ def access_log_to_devnull() -> None:
     log.addHandler(logging.StreamHandler(open(os.devnull, "w")))  # noqa: SIM115
 
 
+class NullTransport:
+    """A transport that never backs up (the send() below drops the bytes), so the send
+    watchdog is armed as on a real connection (server/sluice_server/transport/sendwatch.py)."""
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return 16384, 65536
+
+    def set_write_buffer_limits(self, high=None, low=None) -> None:
+        pass
+
+    def get_extra_info(self, name, default=None):
+        return default
+
+    def is_closing(self) -> bool:
+        return False
+
+    def abort(self) -> None:
+        pass
+
+
+class Link:
+    """`receive` as uvicorn passes it: a bound method of what keeps the transport."""
+
+    transport = NullTransport()
+
+    def __init__(self, receive) -> None:
+        self._receive = receive
+
+    async def receive(self):
+        return await self._receive()
+
+
 def drivers(app, max_tokens: int, ends: list[asyncio.Event], counter: list[int]):
     """One coroutine per protocol that runs a single stream through the ASGI app. Each
     stream's client "disconnects" when its `end` event is set: when the stream finished,
@@ -112,7 +147,7 @@ def drivers(app, max_tokens: int, ends: list[asyncio.Event], counter: list[int])
                  "path": path, "raw_path": path.encode(), "query_string": b"",
                  "root_path": "", "headers": [(b"content-type", b"application/json")],
                  "client": ("127.0.0.1", 1), "server": server, "state": {}}  # fmt: skip
-        await app(scope, receive, send)
+        await app(scope, Link(receive).receive, send)
 
     async def websocket() -> None:
         frame = {
@@ -144,7 +179,7 @@ def drivers(app, max_tokens: int, ends: list[asyncio.Event], counter: list[int])
                  "query_string": b"", "root_path": "", "headers": [], "subprotocols": [],
                  "client": ("127.0.0.1", 1), "server": server, "state": {},
                  "extensions": {"websocket.http.response": {}}}  # fmt: skip
-        await app(scope, receive, send)
+        await app(scope, Link(receive).receive, send)
 
     chat = json.dumps({"messages": msgs, "max_tokens": max_tokens, "ignore_eos": True,
                        "stream": True}).encode()  # fmt: skip

@@ -1,6 +1,7 @@
 """`make bench` end to end in its short form (`run.py --quick`): every phase (vLLM's server,
 our server and the bare engine on the tiny model, the matrix, the cross-check with vLLM's
-own benchmark client, both fan-out ramps with one and two front-end workers) runs on a fresh machine and writes its outputs.
+own benchmark client, both fan-out ramps with one and two front-end workers, a LoRA adapter
+next to the base) runs on a fresh machine and writes its outputs.
 No speed is asserted here (numbers live in docs/benchmarks.md); errors are, because a
 benchmark request that fails is a bug, not noise."""
 
@@ -44,7 +45,15 @@ def test_quick_bench_runs_end_to_end(tmp_path):
         assert ramp["stages"] and all(s["errors"] == 0 for s in ramp["stages"]), ramp
     assert {r["workers"] for r in results["fanout"]} == {1, 2}  # one process, and a pod of 2
 
-    for name in ("bench-results.md", "bench-throughput.png", "bench-fanout.md", "benchmarks.md"):
+    for row in results["lora"]["rows"]:
+        assert row["errors"] == 0 and row["ttft_ratio"] > 0 and row["tokens_per_s_ratio"] > 0
+    for name in (
+        "bench-results.md",
+        "bench-throughput.png",
+        "bench-fanout.md",
+        "benchmarks.md",
+        "bench-lora.md",
+    ):
         assert (tmp_path / name).stat().st_size > 0, name
     note = (tmp_path / "benchmarks.md").read_text()
     assert "### Targets" in note and "| target | measured | met |" in note

@@ -134,38 +134,11 @@ def validate_streaming_model(doc: dict) -> None:
 
 
 def documented_keys(values_file: Path) -> tuple[list[str], list[str]]:
-    """(documented, undocumented) key paths of a values.yaml.
+    """(documented, undocumented) key paths of a values.yaml, as docs/helm.md's generator
+    reads them (`sluice_operator.generate.chartdocs.parse_values`): a key is documented when
+    the comment block right above it has a `# --` line; keys below a documented key are its
+    content; a key without `# --` is a section whose children must all be documented."""
+    from sluice_operator.generate.chartdocs import parse_values
 
-    A key is documented when the comment block right above it contains `# --`. Keys below a
-    documented key are that value's content (e.g. the probe timings), not separate values.
-    A key without `# --` must be a section whose children are all documented.
-    """
-    documented: list[str] = []
-    sections: list[str] = []
-    stack: list[tuple[int, str, bool]] = []  # (indent, key, documented)
-    comment_has_marker = False
-    for raw in values_file.read_text().splitlines():
-        stripped = raw.strip()
-        if not stripped:
-            comment_has_marker = False
-            continue
-        if stripped.startswith("#"):
-            comment_has_marker = (
-                comment_has_marker or stripped == "# --" or stripped.startswith("# -- ")
-            )
-            continue
-        indent = len(raw) - len(raw.lstrip())
-        if stripped.startswith("- ") or ":" not in stripped:
-            comment_has_marker = False
-            continue
-        key = stripped.split(":", 1)[0].strip()
-        while stack and stack[-1][0] >= indent:
-            stack.pop()
-        inside_documented = any(doc for _, _, doc in stack)
-        path = ".".join([k for _, k, _ in stack] + [key])
-        if not inside_documented:
-            (documented if comment_has_marker else sections).append(path)
-        stack.append((indent, key, comment_has_marker or inside_documented))
-        comment_has_marker = False
-    undocumented = [s for s in sections if not any(d.startswith(s + ".") for d in documented)]
-    return documented, undocumented
+    rows, undocumented = parse_values(values_file.read_text())
+    return [r.key for r in rows], undocumented

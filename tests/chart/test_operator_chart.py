@@ -5,10 +5,13 @@ not rendered."""
 from __future__ import annotations
 
 import filecmp
+import json
 import tarfile
+from pathlib import Path
 
 import pytest
 import yaml
+from sluice_operator.generate import chartdocs
 from testkit.repo import ROOT
 
 from .chartlib import (
@@ -69,6 +72,9 @@ def test_default_objects(h):
             "ClusterRole",
             "ClusterRoleBinding",
             "Deployment",
+            "Role",
+            "RoleBinding",
+            "PodDisruptionBudget",
         ]
     )
     for doc in docs:
@@ -105,17 +111,29 @@ def test_deployment_runs_the_operator_with_kopf_health(h):
     assert c["command"] == ["python", "-m", "sluice_operator", "run"]
     assert c["args"] == [
         "--all-namespaces",
+        "--leader-elect",
+        "--leader-elect-resource-name=sluice-sluice-operator",
+        "--leader-elect-resource-namespace=sluice-system",
+        "--leader-elect-lease-duration=15",
+        "--leader-elect-renew-deadline=10",
+        "--leader-elect-retry-period=2",
         "--standalone",
         "--liveness=http://0.0.0.0:8080/healthz",
         "--log-format=json",
+        "--max-concurrent-model-rollouts=2",
     ]
     assert c["image"] == "ghcr.io/sluice-dev/sluice-operator:0.1.0"
     for probe in ("livenessProbe", "readinessProbe"):
         assert c[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert c["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"}]
-    assert deploy["spec"]["replicas"] == 1
-    # Without peering two operator pods must never overlap.
-    assert deploy["spec"]["strategy"] == {"type": "Recreate"}
+    # Two electing replicas; a new pod starts as a standby before an old one goes.
+    assert deploy["spec"]["replicas"] == 2
+    assert deploy["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    annotations = deploy["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["sluice.dev/leader-election"] == "true"
     spec = deploy["spec"]["template"]["spec"]
     assert spec["serviceAccountName"] == "sluice-sluice-operator"
 
@@ -134,6 +152,14 @@ def test_operator_cli_accepts_the_rendered_arguments(h):
             assert args.namespace == ["team-a", "team-b"] and not args.all_namespaces
         else:
             assert args.all_namespaces and not args.namespace
+        assert args.max_concurrent_model_rollouts == 2
+        election = cli.election_settings(args)  # refuses unsafe timing with ValueError
+        assert (election.name, election.namespace) == ("sluice-sluice-operator", "sluice-system")
+        assert (election.lease_duration, election.renew_deadline, election.retry_period) == (
+            15,
+            10,
+            2,
+        )
     _, c = _container(
         h.template(
             OPERATOR_CHART,
@@ -183,7 +209,7 @@ def test_config_map_carries_extra_env(h):
 
 
 def test_scheduling_values_set_and_not_rendered(h):
-    deploy, _ = _container(h.template(OPERATOR_CHART))
+    deploy, _ = _container(h.template(OPERATOR_CHART, set_=["podAntiAffinity="]))
     spec = deploy["spec"]["template"]["spec"]
     for key in (
         "nodeSelector",
@@ -217,9 +243,8 @@ def test_peering_set_and_not_rendered(h):
     docs = h.template(OPERATOR_CHART, set_=["peering.enabled=true"])
     deploy, c = _container(docs)
     assert "--peering=sluice-operator" in c["args"] and "--standalone" not in c["args"]
-    # peering is not leader election: still one replica, never overlapping
-    assert deploy["spec"]["replicas"] == 1
-    assert deploy["spec"]["strategy"] == {"type": "Recreate"}
+    # peering (pausing for a higher-priority operator) goes with leader election
+    assert "--leader-elect" in c["args"] and deploy["spec"]["replicas"] == 2
     rules = _operator_role(docs)["rules"]
     assert {
         "apiGroups": ["kopf.dev"],
@@ -228,7 +253,7 @@ def test_peering_set_and_not_rendered(h):
     } in rules
 
     docs = h.template(OPERATOR_CHART, set_=["peering.enabled=true", *NAMESPACED])
-    for role in by_kind(docs, "Role"):
+    for role in by_kind(docs, "Role")[:-1]:  # the last is the leader election's
         assert {
             "apiGroups": ["kopf.dev"],
             "resources": ["kopfpeerings"],
@@ -236,12 +261,46 @@ def test_peering_set_and_not_rendered(h):
         } in role["rules"]
 
 
-def test_more_than_one_replica_is_refused(h):
-    """kopf has no leader election (equal-priority peers all pause): one replica at most."""
-    for set_ in (["replicaCount=2"], ["replicaCount=2", "peering.enabled=true"]):
-        assert "/replicaCount" in h.template_error(OPERATOR_CHART, set_=set_)
+def test_more_than_one_replica_needs_leader_election(h):
+    """Without leader election every replica would reconcile every model: one at most, and
+    Recreate (the old pod goes before the new one starts)."""
+    off = "leaderElection.enabled=false"
+    err = h.template_error(OPERATOR_CHART, set_=[off])  # the default is 2 replicas
+    assert "replicaCount above 1 needs leaderElection.enabled" in err
+    docs = h.template(OPERATOR_CHART, set_=[off, "replicaCount=1"])
+    deploy, c = _container(docs)
+    assert deploy["spec"]["strategy"] == {"type": "Recreate"}
+    assert not any(a.startswith("--leader-elect") for a in c["args"])
+    assert "sluice.dev/leader-election" not in deploy["spec"]["template"]["metadata"]["annotations"]
+    assert not by_kind(docs, "Role") and not by_kind(docs, "PodDisruptionBudget")
     deploy, _ = _container(h.template(OPERATOR_CHART, set_=["replicaCount=0"]))
     assert deploy["spec"]["replicas"] == 0  # stopping the operator is fine
+    deploy, _ = _container(h.template(OPERATOR_CHART, set_=["replicaCount=3"]))
+    assert deploy["spec"]["replicas"] == 3
+
+
+def test_replicas_spread_over_nodes_and_a_pdb_keeps_one(h):
+    selector = one(h.template(OPERATOR_CHART), "Deployment")["spec"]["selector"]["matchLabels"]
+    deploy, _ = _container(h.template(OPERATOR_CHART))
+    (soft,) = deploy["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert soft["podAffinityTerm"] == {
+        "topologyKey": "kubernetes.io/hostname",
+        "labelSelector": {"matchLabels": selector},
+    }
+    deploy, _ = _container(h.template(OPERATOR_CHART, set_=["podAntiAffinity=hard"]))
+    (hard,) = deploy["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert hard["labelSelector"] == {"matchLabels": selector}
+    deploy, _ = _container(h.template(OPERATOR_CHART, set_=["podAntiAffinity="]))
+    assert "affinity" not in deploy["spec"]["template"]["spec"]
+    pdb = one(h.template(OPERATOR_CHART), "PodDisruptionBudget")
+    assert pdb["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": selector}}
+    for set_ in (["replicaCount=1"], ["podDisruptionBudget.enabled=false"]):
+        assert not by_kind(h.template(OPERATOR_CHART, set_=set_), "PodDisruptionBudget")
+    assert "/podAntiAffinity" in h.template_error(OPERATOR_CHART, set_=["podAntiAffinity=always"])
 
 
 def test_values_schema_rejects_typos_and_bad_types(h):
@@ -259,7 +318,9 @@ def test_values_schema_rejects_typos_and_bad_types(h):
 
 def _operator_role(docs, kind="ClusterRole"):
     (role,) = [
-        d for d in by_kind(docs, kind) if not d["metadata"]["name"].endswith(("-edit", "-view"))
+        d
+        for d in by_kind(docs, kind)
+        if not d["metadata"]["name"].endswith(("-edit", "-view", "-election"))
     ]
     return role
 
@@ -278,8 +339,9 @@ EXPECTED = {
     ("serving.sluice.dev", "streamingmodels"): {"get", "list", "watch", "patch"},
     ("serving.sluice.dev", "streamingmodels/status"): {"get", "patch"},
     ("serving.sluice.dev", "streamingmodels/finalizers"): {"update"},
-    ("apps", "deployments"): {"get", "list", "watch", "create", "patch"},
+    ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "delete"},
     ("", "services"): {"get", "list", "watch", "create", "patch"},
+    ("", "configmaps"): {"get", "list", "watch", "create", "patch", "delete"},
     ("networking.k8s.io", "ingresses"): {"get", "list", "watch", "create", "patch", "delete"},
     ("autoscaling", "horizontalpodautoscalers"): {
         "get",
@@ -291,6 +353,7 @@ EXPECTED = {
     },
     ("policy", "poddisruptionbudgets"): {"get", "list", "watch", "create", "patch", "delete"},
     ("gateway.networking.k8s.io", "httproutes"): {"get", "create", "patch", "delete"},
+    ("leaderworkerset.x-k8s.io", "leaderworkersets"): {"get", "create", "patch", "delete"},
     ("networking.k8s.io", "networkpolicies"): {
         "get",
         "list",
@@ -313,7 +376,10 @@ def test_rbac_cluster_wide_is_exactly_what_the_operator_uses(h):
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": "sluice-sluice-operator", "namespace": "sluice-system"}
     ]
-    assert not by_kind(docs, "Role") and not by_kind(docs, "RoleBinding")
+    # Beside it only the leader election's Role, in the release namespace.
+    (lease_role,) = by_kind(docs, "Role")
+    assert lease_role["metadata"]["namespace"] == "sluice-system"
+    assert {r["resources"][0] for r in lease_role["rules"]} == {"leases"}
 
 
 def test_rbac_has_no_wildcards_and_no_secrets(h):
@@ -327,27 +393,105 @@ def test_rbac_has_no_wildcards_and_no_secrets(h):
                     assert "escalate" not in rule["verbs"] and "bind" not in rule["verbs"]
 
 
-def test_rbac_rules_are_commented(h):
-    text = (OPERATOR_CHART / "templates" / "_rbac-rules.tpl").read_text()
-    blocks = text.split("- apiGroups:")[1:]
-    lines = text.splitlines()
-    rule_lines = [i for i, line in enumerate(lines) if line.startswith("- apiGroups:")]
-    assert len(rule_lines) == len(blocks) >= 10
-    for i in rule_lines:
-        above = lines[i - 1].strip()
-        # Each rule has a comment saying why, or follows one of the same group of rules.
-        assert above.startswith("#") or above.startswith("verbs:") or above.startswith("{{"), lines[
-            i
-        ]
+RBAC_TPL = OPERATOR_CHART / "templates" / "_rbac-rules.tpl"
+
+
+def test_rbac_rules_are_commented():
+    """Every rule says why (the comment above it is its row in docs/helm.md's table); the
+    generator refuses a rule without one."""
+    rules = chartdocs.parse_rbac_rules(RBAC_TPL.read_text())
+    assert len(rules) >= 10 and all(r.why for r in rules)
+    text = RBAC_TPL.read_text()
+    why = "# Status (phase, conditions, URLs) is written through the status subresource.\n"
+    assert why in text
+    with pytest.raises(ValueError, match="rule without a comment"):
+        chartdocs.parse_rbac_rules(text.replace(why, ""))
+
+
+# The values each rule's `if` reads, all off, all on cluster-wide, all on per namespace.
+RBAC_SWITCHES = ["keda.enabled", "podMonitors.enabled", "peering.enabled"]
+RBAC_CASES = {
+    "defaults": ([], {}),
+    "all-on": ([f"{k}=true" for k in RBAC_SWITCHES], {k: True for k in RBAC_SWITCHES}),
+    "all-on-namespaced": (
+        [f"{k}=true" for k in RBAC_SWITCHES] + ["watch.allNamespaces=false"],
+        {**{k: True for k in RBAC_SWITCHES}, "watch.allNamespaces": False},
+    ),
+}
+
+
+def _granted(rules, values: dict) -> list[dict]:
+    """The rules the table says are granted with these values (values.yaml's defaults for the
+    rest), in the chart's shape."""
+    defaults = yaml.safe_load((OPERATOR_CHART / "values.yaml").read_text())
+
+    def value(key: str) -> bool:
+        if key in values:
+            return values[key]
+        node = defaults
+        for part in key.split("."):
+            node = node[part]
+        return bool(node)
+
+    def on(cond: str) -> bool:
+        return not value(cond[4:]) if cond.startswith("not ") else value(cond)
+
+    return [
+        {"apiGroups": list(r.api_groups), "resources": list(r.resources), "verbs": list(r.verbs)}
+        for r in rules
+        if all(on(c) for c in r.when)
+    ]
+
+
+@pytest.mark.parametrize("case", RBAC_CASES, ids=str)
+def test_rbac_table_is_what_the_chart_renders(h, case):
+    """docs/helm.md's RBAC table (read from _rbac-rules.tpl, conditions and all) lists exactly
+    the rules helm renders, in order, for each combination of the values that switch them."""
+    set_, values = RBAC_CASES[case]
+    rules = [r for r in chartdocs.parse_rbac_rules(RBAC_TPL.read_text()) if r.define != ELECTION]
+    kind = "Role" if values.get("watch.allNamespaces") is False else "ClusterRole"
+    rendered = _operator_role(h.template(OPERATOR_CHART, set_=set_), kind)["rules"]
+    assert _granted(rules, values) == rendered
+    # Negative control: a table that missed a rule's condition differs from the chart.
+    if case == "defaults":
+        text = RBAC_TPL.read_text().replace("{{- if .Values.keda.enabled }}", "", 1)
+        text = text.replace("{{- end }}", "", 1)
+        assert _granted(chartdocs.parse_rbac_rules(text), values) != rendered
+
+
+ELECTION = "sluice-operator.rules.election"
+
+
+def test_rbac_table_lists_the_election_role(h):
+    """The leader election's rules (their own Role in the release namespace) are in the table
+    as the chart renders them, the Lease's name included; and not rendered when it is off."""
+    rules = [r for r in chartdocs.parse_rbac_rules(RBAC_TPL.read_text()) if r.define == ELECTION]
+    assert rules and all(r.when == ("leaderElection.enabled",) for r in rules)
+    docs = h.template(OPERATOR_CHART)
+    (role,) = [r for r in by_kind(docs, "Role") if r["metadata"]["name"].endswith("-election")]
+    rendered = [
+        (
+            tuple(r["apiGroups"]),
+            tuple(r["resources"]),
+            tuple(r["verbs"]),
+            bool(r.get("resourceNames")),
+        )
+        for r in role["rules"]
+    ]
+    assert rendered == [(r.api_groups, r.resources, r.verbs, bool(r.resource_names)) for r in rules]
+    off = h.template(OPERATOR_CHART, set_=["leaderElection.enabled=false", "replicaCount=1"])
+    assert not [r for r in by_kind(off, "Role") if r["metadata"]["name"].endswith("-election")]
 
 
 def test_rbac_namespaced_mode(h):
     docs = h.template(OPERATOR_CHART, set_=NAMESPACED)
-    roles = by_kind(docs, "Role")
+    roles = [r for r in by_kind(docs, "Role") if not r["metadata"]["name"].endswith("-election")]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     for role in roles:
         assert _grants(role["rules"]) == EXPECTED
-    bindings = by_kind(docs, "RoleBinding")
+    bindings = [
+        b for b in by_kind(docs, "RoleBinding") if not b["metadata"]["name"].endswith("-election")
+    ]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     for b in bindings:
         assert b["subjects"][0]["namespace"] == "sluice-system"
@@ -360,7 +504,7 @@ def test_rbac_namespaced_mode(h):
     assert c["args"][:2] == ["--namespace=team-a", "--namespace=team-b"]
     # An empty list means the release namespace.
     docs = h.template(OPERATOR_CHART, set_=["watch.allNamespaces=false"], namespace="models")
-    assert [r["metadata"]["namespace"] for r in by_kind(docs, "Role")] == ["models"]
+    assert [r["metadata"]["namespace"] for r in by_kind(docs, "Role")] == ["models", "models"]
 
 
 def test_keda_set_and_not_rendered(h):
@@ -455,6 +599,66 @@ def test_rbac_covers_every_child_the_operator_manages(h):
     assert {"Deployment", "Service"} <= rendered <= managed
 
 
+def _lease_calls() -> list[tuple[str, str]]:
+    """(HTTP method, last path segment) of every request the operator's Lease store can send:
+    each of its operations run once against a recorder (a 404 first, so create is reached)."""
+    import asyncio
+
+    cluster_mod = pytest.importorskip("sluice_operator.cluster")
+    election = pytest.importorskip("sluice_operator.election")
+    from kubernetes.client.exceptions import ApiException
+
+    sent = []
+    lease = {"metadata": {"resourceVersion": "1"}, "spec": {"holderIdentity": "a"}}
+    answers = [ApiException(status=404), lease, lease]
+
+    class Recorder:
+        def _call(self, method, path, **_):
+            sent.append((method, path.rsplit("/", 1)[-1]))
+            answer = answers.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+    leases = cluster_mod.KubeLeases(Recorder(), "sluice-system", "sluice-sluice-operator", 10)
+
+    async def every_operation():
+        await leases.get()
+        record = await leases.create(election.LeaseRecord("a"))
+        await leases.update(record)
+
+    asyncio.run(every_operation())
+    return sent
+
+
+def test_rbac_grants_exactly_the_lease_calls_the_operator_makes(h):
+    """The Role lets the operator do what `cluster.KubeLeases` sends (GET and PUT of its own
+    Lease, POST to create it) and nothing else; the Lease it names is the one the rendered
+    arguments name."""
+    verbs_of = {"GET": "get", "PUT": "update", "POST": "create", "PATCH": "patch"}
+    need: dict[str | None, set[str]] = {}
+    for method, last in _lease_calls():
+        on_collection = last == "leases"  # a create names no object: RBAC sees no name
+        need.setdefault(None if on_collection else last, set()).add(verbs_of[method])
+    docs = h.template(OPERATOR_CHART)
+    (role,) = by_kind(docs, "Role")
+    granted: dict[str | None, set[str]] = {}
+    for rule in role["rules"]:
+        assert rule["apiGroups"] == ["coordination.k8s.io"] and rule["resources"] == ["leases"]
+        for name in rule.get("resourceNames") or [None]:
+            granted.setdefault(name, set()).update(rule["verbs"])
+    assert granted == need == {None: {"create"}, "sluice-sluice-operator": {"get", "update"}}
+    _, c = _container(docs)
+    assert "--leader-elect-resource-name=sluice-sluice-operator" in c["args"]
+    assert f"--leader-elect-resource-namespace={role['metadata']['namespace']}" in c["args"]
+    binding = [
+        b for b in by_kind(docs, "RoleBinding") if b["roleRef"]["name"] == role["metadata"]["name"]
+    ]
+    assert binding[0]["subjects"][0]["name"] == "sluice-sluice-operator"
+    docs = h.template(OPERATOR_CHART, set_=["leaderElection.enabled=false", "replicaCount=1"])
+    assert "coordination.k8s.io" not in yaml.safe_dump(docs)
+
+
 # ---- names -------------------------------------------------------------------------------
 
 
@@ -497,11 +701,57 @@ def test_documented_keys_notices_a_missing_comment(tmp_path):
     assert undocumented == ["section.c", "d"]
 
 
-def test_docs_table_mentions_every_value():
+def test_values_table_rows_from_comments():
+    """The generator's reading of a values.yaml: file order, the `# --` block from its marker
+    on, types from the default or `(type)`, a documented section's keys as its content, JSON
+    defaults, and cells a Markdown renderer keeps."""
+    text = (
+        "# file header, not a description\n\n"
+        "# a note above the marker\n# -- The name (`<release>`, or <other>).\n# Two lines.\n"
+        'name: ""\n'
+        "section:\n  # -- A port.\n  port: 8080\n  # -- On | off.\n  enabled: true\n"
+        "# -- (int) Replicas; null for the default.\nreplicas: null\n"
+        "# -- Probe timing.\nprobe:\n  periodSeconds: 5\n  list:\n    - a\n"
+    )
+    rows, undocumented = chartdocs.parse_values(text)
+    assert undocumented == []
+    assert [(r.key, r.type, r.default) for r in rows] == [
+        ("name", "string", ""),
+        ("section.port", "int", 8080),
+        ("section.enabled", "bool", True),
+        ("replicas", "int", None),
+        ("probe", "object", {"periodSeconds": 5, "list": ["a"]}),
+    ]
+    assert rows[0].description == "The name (`<release>`, or <other>). Two lines."
+    table = chartdocs.values_table(text, Path("values.yaml")).splitlines()
+    assert (
+        table[2] == '| `name` | string | `""` | The name (`<release>`, or &lt;other>). Two lines. |'
+    )
+    assert table[4] == "| `section.enabled` | bool | `true` | On \\| off. |"
+    assert table[6] == '| `probe` | object | `{"periodSeconds":5,"list":["a"]}` | Probe timing. |'
+    with pytest.raises(ValueError, match="without a `# --` comment: section.port"):
+        chartdocs.values_table(text.replace("# -- A port.", "# A port."), Path("values.yaml"))
+
+
+@pytest.mark.parametrize("chart", [OPERATOR_CHART, MODEL_CHART], ids=lambda c: c.name)
+def test_docs_values_table_is_values_yaml(chart):
+    """docs/helm.md's generated table for the chart has one row per documented value, with
+    values.yaml's default (the staleness test in tests/operator checks the whole text)."""
+    name = "operator-values" if chart == OPERATOR_CHART else "model-values"
     doc = (ROOT / "docs" / "helm.md").read_text()
-    documented, _ = documented_keys(OPERATOR_CHART / "values.yaml")
-    missing = [k for k in documented if f"`{k}`" not in doc]
-    assert not missing, f"docs/helm.md does not mention: {missing}"
+    section = doc.split(f"<!-- generated:{name} -->")[1].split(f"<!-- end:{name} -->")[0]
+    values = yaml.safe_load((chart / "values.yaml").read_text())
+    documented, _ = documented_keys(chart / "values.yaml")
+    rows = {}
+    for line in section.strip().splitlines()[2:]:
+        key, _type, default, _ = (c.strip() for c in line.strip().strip("|").split(" | ", 3))
+        rows[key.strip("`")] = json.loads(default.strip("`"))
+    assert list(rows) == documented
+    for key, default in rows.items():
+        node = values
+        for part in key.split("."):
+            node = node[part]
+        assert default == node, key
 
 
 def test_rbac_lets_kopf_watch_everything_the_operator_handles(h):
@@ -565,32 +815,19 @@ def test_network_policy_set_and_not_rendered(h):
     assert policy["spec"]["podSelector"]["matchLabels"] == deploy["spec"]["selector"]["matchLabels"]
     assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
     assert policy["spec"]["ingress"] == [{"ports": [{"port": 8080, "protocol": "TCP"}]}]
-    dns, api = policy["spec"]["egress"]
+    dns, api, pods = policy["spec"]["egress"]
     assert {p["port"] for p in dns["ports"]} == {53}
     assert [p["port"] for p in api["ports"]] == [443, 6443] and "to" not in api
+    # The model pods' /metrics (status.adapters), only pods the operator manages.
+    assert pods["ports"] == [{"port": 8000, "protocol": "TCP"}]
+    assert pods["to"] == [{"namespaceSelector": {}, "podSelector": {"matchLabels": {
+        "app.kubernetes.io/managed-by": "sluice-operator"}}}]  # fmt: skip
     docs = h.template(OPERATOR_CHART, values=[ALL_ON])
-    (_, api) = one(docs, "NetworkPolicy")["spec"]["egress"]
+    (_, api, _) = one(docs, "NetworkPolicy")["spec"]["egress"]
     assert api["to"] == [{"ipBlock": {"cidr": "10.0.0.1/32"}}]
-
-
-def test_docs_table_defaults_match_values():
-    """The Default column of docs/helm.md's values table is what values.yaml says."""
-    values = yaml.safe_load((OPERATOR_CHART / "values.yaml").read_text())
-    rows = 0
-    for line in (ROOT / "docs" / "helm.md").read_text().splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) < 3 or not cells[0].startswith("`") or "(see values.yaml)" in cells[1]:
-            continue
-        key = cells[0].strip("`")
-        node = values
-        for part in key.split("."):
-            if not isinstance(node, dict) or part not in node:
-                break
-            node = node[part]
-        else:
-            assert yaml.safe_load(cells[1].strip("`")) == node, (key, cells[1], node)
-            rows += 1
-    assert rows > 25
+    docs = h.template(OPERATOR_CHART, set_=["networkPolicy.enabled=true",
+                                            "networkPolicy.modelPodMetrics=false"])  # fmt: skip
+    assert len(one(docs, "NetworkPolicy")["spec"]["egress"]) == 2
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 import time
 import uuid
 import warnings
@@ -20,9 +21,11 @@ from kubernetes import client, config, utils
 from testkit.live_cluster import skip_without_control_plane
 
 from .harness.control_plane import ControlPlane
-from .harness.fake_node import FakeGpuNode
+from .harness.ingress import IngressController
 from .harness.kube import CRD_FILE, Models, eventually
+from .harness.node_agent import NodeAgent
 from .harness.operator_process import OperatorProcess, RenderedChart, install_operator_identity
+from .harness.sandbox import sandbox_problem
 
 OPERATOR_NAMESPACE = "sluice-system"
 TIMINGS: dict[str, object] = {}
@@ -109,7 +112,7 @@ def crd(admin) -> dict:
 
 @pytest.fixture(scope="session")
 def gpu_node(admin):
-    node = FakeGpuNode(admin, "gpu-node-0", gpus=8).start()
+    node = NodeAgent(admin, "gpu-node-0", gpus=8).start()
     core = client.CoreV1Api(admin)
 
     def schedulable():
@@ -174,3 +177,98 @@ def namespace(admin, request):
 @pytest.fixture
 def stopwatch():
     return time.monotonic
+
+
+# --- live pods: node agents that run pods under bubblewrap, an ingress that follows them ---
+LIVE_LABEL = "sluice.dev/e2e-live"
+
+
+@pytest.fixture(scope="session")
+def ingress(control_plane, admin):
+    """One nginx for the session, configured from every Ingress of class nginx."""
+    try:
+        ctl = IngressController(admin, control_plane.workdir / "ingress").start()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    try:
+        yield ctl
+    finally:
+        ctl.stop()
+        if ctl.errors:
+            warnings.warn(
+                f"ingress: {len(ctl.errors)} errors, last: {ctl.errors[-1]}", stacklevel=1
+            )
+
+
+@pytest.fixture
+def live_nodes(admin, control_plane):
+    """`make(n, cpus=None) -> (agents, placement)`: n live node agents that only the pods
+    with `placement` (nodeSelector + toleration of their taint) land on."""
+    if reason := sandbox_problem():
+        pytest.skip(reason)
+    created: list[NodeAgent] = []
+    core = client.CoreV1Api(admin)
+
+    def make(n: int = 1, cpus: set[int] | None = None) -> tuple[list[NodeAgent], dict]:
+        pool = f"live-{uuid.uuid4().hex[:6]}"
+        taint = {"key": LIVE_LABEL, "value": pool, "effect": "NoSchedule"}
+        agents = []
+        for i in range(n):
+            agent = NodeAgent(admin, f"{pool}-{i}", gpus=8, cpu="16", taint=taint,
+                              labels={LIVE_LABEL: pool}, run_pods=True, cpus=cpus,
+                              workdir=control_plane.workdir / "live" / f"{pool}-{i}").start()  # fmt: skip
+            created.append(agent)
+            agents.append(agent)
+        for agent in agents:
+            eventually(lambda a=agent: all(t.key == LIVE_LABEL for t in
+                                           core.read_node(a.name).spec.taints or []),
+                       timeout=30, message=f"{agent.name} to lose its not-ready taint")  # fmt: skip
+        placement = {
+            "nodeSelector": {LIVE_LABEL: pool},
+            "tolerations": [{"key": LIVE_LABEL, "operator": "Equal", "value": pool,
+                             "effect": "NoSchedule"}],
+        }  # fmt: skip
+        return agents, placement
+
+    yield make
+    for agent in created:
+        agent.stop()
+        if agent.errors:
+            warnings.warn(f"{agent.name}: {len(agent.errors)} errors, last: {agent.errors[-1]}",
+                          stacklevel=1)  # fmt: skip
+
+
+class Footprint:
+    """Peak RSS of the test process and everything it started (control plane, operator,
+    pods, ingress, client), sampled every 0.5 s, and the wall time."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self.started = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        me = psutil.Process()
+        while not self._stop.wait(0.5):
+            total = 0
+            for p in [me, *me.children(recursive=True)]:
+                try:
+                    total += p.memory_info().rss
+                except psutil.Error:
+                    pass
+            self.peak = max(self.peak, total)
+
+    def stop(self) -> str:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        return f"{time.monotonic() - self.started:.0f} s, peak RSS {self.peak / 2**30:.2f} GiB"
+
+
+@pytest.fixture
+def footprint(request):
+    """Use it in a scenario: its wall time and peak RSS land in the e2e timings."""
+    f = Footprint()
+    yield f
+    TIMINGS[f"live: {request.node.name} (wall, peak RSS of the run's process tree)"] = f.stop()

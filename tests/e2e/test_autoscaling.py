@@ -1,10 +1,12 @@
 """The HPA on time to first token, end to end, with nothing faked on the metric path.
 
 Real kube-apiserver (with the aggregation layer), kube-controller-manager (the real HPA
-controller, 5 s sync), kube-scheduler, the operator under the chart's RBAC; a fake node
-whose pods run the real server (simulator engine) on loopback addresses; Debian's
-Prometheus discovering and scraping them; the custom metrics API answered from the chart's
-prometheus-adapter rule; closed-loop SSE load measured at the client.
+controller, 5 s sync), kube-scheduler, the operator under the chart's RBAC; a node agent
+whose pods run the real server (simulator engine) under bubblewrap on loopback addresses;
+Debian's Prometheus discovering and scraping them; the custom metrics API answered from the
+chart's prometheus-adapter rule; closed-loop SSE load sent to the e2e ingress (nginx
+configured from the operator's Ingress, spreading it over the Ready pods), measured at the
+client.
 
 One scenario (module fixture `run`), four tests on what it observed:
 - A, load 22 streams: one replica's TTFT (about 4.4 s) is over the 2 s target; the HPA
@@ -48,9 +50,10 @@ from .autoscaling.prometheus import (
     prometheus_binary,
     scrape_config,
 )
-from .autoscaling.serving_node import ServingNode
 from .autoscaling.timeline import Timeline
+from .harness.ingress import IngressController
 from .harness.kube import CRD_FILE, Models, eventually, load_sample
+from .harness.node_agent import NodeAgent
 from .harness.operator_process import OperatorProcess, RenderedChart, install_operator_identity
 
 pytestmark = pytest.mark.slow
@@ -63,10 +66,11 @@ MAX_REPLICAS = 4
 NODE_CPUS = 3  # room for 3 pods
 # The simulator's queueing model (loadgen.py): TTFT ~= 200 ms + 200 ms x other streams on the
 # pod. With 22 streams: 1 replica ~4.4 s, 2 replicas ~2.2 s (over target), 3 replicas ~1.5 s.
-# Seconds rather than milliseconds so that the client's own delays on a busy 2-core machine
-# (up to a second was seen) do not decide the result.
+# Seconds rather than milliseconds so that the client's own delays (up to a second on a busy
+# 2-core machine) do not decide the result.
 SIM = {"ttftMs": 200, "itlMs": 10, "ttftPerStreamMs": 200, "jitter": 0}
 LOAD_A, LOAD_B = 22, 60
+INGRESS_PATH = "/sim"  # the load goes to the ingress, which spreads it over the Ready pods
 SCALE_DOWN_STABILIZATION = 20
 HPA_TOLERANCE = 0.1  # kube-controller-manager --horizontal-pod-autoscaler-tolerance default
 
@@ -76,6 +80,7 @@ def _body() -> dict:
     spec = body["spec"]
     spec["engine"]["simulator"] = dict(SIM)
     spec["resources"]["requests"] = {"cpu": "1", "memory": "256Mi"}
+    spec["ingress"] = {"enabled": True, "path": INGRESS_PATH}
     spec["autoscaling"] = {
         "minReplicas": 1,
         "maxReplicas": MAX_REPLICAS,
@@ -127,7 +132,8 @@ def kube(cp) -> client.ApiClient:
 
 @pytest.fixture(scope="module")
 def node(kube, cp):
-    n = ServingNode(kube, "gpu-serving-0", cp.logs / "pods", gpus=8, cpu=str(NODE_CPUS)).start()
+    n = NodeAgent(kube, "gpu-serving-0", gpus=8, cpu=str(NODE_CPUS), run_pods=True,
+                  workdir=cp.logs / "node").start()  # fmt: skip
     core = client.CoreV1Api(kube)
     eventually(lambda: not any(t.effect == "NoSchedule" for t in core.read_node(n.name).spec.taints or []),
                timeout=30, message="the serving node to lose its not-ready taint")  # fmt: skip
@@ -212,7 +218,16 @@ def _status(models: Models) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run(kube, cp, node, prometheus, adapter, operator, workdir):
+def ingress(kube, workdir):
+    ctl = IngressController(kube, workdir / "ingress").start()
+    try:
+        yield ctl
+    finally:
+        ctl.stop()
+
+
+@pytest.fixture(scope="module")
+def run(kube, cp, node, prometheus, adapter, operator, ingress, workdir):
     """Phases A (load), B (overload), C (no load); returns what was observed, asserts nothing
     beyond the harness working, so each test below reports its own item."""
     core = client.CoreV1Api(kube)
@@ -226,7 +241,9 @@ def run(kube, cp, node, prometheus, adapter, operator, workdir):
     eventually(lambda: (models.apps.read_namespaced_deployment(NAME, NAMESPACE).status.ready_replicas or 0) == 1,
                timeout=90, message="the first replica Ready")  # fmt: skip
 
-    load = LoadGenerator(kube, NAMESPACE, NAME).start()
+    eventually(lambda: ingress.reloads and [1] == [len(v) for v in ingress.reloads[-1].endpoints.values()],
+               timeout=30, message="the ingress to route the first replica")  # fmt: skip
+    load = LoadGenerator(kube, NAMESPACE, NAME, url=ingress.url + INGRESS_PATH).start()
     timeline = Timeline(kube, NAMESPACE, NAME, load, TARGET_MS).start()
     seen: dict = {"phases": {}}
     began = time.monotonic()
@@ -402,6 +419,8 @@ def run(kube, cp, node, prometheus, adapter, operator, workdir):
     seen["load_errors"] = [s.error for s in load.samples if s.error][:20]
     seen["node_errors"] = list(node.errors)
     seen["started"] = list(node.started)
+    seen["ingress_reloads"] = len(ingress.reloads)
+    seen["ingress_errors"] = list(ingress.errors)
     seen["discovery"] = prometheus.discovery
     seen["targets"] = sorted({t["labels"].get("pod", "?") for t in prometheus.targets()})
     seen["prometheus_rule_groups"] = [g["name"] for g in prometheus.rule_groups()]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from kubernetes import client
 
-from .harness.fake_node import FakeGpuNode
 from .harness.kube import eventually
+from .harness.node_agent import NodeAgent
 
 
 def _pod(name: str, gpus: int) -> client.V1Pod:
@@ -98,7 +98,7 @@ def test_pod_needing_more_gpus_than_any_node_stays_pending(admin, gpu_node):
 
 
 def test_more_nodes_on_demand(admin, gpu_node):
-    extra = FakeGpuNode(admin, "gpu-node-extra", gpus=4).start()
+    extra = NodeAgent(admin, "gpu-node-extra", gpus=4).start()
     try:
         core = client.CoreV1Api(admin)
         eventually(

@@ -108,7 +108,17 @@ def test_tp_times_pp_equal_to_gpus_is_accepted(admin, crd):
     """Positive control for the rule above."""
     body = copy.deepcopy(BASE)
     body["spec"].update({"resources": {"gpus": 8}, "parallelism": {"tensor": 4, "pipeline": 2}})
-    assert _create(admin, body)["spec"]["parallelism"] == {"tensor": 4, "pipeline": 2}
+    assert _create(admin, body)["spec"]["parallelism"] == {"tensor": 4, "pipeline": 2, "nodes": 1}
+
+
+def test_tp_times_pp_equal_to_gpus_times_nodes_is_accepted(admin, crd):
+    """Positive control for the same rule on several nodes (gpus is per node)."""
+    body = copy.deepcopy(BASE)
+    body["metadata"]["name"] = "two-nodes"
+    body["spec"].update(
+        {"resources": {"gpus": 8}, "parallelism": {"tensor": 8, "pipeline": 2, "nodes": 2}}
+    )
+    assert _create(admin, body)["spec"]["parallelism"]["nodes"] == 2
 
 
 def _vllm_reserved_spellings() -> list[str]:

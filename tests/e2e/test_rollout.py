@@ -16,8 +16,8 @@ import pytest
 from kubernetes import client
 
 from .conftest import TIMINGS
-from .harness.fake_node import FakeGpuNode
 from .harness.kube import eventually, load_sample
+from .harness.node_agent import NodeAgent
 
 LOAD_SECONDS = 3.0
 
@@ -25,13 +25,13 @@ LOAD_SECONDS = 3.0
 @pytest.fixture
 def own_node(admin, namespace):
     """(node, the StreamingModel placement that puts pods on it and only there)."""
-    created: list[FakeGpuNode] = []
+    created: list[NodeAgent] = []
     core = client.CoreV1Api(admin)
 
-    def make(gpus: int) -> tuple[FakeGpuNode, dict]:
+    def make(gpus: int) -> tuple[NodeAgent, dict]:
         name = f"rollout-{uuid.uuid4().hex[:6]}"
         taint = {"key": "sluice.dev/e2e-node", "value": name, "effect": "NoSchedule"}
-        node = FakeGpuNode(
+        node = NodeAgent(
             admin,
             name,
             gpus=gpus,
@@ -144,11 +144,9 @@ def test_one_replica_rollout_never_drops_to_zero_ready(operator, models, namespa
     assert minimum >= 1
 
 
-def test_in_place_rollout_is_still_available_and_drops_to_zero(
-    operator, models, namespace, own_node
-):
-    """maxSurge 0 / maxUnavailable 1 (the old behaviour, for full clusters) still works, and is
-    the negative control of the sampler: the one replica is gone while the new pod loads."""
+def test_in_place_rollout_drops_to_zero(operator, models, namespace, own_node):
+    """maxSurge 0 / maxUnavailable 1 (in place, for full clusters) works, and is the negative
+    control of the sampler: the one replica is gone while the new pod loads."""
     _, placement = own_node(gpus=1)
     body = _model(namespace, placement, rollout={"maxSurge": 0, "maxUnavailable": 1})
     models.create(body)

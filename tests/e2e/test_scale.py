@@ -17,8 +17,8 @@ import pytest
 from .conftest import TIMINGS
 from .harness.control_plane import is_write
 from .harness.expect import expected_kinds
-from .harness.fake_node import FakeGpuNode
 from .harness.kube import eventually, load_sample
+from .harness.node_agent import NodeAgent
 
 COUNT = 50
 CALL_BUDGET = 15  # operator API calls per model, reads and writes, from apply to all Ready
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def more_gpu_nodes(admin, gpu_node):
     """Enough GPUs for every model to run: 7 more nodes x 8 GPUs next to the first."""
-    nodes = [FakeGpuNode(admin, f"gpu-node-{i}", gpus=8).start() for i in range(1, 8)]
+    nodes = [NodeAgent(admin, f"gpu-node-{i}", gpus=8).start() for i in range(1, 8)]
     yield nodes
     for node in nodes:
         node.stop()

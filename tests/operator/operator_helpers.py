@@ -9,12 +9,13 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import yaml
 from kubernetes.client.exceptions import ApiException
 from sluice_operator.kinds import INDEXED_KINDS
 from sluice_operator.memory import Memory, index_key
-from testkit.repo import ROOT
+from testkit.repo import LWS_CRD, ROOT, shared_crd
 
 SAMPLES = sorted((ROOT / "samples").glob("*.yaml"))
 INVALID_SAMPLES = sorted((ROOT / "samples" / "invalid").glob("*.yaml"))
@@ -28,10 +29,60 @@ POD_MONITOR_SCHEMA = ROOT / "tests" / "operator" / "schemas" / "podmonitor.schem
 HTTPROUTE_SCHEMA = ROOT / "tests" / "operator" / "schemas" / "gateway-httproute.schema.json"
 
 
+def _unknown_fields(value, schema: dict, at: str = "") -> list[str]:
+    """Fields a structural schema does not declare (the API server would prune them)."""
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return []
+    if isinstance(value, dict):
+        props = schema.get("properties")
+        extra = schema.get("additionalProperties")
+        out = []
+        for key, sub in value.items():
+            if props is not None and key in props:
+                out += _unknown_fields(sub, props[key], f"{at}.{key}")
+            elif isinstance(extra, dict):
+                out += _unknown_fields(sub, extra, f"{at}.{key}")
+            elif props is not None or extra is not True:
+                out.append(f"{at}.{key}")
+        return out
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [
+            u
+            for i, v in enumerate(value)
+            for u in _unknown_fields(v, schema["items"], f"{at}[{i}]")
+        ]
+    return []
+
+
+def validate_leaderworkerset(manifest: dict, version: str) -> None:
+    """Each pod template strictly as a Pod (kubernetes-validate, always); the whole object
+    against the official LWS v0.10 CRD (types, enums, no unknown field) where it is here."""
+    import kubernetes_validate
+
+    templates = manifest["spec"]["leaderWorkerTemplate"]
+    for role in ("leaderTemplate", "workerTemplate"):
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, **templates[role]}
+        pod["metadata"] = {"name": "p", **templates[role].get("metadata", {})}
+        kubernetes_validate.validate(pod, version, strict=True)
+    path = shared_crd(LWS_CRD)
+    if path is None:
+        return
+    import jsonschema
+
+    crd = yaml.safe_load(path.read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    jsonschema.Draft7Validator(schema).validate(manifest)
+    body = {k: v for k, v in manifest.items() if k not in ("apiVersion", "kind", "metadata")}
+    assert _unknown_fields(body, schema) == [], _unknown_fields(body, schema)
+
+
 def validate_manifest(manifest: dict, version: str) -> None:
     """Strict schema validation: kubernetes-validate for built-in kinds, ours for KEDA's
     ScaledObject, Gateway API's HTTPRoute and the Prometheus Operator's PodMonitor."""
     api_version = manifest.get("apiVersion", "")
+    if api_version.startswith("leaderworkerset.x-k8s.io/"):
+        validate_leaderworkerset(manifest, version)
+        return
     own = {
         "keda.sh/": KEDA_SCHEMA,
         "gateway.networking.k8s.io/": HTTPROUTE_SCHEMA,
@@ -199,12 +250,12 @@ class FakeCluster:
             c for c in self.calls if c[0] in ("apply", "replace_lists", "delete", "patch_status")
         ]
 
-    def get(self, api_version, kind, namespace, name):
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         self.calls.append(("get", kind))
         obj = self.objects.get(self._key(kind, namespace, name))
         return copy.deepcopy(obj) if obj else None
 
-    def apply(self, manifest):
+    def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
         self.calls.append(("apply", manifest["kind"]))
         if self.fail_with:
             exc, self.fail_with = self.fail_with, None
@@ -229,7 +280,7 @@ class FakeCluster:
         self.objects[key] = obj
         return copy.deepcopy(obj)
 
-    def replace_lists(self, manifest):
+    def replace_lists(self, manifest: dict[str, Any]) -> dict[str, Any]:
         self.calls.append(("replace_lists", manifest["kind"]))
         meta = manifest["metadata"]
         key = self._key(manifest["kind"], meta["namespace"], meta["name"])
@@ -244,15 +295,17 @@ class FakeCluster:
         hands, so an apply no longer removes it (server-side apply's list-map ownership)."""
         self.objects[("Service", namespace, name)]["spec"]["ports"][0]["port"] = port
 
-    def delete(self, api_version, kind, namespace, name):
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
         self.calls.append(("delete", kind))
         self.objects.pop(self._key(kind, namespace, name), None)
 
-    def list_pods(self, namespace, selector):
+    def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         self.calls.append(("list", "Pod"))
         return copy.deepcopy(self.pods)
 
-    def patch_status(self, namespace, name, patch):
+    def patch_status(
+        self, namespace: str, name: str, patch: dict[str, Any]
+    ) -> dict[str, Any] | None:
         self.calls.append(("patch_status", "StreamingModel"))
         self.status_patches.append(copy.deepcopy(patch))
         stored = self.objects.get(("StreamingModel", namespace, name))
@@ -279,3 +332,35 @@ class FakeCluster:
         dep = self.objects[("Deployment", namespace, name)]
         dep["status"] = {"observedGeneration": dep["metadata"]["generation"], **status}
         self._bump(dep)
+
+
+class AbsentKind(FakeCluster):
+    """Kinds the cluster cannot serve (one, or several), answered as a real API server and
+    `KubeCluster` would: 404 (the CRD is not installed: a GET finds nothing, which
+    `KubeCluster.get` reads as None, and an apply fails), 403 (the chart grants no access:
+    every call fails), or any other status (every call fails). `refuse = 0`: installed and
+    granted from then on."""
+
+    def __init__(self, kind: str | tuple[str, ...], refuse: int) -> None:
+        super().__init__()
+        self.kinds = {kind} if isinstance(kind, str) else set(kind)
+        self.refuse = refuse
+
+    def _check(self, kind: str, verb: str) -> None:
+        if kind not in self.kinds or not self.refuse:
+            return
+        if self.refuse == 404 and verb in ("get", "delete"):
+            return  # no such object: `KubeCluster` answers None, and deleting it is a no-op
+        raise ApiException(status=self.refuse, reason=f"{kind} refused by the test")
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        self._check(kind, "get")
+        return super().get(api_version, kind, namespace, name)
+
+    def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        self._check(manifest["kind"], "apply")
+        return super().apply(manifest)
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        self._check(kind, "delete")
+        return super().delete(api_version, kind, namespace, name)

@@ -7,12 +7,17 @@ suite proves the real API server agrees."""
 from __future__ import annotations
 
 import copy
+import typing
 from typing import Any
 
 import jsonschema
 import pytest
 from operator_helpers import INVALID_SAMPLES, SAMPLES, expectations, load
 from sluice_operator.generate.crd import build_crd
+from sluice_operator.models.base import ApiModel
+from sluice_operator.models.resource import ADAPTER_NAME_RULE, NAME_RULE
+from sluice_operator.models.spec import StreamingModelSpec
+from sluice_operator.validation import SpecError, parse_object, parse_spec
 
 celpy = pytest.importorskip("celpy", reason="cel-python not installed (tests/requirements.txt)")
 
@@ -70,6 +75,9 @@ def cel_failures(node: dict[str, Any], value: Any, path: str = "") -> list[str]:
         for name, child in (node.get("properties") or {}).items():
             if name in value and name != "metadata":
                 failed += cel_failures(child, value[name], f"{path}.{name}")
+    elif isinstance(value, list) and isinstance(node.get("items"), dict):
+        for i, item in enumerate(value):  # the API server runs item rules on every item
+            failed += cel_failures(node["items"], item, f"{path}[{i}]")
     return failed
 
 
@@ -93,6 +101,8 @@ def test_every_rule_compiles():
             ENV.compile(v["rule"])
             count += 1
         stack += list((node.get("properties") or {}).values())
+        if isinstance(node.get("items"), dict):
+            stack.append(node["items"])
     assert count >= 6
 
 
@@ -118,16 +128,33 @@ def test_invalid_samples_fail_schema_or_cel(path):
 def test_defaults_make_nested_objects_whole():
     obj = apply_defaults(SCHEMA, {"metadata": {"name": "m"}, "spec": {"model": {"uri": "tiny"}}})
     spec = obj["spec"]
-    assert spec["parallelism"] == {"tensor": 1, "pipeline": 1} and spec["resources"]["gpus"] == 1
+    assert (
+        spec["parallelism"] == {"tensor": 1, "pipeline": 1, "nodes": 1}
+        and spec["resources"]["gpus"] == 1
+    )
     assert spec["streaming"]["protocols"] == ["sse", "websocket", "responses", "anthropic"]
     assert spec["engine"]["gpuMemoryUtilization"] == 0.92 and "extraArgs" not in spec["engine"]
 
 
-@pytest.mark.parametrize(
+CASES = pytest.mark.parametrize(
     "spec_patch,message",
     [
         ({"resources": {"gpus": 8}, "parallelism": {"tensor": 4, "pipeline": 2}}, None),
         ({"resources": {"gpus": 8}, "parallelism": {"tensor": 4}}, "must equal resources.gpus"),
+        ({"resources": {"gpus": 8}, "parallelism": {"tensor": 8, "pipeline": 2, "nodes": 2}}, None),
+        (
+            {"resources": {"gpus": 8}, "parallelism": {"tensor": 8, "nodes": 2}},
+            "must equal resources.gpus x parallelism.nodes",
+        ),
+        (
+            {"resources": {"gpus": 4}, "parallelism": {"tensor": 4, "pipeline": 2, "nodes": 2}},
+            None,
+        ),
+        ({"parallelism": {"nodes": 2, "pipeline": 2}, "server": {"apiWorkers": 1}}, None),
+        (
+            {"parallelism": {"nodes": 2, "pipeline": 2}, "server": {"apiWorkers": 2}},
+            "cannot be combined with parallelism.nodes",
+        ),
         ({"engine": {"extraArgs": ["--enable-prefix-caching"]}}, None),
         ({"engine": {"extraArgs": ["--model=x"]}}, "extraArgs must not repeat"),
         ({"engine": {"extraArgs": ["--max-model-len", "9"]}}, "extraArgs must not repeat"),
@@ -139,6 +166,9 @@ def test_defaults_make_nested_objects_whole():
         ({"autoscaling": {"minReplicas": 5}}, "minReplicas must not exceed"),
     ],
 )
+
+
+@CASES
 def test_cel_rules_directly(spec_patch, message):
     spec = {"model": {"uri": "hf://org/model"}, **spec_patch}
     _, cel_errors = check({"metadata": {"name": "m"}, "spec": spec})
@@ -146,6 +176,71 @@ def test_cel_rules_directly(spec_patch, message):
         assert cel_errors == []
     else:
         assert any(message in m for m in cel_errors), cel_errors
+
+
+@CASES
+def test_the_operator_agrees_with_cel_and_says_the_same_message(spec_patch, message):
+    spec = {"model": {"uri": "hf://org/model"}, **spec_patch}
+    _, cel_errors = check({"metadata": {"name": "m"}, "spec": spec})
+    if message is None:
+        parse_spec(spec, name="m")
+        return
+    with pytest.raises(SpecError) as info:
+        parse_spec(spec, name="m")
+    (cel_message,) = cel_errors
+    assert cel_message in str(info.value) and message in str(info.value)
+
+
+@pytest.mark.parametrize("path", INVALID_SAMPLES, ids=lambda p: p.stem)
+def test_an_invalid_sample_gets_the_same_rule_message_from_both(path):
+    """One rule, one message: where CEL refuses a sample, the operator's error carries the
+    same message (plus what it found), not a second wording of the rule."""
+    _, cel_errors = check(load(path))
+    with pytest.raises(SpecError) as info:
+        parse_object(load(path))
+    assert all(m in str(info.value) for m in cel_errors), (cel_errors, str(info.value))
+
+
+def test_every_rule_is_in_the_crd_once():
+    """The CRD's `x-kubernetes-validations` are the models' `RULES` (and the two root rules),
+    nothing written beside them."""
+    in_crd = sorted(
+        v["message"] for _, n in _nodes(SCHEMA) for v in n.get("x-kubernetes-validations", [])
+    )
+    rules = sorted(
+        [r.message for m in _models(StreamingModelSpec) for r in m.RULES]
+        + [NAME_RULE.message, ADAPTER_NAME_RULE.message]
+    )
+    assert in_crd == rules and len(rules) >= 12
+
+
+def _nodes(node: dict[str, Any], path: str = ""):
+    yield path, node
+    for name, child in (node.get("properties") or {}).items():
+        yield from _nodes(child, f"{path}.{name}")
+    if isinstance(node.get("items"), dict):
+        yield from _nodes(node["items"], f"{path}[]")
+
+
+def _models(model: type) -> set[type]:
+    """Every ApiModel reachable from `model` through its fields."""
+    seen: set[type] = set()
+    stack = [model]
+    while stack:
+        m = stack.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        for f in m.model_fields.values():
+            stack += [
+                t for t in _types(f.annotation) if isinstance(t, type) and issubclass(t, ApiModel)
+            ]
+    return seen
+
+
+def _types(annotation: Any) -> list[Any]:
+    args = typing.get_args(annotation)
+    return [annotation, *(t for a in args for t in _types(a))]
 
 
 def test_name_rule():

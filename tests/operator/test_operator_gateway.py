@@ -11,6 +11,7 @@ from kubernetes.client.exceptions import ApiException
 from operator_helpers import (
     HTTPROUTE_SCHEMA,
     ROOT,
+    AbsentKind,
     Events,
     FakeCluster,
     body_of,
@@ -21,9 +22,9 @@ from operator_helpers import (
 )
 from sluice_operator.builders.gateway import desired_httproute, route_url
 from sluice_operator.builders.ingress import desired_ingress
-from sluice_operator.kinds import CHILD_KINDS, HTTPROUTE, desired_children
+from sluice_operator.kinds import CHILD_KINDS, GATEWAY_API, HTTPROUTE, desired_children
 from sluice_operator.reconcile import converge
-from sluice_operator.status import gateway_condition
+from sluice_operator.status import optional_condition
 from sluice_operator.validation import SpecError, load_model
 
 NOW = "2026-11-30T06:00:00Z"
@@ -155,38 +156,19 @@ def _route_status(*accepted):
             "False",
             "NotAccepted",
         ),
-        (None, "the Gateway API is not installed", "False", "GatewayAPIUnavailable"),
+        (None, 404, "False", "GatewayAPIUnavailable"),
+        (None, 403, "False", "GatewayAPIUnavailable"),
     ],
 )
 def test_gateway_condition(route, problem, status, reason):
-    cond = gateway_condition(route, problem)
+    refused = GATEWAY_API.unavailable(ApiException(status=problem)) if problem else None
+    cond = optional_condition(GATEWAY_API, model(gateway=GATEWAY), route, refused)
     assert (cond["type"], cond["status"], cond["reason"]) == ("GatewayRoute", status, reason)
     if reason == "NotAccepted":
         assert "gateways/gw1: NotAllowedByListeners because" in cond["message"]
 
 
 # ---- reconcile ---------------------------------------------------------------------------
-
-
-class NoGatewayCluster(FakeCluster):
-    """Gateway API CRDs not installed (404) or not granted (403)."""
-
-    def __init__(self, status: int) -> None:
-        super().__init__()
-        self.refuse = status
-
-    def _check(self, kind):
-        if kind == "HTTPRoute" and self.refuse:
-            raise ApiException(status=self.refuse, reason="nope")
-
-    def get(self, api_version, kind, namespace, name):
-        if self.refuse == 403:
-            self._check(kind)
-        return super().get(api_version, kind, namespace, name)
-
-    def apply(self, manifest):
-        self._check(manifest["kind"])
-        return super().apply(manifest)
 
 
 def test_route_is_applied_and_status_url_comes_from_it():
@@ -242,7 +224,7 @@ def test_switch_ingress_to_gateway_and_back_never_leaves_both():
 
 
 def test_models_without_a_gateway_never_touch_httproutes():
-    cluster = NoGatewayCluster(403)
+    cluster = AbsentKind("HTTPRoute", 403)
     converge(cluster, body_of(minimal()), Events(), now=NOW)
     assert not [c for c in cluster.calls if c[1] == "HTTPRoute"]
     assert HTTPROUTE not in CHILD_KINDS  # not watched either
@@ -252,7 +234,7 @@ def test_models_without_a_gateway_never_touch_httproutes():
     "refuse,says", [(404, "Gateway API is not installed"), (403, "may not manage")]
 )
 def test_missing_gateway_api_is_a_condition_the_rest_converges_and_it_retries(refuse, says):
-    cluster = NoGatewayCluster(refuse)
+    cluster = AbsentKind("HTTPRoute", refuse)
     body = body_of(minimal(gateway=GATEWAY))
     events = Events()
     with pytest.raises(ApiException):
@@ -340,7 +322,10 @@ def test_session_persistence_the_crd_lacks_is_reported_and_not_reapplied(cluster
 def test_gateway_condition_says_when_session_persistence_was_dropped():
     kept = {"spec": {"rules": [{"sessionPersistence": {}}]}, "status": _route_status(("True", "A"))}
     dropped = {"spec": {"rules": [{}]}, "status": _route_status(("True", "A"))}
-    assert gateway_condition(kept, persistence=True)["reason"] == "Accepted"
-    assert gateway_condition(dropped, persistence=False)["reason"] == "Accepted"
-    cond = gateway_condition(dropped, persistence=True)
+    persistent = model(gateway={**GATEWAY, "sessionPersistence": True},
+                       streaming={"resume": {"graceSeconds": 30}})  # fmt: skip
+    plain = model(gateway=GATEWAY)
+    assert optional_condition(GATEWAY_API, persistent, kept)["reason"] == "Accepted"
+    assert optional_condition(GATEWAY_API, plain, dropped)["reason"] == "Accepted"
+    cond = optional_condition(GATEWAY_API, persistent, dropped)
     assert (cond["status"], cond["reason"]) == ("False", "SessionPersistenceDropped")

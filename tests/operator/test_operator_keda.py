@@ -15,7 +15,16 @@ import jsonschema
 import pytest
 import yaml
 from kubernetes.client.exceptions import ApiException
-from operator_helpers import KEDA_SCHEMA, Events, FakeCluster, body_of, load, minimal, with_status
+from operator_helpers import (
+    KEDA_SCHEMA,
+    AbsentKind,
+    Events,
+    FakeCluster,
+    body_of,
+    load,
+    minimal,
+    with_status,
+)
 from sluice_operator import handlers
 from sluice_operator.builders.hpa import desired_hpa
 from sluice_operator.builders.keda import (
@@ -367,32 +376,11 @@ def test_scaled_object_hand_edit_is_put_back():
     assert cluster.objects[("ScaledObject", "default", "m")]["spec"]["maxReplicaCount"] == 3
 
 
-class NoKedaCluster(FakeCluster):
-    """KEDA not installed (404 on the resource) or not granted by the chart (403)."""
-
-    def __init__(self, status: int) -> None:
-        super().__init__()
-        self.status = status
-
-    def _refuse(self, kind):
-        if kind == "ScaledObject" and self.status >= 400:
-            raise ApiException(status=self.status, reason="nope")
-
-    def get(self, api_version, kind, namespace, name):
-        if self.status == 403:
-            self._refuse(kind)
-        return super().get(api_version, kind, namespace, name)
-
-    def apply(self, manifest):
-        self._refuse(manifest["kind"])
-        return super().apply(manifest)
-
-
 @pytest.mark.parametrize(
     "status,says", [(404, "KEDA is not installed"), (403, "keda.enabled=true")]
 )
 def test_missing_keda_is_reported_the_rest_converges_and_the_pass_is_retried(status, says):
-    cluster = NoKedaCluster(status)
+    cluster = AbsentKind("ScaledObject", status)
     body = body_of(minimal(autoscaling={"backend": "keda", "maxReplicas": 3}))
     events = Events()
     with pytest.raises(ApiException):
@@ -416,14 +404,14 @@ def test_missing_keda_is_reported_the_rest_converges_and_the_pass_is_retried(sta
             cluster, cluster.memo.memory, "default", "m", 0, __import__("logging").getLogger("t")
         )
     # KEDA installed (and granted) later: the next pass converges and clears the message.
-    cluster.status = 200
+    cluster.refuse = 0
     converge(cluster, body, Events(), now=NOW)
     assert ("ScaledObject", "default", "m") in cluster.objects
     assert "message" not in cluster.statuses[-1]["autoscaling"]
 
 
 def test_other_api_errors_on_the_scaled_object_still_propagate():
-    cluster = NoKedaCluster(500)
+    cluster = AbsentKind("ScaledObject", 500)
     body = body_of(minimal(autoscaling={"backend": "keda", "maxReplicas": 3}))
     with pytest.raises(ApiException):
         converge(cluster, body, Events(), now=NOW)

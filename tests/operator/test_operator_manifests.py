@@ -27,7 +27,8 @@ def test_k8s_versions_are_in_the_installed_schemas():
 @pytest.mark.parametrize("path,version", CASES, ids=[f"{p.stem}-{v}" for p, v in CASES])
 def test_rendered_manifests_validate(path, version):
     manifests = render_objects(load(path))
-    assert {m["kind"] for m in manifests} >= {"Deployment", "Service"}
+    workload = "LeaderWorkerSet" if "nodes: 2" in path.read_text() else "Deployment"
+    assert {m["kind"] for m in manifests} >= {workload, "Service"}
     for manifest in manifests:
         validate_manifest(manifest, version)
 

@@ -13,7 +13,15 @@ import jsonschema
 import kopf
 import pytest
 from kubernetes.client.exceptions import ApiException
-from operator_helpers import POD_MONITOR_SCHEMA, Events, FakeCluster, body_of, minimal, with_status
+from operator_helpers import (
+    POD_MONITOR_SCHEMA,
+    AbsentKind,
+    Events,
+    FakeCluster,
+    body_of,
+    minimal,
+    with_status,
+)
 from sluice_operator import handlers
 from sluice_operator.builders.args import server_args
 from sluice_operator.builders.common import PORT_NAME, selector_labels
@@ -156,27 +164,6 @@ def test_pod_monitor_applied_condition_then_removed_when_turned_off():
     assert not [c for c in cluster.calls if c[1] == "PodMonitor"]
 
 
-class NoPrometheusOperator(FakeCluster):
-    """No PodMonitor CRD (404 on the resource) or no grant from the chart (403)."""
-
-    def __init__(self, status: int) -> None:
-        super().__init__()
-        self.status = status
-
-    def _refuse(self, kind):
-        if kind == "PodMonitor" and self.status >= 400:
-            raise ApiException(status=self.status, reason="nope")
-
-    def get(self, api_version, kind, namespace, name):
-        if self.status in (403, 404):
-            self._refuse(kind)
-        return super().get(api_version, kind, namespace, name)
-
-    def apply(self, manifest):
-        self._refuse(manifest["kind"])
-        return super().apply(manifest)
-
-
 @pytest.mark.parametrize(
     "status,reason,says",
     [(404, "CRDMissing", "Prometheus Operator is not installed"),
@@ -185,7 +172,7 @@ class NoPrometheusOperator(FakeCluster):
 def test_missing_crd_is_a_condition_the_rest_converges_and_the_pass_is_retried(
     status, reason, says
 ):
-    cluster = NoPrometheusOperator(status)
+    cluster = AbsentKind("PodMonitor", status)
     body = body_of(minimal(observability={"podMonitor": {"enabled": True}}))
     events = Events()
     with pytest.raises(ApiException):
@@ -208,7 +195,7 @@ def test_missing_crd_is_a_condition_the_rest_converges_and_the_pass_is_retried(
     with pytest.raises(kopf.TemporaryError):
         handlers._converge(cluster, cluster.memo.memory, "default", "m", 0, logging.getLogger("t"))
     # The CRD installed later: the next pass applies it and the condition turns True.
-    cluster.status = 200
+    cluster.refuse = 0
     converge(cluster, body, Events(), now=NOW)
     assert ("PodMonitor", "default", "m") in cluster.objects
     cond = {c["type"]: c for c in cluster.status_patches[-1]["conditions"]}["PodMonitorReady"]
@@ -216,7 +203,7 @@ def test_missing_crd_is_a_condition_the_rest_converges_and_the_pass_is_retried(
 
 
 def test_other_api_errors_on_the_pod_monitor_still_propagate():
-    cluster = NoPrometheusOperator(500)
+    cluster = AbsentKind("PodMonitor", 500)
     body = body_of(minimal(observability={"podMonitor": {"enabled": True}}))
     with pytest.raises(ApiException):
         converge(cluster, body, Events(), now=NOW)

@@ -7,16 +7,31 @@ from __future__ import annotations
 import pytest
 from operator_helpers import SAMPLES, load
 from sluice_operator.builders.deployment import desired_deployment
+from sluice_operator.builders.leaderworkerset import desired_leaderworkerset
+from sluice_operator.models.resource import StreamingModel
 from sluice_operator.validation import load_model
 
 settings_mod = pytest.importorskip("sluice_server.settings")
 
+# What LWS puts into every container's environment and Kubernetes expands in its args.
+LWS_ENV = {"$(LWS_LEADER_ADDRESS)": "deepseek-r1-0.deepseek-r1.models", "$(LWS_WORKER_INDEX)": "1"}
+
+
+def server_container(model: StreamingModel, role: str = "leaderTemplate") -> dict:
+    """The server container: the Deployment's, or a LeaderWorkerSet's leader or worker."""
+    workload = desired_deployment(model) or desired_leaderworkerset(model)
+    assert workload is not None
+    spec = workload["spec"]
+    template = (
+        spec["leaderWorkerTemplate"][role] if "leaderWorkerTemplate" in spec else spec["template"]
+    )
+    (c,) = template["spec"]["containers"]
+    assert c["command"] == ["sluice-server"]
+    return {**c, "args": [LWS_ENV.get(a, a) for a in c["args"]]}
+
 
 def container_args(body):
-    dep = desired_deployment(load_model(body))
-    (c,) = dep["spec"]["template"]["spec"]["containers"]
-    assert c["command"] == ["sluice-server"]
-    return c["args"]
+    return server_container(load_model(body))["args"]
 
 
 @pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.stem)
@@ -25,7 +40,7 @@ def test_server_parses_rendered_args(path, monkeypatch):
         monkeypatch.delenv(key)
     body = load(path)
     model = load_model(body)
-    (c,) = desired_deployment(model)["spec"]["template"]["spec"]["containers"]
+    c = server_container(model)
     for env in c["env"]:  # the Secret-fed environment the server reads (SLUICE_REDIS_URL)
         if env["name"].startswith("SLUICE_") and "valueFrom" in env:
             monkeypatch.setenv(env["name"], "redis://from-a-secret:6379/0")
@@ -61,6 +76,25 @@ def test_server_parses_rendered_args(path, monkeypatch):
         assert s.pipeline_parallel_size == spec.parallelism.pipeline
         assert s.gpu_memory_utilization == spec.engine.gpu_memory_utilization
         assert s.engine_args == list(spec.engine.extra_args)
+        assert (s.nnodes, s.node_rank, s.headless) == (spec.parallelism.nodes, 0, False)
     else:
         sim = spec.engine.simulator
         assert s.sim_ttft_ms == sim.ttft_ms and s.sim_itl_ms == sim.itl_ms
+
+
+MULTI_NODE = [p for p in SAMPLES if load_model(load(p)).multi_node]
+
+
+@pytest.mark.parametrize("path", MULTI_NODE, ids=lambda p: p.stem)
+def test_server_parses_a_workers_args_as_the_leaders_engine_on_another_rank(path, monkeypatch):
+    for key in [k for k in __import__("os").environ if k.startswith("SLUICE_")]:
+        monkeypatch.delenv(key)
+    model = load_model(load(path))
+    leader = settings_mod.parse_settings(server_container(model)["args"])
+    worker = settings_mod.parse_settings(server_container(model, "workerTemplate")["args"])
+    assert worker.headless and not leader.headless and worker.node_rank == 1
+    same = ("model", "revision", "engine", "tensor_parallel_size", "pipeline_parallel_size",
+            "nnodes", "master_addr", "master_port", "gpu_memory_utilization", "max_model_len",
+            "max_num_seqs", "max_num_batched_tokens", "dtype", "quantization", "engine_args")  # fmt: skip
+    assert {k: getattr(worker, k) for k in same} == {k: getattr(leader, k) for k in same}
+    assert leader.master_addr == LWS_ENV["$(LWS_LEADER_ADDRESS)"]

@@ -133,9 +133,9 @@ def test_negative_control_the_old_pattern_lets_aliases_through(parser):
     [
         (["org/other"], "org/other"),
         (["org/other", "--enable-prefix-caching"], "org/other"),
-        (["--max-loras=4", "org/other"], "org/other"),
-        (["--enable-lora", "--max-loras", "4"], None),
-        (["--max-loras", "4", "--seed", "1"], None),
+        (["--max-logprobs=4", "org/other"], "org/other"),
+        (["--enable-prefix-caching", "--max-logprobs", "4"], None),
+        (["--max-logprobs", "4", "--seed", "1"], None),
         (["--", "org/other"], "--"),
     ],
 )

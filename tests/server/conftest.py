@@ -57,6 +57,26 @@ def engine_apart(engine):
         yield layout
 
 
+# LoRA limits of `lora_engine` (the tests' adapters have rank 8; one of rank 16 is refused).
+# Three GPU slots for the two adapters the tests load: vLLM 0.32's CPU LoRA ops (the torch
+# bgmv in vllm/lora/ops/torch_ops/lora_ops.py) index the stacked adapter weights with the
+# token's slot, and a base token's slot is -1, which Python reads as the last slot: with
+# every slot filled, base tokens in a batch with adapter tokens get the last adapter's
+# weights (measured: the base's answer then equals the second adapter's). A slot left empty
+# keeps them base. The GPU kernels skip -1; this is the CPU build's bug, not ours.
+LORA_LIMITS = {"max_loras": 3, "max_lora_rank": 8, "max_cpu_loras": 4}
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def lora_engine(tiny_model_path):
+    """A second real engine, started with LoRA on (vLLM's LoRA limits are fixed at engine
+    start), once per session and only for the adapter tests that ask for it."""
+    from sluice_server.engine import open_engine
+
+    async with open_engine(engine_settings(tiny_model_path, **LORA_LIMITS)) as eng:
+        yield eng
+
+
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def make_server(engine, tiny_model_path):
     """`await make_server(**settings_overrides) -> base_url` (http://127.0.0.1:PORT).

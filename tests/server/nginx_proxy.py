@@ -42,18 +42,11 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from testkit.net import free_port
+from testkit.nginx import find_nginx, run_as_root_directive
 from testkit.wait import eventually
 
+__all__ = ["NginxProxy", "find_nginx", "render_config"]
 Mode = Literal["ingress", "nginx-default", "buffered"]
-
-NGINX_CANDIDATES = ("/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/local/bin/nginx")
-
-
-def find_nginx() -> str | None:
-    found = shutil.which("nginx")
-    if found:
-        return found
-    return next((p for p in NGINX_CANDIDATES if os.access(p, os.X_OK)), None)
 
 
 ING = "nginx.ingress.kubernetes.io/"
@@ -113,9 +106,7 @@ def render_config(
         {buffering}
 """
     locations = "\n".join(f"        location {p} {{\n{location_body}        }}" for p in paths)
-    # Running as root (CI containers), workers would switch to `nobody` and could not write
-    # the temp dirs in our private prefix; this is a throwaway test proxy.
-    user = "user root;\n" if os.geteuid() == 0 else ""
+    user = run_as_root_directive()
     return f"""# Rendered by tests/server/nginx_proxy.py (mode: {mode})
 {user}worker_processes 1;
 daemon off;

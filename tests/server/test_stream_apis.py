@@ -92,12 +92,12 @@ async def test_anthropic_messages_create_and_stream(anthropic_client, prompt_tok
 async def test_anthropic_errors_have_anthropic_shape(anthropic_client, server_url):
     import anthropic
 
-    with pytest.raises(anthropic.BadRequestError) as info:
+    with pytest.raises(anthropic.NotFoundError) as info:  # an unknown model (or adapter)
         await anthropic_client.messages.create(
             model="nope", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
         )
     assert info.value.body["type"] == "error"
-    assert info.value.body["error"]["type"] == "invalid_request_error"
+    assert info.value.body["error"]["type"] == "not_found_error"
     assert "nope" in info.value.body["error"]["message"]
     async with httpx.AsyncClient(base_url=server_url) as c:
         r = await c.post("/v1/messages", json={"model": "tiny", "messages": []})

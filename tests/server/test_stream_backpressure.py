@@ -1,14 +1,14 @@
-"""A stalled reader: a raw-socket client with a tiny receive buffer stops reading.
+"""A stalled reader: a raw-socket client with a tiny receive buffer stops reading. The
+server must notice (buffer cap or send timeout), abort the engine request, end the stream
+with an error event, and keep its memory bounded. And a slow reader that keeps reading is
+never cut off, and gets coalesced events.
 
-The server must notice (buffer cap or send timeout), abort the engine request, end the
-stream with an error event, and keep its memory bounded.
-
-On loopback the kernel would absorb megabytes before the server felt any backpressure
-(send buffers autotune up to `tcp_wmem` max, and asyncio buffers 64 KiB per transport
-before uvicorn pauses), far more than the tiny model's 512-token answers. So this test
-serves the app (S1's `build_app`, the session engine) from a listening socket with a
-4 KiB send buffer and a 4 KiB transport high-water mark: a slow network in miniature.
-Everything above the socket is the production code path.
+The server's send watchdog keeps little in front of a slow reader while a stream runs (the
+transport pauses at its first buffered byte, the kernel holds at most 4 KiB unsent:
+transport/sendwatch.py), so a client's small receive buffer (per socket) is enough for the
+server to feel the reader at once. The stall tests also give the server's listening socket
+a 4 KiB send buffer (accepted sockets inherit it): a slow network in miniature. Everything
+above the socket is the production code path (`build_app`, the session engine).
 """
 
 from __future__ import annotations
@@ -30,20 +30,6 @@ MAX_TOKENS = 480  # the session engine's max_model_len is 512
 BODY = json.dumps({"prompt": "Hi", "max_tokens": MAX_TOKENS, "ignore_eos": True}).encode()
 
 
-def _small_buffer_protocol():
-    try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as Base
-    except ImportError:  # pragma: no cover - uvicorn without httptools
-        from uvicorn.protocols.http.h11_impl import H11Protocol as Base
-
-    class SmallWriteBuffer(Base):
-        def connection_made(self, transport):
-            super().connection_made(transport)
-            transport.set_write_buffer_limits(high=4096)
-
-    return SmallWriteBuffer
-
-
 @contextlib.asynccontextmanager
 async def small_buffer_server(engine, tiny_model_path, **overrides):
     import uvicorn
@@ -56,8 +42,7 @@ async def small_buffer_server(engine, tiny_model_path, **overrides):
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     settings = engine_settings(tiny_model_path, port=port, **overrides)
-    config = uvicorn.Config(build_app(settings, engine), log_level="warning", lifespan="on",
-                            http=_small_buffer_protocol())  # fmt: skip
+    config = uvicorn.Config(build_app(settings, engine), log_level="warning", lifespan="on")
     try:
         async with serving(config, sockets=[sock]):
             yield port
@@ -174,3 +159,27 @@ async def test_stalled_reader_is_cut_off_with_the_apis_error_event(engine, tiny_
     assert generated < limit * 0.8, "the request was not aborted early"
     last = text.rstrip("\r\n0 ").rsplit("event: ", 1)[-1]
     assert last.startswith("error\n") and error_shape in last and "too slow" in last, last
+
+
+async def test_a_steady_slow_reader_is_never_cut_and_gets_coalesced_events(make_server):
+    """The real engine, the server's own uvicorn configuration, a 2 s send timeout: a reader
+    at 2 KB/s through a small receive buffer takes a whole 480-token answer (longer than
+    the send timeout), in fewer events than tokens, and the server counts it finished."""
+    from slow_client import Pace, post_stream, read, sse_done
+
+    url = await make_server(send_timeout_seconds=2)
+    metrics = make_server.apps[url].state.services.metrics
+    port = int(url.rsplit(":", 1)[1])
+    t0 = time.perf_counter()
+    got = await read(await post_stream(port, json.loads(BODY)), Pace(2048), sse_done, 120)
+    took = time.perf_counter() - t0
+    events = got.sse_events()
+    tokens = [e for e in events if e.get("finished") is False]
+    final = events[-1] if events else {}
+    print(f"\nRESULT real engine, reader at 2 KB/s: {len(tokens)} events for "
+          f"{MAX_TOKENS} tokens ({len(tokens) / MAX_TOKENS:.3f} per token) in {took:.1f} s")  # fmt: skip
+    assert got.error is None and final.get("finish_reason") == "length", (got.error, events[-2:])
+    assert final["usage"]["completion_tokens"] == MAX_TOKENS
+    assert metrics.disconnects.labels("sse", "tiny")._value.get() == 0
+    assert metrics.stream_errors.labels("sse", "tiny")._value.get() == 0
+    assert len(tokens) < MAX_TOKENS / 2 and took > 2, (len(tokens), took)

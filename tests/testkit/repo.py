@@ -9,6 +9,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # Binaries `make tools` installs (helm, kubectl, nginx wrappers): searched before PATH.
 TOOLS_BIN = ROOT / ".tools" / "bin"
+# The official LeaderWorkerSet CRD (LWS v0.10.0), relative to a `shared/crds/` folder.
+LWS_CRD = "lws/leaderworkerset.x-k8s.io_leaderworkersets.yaml"
+
+
+def shared_crd(relative: str) -> Path | None:
+    """An official CRD from the workplace's `shared/crds/` (next to the checkout or above
+    it); None in a clone without it (a user's, CI)."""
+    for parent in ROOT.parents:
+        path = parent / "shared" / "crds" / relative
+        if path.exists():
+            return path
+    return None
 
 
 def find_tool(name: str, *extra_dirs: str) -> str | None:

@@ -94,3 +94,24 @@ SLUICE_OPERATOR_RELEASE: {{ .Release.Name | quote }}
 {{ $k }}: {{ $v | quote }}
 {{- end }}
 {{- end -}}
+
+{{/*
+The live operator Deployment's pods do not elect a leader ("true" or ""): it exists (a helm
+upgrade; `lookup` finds nothing under `helm template`) and its pod template lacks the
+sluice.dev/leader-election annotation: a release from before leader election, or one with
+leaderElection off. Such pods must never run beside electing ones (deployment.yaml).
+*/}}
+{{- define "sluice-operator.replacesNonElecting" -}}
+{{- $live := lookup "apps/v1" "Deployment" .Release.Namespace (include "sluice-operator.fullname" .) -}}
+{{- if and .Values.leaderElection.enabled $live -}}
+{{- if ne (get (dig "spec" "template" "metadata" "annotations" (dict) $live) "sluice.dev/leader-election") "true" -}}
+true
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The replicas the live operator Deployment runs (0 when there is none). */}}
+{{- define "sluice-operator.liveReplicas" -}}
+{{- $live := lookup "apps/v1" "Deployment" .Release.Namespace (include "sluice-operator.fullname" .) -}}
+{{- $live | dig "spec" "replicas" 0 -}}
+{{- end -}}

@@ -7,6 +7,7 @@ import re
 
 from ..models.resource import API_KEYS_DIR, API_KEYS_FILE, JWKS_DIR, JWKS_FILE, StreamingModel
 from ..models.spec import SimulatorSpec
+from .adapters import lora_args
 from .common import PORT, fmt_number
 
 # SIGTERM to exit: the pod keeps serving in-flight streams for the stream timeout, after a
@@ -45,9 +46,53 @@ def api_workers(model: StreamingModel) -> int:
     if given is not None:
         return given
     cores = cpu_cores(model.spec.resources.requests.cpu)
-    if cores is None or model.spec.streaming.resume.grace_seconds:
+    if cores is None or model.spec.streaming.resume.grace_seconds or model.multi_node:
         return 1
     return max(1, min(MAX_DERIVED_API_WORKERS, math.floor(cores) - 1))
+
+
+# vLLM's multi-node rendezvous (its torch.distributed master on the leader; vLLM's default
+# port). LWS injects the leader's address and each pod's index into every container's env.
+ENGINE_MASTER_PORT = 29501
+LEADER_RANK = "0"
+WORKER_RANK = "$(LWS_WORKER_INDEX)"
+
+
+def _engine_args(model: StreamingModel, node_rank: str) -> list[str]:
+    """The vLLM engine's part of the command line, the same on every node of a group (vLLM
+    requires it), with this node's rank."""
+    e, p = model.spec.engine, model.spec.parallelism
+    args = ["--tensor-parallel-size", str(p.tensor), "--pipeline-parallel-size", str(p.pipeline)]
+    if model.multi_node:
+        args += ["--nnodes", str(p.nodes), "--node-rank", node_rank]
+        args += ["--master-addr", "$(LWS_LEADER_ADDRESS)", "--master-port", str(ENGINE_MASTER_PORT)]
+    args += ["--gpu-memory-utilization", fmt_number(e.gpu_memory_utilization)]
+    for flag, value in (
+        ("--max-model-len", e.max_model_len),
+        ("--max-num-seqs", e.max_num_seqs),
+        ("--max-num-batched-tokens", e.max_num_batched_tokens),
+        ("--swap-space", e.swap_space_gib),
+    ):
+        if value is not None:
+            args += [flag, fmt_number(value)]
+    args += ["--dtype", e.dtype]
+    if e.quantization:
+        args += ["--quantization", e.quantization]
+    return args + lora_args(model)
+
+
+def worker_args(model: StreamingModel) -> list[str]:
+    """A multi-node group's worker: the same model and engine arguments as the leader with
+    the worker's rank, so the server runs vLLM's headless workers only (no HTTP API)."""
+    src = model.source
+    args = ["--model", src.model_arg]
+    if src.revision:
+        args += ["--revision", src.revision]
+    args += ["--served-model-name", model.served_name, "--engine", "vllm"]
+    args += _engine_args(model, WORKER_RANK)
+    if model.spec.engine.extra_args:
+        args += ["--", *model.spec.engine.extra_args]
+    return args
 
 
 def server_args(model: StreamingModel) -> list[str]:
@@ -62,25 +107,7 @@ def server_args(model: StreamingModel) -> list[str]:
         args += ["--api-workers", str(workers)]
 
     if not model.simulated:
-        e, p = spec.engine, spec.parallelism
-        args += [
-            "--tensor-parallel-size",
-            str(p.tensor),
-            "--pipeline-parallel-size",
-            str(p.pipeline),
-        ]
-        args += ["--gpu-memory-utilization", fmt_number(e.gpu_memory_utilization)]
-        for flag, value in (
-            ("--max-model-len", e.max_model_len),
-            ("--max-num-seqs", e.max_num_seqs),
-            ("--max-num-batched-tokens", e.max_num_batched_tokens),
-            ("--swap-space", e.swap_space_gib),
-        ):
-            if value is not None:
-                args += [flag, fmt_number(value)]
-        args += ["--dtype", e.dtype]
-        if e.quantization:
-            args += ["--quantization", e.quantization]
+        args += _engine_args(model, LEADER_RANK)
 
     s = spec.streaming
     args += ["--protocols", ",".join(sorted(s.protocols))]

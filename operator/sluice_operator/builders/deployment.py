@@ -13,6 +13,7 @@ from ..models.resource import (
     MODEL_PVC_DIR,
     StreamingModel,
 )
+from .adapters import adapter_volumes
 from .args import PRESTOP_SECONDS, server_args, termination_grace_seconds
 from .common import PORT, PORT_NAME, labels, metadata, selector_labels
 
@@ -124,15 +125,17 @@ def _volumes(model: StreamingModel) -> tuple[list[dict[str, Any]], list[dict[str
     if jwt:
         # A whole-volume mount (no subPath), so the kubelet's updates reach the pod and the
         # server reloads the keys without a restart.
-        src = jwt.jwks.secret_ref or jwt.jwks.config_map_ref
-        assert src is not None  # the CRD and validation require exactly one
-        items = {"items": [{"key": src.key, "path": JWKS_FILE}], "defaultMode": 0o440}
+        jwks_ref = jwt.jwks.secret_ref or jwt.jwks.config_map_ref
+        assert jwks_ref is not None  # the CRD and validation require exactly one
+        items = {"items": [{"key": jwks_ref.key, "path": JWKS_FILE}], "defaultMode": 0o440}
         if jwt.jwks.secret_ref:
-            volumes.append({"name": "jwks", "secret": {"secretName": src.name, **items}})
+            volumes.append({"name": "jwks", "secret": {"secretName": jwks_ref.name, **items}})
         else:
-            volumes.append({"name": "jwks", "configMap": {"name": src.name, **items}})
+            volumes.append({"name": "jwks", "configMap": {"name": jwks_ref.name, **items}})
         mounts.append({"name": "jwks", "mountPath": JWKS_DIR, "readOnly": True})
-    return volumes, mounts
+    # The adapter list's ConfigMap (by name only: its content changes without a rollout).
+    more_volumes, more_mounts = adapter_volumes(model)
+    return volumes + more_volumes, mounts + more_mounts
 
 
 def _probe(path: str, period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
@@ -153,7 +156,9 @@ def pod_annotations(model: StreamingModel) -> dict[str, str]:
     }
 
 
-def desired_deployment(model: StreamingModel) -> dict[str, Any]:
+def pod_template(model: StreamingModel) -> dict[str, Any]:
+    """The server pod: the Deployment's, and a LeaderWorkerSet group's leader
+    (`builders/leaderworkerset.py` derives the worker from it)."""
     spec = model.spec
     volumes, mounts = _volumes(model)
     container: dict[str, Any] = {
@@ -204,7 +209,20 @@ def desired_deployment(model: StreamingModel) -> dict[str, Any]:
         "imagePullSecrets": [{"name": s.name} for s in spec.image_pull_secrets] or None,
     }
     pod_spec.update({k: v for k, v in optional.items() if v})
+    return {
+        "metadata": {
+            "labels": {**spec.pod_labels, **labels(model)},
+            "annotations": pod_annotations(model),
+        },
+        "spec": pod_spec,
+    }
 
+
+def desired_deployment(model: StreamingModel) -> dict[str, Any] | None:
+    """None with parallelism.nodes > 1: a LeaderWorkerSet runs the replicas instead."""
+    if model.multi_node:
+        return None
+    spec = model.spec
     deployment_spec: dict[str, Any] = {
         "selector": {"matchLabels": selector_labels(model)},
         # Default surge 1 / unavailable 0: the old pods serve until the new one has loaded
@@ -218,13 +236,7 @@ def desired_deployment(model: StreamingModel) -> dict[str, Any]:
         },
         "revisionHistoryLimit": 3,
         "progressDeadlineSeconds": progress_deadline_seconds(model),
-        "template": {
-            "metadata": {
-                "labels": {**spec.pod_labels, **labels(model)},
-                "annotations": pod_annotations(model),
-            },
-            "spec": pod_spec,
-        },
+        "template": pod_template(model),
     }
     # With autoscaling the HPA owns .spec.replicas; leaving it out of the apply lets the
     # HPA's value stand instead of being reset on every reconcile.

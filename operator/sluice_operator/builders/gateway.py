@@ -25,6 +25,7 @@ every pass), and the `GatewayRoute` condition says so.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ..models.resource import StreamingModel
@@ -114,3 +115,35 @@ def route_url(model: StreamingModel) -> str | None:
         return None
     host = gw.hostnames[0] if gw.hostnames else "<gateway-address>"
     return f"{gw.scheme}://{host}{gw.path.rstrip('/')}"
+
+
+SESSION_PERSISTENCE_DROPPED = (
+    "the HTTPRoute CRD installed has no rules[].sessionPersistence (Gateway API's Standard "
+    "channel), so the route is applied without it: install the Experimental channel CRDs, or "
+    "turn gateway.sessionPersistence off. Until then a resumed stream may reach another pod "
+    "and get a 404"
+)
+
+
+def route_verdict(
+    route: Mapping[str, Any] | None, persistence: bool = False
+) -> tuple[bool | None, str, str]:
+    """(status, reason, message) of the GatewayRoute condition: whether every parent Gateway
+    accepted the HTTPRoute (its status.parents), and, with `persistence` asked for, whether
+    the stored route kept its sessionPersistence."""
+    rules = ((route or {}).get("spec") or {}).get("rules") or []
+    if persistence and rules and not any("sessionPersistence" in r for r in rules):
+        return False, "SessionPersistenceDropped", SESSION_PERSISTENCE_DROPPED
+    parents = ((route or {}).get("status") or {}).get("parents") or []
+    refused = []
+    for parent in parents:
+        ref = parent.get("parentRef") or {}
+        for c in parent.get("conditions") or []:
+            if c.get("type") == "Accepted" and c.get("status") != "True":
+                who = f"{ref.get('namespace', '')}/{ref.get('name', '?')}".lstrip("/")
+                refused.append(f"Gateway {who}: {c.get('reason', '')} {c.get('message', '')}")
+    if refused:
+        return False, "NotAccepted", "; ".join(refused)[:1024]
+    if not parents:
+        return None, "Pending", "waiting for a Gateway controller to accept the route"
+    return True, "Accepted", "the HTTPRoute is accepted by its Gateways"

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..models.resource import StreamingModel
 from .common import metadata
+from .leaderworkerset import scale_target
 from .metrics import ttft_metric_name
 
 
@@ -23,12 +24,14 @@ def desired_hpa(model: StreamingModel) -> dict[str, Any] | None:
     if spec.autoscaling_backend != "hpa":
         return None
     a = spec.autoscaling
+    assert a is not None  # the backend is hpa only with autoscaling on
     return {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",
         "metadata": metadata(model),
         "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": model.name},
+            # The LeaderWorkerSet's scale subresource selects its leaders (hpaPodSelector).
+            "scaleTargetRef": scale_target(model),
             "minReplicas": a.min_replicas,
             "maxReplicas": a.max_replicas,
             "metrics": [

@@ -18,6 +18,7 @@ from typing import Any
 from ..models.resource import StreamingModel
 from .common import fmt_number, metadata
 from .hpa import hpa_behavior
+from .leaderworkerset import scale_target
 from .metrics import ttft_metrics_query
 
 API_VERSION = "keda.sh/v1alpha1"
@@ -35,8 +36,12 @@ def pod_matchers(model: StreamingModel) -> str:
     Names, not labels: the namespace and pod labels are the two every Prometheus pod
     scrape config sets (the adapter rule relies on them too); label copies are optional.
     Two dash-free segments after the name keep a model named <name>-x from matching. The
-    name is a DNS-1035 label (validation.py), so it holds no regex metacharacters.
+    name is a DNS-1035 label (validation.py), so it holds no regex metacharacters. With
+    parallelism.nodes > 1 the leaders, <name>-<group index> (the workers,
+    <name>-<group>-<index>, serve no metrics).
     """
+    if model.multi_node:
+        return f'namespace="{model.namespace}",pod=~"{model.name}-[0-9]+"'
     return f'namespace="{model.namespace}",pod=~"{model.name}-[a-z0-9]+-[a-z0-9]+"'
 
 
@@ -62,7 +67,7 @@ def desired_scaled_object(model: StreamingModel) -> dict[str, Any] | None:
         "kind": "ScaledObject",
         "metadata": metadata(model),
         "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": model.name},
+            "scaleTargetRef": scale_target(model),
             "pollingInterval": a.keda.polling_interval_seconds,
             "minReplicaCount": a.min_replicas,
             "maxReplicaCount": a.max_replicas,

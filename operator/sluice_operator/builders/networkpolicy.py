@@ -6,6 +6,10 @@ namespaces of the ingress controller or Gateway data plane that proxy to it, and
 monitoring namespaces that scrape `/metrics` (a NetworkPolicy cannot tell paths apart, so
 that is the same port). Namespaces are matched by their `kubernetes.io/metadata.name` label,
 which the API server sets on every namespace. Needs a CNI that enforces NetworkPolicy.
+
+With parallelism.nodes > 1 the model's own pods also reach each other on every port: vLLM's
+rendezvous (`--master-port`) is one, but NCCL and the engine's message queues pick theirs at
+run time, so no fixed list of ports would do.
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ def desired_network_policy(model: StreamingModel) -> dict[str, Any] | None:
         peers.append(_namespaces(np.proxy_namespaces))
     if np.monitoring_namespaces:
         peers.append(_namespaces(np.monitoring_namespaces))
+    ingress: list[dict[str, Any]] = [{"from": peers, "ports": port}]
+    if model.multi_node:  # leader <-> workers of a group: the engine's own ports
+        ingress.append({"from": [{"podSelector": {"matchLabels": selector_labels(model)}}]})
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -45,6 +52,6 @@ def desired_network_policy(model: StreamingModel) -> dict[str, Any] | None:
         "spec": {
             "podSelector": {"matchLabels": selector_labels(model)},
             "policyTypes": ["Ingress"],
-            "ingress": [{"from": peers, "ports": port}],
+            "ingress": ingress,
         },
     }

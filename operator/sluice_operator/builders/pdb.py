@@ -4,6 +4,10 @@ Its maxUnavailable is the rollout's (`spec.rollout.maxUnavailable`), but at leas
 of 0 would block every node drain forever. A model that can run at most one replica gets no
 budget: it would either block every drain (minAvailable 1) or protect nothing; such a model
 is down while its node drains whatever the rollout setting (run 2 replicas to avoid that).
+
+With parallelism.nodes > 1 the budget counts every pod of every group (leaders and workers):
+one evicted pod recreates its whole group, whose pods are then all unavailable, so no
+further eviction is allowed until that group is back: drains take a group at a time.
 """
 
 from __future__ import annotations

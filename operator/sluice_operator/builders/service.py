@@ -6,6 +6,7 @@ from typing import Any
 
 from ..models.resource import StreamingModel
 from .common import PORT, PORT_NAME, metadata, selector_labels
+from .leaderworkerset import leader_selector
 
 
 def desired_service(model: StreamingModel) -> dict[str, Any]:
@@ -15,7 +16,8 @@ def desired_service(model: StreamingModel) -> dict[str, Any]:
         "metadata": metadata(model),
         "spec": {
             "type": "ClusterIP",
-            "selector": selector_labels(model),
+            # With several nodes per replica only the leaders serve HTTP.
+            "selector": {**selector_labels(model), **leader_selector(model)},
             "ports": [
                 {
                     "name": PORT_NAME,

@@ -121,5 +121,19 @@ def render_api_doc(crd: dict[str, Any]) -> str:
         "Scale subresource: `.spec.replicas` / `.status.replicas`, selector `.status.selector`"
         " (`kubectl scale sm NAME --replicas=N`; ignored while autoscaling is enabled).",
         "",
+        "## Versions",
+        "",
+        "| version | served | storage |",
+        "|---|---|---|",
+        *[
+            f"| `{v['name']}` | {'yes' if v['served'] else 'no'} | {'yes' if v['storage'] else 'no'} |"
+            for v in crd["spec"]["versions"]
+        ],
+        "",
+        f"Conversion: `{(crd['spec'].get('conversion') or {}).get('strategy', 'None')}`. Within a"
+        " version the API only grows (new optional fields), so objects stored under an earlier"
+        " CRD stay valid and keep their meaning; how the API moves to its next version (storage"
+        " version, conversion, removing a field) is in [versioning.md](versioning.md).",
+        "",
     ]
     return "\n".join(lines)

@@ -1,6 +1,6 @@
 """The StreamingModel CRD: the structural schema of the typed models plus the CRD envelope
-(names, scope, subresources, printer columns, the name rule). The models are the only source
-of the schema; `outputs.py` writes the result to crds/ and the operator chart.
+(names, scope, subresources, printer columns, the name rule `NAME_RULE`). The models are the
+only source of the schema; `outputs.py` writes the result to crds/ and the operator chart.
 """
 
 from __future__ import annotations
@@ -17,15 +17,12 @@ from ..models import (
     StreamingModelSpec,
     StreamingModelStatus,
 )
+from ..models.resource import ADAPTER_NAME_RULE, NAME_RULE
 from ..yamldump import dump_yaml
 from .structural import model_schema
 
 CRD_NAME = f"{PLURAL}.{GROUP}"
 CRD_FILENAME = f"{CRD_NAME}.yaml"
-
-DNS1035_RULE = (
-    "self.metadata.name.size() <= 63 && self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')"
-)
 
 
 def openapi_schema() -> dict[str, Any]:
@@ -44,13 +41,7 @@ def openapi_schema() -> dict[str, Any]:
             "spec": model_schema(StreamingModelSpec),
             "status": model_schema(StreamingModelStatus),
         },
-        "x-kubernetes-validations": [
-            {
-                "rule": DNS1035_RULE,
-                "message": "metadata.name must be a DNS-1035 label (lower case letters, digits and '-', "
-                "starting with a letter, at most 63 characters): it also names the Service",
-            }
-        ],
+        "x-kubernetes-validations": [NAME_RULE.validation(), ADAPTER_NAME_RULE.validation()],
     }
 
 

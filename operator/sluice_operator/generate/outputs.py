@@ -1,16 +1,17 @@
-"""Every file generated from the typed models: where it goes and what it holds.
+"""Every file the operator's generators write: where it goes and what it holds.
 
 `python -m sluice_operator crds --write` writes them all and `--check` lists the stale
 ones, so one command keeps the CRD (two identical copies), the API reference, the
-streaming-model chart's values schema and the Grafana dashboard (built from the operator's
-own queries) in step; a test runs the check.
+streaming-model chart's values schema, the Grafana dashboard (built from the operator's
+own queries) and docs/helm.md's values and RBAC tables (read from the charts) in step; a
+test runs the check.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from . import dashboard
+from . import chartdocs, dashboard
 from .apidocs import render_api_doc
 from .crd import CRD_FILENAME, build_crd, render_crd
 from .values_schema import render_values_schema
@@ -25,7 +26,7 @@ DASHBOARD_PATH = Path("charts/sluice-operator/files/grafana-dashboard.json")
 
 
 def generated_files() -> dict[Path, str]:
-    """Repository-relative path -> content of everything generated from the models."""
+    """Repository-relative path -> content of every generated file."""
     crd = build_crd()
     text = render_crd()
     return {
@@ -33,6 +34,7 @@ def generated_files() -> dict[Path, str]:
         DOC_PATH: render_api_doc(crd),
         VALUES_SCHEMA_PATH: render_values_schema(crd),
         DASHBOARD_PATH: dashboard.render(),
+        chartdocs.HELM_DOC: chartdocs.render_helm_doc(),
     }
 
 

@@ -76,6 +76,7 @@ def build_schema(crd: dict[str, Any]) -> dict[str, Any]:
     }
     for name, prop in spec["properties"].items():
         converted = _to_json_schema(prop)
+        assert isinstance(converted, dict)  # a property's schema is an object
         # Values files leave scalars empty ("" / null) to mean "CRD default": allow those.
         if converted.get("type") in ("string", "integer", "number", "boolean"):
             converted = {"anyOf": [converted, {"type": "null"}, {"const": ""}]}

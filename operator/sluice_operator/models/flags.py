@@ -56,8 +56,22 @@ RESERVED_LONG = (
     "--api-key",
     "--api-key-file",
     "--config",
+    # LoRA: engine.lora and spec.adapters (the adapter list reaches the pods as a file).
+    "--enable-lora",
+    "--no-enable-lora",
+    "--max-loras",
+    "--max-lora-rank",
+    "--max-cpu-loras",
+    "--lora-modules",
+    "--adapters-file",
+    # Multi-node: spec.parallelism.nodes (the operator sets each node's rank and rendezvous).
+    "--nnodes",
+    "--node-rank",
+    "--master-addr",
+    "--master-port",
+    "--headless",
 )
-RESERVED_SHORT = ("-tp", "-pp", "-dp", "-dpl", "-q")
+RESERVED_SHORT = ("-tp", "-pp", "-dp", "-dpl", "-q", "-n", "-r")
 # The vLLM settings (argparse destinations) behind them; the tests collect every option
 # string vLLM's parser has for these and compare with the tuples above.
 RESERVED_VLLM_DESTS = frozenset(
@@ -73,16 +87,26 @@ RESERVED_VLLM_DESTS = frozenset(
         "data_parallel_size_local",
         "gpu_memory_utilization",
         "max_model_len",
+        "nnodes",
+        "node_rank",
+        "master_addr",
+        "master_port",
+        "headless",
         "max_num_seqs",
         "max_num_batched_tokens",
         "dtype",
         "quantization",
         "api_key",
         "config",
+        "enable_lora",
+        "max_loras",
+        "max_lora_rank",
+        "max_cpu_loras",
+        "lora_modules",
     }
 )
 # Reserved but not vLLM's: the server's own flags, and --swap-space (engine.swapSpaceGiB).
-RESERVED_NOT_VLLM = frozenset({"--engine", "--api-key-file", "--swap-space"})
+RESERVED_NOT_VLLM = frozenset({"--engine", "--api-key-file", "--swap-space", "--adapters-file"})
 
 
 def reserved_flag(arg: str) -> bool:

@@ -2,10 +2,39 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
-from .spec import StreamingModelSpec
+from .base import Rule
+from .spec import ADAPTER_NAME_IS_BASE, StreamingModelSpec
+
+# The object's name becomes the Service's, so it must be a DNS-1035 label. On the CRD's root
+# (generate/crd.py): `self` is the whole object there, and the operator checks the name.
+DNS1035 = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
+NAME_RULE = Rule(
+    f"self.metadata.name.size() <= 63 && self.metadata.name.matches('{DNS1035}')",
+    "metadata.name must be a DNS-1035 label (lower case letters, digits and '-', starting with a "
+    "letter, at most 63 characters): it also names the Service",
+    holds=lambda name: len(name) <= 63 and re.match(DNS1035, name) is not None,
+    detail=lambda name: f"got {name!r}: rename the resource",
+)
+# The one adapter rule that needs the object's name (an unnamed non-hf base is served under
+# it); the others are on the spec (models/spec.py, ADAPTER_RULES). Also on the CRD's root;
+# the operator's `holds` takes (name, parsed spec).
+ADAPTER_NAME_RULE = Rule(
+    "!has(self.spec.adapters) || has(self.spec.model.servedName) || "
+    "self.spec.model.uri.startsWith('hf://') || "
+    "self.spec.adapters.all(a, a.name != self.metadata.name)",
+    ADAPTER_NAME_IS_BASE,
+    holds=lambda obj: (
+        obj[1].model.served_name is not None
+        or obj[1].model.uri.startswith("hf://")
+        or all(a.name != obj[0] for a in obj[1].adapters)
+    ),
+    field=".spec.adapters",
+    detail=lambda obj: f"{obj[0]}, the object's name: rename the adapter or set model.servedName",
+)
 
 # Where things live inside the server pod.
 CACHE_DIR = "/cache"
@@ -14,6 +43,9 @@ API_KEYS_DIR = "/etc/sluice/auth"
 API_KEYS_FILE = "api-keys"
 JWKS_DIR = "/etc/sluice/jwks"
 JWKS_FILE = "jwks.json"
+ADAPTERS_DIR = "/etc/sluice/adapters"
+ADAPTERS_FILE = "adapters.json"
+ADAPTER_PVC_DIR = "/mnt/adapters"  # pvc:// adapters: each claim at ADAPTER_PVC_DIR/<claim>
 
 
 @dataclass(frozen=True)
@@ -63,3 +95,8 @@ class StreamingModel:
     @property
     def simulated(self) -> bool:
         return self.spec.engine.backend == "simulator"
+
+    @property
+    def multi_node(self) -> bool:
+        """A replica is a group of pods on several nodes (a LeaderWorkerSet)."""
+        return self.spec.parallelism.nodes > 1

@@ -3,7 +3,8 @@
 The CRD in crds/ is generated from these classes (`python -m sluice_operator crds --write`),
 and the operator validates every object with them again before it renders anything, so a
 cluster without CEL support or an object written before a rule existed still gets a clear
-`SpecValid=False` instead of a broken Deployment. Each CEL rule below has a pydantic twin.
+`SpecValid=False` instead of a broken Deployment. Each class's `RULES` are both: the CEL rule
+in the CRD and the operator's check, with one message (`base.Rule`).
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import Field, StringConstraints, field_validator, model_validator
+from pydantic import Field, StringConstraints, field_validator
 
-from .base import ApiModel, FreeForm, Quantity, cel, sub
+from .base import ApiModel, FreeForm, Quantity, Rule, sub
 from .flags import RESERVED_RE, positional_arg, reserved_flag
 
 # Object names (Secrets, PVCs, ...): DNS-1123 subdomain.
@@ -33,11 +34,6 @@ MODEL_URI_PATTERN = (
     r"|/[!-~]*"
     r"|tiny)$"
 )
-MODEL_URI_HELP = (
-    "use hf://org/name (optionally @revision), pvc://claim/path/in/claim, "
-    "an absolute path inside the image, or tiny"
-)
-
 
 # nginx's size syntax (client_max_body_size): bytes, or k/m/g (binary multiples).
 NGINX_SIZE_PATTERN = r"^[0-9]{1,10}[kKmMgG]?$"
@@ -90,17 +86,16 @@ class ModelCache(ApiModel):
 class ModelSpec(ApiModel):
     """Which model to serve and where its weights come from."""
 
-    model_config = ApiModel.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                cel(
-                    f"self.uri.matches('{MODEL_URI_PATTERN}')",
-                    f"model.uri: {MODEL_URI_HELP}",
-                    ".uri",
-                ),
-            ]
-        }
-    }
+    RULES = (
+        Rule(
+            f"self.uri.matches('{MODEL_URI_PATTERN}')",
+            "model.uri: use hf://org/name (optionally @revision), pvc://claim/path/in/claim, "
+            "an absolute path inside the image, or tiny",
+            holds=lambda m: re.match(MODEL_URI_PATTERN, m.uri) is not None,
+            field=".uri",
+            detail=lambda m: f"got {m.uri!r}",
+        ),
+    )
 
     uri: Annotated[str, StringConstraints(min_length=1, max_length=512)] = Field(
         description="Model location: hf://org/name or hf://org/name@revision (Hugging Face Hub), "
@@ -119,12 +114,126 @@ class ModelSpec(ApiModel):
     )
     cache: ModelCache = sub(ModelCache, "Cache volume for downloaded weights.")
 
-    @field_validator("uri")
-    @classmethod
-    def _uri_shape(cls, v: str) -> str:
-        if not re.match(MODEL_URI_PATTERN, v):
-            raise ValueError(f"{v!r} is not a model location: {MODEL_URI_HELP}")
-        return v
+
+# -- LoRA adapters: fine-tunes served by name on the base model's engine ---------------------
+# Their rules (`Rule` records) are grouped here: ADAPTER_RULES (on StreamingModelSpec, which
+# sees the base model, the engine limits and the list), LoraSpec's and AdapterSpec's own.
+
+# hf://org/name[@revision] | pvc://claim/path | /absolute/path: where an adapter's folder is
+# (adapter_config.json + adapter_model.safetensors). Not `tiny` (that names a base model).
+ADAPTER_URI_PATTERN = (
+    r"^(hf://([A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?"
+    r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[!-~]*)?"
+    r"|/[!-~]*)$"
+)
+ADAPTER_URI_HELP = (
+    "use hf://org/name (optionally @revision), pvc://claim/path/in/claim or an absolute path "
+    "inside the image"
+)
+# A served name: what clients put in `model`, also a metric label and a key-file value.
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._/:-]*[A-Za-z0-9])?$"
+MAX_ADAPTERS = 32
+# vLLM 0.32's --max-lora-rank choices (vllm.config.lora.MaxLoRARanks).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+LoraRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
+DEFAULT_MAX_LORAS = 4
+DEFAULT_MAX_LORA_RANK: LoraRank = 16
+ENGINE_START = (
+    "Fixed when the engine starts: changing it replaces the pods (a rolling update; the "
+    "status says so)."
+)
+
+LORA_CPU_BELOW_GPU = (
+    "engine.lora.maxCpuLoras must be at least engine.lora.maxLoras (vLLM keeps every adapter "
+    "of a batch in its CPU cache too)"
+)
+ADAPTER_NAMES_REPEAT = "adapters: every adapter needs its own name (a name appears twice)"
+ADAPTER_NAME_IS_BASE = (
+    "adapters: an adapter cannot take the base model's served name (model.servedName, or "
+    "org/name of an hf:// model): clients could not tell them apart"
+)
+ADAPTER_RANK_OVER_MAX = (
+    "adapters: an adapter's rank exceeds engine.lora.maxLoraRank (default 16): raise "
+    "maxLoraRank (this rolls the pods) or use a smaller adapter"
+)
+ADAPTERS_ON_SIMULATOR = (
+    "adapters and engine.lora need engine.backend vllm (the simulator serves no adapters)"
+)
+
+
+class LoraSpec(ApiModel):
+    """vLLM's LoRA limits (--enable-lora and its sizes). Set it, even to {}, to start the
+    engine with LoRA on before the first adapter, so that adding one does not roll the pods."""
+
+    RULES = (
+        Rule(
+            "!has(self.maxCpuLoras) || self.maxCpuLoras >= "
+            f"(has(self.maxLoras) ? self.maxLoras : {DEFAULT_MAX_LORAS})",
+            LORA_CPU_BELOW_GPU,
+            holds=lambda lora: lora.max_cpu_loras is None or lora.max_cpu_loras >= lora.max_loras,
+            field=".maxCpuLoras",
+            detail=lambda lora: f"maxCpuLoras {lora.max_cpu_loras} < maxLoras {lora.max_loras}",
+        ),
+    )
+
+    max_loras: int = Field(
+        default=DEFAULT_MAX_LORAS,
+        ge=1,
+        le=256,
+        description="Adapters one engine batch can use at once (vLLM --max-loras); requests "
+        "for further adapters wait for a slot. Each slot reserves GPU memory for "
+        "maxLoraRank-sized weights. " + ENGINE_START,
+    )
+    max_lora_rank: LoraRank = Field(
+        default=DEFAULT_MAX_LORA_RANK,
+        description="Largest adapter rank the engine accepts (vLLM --max-lora-rank: 1, 8, 16, "
+        "32, 64, 128, 256, 320 or 512). " + ENGINE_START,
+    )
+    max_cpu_loras: int | None = Field(
+        default=None,
+        ge=1,
+        le=1024,
+        description="Adapters kept loaded in CPU memory (vLLM --max-cpu-loras, at least "
+        "maxLoras); others are read from the pod's cache volume again when asked for. "
+        "Unset: maxLoras. " + ENGINE_START,
+    )
+
+
+class AdapterSpec(ApiModel):
+    """A LoRA adapter (fine-tune) of the base model, served under its own name."""
+
+    RULES = (
+        Rule(
+            f"self.uri.matches('{ADAPTER_URI_PATTERN}')",
+            f"adapters[].uri: {ADAPTER_URI_HELP}",
+            holds=lambda a: re.match(ADAPTER_URI_PATTERN, a.uri) is not None,
+            field=".uri",
+            detail=lambda a: f"got {a.uri!r}: not an adapter location",
+        ),
+    )
+
+    name: Annotated[
+        str, StringConstraints(min_length=1, max_length=128, pattern=ADAPTER_NAME_PATTERN)
+    ] = Field(
+        description="The served name: clients put it in `model` (OpenAI, Anthropic, token "
+        "SSE, WebSocket frames), /v1/models lists it with the base as `parent`, metrics and "
+        "the access log carry it. Letters, digits and . _ / : - ; not the base's served name."
+    )
+    uri: Annotated[str, StringConstraints(min_length=1, max_length=512)] = Field(
+        description="The adapter folder (adapter_config.json and adapter_model.safetensors, "
+        "as PEFT saves them): hf://org/name or hf://org/name@revision (downloaded once per "
+        "pod into the cache volume, with model.hfTokenSecretRef), pvc://claim/path (the "
+        "claim is mounted read-only; a claim no other adapter or the base uses adds a "
+        "volume, which rolls the pods), or an absolute path inside the image."
+    )
+    rank: int | None = Field(
+        default=None,
+        ge=1,
+        le=512,
+        description="The adapter's rank (`r` in its adapter_config.json), when known: checked "
+        "against engine.lora.maxLoraRank before any pod tries it. Unset: the engine checks "
+        "it on loading (a larger rank is reported as Failed in the status).",
+    )
 
 
 class Toleration(ApiModel):
@@ -152,14 +261,16 @@ class ComputeResources(ApiModel):
 
 
 class ResourcesSpec(ApiModel):
-    """GPUs, CPU, memory and placement of each replica."""
+    """GPUs, CPU, memory and placement of each pod (a replica's pod, or with
+    parallelism.nodes > 1 each pod of its group)."""
 
     gpus: int = Field(
         default=1,
         ge=1,
         le=64,
-        description="GPUs per replica. Must equal parallelism.tensor x parallelism.pipeline. "
-        "Not requested when engine.backend is simulator.",
+        description="GPUs per pod: per replica, or with parallelism.nodes > 1 per node of the "
+        "replica's group. parallelism.tensor x parallelism.pipeline must equal gpus x "
+        "parallelism.nodes. Not requested when engine.backend is simulator.",
     )
     gpu_resource_name: Annotated[
         str,
@@ -173,7 +284,7 @@ class ResourcesSpec(ApiModel):
     )
     requests: ComputeResources = Field(
         default_factory=lambda: ComputeResources(cpu="4", memory="32Gi"),
-        description="CPU/memory requests of the server container.",
+        description="CPU/memory requests of the server container (of each pod of a group).",
         json_schema_extra={"default": {"cpu": "4", "memory": "32Gi"}},
     )
     limits: ComputeResources = Field(
@@ -197,8 +308,27 @@ class ResourcesSpec(ApiModel):
     priority_class_name: Name | None = Field(default=None, description="PriorityClass of the pods.")
 
 
+Key = Annotated[
+    str,
+    StringConstraints(
+        max_length=316,
+        pattern=r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$",
+    ),
+]
+
+
 class ParallelismSpec(ApiModel):
-    """How one replica splits the model over its GPUs."""
+    """How one replica splits the model over its GPUs and, with nodes > 1, over several nodes."""
+
+    RULES = (
+        Rule(
+            "!has(self.exclusiveTopologyKey) || (has(self.nodes) && self.nodes > 1)",
+            "parallelism.exclusiveTopologyKey places the pods of a multi-node group; it needs "
+            "parallelism.nodes above 1",
+            holds=lambda p: p.exclusive_topology_key is None or p.nodes > 1,
+            field=".exclusiveTopologyKey",
+        ),
+    )
 
     tensor: int = Field(
         default=1, ge=1, le=64, description="Tensor-parallel size (GPUs a layer is split over)."
@@ -208,6 +338,23 @@ class ParallelismSpec(ApiModel):
         ge=1,
         le=64,
         description="Pipeline-parallel size (stages the layers are split into).",
+    )
+    nodes: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Nodes per replica. 1: a replica is one pod (a Deployment). Above 1: a "
+        "replica is a group of this many pods, one per node, each with resources.gpus GPUs "
+        "(a LeaderWorkerSet, leaderworkerset.x-k8s.io/v1, LWS v0.10 or later must be "
+        "installed): the leader runs the server and vLLM's engine, the workers run vLLM's "
+        "headless workers (its multiprocessing multi-node backend), and the whole group is "
+        "recreated when any of its pods fails. tensor x pipeline must equal gpus x nodes.",
+    )
+    exclusive_topology_key: Key | None = Field(
+        default=None,
+        description="With nodes > 1: a node label (e.g. a rack or NVLink-domain label) whose "
+        "value every pod of one group shares, with one group per value (LWS exclusive "
+        "placement). Unset: the scheduler places the group's pods freely.",
     )
 
 
@@ -243,28 +390,41 @@ class EnvVar(ApiModel):
     )
 
 
+def _reserved(engine: EngineSpec) -> list[str]:
+    return [a for a in engine.extra_args if reserved_flag(a)]
+
+
 class EngineSpec(ApiModel):
     """Inference engine settings (vLLM engine arguments)."""
 
-    model_config = ApiModel.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                cel(
-                    f"!has(self.extraArgs) || self.extraArgs.all(a, !a.matches('{RESERVED_RE}'))",
-                    "engine.extraArgs must not repeat flags the operator sets from the spec "
-                    "(model, parallelism, engine, auth...); set the spec field instead",
-                    ".extraArgs",
-                ),
-                cel(
-                    "!has(self.extraArgs) || (self.extraArgs.all(a, a != '--') && "
-                    "(size(self.extraArgs) == 0 || self.extraArgs[0].startsWith('-')))",
-                    "engine.extraArgs must start with a flag and must not contain '--': vLLM "
-                    "reads a bare word there as the model to serve (set spec.model instead)",
-                    ".extraArgs",
-                ),
-            ]
-        }
-    }
+    RULES = (
+        Rule(
+            f"!has(self.extraArgs) || self.extraArgs.all(a, !a.matches('{RESERVED_RE}'))",
+            "engine.extraArgs must not repeat flags the operator sets from the spec "
+            "(model, parallelism, engine, auth...); set the spec field instead",
+            holds=lambda e: not _reserved(e),
+            field=".extraArgs",
+            detail=lambda e: (
+                f"got {', '.join(_reserved(e))}: vLLM reads aliases, underscores "
+                "and abbreviations of a flag as the flag"
+            ),
+        ),
+        Rule(
+            # CEL checks the first argument and `--`; the operator also a bare word after
+            # --flag=value (`positional_arg`).
+            "!has(self.extraArgs) || (self.extraArgs.all(a, a != '--') && "
+            "(size(self.extraArgs) == 0 || self.extraArgs[0].startsWith('-')))",
+            "engine.extraArgs must start with a flag and must not contain '--': vLLM "
+            "reads a bare word there as the model to serve (set spec.model instead)",
+            holds=lambda e: positional_arg(e.extra_args) is None,
+            field=".extraArgs",
+            detail=lambda e: (
+                f"got {positional_arg(e.extra_args)}: a bare word first in "
+                "extraArgs, after --flag=value or after -- is the model; give flag values as "
+                "--flag value"
+            ),
+        ),
+    )
 
     backend: Literal["vllm", "simulator"] = Field(
         default="vllm",
@@ -304,7 +464,7 @@ class EngineSpec(ApiModel):
         default_factory=list,
         description="Extra vLLM engine arguments, passed unchanged after `--`. Flags the spec "
         "sets (model, served name, host, port, tensor/pipeline/data parallel size, GPU memory, "
-        "batch limits, dtype, quantization, API key) and --config FILE (vLLM would read flags "
+        "batch limits, dtype, quantization, LoRA limits and modules, API key) and --config FILE (vLLM would read flags "
         "from that file) are refused in every spelling vLLM accepts: aliases (-tp, -pp, -dp, "
         "-q), underscores (--tensor_parallel_size) and abbreviations. So is a bare word vLLM "
         "would read as the model to serve: first, after --flag=value, or after --.",
@@ -316,29 +476,17 @@ class EngineSpec(ApiModel):
         default=None,
         description="Simulator timing; used only when backend is simulator (defaults apply when unset).",
     )
-
-    @field_validator("extra_args")
-    @classmethod
-    def _no_reserved(cls, v: list[str]) -> list[str]:
-        bad = [a for a in v if reserved_flag(a)]
-        if bad:
-            raise ValueError(
-                f"{', '.join(bad)} is set by the operator from the spec (vLLM reads aliases, "
-                "underscores and abbreviations of a flag as the flag); use the spec field "
-                "instead of extraArgs"
-            )
-        positional = positional_arg(v)
-        if positional is not None:
-            raise ValueError(
-                f"{positional}: vLLM would read this bare word as the model to serve (a "
-                "positional argument: first in extraArgs, after --flag=value, or after --); "
-                "set spec.model instead, and give flag values as --flag value"
-            )
-        return v
+    lora: LoraSpec | None = Field(
+        default=None,
+        description="LoRA limits of the engine. The engine runs with LoRA on when this is set "
+        "or spec.adapters is non-empty; turning it on or off, or raising a limit, restarts the "
+        "engine (the pods roll). Adding, changing or removing adapters within the limits does "
+        "not.",
+    )
 
 
 Protocol = Literal["sse", "websocket", "responses", "anthropic"]
-ALL_PROTOCOLS: list[str] = ["sse", "websocket", "responses", "anthropic"]
+ALL_PROTOCOLS: list[Protocol] = ["sse", "websocket", "responses", "anthropic"]
 
 
 Origin = Annotated[str, StringConstraints(max_length=253, pattern=r"^(\*|https?://[^/\s,]+)$")]
@@ -387,7 +535,7 @@ class StreamingSpec(ApiModel):
         "/tokenize, /detokenize and /version; websocket /ws/stream; responses the OpenAI "
         "Responses API (/v1/responses); anthropic the Anthropic Messages API (/v1/messages, "
         "/v1/messages/count_tokens). The others answer 404 naming this field.",
-        json_schema_extra={"x-kubernetes-list-type": "set", "default": ALL_PROTOCOLS},
+        json_schema_extra={"x-kubernetes-list-type": "set", "default": [*ALL_PROTOCOLS]},
     )
     heartbeat_seconds: int = Field(
         default=15,
@@ -436,17 +584,14 @@ class RedisUrlSecretRef(SecretKeyRef):
 class RateLimitSpec(ApiModel):
     """Per API key (or JWT subject) token buckets (0 = unlimited)."""
 
-    model_config = ApiModel.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                cel(
-                    "!has(self.backend) || self.backend != 'redis' || has(self.redisUrlSecretRef)",
-                    "rateLimit.backend redis needs rateLimit.redisUrlSecretRef",
-                    ".redisUrlSecretRef",
-                ),
-            ]
-        }
-    }
+    RULES = (
+        Rule(
+            "!has(self.backend) || self.backend != 'redis' || has(self.redisUrlSecretRef)",
+            "rateLimit.backend redis needs rateLimit.redisUrlSecretRef",
+            holds=lambda r: r.backend != "redis" or r.redis_url_secret_ref is not None,
+            field=".redisUrlSecretRef",
+        ),
+    )
 
     requests_per_minute: int = Field(
         default=0,
@@ -477,26 +622,17 @@ class RateLimitSpec(ApiModel):
         "refuses with 503 and Retry-After. The server retries Redis by itself.",
     )
 
-    @model_validator(mode="after")
-    def _redis_url(self) -> RateLimitSpec:
-        if self.backend == "redis" and self.redis_url_secret_ref is None:
-            raise ValueError("rateLimit.backend redis needs rateLimit.redisUrlSecretRef")
-        return self
-
 
 class JwksSource(ApiModel):
     """Where the JWKS comes from: exactly one of a Secret key or a ConfigMap key."""
 
-    model_config = ApiModel.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                cel(
-                    "has(self.secretRef) != has(self.configMapRef)",
-                    "auth.jwt.jwks needs exactly one of secretRef or configMapRef",
-                ),
-            ]
-        }
-    }
+    RULES = (
+        Rule(
+            "has(self.secretRef) != has(self.configMapRef)",
+            "auth.jwt.jwks needs exactly one of secretRef or configMapRef",
+            holds=lambda j: (j.secret_ref is None) != (j.config_map_ref is None),
+        ),
+    )
 
     secret_ref: JwksKeyRef | None = Field(
         default=None, description="A Secret key whose value is the JWKS (JSON)."
@@ -504,12 +640,6 @@ class JwksSource(ApiModel):
     config_map_ref: JwksKeyRef | None = Field(
         default=None, description="A ConfigMap key whose value is the JWKS (JSON)."
     )
-
-    @model_validator(mode="after")
-    def _one_source(self) -> JwksSource:
-        if (self.secret_ref is None) == (self.config_map_ref is None):
-            raise ValueError("auth.jwt.jwks needs exactly one of secretRef or configMapRef")
-        return self
 
 
 class JwtSpec(ApiModel):
@@ -539,7 +669,8 @@ class AuthSpec(ApiModel):
     api_key_secret_ref: ApiKeySecretRef | None = Field(
         default=None,
         description="Secret key with API keys, mounted as a file: one key per line, "
-        "optionally followed by tenant=NAME rpm=N tpm=N. Reloaded when the Secret changes (no "
+        "optionally followed by tenant=NAME rpm=N tpm=N models=A,B (models: the served names, "
+        "base or adapters, the key may use). Reloaded when the Secret changes (no "
         "restart). Unset (and no jwt): no authentication.",
     )
     jwt: JwtSpec | None = Field(
@@ -577,17 +708,15 @@ class KedaSpec(ApiModel):
 class AutoscalingSpec(ApiModel):
     """Horizontal autoscaling on time to first token: an HPA fed by prometheus-adapter with the chart's rule (backend hpa), or a KEDA ScaledObject running the same query (backend keda)."""
 
-    model_config = ApiModel.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                cel(
-                    "self.minReplicas <= self.maxReplicas",
-                    "autoscaling.minReplicas must not exceed autoscaling.maxReplicas",
-                    ".minReplicas",
-                ),
-            ]
-        }
-    }
+    RULES = (
+        Rule(
+            "self.minReplicas <= self.maxReplicas",
+            "autoscaling.minReplicas must not exceed autoscaling.maxReplicas",
+            holds=lambda a: a.min_replicas <= a.max_replicas,
+            field=".minReplicas",
+            detail=lambda a: f"got minReplicas {a.min_replicas}, maxReplicas {a.max_replicas}",
+        ),
+    )
 
     enabled: bool = Field(
         default=True,
@@ -616,7 +745,8 @@ class AutoscalingSpec(ApiModel):
         alias="targetTTFTMilliseconds",
         description="Target time to first token per pod, in milliseconds, at ttftPercentile.",
     )
-    ttft_percentile: Literal[0.5, 0.75, 0.9, 0.95, 0.99] = Field(
+    # Float literals: pydantic validates them (an enum in the CRD); the typing spec has none.
+    ttft_percentile: Literal[0.5, 0.75, 0.9, 0.95, 0.99] = Field(  # type: ignore[valid-type]
         default=0.9,
         description="Which TTFT percentile the target applies to (0.5, 0.75, 0.9, 0.95 or 0.99).",
     )
@@ -633,29 +763,18 @@ class AutoscalingSpec(ApiModel):
         description="Scale-down stabilization window in seconds, for either backend (model start-up is slow; avoid flapping).",
     )
 
-    @model_validator(mode="after")
-    def _bounds(self) -> AutoscalingSpec:
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(
-                f"autoscaling.minReplicas ({self.min_replicas}) must not exceed autoscaling.maxReplicas ({self.max_replicas})"
-            )
-        return self
-
 
 class IngressSpec(ApiModel):
     """An Nginx Ingress with streaming-safe settings (buffering off, long timeouts)."""
 
-    model_config = ApiModel.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                cel(
-                    "!has(self.tlsSecretName) || has(self.host)",
-                    "ingress.tlsSecretName needs ingress.host (the name on the certificate)",
-                    ".tlsSecretName",
-                ),
-            ]
-        }
-    }
+    RULES = (
+        Rule(
+            "!has(self.tlsSecretName) || has(self.host)",
+            "ingress.tlsSecretName needs ingress.host (the name on the certificate)",
+            holds=lambda i: not i.tls_secret_name or bool(i.host),
+            field=".tlsSecretName",
+        ),
+    )
 
     enabled: bool = Field(default=False, description="Create an Ingress.")
     class_name: Annotated[str, StringConstraints(max_length=253)] = Field(
@@ -697,14 +816,6 @@ class IngressSpec(ApiModel):
         default_factory=dict,
         description="Extra Ingress annotations, merged over the operator's (yours win).",
     )
-
-    @model_validator(mode="after")
-    def _tls_needs_host(self) -> IngressSpec:
-        if self.tls_secret_name and not self.host:
-            raise ValueError(
-                "ingress.tlsSecretName needs ingress.host (the name on the certificate)"
-            )
-        return self
 
 
 Hostname = Annotated[
@@ -794,20 +905,17 @@ class StartupSpec(ApiModel):
 class RolloutSpec(ApiModel):
     """How a spec change replaces pods (the Deployment's rolling update)."""
 
-    model_config = ApiModel.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                cel(
-                    # has(): the API server checks this rule on the field's default ({}) too,
-                    # before the members' own defaults apply.
-                    "(has(self.maxSurge) ? self.maxSurge : 1)"
-                    " + (has(self.maxUnavailable) ? self.maxUnavailable : 0) > 0",
-                    "rollout.maxSurge and rollout.maxUnavailable cannot both be 0 (nothing "
-                    "could be replaced); surge: maxSurge: 1; in place: maxUnavailable: 1",
-                ),
-            ]
-        }
-    }
+    RULES = (
+        Rule(
+            # has(): the API server checks this rule on the field's default ({}) too,
+            # before the members' own defaults apply.
+            "(has(self.maxSurge) ? self.maxSurge : 1)"
+            " + (has(self.maxUnavailable) ? self.maxUnavailable : 0) > 0",
+            "rollout.maxSurge and rollout.maxUnavailable cannot both be 0 (nothing "
+            "could be replaced); surge: maxSurge: 1; in place: maxUnavailable: 1",
+            holds=lambda r: r.max_surge + r.max_unavailable > 0,
+        ),
+    )
 
     max_surge: int = Field(
         default=1,
@@ -827,15 +935,6 @@ class RolloutSpec(ApiModel):
         "replaces in place (a one-replica model is down while the new pod loads). Also the "
         "PodDisruptionBudget's maxUnavailable (at least 1, so node drains never block).",
     )
-
-    @model_validator(mode="after")
-    def _something_moves(self) -> RolloutSpec:
-        if self.max_surge + self.max_unavailable == 0:
-            raise ValueError(
-                "rollout.maxSurge and rollout.maxUnavailable cannot both be 0 (nothing could be "
-                "replaced); surge: maxSurge: 1; in place: maxUnavailable: 1"
-            )
-        return self
 
 
 class PodMonitorSpec(ApiModel):
@@ -911,13 +1010,6 @@ class NetworkPolicySpec(ApiModel):
     )
 
 
-RESUME_NEEDS_ONE_WORKER = (
-    "server.apiWorkers above 1 cannot be combined with streaming.resume.graceSeconds: a "
-    "resumable stream lives in one server process and a reconnect may reach another; "
-    "leave apiWorkers unset (resume makes it 1) or set it to 1, or turn resume off"
-)
-
-
 class ServerSpec(ApiModel):
     """The streaming server's own processes."""
 
@@ -928,8 +1020,9 @@ class ServerSpec(ApiModel):
         description="Front-end processes per pod (the server's --api-workers), sharing the "
         "port and one engine; stream slots, rate limits, /metrics and /ready stay the pod's. "
         "Unset: derived from resources.requests.cpu, one per whole core beyond the one "
-        "vLLM's engine core busy-polls (max(1, cores - 1)), at most 8; no CPU request, or "
-        "streaming.resume on (a resumed stream lives in one process): 1.",
+        "vLLM's engine core busy-polls (max(1, cores - 1)), at most 8; no CPU request, "
+        "streaming.resume on (a resumed stream lives in one process) or parallelism.nodes "
+        "above 1 (the leader runs one process): 1.",
     )
 
 
@@ -939,46 +1032,158 @@ class LocalObjectReference(ApiModel):
     name: Name = Field(description="Object name.")
 
 
+# The adapter rules on the whole spec (StreamingModelSpec.RULES). The metadata.name case of
+# ADAPTER_NAME_IS_BASE is on the CRD's root (models/resource.py, ADAPTER_NAME_RULE), the only
+# place CEL sees the object's name.
+_LORA_MAX_RANK_CEL = (
+    "(has(self.engine.lora) && has(self.engine.lora.maxLoraRank) ? "
+    f"self.engine.lora.maxLoraRank : {DEFAULT_MAX_LORA_RANK})"
+)
+
+
+def _names_twice(spec: StreamingModelSpec) -> list[str]:
+    names = [a.name for a in spec.adapters]
+    return sorted({n for n in names if names.count(n) > 1})
+
+
+def _base_served_name(spec: StreamingModelSpec) -> str | None:
+    """model.servedName, or org/name of an hf:// base; None: the object's name (root rule)."""
+    served = spec.model.served_name
+    if served is None and spec.model.uri.startswith("hf://"):
+        served = spec.model.uri.removeprefix("hf://").partition("@")[0]
+    return served
+
+
+def _ranks_over(spec: StreamingModelSpec) -> list[str]:
+    top = spec.lora_limits.max_lora_rank
+    return [f"{a.name} (rank {a.rank})" for a in spec.adapters if a.rank and a.rank > top]
+
+
+ADAPTER_RULES = (
+    Rule(
+        "!has(self.adapters) || "
+        "self.adapters.all(a, self.adapters.filter(b, b.name == a.name).size() == 1)",
+        ADAPTER_NAMES_REPEAT,
+        holds=lambda s: not _names_twice(s),
+        field=".adapters",
+        detail=lambda s: ", ".join(_names_twice(s)),
+    ),
+    Rule(
+        "!has(self.adapters) || self.adapters.all(a, has(self.model.servedName) ? "
+        "a.name != self.model.servedName : "
+        "!(self.model.uri == 'hf://' + a.name || self.model.uri.startsWith('hf://' + a.name + '@')))",
+        ADAPTER_NAME_IS_BASE,
+        holds=lambda s: _base_served_name(s) not in {a.name for a in s.adapters},
+        field=".adapters",
+        detail=lambda s: f"{_base_served_name(s)}: rename the adapter",
+    ),
+    Rule(
+        "!has(self.adapters) || self.adapters.all(a, !has(a.rank) || a.rank <= "
+        + _LORA_MAX_RANK_CEL
+        + ")",
+        ADAPTER_RANK_OVER_MAX,
+        holds=lambda s: not _ranks_over(s),
+        field=".adapters",
+        detail=lambda s: f"{', '.join(_ranks_over(s))} > {s.lora_limits.max_lora_rank}",
+    ),
+    Rule(
+        "!((has(self.adapters) && size(self.adapters) > 0) || has(self.engine.lora)) || "
+        "!has(self.engine.backend) || self.engine.backend == 'vllm'",
+        ADAPTERS_ON_SIMULATOR,
+        holds=lambda s: not s.lora_enabled or s.engine.backend == "vllm",
+        field=".adapters",
+    ),
+)
+
+
 DEFAULT_IMAGE = "ghcr.io/sluice-dev/sluice-server:0.1.0"
+
+
+def _gpus_detail(spec: StreamingModelSpec) -> str:
+    tensor, pipeline, gpus = spec.parallelism.tensor, spec.parallelism.pipeline, spec.resources.gpus
+    nodes = spec.parallelism.nodes
+    if nodes == 1:
+        return (
+            f"got {tensor} x {pipeline} = {tensor * pipeline} and gpus: {gpus}; "
+            f"set gpus: {tensor * pipeline} or change the parallelism"
+        )
+    fix = (
+        f"set gpus: {tensor * pipeline // nodes}"
+        if tensor * pipeline % nodes == 0
+        else "change the parallelism"
+    )
+    return (
+        f"got {tensor} x {pipeline} = {tensor * pipeline} and gpus x nodes: {gpus} x {nodes} "
+        f"= {gpus * nodes}; {fix}"
+    )
 
 
 class StreamingModelSpec(ApiModel):
     """Desired state of a StreamingModel: a model served as a streaming endpoint."""
 
-    model_config = ApiModel.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                cel(
-                    "!has(self.gateway) || !self.ingress.enabled",
-                    "spec.gateway and spec.ingress.enabled are exclusive: expose the model "
-                    "through a Gateway (HTTPRoute) or an Ingress, not both",
-                    ".gateway",
-                ),
-                cel(
-                    "!has(self.server) || !has(self.server.apiWorkers) || self.server.apiWorkers "
-                    "== 1 || !has(self.streaming) || !has(self.streaming.resume) || "
-                    "!has(self.streaming.resume.graceSeconds) || "
-                    "self.streaming.resume.graceSeconds == 0",
-                    RESUME_NEEDS_ONE_WORKER,
-                    ".server.apiWorkers",
-                ),
-                cel(
-                    "self.parallelism.tensor * self.parallelism.pipeline == self.resources.gpus",
-                    "parallelism.tensor x parallelism.pipeline must equal resources.gpus "
-                    "(e.g. gpus: 4 with tensor: 4, pipeline: 1, or tensor: 2, pipeline: 2)",
-                    ".parallelism",
-                ),
-            ]
-        }
-    }
+    RULES = (
+        Rule(
+            "!has(self.gateway) || !self.ingress.enabled",
+            "spec.gateway and spec.ingress.enabled are exclusive: expose the model "
+            "through a Gateway (HTTPRoute) or an Ingress, not both",
+            holds=lambda s: s.gateway is None or not s.ingress.enabled,
+            field=".gateway",
+        ),
+        Rule(
+            "!has(self.server) || !has(self.server.apiWorkers) || self.server.apiWorkers "
+            "== 1 || !has(self.streaming) || !has(self.streaming.resume) || "
+            "!has(self.streaming.resume.graceSeconds) || "
+            "self.streaming.resume.graceSeconds == 0",
+            "server.apiWorkers above 1 cannot be combined with streaming.resume.graceSeconds: a "
+            "resumable stream lives in one server process and a reconnect may reach another; "
+            "leave apiWorkers unset (resume makes it 1) or set it to 1, or turn resume off",
+            holds=lambda s: (
+                (s.server.api_workers or 1) <= 1 or not s.streaming.resume.grace_seconds
+            ),
+            field=".server.apiWorkers",
+        ),
+        *ADAPTER_RULES,
+        Rule(
+            "self.parallelism.tensor * self.parallelism.pipeline == self.resources.gpus * "
+            "(has(self.parallelism.nodes) ? self.parallelism.nodes : 1)",
+            "parallelism.tensor x parallelism.pipeline must equal resources.gpus x "
+            "parallelism.nodes (e.g. gpus: 4 with tensor: 4, pipeline: 1, or tensor: 2, "
+            "pipeline: 2; gpus: 8 with nodes: 2 and tensor: 8, pipeline: 2)",
+            holds=lambda s: (
+                s.parallelism.tensor * s.parallelism.pipeline
+                == s.resources.gpus * s.parallelism.nodes
+            ),
+            field=".parallelism",
+            detail=_gpus_detail,
+        ),
+        Rule(
+            "!has(self.parallelism.nodes) || self.parallelism.nodes == 1 || "
+            "!has(self.engine.backend) || self.engine.backend == 'vllm'",
+            "parallelism.nodes above 1 needs engine.backend vllm: the simulator has no "
+            "multi-node engine",
+            holds=lambda s: s.parallelism.nodes == 1 or s.engine.backend == "vllm",
+            field=".parallelism.nodes",
+        ),
+        Rule(
+            "!has(self.parallelism.nodes) || self.parallelism.nodes == 1 || "
+            "!has(self.server) || !has(self.server.apiWorkers) || self.server.apiWorkers == 1",
+            "server.apiWorkers above 1 cannot be combined with parallelism.nodes above 1: a "
+            "multi-node leader runs one server process with the engine in it; leave apiWorkers "
+            "unset (nodes above 1 make it 1) or set it to 1",
+            holds=lambda s: s.parallelism.nodes == 1 or (s.server.api_workers or 1) <= 1,
+            field=".server.apiWorkers",
+        ),
+    )
 
     model: ModelSpec = Field(description="Which model to serve.")
     resources: ResourcesSpec = sub(
-        ResourcesSpec, "GPUs, CPU, memory and placement of each replica."
+        ResourcesSpec,
+        "GPUs, CPU, memory and placement of each pod (per node with parallelism.nodes > 1).",
     )
     parallelism: ParallelismSpec = sub(
         ParallelismSpec,
-        "Tensor and pipeline parallelism; tensor x pipeline must equal resources.gpus.",
+        "Tensor, pipeline and node parallelism; tensor x pipeline must equal resources.gpus "
+        "x nodes.",
     )
     engine: EngineSpec = sub(EngineSpec, "Inference engine settings.")
     streaming: StreamingSpec = sub(StreamingSpec, "Streaming protocols and limits.")
@@ -987,7 +1192,8 @@ class StreamingModelSpec(ApiModel):
         default=1,
         ge=0,
         le=1000,
-        description="Replicas when autoscaling is off (also the scale subresource).",
+        description="Replicas when autoscaling is off (also the scale subresource); with "
+        "parallelism.nodes > 1 each replica is a group of that many pods.",
     )
     autoscaling: AutoscalingSpec | None = Field(
         default=None, description="TTFT autoscaling; unset: fixed spec.replicas."
@@ -1003,6 +1209,17 @@ class StreamingModelSpec(ApiModel):
     )
     limits: LimitsSpec = sub(LimitsSpec, "Request size limits (server and proxy alike).")
     server: ServerSpec = sub(ServerSpec, "The streaming server's own processes.")
+    adapters: Annotated[list[AdapterSpec], Field(max_length=MAX_ADAPTERS)] = Field(
+        default_factory=list,
+        description=f"LoRA adapters (fine-tunes of the base model) served by name next to "
+        f"the base, at most {MAX_ADAPTERS}. Adding, changing or removing one does not restart "
+        "anything: the operator writes the list to the ConfigMap <name>-adapters, which every "
+        "pod has mounted, and each server process loads and unloads adapters in its running "
+        "engine (the kubelet refreshes a mounted ConfigMap within about a minute). Only "
+        "engine.lora's limits (and LoRA turning on with the first adapter, unless engine.lora "
+        "is set) restart the engine. status.adapters says per adapter whether every pod "
+        "serves it (Ready), is still loading it (Loading), or could not (Failed, with why).",
+    )
     startup: StartupSpec = sub(StartupSpec, "Startup budget of a new pod.")
     rollout: RolloutSpec = sub(
         RolloutSpec, "How spec changes replace pods: surge (default) or in place."
@@ -1029,31 +1246,14 @@ class StreamingModelSpec(ApiModel):
         default=None, description="ServiceAccount of the pods; namespace default when unset."
     )
 
-    @model_validator(mode="after")
-    def _one_way_in(self) -> StreamingModelSpec:
-        if self.gateway is not None and self.ingress.enabled:
-            raise ValueError(
-                "spec.gateway and spec.ingress.enabled are exclusive: expose the model "
-                "through a Gateway (HTTPRoute) or an Ingress, not both"
-            )
-        return self
+    @property
+    def lora_enabled(self) -> bool:
+        """The engine starts with LoRA on: engine.lora is set or adapters are declared."""
+        return self.engine.lora is not None or bool(self.adapters)
 
-    @model_validator(mode="after")
-    def _resume_in_one_worker(self) -> StreamingModelSpec:
-        workers = self.server.api_workers
-        if workers is not None and workers > 1 and self.streaming.resume.grace_seconds:
-            raise ValueError(RESUME_NEEDS_ONE_WORKER)
-        return self
-
-    @model_validator(mode="after")
-    def _gpus_match_parallelism(self) -> StreamingModelSpec:
-        p, g = self.parallelism, self.resources.gpus
-        if p.tensor * p.pipeline != g:
-            raise ValueError(
-                f"parallelism.tensor x parallelism.pipeline ({p.tensor} x {p.pipeline} = {p.tensor * p.pipeline}) "
-                f"must equal resources.gpus ({g}); set gpus: {p.tensor * p.pipeline} or change the parallelism"
-            )
-        return self
+    @property
+    def lora_limits(self) -> LoraSpec:
+        return self.engine.lora or LoraSpec()
 
     @property
     def max_request_bytes(self) -> int:
@@ -1072,8 +1272,10 @@ class StreamingModelSpec(ApiModel):
     @property
     def autoscaling_backend(self) -> Literal["hpa", "keda"] | None:
         """Which autoscaler object the operator makes; None when autoscaling is off."""
-        return self.autoscaling.backend if self.autoscaling_enabled else None
+        a = self.autoscaling
+        return a.backend if a is not None and a.enabled else None
 
     @property
     def max_possible_replicas(self) -> int:
-        return self.autoscaling.max_replicas if self.autoscaling_enabled else self.replicas
+        a = self.autoscaling
+        return a.max_replicas if a is not None and a.enabled else self.replicas

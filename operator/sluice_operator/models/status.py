@@ -16,7 +16,8 @@ class Condition(ApiModel):
     """One aspect of the StreamingModel's state (Kubernetes condition conventions)."""
 
     type: str = Field(
-        description="SpecValid, Available, Progressing, Ready; GatewayRoute with spec.gateway."
+        description="SpecValid, Available, Progressing, Ready; GatewayRoute with spec.gateway; "
+        "AdaptersReady with LoRA on."
     )
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str = Field(default="", description="CamelCase reason for the last transition.")
@@ -83,6 +84,23 @@ class AutoscalingStatus(ApiModel):
     )
 
 
+class AdapterStatus(ApiModel):
+    """How the model's pods stand with one LoRA adapter (from each ready pod's /metrics)."""
+
+    name: str = Field(description="The adapter's served name (spec.adapters[].name).")
+    state: Literal["Loading", "Ready", "Failed", "Unknown"] = Field(
+        description="Ready: every ready pod serves it. Loading: a pod is still loading it, or "
+        "has not seen the new adapter list yet (the kubelet refreshes a mounted ConfigMap "
+        "within about a minute). Failed: a pod could not load it (see message); the other "
+        "adapters and the base keep serving. Unknown: no pod's /metrics could be read."
+    )
+    reason: str = Field(default="", description="CamelCase reason of the state.")
+    message: str = Field(default="", description="Why, for Failed and Loading.")
+    ready_pods: str | None = Field(
+        default=None, description="Pods serving it / ready pods, for kubectl get -o yaml."
+    )
+
+
 class StreamingModelStatus(ApiModel):
     """Observed state of a StreamingModel."""
 
@@ -96,7 +114,8 @@ class StreamingModelStatus(ApiModel):
         default_factory=list,
         description="SpecValid, Available, Progressing and Ready conditions; with spec.gateway "
         "also GatewayRoute (the HTTPRoute accepted by its Gateways, or why not: the Gateway API "
-        "CRDs missing, access forbidden, a Gateway refusing the route).",
+        "CRDs missing, access forbidden, a Gateway refusing the route); TemplateCurrent=False "
+        "while an operator upgrade's new pod template waits for a rollout slot.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     observed_generation: int | None = Field(
@@ -120,4 +139,9 @@ class StreamingModelStatus(ApiModel):
     autoscaling: AutoscalingStatus | None = Field(
         default=None,
         description="The autoscaler's last reading and decision (when autoscaling is enabled).",
+    )
+    adapters: list[AdapterStatus] | None = Field(
+        default=None,
+        description="Each LoRA adapter of spec.adapters and its state on the pods (with "
+        "condition AdaptersReady).",
     )

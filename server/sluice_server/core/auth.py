@@ -1,23 +1,31 @@
 """API keys from a file, compared in constant time, each with its tenant and plan.
 
 One key per line; `#` comments and blank lines are ignored. After the key, optional
-`name=value` fields give that key its own limits and tenant:
+`name=value` attributes, each at most once, in any order (this is the one grammar of the
+key file; `ATTRIBUTES` lists them):
 
     sk-plain-key                               # tenant "default", the --rate-limit-* plan
     sk-acme-1  tenant=acme  rpm=600  tpm=200000
     sk-free    tenant=free  rpm=10                # tpm: --rate-limit-tpm
+    sk-legal   tenant=legal models=legal-v2,base  # only these served names (else 403)
 
-`rpm`/`tpm` of 0 turn that limit off for the key. Keys are never logged nor put in
-metrics: the limiter sees `key_id` (a short hash), metrics and logs the tenant. A file
-that cannot be parsed is refused as a whole, with the line number (never the line) in the
-message.
+- `tenant=NAME`: the tenant metrics and logs name (default `default`).
+- `rpm=N`, `tpm=N`: that key's requests and tokens per minute (0 turns a limit off).
+- `models=A,B`: the served names (the base model's, LoRA adapters') the key may use; any
+  other gets 403 `model_not_allowed`. Absent: every served name.
+
+Keys are never logged nor put in metrics: the limiter sees `key_id` (a short hash), metrics
+and logs the tenant. A file that cannot be parsed is refused as a whole, with the line
+number (never the line) in the message.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from .errors import ApiError
 from .identity import (
@@ -27,12 +35,38 @@ from .identity import (
     TENANT,
     Plan,
     Principal,
+    parse_models,
     valid_tenant,
 )
 
 
 def key_id(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def _tenant(value: str) -> str:
+    if not valid_tenant(value):
+        raise ValueError(f"tenant must match {TENANT.pattern}")
+    return value
+
+
+def _count(name: str) -> Callable[[str], int]:
+    def parse(value: str) -> int:
+        if not value.isdigit():
+            raise ValueError(f"{name} must be a whole number >= 0")
+        return int(value)
+
+    return parse
+
+
+# The key file's attributes: name -> parser of its value (ValueError: the line is refused).
+ATTRIBUTES: dict[str, Callable[[str], Any]] = {
+    "tenant": _tenant,
+    "rpm": _count("rpm"),
+    "tpm": _count("tpm"),
+    "models": parse_models,
+}
+USAGE = "KEY [tenant=NAME] [rpm=N] [tpm=N] [models=A,B]"
 
 
 def parse_key_line(line: str, number: int, default: Plan) -> tuple[str, Principal] | None:
@@ -42,24 +76,18 @@ def parse_key_line(line: str, number: int, default: Plan) -> tuple[str, Principa
     if not text or text.startswith("#"):
         return None
     key, *fields = text.split()
-    tenant, rpm, tpm = DEFAULT_TENANT, default.rpm, default.tpm
-    seen = set()
+    given: dict[str, Any] = {}
     for field in fields:
         name, sep, value = field.partition("=")
-        if not sep or name not in ("tenant", "rpm", "tpm") or name in seen:
-            raise ValueError(f"line {number}: expected `KEY [tenant=NAME] [rpm=N] [tpm=N]`")
-        seen.add(name)
-        if name == "tenant":
-            if not valid_tenant(value):
-                raise ValueError(f"line {number}: tenant must match {TENANT.pattern}")
-            tenant = value
-        elif not value.isdigit():
-            raise ValueError(f"line {number}: {name} must be a whole number >= 0")
-        elif name == "rpm":
-            rpm = int(value)
-        else:
-            tpm = int(value)
-    return key, Principal(key_id(key), tenant, Plan(rpm, tpm))
+        if not sep or name not in ATTRIBUTES or name in given:
+            raise ValueError(f"line {number}: expected `{USAGE}` (each at most once)")
+        try:
+            given[name] = ATTRIBUTES[name](value)
+        except ValueError as e:
+            raise ValueError(f"line {number}: {e}") from None
+    plan = Plan(given.get("rpm", default.rpm), given.get("tpm", default.tpm))
+    who = Principal(key_id(key), given.get("tenant", DEFAULT_TENANT), plan, given.get("models"))
+    return key, who
 
 
 class KeyStore:

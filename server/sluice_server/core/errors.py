@@ -8,7 +8,9 @@ protocol's shape).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from http import HTTPStatus
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -52,11 +54,13 @@ class ApiError(Exception):
         self.code = code
         self.headers = headers or {}
 
-    def body(self) -> dict:
+    def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param, self.code)
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None):
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     return {
         "error": {
             "message": message,
@@ -88,9 +92,17 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     """Every error before the 200 becomes the error object above; a refusal not counted
     yet is counted under the protocol the route set on `request.state.protocol`."""
 
-    def shaped(request: Request, status: int, message: str, param=None, code=None) -> dict:
+    def shaped(
+        request: Request,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> dict[str, Any]:
         """The route's API error shape (`request.state.error_body`), OpenAI's by default."""
-        shape = getattr(request.state, "error_body", None) or error_body
+        shape: Callable[..., dict[str, Any]] = (
+            getattr(request.state, "error_body", None) or error_body
+        )
         return shape(status, message, param, code)
 
     def count(request: Request, reason: str | None) -> None:

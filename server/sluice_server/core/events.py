@@ -21,16 +21,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from .stream import Stream, StreamFailed, join_batch
 
 if TYPE_CHECKING:
+    from ..engine.base import Delta
     from .metrics import Bound
     from .trail import Trail
 
-# Outcomes (for logs and metrics)
+# Outcomes (for logs and metrics). STALLED: the reader accepted no bytes for the send
+# timeout and was cut off (counted as a disconnect: it is a client gone from the stream).
 FINISHED, DISCONNECTED, FAILED, STOPPED = "finished", "disconnected", "failed", "stopped"
+STALLED = "stalled"
 ENDED_EARLY = "Engine stream ended without finishing."
 ABORTED_BY_SERVER = "Generation was aborted by the server."
 
@@ -45,7 +48,7 @@ class Tokens:
 class Finished:
     __slots__ = ("reason", "usage")
 
-    def __init__(self, reason: str | None, usage: dict) -> None:
+    def __init__(self, reason: str | None, usage: dict[str, int]) -> None:
         self.reason, self.usage = reason, usage
 
 
@@ -63,7 +66,7 @@ class Stopped:
 Event = Tokens | Finished | Failed | Stopped
 
 
-def usage_of(last) -> dict:
+def usage_of(last: Delta | None) -> dict[str, int]:
     """OpenAI-style usage from the last delta of a stream."""
     p = last.prompt_tokens if last is not None else 0
     c = last.completion_tokens if last is not None else 0
@@ -104,7 +107,7 @@ class Meter:
         self.last_write = now
         self.tokens += tokens
 
-    def finish(self, outcome: str, stream: Stream | None = None) -> None:
+    def finish(self, outcome: str, stream: Stream[Delta] | None = None) -> None:
         if self.outcome is not None:
             return
         self.outcome = outcome
@@ -115,7 +118,7 @@ class Meter:
             m.output_tokens.inc(self.tokens)
         if stream is not None and stream.first_output_at is not None:
             m.queue_wait.observe(stream.first_output_at - self.t0)
-        if outcome == DISCONNECTED:
+        if outcome == DISCONNECTED or outcome == STALLED:
             m.disconnects.inc()
             m.aborts.inc()
         elif outcome == FAILED:
@@ -128,21 +131,22 @@ class Meter:
             self.trail.end(outcome, meter=self, first_output=first)
 
 
-async def events(stream: Stream, meter: Meter, start: int | None = None) -> AsyncIterator[Event]:
+async def events(
+    stream: Stream[Delta], meter: Meter, start: int | None = None
+) -> AsyncIterator[Event]:
     """Typed events of one stream; see the module docstring for when metrics are taken.
 
     Token events are numbered from 0 (`Tokens.index`, `stream.n_events` is the next). A
     replayable stream read again from `start` first replays the token events from that
     index (and the terminal event if it was already handed out), then goes on live."""
-    if start is not None and stream.sent is not None:
-        sent = stream.sent
+    sent = stream.sent
+    if start is not None and sent is not None:
         for i in range(start, len(sent)):
             yield Tokens(sent[i], i)
         if stream.ended is not None:
-            yield stream.ended
+            yield cast(Finished, stream.ended)  # only this loop sets it, to its Finished
             meter.finish(FINISHED, stream)
             return
-    sent = stream.sent
     while True:
         try:
             batch = await stream.next_batch()

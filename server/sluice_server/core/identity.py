@@ -34,6 +34,20 @@ class Principal:
     id: str
     tenant: str
     plan: Plan
+    # The served names (base, LoRA adapters) this caller may use; None: every one.
+    models: frozenset[str] | None = None
+
+
+# A served model name in a key file's `models=` or a token's `models` claim.
+MODEL_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._/:-]{0,126}[A-Za-z0-9])?")
+
+
+def parse_models(value: str) -> frozenset[str]:
+    """`a,b` -> {a, b}; ValueError for an empty list or a name that cannot be served."""
+    names = [n for n in value.split(",") if n]
+    if not names or not all(MODEL_NAME.fullmatch(n) for n in names):
+        raise ValueError(f"models must be served names separated by commas ({MODEL_NAME.pattern})")
+    return frozenset(names)
 
 
 ANONYMOUS_TENANT = "anonymous"

@@ -6,8 +6,9 @@ an HMAC algorithm (the HS/RS confusion attack signs with the public key as an HM
 or anything else is refused before any key is tried, and each key only verifies the
 algorithm of its own type (RSA: RS256, EC P-256: ES256). Claims: `exp`, `iss`, `aud` and
 `sub` are required; the tenant comes from the configured claim (default `tenant`; absent:
-tenant `default`), limits from `rpm`/`tpm` (absent: the `--rate-limit-*` flags). Limits
-apply per subject (issuer + `sub`), as they apply per key. Refusals say what was wrong,
+tenant `default`), limits from `rpm`/`tpm` (absent: the `--rate-limit-*` flags), the served
+names the token may use from `models` (a list, or one comma-separated string, as the key
+file's `models=`; absent: every one). Limits apply per subject (issuer + `sub`), as they apply per key. Refusals say what was wrong,
 never the token.
 """
 
@@ -16,14 +17,21 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import jwt
 
 from .errors import ApiError
-from .identity import DEFAULT_TENANT, NO_LIMITS, Plan, Principal, valid_tenant
+from .identity import DEFAULT_TENANT, NO_LIMITS, Plan, Principal, parse_models, valid_tenant
+
+if TYPE_CHECKING:
+    from jwt.algorithms import AllowedPublicKeys
 
 # Key type (and curve) -> the one algorithm that key verifies.
-ALGORITHMS = {("RSA", None): "RS256", ("EC", "P-256"): "ES256"}
+ALGORITHMS: dict[tuple[str | None, str | None], str] = {
+    ("RSA", None): "RS256",
+    ("EC", "P-256"): "ES256",
+}
 LEEWAY_SECONDS = 30  # clock skew allowed on exp/nbf
 
 
@@ -43,11 +51,11 @@ def looks_like_jwt(credential: str) -> bool:
 
 
 class JwtVerifier:
-    def __init__(self, jwks: dict, issuer: str, audience: str, tenant_claim: str = "tenant",
-                 default: Plan = NO_LIMITS) -> None:  # fmt: skip
+    def __init__(self, jwks: dict[str, Any], issuer: str, audience: str,
+                 tenant_claim: str = "tenant", default: Plan = NO_LIMITS) -> None:  # fmt: skip
         self.issuer, self.audience = issuer, audience
         self.tenant_claim, self.default = tenant_claim, default
-        self.keys: list[tuple[str | None, str, object]] = []  # (kid, algorithm, key)
+        self.keys: list[tuple[str | None, str, AllowedPublicKeys]] = []  # (kid, algorithm, key)
         entries = jwks.get("keys") if isinstance(jwks, dict) else None
         if not isinstance(entries, list):
             raise ValueError('a JWKS is a JSON object {"keys": [...]}')
@@ -115,7 +123,7 @@ class JwtVerifier:
             raise invalid_token("bad signature")
         return self._principal(claims)
 
-    def _principal(self, claims: dict) -> Principal:
+    def _principal(self, claims: dict[str, Any]) -> Principal:
         tenant = claims.get(self.tenant_claim, DEFAULT_TENANT)
         if not isinstance(tenant, str) or not valid_tenant(tenant):
             raise invalid_token(f"`{self.tenant_claim}` must be a plain name")
@@ -125,5 +133,16 @@ class JwtVerifier:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise invalid_token(f"`{name}` must be a whole number >= 0")
             limits[name] = value
+        models = claims.get("models")
+        if models is not None:  # a list of served names, or one comma-separated string
+            if isinstance(models, list) and all(isinstance(m, str) for m in models):
+                models = ",".join(models)
+            try:
+                models = parse_models(models) if isinstance(models, str) else None
+            except ValueError:
+                models = None
+            if models is None:
+                raise invalid_token("`models` must list served model names")
         subject = f"{claims['iss']}\n{claims['sub']}".encode()
-        return Principal("jwt-" + hashlib.sha256(subject).hexdigest()[:16], tenant, Plan(**limits))
+        return Principal("jwt-" + hashlib.sha256(subject).hexdigest()[:16], tenant,
+                         Plan(**limits), models)  # fmt: skip

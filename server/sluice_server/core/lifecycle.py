@@ -18,7 +18,8 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 
-from .events import DISCONNECTED, Meter
+from ..engine.base import Delta
+from .events import DISCONNECTED, STALLED, Meter
 from .events import FINISHED as DONE
 from .identity import Principal
 from .metrics import bind
@@ -27,23 +28,25 @@ from .services import Services
 from .stream import Stream
 from .trail import Trail
 
-Handle = tuple[Stream, Meter, Callable[[], None]]
+# The cleanup takes `stalled`: the send timeout cut the reader off (transport/sendwatch.py).
+Handle = tuple[Stream[Delta], Meter, Callable[[bool], None]]
 ATTACH_WAIT_SECONDS = 2.0  # a reconnect may overtake the server noticing the disconnect
 
 
 def open_stream(
-    svc: Services, trail: Trail, who: Principal, source: AsyncIterator, t0: float,
+    svc: Services, trail: Trail, who: Principal, source: AsyncIterator[Delta], t0: float,
     prompt_tokens: Callable[[], int] = lambda: 0, rid: str | None = None,
 ) -> Handle:  # fmt: skip
     """Start producing at once (the engine works while headers go out). The returned
-    cleanup is idempotent and must run however the response ends: it aborts an unfinished
-    engine request, frees the slot and bills the caller's tokens. The stream's end also
-    ends `trail` (its protocol and caller are the stream's). With `rid` the stream is
-    recorded in `svc.recent` (and detached instead when it may be resumed)."""
+    cleanup(stalled) is idempotent and must run however the response ends: it aborts an
+    unfinished engine request, frees the slot and bills the caller's tokens; a stream that
+    did not end on its own ends as a disconnect, or with `stalled` as a reader cut off. The
+    stream's end also ends `trail` (its protocol and caller are the stream's). With `rid`
+    the stream is recorded in `svc.recent` (and detached instead when it may be resumed)."""
     protocol = trail.protocol or ""
     trail.prompt_tokens = prompt_tokens
     trail.admitted_at = time.perf_counter()
-    meter = Meter(bind(svc.metrics, protocol), t0, trail)
+    meter = Meter(bind(svc.metrics, protocol, trail.model), t0, trail)
     s = svc.settings
     grace = s.resume_grace_seconds if rid is not None else 0.0
     stream = Stream(source, cap=s.stream_buffer_tokens, timeout=s.stream_timeout_seconds,
@@ -51,7 +54,7 @@ def open_stream(
     svc.gate.streams.add(stream)
     done = False
 
-    def finish() -> None:
+    def finish(stalled: bool = False) -> None:
         nonlocal done
         if done:
             return
@@ -60,10 +63,10 @@ def open_stream(
         svc.gate.streams.discard(stream)
         svc.gate.release()
         if meter.outcome is None:
-            meter.finish(DISCONNECTED, stream)
+            meter.finish(STALLED if stalled else DISCONNECTED, stream)
         svc.bill(who, prompt_tokens() + meter.tokens)
         if rid is not None:
-            state = ABORTED if meter.outcome == DISCONNECTED else FINISHED
+            state = ABORTED if meter.outcome in (DISCONNECTED, STALLED) else FINISHED
             svc.recent.end(rid, state)
             if state == FINISHED and grace > 0:
                 # Its last events may have been lost on the way (written to a proxy that
@@ -78,6 +81,7 @@ def open_stream(
         return stream, meter, finish
 
     entry = svc.recent.add(rid, who.id, None)
+    cut = False  # the last response ended because its reader stalled
 
     def forget() -> None:
         entry.handle = entry.timer = None
@@ -85,22 +89,25 @@ def open_stream(
     def expire() -> None:
         if entry.state == DETACHED:
             svc.metrics.resumes_expired.labels(protocol, svc.metrics.model).inc()
-            finish()
+            finish(cut)
 
-    def end_response() -> None:
+    def end_response(stalled: bool = False) -> None:
+        nonlocal cut
         if done:
             return
         if meter.outcome is None and grace > 0:
+            cut = stalled
             entry.state = DETACHED
             entry.timer = asyncio.get_running_loop().call_later(grace, expire)
             return
-        finish()
+        finish(stalled)
 
-    entry.handle = (stream, meter, end_response)
-    return entry.handle
+    handle: Handle = (stream, meter, end_response)
+    entry.handle = handle
+    return handle
 
 
-def _ended() -> None:
+def _ended(stalled: bool = False) -> None:
     """The cleanup of a stream whose cleanup already ran."""
 
 
@@ -125,7 +132,7 @@ async def resume_stream(
                                 code="stream_attached")  # fmt: skip
         await asyncio.sleep(0.01)
     if entry.state == FINISHED:
-        handle = entry.handle  # replayable for the grace window after its end
+        handle: Handle | None = entry.handle  # replayable for the grace window after its end
         if handle is None or start > handle[0].n_events:
             return None
         svc.metrics.resumes.labels(protocol, svc.metrics.model).inc()
@@ -135,17 +142,18 @@ async def resume_stream(
                             "(resume is off, or its grace window passed); send the request "
                             "again without Last-Event-ID.", "Last-Event-ID", status=410,
                             code="stream_aborted")  # fmt: skip
-    stream, meter, end_response = entry.handle
+    detached: Handle = entry.handle
+    stream, meter, end_response = detached
     if start > stream.n_events:
         if stream.ended is None:
             raise svc.bad_input(protocol, f"Last-Event-ID: stream {rid} has sent only "
                                 f"{stream.n_events} events.", "Last-Event-ID")  # fmt: skip
         meter.finish(DONE, stream)  # the client saw the final event
         entry.timer.cancel()
-        end_response()
+        end_response(False)
         return None
     entry.timer.cancel()
     entry.timer = None
     entry.state = LIVE
     svc.metrics.resumes.labels(protocol, svc.metrics.model).inc()
-    return entry.handle
+    return detached

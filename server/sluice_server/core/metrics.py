@@ -71,7 +71,8 @@ class Metrics:
             registry=r,
         )  # fmt: skip
         self.disconnects = Counter(
-            "sluice_client_disconnects", "Clients that went away mid-stream.", labels,
+            "sluice_client_disconnects",
+            "Clients that went away mid-stream, or stopped reading and were cut off.", labels,
             registry=r,
         )  # fmt: skip
         self.aborts = Counter(
@@ -123,6 +124,25 @@ class Metrics:
             "error: the file was refused and the credentials loaded before stay).",
             ("model", "file", "result"), registry=r,
         )  # fmt: skip
+        # LoRA adapters (core/adapters.py): the operator reads the state for the status.
+        self.adapter_state = Gauge(
+            "sluice_adapter_state",
+            "LoRA adapters of --adapters-file: 1 for each adapter's current state (Loading, "
+            "Ready, Failed with its reason), 0 for states it left; the maximum over the pod's "
+            "workers.", ("model", "adapter", "id", "state", "reason"), registry=r,
+            multiprocess_mode="livemax",
+        )  # fmt: skip
+        self.adapter_loads = Counter(
+            "sluice_adapter_loads",
+            "Adapter loads by result: ok, failed (the adapter is Failed, the others serve), "
+            "file_error (the adapters file was refused; nothing changed).",
+            ("model", "result"), registry=r,
+        )  # fmt: skip
+        self.adapter_load_seconds = Histogram(
+            "sluice_adapter_load_seconds",
+            "From an adapter appearing in the file to it serving (download included).",
+            ("model",), buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
         # Pre-create the label sets so dashboards and the autoscaler see zeros, not gaps.
         for p in PROTOCOLS:
             for m in (self.ttft, self.itl, self.e2e, self.queue_wait, self.output_tokens,
@@ -156,19 +176,32 @@ def exposition(metrics: Metrics) -> bytes:
 
 
 class Bound:
-    """Label-bound children for one protocol, so the hot path does no label lookups."""
+    """Label-bound children for one protocol and served model (the base, or a LoRA
+    adapter), so the hot path does no label lookups."""
 
     __slots__ = ("ttft", "itl", "e2e", "queue_wait", "output_tokens", "requests",
                  "disconnects", "aborts", "stream_errors", "active")  # fmt: skip
+    ttft: Histogram
+    itl: Histogram
+    e2e: Histogram
+    queue_wait: Histogram
+    output_tokens: Counter
+    requests: Counter
+    disconnects: Counter
+    aborts: Counter
+    stream_errors: Counter
+    active: Gauge
 
-    def __init__(self, m: Metrics, protocol: str) -> None:
+    def __init__(self, m: Metrics, protocol: str, model: str) -> None:
         for name in self.__slots__:
-            setattr(self, name, getattr(m, name).labels(protocol, m.model))
+            setattr(self, name, getattr(m, name).labels(protocol, model))
 
 
-def bind(metrics: Metrics, protocol: str) -> Bound:
-    cache = metrics.__dict__.setdefault("_bound", {})
-    b = cache.get(protocol)
+def bind(metrics: Metrics, protocol: str, model: str | None = None) -> Bound:
+    """`model`: the served name a request asked for (default: the base's)."""
+    key = (protocol, model or metrics.model)
+    cache: dict[tuple[str, str], Bound] = metrics.__dict__.setdefault("_bound", {})
+    b = cache.get(key)
     if b is None:
-        b = cache[protocol] = Bound(metrics, protocol)
+        b = cache[key] = Bound(metrics, *key)
     return b

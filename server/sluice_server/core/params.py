@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..engine.base import Engine, Flag, PromptOrMessages, SamplingOptions, StreamRequest, not_a_flag
+from ..engine.base import (
+    Adapter,
+    Engine,
+    Flag,
+    PromptOrMessages,
+    SamplingOptions,
+    StreamRequest,
+    not_a_flag,
+)
 from .errors import ApiError
 
 
@@ -39,24 +50,24 @@ def describe_validation_error(e: ValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "Invalid request", param
 
 
-def to_stream_request(body: dict, request_id: str, engine: Engine, served: str) -> StreamRequest:
+def to_stream_request(body: dict[str, Any], request_id: str, engine: Engine,
+                      route: Callable[[str | None], Adapter | None]) -> StreamRequest:  # fmt: skip
     """Validated StreamRequest (prompt rendered and length-checked when the engine can),
-    or ApiError 400 saying what is wrong (`reason` bad_input)."""
+    or ApiError 400 saying what is wrong (`reason` bad_input). `route` turns the body's
+    `model` into the adapter to generate with (None: the base), or raises its ApiError."""
     try:
         b = GenerationBody.model_validate(body)
     except ValidationError as e:
         message, param = describe_validation_error(e)
         raise ApiError(400, message, reason="bad_input", param=param) from None
-    if b.model is not None and b.model != served:
-        raise ApiError(400, f"The model `{b.model}` does not exist; this server serves "
-                       f"`{served}`.", reason="bad_input", param="model",
-                       code="model_not_found")  # fmt: skip
+    adapter = route(b.model)
     stop = [b.stop] if isinstance(b.stop, str) else list(b.stop or [])
     req = StreamRequest(
         request_id=request_id,
         prompt=b.prompt,
         messages=[m.model_dump(exclude_none=True) for m in b.messages] if b.messages else None,
         options=SamplingOptions(b.max_tokens, b.temperature, b.top_p, b.seed, stop, b.ignore_eos),
+        adapter=adapter,
     )
     try:
         engine.prepare(req)

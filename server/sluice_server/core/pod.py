@@ -15,6 +15,7 @@ container, with fresh shared memory).
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import multiprocessing
 from typing import Any
@@ -86,7 +87,7 @@ class PodState:
         # False only for the tests' negative control: each worker then limits on its own.
         self.share_limits = share_limits
         self.lock = ctx.Lock()
-        self.streams = ctx.RawValue("i", 0)
+        self.streams: ctypes.c_int = ctx.RawValue("i", 0)
         self.ready = ctx.RawArray("b", workers)
         self.buckets = SharedBuckets(ctx)
 

@@ -23,7 +23,8 @@ import contextlib
 import logging
 import math
 import time
-from typing import Literal, Protocol
+from collections.abc import Callable
+from typing import Any, Literal, Protocol
 
 from .errors import ApiError
 from .identity import Plan
@@ -93,7 +94,9 @@ class MemoryLimiter:
     processes the buckets live in the pod's shared memory (`pod`), so the workers limit
     together; without, in this process."""
 
-    def __init__(self, clock=time.monotonic, pod: PodState | None = None) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, pod: PodState | None = None
+    ) -> None:
         self.clock = clock
         self.pod = pod
         self._local: dict[str, TokenBucket] = {}
@@ -117,7 +120,7 @@ class MemoryLimiter:
         if self.pod is not None:
             self.pod.buckets.put(key, b.level, b.stamp, b.stamp + b.wait_for(b.capacity))
 
-    def _locked(self):
+    def _locked(self) -> contextlib.AbstractContextManager[Any]:
         return self.pod.lock if self.pod is not None else contextlib.nullcontext()
 
     async def admit(self, principal: str, plan: Plan) -> None:
@@ -185,7 +188,7 @@ class RedisLimiter:
     """The buckets in Redis, shared by every replica that names the same Redis and model."""
 
     def __init__(self, url: str, model: str, metrics: Metrics, failure_mode: FailureMode,
-                 timeout: float, clock=time.monotonic) -> None:  # fmt: skip
+                 timeout: float, clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         import redis.asyncio as aioredis
         from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
@@ -206,19 +209,21 @@ class RedisLimiter:
         self._last_log = -math.inf
         self._unlogged = 0
 
-    async def _run(self, principal: str, plan: Plan, take: int, charge: int):
+    async def _run(self, principal: str, plan: Plan, take: int, charge: int) -> Any:
         keys = (self.prefix + principal + ":r", self.prefix + principal + ":t")
         # The socket timeout bounds each read; this bounds connect + script load too.
         async with asyncio.timeout(self.timeout * 3):
             return await self.script(keys=keys, args=(plan.rpm, plan.tpm, take, charge))
 
-    async def _call(self, op: str, principal: str, plan: Plan, take: int, charge: int):
+    async def _call(
+        self, op: str, principal: str, plan: Plan, take: int, charge: int
+    ) -> list[int] | None:
         """The script's answer, or None when Redis is down (counted and logged)."""
         if self.clock() < self.down_until:
             self._failed(op, None)
             return None
         try:
-            answer = await self._run(principal, plan, take, charge)
+            answer: list[int] = await self._run(principal, plan, take, charge)
         except self._errors as e:
             self.down_until = self.clock() + BACKOFF_SECONDS
             self._failed(op, e)

@@ -18,10 +18,12 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Generic, TypeVar
 
 from .metrics import Metrics
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 Stamp = tuple[int, int, int, int] | None
 
@@ -35,17 +37,17 @@ def stamp(path: Path) -> Stamp:
 
 
 @dataclass
-class Source:
+class Source(Generic[T]):
     name: str  # metric label and log word: api_keys, jwks
     path: Path
-    load: Callable[[], object]  # raises OSError/ValueError when the file cannot be used
-    apply: Callable[[object], None]
-    describe: Callable[[object], str] = lambda value: "loaded"
+    load: Callable[[], T]  # raises OSError/ValueError when the file cannot be used
+    apply: Callable[[T], None]
+    describe: Callable[[T], str] = lambda value: "loaded"
     seen: Stamp = None
 
 
 class Reloader:
-    def __init__(self, sources: list[Source], metrics: Metrics, interval: float) -> None:
+    def __init__(self, sources: list[Source[Any]], metrics: Metrics, interval: float) -> None:
         self.sources, self.metrics, self.interval = sources, metrics, interval
         for source in sources:
             source.seen = stamp(source.path)  # what the app was built from (or newer)

@@ -7,11 +7,13 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from starlette.requests import HTTPConnection, Request
 
-from ..engine.base import Engine
+from ..engine.base import Adapter, Engine
 from ..settings import Settings
+from .adapters import Adapters
 from .auth import bearer
 from .credentials import Credentials
 from .errors import ApiError
@@ -34,10 +36,11 @@ class Services:
     limiter: Limiter
     credentials: Credentials
     recorder: Recorder
+    adapters: Adapters
     engine: Engine | None = None
     engine_error: str | None = None
     pod: PodSeat | None = None  # this worker's seat when the pod runs several (--api-workers)
-    _bills: set[asyncio.Task] = field(default_factory=set)
+    _bills: set[asyncio.Task[None]] = field(default_factory=set)
     recent: RecentStreams = field(default_factory=RecentStreams)
 
     async def require_engine(self) -> Engine:
@@ -85,6 +88,16 @@ class Services:
             return self.credentials.authenticate(presented)
         except ApiError as e:
             raise self._counted(protocol, e) from None
+
+    def route(self, trail: Trail, who: Principal, model: str | None) -> Adapter | None:
+        """The LoRA adapter a request names in `model` (None: the base), or 404/403/503
+        (counted). The request's metrics and access-log line carry the name from here on."""
+        try:
+            adapter = self.adapters.resolve(model, who)
+        except ApiError as e:
+            raise self._counted(trail.protocol or "", e) from None
+        trail.model = adapter.name if adapter is not None else None
+        return adapter
 
     async def admit(self, protocol: str, who: Principal) -> None:
         """Drain and capacity first (no limiter call for a request refused anyway), then the
@@ -146,7 +159,8 @@ class Services:
 
 
 def services(conn: HTTPConnection) -> Services:
-    return conn.app.state.services
+    svc: Services = conn.app.state.services
+    return svc
 
 
 def trail_of(conn: HTTPConnection) -> Trail:
@@ -164,7 +178,7 @@ def received_at(conn: HTTPConnection) -> float:
     return conn.scope.get("sluice.t0") or time.perf_counter()
 
 
-async def read_json(request: Request, svc: Services, protocol: str) -> dict:
+async def read_json(request: Request, svc: Services, protocol: str) -> dict[str, Any]:
     """Body within the size limit, parsed as a JSON object; OpenAI-style errors otherwise."""
     limit = svc.settings.max_body_bytes
     declared = request.headers.get("content-length")

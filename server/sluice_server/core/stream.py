@@ -46,7 +46,7 @@ class Stream(Generic[T]):
         # The consumer's wake-up: a bare future while it waits, else None. (An
         # asyncio.Event costs a loop lookup and a waiter deque per wait and per set: about a
         # tenth of the server's CPU per token event, tests/bench/stack_cost.py.)
-        self._waiter: asyncio.Future | None = None
+        self._waiter: asyncio.Future[None] | None = None
         self._done = False
         self.error: str | None = None
         self.first_output_at: float | None = None

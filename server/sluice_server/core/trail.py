@@ -23,7 +23,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Protocol
+from typing import Any, Protocol
 
 from opentelemetry.trace import SpanKind, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -62,14 +62,14 @@ class Recorder:
         self.tracing = tracing
 
     def open(self, rid: str, t0: float, path: str = "", method: str = "",
-             headers: list | None = None) -> Trail:  # fmt: skip
+             headers: list[tuple[bytes, bytes]] | None = None) -> Trail:  # fmt: skip
         trail = Trail(self, rid, t0, path, method)
         if self.tracing is not None and headers:
             trail.carrier = {k.decode(): v.decode("latin-1") for k, v in headers
                              if k in TRACE_HEADERS}  # fmt: skip
         return trail
 
-    def write(self, record: dict) -> None:
+    def write(self, record: dict[str, Any]) -> None:
         if not self.enabled or not self.log.isEnabledFor(logging.INFO):
             return
         if self.json:
@@ -93,7 +93,7 @@ class Trail:
     `stream` is the client's id of a WebSocket generation."""
 
     __slots__ = ("rec", "rid", "t0", "path", "method", "protocol", "kid", "tenant", "stream",
-                 "status", "ended", "prompt_tokens", "carrier", "admitted_at")  # fmt: skip
+                 "status", "ended", "prompt_tokens", "carrier", "admitted_at", "model")  # fmt: skip
 
     def __init__(self, rec: Recorder, rid: str, t0: float, path: str, method: str) -> None:
         self.rec, self.rid, self.t0, self.path, self.method = rec, rid, t0, path, method
@@ -106,6 +106,7 @@ class Trail:
         self.prompt_tokens = _zero
         self.carrier: dict[str, str] | None = None  # the caller's trace headers
         self.admitted_at: float | None = None
+        self.model: str | None = None  # a LoRA adapter's name, when the request named one
 
     def child(self, stream: str, t0: float) -> Trail:
         """A trail for one generation on a WebSocket: same request id, its own clock."""
@@ -135,7 +136,7 @@ class Trail:
             "stream": self.stream,
             "key_id": self.kid,
             "tenant": self.tenant,
-            "model": self.rec.model,
+            "model": self.model or self.rec.model,
             "protocol": self.protocol,
             "method": self.method,
             "path": self.path,
@@ -154,7 +155,7 @@ class Trail:
             first_byte = meter.first_write if meter is not None else None
             self._span(record, now, first_output, first_byte)
 
-    def _span(self, record: dict, now: float, first_output: float | None,
+    def _span(self, record: dict[str, Any], now: float, first_output: float | None,
               first_byte: float | None) -> None:  # fmt: skip
         # perf_counter times -> epoch nanoseconds, anchored at `now`.
         wall = time.time_ns()
@@ -162,7 +163,9 @@ class Trail:
         def ns(t: float) -> int:
             return wall - int((now - t) * 1e9)
 
-        span = self.rec.tracing.tracer.start_span(
+        tracing = self.rec.tracing
+        assert tracing is not None  # end() calls this only with tracing on
+        span = tracing.tracer.start_span(
             f"{self.method} {self.path}",
             context=_propagator.extract(self.carrier) if self.carrier else None,
             kind=SpanKind.SERVER,
@@ -172,7 +175,7 @@ class Trail:
             return
         attrs = {
             "sluice.request_id": self.rid,
-            "sluice.model": self.rec.model,
+            "sluice.model": record["model"],
             "sluice.protocol": record["protocol"] or "",
             "sluice.outcome": record["outcome"],
             "sluice.prompt_tokens": record["prompt_tokens"],
@@ -209,7 +212,7 @@ class Trail:
 
 
 # The status of a request that ended before its response started.
-_UNSENT = {"failed": 500, "disconnected": 499}
+_UNSENT = {"failed": 500, "disconnected": 499, "stalled": 499}
 
 
 def _zero() -> int:

@@ -11,7 +11,15 @@ from .base import Delta, Engine, SamplingOptions, StreamRequest
 if TYPE_CHECKING:
     from ..settings import Settings
 
-__all__ = ["Delta", "Engine", "SamplingOptions", "StreamRequest", "open_engine", "resolve_model"]
+__all__ = [
+    "Delta",
+    "Engine",
+    "SamplingOptions",
+    "StreamRequest",
+    "open_engine",
+    "resolve_model",
+    "run_engine_worker",
+]
 
 
 def resolve_model(model: str) -> str:
@@ -51,3 +59,11 @@ async def open_engine(
 
     async with open_vllm_engine(settings, resolve_model(settings.model), client_config) as engine:
         yield engine
+
+
+def run_engine_worker(settings: Settings) -> int:
+    """A worker node (`--node-rank` above 0): vLLM's headless workers for the leader's
+    engine until they exit or a signal stops them; no HTTP API."""
+    from .vllm_engine import run_headless_worker
+
+    return run_headless_worker(settings, resolve_model(settings.model))

@@ -15,7 +15,7 @@ it flows through the same stream core as every other protocol.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Protocol, runtime_checkable
 
@@ -52,7 +52,7 @@ class Message(BaseModel):
     content: str | list[Any] | None = None
 
 
-def _prompt_or_messages_schema(schema: dict) -> None:
+def _prompt_or_messages_schema(schema: dict[str, Any]) -> None:
     """The JSON schema says what `PromptOrMessages` enforces: a string `prompt` or a
     non-empty `messages` array, exactly one of them, never null."""
     props = schema["properties"]
@@ -90,17 +90,35 @@ class SamplingOptions:
     ignore_eos: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class Adapter:
+    """A LoRA adapter as the engine loads it: its served name, its folder on this machine
+    (adapter_config.json + adapter_model.safetensors) and vLLM's integer LoRA id, which
+    every API worker of a pod derives alike (core/adapters.py), so they all address one
+    adapter in the shared engine core by one id."""
+
+    name: str
+    path: str
+    lora_id: int
+
+
+class AdapterLoadError(Exception):
+    """The engine could not load an adapter; the message says why in a person's words."""
+
+
 @dataclass(slots=True)
 class StreamRequest:
     request_id: str
     # Exactly one of prompt / messages is set; messages are rendered with the chat template.
     prompt: str | None = None
-    messages: list[dict] | None = None
+    messages: list[dict[str, Any]] | None = None
     options: SamplingOptions = field(default_factory=SamplingOptions)
     # Set by engines that tokenize up front (`prepare`), so generate() needn't again.
     prompt_token_ids: list[int] | None = None
     # The caller's W3C trace headers, for engines that trace (vLLM with an OTLP endpoint).
     trace_headers: dict[str, str] | None = None
+    # A LoRA adapter to generate with (None: the base model).
+    adapter: Adapter | None = None
 
 
 @dataclass(slots=True)
@@ -142,13 +160,13 @@ class ApiReply:
     """A whole (non-streamed) JSON answer and its usage (read from the answer's own
     `usage` fields by `usage_tokens`)."""
 
-    body: dict
+    body: dict[str, Any]
     status: int = 200
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
 
-def usage_tokens(body: dict) -> tuple[int, int]:
+def usage_tokens(body: dict[str, Any]) -> tuple[int, int]:
     """(prompt, completion) tokens from an answer's `usage`: OpenAI chat/completions name
     them `prompt_tokens`/`completion_tokens`, Responses and Anthropic Messages
     `input_tokens`/`output_tokens`. (0, 0) when the answer has no usage."""
@@ -174,13 +192,13 @@ class ApiStream:
 class ApiServing(Protocol):
     """Every client API on one engine, addressed by `ApiKind`."""
 
-    async def models(self) -> dict:
+    async def models(self) -> dict[str, Any]:
         """OpenAI's model list."""
 
-    def version(self) -> dict:
+    def version(self) -> dict[str, Any]:
         """`/version`: `{"version": ...}` of the engine that renders the APIs."""
 
-    def parse(self, body: dict, kind: ApiKind) -> Any:
+    def parse(self, body: dict[str, Any], kind: ApiKind) -> Any:
         """The engine's request object; raises pydantic's ValidationError (a 400)."""
 
     async def respond(self, request: Any, kind: ApiKind, http_request: Any) -> ApiReply | ApiStream:
@@ -193,18 +211,28 @@ class ApiServing(Protocol):
 class Engine(Protocol):
     model_name: str
     max_model_len: int
-    api: ApiServing
+
+    @property
+    def api(self) -> ApiServing:
+        """The client APIs (read-only: each engine holds its own `ApiServing`)."""
 
     def prepare(self, request: StreamRequest) -> int:
         """Render and tokenize before the 200 (sets `prompt_token_ids`), so an over-long
         prompt is a 400 and not an error event: ValueError when it is too long, any other
         exception when the chat template rejects the messages. Returns the token count."""
 
-    def generate(self, request: StreamRequest) -> AsyncIterator[Delta]:
-        """Stream deltas. Closing/cancelling the iterator must abort the request."""
+    def generate(self, request: StreamRequest) -> AsyncGenerator[Delta, None]:
+        """Stream deltas. Closing/cancelling the generator must abort the request."""
 
     async def abort(self, request_id: str) -> None:
         """Stop a request at once; its iterator ends with finish_reason "abort"."""
+
+    async def load_adapter(self, adapter: Adapter) -> None:
+        """Load (or find already loaded) a LoRA adapter, so requests naming it, through
+        `generate` or through `api`, use it; AdapterLoadError when it cannot be used."""
+
+    async def unload_adapter(self, adapter: Adapter) -> None:
+        """Forget an adapter: requests can no longer name it."""
 
     async def check_health(self) -> None:
         """Raise if the engine is dead (the server then reports 503 and /health fails)."""

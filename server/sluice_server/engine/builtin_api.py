@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -24,6 +24,7 @@ from .base import (
     ApiRequestError,
     ApiStream,
     Delta,
+    Engine,
     Flag,
     Message,
     PromptOrMessages,
@@ -164,18 +165,24 @@ def _responses_messages(b: ResponsesBody) -> list[dict]:
 class BuiltinApi:
     """Implements `engine.base.ApiServing` on an engine's `generate` and `prepare`."""
 
-    def __init__(self, model: str, engine: Any) -> None:
+    def __init__(self, model: str, engine: Engine) -> None:
         self.model = model
         self._engine = engine
 
-    async def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0,
-                                            "owned_by": "sluice"}]}  # fmt: skip
+    async def models(self) -> dict[str, Any]:
+        """The base, then each loaded adapter with the base as `parent` (as vLLM lists them)."""
+        data: list[dict[str, Any]] = [
+            {"id": self.model, "object": "model", "created": 0, "owned_by": "sluice"}
+        ]
+        for a in getattr(self._engine, "adapters", {}).values():
+            data.append({"id": a.name, "object": "model", "created": 0, "owned_by": "sluice",
+                         "root": a.path, "parent": self.model})  # fmt: skip
+        return {"object": "list", "data": data}
 
-    def version(self) -> dict:
+    def version(self) -> dict[str, Any]:
         return {"version": "simulator"}
 
-    def parse(self, body: dict, kind: ApiKind) -> BaseModel:
+    def parse(self, body: dict[str, Any], kind: ApiKind) -> BaseModel:
         return BODIES[kind].model_validate(body)
 
     def _prepared(self, req: StreamRequest) -> StreamRequest:
@@ -185,7 +192,7 @@ class BuiltinApi:
             raise ApiRequestError(400, str(e)) from None
         return req
 
-    async def respond(self, b: Any, kind: ApiKind, http_request: Any):
+    async def respond(self, b: Any, kind: ApiKind, http_request: Any) -> ApiReply | ApiStream:
         if kind == "detokenize":
             raise ApiRequestError(501, "The simulator has no vocabulary to detokenize with; "
                                   "/detokenize needs a model (--engine vllm).")  # fmt: skip
@@ -202,6 +209,7 @@ class BuiltinApi:
             return ApiReply({"count": len(ids), "max_model_len": self._engine.max_model_len,
                              "tokens": ids, "token_strs": None})  # fmt: skip
         req, framer = self._request(b, kind)
+        req.adapter = getattr(self._engine, "adapters", {}).get(getattr(b, "model", None))
         deltas = self._engine.generate(req)
         if b.stream:
             return ApiStream(_chunks(deltas, framer), lambda: len(req.prompt_token_ids or ()))
@@ -264,7 +272,7 @@ class BuiltinApi:
         return ApiReply(body, 200, p, c)
 
 
-async def _chunks(deltas: AsyncIterator[Delta], framer: Any) -> AsyncIterator[Delta]:
+async def _chunks(deltas: AsyncGenerator[Delta, None], framer: Any) -> AsyncGenerator[Delta, None]:
     """Each delta framed in the API's events; the opening goes out before the engine
     answers. An engine-side abort ends without the closing events: the stream core then
     sends the API's error event."""

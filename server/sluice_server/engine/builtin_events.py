@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from typing import Any
 
 from .base import Delta
 
@@ -158,9 +159,11 @@ class MessagesFramer:
         return ""
 
     def start(self, d: Delta) -> str:
-        msg = {"id": self.rid, "type": "message", "role": "assistant", "content": [],
-               "model": self.model, "stop_reason": None, "stop_sequence": None,
-               "usage": {"input_tokens": d.prompt_tokens, "output_tokens": 0}}  # fmt: skip
+        msg: dict[str, Any] = {
+            "id": self.rid, "type": "message", "role": "assistant", "content": [],
+            "model": self.model, "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": d.prompt_tokens, "output_tokens": 0},
+        }  # fmt: skip
         return self._ev("message_start", message=msg) + self._ev(
             "content_block_start", index=0, content_block={"type": "text", "text": ""}
         )

@@ -36,13 +36,15 @@ detokenizer does. ``eos_after_tokens`` (off by default) makes a request end on i
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 import zlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-from .base import Delta, StreamRequest
+from .base import Adapter, AdapterLoadError, Delta, StreamRequest
 from .builtin_api import BuiltinApi
 
 DEFAULT_WORDS: tuple[str, ...] = (
@@ -105,6 +107,7 @@ class SimulatorEngine:
         self._words = tuple(" " + w for w in words)
         self._streams: dict[str, _Stream] = {}
         self._dead = False
+        self.adapters: dict[str, Adapter] = {}
         self.api = BuiltinApi(model_name, self)
 
     # -- Engine protocol -------------------------------------------------------------
@@ -122,7 +125,7 @@ class SimulatorEngine:
         request.prompt_token_ids = [zlib.crc32(w.encode()) & 0x7FFF for w in words]
         return len(words)
 
-    def generate(self, request: StreamRequest) -> AsyncIterator[Delta]:
+    def generate(self, request: StreamRequest) -> AsyncGenerator[Delta, None]:
         return self._generate(request)
 
     async def abort(self, request_id: str) -> None:
@@ -130,6 +133,22 @@ class SimulatorEngine:
         if stream is not None:
             stream.aborted = True
             stream.wake()
+
+    async def load_adapter(self, adapter: Adapter) -> None:
+        """No weights to apply: the folder must hold a PEFT adapter config with a rank (so a
+        broken adapter fails here as it would on vLLM); its answers differ from the base's."""
+        config = Path(adapter.path) / "adapter_config.json"
+        try:
+            rank = json.loads(config.read_text()).get("r")
+        except (OSError, ValueError) as e:
+            raise AdapterLoadError(f"no usable adapter_config.json in {adapter.path}: "
+                                   f"{type(e).__name__}: {e}") from None  # fmt: skip
+        if not isinstance(rank, int) or rank < 1:
+            raise AdapterLoadError(f"{config}: `r` (the rank) must be a positive integer")
+        self.adapters[adapter.name] = adapter
+
+    async def unload_adapter(self, adapter: Adapter) -> None:
+        self.adapters.pop(adapter.name, None)
 
     async def check_health(self) -> None:
         if self._dead:
@@ -165,7 +184,7 @@ class SimulatorEngine:
                 parts.extend(p.get("text", "") for p in content if isinstance(p, dict))
         return "\n".join(parts)
 
-    async def _generate(self, request: StreamRequest) -> AsyncIterator[Delta]:
+    async def _generate(self, request: StreamRequest) -> AsyncGenerator[Delta, None]:
         if self._dead:
             raise EngineDeadError("simulator engine is shut down")
         rid = request.request_id
@@ -173,12 +192,13 @@ class SimulatorEngine:
             raise ValueError(f"request id {rid!r} is already running")
         opts = request.options
         prompt = self._prompt_text(request)
-        if request.prompt_token_ids is None:
-            self.prepare(request)
-        prompt_tokens = len(request.prompt_token_ids)
+        ids = request.prompt_token_ids
+        prompt_tokens = self.prepare(request) if ids is None else len(ids)
         max_tokens = min(opts.max_tokens, self.max_model_len - prompt_tokens)
         eos_at = None if opts.ignore_eos else self.eos_after_tokens
         seed = opts.seed if opts.seed is not None else zlib.crc32(prompt.encode())
+        if request.adapter is not None:  # an adapter's answer differs from the base's
+            seed += zlib.crc32(request.adapter.name.encode())
         # A Mersenne Twister is 2.5 KB per stream: only jittered timing needs one.
         rng = random.Random(seed) if self.jitter else None
         words, nwords = self._words, len(self._words)

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .base import (
+    Adapter,
+    AdapterLoadError,
     ApiKind,
     ApiReply,
     ApiRequestError,
@@ -62,7 +65,7 @@ class MeteredClient:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._llm, name)
 
-    async def generate(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+    async def generate(self, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
         tap = usage_tap.get()
         gen = self._llm.generate(*args, **kwargs)
         try:
@@ -89,6 +92,14 @@ def vllm_cli_args(settings: Settings, model_path: str, cpu_defaults: bool) -> li
         args += ["--revision", settings.revision]
     args += ["--tensor-parallel-size", str(settings.tensor_parallel_size)]
     args += ["--pipeline-parallel-size", str(settings.pipeline_parallel_size)]
+    if settings.nnodes > 1:
+        # vLLM's multiprocessing backend across nodes: every node runs the same arguments
+        # with its own rank; the workers (rank > 0) are headless.
+        args += ["--nnodes", str(settings.nnodes), "--node-rank", str(settings.node_rank)]
+        args += ["--master-addr", str(settings.master_addr)]
+        args += ["--master-port", str(settings.master_port)]
+        if settings.headless:
+            args += ["--headless"]
     args += ["--gpu-memory-utilization", str(settings.gpu_memory_utilization)]
     args += ["--dtype", settings.dtype]
     for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "quantization"):
@@ -98,6 +109,13 @@ def vllm_cli_args(settings: Settings, model_path: str, cpu_defaults: bool) -> li
     if settings.swap_space is not None:
         # vLLM 0.32 has no --swap-space any more; its successor is CPU KV offloading (GiB).
         args += ["--kv-offloading-size", str(settings.swap_space)]
+    if settings.lora_enabled:
+        # Adapters are added and removed at run time (core/adapters.py), never listed here.
+        args += ["--enable-lora"]
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            value = getattr(settings, name)
+            if value is not None:
+                args += ["--" + name.replace("_", "-"), str(value)]
     if settings.otlp_traces_endpoint:
         # The engine's own spans (queue, prefill, decode) join the request's trace.
         args += ["--otlp-traces-endpoint", settings.otlp_traces_endpoint]
@@ -152,21 +170,21 @@ class VllmApi:
         self.state = state
         self._classes = _request_classes()
 
-    async def models(self) -> dict:
+    async def models(self) -> dict[str, Any]:
         return (await self.state.openai_serving_models.show_available_models()).model_dump()
 
-    def version(self) -> dict:
+    def version(self) -> dict[str, Any]:
         from vllm.version import __version__
 
         return {"version": __version__}
 
-    def parse(self, body: dict, kind: ApiKind) -> Any:
+    def parse(self, body: dict[str, Any], kind: ApiKind) -> Any:
         cls = self._classes[kind]
         if hasattr(cls, "validate_python"):
             return cls.validate_python(body)
         return cls.model_validate(body)
 
-    async def respond(self, request: Any, kind: ApiKind, http_request: Any):
+    async def respond(self, request: Any, kind: ApiKind, http_request: Any) -> ApiReply | ApiStream:
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.entrypoints.serve.exception_handling.error_response import (
             create_error_response,
@@ -192,7 +210,7 @@ class VllmApi:
         return ApiStream(_chunks(events, tap), lambda: tap.prompt_tokens)
 
 
-async def _framed(events: AsyncIterator[Any]) -> AsyncIterator[str]:
+async def _framed(events: AsyncGenerator[Any, None]) -> AsyncGenerator[str, None]:
     """Responses events (pydantic objects) framed as vLLM's own route frames them."""
     try:
         async for event in events:
@@ -202,7 +220,7 @@ async def _framed(events: AsyncIterator[Any]) -> AsyncIterator[str]:
         await events.aclose()
 
 
-async def _chunks(sse: AsyncIterator[str], tap: UsageTap) -> AsyncIterator[Delta]:
+async def _chunks(sse: AsyncIterator[str], tap: UsageTap) -> AsyncGenerator[Delta, None]:
     """vLLM's framed events as Deltas, token counts from the tap; a finished Delta last."""
     usage_tap.set(tap)  # vLLM's generator runs in this (the stream's producer) task
     seen = 0
@@ -251,13 +269,14 @@ class VllmEngine:
         request.prompt_token_ids = ids
         return len(ids)
 
-    async def generate(self, request: StreamRequest) -> AsyncIterator[Delta]:
+    async def generate(self, request: StreamRequest) -> AsyncGenerator[Delta, None]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         if request.prompt_token_ids is None:
             self.prepare(request)
         ids = request.prompt_token_ids
+        assert ids is not None  # prepare() sets them
         opts = request.options
         max_tokens = min(opts.max_tokens, self.max_model_len - len(ids))
         params = SamplingParams(
@@ -274,6 +293,7 @@ class VllmEngine:
         # AsyncLLM.generate aborts the engine request when it is cancelled or closed; close
         # it explicitly so an abandoned outer generator never waits for GC to abort.
         gen = self.llm.generate({"prompt_token_ids": ids}, params, request.request_id,
+                                lora_request=_lora_request(request.adapter),
                                 trace_headers=request.trace_headers)  # fmt: skip
         try:
             async for out in gen:
@@ -294,6 +314,21 @@ class VllmEngine:
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
 
+    async def load_adapter(self, adapter: Adapter) -> None:
+        """Into the engine core (`add_lora`: read from disk, checked against the LoRA limits,
+        kept in its CPU cache), then into vLLM's serving layer's table of served adapters,
+        through which its OpenAI and Anthropic handlers route by `model`."""
+        request = _lora_request(adapter)
+        try:
+            await self.llm.add_lora(request)
+        except Exception as e:
+            raise AdapterLoadError(_lora_failure(e)) from None
+        self.api.state.openai_serving_models.lora_requests[adapter.name] = request
+
+    async def unload_adapter(self, adapter: Adapter) -> None:
+        self.api.state.openai_serving_models.lora_requests.pop(adapter.name, None)
+        await self.llm.remove_lora(adapter.lora_id)
+
     async def check_health(self) -> None:
         await self.llm.check_health()
 
@@ -302,6 +337,25 @@ class VllmEngine:
 
     async def shutdown(self) -> None:
         self.llm.shutdown()
+
+
+def _lora_request(adapter: Adapter | None) -> Any:
+    if adapter is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(adapter.name, adapter.lora_id, adapter.path)
+
+
+_WORKER_FAILED = re.compile(r"Worker failed with error '(.*)', please check", re.S)
+
+
+def _lora_failure(e: Exception) -> str:
+    """The engine core's reason ("LoRA rank 32 is greater than max_lora_rank 16."), without
+    the RPC wrapping around it."""
+    text = str(e)
+    m = _WORKER_FAILED.search(text)
+    return (m.group(1) if m else text or type(e).__name__)[:500]
 
 
 def parse_vllm_args(settings: Settings, model_path: str) -> Any:
@@ -371,3 +425,15 @@ def _has_kv_size(settings: Settings) -> bool:
     return any(a.startswith("--kv-cache-memory") for a in settings.engine_args) or bool(
         os.environ.get("VLLM_CPU_KVCACHE_SPACE")
     )
+
+
+def run_headless_worker(settings: Settings, model_path: str) -> int:
+    """vLLM's own headless entry point (`vllm serve --headless`) with the leader's engine
+    arguments and this node's rank: the multiprocessing executor's workers for its GPUs,
+    which join the leader's engine through the rendezvous at --master-addr."""
+    from vllm.entrypoints.cli.serve import run_headless
+
+    args = parse_vllm_args(settings, model_path)
+    args.api_server_count = 0  # as `vllm serve --headless` sets it: no API servers here
+    run_headless(args)
+    return 0

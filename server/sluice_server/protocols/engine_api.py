@@ -62,13 +62,14 @@ def gate(request: Request, api: Api, path: str) -> tuple[Services, Principal]:
     return svc, svc.authorize(request, api.label)
 
 
-def _precheck(svc: Services, api: Api, body: dict) -> None:
-    """What vLLM would reject less clearly (or not at all), with the API's error shape."""
-    served = svc.settings.model_label
+def _precheck(request: Request, svc: Services, api: Api, body: dict, who: Principal) -> None:
+    """What vLLM would reject less clearly (or not at all), with the API's error shape. The
+    model is routed here (unknown: 404 naming what is served; a key limited to other names:
+    403); the engine's serving layer then generates with the adapter it names."""
     model = body.get("model")
-    if model is not None and model != served:
-        raise svc.bad_input(api.label, f"The model `{model}` does not exist; this server "
-                            f"serves `{served}`.", "model", code="model_not_found")  # fmt: skip
+    if model is not None and not isinstance(model, str):
+        raise svc.bad_input(api.label, "model: must be a string.", "model")
+    svc.route(trail_of(request), who, model)
     for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         v = body.get(name)
         integral = isinstance(v, int) or (isinstance(v, float) and v.is_integer())
@@ -77,10 +78,10 @@ def _precheck(svc: Services, api: Api, body: dict) -> None:
                                 name)  # fmt: skip
 
 
-async def _parsed(request: Request, svc: Services, api: Api, kind: ApiKind):
+async def _parsed(request: Request, svc: Services, api: Api, kind: ApiKind, who: Principal):
     body = await read_json(request, svc, api.label)
     engine = await svc.require_engine()
-    _precheck(svc, api, body)
+    _precheck(request, svc, api, body, who)
     try:
         return engine, engine.api.parse(body, kind)
     except ValidationError as e:
@@ -97,7 +98,7 @@ async def answer(request: Request, api: Api, path: str, kind: ApiKind) -> Respon
     """A utility kind (tokenize, detokenize, count_tokens): auth and the request rate
     limit, no stream slot, no generation."""
     svc, who = gate(request, api, path)
-    engine, parsed = await _parsed(request, svc, api, kind)
+    engine, parsed = await _parsed(request, svc, api, kind, who)
     await svc.admit_request(api.label, who)
     try:
         reply = await engine.api.respond(parsed, kind, request)
@@ -110,7 +111,7 @@ async def generate(request: Request, api: Api, path: str, kind: ApiKind) -> Resp
     """A generating kind, streamed (SSE) when the body asks for it."""
     assert kind in GENERATING
     svc, who = gate(request, api, path)
-    engine, parsed = await _parsed(request, svc, api, kind)
+    engine, parsed = await _parsed(request, svc, api, kind, who)
     await svc.admit(api.label, who)
     t0 = received_at(request)
     trail = trail_of(request)
@@ -121,11 +122,11 @@ async def generate(request: Request, api: Api, path: str, kind: ApiKind) -> Resp
         except ApiRequestError as e:
             raise _refused(svc, api, e) from None
         if result is None:  # client left while the engine rendered or generated (non-stream)
-            Meter(bind(svc.metrics, api.label), t0, trail).finish(DISCONNECTED)
+            Meter(bind(svc.metrics, api.label, trail.model), t0, trail).finish(DISCONNECTED)
             return Response(status_code=499)
         if not isinstance(result, ApiStream):  # a whole answer
             trail.prompt_tokens = lambda: result.prompt_tokens
-            meter = Meter(bind(svc.metrics, api.label), t0, trail)
+            meter = Meter(bind(svc.metrics, api.label, trail.model), t0, trail)
             meter.tokens = result.completion_tokens
             meter.finish(FINISHED)
             svc.bill(who, result.prompt_tokens + result.completion_tokens)

@@ -101,8 +101,10 @@ def stream_query() -> dict[str, Any]:
     }
 
 
-METRICS = {200: {"description": "Prometheus text format.",
-                 "content": {"text/plain": {"schema": {"type": "string"}}}}}  # fmt: skip
+METRICS: dict[int | str, dict[str, Any]] = {
+    200: {"description": "Prometheus text format.",
+          "content": {"text/plain": {"schema": {"type": "string"}}}}
+}  # fmt: skip
 
 
 def _served_model_only(doc: dict[str, Any], served: str) -> None:

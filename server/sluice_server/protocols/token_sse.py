@@ -75,7 +75,7 @@ async def _start(request: Request, svc: Services, who: Principal, body: dict) ->
     trail = trail_of(request)
     rid = trail.rid  # the request id is the stream's: its events' `id`, the engine's request id
     try:
-        req = to_stream_request(body, rid, engine, svc.settings.model_label)
+        req = to_stream_request(body, rid, engine, lambda m: svc.route(trail, who, m))
     except ApiError as e:
         raise svc.count(PROTOCOL, e) from None
     await svc.admit(PROTOCOL, who)

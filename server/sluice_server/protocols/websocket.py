@@ -13,9 +13,7 @@ WebSocket protocol's own (uvicorn `ws_ping_interval` = --heartbeat-seconds).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import logging
 import time
 import uuid
 from json.encoder import encode_basestring_ascii as _json_str
@@ -25,7 +23,7 @@ from fastapi.responses import JSONResponse
 from starlette.websockets import WebSocketDisconnect
 
 from ..core.errors import ApiError, error_body
-from ..core.events import DISCONNECTED, FAILED, Failed, Finished, Meter, Stopped, Tokens, events
+from ..core.events import Failed, Finished, Meter, Stopped, Tokens, events
 from ..core.identity import Principal
 from ..core.lifecycle import open_stream
 from ..core.params import to_stream_request
@@ -36,7 +34,6 @@ from ..transport.cors import websocket_origin_allowed
 from ..transport.sendwatch import SendWatchdog
 
 router = APIRouter()
-log = logging.getLogger(__name__)
 PROTOCOL = "websocket"
 _dumps = json.dumps
 
@@ -80,21 +77,20 @@ class Connection:
                  credential: str | None) -> None:  # fmt: skip
         self.ws, self.svc, self.trail, self.who = ws, svc, trail, who
         self.credential = credential
-        self.tasks: dict[str, asyncio.Task] = {}
-        self.streams: dict[str, Stream] = {}
+        self.tasks: dict[str | int, asyncio.Task] = {}  # by the frame's id (string or number)
+        self.streams: dict[str | int, Stream] = {}
         self.lock = asyncio.Lock()
-        self.send_timeout = svc.settings.send_timeout_seconds
-        # One timer per socket bounds every send (a reader that stops reading), not a
-        # timeout scope per frame (server/sluice_server/sendwatch.py).
-        self.watchdog = SendWatchdog(self.send_timeout, TimeoutError)
+        # One watchdog per socket on its transport (transport/sendwatch.py): a reader that
+        # accepts no bytes for the send timeout is cut off, which ends every generation on
+        # the socket as `stalled`; not a timeout scope per frame.
+        self.watchdog = SendWatchdog(svc.settings.send_timeout_seconds)
         # Frames skip the middlewares once accepted (the send app.py's Edge received): the
         # middlewares and Starlette's state checks in `WebSocket.send` only matter for the
         # handshake and the close.
         self.raw_send = ws.scope.get("sluice.send", ws.send)
-        self.closer: asyncio.Future | None = None
 
     async def run(self) -> None:
-        self.watchdog.start()
+        self.watchdog.start(self.ws.scope.get("sluice.transport"))
         try:
             while True:
                 message = await self.ws.receive()
@@ -147,7 +143,7 @@ class Connection:
             trail.kid, trail.tenant = self.who.id, self.who.tenant
             engine = await svc.require_engine()
             req = to_stream_request(body, f"ws-{uuid.uuid4().hex}", engine,
-                                    svc.settings.model_label)  # fmt: skip
+                                    lambda m: svc.route(trail, self.who, m))  # fmt: skip
             await svc.admit(PROTOCOL, self.who)
         except ApiError as e:
             svc.refuse(trail, e)
@@ -168,15 +164,12 @@ class Connection:
         if stream is not None:
             stream.stop()
 
-    async def send(self, text: str, task: asyncio.Task | None = None) -> None:
-        """One text frame; `task`: the calling task, when known. A socket the client
-        closed raises WebSocketDisconnect, as Starlette's `WebSocket.send` would."""
+    async def send(self, text: str) -> None:
+        """One text frame. A socket the client closed (or the watchdog cut off) raises
+        WebSocketDisconnect, as Starlette's `WebSocket.send` would."""
         async with self.lock:
             try:
-                await self.watchdog.send(self.raw_send, {"type": "websocket.send", "text": text},
-                                         task)  # fmt: skip
-            except TimeoutError:  # the send timeout (an OSError too): not a disconnect
-                raise
+                await self.watchdog.send(self.raw_send, {"type": "websocket.send", "text": text})
             except OSError:
                 raise WebSocketDisconnect(code=1006) from None
 
@@ -187,13 +180,12 @@ class Connection:
     async def pump(self, rid, stream: Stream, meter: Meter, cleanup) -> None:
         head = '{"id":' + _dumps(rid) + ',"index":'
         seq = 0
-        task = asyncio.current_task()
         send = self.send
         try:
             async for ev in events(stream, meter):
                 if type(ev) is Tokens:
                     token = _json_str(ev.text)  # = json.dumps(text), token_sse.py
-                    await send(f'{head}{seq},"token":{token},"finished":false}}', task)
+                    await send(f'{head}{seq},"token":{token},"finished":false}}')
                     seq += 1
                 elif type(ev) is Finished:
                     final = {"id": rid, "index": seq, "token": "", "finished": True,
@@ -205,20 +197,9 @@ class Connection:
                     await self.send(_dumps(final))
                 elif type(ev) is Failed:
                     await self.error(rid, 500, ev.message, ev.code)
-        except (TimeoutError, WebSocketDisconnect, RuntimeError) as e:
-            # The client stopped reading (send timeout) or went away: abort (cleanup).
-            log.info("websocket stream %s ended: %s", rid, type(e).__name__)
-            if meter.outcome is None:
-                meter.finish(FAILED if isinstance(e, TimeoutError) else DISCONNECTED, stream)
-            if isinstance(e, TimeoutError) and self.closer is None:
-                # A reader that stalls one stream stalls them all: close the socket.
-                self.closer = asyncio.ensure_future(self._close_slow())
+        except (WebSocketDisconnect, RuntimeError):
+            pass  # the client went away or was cut off: the cleanup aborts and records it
         finally:
-            cleanup()
+            cleanup(self.watchdog.stalled)
             self.tasks.pop(rid, None)
             self.streams.pop(rid, None)
-
-    async def _close_slow(self) -> None:
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(self.send_timeout):
-                await self.ws.close(code=1008, reason="client too slow")

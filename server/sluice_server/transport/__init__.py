@@ -1,2 +1,3 @@
-"""HTTP plumbing below the protocols: the SSE response, the send timeout, and credentials
-kept out of log lines."""
+"""HTTP plumbing below the protocols: the SSE response, the send timeout and early
+coalescing on the connection's transport, and what uvicorn logs (credentials kept out of
+log lines, a refused handshake not an error)."""

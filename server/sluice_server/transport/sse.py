@@ -7,10 +7,12 @@ and what is left is small enough to read in one go and to keep exact.
 Per response the stream runs in the request's own task plus one task that waits for the
 client's disconnect (and then cancels the stream: a client that leaves during a long
 prefill stops the engine work at once). Pings come from one app-wide `Heartbeat`; the send
-timeout is one `SendWatchdog` per response (sendwatch.py), not a timeout scope per event;
-shutdown is the server's (serve.py drains streams before uvicorn is told to exit).
-`cleanup` runs however the response ends, also when the client left before the first byte.
-asyncio only (uvicorn).
+timeout and early coalescing are one `SendWatchdog` per response on the connection's
+transport (sendwatch.py), not a timeout scope per event: a reader it cuts off ends the
+response the way a client that left does; shutdown is the server's (serve.py drains
+streams before uvicorn is told to exit). `cleanup(stalled)` runs however the response ends,
+also when the client left before the first byte; `stalled` says the send timeout cut the
+reader off. asyncio only (uvicorn).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from starlette.background import BackgroundTask
 from starlette.responses import Response
@@ -27,10 +30,6 @@ from .sendwatch import SendWatchdog
 
 NO_BUFFERING = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 PING = b": ping\n\n"
-
-
-class SendTimeoutError(TimeoutError):
-    """A send was pending for the whole send timeout: the client stopped reading."""
 
 
 class Disconnected(Exception):
@@ -48,7 +47,9 @@ class Heartbeat:
     its send is covered by the response's send timeout like any other send. The timer stops
     when the last response closes."""
 
-    _by_loop: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[float, Heartbeat]] = (
+        weakref.WeakKeyDictionary()
+    )
 
     def __init__(self, loop: asyncio.AbstractEventLoop, interval: float) -> None:
         self.loop, self.interval = loop, interval
@@ -84,16 +85,16 @@ class Heartbeat:
 class SSEResponse(Response):
     """An ASGI response streaming `content` (pre-encoded SSE bytes) as `text/event-stream`.
 
-    `ping` is the heartbeat interval in seconds (0: none); `send_timeout` bounds every
-    send (None: unbounded); a send pending that long raises `SendTimeoutError` from the
-    response (the request task then ends and `cleanup` aborts the engine request)."""
+    `ping` is the heartbeat interval in seconds (0: none); `send_timeout`: a reader that
+    accepts no bytes for that long is cut off (None: never); the response then ends
+    quietly and `cleanup(True)` aborts the engine request."""
 
     media_type = "text/event-stream"
 
     def __init__(
         self,
         content: AsyncIterator[bytes],
-        cleanup: Callable[[], None],
+        cleanup: Callable[[bool], None],
         *,
         ping: float = 15.0,
         send_timeout: float | None = None,
@@ -110,10 +111,10 @@ class SSEResponse(Response):
         self.raw_headers = [
             (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in raw.items()
         ]
-        self.watchdog = SendWatchdog(send_timeout, SendTimeoutError)
+        self.watchdog = SendWatchdog(send_timeout)
         self.active = True
-        self.ping_task: asyncio.Task | None = None
-        self._task: asyncio.Task | None = None  # the task streaming the response
+        self.ping_task: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[Any] | None = None  # the task streaming the response
         self._ended_by: BaseException | None = None  # why the stream task was cancelled
 
     __hash__ = object.__hash__  # a dict key in the heartbeat
@@ -124,12 +125,13 @@ class SSEResponse(Response):
                 await self._start(send)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return
-            await self._stream(receive, send, scope.get("sluice.send", send))
+            await self._stream(receive, send, scope.get("sluice.send", send),
+                               scope.get("sluice.transport"))  # fmt: skip
         finally:
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 await aclose()
-            self._cleanup()
+            self._cleanup(self.watchdog.stalled)
         if self.background is not None:
             await self.background()
 
@@ -137,10 +139,13 @@ class SSEResponse(Response):
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})  # fmt: skip
 
-    async def _stream(self, receive: Receive, send: Send, raw_send: Send) -> None:
+    async def _stream(
+        self, receive: Receive, send: Send, raw_send: Send, transport: object | None
+    ) -> None:
         loop = asyncio.get_running_loop()
-        self._task = asyncio.current_task()
-        self.watchdog.start()
+        self._task = task = asyncio.current_task()
+        assert task is not None  # a response is sent from a task
+        self.watchdog.start(transport)
         heartbeat = Heartbeat.on(loop, self.ping_interval) if self.ping_interval > 0 else None
         if heartbeat is not None:
             heartbeat.add(self, send)
@@ -149,7 +154,7 @@ class SSEResponse(Response):
             await self._send_all(send, raw_send)
         except asyncio.CancelledError:
             ended_by = self._ended_by
-            if ended_by is None or self._task.uncancel() > 0:
+            if ended_by is None or task.uncancel() > 0:
                 raise  # cancelled by someone else (server shutdown): let that win
             if not isinstance(ended_by, Disconnected):
                 raise ended_by from None  # the heartbeat's send failed
@@ -167,21 +172,21 @@ class SSEResponse(Response):
         sent from its own task between two of them cannot split an event. The start goes
         through the middlewares (`send`); body messages skip them (`raw_send`, the send
         app.py's Edge received: the middlewares inside it only look at the start)."""
-        watched, task = self.watchdog.send, self._task
+        watched = self.watchdog.send
         await watched(send, {"type": "http.response.start", "status": self.status_code,
-                             "headers": self.raw_headers}, task)  # fmt: skip
+                             "headers": self.raw_headers})  # fmt: skip
         async for chunk in self.body_iterator:
             await watched(raw_send, {"type": "http.response.body", "body": chunk,
-                                     "more_body": True}, task)  # fmt: skip
+                                     "more_body": True})  # fmt: skip
         self.active = False
-        await watched(raw_send, {"type": "http.response.body", "body": b"", "more_body": False},
-                      task)  # fmt: skip
+        await watched(raw_send, {"type": "http.response.body", "body": b"", "more_body": False})
 
     def _end(self, reason: BaseException) -> None:
         """Stop the streaming task (from the listener or a ping task)."""
         if self.active and self._ended_by is None:
             self.active = False
             self._ended_by = reason
+            assert self._task is not None  # set before the listener and pings start
             self._task.cancel()
 
     async def _end_on_disconnect(self, receive: Receive) -> None:
@@ -198,7 +203,7 @@ class SSEResponse(Response):
                 await self.watchdog.send(
                     send, {"type": "http.response.body", "body": PING, "more_body": True}
                 )
-        except Exception as e:  # a stalled or gone client: end the response like a data send
+        except Exception as e:  # not a client that left (its sends return): end with it
             self._end(e)
         finally:
             self.ping_task = None

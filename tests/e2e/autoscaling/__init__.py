@@ -4,8 +4,8 @@ Each builds on the e2e harness (tests/e2e/harness) through its public options or
 composing, never by changing it:
 - `cluster.aggregating_control_plane`: the harness's control plane with the API aggregation
   layer's front-proxy certificates and a 5 s HPA sync period;
-- `serving_node.ServingNode`: a fake GPU node whose pods really run `python -m sluice_server`
-  (simulator engine) on a loopback address of their own; Ready follows `/ready`;
+- the harness's `node_agent.NodeAgent` in live mode: pods really run `python -m sluice_server`
+  (simulator engine) under bubblewrap on a loopback address of their own, with their probes;
 - `prometheus.Prometheus`: Debian's prometheus binary discovering those pods through
   `kubernetes_sd_configs` (pod role, the operator's scrape annotations);
 - `adapter.CustomMetricsAdapter`: `custom.metrics.k8s.io/v1beta2` over TLS behind an

@@ -10,9 +10,12 @@ total, spread round-robin over R ready pods, so each pod sees about concurrency/
 
 More replicas bring TTFT down, which is what the HPA is meant to achieve.
 
-The Service is resolved to its ready pods (its selector, Ready condition), as kube-proxy
-would route: the Service's EndpointSlices stay empty here because Kubernetes refuses
-loopback addresses in them (serving_node.py).
+With `url` (the model's address on the e2e ingress) every stream goes there and the ingress
+spreads them over the Ready pods (round robin); each sample's `endpoint` is the pod that
+answered (the ingress's `X-E2E-Upstream` header). Without, the Service is resolved to its
+ready pods (harness/endpoints.py, as kube-proxy would route; the Service's EndpointSlices
+stay empty here because Kubernetes refuses loopback addresses in them) and the client
+spreads the streams itself.
 
 Bounded: at most `max_streams` streams in all, `timeout` seconds per stream, and every
 worker stops when `stop()` is called or `concurrency` drops below its index. The client runs
@@ -33,6 +36,8 @@ from dataclasses import dataclass
 import httpx
 from kubernetes import client
 
+from ..harness.endpoints import ready_pod_ips
+
 PORT = 8000
 
 
@@ -44,27 +49,17 @@ class Sample:
     error: str = ""
 
 
-def ready_pod_ips(core: client.CoreV1Api, namespace: str, service: str) -> list[str]:
-    svc = core.read_namespaced_service(service, namespace)
-    selector = ",".join(f"{k}={v}" for k, v in sorted((svc.spec.selector or {}).items()))
-    ips = []
-    for pod in core.list_namespaced_pod(namespace, label_selector=selector).items:
-        if pod.metadata.deletion_timestamp or not (pod.status and pod.status.pod_ip):
-            continue
-        if any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or []):
-            ips.append(pod.status.pod_ip)
-    return sorted(ips)
-
-
 class LoadGenerator:
     """The client runs in a process of its own (its TTFT must not include waits for the GIL
     behind the test's other threads: adapter, discovery, timeline); this object steers it
     and collects its samples."""
 
     def __init__(self, api: client.ApiClient, namespace: str, service: str, *,
-                 max_tokens: int = 4, max_streams: int = 50_000, timeout: float = 30.0) -> None:  # fmt: skip
+                 url: str | None = None, max_tokens: int = 4, max_streams: int = 50_000,
+                 timeout: float = 30.0) -> None:  # fmt: skip
         self.core = client.CoreV1Api(api)
         self.namespace, self.service = namespace, service
+        self.url = url
         self.max_tokens = max_tokens
         self.max_streams = max_streams
         self.timeout = timeout
@@ -90,7 +85,13 @@ class LoadGenerator:
     # --- control ------------------------------------------------------------------------
     def start(self) -> LoadGenerator:
         self._proc.start()
-        for target in (self._resolve_loop, self._collect_loop):
+        loops = [self._collect_loop]
+        if self.url:
+            self.endpoints = [self.url]
+            self._endpoints_q.put(self.endpoints)
+        else:
+            loops.append(self._resolve_loop)
+        for target in loops:
             t = threading.Thread(target=target, name=f"loadgen-{target.__name__}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -197,19 +198,25 @@ class _Client:
                 await asyncio.sleep(0.2)
                 continue
             self.started += 1
-            ip = endpoints[next(self.rr) % len(endpoints)]
-            sample = await self.one(http, ip)
+            target = endpoints[next(self.rr) % len(endpoints)]
+            sample = await self.one(http, target)
             self.batch.append(tuple(sample.__dict__.values()))
             if sample.ttft is None:
                 await asyncio.sleep(0.2)  # a pod going away: do not spin
 
-    async def one(self, http: httpx.AsyncClient, ip: str) -> Sample:
+    async def one(self, http: httpx.AsyncClient, target: str) -> Sample:
+        """One stream to `target`: a pod IP, or a URL (the ingress) whose answer names the
+        pod in `X-E2E-Upstream`."""
         start = time.time()
         t0 = time.monotonic()
         ttft = None
+        url = f"{target}/v1/stream" if "://" in target else f"http://{target}:{PORT}/v1/stream"
+        ip = target
         try:
             body = {"prompt": "autoscale me", "max_tokens": self.max_tokens, "ignore_eos": True}
-            async with http.stream("POST", f"http://{ip}:{PORT}/v1/stream", json=body) as r:
+            async with http.stream("POST", url, json=body) as r:
+                if "x-e2e-upstream" in r.headers:
+                    ip = r.headers["x-e2e-upstream"].rsplit(":", 1)[0]
                 if r.status_code != 200:
                     return Sample(start, None, ip, f"HTTP {r.status_code}")
                 async for line in r.aiter_lines():

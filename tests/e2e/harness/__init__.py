@@ -2,7 +2,9 @@
 
 Reusable pieces, each in its own module:
 - `control_plane.ControlPlane`: etcd + kube-apiserver + controller-manager + scheduler;
-- `fake_node.FakeGpuNode`: a Node with GPU capacity and a fake kubelet behind it;
+- `node_agent.NodeAgent`: a Node with GPU capacity and a kubelet behind it, status-only or
+  running each pod under bubblewrap (`pod_runtime`, `sandbox`); `endpoints`: a Service's
+  Ready pods; `ingress.IngressController`: nginx configured from Ingress objects;
 - `operator_process.OperatorProcess`: the operator under the Helm chart's identity;
 - `kube`: small waiting and reading helpers for tests.
 

@@ -13,7 +13,9 @@ TTFT_METRIC = "sluice_ttft_p{nn}_seconds"
 
 
 def expected_kinds(spec: dict) -> set[str]:
-    kinds = {"Deployment", "Service"}
+    # Several nodes per replica: a LeaderWorkerSet instead (test_leaderworkerset.py).
+    multi_node = (spec.get("parallelism") or {}).get("nodes", 1) > 1
+    kinds = {"Service"} if multi_node else {"Deployment", "Service"}
     autoscaling = spec.get("autoscaling")
     scaling_on = autoscaling is not None and autoscaling.get("enabled", True)
     if (spec.get("ingress") or {}).get("enabled"):
@@ -105,7 +107,8 @@ def check_hpa(hpa: client.V2HorizontalPodAutoscaler, model: dict) -> None:
         scaling.get("minReplicas", 1),
         scaling.get("maxReplicas", 4),
     )
-    assert hpa.spec.scale_target_ref.kind == "Deployment"
+    multi_node = (model["spec"].get("parallelism") or {}).get("nodes", 1) > 1
+    assert hpa.spec.scale_target_ref.kind == ("LeaderWorkerSet" if multi_node else "Deployment")
     assert hpa.spec.scale_target_ref.name == model["metadata"]["name"]
     (metric,) = hpa.spec.metrics
     nn = round(float(scaling.get("ttftPercentile", 0.9)) * 100)

@@ -122,9 +122,14 @@ class OperatorProcess:
             if arg.startswith("--liveness="):  # the pod listens on 0.0.0.0; tests stay on loopback
                 arg = f"--liveness=http://127.0.0.1:{self.health_port}/healthz"
             argv.append(arg)
+        namespace, _ = chart.service_account()
         env = {
             **os.environ,
             **chart.config_env(),
+            # What the Deployment's downward API gives the pod: the replica's identity (its
+            # user agent and Lease holder) and the namespace of its Lease.
+            "POD_NAME": name,
+            "POD_NAMESPACE": namespace,
             "KUBECONFIG": str(kubeconfig),
             "SLUICE_OPERATOR_LOG_FORMAT": "json",
             "PYTHONUNBUFFERED": "1",

@@ -32,6 +32,13 @@ def test_valid_tokens_map_claims_to_tenant_and_plan():
     assert custom.verify(RSA.token(org="globex")).tenant == "globex"
 
 
+def test_a_models_claim_limits_the_served_names():
+    v = verifier()
+    assert v.verify(RSA.token()).models is None  # every served name
+    assert v.verify(RSA.token(models=["legal-v2", "base"])).models == {"legal-v2", "base"}
+    assert v.verify(RSA.token(models="legal-v2,base")).models == {"legal-v2", "base"}
+
+
 @pytest.mark.parametrize("name", list(bad_tokens(RSA)))
 def test_only_the_valid_token_is_admitted(name):
     token = bad_tokens(RSA)[name]
@@ -45,6 +52,9 @@ def test_only_the_valid_token_is_admitted(name):
     ({"tenant": "a b"}, "plain name"),
     ({"rpm": "10"}, "`rpm` must be"),
     ({"tpm": -1}, "`tpm` must be"),
+    ({"models": []}, "`models` must list"),
+    ({"models": [1]}, "`models` must list"),
+    ({"models": "a b"}, "`models` must list"),
 ])  # fmt: skip
 def test_bad_claims_are_refused(claims, says):
     with pytest.raises(ApiError, match=says):

@@ -150,6 +150,14 @@ sk-unlimited tenant=acme rpm=0 tpm=0
     assert (free.tenant, free.plan) == ("free", Plan(10, 1000))
     assert not unlimited.plan.enabled and unlimited.id != acme.id
     assert ks.tenants == {"default", "acme", "free"} and len(ks) == 4
+    assert plain.models is None  # every served name
+
+
+def test_a_key_may_be_limited_to_served_names():
+    ks = KeyStore.parse("sk-a tenant=acme models=support-v2,qwen/base rpm=5\nsk-b\n")
+    a = ks.match("sk-a")
+    assert (a.tenant, a.plan.rpm, a.models) == ("acme", 5, {"support-v2", "qwen/base"})
+    assert ks.match("sk-b").models is None
 
 
 @pytest.mark.parametrize("text, says", [
@@ -158,6 +166,10 @@ sk-unlimited tenant=acme rpm=0 tpm=0
     ("sk-secret-1 rpm=1 rpm=2\n", "line 1: expected"),
     ("sk-secret-1 tenant=a/b\n", "line 1: tenant must match"),
     ("sk-secret-1\nsk-secret-1 tenant=x\n", "line 2: the same key appears twice"),
+    ("sk-secret-1 models=\n", "line 1: models must be served names"),
+    ("sk-secret-1 models=a,b c\n", "line 1: expected"),
+    ("sk-secret-1 models=a b\n", "line 1: expected"),
+    ("sk-secret-1 models=a models=b\n", "line 1: expected"),
     ("# only comments\n\n", "holds no keys"),
 ])  # fmt: skip
 def test_bad_key_files_say_where_but_not_what(text, says):

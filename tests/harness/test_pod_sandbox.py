@@ -1,0 +1,273 @@
+"""The e2e node agent's pod sandbox without a cluster: the pure pieces (image mapping, env,
+argv, the bwrap command line, the kubelet's `..data` projection), then real pods under
+bubblewrap on a fake host (probes, restarts, preStop, SIGTERM to PID 1, SIGKILL at the
+grace period). The live half needs `bwrap` and user namespaces; it is skipped without."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from e2e.harness import sandbox as sb
+from e2e.harness.pod_runtime import PodRuntime
+
+
+def _pod(containers: list[dict], volumes: list[dict] | None = None, **spec) -> dict:
+    return {"metadata": {"name": "p", "namespace": "ns", "uid": "0123456789abcdef"},
+            "spec": {"containers": containers, "volumes": volumes or [], **spec}}  # fmt: skip
+
+
+SECRETS = {("secret", "ns", "keys"): {"token": b"s3cret", "other": b"x"},
+           ("configmap", "ns", "cfg"): {"mode": b"fast"}}  # fmt: skip
+
+
+def _lookup(kind, ns, name):
+    return SECRETS.get((kind, ns, name))
+
+
+# --- pure ------------------------------------------------------------------------------
+def test_serving_image_maps_to_the_venv_and_unknown_images_fail_clearly():
+    img = sb.resolve_image("ghcr.io/sluice-dev/sluice-server:0.1.0")
+    assert img.executables["sluice-server"] == (sys.executable, "-m", "sluice_server")
+    assert sb.resolve_image("localhost:5000/x/sluice-server@sha256:ab").name.endswith("ab")
+    with pytest.raises(sb.ImageError, match='image "nginx:1.27" has no local mapping'):
+        sb.resolve_image("nginx:1.27")
+    assert sb.image_repository("localhost:5000/a/b:1") == "localhost:5000/a/b"
+
+
+def test_env_resolves_refs_in_order_and_missing_keys_are_config_errors():
+    c = {"name": "c", "env": [
+        {"name": "A", "value": "1"},
+        {"name": "B", "value": "$(A)-$(NOPE)-$$(A)"},
+        {"name": "T", "valueFrom": {"secretKeyRef": {"name": "keys", "key": "token"}}},
+        {"name": "M", "valueFrom": {"configMapKeyRef": {"name": "cfg", "key": "mode"}}},
+        {"name": "IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "O", "valueFrom": {"secretKeyRef": {"name": "gone", "key": "k", "optional": True}}},
+    ]}  # fmt: skip
+    env = sb.container_env(c, _pod([c]), sb.resolve_image("e2e.local/host"), _lookup,
+                           "127.1.0.9", "127.0.0.1")  # fmt: skip
+    assert (env["B"], env["T"], env["M"], env["IP"]) == ("1-$(NOPE)-$(A)", "s3cret", "fast",
+                                                         "127.1.0.9")  # fmt: skip
+    assert "O" not in env and env["HOSTNAME"] == "p"
+    bad = {"name": "c", "env": [{"name": "T", "valueFrom": {"secretKeyRef": {"name": "keys",
+                                                                           "key": "nope"}}}]}  # fmt: skip
+    with pytest.raises(sb.ConfigError, match='key "nope" not in secret "keys"'):
+        sb.container_env(bad, _pod([bad]), sb.resolve_image("e2e.local/host"), _lookup, "", "")
+
+
+def test_argv_maps_the_entrypoint_and_binds_the_pod_address():
+    img = sb.resolve_image("ghcr.io/sluice-dev/sluice-server:0.1.0")
+    c = {"name": "server", "command": ["sluice-server"],
+         "args": ["--host", "0.0.0.0", "--port", "8000", "--bind=0.0.0.0", "--x", "$(V)"]}  # fmt: skip
+    argv = sb.container_argv(c, img, {"V": "v"}, "127.1.0.7")
+    assert argv == [sys.executable, "-m", "sluice_server", "--host", "127.1.0.7", "--port",
+                    "8000", "--bind=127.1.0.7", "--x", "v"]  # fmt: skip
+    with pytest.raises(sb.ConfigError, match="not found in image"):
+        sb.container_argv({"name": "c", "command": ["no-such-binary-here"]},
+                          sb.resolve_image("e2e.local/host"), {}, "127.1.0.7")  # fmt: skip
+
+
+def test_bwrap_command_line_follows_the_pod_spec():
+    box = sb.Sandbox(["/bin/true"], 65532, 65532, [
+        sb.Mount("/etc/sluice/auth", Path("/v/keys"), read_only=True),
+        sb.Mount("/dev/shm", None, size=64 * 2**20), sb.Mount("/cache", Path("/v/cache"))],
+        drop_all_caps=True)  # fmt: skip
+    argv = box.bwrap_argv()
+    assert argv[:3] == ["bwrap", "--ro-bind", "/"]
+    for flag in ("--unshare-pid", "--as-pid-1", "--unshare-user", "--die-with-parent"):
+        assert flag in argv
+    assert argv[argv.index("--uid") + 1] == "65532"
+    joined = " ".join(argv)
+    assert "--size 67108864 --tmpfs /dev/shm" in joined
+    assert "--ro-bind /v/keys /etc/sluice/auth" in joined and "--bind /v/cache /cache" in joined
+    assert argv[-2:] == ["--", "/bin/true"]
+    assert box.mount_points() == ["/etc/sluice/auth", "/cache"]
+    with pytest.raises(sb.ConfigError, match="runAsNonRoot"):
+        sb.run_as({"name": "c"}, _pod([], securityContext={"runAsNonRoot": True}),
+                  sb.resolve_image("e2e.local/host"))  # fmt: skip
+
+
+def test_projection_swaps_data_atomically_like_the_kubelet(tmp_path):
+    p = sb.Projection(tmp_path / "vol", "secret", "keys", [{"key": "token", "path": "t"}], 0o440)
+    assert p.write({"token": b"one"})
+    first = os.readlink(tmp_path / "vol" / "..data")
+    assert os.readlink(tmp_path / "vol" / "t") == "..data/t"
+    assert (tmp_path / "vol" / "t").read_bytes() == b"one"
+    assert not p.write({"token": b"one"})  # no change, no new folder
+    assert p.write({"token": b"two"})
+    assert os.readlink(tmp_path / "vol" / "..data") != first
+    assert not (tmp_path / "vol" / first).exists()  # the old set is gone
+    assert (tmp_path / "vol" / "t").read_bytes() == b"two" and p.updates == 1
+    with pytest.raises(sb.ConfigError, match='key "token" not in secret'):
+        p.write({"other": b"x"})
+
+
+# --- live, under bubblewrap ----------------------------------------------------------
+live = pytest.mark.skipif(sb.sandbox_problem() is not None, reason=str(sb.sandbox_problem()))
+
+
+class FakeHost:
+    host_ip = "127.0.0.1"
+    cpus = None
+
+    def __init__(self, root: Path) -> None:
+        self.log_dir = root / "logs"
+        self.log_dir.mkdir(parents=True)
+        self.root = root
+        self.statuses: list[dict] = []
+        self.exits: list[tuple[str, int, str]] = []
+        self.objects = dict(SECRETS)
+
+    def lookup(self, kind, ns, name):
+        return self.objects.get((kind, ns, name))
+
+    def pvc_dir(self, ns, claim):
+        path = self.root / "claims" / claim
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def patch_status(self, pod, status):
+        self.statuses.append(status["status"])
+
+    def record_exit(self, pod, container, code, why):
+        self.exits.append((container, code, why))
+
+
+def _eventually(fn, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := fn():
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"not within {timeout}s: {fn}")
+
+
+HOST = "e2e.local/host"
+# PID 1 of its sandbox: says who it is, shows its mounts work, drains on SIGTERM. (`$$$$`:
+# the kubelet expands `$$` to `$` in commands, so the shell sees `$$`.)
+SCRIPT = r"""
+echo "pid=$$$$ uid=$(id -u) token=$TOKEN"
+touch /rootfs-write 2>/dev/null && echo "root writable" || echo "root read-only"
+echo hello > /mnt/e2e/data/out && touch /mnt/e2e/work/ready
+trap 'echo "TERM received"; sleep 0.3; echo drained; exit 0' TERM
+while true; do sleep 0.1; done
+"""
+
+
+@live
+def test_a_pod_runs_as_its_spec_says_and_drains_on_deletion(tmp_path):
+    host = FakeHost(tmp_path)
+    c = {"name": "app", "image": HOST, "command": ["/bin/sh", "-c", SCRIPT],
+         "env": [{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "keys", "key": "token"}}}],
+         "securityContext": {"runAsUser": 65532, "readOnlyRootFilesystem": True},
+         "volumeMounts": [{"name": "work", "mountPath": "/mnt/e2e/work"},
+                          {"name": "claim", "mountPath": "/mnt/e2e/data"},
+                          {"name": "keys", "mountPath": "/mnt/e2e/keys", "readOnly": True}],
+         "readinessProbe": {"exec": {"command": ["test", "-f", "/mnt/e2e/work/ready"]},
+                            "periodSeconds": 1},
+         "lifecycle": {"preStop": {"sleep": {"seconds": 1}}}}  # fmt: skip
+    volumes = [{"name": "work", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
+               {"name": "claim", "persistentVolumeClaim": {"claimName": "data"}},
+               {"name": "keys", "secret": {"secretName": "keys"}}]  # fmt: skip
+    pod = PodRuntime(_pod([c], volumes), "127.1.250.1", host, tmp_path / "pods").start()
+    try:
+
+        def reported_ready():
+            last = host.statuses[-1] if host.statuses else {"conditions": []}
+            conds = {c["type"]: c["status"] for c in last["conditions"]}
+            return conds.get("Ready") == "True" and last
+
+        status = _eventually(reported_ready)
+        assert status["phase"] == "Running" and status["podIP"] == "127.1.250.1"
+        log = host.log_dir / "ns.p.app.log"
+        assert "pid=1 uid=65532 token=s3cret" in log.read_text()
+        assert "root read-only" in log.read_text()
+        assert (host.pvc_dir("ns", "data") / "out").read_text() == "hello\n"
+        # The Secret changes: the file inside changes, through the ..data swap.
+        host.objects[("secret", "ns", "keys")] = {"token": b"rotated"}
+        assert pod.refresh_projections() == 1
+        box = pod.container("app")
+        got = subprocess.run(["nsenter", "-t", str(box.pid1()), "-U", "-m",
+                              "--preserve-credentials", "cat", "/mnt/e2e/keys/token"],
+                             capture_output=True, text=True)  # fmt: skip
+        assert got.stdout == "rotated"
+        started = time.monotonic()
+        pod.terminate(grace=10)
+        assert time.monotonic() - started >= 1.0  # the preStop sleep came first
+    finally:
+        pod.kill_now()
+    assert host.exits == [("app", 0, "Completed")]
+    assert "TERM received" in log.read_text() and "drained" in log.read_text()
+    final = host.statuses[-1]
+    assert final["phase"] == "Succeeded"
+    assert final["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
+
+
+@live
+def test_sigterm_ignored_means_sigkill_at_the_grace_period(tmp_path):
+    host = FakeHost(tmp_path)
+    c = {"name": "stubborn", "image": HOST, "command": ["/bin/sh", "-c",
+         "trap '' TERM; while true; do sleep 0.1; done"]}  # fmt: skip
+    pod = PodRuntime(_pod([c]), "127.1.250.2", host, tmp_path / "pods").start()
+    try:
+        _eventually(lambda: pod.container("stubborn").pid1())
+        started = time.monotonic()
+        pod.terminate(grace=1.5)
+        assert time.monotonic() - started >= 1.5
+    finally:
+        pod.kill_now()
+    assert host.exits == [("stubborn", 137, "Error")]
+    assert host.statuses[-1]["phase"] == "Failed"
+
+
+@live
+def test_liveness_failure_restarts_and_exits_restart_per_policy(tmp_path):
+    host = FakeHost(tmp_path)
+    # Alive while /mnt/e2e/work/alive exists (an emptyDir survives a container restart, as in a pod).
+    live_c = {"name": "wedges", "image": HOST, "command": ["/bin/sh", "-c",
+              "trap 'exit 0' TERM; [ -f /mnt/e2e/work/seen ] || { touch /mnt/e2e/work/seen /mnt/e2e/work/alive; };"
+              " while true; do sleep 0.1; done"],
+              "volumeMounts": [{"name": "work", "mountPath": "/mnt/e2e/work"}],
+              "livenessProbe": {"exec": {"command": ["test", "-f", "/mnt/e2e/work/alive"]},
+                                "periodSeconds": 1, "failureThreshold": 2}}  # fmt: skip
+    crash = {"name": "crashes", "image": HOST, "command": ["/bin/sh", "-c", "exit 3"]}
+    pod = PodRuntime(_pod([live_c, crash], [{"name": "work", "emptyDir": {}}]),
+                     "127.1.250.3", host, tmp_path / "pods").start()  # fmt: skip
+    try:
+        wedges = pod.container("wedges")
+        _eventually(lambda: wedges.pid1())
+        (pod.dir / "volumes" / "work" / "alive").unlink()  # the process wedges
+        _eventually(lambda: wedges.restart_count == 1 and wedges.pid1())
+        # The crashing container: restarted at once, then held by the 10 s back-off.
+        _eventually(lambda: pod.container("crashes").state.get("waiting", {}).get("reason")
+                    == "CrashLoopBackOff")  # fmt: skip
+    finally:
+        pod.kill_now()
+    assert ("wedges", 0, "LivenessProbeFailed") in host.exits
+    assert [e for e in host.exits if e[0] == "crashes"][:2] == [("crashes", 3, "Error")] * 2
+
+
+@live
+def test_unknown_image_and_missing_secret_are_reported_not_crashed(tmp_path):
+    host = FakeHost(tmp_path)
+    pod = PodRuntime(_pod([{"name": "a", "image": "nginx:1.27"},
+                           {"name": "b", "image": HOST, "command": ["/bin/true"],
+                            "env": [{"name": "X", "valueFrom": {"secretKeyRef": {
+                                "name": "absent", "key": "k"}}}]}]),
+                     "127.1.250.4", host, tmp_path / "pods").start()  # fmt: skip
+    try:
+        _eventually(lambda: host.statuses)
+    finally:
+        done = threading.Thread(target=pod.terminate, args=(1,))
+        done.start()
+        done.join(10)
+    states = {c["name"]: c["state"] for c in host.statuses[0]["containerStatuses"]}
+    assert states["a"]["waiting"]["reason"] == "ErrImagePull"
+    assert "has no local mapping" in states["a"]["waiting"]["message"]
+    assert states["b"]["waiting"]["reason"] == "CreateContainerConfigError"
+    assert 'secret "absent" not found' in states["b"]["waiting"]["message"]
