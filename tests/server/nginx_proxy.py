@@ -34,7 +34,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 from pathlib import Path
@@ -42,8 +41,7 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from testkit.net import free_port
-from testkit.nginx import find_nginx, run_as_root_directive
-from testkit.wait import eventually
+from testkit.nginx import find_nginx, run_as_root_directive, wait_listening
 
 __all__ = ["NginxProxy", "find_nginx", "render_config"]
 Mode = Literal["ingress", "nginx-default", "buffered"]
@@ -179,28 +177,19 @@ class NginxProxy:
                  "-c", str(conf)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
             )  # fmt: skip
+            proc = self.proc
             try:
-                state = eventually(self._listening_or_exited, timeout=wait_seconds,
-                                   message=lambda: f"nginx to listen\n{self.error_log()}")  # fmt: skip
+                if wait_listening(self.port, lambda p=proc: p.poll() is None, timeout=wait_seconds,
+                                  log=self.error_log):  # fmt: skip
+                    return self
             except AssertionError:
                 self.stop(cleanup=False)
                 raise
-            if state == "listening":
-                return self
             err = self.proc.stderr.read().decode()
             self.stop(cleanup=False)
             if "Address already in use" not in err + self.error_log() or attempt == 2:
                 raise RuntimeError(f"nginx did not start: {err}\n{self.error_log()}")
         raise AssertionError("unreachable")
-
-    def _listening_or_exited(self) -> str | None:
-        if self.proc.poll() is not None:
-            return "exited"
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                return "listening"
-        except OSError:
-            return None
 
     def stop(self, cleanup: bool = True) -> None:
         proc, self.proc = self.proc, None
