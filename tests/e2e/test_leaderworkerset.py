@@ -15,8 +15,6 @@ garbage-collects the LWS.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import yaml
 from kubernetes import client
@@ -43,6 +41,16 @@ def _lws(admin, namespace, name):
         if exc.status == 404:
             return None
         raise
+
+
+def _crd_exists(ext) -> bool:
+    try:
+        ext.read_custom_resource_definition(CRD_NAME)
+    except client.ApiException as exc:
+        if exc.status == 404:
+            return False
+        raise
+    return True
 
 
 def _condition(models, namespace, name):
@@ -202,4 +210,5 @@ def test_leaderworkerset_lifecycle(operator, admin, models, namespace):
         operator.process.check_alive()
     finally:
         ext.delete_custom_resource_definition(CRD_NAME)
-        time.sleep(1)
+        # Gone before the next test, which runs without it.
+        eventually(lambda: not _crd_exists(ext), timeout=30, message="the LWS CRD to be gone")
