@@ -7,7 +7,8 @@ shared-memory queue (`sched_yield` for 1 s after every message, vLLM's `SpinCond
 a 2-core machine it then shares the second core with the API server and the client and
 starves them: a timestamping proxy saw a server write a response's start at +2 ms and the
 rest of a 300-token stream in one write at +770 ms (its access log said TTFT 11 ms), and a
-load generator waited up to 1.5 s in the run queue while tokens piled up server-side.
+load generator waited up to 1.5 s in the run queue while tokens piled up server-side
+(bursts after ~0.3-3 s, then ITL 0: TTFTs clustered around 1 s).
 Moving every engine-core process next to its worker and every front end (API servers, the
 bare-engine process, load generators, the test process itself) onto the other cores
 removes the stalls. The benchmark (tests/bench) uses this layout for every system it
