@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from testkit.repo import ROOT
@@ -59,3 +60,26 @@ def test_quick_bench_runs_end_to_end(tmp_path):
     assert "### Targets" in note and "| target | measured | met |" in note
     assert "### Cross-check with vLLM's benchmark client" in note
     assert "### Front-end workers (`--api-workers`): scaling with cores" in note
+
+
+def test_quick_balance_bench_runs_and_reads_the_servers_counts():
+    """tests/bench/balance.py in a short form: four runs through nginx, no request fails,
+    and every replica's own active-streams count was read (no speed asserted)."""
+    if not any(
+        Path(p).exists()
+        for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/local/bin/nginx")
+    ):  # nginx_proxy's places
+        pytest.skip("nginx not installed (apt-get install nginx)")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests/bench/balance.py"), "--requests", "24", "--rate", "12"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [(r["mix"], r["balance"]) for r in rows] == [
+        ("random", "round-robin"), ("random", "least-loaded"),
+        ("every 3rd", "round-robin"), ("every 3rd", "least-loaded"),
+    ]  # fmt: skip
+    for row in rows:
+        assert row["failed"] == 0 and len(row["active_means"]) == 3, row
+        assert sum(row["active_means"]) > 0, row

@@ -872,6 +872,72 @@ class GatewaySpec(ApiModel):
     )
 
 
+class EndpointPickerPort(ApiModel):
+    """A port of the endpoint picker's Service."""
+
+    number: int = Field(
+        ge=1,
+        le=65535,
+        description="Port number (the EPP's ext-proc gRPC port, 9002 in GAIE's charts).",
+    )
+
+
+class EndpointPickerRef(ApiModel):
+    """The endpoint picker (EPP) the gateway asks which pod serves each request."""
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=253)] = Field(
+        description="Name of the endpoint picker's Service, in the model's namespace (the "
+        "platform team runs the EPP, e.g. llm-d-router's or GAIE's chart)."
+    )
+    port: EndpointPickerPort = Field(description="The EPP Service's ext-proc port.")
+    failure_mode: Literal["FailOpen", "FailClose"] = Field(
+        default="FailClose",
+        description="What the gateway does when the EPP does not answer: FailClose refuses "
+        "the request (503), FailOpen sends it to a pod of the pool its own way.",
+    )
+
+
+class InferencePoolSpec(ApiModel):
+    """A Gateway API Inference Extension InferencePool (inference.networking.k8s.io/v1)."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Create an InferencePool named like the model that selects its pods; "
+        "with spec.gateway, the HTTPRoute's backend is the pool instead of the Service, so "
+        "the gateway asks the endpoint picker which pod takes each request.",
+    )
+    app_protocol: Literal["http", "kubernetes.io/h2c"] = Field(
+        default="http",
+        description="Protocol the gateway speaks to the pods. The Sluice server speaks "
+        "HTTP/1.1 (uvicorn has no HTTP/2): keep http unless the image serves HTTP/2 in "
+        "cleartext (kubernetes.io/h2c).",
+    )
+    endpoint_picker: EndpointPickerRef | None = Field(
+        default=None,
+        description="The pool's endpointPickerRef. Unset: the pool carries none (optional "
+        "in GAIE v1.6.0's CRD) and the gateway implementation picks the endpoint its own way.",
+    )
+
+
+class RoutingSpec(ApiModel):
+    """How requests are spread over the model's replicas."""
+
+    balance: Literal["least-loaded", "round-robin"] = Field(
+        default="least-loaded",
+        description="How the Ingress picks a replica for a new request. least-loaded: the "
+        "controller's nearest load-aware method (F5 NGINX Ingress: nginx.org/lb-method "
+        "least_conn, the replica with the fewest open streams; ingress-nginx has none that "
+        "sees open streams, its ewma scores replicas by finished responses only, so it "
+        "keeps round_robin). round-robin: each replica in turn. With "
+        "streaming.resume.graceSeconds > 0 an affinity cookie still brings a client back "
+        "to its pod. A Gateway API route has no balancing field: use inferencePool for "
+        "load-aware routing behind a Gateway.",
+    )
+    inference_pool: InferencePoolSpec = sub(
+        InferencePoolSpec, "InferencePool for an endpoint picker (off by default)."
+    )
+
+
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
 
 
@@ -1204,6 +1270,7 @@ class StreamingModelSpec(ApiModel):
         description="Expose the model through a Gateway API Gateway with an HTTPRoute "
         "(gateway.networking.k8s.io/v1) instead of an Ingress; exclusive with ingress.enabled.",
     )
+    routing: RoutingSpec = sub(RoutingSpec, "Balancing over replicas and the InferencePool path.")
     network_policy: NetworkPolicySpec = sub(
         NetworkPolicySpec, "NetworkPolicy for the model pods (off by default)."
     )
