@@ -280,8 +280,31 @@ def test_1_pinned_release_installs_and_reconciles_models(plane, state):
 # ---- 2. the current CRD over objects the pinned one stored ---------------------------------
 
 
+def _added(sent, stored, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """The paths `stored` has beyond `sent`; AssertionError where a sent value changed."""
+    if not (isinstance(sent, dict) and isinstance(stored, dict)):
+        assert stored == sent, f"{'.'.join(path)} reads back changed under the new CRD"
+        return []
+    missing = sent.keys() - stored.keys()
+    assert not missing, f"{'.'.join(path) or 'spec'} lost {sorted(missing)} under the new CRD"
+    added = [(*path, key) for key in stored.keys() - sent.keys()]
+    for key in sent:
+        added += _added(sent[key], stored[key], (*path, key))
+    return added
+
+
+def _has_default(schema: dict, path: tuple[str, ...]) -> bool:
+    """Whether the CRD's schema gives `path` (under spec) a default, itself or in a parent
+    object that was absent and defaulted whole."""
+    node = schema["properties"]["spec"]
+    for key in path:
+        node = node.get("properties", {}).get(key, {})
+    return "default" in node
+
+
 def test_2_objects_stored_by_the_pinned_crd_validate_under_the_current_one(plane, state):
     current = yaml.safe_load((ROOT / "crds/streamingmodels.serving.sluice.dev.yaml").read_text())
+    schema = current["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     live = plane.ext.read_custom_resource_definition(current["metadata"]["name"])
     old = yaml.safe_load((plane.old / "crds/streamingmodels.serving.sluice.dev.yaml").read_text())
     assert [v["name"] for v in old["spec"]["versions"]] == ["v1alpha1"]
@@ -294,7 +317,10 @@ def test_2_objects_stored_by_the_pinned_crd_validate_under_the_current_one(plane
         stored = plane.stored(ns)
         for name, spec in sent.items():
             obj = stored[name]
-            assert obj["spec"] == spec, f"{ns}/{name} reads back changed under the new CRD"
+            # Read back under the new CRD: what was sent is unchanged, and the only additions
+            # are the new fields' schema defaults (the API server applies them on read).
+            added = _added(spec, obj["spec"])
+            assert all(_has_default(schema, path) for path in added), (ns, name, added)
             # An update that changes nothing passes the new schema and CEL rules ...
             updated = plane.custom.replace_namespaced_custom_object(
                 GROUP, VERSION, ns, PLURAL, name, obj
