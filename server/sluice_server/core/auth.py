@@ -12,7 +12,8 @@ key file; `ATTRIBUTES` lists them):
 - `tenant=NAME`: the tenant metrics and logs name (default `default`).
 - `rpm=N`, `tpm=N`: that key's requests and tokens per minute (0 turns a limit off).
 - `models=A,B`: the served names (the base model's, LoRA adapters') the key may use; any
-  other gets 403 `model_not_allowed`. Absent: every served name.
+  other gets 403 `model_not_allowed`, and `/v1/models` lists only these. Absent: every
+  served name.
 
 Keys are never logged nor put in metrics: the limiter sees `key_id` (a short hash), metrics
 and logs the tenant. A file that cannot be parsed is refused as a whole, with the line
