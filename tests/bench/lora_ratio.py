@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -28,7 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent / "server")]
 
-from procs import PY, ProcGroup, Server, Worker, engine_env  # noqa: E402
+from procs import PY, ProcGroup, Server, Worker, engine_env, separate_engines  # noqa: E402
 from report import lora_table, write_section  # noqa: E402
 from testkit.net import free_port  # noqa: E402
 from testkit.repo import ROOT  # noqa: E402
@@ -57,14 +58,20 @@ def run_lora(group: ProcGroup, env: dict, logs: Path, scratch: Path, *, concurre
         env, logs, port, "/ready",
     ))  # fmt: skip
     server.wait_ready(600)
-    loadgen = group.add(Worker("loadgen-lora", [PY, str(HERE / "loadgen.py")], env, logs))
+    # The matrix's layout: the engine on its cores, the server and the load generator on
+    # the others (procs.separate_engines says why).
+    layout = separate_engines([server])
+    front = set(layout.get("front_cpus", ())) or None
+    loadgen = group.add(Worker("loadgen-lora", [PY, str(HERE / "loadgen.py")], env, logs,
+                               cpus=front))  # fmt: skip
 
     def point(model: str, c: int) -> dict:
         time.sleep(1.0)  # let the engine's busy-poll from the last point end
-        return loadgen.call({"concurrency": c, "num_requests": max(8, 4 * c),
-                             "max_tokens": max_tokens, "prompts": prompts, "model": model,
-                             "point_timeout_s": 180, "base_url": server.base_url,
-                             "protocol": "openai"}, timeout=240)  # fmt: skip
+        got = loadgen.call({"concurrency": c, "num_requests": max(8, 4 * c),
+                            "max_tokens": max_tokens, "prompts": prompts, "model": model,
+                            "point_timeout_s": 180, "base_url": server.base_url,
+                            "protocol": "openai"}, timeout=240)  # fmt: skip
+        return {**got, "load_1m": os.getloadavg()[0]}
 
     point("tiny", 2), point(ADAPTER, 2)  # warm-up, not recorded
     rows = []
@@ -76,7 +83,8 @@ def run_lora(group: ProcGroup, env: dict, logs: Path, scratch: Path, *, concurre
                 runs[model].append(point(model, c))
         errors = sum(p["errors"] for ps in runs.values() for p in ps)
 
-        row = {"concurrency": c, "errors": errors}
+        row = {"concurrency": c, "errors": errors, "load_1m": _median(
+            [p for ps in runs.values() for p in ps], "load_1m")}  # fmt: skip
         for label, model in (("base", "tiny"), ("adapter", ADAPTER)):
             row[f"{label}_ttft_p50_ms"] = _median(runs[model], "ttft_p50_ms")
             row[f"{label}_tokens_per_s"] = _median(runs[model], "tokens_per_s")
@@ -86,7 +94,8 @@ def run_lora(group: ProcGroup, env: dict, logs: Path, scratch: Path, *, concurre
     group.stop(loadgen)
     group.stop(server)
     return {"adapter": {"rank": 8, "targets": "q,k,v,o,gate,up,down"}, "repeats": repeats,
-            "max_tokens": max_tokens, "engine_args": ENGINE_ARGS, "rows": rows}  # fmt: skip
+            "max_tokens": max_tokens, "engine_args": ENGINE_ARGS, "cpu_layout": layout,
+            "rows": rows}  # fmt: skip
 
 
 def _median(points: list[dict], key: str) -> float:

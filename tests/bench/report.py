@@ -531,14 +531,16 @@ def lora_table(lora: dict) -> str:
     each on the same engine, and the adapter/base ratios."""
     lines = [
         "| streams | TTFT p50 base (ms) | TTFT p50 adapter (ms) | TTFT ratio "
-        "| tok/s base | tok/s adapter | tok/s ratio | errors |",
-        "|---|---|---|---|---|---|---|---|",
+        "| tok/s base | tok/s adapter | tok/s ratio | errors | load (1 min) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in lora["rows"]:
+        load = r.get("load_1m")
         lines.append(
             f"| {r['concurrency']} | {r['base_ttft_p50_ms']:.1f} | {r['adapter_ttft_p50_ms']:.1f}"
             f" | {r['ttft_ratio']:.2f} | {r['base_tokens_per_s']:.0f} "
-            f"| {r['adapter_tokens_per_s']:.0f} | {r['tokens_per_s_ratio']:.2f} | {r['errors']} |"
+            f"| {r['adapter_tokens_per_s']:.0f} | {r['tokens_per_s_ratio']:.2f} | {r['errors']} "
+            f"| {'' if load is None else f'{load:.1f}'} |"
         )
     return "\n".join(lines)
 

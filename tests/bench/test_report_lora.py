@@ -18,7 +18,7 @@ LORA = {
     "max_tokens": 64,
     "rows": [{"concurrency": 8, "errors": 0, "base_ttft_p50_ms": 30.0,
               "adapter_ttft_p50_ms": 45.0, "ttft_ratio": 1.5, "base_tokens_per_s": 1200.0,
-              "adapter_tokens_per_s": 600.0, "tokens_per_s_ratio": 0.5}],
+              "adapter_tokens_per_s": 600.0, "tokens_per_s_ratio": 0.5, "load_1m": 2.5}],
 }  # fmt: skip
 RESULTS = {
     "command": "python tests/bench/run.py",
@@ -39,7 +39,7 @@ def test_the_section_shows_the_ratio_and_who_measured_it(tmp_path):
     assert "old" not in text
     assert "### A LoRA adapter next to the base" in text
     assert "Measured by `python tests/bench/lora_ratio.py --repeats 2`" in text
-    assert "| 8 | 30.0 | 45.0 | 1.50 | 1200 | 600 | 0.50 | 0 |" in text
+    assert "| 8 | 30.0 | 45.0 | 1.50 | 1200 | 600 | 0.50 | 0 | 2.5 |" in text
 
 
 def test_from_the_whole_run_and_absent_without_one(tmp_path):
