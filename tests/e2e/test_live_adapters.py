@@ -10,7 +10,9 @@ model starts with one adapter; then `spec.adapters` changes on the running model
   limited to it lists only it in /v1/models, status.adapters lists it Ready;
 - an adapter is removed: it leaves /v1/models and is a 404 `model_not_found`;
 and it is the same pod all along: same UID, restartCount 0, no container exit, the
-Deployment's template untouched (its generation is the same).
+Deployment's template untouched (its generation is the same). The counterpart: raising
+`engine.lora.maxLoras` (fixed at engine start) rolls the pod, AdaptersReady says
+`EngineRestart` meanwhile, and the new pod serves the current adapters from its start.
 
 The hot-add latency comes from what the system recorded: the API server's time of the spec
 change (managedFields), the ConfigMap write, each worker's "loaded" log line, and the
@@ -31,7 +33,7 @@ from kubernetes import client
 
 from .conftest import TIMINGS
 from .harness.kube import load_sample, wait_for
-from .live_helpers import claim, live_pods, ready_model, routed, sse_tokens
+from .live_helpers import claim, live_pods, pod_ready, ready_model, routed, sse_tokens
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.usefixtures("footprint")]
 KEY = "e2e-live-key-0123456789abcdef"
@@ -191,3 +193,31 @@ def test_adapters_change_on_a_running_pod_without_replacing_it(
     now = models.apps.read_namespaced_deployment("lora", namespace)
     assert now.metadata.generation == deployment.metadata.generation
     assert [p.metadata.uid for p in models.pods(namespace, "lora")] == [pod.metadata.uid]
+
+    # The counterpart: a LoRA limit vLLM fixes at engine start rolls the pod, the status
+    # says why while it does, and the new pod serves the current list from its start.
+    models.patch(namespace, "lora", {"spec": {"engine": {"lora": {"maxLoras": 3}}}})
+
+    def restarting():
+        c = models.condition(namespace, "lora", "AdaptersReady") or {}
+        return c.get("reason") == "EngineRestart" and c
+
+    seen = wait_for(restarting, timeout=SETTLE, interval=0.5, what="AdaptersReady EngineRestart")
+    assert seen["status"] == "False" and "rolling update" in seen["message"], seen
+
+    def rolled():
+        pods = live_pods(models, namespace, "lora")
+        return len(pods) == 1 and pods[0].metadata.uid != pod.metadata.uid and pod_ready(
+            pods[0]) and pods[0]  # fmt: skip
+
+    new = wait_for(rolled, timeout=START_TIMEOUT, interval=1, what="the new pod")
+    assert models.apps.read_namespaced_deployment("lora", namespace).metadata.generation > (
+        deployment.metadata.generation)  # fmt: skip
+    wait_for(lambda: adapter_states() == {"second": "Ready"} and (models.condition(
+        namespace, "lora", "AdaptersReady") or {}).get("status") == "True", timeout=SETTLE,
+        interval=1, what="the new pod's adapters Ready")  # fmt: skip
+    base = routed(ingress, core, namespace, "lora", 1, path=f"/{namespace}/llm", headers=auth)
+    status, _, raw = _stream(base, auth, "second")
+    assert status == 200 and sse_tokens(raw) == (16, "length", True), raw[-300:]
+    new_log = node.log_dir / f"{namespace}.{new.metadata.name}.server.log"
+    assert new_log.read_text(errors="replace").count("adapters: second loaded from") == 2
