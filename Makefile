@@ -69,7 +69,7 @@ bench: venv ## Benchmarks: our server vs vLLM's server vs the bare engine; fan-o
 	$(PY) tests/bench/run.py
 	$(PY) tests/bench/balance.py --write
 
-bench-lora: venv ## Benchmark only a LoRA adapter next to the base on one engine (docs/bench-lora.md)
+bench-lora: venv ## Benchmark only a LoRA adapter next to the base on one engine (docs/bench-lora.md, the LoRA table in docs/benchmarks.md)
 	$(PY) tests/bench/lora_ratio.py
 
 bench-ab: venv ## CPU per token event, this checkout (B) vs BASE=<another checkout> (A), pinned pairs

@@ -1,20 +1,25 @@
 """`make bench` (phase 5) and `make bench-lora`: what a LoRA adapter costs next to the base.
 
 One server process (`--model tiny`, LoRA on: `--max-loras 2 --max-lora-rank 8`) with one
-adapter made at test time (rank 8 on every projection, tests/server/lora_helpers.py); the
+adapter made at test time (rank 8 on every projection, tests/testkit/lora.py); the
 same load generator as the matrix, OpenAI streamed chat, the same prompts and max_tokens.
 For each repeat and concurrency, base then adapter (order alternating per repeat), on the
 same engine: TTFT p50 and output tokens/s of each, and the adapter/base ratios. Cheap: one
 engine start, a few hundred requests.
 
 `python tests/bench/lora_ratio.py [--out docs] [--repeats 3] [--concurrency 1 8]` alone;
-writes docs/bench-lora.md and docs/bench-lora.json.
+writes docs/bench-lora.md and docs/bench-lora.json, and, where --out holds the last
+`make bench`'s bench-results.json, puts the result in it as its `lora` part (with this
+command) and regenerates docs/benchmarks.md's generated section from it (report.py), so
+the page shows the newest ratio without rerunning the whole benchmark.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -24,7 +29,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent / "server")]
 
-from procs import PY, ProcGroup, Server, Worker, engine_env  # noqa: E402
+from procs import PY, ProcGroup, Server, Worker, engine_env, separate_engines  # noqa: E402
+from report import lora_table, write_section  # noqa: E402
 from testkit.net import free_port  # noqa: E402
 from testkit.repo import ROOT  # noqa: E402
 
@@ -52,14 +58,20 @@ def run_lora(group: ProcGroup, env: dict, logs: Path, scratch: Path, *, concurre
         env, logs, port, "/ready",
     ))  # fmt: skip
     server.wait_ready(600)
-    loadgen = group.add(Worker("loadgen-lora", [PY, str(HERE / "loadgen.py")], env, logs))
+    # The matrix's layout: the engine on its cores, the server and the load generator on
+    # the others (procs.separate_engines says why).
+    layout = separate_engines([server])
+    front = set(layout.get("front_cpus", ())) or None
+    loadgen = group.add(Worker("loadgen-lora", [PY, str(HERE / "loadgen.py")], env, logs,
+                               cpus=front))  # fmt: skip
 
     def point(model: str, c: int) -> dict:
         time.sleep(1.0)  # let the engine's busy-poll from the last point end
-        return loadgen.call({"concurrency": c, "num_requests": max(8, 4 * c),
-                             "max_tokens": max_tokens, "prompts": prompts, "model": model,
-                             "point_timeout_s": 180, "base_url": server.base_url,
-                             "protocol": "openai"}, timeout=240)  # fmt: skip
+        got = loadgen.call({"concurrency": c, "num_requests": max(8, 4 * c),
+                            "max_tokens": max_tokens, "prompts": prompts, "model": model,
+                            "point_timeout_s": 180, "base_url": server.base_url,
+                            "protocol": "openai"}, timeout=240)  # fmt: skip
+        return {**got, "load_1m": os.getloadavg()[0]}
 
     point("tiny", 2), point(ADAPTER, 2)  # warm-up, not recorded
     rows = []
@@ -71,7 +83,8 @@ def run_lora(group: ProcGroup, env: dict, logs: Path, scratch: Path, *, concurre
                 runs[model].append(point(model, c))
         errors = sum(p["errors"] for ps in runs.values() for p in ps)
 
-        row = {"concurrency": c, "errors": errors}
+        row = {"concurrency": c, "errors": errors, "load_1m": _median(
+            [p for ps in runs.values() for p in ps], "load_1m")}  # fmt: skip
         for label, model in (("base", "tiny"), ("adapter", ADAPTER)):
             row[f"{label}_ttft_p50_ms"] = _median(runs[model], "ttft_p50_ms")
             row[f"{label}_tokens_per_s"] = _median(runs[model], "tokens_per_s")
@@ -81,7 +94,8 @@ def run_lora(group: ProcGroup, env: dict, logs: Path, scratch: Path, *, concurre
     group.stop(loadgen)
     group.stop(server)
     return {"adapter": {"rank": 8, "targets": "q,k,v,o,gate,up,down"}, "repeats": repeats,
-            "max_tokens": max_tokens, "engine_args": ENGINE_ARGS, "rows": rows}  # fmt: skip
+            "max_tokens": max_tokens, "engine_args": ENGINE_ARGS, "cpu_layout": layout,
+            "rows": rows}  # fmt: skip
 
 
 def _median(points: list[dict], key: str) -> float:
@@ -99,22 +113,25 @@ def markdown(result: dict) -> str:
         f"{result['repeats']} runs per point. Ratio = adapter / base (TTFT: above 1 is "
         "slower; tokens/s: below 1 is slower).",
         "",
-        "| streams | TTFT p50 base (ms) | TTFT p50 adapter (ms) | TTFT ratio "
-        "| tok/s base | tok/s adapter | tok/s ratio | errors |",
-        "|---|---|---|---|---|---|---|---|",
+        lora_table(result),
     ]
-    for r in result["rows"]:
-        lines.append(
-            f"| {r['concurrency']} | {r['base_ttft_p50_ms']:.1f} | {r['adapter_ttft_p50_ms']:.1f}"
-            f" | {r['ttft_ratio']:.2f} | {r['base_tokens_per_s']:.0f} "
-            f"| {r['adapter_tokens_per_s']:.0f} | {r['tokens_per_s_ratio']:.2f} | {r['errors']} |"
-        )
     return "\n".join(lines) + "\n"
 
 
 def write(result: dict, out: Path) -> None:
     (out / "bench-lora.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "bench-lora.md").write_text(markdown(result))
+
+
+def merge_into_results(result: dict, out: Path) -> None:
+    """The last full run's results with this LoRA part, and benchmarks.md's section again."""
+    path = out / "bench-results.json"
+    if not path.exists():
+        return
+    results = json.loads(path.read_text())
+    results["lora"] = result
+    path.write_text(json.dumps(results, indent=1))
+    write_section(results, out)
 
 
 def main(argv=None) -> int:
@@ -133,7 +150,10 @@ def main(argv=None) -> int:
         result = run_lora(group, engine_env(scratch), logs, scratch, concurrency=args.concurrency,
                           repeats=args.repeats, max_tokens=args.max_tokens,
                           prompts=prompts())  # fmt: skip
+    given = shlex.join(argv if argv is not None else sys.argv[1:])
+    result["command"] = f"python tests/bench/lora_ratio.py {given}".strip()
     write(result, args.out)
+    merge_into_results(result, args.out)
     print(markdown(result))
     return 0
 

@@ -526,6 +526,44 @@ def _layout_line(st: dict) -> str:
     return f"Layout: {where}; {st.get('settle_s', 0):g} s idle before each point (see Method)."
 
 
+def lora_table(lora: dict) -> str:
+    """The LoRA adapter next to the base (lora_ratio.py's result): TTFT p50 and tokens/s of
+    each on the same engine, and the adapter/base ratios."""
+    lines = [
+        "| streams | TTFT p50 base (ms) | TTFT p50 adapter (ms) | TTFT ratio "
+        "| tok/s base | tok/s adapter | tok/s ratio | errors | load (1 min) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in lora["rows"]:
+        load = r.get("load_1m")
+        lines.append(
+            f"| {r['concurrency']} | {r['base_ttft_p50_ms']:.1f} | {r['adapter_ttft_p50_ms']:.1f}"
+            f" | {r['ttft_ratio']:.2f} | {r['base_tokens_per_s']:.0f} "
+            f"| {r['adapter_tokens_per_s']:.0f} | {r['tokens_per_s_ratio']:.2f} | {r['errors']} "
+            f"| {'' if load is None else f'{load:.1f}'} |"
+        )
+    return "\n".join(lines)
+
+
+def lora_lines(lora: dict) -> list[str]:
+    """The generated section's LoRA part: what ran (its own command when `make bench-lora`
+    measured it apart from the rest), then the table."""
+    a = lora["adapter"]
+    command = lora.get("command")
+    source = f"Measured by `{command}`" if command else "Measured by the run above"
+    return [
+        "### A LoRA adapter next to the base (same engine, same load)",
+        "",
+        f"{source}: one rank-{a['rank']} adapter on every projection ({a['targets']}) of the "
+        f"tiny model, OpenAI streamed chat, {lora['max_tokens']} tokens per request, base and "
+        f"adapter alternately, medians of {lora['repeats']} runs per point. Ratio = adapter / "
+        "base (TTFT: above 1 is slower; tok/s: below 1 is slower).",
+        "",
+        lora_table(lora),
+        "",
+    ]
+
+
 def generated_section(results: dict, out_dir: Path) -> str:
     m, v, st = results["machine"], results["versions"], results["settings"]
     lines = [
@@ -596,8 +634,10 @@ def generated_section(results: dict, out_dir: Path) -> str:
             "",
             "### Front-end workers (`--api-workers`): scaling with cores",
             "",
-            worker_scaling_table(results["fanout"]),
+            worker_scaling_table(results["fanout"]),  # ends with a blank line
         ]
+    if "lora" in results:
+        lines += lora_lines(results["lora"])
     lines += [END]
     return "\n".join(lines)
 
@@ -625,7 +665,12 @@ def write_all(results: dict, out_dir: Path) -> None:
             + "\n## Front-end workers\n\n"
             + worker_scaling_table(results["fanout"])
         )
-    note = out_dir / "benchmarks.md"
+    write_section(results, out_dir)
+
+
+def write_section(results: dict, out_dir: Path) -> None:
+    """docs/benchmarks.md's generated section alone (between the markers)."""
+    note = Path(out_dir) / "benchmarks.md"
     section = generated_section(results, out_dir)
     if note.exists() and BEGIN in note.read_text():
         text = note.read_text()

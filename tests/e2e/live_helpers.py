@@ -1,10 +1,12 @@
-"""Shared pieces of the live-pod scenarios (test_live_pods.py, test_live_engine.py): the
-simulator model they deploy, waiting for a model and for the ingress to route it, reading
-what the node agent and the servers recorded."""
+"""Shared pieces of the live-pod scenarios (test_live_pods.py, test_live_engine.py,
+test_live_adapters.py): the simulator model they deploy, a bound claim for real weights,
+waiting for a model and for the ingress to route it, reading what the node agent and the
+servers recorded and what a stream said."""
 
 from __future__ import annotations
 
 import copy
+import json
 import re
 
 import httpx
@@ -90,3 +92,37 @@ def served_by(node, namespace: str, pod: str) -> int:
     log = node.log_dir / f"{namespace}.{pod}.server.log"
     text = log.read_text(errors="replace") if log.exists() else ""
     return text.count("outcome=finished")
+
+
+def claim(core: client.CoreV1Api, namespace: str, name: str) -> None:
+    """A PersistentVolume pre-bound to a claim, so the real PV controller binds them."""
+    pv = f"{namespace}-{name}"
+    core.create_persistent_volume({
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
+        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"],
+                 "storageClassName": "e2e-local", "hostPath": {"path": "/var/empty"},
+                 "claimRef": {"namespace": namespace, "name": name}},
+    })  # fmt: skip
+    core.create_namespaced_persistent_volume_claim(namespace, {
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
+        "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "e2e-local",
+                 "volumeName": pv, "resources": {"requests": {"storage": "1Gi"}}},
+    })  # fmt: skip
+    eventually(lambda: core.read_namespaced_persistent_volume_claim(name, namespace).status.phase
+             == "Bound", timeout=30, message=f"claim {name} Bound")  # fmt: skip
+
+
+def sse_tokens(text: str) -> tuple[int, str | None, bool]:
+    """(completion tokens the final event's usage counts, finish reason, [DONE] seen)."""
+    n, reason = 0, None
+    for line in text.splitlines():
+        if line.startswith("data: {"):
+            ev = json.loads(line[6:])
+            if "choices" in ev:  # an OpenAI chunk
+                for choice in ev["choices"]:
+                    reason = choice.get("finish_reason") or reason
+            elif ev.get("finished"):
+                reason = ev.get("finish_reason")
+            if ev.get("usage"):
+                n = ev["usage"].get("completion_tokens", n)
+    return n, reason, "data: [DONE]" in text

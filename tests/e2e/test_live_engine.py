@@ -28,45 +28,11 @@ from kubernetes import client
 
 from .conftest import TIMINGS
 from .harness.kube import eventually, load_sample
-from .live_helpers import live_pods, pod_ready, ready_model, routed
+from .live_helpers import claim, live_pods, pod_ready, ready_model, routed, sse_tokens
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.usefixtures("footprint")]
 KEY = "e2e-live-key-0123456789abcdef"
 START_TIMEOUT = 300  # the engine starts in 66-87 s on two idle cores; the machine is shared
-
-
-def _claim(core: client.CoreV1Api, namespace: str, name: str) -> None:
-    """A PersistentVolume pre-bound to a claim, so the real PV controller binds them."""
-    pv = f"{namespace}-{name}"
-    core.create_persistent_volume({
-        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
-        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"],
-                 "storageClassName": "e2e-local", "hostPath": {"path": "/var/empty"},
-                 "claimRef": {"namespace": namespace, "name": name}},
-    })  # fmt: skip
-    core.create_namespaced_persistent_volume_claim(namespace, {
-        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
-        "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "e2e-local",
-                 "volumeName": pv, "resources": {"requests": {"storage": "1Gi"}}},
-    })  # fmt: skip
-    eventually(lambda: core.read_namespaced_persistent_volume_claim(name, namespace).status.phase
-               == "Bound", timeout=30, message=f"claim {name} Bound")  # fmt: skip
-
-
-def _sse_tokens(text: str) -> tuple[int, str | None, bool]:
-    """(completion tokens the final event's usage counts, finish reason, [DONE] seen)."""
-    n, reason = 0, None
-    for line in text.splitlines():
-        if line.startswith("data: {"):
-            ev = json.loads(line[6:])
-            if "choices" in ev:  # an OpenAI chunk
-                for choice in ev["choices"]:
-                    reason = choice.get("finish_reason") or reason
-            elif ev.get("finished"):
-                reason = ev.get("finish_reason")
-            if ev.get("usage"):
-                n = ev["usage"].get("completion_tokens", n)
-    return n, reason, "data: [DONE]" in text
 
 
 def test_real_engine_pod_streams_through_the_ingress_and_recovers_from_a_wedged_engine(
@@ -76,7 +42,7 @@ def test_real_engine_pod_streams_through_the_ingress_and_recovers_from_a_wedged_
 
     (node,), placement = live_nodes(1, cpus={0})
     core = client.CoreV1Api(admin)
-    _claim(core, namespace, "weights")
+    claim(core, namespace, "weights")
     shutil.copytree(ensure_tiny_model(), node.pvc_dir(namespace, "weights") / "tiny")
     core.create_namespaced_secret(namespace, client.V1Secret(
         metadata=client.V1ObjectMeta(name="keys"), string_data={"keys": KEY + "\n", "hf": "x"}))  # fmt: skip
@@ -100,11 +66,11 @@ def test_real_engine_pod_streams_through_the_ingress_and_recovers_from_a_wedged_
 
     # Token SSE, OpenAI chat (streamed), WebSocket: all through the ingress, under the prefix.
     r = httpx.post(f"{base}/v1/stream", json=chat, headers=auth, timeout=60)
-    assert r.status_code == 200 and _sse_tokens(r.text) == (24, "length", True), r.text[-300:]
+    assert r.status_code == 200 and sse_tokens(r.text) == (24, "length", True), r.text[-300:]
     r = httpx.post(f"{base}/v1/chat/completions", headers=auth, timeout=60,
                    json={**chat, "model": "real", "stream": True,
                          "stream_options": {"include_usage": True}})  # fmt: skip
-    assert r.status_code == 200 and _sse_tokens(r.text) == (24, "length", True), r.text[-300:]
+    assert r.status_code == 200 and sse_tokens(r.text) == (24, "length", True), r.text[-300:]
     assert httpx.post(f"{base}/v1/stream", json=chat, timeout=30).status_code == 401
     from websockets.sync.client import connect
 
@@ -152,4 +118,4 @@ def test_real_engine_pod_streams_through_the_ingress_and_recovers_from_a_wedged_
     last = p.status.container_statuses[0].last_state.terminated
     assert last is not None, p.status.container_statuses[0]
     r = httpx.post(f"{base}/v1/stream", json=chat, headers=auth, timeout=60)
-    assert r.status_code == 200 and _sse_tokens(r.text) == (24, "length", True), r.text[-300:]
+    assert r.status_code == 200 and sse_tokens(r.text) == (24, "length", True), r.text[-300:]

@@ -1,10 +1,11 @@
 """LoRA adapters on the real vLLM engine (CPU build, tiny model), started with LoRA on.
 
-Adapters are made at test time (PEFT's file layout, random weights: lora_helpers.py). At
+Adapters are made at test time (PEFT's file layout, random weights: testkit/lora.py). At
 temperature 0 an adapter's answer differs from the base's and the base's answer does not
 change; every protocol routes by `model`; streams on the base and two adapters run at once
 without mixing; an adapter stream is aborted when its client goes (engine tokens after the
 drop <= 2, from the engine core's own step timestamps, as test_stream_abort.py measures);
+a stalled reader of an adapter stream is cut off at the buffer cap as on the base;
 unknown names are 404; an adapter the engine refuses (rank over --max-lora-rank) is Failed
 with the engine's reason while the others serve; /metrics keeps vLLM's own
 `vllm:lora_requests_info`, read without error by an endpoint picker's rules (epp_rules.py).
@@ -212,3 +213,33 @@ async def test_unknown_model_is_404_on_every_protocol(lora_server):
         await ws.send(json.dumps({"id": 1, "prompt": "x", "model": "gamma"}))
         f = json.loads(await asyncio.wait_for(ws.recv(), 30))
         assert f["type"] == "error" and f["error"]["code"] == "model_not_found"
+
+
+async def test_a_stalled_adapter_stream_is_cut_off_as_any_stream(
+    lora_engine, tiny_model_path, adapter_dirs, tmp_path
+):
+    """Backpressure is the same for an adapter: its reader stalls, past 16 undelivered
+    events the engine request is aborted early, and when the reader comes back it gets the
+    error event and [DONE] (test_stream_backpressure.py, on the base)."""
+    from conftest import LORA_LIMITS
+    from test_stream_abort import generated_tokens, settle
+    from test_stream_backpressure import MAX_TOKENS, read_all, small_buffer_server, stalled_request
+
+    path = tmp_path / "adapters.json"
+    write_adapters(path, {"beta": adapter_dirs["beta"]})
+    body = json.dumps({"prompt": "Hi", "max_tokens": MAX_TOKENS, "ignore_eos": True,
+                       "model": "beta"}).encode()  # fmt: skip
+    async with small_buffer_server(lora_engine, tiny_model_path, adapters_file=path,
+                                   stream_buffer_tokens=16, send_timeout_seconds=30,
+                                   **LORA_LIMITS) as port:  # fmt: skip
+        s, before = await stalled_request(port, body=body)
+        await asyncio.sleep(0.2)
+        await settle(lora_engine, limit_s=20)  # the engine request ends while we stall
+        generated = generated_tokens() - before
+        data = await read_all(s)
+        s.close()
+    text = data.decode(errors="replace")
+    assert text.startswith("HTTP/1.1 200"), text[:300]  # served by the adapter
+    assert generated < MAX_TOKENS * 0.8, "the adapter's request was not aborted early"
+    assert "event: error" in text and "too slow" in text.lower(), text[-600:]
+    assert text.rstrip("\r\n0 ").endswith("data: [DONE]"), text[-300:]

@@ -152,6 +152,40 @@ async def test_keys_limited_to_served_names(adapters, tmp_path):
                          headers={"Authorization": "Bearer sk-a"})  # fmt: skip
         assert r.status_code == 403
 
+        async def listed(key: str) -> list[tuple[str, str | None]]:
+            r = await c.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200, r.text
+            return [(m["id"], m.get("parent")) for m in r.json()["data"]]
+
+        # /v1/models shows a key what it may use: all for a key without `models=`.
+        assert await listed("sk-all") == [("sim", None), ("acme/a", "sim"), ("b", "sim")]
+        assert await listed("sk-a") == [("acme/a", "sim")]
+        assert await listed("sk-base") == [("sim", None), ("b", "sim")]
+
+
+async def test_a_tokens_models_claim_limits_what_it_sees_and_uses(adapters, tmp_path):
+    from jwt_helpers import AUDIENCE, ISSUER, Issuer, jwks
+
+    path, _ = adapters
+    issuer = Issuer("rsa-1")
+    (tmp_path / "jwks.json").write_text(json.dumps(jwks(issuer)))
+    limited, every = issuer.token(models=["b"]), issuer.token()
+    async with serve_simulator(sim(), adapters_file=path, jwt_jwks_file=tmp_path / "jwks.json",
+                               jwt_issuer=ISSUER, jwt_audience=AUDIENCE) as url, \
+            httpx.AsyncClient(base_url=url) as c:  # fmt: skip
+
+        async def listed(token: str) -> list[str]:
+            r = await c.get("/v1/models", headers={"Authorization": f"Bearer {token}"})
+            return [m["id"] for m in r.json()["data"]]
+
+        assert await listed(every) == ["sim", "acme/a", "b"]
+        assert await listed(limited) == ["b"]
+        for model, status in (("b", 200), ("acme/a", 403), (None, 403)):
+            body = {**PROMPT, **({"model": model} if model else {})}
+            r = await c.post("/v1/chat/completions", json=body,
+                             headers={"Authorization": f"Bearer {limited}"})  # fmt: skip
+            assert r.status_code == status, (model, r.text)
+
 
 async def test_hot_add_and_remove_through_the_watched_file(adapters, tmp_path):
     path, dirs = adapters

@@ -18,7 +18,8 @@ downloads and the others find the files: once per pod, not per worker.
 
 A name resolves (`resolve`) to the base (None), to a Ready adapter, or to an ApiError: 503
 while the adapter is still loading (Retry-After), 404 `model_not_found` naming what is
-served otherwise; a caller whose key or token lists names (`models=`) gets 403 for others.
+served otherwise; a caller whose key or token lists names (`models=`) gets 403 for others,
+and sees only its names in `/v1/models` (`visible`).
 
 State is exported as `sluice_adapter_state{adapter, id, state, reason}` (1 for the current
 state, 0 for the others, the maximum over the pod's workers), which the operator reads to
@@ -169,11 +170,10 @@ class Adapters:
     def resolve(self, name: str | None, who: Principal | None = None) -> Adapter | None:
         """The adapter to generate with (None: the base), or ApiError (see the module)."""
         target = self.base if name is None else name
-        allowed = who.models if who is not None else None
-        if allowed is not None and target not in allowed:
+        if who is not None and not who.may_use(target):
             raise ApiError(403, f"This key may not use the model `{target}`; it may use: "
-                           f"{', '.join(sorted(allowed))}.", reason="auth", param="model",
-                           code="model_not_allowed")  # fmt: skip
+                           f"{', '.join(sorted(who.models or ()))}.", reason="auth",
+                           param="model", code="model_not_allowed")  # fmt: skip
         if target == self.base:
             return None
         served = self.served.get(target)
@@ -182,12 +182,17 @@ class Adapters:
         if served is not None and served.state == LOADING:
             raise ApiError(503, f"The adapter `{target}` is still loading; retry shortly.",
                            param="model", code="model_loading", headers={"Retry-After": "2"})  # fmt: skip
-        names = self.names()
-        if allowed is not None:
-            names = [n for n in names if n in allowed]
+        names = [n for n in self.names() if who is None or who.may_use(n)]
         raise ApiError(404, f"The model `{target}` does not exist; this server serves: "
                        f"{', '.join(f'`{n}`' for n in names)}.", reason="bad_input",
                        param="model", code="model_not_found")  # fmt: skip
+
+    @staticmethod
+    def visible(listing: dict[str, Any], who: Principal) -> dict[str, Any]:
+        """OpenAI's model list (`/v1/models`) as `who` may see it: only the served names its
+        key or token lists (`models=`), every one when it lists none."""
+        data = [m for m in listing.get("data") or [] if who.may_use(str(m.get("id")))]
+        return {**listing, "data": data}
 
     # -- loading ---------------------------------------------------------------------
     def read(self) -> list[Entry] | None:

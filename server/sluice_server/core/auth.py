@@ -12,7 +12,7 @@ comments and blank lines ignored, then `name=value` attributes, each at most onc
 `ATTRIBUTES` is the table: an attribute is one row (its value's shape and a parser that
 raises ValueError saying what the value must be) and one `Principal` field. `models=A,B`:
 the served names (the base model's, LoRA adapters') the key may use; any other gets 403
-`model_not_allowed`; absent: every served name. A tenant's weight is checked across lines
+`model_not_allowed` (and `/v1/models` lists only these); absent: every served name. A tenant's weight is checked across lines
 (and against `--tenant-weights`) once the file is read.
 
 Keys are never logged nor put in metrics: the limiter sees `key_id` (a short hash), metrics

@@ -86,6 +86,10 @@ class Principal:
     # The served names (base, LoRA adapters) this caller may use; None: every one.
     models: frozenset[str] | None = None
 
+    def may_use(self, model: str) -> bool:
+        """Whether this caller may name `model` (generate with it, see it in /v1/models)."""
+        return self.models is None or model in self.models
+
 
 # A served model name in a key file's `models=` or a token's `models` claim.
 MODEL_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._/:-]{0,126}[A-Za-z0-9])?")

@@ -21,10 +21,11 @@ API = Api(flag="sse", label="openai")
 
 @router.get("/v1/models", responses=streamed(stream=False))
 async def list_models(request: Request) -> Response:
-    """The served model (OpenAI's model list)."""
-    svc, _ = gate(request, API, "/v1/models")
+    """The served models (OpenAI's model list): the base and each Ready LoRA adapter, with
+    the base as `parent`; a key or token limited to some names (`models=`) sees only those."""
+    svc, who = gate(request, API, "/v1/models")
     engine = await svc.require_engine()
-    return JSONResponse(await engine.api.models())
+    return JSONResponse(svc.adapters.visible(await engine.api.models(), who))
 
 
 @router.post("/v1/chat/completions", openapi_extra=api_body("chat"), responses=streamed())
