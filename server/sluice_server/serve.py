@@ -25,10 +25,11 @@ from multiprocessing import connection
 
 import uvicorn
 
+from .activator.app import build_activator
 from .app import build_app
 from .core.pod import PodSeat, PodState
 from .core.trail import ACCESS_LOGGER
-from .settings import Settings
+from .settings import ActivatorSettings, Settings
 from .transport import handshake, redact
 
 log = logging.getLogger("sluice_server")
@@ -116,6 +117,36 @@ def serve(
     server.run(sockets=[sock] if sock is not None else None)
     # uvicorn returns normally after a signal-initiated shutdown; a failed start-up
     # (engine error in the lifespan) leaves `started` false.
+    return 0 if server.started else 1
+
+
+def activator_config(settings: ActivatorSettings, app) -> uvicorn.Config:
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        lifespan="on",
+        ws_ping_interval=settings.heartbeat_seconds,
+        ws_ping_timeout=settings.heartbeat_seconds,
+        ws_max_size=settings.max_body_bytes,
+        timeout_keep_alive=settings.keep_alive_seconds,  # type: ignore[arg-type]
+        timeout_graceful_shutdown=30,
+        access_log=False,  # it would log query strings (`?api_key=`)
+    )
+    redact.install()
+    handshake.install()
+    return config
+
+
+def serve_activator(settings: ActivatorSettings) -> int:
+    """The activator: one process (it only waits and relays), uvicorn's own SIGTERM
+    handling (connections get `timeout_graceful_shutdown` to finish)."""
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    server = uvicorn.Server(activator_config(settings, build_activator(settings)))
+    server.run()
     return 0 if server.started else 1
 
 

@@ -174,8 +174,7 @@ class Connection:
                 raise WebSocketDisconnect(code=1006) from None
 
     async def error(self, rid, status: int, message: str, code: str | None) -> None:
-        body = error_body(status or 400, message, code=code)
-        await self.send(_dumps({"id": rid, "type": "error", **body}))
+        await self.send(error_frame(rid, status, message, code))
 
     async def pump(self, rid, stream: Stream, meter: Meter, cleanup) -> None:
         head = '{"id":' + _dumps(rid) + ',"index":'
@@ -203,3 +202,8 @@ class Connection:
             cleanup(self.watchdog.stalled)
             self.tasks.pop(rid, None)
             self.streams.pop(rid, None)
+
+
+def error_frame(rid, status: int, message: str, code: str | None) -> str:
+    """An error frame: `{"id", "type": "error", "error": {...}}` (id None: not one generation's)."""
+    return _dumps({"id": rid, "type": "error", **error_body(status or 400, message, code=code)})
