@@ -429,8 +429,9 @@ def build_parser(model: type[BaseSettings] = Settings) -> argparse.ArgumentParse
         prog, about = "sluice-server", ("Streaming LLM server. Arguments after `--` go to "
                                         "vLLM's engine parser.")  # fmt: skip
     else:
-        prog, about = "sluice-server activator", (
-            "Holds requests for models at zero replicas until one is ready, then forwards them."
+        prog, about = (
+            "sluice-server activator",
+            ("Holds requests for models at zero replicas until one is ready, then forwards them."),
         )
     parser = argparse.ArgumentParser(prog=prog, description=about,
                                      argument_default=argparse.SUPPRESS)  # fmt: skip

@@ -57,12 +57,15 @@ async def activator(tmp_path: Path, models: dict, **overrides) -> AsyncIterator[
                                  log_level="warning", **overrides)  # fmt: skip
     app = build_activator(settings)
     async with serving(activator_config(settings, app)):
-        yield Running(f"http://127.0.0.1:{port}", app, path)
+        # Reached as `localhost`: the models' host is 127.0.0.1, and a Host naming a model
+        # is that model's request, never the activator's own (its /metrics, /ready).
+        yield Running(f"http://localhost:{port}", app, path)
 
 
 @contextlib.asynccontextmanager
 async def model_server(port: int, engine=None, **overrides) -> AsyncIterator[str]:
-    """A model server (the simulator unless `engine` is given) on `port`, from now on."""
+    """A model server on `port`, from now on: on `engine` (a simulator by default, or the
+    session's real vLLM engine)."""
     from sluice_server.app import build_app
     from sluice_server.engine.simulator import SimulatorEngine
     from sluice_server.serve import uvicorn_config
@@ -70,6 +73,7 @@ async def model_server(port: int, engine=None, **overrides) -> AsyncIterator[str
 
     if engine is None:
         engine = SimulatorEngine("sim", ttft_ms=5, itl_ms=2)
+    if isinstance(engine, SimulatorEngine):
         base = {"model": "sim", "engine": "simulator"}
     else:
         base = {"model": "tiny", "served_model_name": "tiny"}

@@ -25,6 +25,7 @@ from activator_helpers import (
     scrape,
     tee,
 )
+from sluice_server.engine.simulator import SimulatorEngine
 from testkit.net import free_port
 from testkit.wait import eventually
 
@@ -108,9 +109,240 @@ async def test_held_requests_of_every_kind_get_their_whole_answer(tmp_path):
     assert ws_frames[-1]["finish_reason"] == "length"
     assert "".join(d.get("token", "") for d in tokens.data()) == expected["tokens"]
     # The keep-alives came before the first event, the status events say why and how long.
-    first_data = next(i for i, line in enumerate(tokens.lines) if line.startswith("data: {\"id\""))
+    first_data = next(i for i, line in enumerate(tokens.lines) if line.startswith('data: {"id"'))
     statuses = [json.loads(line[6:]) for line in tokens.lines[:first_data]
                 if line.startswith("data: ")]  # fmt: skip
     assert statuses and all(s["phase"] == "starting" for s in statuses)
     assert statuses == sorted(statuses, key=lambda s: s["waited_seconds"])
     assert act.outcome("forwarded") == 5 and act.held() == 0
+
+
+async def test_a_held_client_that_leaves_is_dropped_and_never_forwarded(tmp_path):
+    port = free_port()
+    async with activator(tmp_path, {MODEL: entry(port)}) as act:
+        client = httpx.AsyncClient(base_url=act.url, headers=HEADERS, timeout=30)
+        # A committed stream (it heard a keep-alive) and a plain request, both held.
+        stream = RawSSE(client, "POST", "/v1/stream", json={"prompt": "a", "max_tokens": 4})
+        leaving = [
+            asyncio.ensure_future(stream.run()),
+            asyncio.ensure_future(client.post("/v1/chat/completions", json=CHAT)),
+        ]
+        staying = asyncio.ensure_future(client.post("/v1/chat/completions", json=CHAT))
+        await eventually(lambda: act.held() == 3 and stream.count(": queued") >= 1,
+                         what="three held, the stream committed")  # fmt: skip
+        for task in leaving:
+            task.cancel()
+        await asyncio.gather(*leaving, return_exceptions=True)
+        await eventually(lambda: act.held() == 1 and act.outcome("disconnected") == 2,
+                         what="the two that left dropped")  # fmt: skip
+        async with model_server(port) as url:
+            assert (await staying).status_code == 200
+            # The server saw one request: the one that stayed (negative control: it counts).
+            assert await scrape(url, "sluice_requests_total", protocol="openai") == 1
+            assert await scrape(url, "sluice_requests_total", protocol="sse") == 0
+        await client.aclose()
+    assert act.outcome("forwarded") == 1 and act.held() == 0
+
+
+async def test_past_the_hold_timeout_each_protocol_gives_up_in_its_own_shape(tmp_path):
+    port = free_port()  # nothing ever listens here
+    models = {
+        MODEL: entry(port, holdTimeoutSeconds=0.8, keepaliveSeconds=0.2),
+        "team-a/slow-commit": entry(port, holdTimeoutSeconds=0.5, keepaliveSeconds=5),
+    }
+    async with activator(tmp_path, models) as act:
+        client = httpx.AsyncClient(base_url=act.url, headers=HEADERS, timeout=30)
+        plain = asyncio.ensure_future(client.post("/v1/chat/completions", json=CHAT))
+        streams = {
+            "openai": RawSSE(client, "POST", "/v1/chat/completions", json={**CHAT, "stream": True}),
+            "anthropic": RawSSE(client, "POST", "/v1/messages", json={**CHAT, "stream": True}),
+            "responses": RawSSE(client, "POST", "/v1/responses",
+                                json={"model": "sim", "input": "hi", "stream": True}),
+            "sse": RawSSE(client, "GET", "/v1/stream", params={"prompt": "a"}),
+        }  # fmt: skip
+        # A stream that would commit only after 5 s: nothing was sent, so a real 503.
+        uncommitted = asyncio.ensure_future(client.post(
+            "/v1/chat/completions", json={**CHAT, "stream": True},
+            headers={"X-Sluice-Model": "team-a/slow-commit"}))  # fmt: skip
+        url = act.url.replace("http://", "ws://") + "/ws/stream"
+        async with websockets.connect(url, additional_headers=HEADERS) as ws:
+            await ws.send(json.dumps({"id": 1, "prompt": "a"}))
+            frame = json.loads(await ws.recv())
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                await ws.recv()
+        await asyncio.gather(*(s.run() for s in streams.values()))
+        r, early = await plain, await uncommitted
+        await client.aclose()
+    for refused in (r, early):
+        assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
+        assert refused.json()["error"]["code"] == "model_starting"
+        assert "is starting" in refused.json()["error"]["message"]
+    assert frame["type"] == "error" and frame["error"]["code"] == "model_starting"
+    assert closed.value.rcvd.code == 1013
+    for name, s in streams.items():
+        assert s.status == 200 and s.count(": queued") >= 1, name  # committed by keep-alives
+        events = [json.loads(line[6:]) for line in s.lines
+                  if line.startswith("data: {")]  # fmt: skip
+        error = events[-1]
+        if name == "anthropic":
+            assert error["error"]["type"] == "overloaded_error"
+            assert "model_starting" in error["error"]["message"]
+        elif name == "responses":
+            assert error["type"] == "error" and error["code"] == "model_starting"
+        else:
+            assert error["error"]["code"] == "model_starting", name
+        assert "event: error" in s.lines
+        assert (s.lines[-2] == "data: [DONE]") == (name in ("openai", "sse")), name
+    assert act.outcome("timeout") == 6 and act.held() == 0
+    assert act.app.metrics.requests.labels("team-a", "slow-commit", "timeout")._value.get() == 1
+
+
+async def test_past_max_held_is_429_with_retry_after_at_once(tmp_path):
+    port = free_port()
+    async with activator(tmp_path, {MODEL: entry(port, maxHeld=2)}) as act:
+        client = httpx.AsyncClient(base_url=act.url, headers=HEADERS, timeout=30)
+        held = [asyncio.ensure_future(client.post("/v1/chat/completions", json=CHAT))
+                for _ in range(2)]  # fmt: skip
+        await eventually(lambda: act.held() == 2, what="two held")
+        over = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        assert over.status_code == 429 and over.headers["retry-after"] == "1"
+        assert over.json()["error"]["code"] == "too_many_held"
+        assert "2 requests waiting" in over.json()["error"]["message"]
+        ws_url = act.url.replace("http://", "ws://") + "/ws/stream"
+        with pytest.raises(websockets.InvalidStatus) as refused:
+            async with websockets.connect(ws_url, additional_headers=HEADERS):
+                pass
+        assert refused.value.response.status_code == 429
+        async with model_server(port):
+            assert [(await t).status_code for t in held] == [200, 200]
+        await client.aclose()
+    assert act.outcome("rejected") == 2 and act.outcome("forwarded") == 2
+
+
+async def test_only_the_models_in_the_file_are_forwarded(tmp_path):
+    port = free_port()
+    # The route sets Host to the model Service's name; here its address (the FQDN look-up
+    # itself: tests/server/unit/test_activator_models.py).
+    async with model_server(port), activator(tmp_path, {MODEL: entry(port)}) as act:
+        async with httpx.AsyncClient(base_url=act.url, timeout=30) as c:
+            by_host = await c.post("/v1/chat/completions", json=CHAT,
+                                   headers={"Host": "127.0.0.1:8000"})  # fmt: skip
+            assert by_host.status_code == 200  # the port is ignored
+            for headers in ({"Host": "other.team-a.svc.cluster.local"},
+                            {"X-Sluice-Model": "team-a/other"},
+                            {"X-Sluice-Model": MODEL, "Host": "x"}):  # fmt: skip
+                r = await c.post("/v1/chat/completions", json=CHAT, headers=headers)
+                if headers.get("X-Sluice-Model") == MODEL:
+                    assert r.status_code == 200  # negative control: the header wins over Host
+                    continue
+                assert r.status_code == 404, headers
+                err = r.json()["error"]
+                assert err["code"] == "model_not_found" and "models file" in err["message"]
+            # Its own routes answer only requests that name no model.
+            page = (await c.get("/metrics")).text
+            assert f'sluice_activator_models_known{{model="{NAME}",namespace="{NS}"}} 1.0' in page
+            assert (await c.get("/ready")).status_code == 200
+        ws_url = act.url.replace("http://", "ws://") + "/ws/stream"
+        with pytest.raises(websockets.InvalidStatus) as refused:
+            async with websockets.connect(ws_url, additional_headers={"X-Sluice-Model": "a/b"}):
+                pass
+        assert refused.value.response.status_code == 404
+    assert act.app.metrics.unknown._value.get() == 3
+
+
+async def test_refusals_of_the_model_server_pass_through_or_become_error_events(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("sk-right\n")
+    port = free_port()
+    async with activator(tmp_path, {MODEL: entry(port)}) as act:
+        client = httpx.AsyncClient(base_url=act.url, headers=HEADERS, timeout=30)
+        wrong = {"Authorization": "Bearer sk-wrong"}
+        plain = asyncio.ensure_future(client.post("/v1/chat/completions", json=CHAT,
+                                                  headers=wrong))  # fmt: skip
+        stream = RawSSE(client, "POST", "/v1/chat/completions", json={**CHAT, "stream": True},
+                        headers=wrong)  # fmt: skip
+        running = asyncio.ensure_future(stream.run())
+        await eventually(lambda: act.held() == 2 and stream.count(": queued") >= 1,
+                         what="both held, the stream committed")  # fmt: skip
+        async with model_server(port, api_key_file=keys) as url:
+            r = await plain
+            await running
+            async with httpx.AsyncClient(base_url=url) as direct:
+                d = await direct.post("/v1/chat/completions", json=CHAT, headers=wrong)
+            ok = await client.post("/v1/chat/completions", json=CHAT,
+                                   headers={"Authorization": "Bearer sk-right"})  # fmt: skip
+        await client.aclose()
+    # Nothing was sent yet: the server's 401, byte for byte, with its headers.
+    assert (r.status_code, r.content) == (d.status_code, d.content) == (401, d.content)
+    assert r.headers.get("www-authenticate") == d.headers.get("www-authenticate")
+    assert ok.status_code == 200  # negative control: the right key goes through
+    # Committed: the protocol's error event with the server's status and message.
+    error = json.loads(next(line for line in stream.lines if line.startswith("data: {"))[6:])
+    assert error["error"]["type"] == "authentication_error"
+    assert error["error"]["message"] == d.json()["error"]["message"]
+    assert stream.lines[-2] == "data: [DONE]"
+
+
+async def test_a_client_leaving_after_forwarding_aborts_the_server_request(tmp_path):
+    port = free_port()
+    async with activator(tmp_path, {MODEL: entry(port)}) as act:
+        client = httpx.AsyncClient(base_url=act.url, headers=HEADERS, timeout=30)
+        long = {"prompt": "a", "max_tokens": 2000}
+        # Held (committed) first, then forwarded: leave after the first token.
+        got_token = asyncio.Event()
+
+        async def read_until_a_token() -> None:
+            async with client.stream("POST", "/v1/stream", json=long) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith('data: {"id"'):
+                        got_token.set()
+                        await asyncio.Event().wait()  # stays until cancelled
+
+        reader = asyncio.ensure_future(read_until_a_token())
+        await eventually(lambda: act.held() == 1, what="held")
+        engine = SimulatorEngine("sim", ttft_ms=5, itl_ms=20)
+        async with model_server(port, engine) as url:
+            await asyncio.wait_for(got_token.wait(), 30)
+            assert await scrape(url, "sluice_aborts_total", protocol="sse") == 0  # control
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+            await eventually(lambda: scrape(url, "sluice_aborts_total", protocol="sse"),
+                             what="the server aborted the engine request")  # fmt: skip
+            assert await scrape(url, "sluice_client_disconnects_total", protocol="sse") == 1
+            # Forwarded without a hold (a replica is ready): a plain request left mid-way.
+            plain = asyncio.ensure_future(
+                client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2000})
+            )
+            await eventually(lambda: engine.num_unfinished_requests() == 1,
+                             what="the plain request generating on the server")  # fmt: skip
+            plain.cancel()
+            await asyncio.gather(plain, return_exceptions=True)
+            await eventually(lambda: engine.num_unfinished_requests() == 0,
+                             what="the server aborted the plain request")  # fmt: skip
+        await client.aclose()
+
+
+async def test_the_models_file_is_reloaded_and_a_bad_one_refused(tmp_path):
+    port = free_port()
+    async with model_server(port), activator(tmp_path, {MODEL: entry(port)}) as act:
+        async with httpx.AsyncClient(base_url=act.url) as c:
+
+            async def known() -> str:
+                return (await c.get("/metrics")).text
+
+            act.write({"team-b/code": entry(port)})
+            await eventually(lambda: _has(known, "team-b"), what="the new file loaded")
+            page = await known()
+            assert 'namespace="team-a"' not in page.split("sluice_activator_held")[0]
+            act.path.write_text("{not json")
+            await eventually(lambda: act.app.metrics.reloads.labels("error")._value.get(),
+                             what="the bad file refused")  # fmt: skip
+            r = await c.get("/v1/models", headers={"X-Sluice-Model": "team-b/code"})
+            assert r.status_code == 200  # the models loaded before stay
+            r = await c.get("/v1/models", headers=HEADERS)
+            assert r.status_code == 404  # and the one the good file removed stays removed
+        assert act.app.models.by_key.keys() == {"team-b/code"}
+
+
+async def _has(page, text: str) -> bool:
+    return f'namespace="{text}"' in await page()

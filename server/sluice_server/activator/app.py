@@ -18,7 +18,6 @@ import json
 import logging
 
 import httpx
-from starlette.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket
 
@@ -75,7 +74,10 @@ class Activator:
         if kind == "lifespan":
             return await self._lifespan(receive, send)
         headers = dict(scope["headers"])
-        host, named = headers.get(b"host", b"").decode("latin-1"), headers.get(MODEL_HEADER.encode())
+        host, named = (
+            headers.get(b"host", b"").decode("latin-1"),
+            headers.get(MODEL_HEADER.encode()),
+        )
         model = self.models.find(host, named.decode("latin-1") if named is not None else None)
         s = self.settings
         if model is None:
@@ -108,11 +110,13 @@ class Activator:
         self.metrics.unknown.inc()
         said = (f"X-Sluice-Model `{named.decode('latin-1')}`" if named is not None
                 else f"Host `{host}`")  # fmt: skip
-        message = (f"No model for {said}: the activator forwards only to the models in its "
-                   "models file (a StreamingModel with autoscaling.minReplicas 0).")
+        message = (
+            f"No model for {said}: the activator forwards only to the models in its "
+            "models file (a StreamingModel with autoscaling.minReplicas 0)."
+        )
         body = error_body(404, message, code="model_not_found")
         if scope["type"] == "websocket":
-            await WebSocket(scope, receive, send).send_denial_response(JSONResponse(body, 404))
+            await relay.refuse(WebSocket(scope, receive, send), 404, body)
             return
         await proxy.json_response(404, body)(send)
 

@@ -41,8 +41,11 @@ class ActivatorMetrics:
         self.hold = Histogram("sluice_activator_hold_seconds",
                               "Arrival to forwarded (or given up) of held requests.",
                               labels, buckets=HOLD_BUCKETS, registry=r)  # fmt: skip
-        self.unknown = Counter("sluice_activator_unknown_model",
-                               "Requests naming no model in the models file (404).", registry=r)
+        self.unknown = Counter(
+            "sluice_activator_unknown_model",
+            "Requests naming no model in the models file (404).",
+            registry=r,
+        )
         self.reloads = Counter("sluice_activator_models_reloads",
                                "Models-file reloads by result (ok, error).", ("result",),
                                registry=r)  # fmt: skip

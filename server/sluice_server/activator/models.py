@@ -74,7 +74,7 @@ class Models:
 
 def parse(data: object) -> Models:
     if not isinstance(data, dict):
-        raise ValueError("the models file must be a JSON object of \"<namespace>/<name>\": {...}")
+        raise ValueError('the models file must be a JSON object of "<namespace>/<name>": {...}')
     models = []
     for key, value in data.items():
         namespace, _, name = str(key).partition("/")

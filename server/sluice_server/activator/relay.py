@@ -26,6 +26,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from ..core.errors import error_body
 from ..protocols.websocket import error_frame
+from ..transport import handshake
 from .metrics import ActivatorMetrics
 from .proxy import HOP_BY_HOP, MODEL_STARTING, Held, retry_after, starting_message
 from .upstream import Upstream
@@ -33,6 +34,14 @@ from .upstream import Upstream
 log = logging.getLogger(__name__)
 TRY_AGAIN_LATER, POLICY_VIOLATION = 1013, 1008
 _NOT_FORWARDED = HOP_BY_HOP | {"origin"}
+
+
+async def refuse(ws: WebSocket, status: int, body: dict,
+                 headers: dict[str, str] | None = None) -> None:  # fmt: skip
+    """Refuse the handshake with a real status and JSON body (an outcome: uvicorn's error
+    record for it is filtered, transport/handshake.py)."""
+    await ws.send_denial_response(JSONResponse(body, status, headers=headers))
+    handshake.refused()
 
 
 def _upstream_headers(scope: Scope) -> list[tuple[str, str]]:
@@ -54,9 +63,9 @@ async def relay(
     if not up.hold():
         metrics.requests.labels(model.namespace, model.name, "rejected").inc()
         m = f"Model {model.key} has {model.max_held} requests waiting for a replica already."
-        await ws.send_denial_response(JSONResponse(
-            error_body(429, m, code="too_many_held"), 429, headers=retry_after(model.keepalive)
-        ))  # fmt: skip
+        await refuse(
+            ws, 429, error_body(429, m, code="too_many_held"), retry_after(model.keepalive)
+        )
         return
     held = Held(up, metrics)
     upstream: ClientConnection | None = None
@@ -96,8 +105,14 @@ async def _hold(
                 kept.append(message)
                 if len(kept) > max_frames:
                     held.end("rejected")
-                    await ws.send_text(error_frame(None, 429, f"More than {max_frames} frames "
-                                                   "sent while the model starts.", "too_many_frames"))
+                    await ws.send_text(
+                        error_frame(
+                            None,
+                            429,
+                            f"More than {max_frames} frames sent while the model starts.",
+                            "too_many_frames",
+                        )
+                    )
                     await ws.close(TRY_AGAIN_LATER)
                     return None
                 frame = asyncio.ensure_future(receive())

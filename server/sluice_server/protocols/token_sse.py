@@ -128,7 +128,9 @@ def status_event(phase: str, waited: float) -> str:
     """A progress event for pages that show why nothing streams yet (`event: status`,
     asked for with `X-Sluice-Status: 1`): the phase (`starting`: the model has no ready
     replica) and the seconds waited so far."""
-    return f"event: status\ndata: {_dumps({'phase': phase, 'waited_seconds': round(waited, 3)})}\n\n"
+    return (
+        f"event: status\ndata: {_dumps({'phase': phase, 'waited_seconds': round(waited, 3)})}\n\n"
+    )
 
 
 async def token_events(
