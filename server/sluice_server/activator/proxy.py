@@ -40,7 +40,6 @@ import httpx
 from starlette.types import Receive, Scope, Send
 
 from ..core.errors import error_body as openai_error_body
-from ..core.events import Waiting
 from ..core.keepalive import KeepAlive
 from ..protocols import anthropic, responses, token_sse
 from ..protocols.engine_api import QUEUED, openai_error_event
@@ -331,11 +330,11 @@ class HeldStream:
             self._due.set_result(None)
 
     def _keepalive(self) -> bytes:
-        waiting = Waiting(self.held.waited)
-        frame = QUEUED
+        """The protocol's keep-alive while waiting: the admission queue's SSE comment, and
+        on token SSE, when asked, the progress event."""
         if self.status_events:
-            frame += token_sse.status_event("starting", waiting.waited).encode()
-        return frame
+            return QUEUED + token_sse.status_event("starting", self.held.waited).encode()
+        return QUEUED
 
     async def frames(self) -> AsyncIterator[bytes]:
         held, model = self.held, self.held.up.model
