@@ -40,10 +40,13 @@ async def direct_answers(url: str) -> dict:
     async with httpx.AsyncClient(base_url=url) as c:
         chat = (await c.post("/v1/chat/completions", json=CHAT)).json()
         message = (await c.post("/v1/messages", json=CHAT)).json()
+        response = await c.post("/v1/responses", json={"model": "sim", "input": "hello river",
+                                                       "max_output_tokens": 8})  # fmt: skip
         tokens = RawSSE(c, "POST", "/v1/stream", json={"prompt": "hello river", "max_tokens": 8})
         await tokens.run()
     return {"chat": chat["choices"][0]["message"]["content"],
             "anthropic": message["content"][0]["text"],
+            "responses": response.json()["output"][0]["content"][0]["text"],
             "tokens": "".join(d.get("token", "") for d in tokens.data())}  # fmt: skip
 
 
@@ -55,9 +58,11 @@ async def test_held_requests_of_every_kind_get_their_whole_answer(tmp_path):
     async with activator(tmp_path, {MODEL: entry(port)}) as act:
         import httpx2
 
-        oa_tee, an_tee = tee(), tee(httpx2)
+        oa_tee, re_tee, an_tee = tee(), tee(), tee(httpx2)
         oa = AsyncOpenAI(base_url=act.url + "/v1", api_key="x", max_retries=0,
                          default_headers=HEADERS, http_client=oa_tee)  # fmt: skip
+        ore = AsyncOpenAI(base_url=act.url + "/v1", api_key="x", max_retries=0,
+                          default_headers=HEADERS, http_client=re_tee)  # fmt: skip
         an = AsyncAnthropic(base_url=act.url, api_key="x", max_retries=0,
                             default_headers=HEADERS, http_client=an_tee)  # fmt: skip
         client = httpx.AsyncClient(base_url=act.url, headers=HEADERS, timeout=30)
@@ -66,6 +71,11 @@ async def test_held_requests_of_every_kind_get_their_whole_answer(tmp_path):
             stream = await oa.chat.completions.create(**CHAT, stream=True)
             return "".join([c.choices[0].delta.content or "" async for c in stream
                             if c.choices])  # fmt: skip
+
+        async def responses_stream() -> str:
+            async with ore.responses.stream(model="sim", input="hello river",
+                                           max_output_tokens=8) as s:  # fmt: skip
+                return (await s.get_final_response()).output_text
 
         async def anthropic_stream() -> str:
             async with an.messages.stream(model="sim", max_tokens=8,
@@ -86,25 +96,27 @@ async def test_held_requests_of_every_kind_get_their_whole_answer(tmp_path):
                         json={"prompt": "hello river", "max_tokens": 8},
                         headers={"X-Sluice-Status": "1"})  # fmt: skip
         whole = asyncio.ensure_future(client.post("/v1/chat/completions", json=CHAT))
-        tasks = [asyncio.ensure_future(c) for c in
-                 (openai_stream(), anthropic_stream(), websocket(), tokens.run())]  # fmt: skip
-        # All five are held, and each held stream heard at least two keep-alives.
-        await eventually(lambda: act.held() == 5, what="five held requests")
+        tasks = [asyncio.ensure_future(c) for c in (openai_stream(), anthropic_stream(),
+                 websocket(), tokens.run(), responses_stream())]  # fmt: skip
+        # All six are held, and each held stream heard at least two keep-alives.
+        await eventually(lambda: act.held() == 6, what="six held requests")
         await eventually(lambda: tokens.count(": ") >= 2 and tokens.count("event: status") >= 2
                          and oa_tee.received.count(b": queued") >= 2
+                         and re_tee.received.count(b": queued") >= 2
                          and an_tee.received.count(b": queued") >= 2,
                          what="keep-alives on every held stream")  # fmt: skip
         assert not tokens.count('data: {"id"')  # nothing but keep-alives yet
         async with model_server(port) as url:
-            chat, text, ws_frames, _ = await asyncio.gather(*tasks)
+            chat, text, ws_frames, _, output = await asyncio.gather(*tasks)
             plain = await whole
             expected = await direct_answers(url)
-        for c in (oa, an):
+        for c in (oa, ore, an):
             await c.close()
         await client.aclose()
     assert plain.status_code == 200
     assert plain.json()["choices"][0]["message"]["content"] == expected["chat"]
     assert chat == expected["chat"] and text == expected["anthropic"]
+    assert output == expected["responses"]
     assert "".join(f.get("token", "") for f in ws_frames) == expected["tokens"]
     assert ws_frames[-1]["finish_reason"] == "length"
     assert "".join(d.get("token", "") for d in tokens.data()) == expected["tokens"]
@@ -114,7 +126,7 @@ async def test_held_requests_of_every_kind_get_their_whole_answer(tmp_path):
                 if line.startswith("data: ")]  # fmt: skip
     assert statuses and all(s["phase"] == "starting" for s in statuses)
     assert statuses == sorted(statuses, key=lambda s: s["waited_seconds"])
-    assert act.outcome("forwarded") == 5 and act.held() == 0
+    assert act.outcome("forwarded") == 6 and act.held() == 0
 
 
 async def test_a_held_client_that_leaves_is_dropped_and_never_forwarded(tmp_path):
@@ -223,7 +235,8 @@ async def test_only_the_models_in_the_file_are_forwarded(tmp_path):
     port = free_port()
     # The route sets Host to the model Service's name; here its address (the FQDN look-up
     # itself: tests/server/unit/test_activator_models.py).
-    async with model_server(port), activator(tmp_path, {MODEL: entry(port)}) as act:
+    models = {MODEL: entry(port)}
+    async with model_server(port), activator(tmp_path, models, max_body_bytes=2048) as act:
         async with httpx.AsyncClient(base_url=act.url, timeout=30) as c:
             by_host = await c.post("/v1/chat/completions", json=CHAT,
                                    headers={"Host": "127.0.0.1:8000"})  # fmt: skip
@@ -242,6 +255,8 @@ async def test_only_the_models_in_the_file_are_forwarded(tmp_path):
             page = (await c.get("/metrics")).text
             assert f'sluice_activator_models_known{{model="{NAME}",namespace="{NS}"}} 1.0' in page
             assert (await c.get("/ready")).status_code == 200
+            big = await c.post("/v1/chat/completions", content=b"x" * 4096, headers=HEADERS)
+            assert big.status_code == 413 and big.json()["error"]["code"] == "body_too_large"
         ws_url = act.url.replace("http://", "ws://") + "/ws/stream"
         with pytest.raises(websockets.InvalidStatus) as refused:
             async with websockets.connect(ws_url, additional_headers={"X-Sluice-Model": "a/b"}):
