@@ -142,6 +142,7 @@ async def test_a_held_client_that_leaves_is_dropped_and_never_forwarded(tmp_path
         staying = asyncio.ensure_future(client.post("/v1/chat/completions", json=CHAT))
         await eventually(lambda: act.held() == 3 and stream.count(": queued") >= 1,
                          what="three held, the stream committed")  # fmt: skip
+        assert not stream.count("event: status")  # only when asked for (X-Sluice-Status)
         for task in leaving:
             task.cancel()
         await asyncio.gather(*leaving, return_exceptions=True)
@@ -241,6 +242,13 @@ async def test_only_the_models_in_the_file_are_forwarded(tmp_path):
             by_host = await c.post("/v1/chat/completions", json=CHAT,
                                    headers={"Host": "127.0.0.1:8000"})  # fmt: skip
             assert by_host.status_code == 200  # the port is ignored
+            # A replica is ready: streamed straight through, the server's own headers, and
+            # no keep-alive of the activator's (negative control for the held streams').
+            up = RawSSE(c, "POST", "/v1/stream", json={"prompt": "a", "max_tokens": 4},
+                        headers=HEADERS)  # fmt: skip
+            await up.run()
+            assert up.status == 200 and len(up.headers["x-request-id"]) == 32  # the server's
+            assert not up.count(": queued") and up.lines[-2] == "data: [DONE]"
             for headers in ({"Host": "other.team-a.svc.cluster.local"},
                             {"X-Sluice-Model": "team-a/other"},
                             {"X-Sluice-Model": MODEL, "Host": "x"}):  # fmt: skip
