@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import httpx
 import pytest
@@ -35,6 +36,19 @@ CHAT = {"model": "sim", "messages": [{"role": "user", "content": "hello river"}]
         "max_tokens": 8}  # fmt: skip
 
 
+class _Collect(logging.Handler):
+    """Keeps the messages of the records that start with `prefix` (a client's frame log)."""
+
+    def __init__(self, into: list[str], prefix: str) -> None:
+        super().__init__(logging.DEBUG)
+        self.into, self.prefix = into, prefix
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith(self.prefix):
+            self.into.append(message)
+
+
 async def direct_answers(url: str) -> dict:
     """What the model server answers without the activator (the simulator is deterministic)."""
     async with httpx.AsyncClient(base_url=url) as c:
@@ -55,7 +69,7 @@ async def test_held_requests_of_every_kind_get_their_whole_answer(tmp_path):
     from openai import AsyncOpenAI
 
     port = free_port()
-    async with activator(tmp_path, {MODEL: entry(port)}) as act:
+    async with activator(tmp_path, {MODEL: entry(port)}, heartbeat_seconds=0.2) as act:
         import httpx2
 
         oa_tee, re_tee, an_tee = tee(), tee(), tee(httpx2)
@@ -82,9 +96,15 @@ async def test_held_requests_of_every_kind_get_their_whole_answer(tmp_path):
                                           messages=CHAT["messages"]) as s:  # fmt: skip
                 return "".join([t async for t in s.text_stream])
 
+        pings: list[str] = []
+        frames_log = logging.getLogger("test.activator.ws")
+        frames_log.setLevel(logging.DEBUG)
+        frames_log.addHandler(_Collect(pings, "< PING"))
+
         async def websocket() -> list[dict]:
             url = act.url.replace("http://", "ws://") + "/ws/stream"
-            async with websockets.connect(url, additional_headers=HEADERS) as ws:
+            async with websockets.connect(url, additional_headers=HEADERS,
+                                          logger=frames_log) as ws:  # fmt: skip
                 await ws.send(json.dumps({"id": 1, "prompt": "hello river",
                                           "params": {"max_tokens": 8}}))  # fmt: skip
                 frames = []
@@ -98,11 +118,13 @@ async def test_held_requests_of_every_kind_get_their_whole_answer(tmp_path):
         whole = asyncio.ensure_future(client.post("/v1/chat/completions", json=CHAT))
         tasks = [asyncio.ensure_future(c) for c in (openai_stream(), anthropic_stream(),
                  websocket(), tokens.run(), responses_stream())]  # fmt: skip
-        # All six are held, and each held stream heard at least two keep-alives.
+        # All six are held; each held stream heard at least two keep-alives, the WebSocket
+        # at least two pings (uvicorn's, every --heartbeat-seconds).
         await eventually(lambda: act.held() == 6, what="six held requests")
         await eventually(lambda: tokens.count(": ") >= 2 and tokens.count("event: status") >= 2
                          and oa_tee.received.count(b": queued") >= 2
                          and re_tee.received.count(b": queued") >= 2
+                         and len(pings) >= 2
                          and an_tee.received.count(b": queued") >= 2,
                          what="keep-alives on every held stream")  # fmt: skip
         assert not tokens.count('data: {"id"')  # nothing but keep-alives yet
