@@ -42,8 +42,8 @@ from starlette.types import Receive, Scope, Send
 from ..core.errors import error_body as openai_error_body
 from ..core.keepalive import KeepAlive
 from ..protocols import anthropic, responses, token_sse
-from ..protocols.engine_api import QUEUED, openai_error_event
-from ..transport.sse import SSEResponse
+from ..protocols.engine_api import openai_error_event
+from ..transport.sse import QUEUED, SSEResponse
 from .metrics import ActivatorMetrics
 from .upstream import Upstream
 
