@@ -26,6 +26,7 @@ from activator_helpers import (
     scrape,
     tee,
 )
+from nginx_proxy import NginxProxy, find_nginx
 from sluice_server.engine.simulator import SimulatorEngine
 from testkit.net import free_port
 from testkit.wait import eventually
@@ -391,3 +392,28 @@ async def test_the_models_file_is_reloaded_and_a_bad_one_refused(tmp_path):
 
 async def _has(page, text: str) -> bool:
     return f'namespace="{text}"' in await page()
+
+
+@pytest.mark.skipif(find_nginx() is None, reason="nginx not installed")
+async def test_keep_alives_carry_a_held_stream_through_a_proxy_that_cuts_silent_ones(tmp_path):
+    """nginx in front (as the Ingress is; Host passed through names the model), its read
+    timeout 1 s: the held stream hears a keep-alive every 0.3 s and outlives it; a held
+    non-streamed request, which hears nothing, is cut by nginx (the negative control)."""
+    port = free_port()
+    async with activator(tmp_path, {MODEL: entry(port, keepaliveSeconds=0.3)}) as act:
+        with NginxProxy(act.url.replace("localhost", "127.0.0.1"), timeout_seconds=1) as proxy:
+            client = httpx.AsyncClient(base_url=proxy.url, timeout=30)
+            stream = RawSSE(client, "POST", "/v1/stream", json={"prompt": "a", "max_tokens": 8})
+            running = asyncio.ensure_future(stream.run())
+            silent = await client.post("/v1/chat/completions", json=CHAT)
+            assert silent.status_code == 504  # nginx gave up on a silent upstream
+            await eventually(lambda: act.outcome("disconnected") == 1,
+                             what="the cut request dropped from the held count")  # fmt: skip
+            assert act.held() == 1 and not running.done()  # the stream is still held
+            async with model_server(port):
+                await running
+            await client.aclose()
+    assert stream.status == 200 and stream.count(": queued") >= 3
+    tokens = [d for d in stream.data() if "token" in d]
+    assert len(tokens) == 9 and tokens[-1]["finished"] and stream.lines[-2] == "data: [DONE]"
+    assert act.outcome("forwarded") == 1
