@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import multiprocessing
 import os
 import socket
@@ -25,7 +26,7 @@ from multiprocessing import connection
 
 import uvicorn
 
-from .activator.app import build_activator
+from .activator.app import Activator, build_activator
 from .app import build_app
 from .core.pod import PodSeat, PodState
 from .core.trail import ACCESS_LOGGER
@@ -131,7 +132,8 @@ def activator_config(settings: ActivatorSettings, app) -> uvicorn.Config:
         ws_ping_timeout=settings.heartbeat_seconds,
         ws_max_size=settings.max_body_bytes,
         timeout_keep_alive=settings.keep_alive_seconds,  # type: ignore[arg-type]
-        timeout_graceful_shutdown=30,
+        # uvicorn's own wait for open connections: what held requests have, and 5 s more.
+        timeout_graceful_shutdown=math.ceil(settings.drain_timeout_seconds) + 5,
         access_log=False,  # it would log query strings (`?api_key=`)
     )
     redact.install()
@@ -140,14 +142,33 @@ def activator_config(settings: ActivatorSettings, app) -> uvicorn.Config:
 
 
 def serve_activator(settings: ActivatorSettings) -> int:
-    """The activator: one process (it only waits and relays), uvicorn's own SIGTERM
-    handling (connections get `timeout_graceful_shutdown` to finish)."""
+    """The activator: one process (it only waits and relays). SIGTERM: new connections are
+    refused, held requests wait at most `--drain-timeout-seconds` more, then uvicorn exits."""
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
-    server = uvicorn.Server(activator_config(settings, build_activator(settings)))
+    app = build_activator(settings)
+    server = ActivatorServer(activator_config(settings, app), app)
     server.run()
     return 0 if server.started else 1
+
+
+class ActivatorServer(uvicorn.Server):
+    """uvicorn's shutdown (stop listening, wait for open connections), with the held
+    requests told first how long they may still wait (`Activator.drain`); exit 0 after it,
+    as the server's drain does. A second signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, app: Activator) -> None:
+        super().__init__(config)
+        self.app = app
+
+    def handle_exit(self, sig: int, frame) -> None:  # called from the signal handler
+        if self.started and not self.should_exit:
+            asyncio.get_event_loop().call_soon_threadsafe(self.app.drain)
+            self.should_exit = True  # exits 0 once drained (uvicorn re-raises only its own)
+            return
+        self.force_exit = True  # a second signal: no waiting
+        super().handle_exit(sig, frame)
 
 
 def serve_worker(

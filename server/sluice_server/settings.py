@@ -484,6 +484,12 @@ class ActivatorSettings(BaseSettings):
         "keep-alive).",
     )  # fmt: skip
     heartbeat_seconds: float = Field(15.0, gt=0, description="WebSocket ping interval.")
+    drain_timeout_seconds: float = Field(
+        30.0, ge=0, description="On SIGTERM: how much longer held requests wait for their "
+        "model (then they give up as at the hold timeout: 503 `model_starting`, or the "
+        "stream's error event); forwarded ones get 5 s more to finish. New connections are "
+        "refused at once (the Service sends them to the other activator pods).",
+    )  # fmt: skip
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level."
     )

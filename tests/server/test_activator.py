@@ -414,6 +414,7 @@ async def test_keep_alives_carry_a_held_stream_through_a_proxy_that_cuts_silent_
                 await running
             await client.aclose()
     assert stream.status == 200 and stream.count(": queued") >= 3
-    tokens = [d for d in stream.data() if "token" in d]
-    assert len(tokens) == 9 and tokens[-1]["finished"] and stream.lines[-2] == "data: [DONE]"
+    final = [d for d in stream.data() if "token" in d][-1]  # tokens may come coalesced
+    assert final["finished"] and final["usage"]["completion_tokens"] == 8
+    assert stream.lines[-2] == "data: [DONE]"
     assert act.outcome("forwarded") == 1

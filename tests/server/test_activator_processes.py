@@ -127,3 +127,44 @@ async def test_held_requests_reach_the_real_engine_once_its_server_is_up(tmp_pat
     assert stream.lines[-2] == "data: [DONE]"
     assert frames[-1]["finished"] and frames[-1]["usage"]["completion_tokens"] == 8
     assert act.outcome("forwarded") == 3
+
+
+async def test_on_sigterm_held_requests_give_up_cleanly_and_the_process_exits_0(tmp_path):
+    port, aport = free_port(), free_port()  # no model server ever listens on `port`
+    models = tmp_path / "models.json"
+    models.write_text(json.dumps({MODEL: entry(port, keepaliveSeconds=0.3)}))
+    act = ManagedProcess("activator", [sys.executable, "-m", "sluice_server", "activator",
+                                       "--models-file", str(models), "--host", "127.0.0.1",
+                                       "--port", str(aport), "--drain-timeout-seconds", "0.5"],
+                         tmp_path).start()  # fmt: skip
+    try:
+        url = f"http://localhost:{aport}"
+        await asyncio.to_thread(wait_http, url + "/ready", timeout=60, process=act)
+        async with httpx.AsyncClient(base_url=url, headers=HEADERS, timeout=30) as c:
+            stream = RawSSE(c, "POST", "/v1/chat/completions",
+                            json={"model": "sim", **CHAT, "stream": True})  # fmt: skip
+            running = asyncio.ensure_future(stream.run())
+            plain = asyncio.ensure_future(c.post("/v1/chat/completions",
+                                                 json={"model": "sim", **CHAT}))  # fmt: skip
+
+            async def both_held() -> bool:
+                async with httpx.AsyncClient() as own:
+                    page = (await own.get(url + "/metrics")).text
+                held = metric(page, "sluice_activator_held_requests", namespace=NS, model=NAME)
+                return held == 2 and stream.count(": queued") >= 1
+
+            await eventually(both_held, within=30, what="both held, the stream committed")
+            assert act.proc is not None
+            act.proc.terminate()  # SIGTERM
+            r = await plain
+            await running
+        assert await asyncio.to_thread(act.proc.wait, 30) == 0
+    finally:
+        act.stop()
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "model_starting"
+    assert "shutting down" in r.json()["error"]["message"]
+    error = json.loads(next(line for line in stream.lines if line.startswith("data: {"))[6:])
+    assert error["error"]["code"] == "model_starting" and stream.lines[-2] == "data: [DONE]"
+    log = act.log_path.read_text()
+    assert "draining: 2 requests held" in log and log.count("team-a/chat timeout after") == 2

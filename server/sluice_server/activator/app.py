@@ -28,7 +28,7 @@ from ..transport.sendwatch import transport_of
 from . import proxy, relay
 from .metrics import ActivatorMetrics
 from .models import MODEL_HEADER, Model, Models, load
-from .upstream import Upstream
+from .upstream import Closing, Upstream
 
 log = logging.getLogger(__name__)
 OWN_ROUTES = ("/health", "/ready", "/metrics")
@@ -40,6 +40,7 @@ class Activator:
         self.metrics = ActivatorMetrics()
         self.upstreams: dict[str, Upstream] = {}
         self.client: httpx.AsyncClient | None = None
+        self.closing = Closing()
         try:
             models = load(settings.models_file)
         except (OSError, ValueError) as e:
@@ -58,6 +59,11 @@ class Activator:
         self.models = models
         self.metrics.loaded(models)
 
+    def drain(self) -> None:
+        """SIGTERM: held requests wait at most `--drain-timeout-seconds` more."""
+        log.info("draining: %d requests held", sum(up.held for up in self.upstreams.values()))
+        self.closing.begin(self.settings.drain_timeout_seconds)
+
     def upstream(self, model: Model) -> Upstream:
         up = self.upstreams.get(model.key)
         # A changed entry applies from the next request on once none is held under the old.
@@ -66,7 +72,8 @@ class Activator:
             s = self.settings
             up = self.upstreams[model.key] = Upstream(model, self.client, self.metrics,
                                                       s.ready_poll_seconds,
-                                                      s.connect_timeout_seconds)  # fmt: skip
+                                                      s.connect_timeout_seconds,
+                                                      self.closing)  # fmt: skip
         return up
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

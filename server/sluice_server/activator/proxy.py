@@ -112,6 +112,16 @@ class Held:
     def waited(self) -> float:
         return time.monotonic() - self.t0
 
+    @property
+    def deadline(self) -> float:
+        """When it gives up: its hold timeout, or sooner when the activator shuts down."""
+        return min(self.t0 + self.up.model.hold_timeout, self.up.closing.at)
+
+    def wakers(self) -> tuple[asyncio.Future[None], ...]:
+        """What must wake a wait besides its own events: the shutdown beginning."""
+        changed = self.up.closing.changed
+        return () if changed.done() else (changed,)
+
     def end(self, outcome: str) -> None:
         if self.ended:
             return
@@ -141,6 +151,9 @@ def retry_after(seconds: float) -> dict[str, str]:
 
 def starting_message(held: Held) -> str:
     model = held.up.model
+    if held.up.closing.at < held.t0 + model.hold_timeout:
+        return (f"Model {model.key} is starting and this activator is shutting down "
+                f"({MODEL_STARTING}). Retry.")  # fmt: skip
     return (f"Model {model.key} is starting: no replica was ready within "
             f"{model.hold_timeout:g} s ({MODEL_STARTING}). Retry later.")  # fmt: skip
 
@@ -236,12 +249,11 @@ async def handle(
     request = Request(client, held, scope, body)
     gone = asyncio.ensure_future(_disconnected(receive))
     try:
-        deadline = held.t0 + model.hold_timeout
         commit_at = held.t0 + model.keepalive if kind.streaming else math.inf
         while True:
             ready = asyncio.ensure_future(up.wait_ready())
-            left = min(deadline, commit_at) - time.monotonic()
-            done, _ = await asyncio.wait((ready, gone), timeout=max(left, 0),
+            left = min(held.deadline, commit_at) - time.monotonic()
+            done, _ = await asyncio.wait((ready, gone, *held.wakers()), timeout=max(left, 0),
                                          return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
             if gone in done:
                 ready.cancel()
@@ -259,13 +271,15 @@ async def handle(
                     return
                 continue  # could not connect: held again
             ready.cancel()
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= held.deadline:
                 held.end("timeout")
                 m = starting_message(held)
                 await json_response(503, kind.error_body(503, m, MODEL_STARTING),
                                     retry_after(model.keepalive))(send)  # fmt: skip
                 return
-            break  # a stream that waited one keep-alive interval: commit to 200
+            if time.monotonic() >= commit_at:
+                break  # a stream that waited one keep-alive interval: commit to 200
+            # the shutdown began: wait again, up to the new deadline
     except BaseException:
         if not held.ended:  # cancelled (server shutdown) while held
             held.end("disconnected")
@@ -342,12 +356,12 @@ class HeldStream:
         unbeat: Callable[[], None] = KeepAlive.on(loop, model.keepalive).add(self._beat)
         try:
             yield self._keepalive()  # the first at once: the client learns why it waits
-            deadline = held.t0 + model.hold_timeout
             while True:
                 ready = asyncio.ensure_future(held.up.wait_ready())
                 self._due = loop.create_future()
                 done, _ = await asyncio.wait(
-                    (ready, self._due), timeout=max(deadline - time.monotonic(), 0),
+                    (ready, self._due, *held.wakers()),
+                    timeout=max(held.deadline - time.monotonic(), 0),
                     return_when=asyncio.FIRST_COMPLETED,
                 )  # fmt: skip
                 if ready in done:
@@ -364,6 +378,8 @@ class HeldStream:
                 if self._due in done:
                     yield self._keepalive()
                     continue
+                if time.monotonic() < held.deadline:
+                    continue  # the shutdown began: wait again, up to the new deadline
                 held.end("timeout")
                 yield self.kind.error_event(self.rid, starting_message(held), MODEL_STARTING, 503)
                 return

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import Any
 
 from starlette.responses import JSONResponse
 from starlette.types import Message, Receive, Scope, Send
@@ -90,12 +91,12 @@ async def _hold(
     """Wait for a replica, keeping the client's frames; the open upstream socket, or None
     when the hold ended (the client was told why, or left)."""
     up, model, scope = held.up, held.up.model, ws.scope
-    deadline = held.t0 + model.hold_timeout
     frame = asyncio.ensure_future(receive())
     ready = asyncio.ensure_future(up.wait_ready())
     try:
         while True:
-            done, _ = await asyncio.wait((ready, frame), timeout=max(deadline - time.monotonic(), 0),
+            waits: tuple[asyncio.Future[Any], ...] = (ready, frame, *held.wakers())
+            done, _ = await asyncio.wait(waits, timeout=max(held.deadline - time.monotonic(), 0),
                                          return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
             if frame in done:
                 message = frame.result()
@@ -139,6 +140,8 @@ async def _hold(
                     continue
                 held.end("forwarded")
                 return upstream
+            if time.monotonic() < held.deadline:
+                continue  # the shutdown began: wait again, up to the new deadline
             held.end("timeout")
             await ws.send_text(error_frame(None, 503, starting_message(held), MODEL_STARTING))
             await ws.close(TRY_AGAIN_LATER)

@@ -7,12 +7,18 @@ while one is held: the first check at once, then with backoff from a tenth of
 just after it are forwarded without a check of their own; past that, or when a forwarded
 request could not even connect (`down`: the replica went away again), the next request
 checks again. Holding ends when the last held request is gone: the poll stops with it.
+
+`Closing` is the activator's shutdown as held requests see it: after SIGTERM each waits at
+most `--drain-timeout-seconds` more (its model may still come up), then gives up as at its
+hold timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 
 import httpx
 
@@ -23,10 +29,30 @@ log = logging.getLogger(__name__)
 FRESH = 1.0  # seconds a ready answer stands for new requests
 
 
+class Closing:
+    def __init__(self) -> None:
+        self.at = math.inf  # time.monotonic() when held requests give up; inf: not closing
+        self._changed: asyncio.Future[None] | None = None
+
+    @property
+    def changed(self) -> asyncio.Future[None]:
+        """Resolved when the shutdown begins: waiters then recompute their deadline."""
+        if self._changed is None:
+            self._changed = asyncio.get_running_loop().create_future()
+        return self._changed
+
+    def begin(self, seconds: float) -> None:
+        if self.at == math.inf:
+            self.at = time.monotonic() + seconds
+            if not self.changed.done():
+                self.changed.set_result(None)
+
+
 class Upstream:
     def __init__(self, model: Model, client: httpx.AsyncClient, metrics: ActivatorMetrics,
-                 poll: float, timeout: float) -> None:  # fmt: skip
+                 poll: float, timeout: float, closing: Closing) -> None:  # fmt: skip
         self.model, self.client, self.poll, self.timeout = model, client, poll, timeout
+        self.closing = closing
         self.held = 0
         self._gauge = metrics.held.labels(model.namespace, model.name)
         self._ready_at: float | None = None
