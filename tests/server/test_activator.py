@@ -108,11 +108,11 @@ async def test_held_requests_of_every_kind_get_their_whole_answer(tmp_path):
                                           logger=frames_log) as ws:  # fmt: skip
                 await ws.send(json.dumps({"id": 1, "prompt": "hello river",
                                           "params": {"max_tokens": 8}}))  # fmt: skip
-                frames = []
-                while not frames or not frames[-1].get("finished"):
-                    frames.append(json.loads(await ws.recv()))
-                return frames
+                while not ws_seen or not ws_seen[-1].get("finished"):
+                    ws_seen.append(json.loads(await ws.recv()))
+                return ws_seen
 
+        ws_seen: list[dict] = []
         tokens = RawSSE(client, "POST", "/v1/stream",
                         json={"prompt": "hello river", "max_tokens": 8},
                         headers={"X-Sluice-Status": "1"})  # fmt: skip
@@ -120,12 +120,13 @@ async def test_held_requests_of_every_kind_get_their_whole_answer(tmp_path):
         tasks = [asyncio.ensure_future(c) for c in (openai_stream(), anthropic_stream(),
                  websocket(), tokens.run(), responses_stream())]  # fmt: skip
         # All six are held; each held stream heard at least two keep-alives, the WebSocket
-        # at least two pings (uvicorn's, every --heartbeat-seconds).
+        # at least two pings (uvicorn's, every --heartbeat-seconds) and two `queued` frames.
         await eventually(lambda: act.held() == 6, what="six held requests")
         await eventually(lambda: tokens.count(": ") >= 2 and tokens.count("event: status") >= 2
                          and oa_tee.received.count(b": queued") >= 2
                          and re_tee.received.count(b": queued") >= 2
                          and len(pings) >= 2
+                         and sum(f.get("type") == "queued" for f in ws_seen) >= 2
                          and an_tee.received.count(b": queued") >= 2,
                          what="keep-alives on every held stream")  # fmt: skip
         assert not tokens.count('data: {"id"')  # nothing but keep-alives yet
@@ -141,6 +142,9 @@ async def test_held_requests_of_every_kind_get_their_whole_answer(tmp_path):
     assert chat == expected["chat"] and text == expected["anthropic"]
     assert output == expected["responses"]
     assert "".join(f.get("token", "") for f in ws_frames) == expected["tokens"]
+    queued = [f for f in ws_frames if f.get("type") == "queued"]  # the admission queue's form
+    assert {f["id"] for f in queued} == {1} and ws_frames[: len(queued)] == queued
+    assert [f["waited_ms"] for f in queued] == sorted(f["waited_ms"] for f in queued)
     assert ws_frames[-1]["finish_reason"] == "length"
     assert "".join(d.get("token", "") for d in tokens.data()) == expected["tokens"]
     # The keep-alives came before the first event, the status events say why and how long.
@@ -204,6 +208,9 @@ async def test_past_the_hold_timeout_each_protocol_gives_up_in_its_own_shape(tmp
         async with websockets.connect(url, additional_headers=HEADERS) as ws:
             await ws.send(json.dumps({"id": 1, "prompt": "a"}))
             frame = json.loads(await ws.recv())
+            assert frame["type"] == "queued" and frame["id"] == 1
+            while frame["type"] == "queued":
+                frame = json.loads(await ws.recv())
             with pytest.raises(websockets.ConnectionClosed) as closed:
                 await ws.recv()
         await asyncio.gather(*(s.run() for s in streams.values()))

@@ -3,7 +3,10 @@ pings, every `--heartbeat-seconds`), then open the upstream WebSocket and relay 
 ways until either side closes.
 
 Frames the client sends while held (up to `--max-held-frames`) are kept and relayed first,
-in order, once the upstream socket is open. Past `maxHeld`: the handshake is refused with
+in order, once the upstream socket is open. Each generation among them hears what a
+generation waiting in the server's admission queue hears, from the same keep-alive writer
+(core/keepalive.py): `{"id", "type": "queued", "waited_ms"}` at once and every
+`keepaliveSeconds`. Past `maxHeld`: the handshake is refused with
 429 and `Retry-After`. Past the hold timeout: an error frame with code `model_starting`,
 then close 1013 (try again later). An upstream handshake the model's server refuses (401,
 403, 429, ...) becomes an error frame with its status, then close 1008; a client that
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from typing import Any
@@ -26,7 +30,8 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from ..core.errors import error_body
-from ..protocols.websocket import error_frame
+from ..core.keepalive import KeepAlive
+from ..protocols.websocket import error_frame, queued_frame
 from ..transport import handshake
 from .metrics import ActivatorMetrics
 from .proxy import HOP_BY_HOP, MODEL_STARTING, Held, retry_after, starting_message
@@ -91,19 +96,36 @@ async def _hold(
     """Wait for a replica, keeping the client's frames; the open upstream socket, or None
     when the hold ended (the client was told why, or left)."""
     up, model, scope = held.up, held.up.model, ws.scope
+    loop = asyncio.get_running_loop()
     frame = asyncio.ensure_future(receive())
     ready = asyncio.ensure_future(up.wait_ready())
+    due: asyncio.Future[None] = loop.create_future()
+    waiting: list[Any] = []  # the ids of the generations the client asked for so far
+
+    def beat() -> None:
+        if not due.done():
+            due.set_result(None)
+
+    unbeat = KeepAlive.on(loop, model.keepalive).add(beat)
     try:
         while True:
-            waits: tuple[asyncio.Future[Any], ...] = (ready, frame, *held.wakers())
+            waits: tuple[asyncio.Future[Any], ...] = (ready, frame, due, *held.wakers())
             done, _ = await asyncio.wait(waits, timeout=max(held.deadline - time.monotonic(), 0),
                                          return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            if due in done:
+                due = loop.create_future()
+                for rid in waiting:
+                    await ws.send_text(queued_frame(rid, held.waited))
+                continue
             if frame in done:
                 message = frame.result()
                 if message["type"] == "websocket.disconnect":
                     held.end("disconnected")
                     return None
                 kept.append(message)
+                rid = _generation(message, waiting)
+                if rid is not None:
+                    await ws.send_text(queued_frame(rid, held.waited))
                 if len(kept) > max_frames:
                     held.end("rejected")
                     await ws.send_text(
@@ -147,15 +169,32 @@ async def _hold(
             await ws.close(TRY_AGAIN_LATER)
             return None
     finally:
+        unbeat()
         frame.cancel()
         ready.cancel()
 
 
+def _generation(message: Message, waiting: list[Any]) -> Any:
+    """Note what a kept frame asks for: a new generation's id (returned) joins `waiting`, a
+    stop takes its id out. Anything else is the server's to answer once relayed."""
+    try:
+        frame = json.loads(message.get("text") or "")
+    except ValueError:
+        return None
+    if not isinstance(frame, dict) or not isinstance(frame.get("id"), (str, int)):
+        return None
+    rid, kind = frame["id"], frame.get("type", "generate")
+    if kind == "stop" and rid in waiting:
+        waiting.remove(rid)
+    if kind != "generate" or rid in waiting:
+        return None
+    waiting.append(rid)
+    return rid
+
+
 def _refusal(e: InvalidStatus) -> str:
     body = e.response.body or b""
-    with contextlib.suppress(ValueError, AttributeError, TypeError):
-        import json
-
+    with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
         return str(json.loads(body)["error"]["message"])
     return f"The model's server refused the WebSocket ({e.response.status_code})."
 

@@ -200,8 +200,7 @@ class Connection:
                 elif type(ev) is Failed:
                     await self.error(rid, ev.status, ev.message, ev.code)
                 elif type(ev) is Waiting:
-                    await send(f'{{"id":{_dumps(rid)},"type":"queued",'
-                               f'"waited_ms":{round(ev.waited * 1000)}}}')  # fmt: skip
+                    await send(queued_frame(rid, ev.waited))
         except (WebSocketDisconnect, RuntimeError):
             pass  # the client went away or was cut off: the cleanup aborts and records it
         finally:
@@ -213,3 +212,9 @@ class Connection:
 def error_frame(rid, status: int, message: str, code: str | None) -> str:
     """An error frame: `{"id", "type": "error", "error": {...}}` (id None: not one generation's)."""
     return _dumps({"id": rid, "type": "error", **error_body(status or 400, message, code=code)})
+
+
+def queued_frame(rid, waited: float) -> str:
+    """A generation that waits (for a stream slot, or for its model to start):
+    `{"id", "type": "queued", "waited_ms"}`."""
+    return f'{{"id":{_dumps(rid)},"type":"queued","waited_ms":{round(waited * 1000)}}}'
