@@ -135,6 +135,9 @@ def activator_config(settings: ActivatorSettings, app) -> uvicorn.Config:
         # uvicorn's own wait for open connections: what held requests have, and 5 s more.
         timeout_graceful_shutdown=math.ceil(settings.drain_timeout_seconds) + 5,
         access_log=False,  # it would log query strings (`?api_key=`)
+        # A forwarded answer keeps the model server's own `date` and `server` (not two of each).
+        server_header=False,
+        date_header=False,
     )
     redact.install()
     handshake.install()

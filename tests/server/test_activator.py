@@ -328,6 +328,7 @@ async def test_refusals_of_the_model_server_pass_through_or_become_error_events(
     # Nothing was sent yet: the server's 401, byte for byte, with its headers.
     assert (r.status_code, r.content) == (d.status_code, d.content) == (401, d.content)
     assert r.headers.get("www-authenticate") == d.headers.get("www-authenticate")
+    assert len(r.headers.get_list("date")) == len(r.headers.get_list("server")) == 1
     assert ok.status_code == 200  # negative control: the right key goes through
     # Committed: the protocol's error event with the server's status and message.
     error = json.loads(next(line for line in stream.lines if line.startswith("data: {"))[6:])
