@@ -28,7 +28,7 @@ from testkit.net import free_port, wait_http
 from testkit.process import ManagedProcess
 from testkit.wait import eventually
 
-pytestmark = pytest.mark.asyncio(loop_scope="session")
+pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.slow]
 
 CHAT = {"messages": [{"role": "user", "content": "hello river"}], "max_tokens": 8}
 
