@@ -248,6 +248,7 @@ async def handle(
     kind = classify(scope["path"], body)
     request = Request(client, held, scope, body)
     gone = asyncio.ensure_future(_disconnected(receive))
+    forwarded: asyncio.Future[bool] | None = None
     try:
         commit_at = held.t0 + model.keepalive if kind.streaming else math.inf
         while True:
@@ -286,6 +287,8 @@ async def handle(
         raise
     finally:
         gone.cancel()
+        if forwarded is not None and not forwarded.done():  # cancelled while forwarding
+            forwarded.cancel()
     status_events = kind.protocol == "sse" and _asked_status(scope)
     stream = HeldStream(request, kind, status_events)
     await SSEResponse(stream.frames(), stream.cleanup, ping=0, send_timeout=send_timeout)(
