@@ -426,3 +426,26 @@ async def test_keep_alives_carry_a_held_stream_through_a_proxy_that_cuts_silent_
     assert final["finished"] and final["usage"]["completion_tokens"] == 8
     assert stream.lines[-2] == "data: [DONE]"
     assert act.outcome("forwarded") == 1
+
+
+async def test_a_replica_that_went_away_again_means_holding_again(tmp_path, monkeypatch, caplog):
+    """A ready answer stands for new requests a while (`FRESH`, here stretched so that the
+    second request surely trusts it): one that then cannot connect never reached a server,
+    so it is held again, not failed, and forwarded once a server is back."""
+    from sluice_server.activator import upstream
+
+    monkeypatch.setattr(upstream, "FRESH", 3600.0)
+    caplog.set_level(logging.INFO, "sluice_server.activator")
+    port = free_port()
+    async with activator(tmp_path, {MODEL: entry(port)}) as act:
+        client = httpx.AsyncClient(base_url=act.url, headers=HEADERS, timeout=30)
+        async with model_server(port):
+            assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        again = asyncio.ensure_future(client.post("/v1/chat/completions", json=CHAT))
+        await eventually(lambda: "connect failed (ConnectError); holding again" in caplog.text,
+                         what="the stale ready answer found out")  # fmt: skip
+        assert act.held() == 1 and not again.done()
+        async with model_server(port):
+            assert (await again).status_code == 200
+        await client.aclose()
+    assert act.outcome("forwarded") == 2 and act.outcome("timeout") == 0
