@@ -315,11 +315,22 @@ async def test_refusals_of_the_model_server_pass_through_or_become_error_events(
         stream = RawSSE(client, "POST", "/v1/chat/completions", json={**CHAT, "stream": True},
                         headers=wrong)  # fmt: skip
         running = asyncio.ensure_future(stream.run())
-        await eventually(lambda: act.held() == 2 and stream.count(": queued") >= 1,
-                         what="both held, the stream committed")  # fmt: skip
+
+        async def websocket() -> tuple[dict, int | None]:
+            url = act.url.replace("http://", "ws://") + "/ws/stream"
+            async with websockets.connect(url, additional_headers={**HEADERS, **wrong}) as ws:
+                frame = json.loads(await ws.recv())
+                with pytest.raises(websockets.ConnectionClosed) as closed:
+                    await ws.recv()
+                return frame, closed.value.rcvd.code if closed.value.rcvd else None
+
+        ws_task = asyncio.ensure_future(websocket())
+        await eventually(lambda: act.held() == 3 and stream.count(": queued") >= 1,
+                         what="all three held, the stream committed")  # fmt: skip
         async with model_server(port, api_key_file=keys) as url:
             r = await plain
             await running
+            ws_frame, ws_close = await ws_task
             async with httpx.AsyncClient(base_url=url) as direct:
                 d = await direct.post("/v1/chat/completions", json=CHAT, headers=wrong)
             ok = await client.post("/v1/chat/completions", json=CHAT,
@@ -335,6 +346,9 @@ async def test_refusals_of_the_model_server_pass_through_or_become_error_events(
     assert error["error"]["type"] == "authentication_error"
     assert error["error"]["message"] == d.json()["error"]["message"]
     assert stream.lines[-2] == "data: [DONE]"
+    # The WebSocket, accepted while held: the refused upstream handshake as an error frame.
+    assert ws_frame["type"] == "error" and ws_frame["error"]["code"] == "http_401"
+    assert ws_close == 1008
 
 
 async def test_a_client_leaving_after_forwarding_aborts_the_server_request(tmp_path):

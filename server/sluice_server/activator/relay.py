@@ -25,7 +25,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 from starlette.types import Message, Receive, Scope, Send
-from starlette.websockets import WebSocket, WebSocketState
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
@@ -82,6 +82,8 @@ async def relay(
                                _upstream_headers(scope), _origin(scope))  # fmt: skip
         if upstream is not None:
             await _relay(ws, receive, upstream, kept)
+    except (WebSocketDisconnect, RuntimeError, OSError):
+        pass  # the client went away while a frame was sent to it: dropped, as when it left
     finally:
         if not held.ended:
             held.end("disconnected")
