@@ -159,7 +159,11 @@ def starting_message(held: Held) -> str:
 
 
 def forward_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
-    return [(k, v) for k, v in scope["headers"] if k.decode("latin-1") not in HOP_BY_HOP]
+    """The request's headers less the hop-by-hop ones (also those its Connection names)."""
+    named = {t.strip().lower() for k, v in scope["headers"] if k == b"connection"
+             for t in v.decode("latin-1").split(",")}  # fmt: skip
+    return [(k, v) for k, v in scope["headers"]
+            if (name := k.decode("latin-1")) not in HOP_BY_HOP and name not in named]  # fmt: skip
 
 
 async def read_body(receive: Receive, limit: int) -> bytes | None:

@@ -59,6 +59,8 @@ def test_unknown_fields_are_ignored_and_bad_entries_named(tmp_path):
 def test_the_command_line_and_environment(monkeypatch):
     s = parse_activator_settings(["--models-file", "/etc/m.json", "--port", "9000"])
     assert (str(s.models_file), s.port, s.ready_poll_seconds) == ("/etc/m.json", 9000, 0.5)
+    chart = parse_activator_settings(["--models-file=/etc/sluice/activator/models.json"])
+    assert (str(chart.models_file), chart.port) == ("/etc/sluice/activator/models.json", 8000)
     monkeypatch.setenv("SLUICE_ACTIVATOR_READY_POLL_SECONDS", "0.25")
     assert parse_activator_settings(["--models-file", "m"]).ready_poll_seconds == 0.25
     with pytest.raises(ValueError, match="models_file"):
@@ -73,3 +75,14 @@ def test_sluice_server_activator_is_the_entry_point(tmp_path, capsys):
 
     assert main(["activator", "--models-file", str(tmp_path / "m"), "--port", "-1"]) == 2
     assert "--port: Input should be greater than or equal to 0" in capsys.readouterr().err
+
+
+def test_hop_by_hop_headers_stay_behind():
+    from sluice_server.activator.proxy import forward_headers
+
+    scope = {"headers": [(b"host", b"chat.team-a"), (b"connection", b"keep-alive, x-hop"),
+                         (b"x-hop", b"1"), (b"keep-alive", b"timeout=5"), (b"te", b"trailers"),
+                         (b"authorization", b"Bearer k"), (b"content-length", b"2"),
+                         (b"x-sluice-model", b"team-a/chat")]}  # fmt: skip
+    assert forward_headers(scope) == [(b"authorization", b"Bearer k"),
+                                      (b"x-sluice-model", b"team-a/chat")]  # fmt: skip
