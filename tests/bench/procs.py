@@ -14,6 +14,7 @@ import sys
 import threading
 from pathlib import Path
 
+from testkit.cpus import engine_processes, separate
 from testkit.net import wait_http
 from testkit.process import ManagedProcess
 
@@ -39,49 +40,18 @@ def engine_env(scratch: Path) -> dict[str, str]:
     return env
 
 
-def _pin_threads(pid: int, cpus: set[int]) -> None:
-    """Every thread of `pid` (sched_setaffinity on a pid moves only that one thread);
-    threads started later inherit the mask of the thread that starts them."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-        except (ProcessLookupError, OSError):
-            pass  # a thread that just ended
-
-
 def separate_engines(fronts: list[ManagedProcess]) -> dict:
-    """Keep vLLM's engine processes off the cores the HTTP servers and clients use.
-
-    vLLM's CPU build pins each engine's model worker (`VLLM::Worker`) to its compute cores
-    but leaves the engine-core process (`VLLM::EngineCore`) free to run anywhere, and that
-    process busy-polls the worker's shared-memory queue (`sched_yield` for 1 s after every
-    message, vLLM's `SpinCondition`). On a 2-core machine it then shares the second core
-    with the API server and the load generator and starves them: the load generator
-    waited up to 1.5 s in the run queue while tokens piled up server-side (bursts after
-    ~0.3-3 s, then ITL 0: TTFTs clustered around 1 s). Moving every
-    engine-core process next to its worker, and every front end (servers' main processes,
-    the bare-engine process, load generators) onto the other cores, gives every system the
-    same layout and removes the stalls. Returns the layout used ({} if there is nothing to
-    separate, e.g. one core)."""
-    import psutil
-
-    engine_cores: list = []
+    """Keep vLLM's engine processes off the cores the HTTP servers and clients use
+    (`testkit.cpus`: why, and what it removes): every engine-core process under `fronts`
+    next to its model worker, every front onto the other cores. Returns the layout used
+    ({} if there is nothing to separate, e.g. one core)."""
+    cores: list[int] = []
     engine_cpus: set[int] = set()
     for front in fronts:
-        for child in psutil.Process(front.pid).children(recursive=True):
-            name = child.name()
-            if "Worker" in name:
-                engine_cpus |= set(child.cpu_affinity())
-            elif "EngineCore" in name:
-                engine_cores.append(child.pid)
-    front_cpus = set(os.sched_getaffinity(0)) - engine_cpus
-    if not engine_cpus or not front_cpus:
-        return {}
-    for pid in engine_cores:
-        _pin_threads(pid, engine_cpus)
-    for front in fronts:
-        _pin_threads(front.pid, front_cpus)
-    return {"engine_cpus": sorted(engine_cpus), "front_cpus": sorted(front_cpus)}
+        found, cpus = engine_processes(front.pid)
+        cores += found
+        engine_cpus |= cpus
+    return separate(cores, engine_cpus, [front.pid for front in fronts])
 
 
 class Server(ManagedProcess):

@@ -16,7 +16,6 @@ import json
 import math
 import shutil
 import threading
-import time
 import urllib.parse
 import urllib.request
 
@@ -24,6 +23,7 @@ import pytest
 import yaml
 from testkit.net import free_port, wait_http
 from testkit.process import ManagedProcess
+from testkit.wait import eventually
 
 from .test_prometheus_adapter_rules import PERCENTILES, _by_name
 
@@ -158,14 +158,14 @@ def _expand(query: str) -> str:
 
 def test_adapter_queries_on_live_prometheus(prometheus):
     rules = _by_name()
+
     # Wait until the rate window holds at least two scrapes of busy's increasing counters.
-    deadline = time.monotonic() + 60
-    while True:
+    def quantiles() -> dict[str, float]:
         got = _query(prometheus, _expand(rules["sluice_ttft_p90_seconds"]["metricsQuery"]))
-        if got.get("busy", 0) > 0 and "fresh" in got:
-            break
-        assert time.monotonic() < deadline, f"no quantile for busy after 60 s: {got}"
-        time.sleep(0.5)
+        assert got.get("busy", 0) > 0 and "fresh" in got, got
+        return got
+
+    eventually(quantiles, timeout=60, interval=0.5, message="a quantile for busy")
     # The series the rules discover exist for both pods (the server pre-creates its labels).
     series = _query(prometheus, 'count by (pod) (sluice_ttft_seconds_count{namespace!="",pod!=""})')
     assert set(series) == {"busy", "fresh"}

@@ -37,7 +37,7 @@ def _denials(cp, user: str, since: int = 0) -> list[tuple[str, str, str]]:
 
 
 def test_namespaced_rbac_on_a_real_api_server(live_cluster):
-    from e2e.harness.kube import Models, load_sample, wait_for
+    from e2e.harness.kube import Models, eventually, load_sample
     from e2e.harness.operator_process import (
         OperatorProcess,
         RenderedChart,
@@ -74,18 +74,18 @@ def test_namespaced_rbac_on_a_real_api_server(live_cluster):
         models = Models(admin)
         for namespace in ("team-a", "unwatched"):
             models.create(load_sample("chat-small.yaml", namespace))
-        kids = wait_for(
+        kids = eventually(
             lambda: (
                 (c := models.children("team-a", "chat-small"))["Deployment"] and c["Service"] and c
             ),
             timeout=60,
-            what="children in team-a",
+            message="children in team-a",
         )
         assert kids["Deployment"].metadata.owner_references[0].kind == "StreamingModel"
-        wait_for(
+        eventually(
             lambda: models.get("team-a", "chat-small").get("status"),
             timeout=30,
-            what="status in team-a",
+            message="status in team-a",
         )
         # Only team-b (the negative control) may see denials: its Service apply fails.
         denied = _denials(cp, user)
@@ -96,10 +96,10 @@ def test_namespaced_rbac_on_a_real_api_server(live_cluster):
 
         mark = cp.audit_mark()
         models.create(load_sample("chat-small.yaml", "team-b"))
-        wait_for(
+        eventually(
             lambda: ("patch", "services", "team-b") in _denials(cp, user, since=mark),
             timeout=60,
-            what="the services denial in team-b",
+            message="the services denial in team-b",
         )
         assert models.children("team-b", "chat-small")["Service"] is None
         # The unwatched namespace was never touched: no call of the operator there at all.

@@ -22,7 +22,7 @@ from testkit.live_cluster import skip_without_control_plane
 
 from .harness.control_plane import ControlPlane
 from .harness.ingress import IngressController
-from .harness.kube import CRD_FILE, Models, wait_for
+from .harness.kube import CRD_FILE, Models, eventually
 from .harness.node_agent import NodeAgent
 from .harness.operator_process import OperatorProcess, RenderedChart, install_operator_identity
 from .harness.sandbox import sandbox_problem
@@ -78,10 +78,10 @@ def admin(control_plane) -> client.ApiClient:
     configuration.connection_pool_maxsize = 32  # tests apply from a thread pool
     api = client.ApiClient(configuration)
     # The default namespace's ServiceAccount is made by the controller manager; pods need it.
-    wait_for(
+    eventually(
         lambda: client.CoreV1Api(api).read_namespaced_service_account("default", "default"),
         timeout=30,
-        what="the default ServiceAccount",
+        message="the default ServiceAccount",
     )
     return api
 
@@ -106,7 +106,7 @@ def crd(admin) -> dict:
             c.type == "Established" and c.status == "True" for c in got.status.conditions or []
         )
 
-    wait_for(established, timeout=30, what="the CRD to be Established")
+    eventually(established, timeout=30, message="the CRD to be Established")
     return body
 
 
@@ -120,7 +120,7 @@ def gpu_node(admin):
         return not any(t.effect == "NoSchedule" for t in n.spec.taints or [])
 
     # The node lifecycle controller removes the not-ready taint once it sees the heartbeat.
-    wait_for(schedulable, timeout=30, what="the fake GPU node to lose its not-ready taint")
+    eventually(schedulable, timeout=30, message="the fake GPU node to lose its not-ready taint")
     yield node
     node.stop()
     if node.errors:  # relists after a watch expired are normal; many of them are not
@@ -159,18 +159,18 @@ def namespace(admin, request):
     name = f"e2e-{slug}-{uuid.uuid4().hex[:5]}"
     core = client.CoreV1Api(admin)
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
-    wait_for(
+    eventually(
         lambda: core.read_namespaced_service_account("default", name),
         timeout=30,
-        what=f"the default ServiceAccount in {name}",
+        message=f"the default ServiceAccount in {name}",
     )
     yield name
     core.delete_namespace(name)
     # Pods hold GPUs of the shared fake node: wait until the fake kubelet has removed them.
-    wait_for(
+    eventually(
         lambda: not core.list_namespaced_pod(name).items,
         timeout=60,
-        what=f"pods of namespace {name} to be gone",
+        message=f"pods of namespace {name} to be gone",
     )
 
 
@@ -220,9 +220,9 @@ def live_nodes(admin, control_plane):
             created.append(agent)
             agents.append(agent)
         for agent in agents:
-            wait_for(lambda a=agent: all(t.key == LIVE_LABEL for t in
-                                         core.read_node(a.name).spec.taints or []),
-                     timeout=30, what=f"{agent.name} to lose its not-ready taint")  # fmt: skip
+            eventually(lambda a=agent: all(t.key == LIVE_LABEL for t in
+                                           core.read_node(a.name).spec.taints or []),
+                       timeout=30, message=f"{agent.name} to lose its not-ready taint")  # fmt: skip
         placement = {
             "nodeSelector": {LIVE_LABEL: pool},
             "tolerations": [{"key": LIVE_LABEL, "operator": "Equal", "value": pool,

@@ -11,7 +11,7 @@ import httpx
 from kubernetes import client
 
 from .harness.endpoints import ready_endpoints
-from .harness.kube import load_sample, wait_for
+from .harness.kube import eventually, load_sample
 
 ITL_MS = 150
 LONG_TOKENS = 400  # 60 s per long stream: longer than a new pod's start plus the preStop
@@ -48,7 +48,7 @@ def ready_model(models, namespace: str, name: str, timeout: float = 120) -> dict
         return (st.get("phase") == "Ready"
                 and st.get("observedGeneration") == m["metadata"]["generation"] and st)  # fmt: skip
 
-    return wait_for(ready, timeout=timeout, interval=0.5, what=f"{namespace}/{name} Ready")
+    return eventually(ready, timeout=timeout, interval=0.5, message=f"{namespace}/{name} Ready")
 
 
 def routed(ingress, core, namespace: str, name: str, count: int, timeout: float = 60,
@@ -63,9 +63,11 @@ def routed(ingress, core, namespace: str, name: str, count: int, timeout: float 
         mine = [v for k, v in last.items() if k.startswith(namespace.replace("-", "_"))]
         return len(eps) == count and mine and len(mine[0]) == count
 
-    wait_for(has_all, timeout=timeout, interval=0.25, what=f"the ingress to route {count} pods")
-    wait_for(lambda: httpx.get(f"{url}/v1/models", headers=headers, timeout=5).status_code
-             == 200, timeout=30, what="the model to answer through the ingress")  # fmt: skip
+    eventually(
+        has_all, timeout=timeout, interval=0.25, message=f"the ingress to route {count} pods"
+    )
+    eventually(lambda: httpx.get(f"{url}/v1/models", headers=headers, timeout=5).status_code
+               == 200, timeout=30, message="the model to answer through the ingress")  # fmt: skip
     return url
 
 

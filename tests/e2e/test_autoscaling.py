@@ -52,7 +52,7 @@ from .autoscaling.prometheus import (
 )
 from .autoscaling.timeline import Timeline
 from .harness.ingress import IngressController
-from .harness.kube import CRD_FILE, Models, load_sample, wait_for
+from .harness.kube import CRD_FILE, Models, eventually, load_sample
 from .harness.node_agent import NodeAgent
 from .harness.operator_process import OperatorProcess, RenderedChart, install_operator_identity
 
@@ -117,16 +117,16 @@ def cp(workdir):
 def kube(cp) -> client.ApiClient:
     api = config.new_client_from_config(config_file=str(cp.kubeconfigs["admin"]))
     core = client.CoreV1Api(api)
-    wait_for(lambda: core.read_namespaced_service_account("default", "default"), timeout=30,
-             what="the default ServiceAccount")  # fmt: skip
+    eventually(lambda: core.read_namespaced_service_account("default", "default"), timeout=30,
+               message="the default ServiceAccount")  # fmt: skip
     import yaml
 
     crd = yaml.safe_load(CRD_FILE.read_text())
     utils.create_from_dict(api, crd)
     ext = client.ApiextensionsV1Api(api)
-    wait_for(lambda: any(c.type == "Established" and c.status == "True" for c in
-                         ext.read_custom_resource_definition(crd["metadata"]["name"]).status.conditions or []),
-             timeout=30, what="the CRD")  # fmt: skip
+    eventually(lambda: any(c.type == "Established" and c.status == "True" for c in
+                           ext.read_custom_resource_definition(crd["metadata"]["name"]).status.conditions or []),
+               timeout=30, message="the CRD")  # fmt: skip
     return api
 
 
@@ -135,8 +135,8 @@ def node(kube, cp):
     n = NodeAgent(kube, "gpu-serving-0", gpus=8, cpu=str(NODE_CPUS), run_pods=True,
                   workdir=cp.logs / "node").start()  # fmt: skip
     core = client.CoreV1Api(kube)
-    wait_for(lambda: not any(t.effect == "NoSchedule" for t in core.read_node(n.name).spec.taints or []),
-             timeout=30, what="the serving node to lose its not-ready taint")  # fmt: skip
+    eventually(lambda: not any(t.effect == "NoSchedule" for t in core.read_node(n.name).spec.taints or []),
+               timeout=30, message="the serving node to lose its not-ready taint")  # fmt: skip
     pids = []
     try:
         yield n
@@ -233,16 +233,16 @@ def run(kube, cp, node, prometheus, adapter, operator, ingress, workdir):
     core = client.CoreV1Api(kube)
     models = Models(kube)
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=NAMESPACE)))
-    wait_for(lambda: core.read_namespaced_service_account("default", NAMESPACE), timeout=30,
-             what="the default ServiceAccount")  # fmt: skip
+    eventually(lambda: core.read_namespaced_service_account("default", NAMESPACE), timeout=30,
+               message="the default ServiceAccount")  # fmt: skip
     models.create(_body())
-    wait_for(lambda: models.children(NAMESPACE, NAME)["HorizontalPodAutoscaler"], timeout=60,
-             what="the operator's HPA")  # fmt: skip
-    wait_for(lambda: (models.apps.read_namespaced_deployment(NAME, NAMESPACE).status.ready_replicas or 0) == 1,
-             timeout=90, what="the first replica Ready")  # fmt: skip
+    eventually(lambda: models.children(NAMESPACE, NAME)["HorizontalPodAutoscaler"], timeout=60,
+               message="the operator's HPA")  # fmt: skip
+    eventually(lambda: (models.apps.read_namespaced_deployment(NAME, NAMESPACE).status.ready_replicas or 0) == 1,
+               timeout=90, message="the first replica Ready")  # fmt: skip
 
-    wait_for(lambda: ingress.reloads and [1] == [len(v) for v in ingress.reloads[-1].endpoints.values()],
-             timeout=30, what="the ingress to route the first replica")  # fmt: skip
+    eventually(lambda: ingress.reloads and [1] == [len(v) for v in ingress.reloads[-1].endpoints.values()],
+               timeout=30, message="the ingress to route the first replica")  # fmt: skip
     load = LoadGenerator(kube, NAMESPACE, NAME, url=ingress.url + INGRESS_PATH).start()
     timeline = Timeline(kube, NAMESPACE, NAME, load, TARGET_MS).start()
     seen: dict = {"phases": {}}
@@ -252,17 +252,14 @@ def run(kube, cp, node, prometheus, adapter, operator, ingress, workdir):
         return round(time.monotonic() - began, 1)
 
     def wait(cond, timeout, interval=1.0, origin=None):
-        """Poll until cond() is truthy; seconds since `origin` (default: now), None on timeout."""
-        t0 = time.monotonic()
-        origin = t0 if origin is None else origin
-        while time.monotonic() - t0 < timeout:
-            try:
-                if cond():
-                    return round(time.monotonic() - origin, 1)
-            except Exception:
-                pass
-            time.sleep(interval)
-        return None
+        """Seconds since `origin` (default: now) until cond() holds (any error: not yet), or
+        None when it did not within `timeout`: each test below judges what was recorded."""
+        origin = time.monotonic() if origin is None else origin
+        try:
+            eventually(cond, timeout=timeout, interval=interval, retry_on=(Exception,))
+        except AssertionError:
+            return None
+        return round(time.monotonic() - origin, 1)
 
     def hpa_metric_ms() -> float | None:
         for m in _hpa(kube).status.current_metrics or []:

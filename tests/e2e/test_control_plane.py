@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kubernetes import client
 
-from .harness.kube import wait_for
+from .harness.kube import eventually
 from .harness.node_agent import NodeAgent
 
 
@@ -64,20 +64,20 @@ def test_fake_node_runs_and_removes_pods(admin, gpu_node):
     assert lease.spec.holder_identity == gpu_node.name
 
     core.create_namespaced_pod("default", _pod("fits", 2))
-    pod = wait_for(
+    pod = eventually(
         lambda: (p := core.read_namespaced_pod("fits", "default")).status.pod_ip and p,
         timeout=20,
-        what="the pod to be scheduled and running",
+        message="the pod to be scheduled and running",
     )
     assert pod.spec.node_name == gpu_node.name
     assert pod.status.phase == "Running"
     assert any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions)
 
     core.delete_namespaced_pod("fits", "default")
-    wait_for(
+    eventually(
         lambda: not core.list_namespaced_pod("default", field_selector="metadata.name=fits").items,
         timeout=20,
-        what="the deleted pod to be removed by the fake kubelet",
+        message="the deleted pod to be removed by the fake kubelet",
     )
 
 
@@ -91,7 +91,7 @@ def test_pod_needing_more_gpus_than_any_node_stays_pending(admin, gpu_node):
             cond = next((c for c in pod.status.conditions or [] if c.type == "PodScheduled"), None)
             return cond and cond.reason == "Unschedulable" and cond
 
-        cond = wait_for(unschedulable, timeout=20, what="the scheduler to give up on the pod")
+        cond = eventually(unschedulable, timeout=20, message="the scheduler to give up on the pod")
         assert "nvidia.com/gpu" in cond.message
     finally:
         core.delete_namespaced_pod("too-big", "default", grace_period_seconds=0)
@@ -101,9 +101,9 @@ def test_more_nodes_on_demand(admin, gpu_node):
     extra = NodeAgent(admin, "gpu-node-extra", gpus=4).start()
     try:
         core = client.CoreV1Api(admin)
-        wait_for(
+        eventually(
             lambda: core.read_node(extra.name).status.allocatable["nvidia.com/gpu"] == "4",
-            what="the extra node",
+            message="the extra node",
         )
     finally:
         extra.stop()

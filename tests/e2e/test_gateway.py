@@ -20,7 +20,7 @@ import pytest
 from kubernetes import client
 from testkit.repo import ROOT
 
-from .harness.kube import load_sample, wait_for
+from .harness.kube import eventually, load_sample
 
 SCHEMA = ROOT / "tests" / "operator" / "schemas" / "gateway-httproute.schema.json"
 GATEWAY = {
@@ -127,10 +127,10 @@ def test_gateway_route_lifecycle(operator, admin, models, namespace):
     models.create(body)
 
     # 1. No Gateway API: a condition and an Event, the rest converges.
-    cond = wait_for(
+    cond = eventually(
         lambda: (c := _condition(models, namespace, "gw")) and c["status"] == "False" and c,
         timeout=30,
-        what="GatewayRoute=False without the Gateway API CRDs",
+        message="GatewayRoute=False without the Gateway API CRDs",
     )
     assert cond["reason"] == "GatewayAPIUnavailable" and "not installed" in cond["message"]
     children = models.children(namespace, "gw")
@@ -142,7 +142,7 @@ def test_gateway_route_lifecycle(operator, admin, models, namespace):
         ).items
 
     # kopf posts Events in the background: the status may be written first.
-    wait_for(warnings, timeout=10, what="the GatewayAPIUnavailable Event")
+    eventually(warnings, timeout=10, message="the GatewayAPIUnavailable Event")
     time.sleep(1)
     assert len(warnings()) == 1
     operator.process.check_alive()  # no crash loop
@@ -150,7 +150,7 @@ def test_gateway_route_lifecycle(operator, admin, models, namespace):
     # 2. The CRD appears: the retry (backoff) creates the route, the API server accepts it.
     ext.create_custom_resource_definition(_httproute_crd())
     try:
-        wait_for(
+        eventually(
             lambda: any(
                 c.type == "Established" and c.status == "True"
                 for c in ext.read_custom_resource_definition(
@@ -159,25 +159,25 @@ def test_gateway_route_lifecycle(operator, admin, models, namespace):
                 or []
             ),
             timeout=30,
-            what="the HTTPRoute CRD to be established",
+            message="the HTTPRoute CRD to be established",
         )
-        route = wait_for(
+        route = eventually(
             lambda: _route(admin, namespace, "gw"),
             timeout=60,
             interval=0.5,
-            what="the HTTPRoute after the CRD was installed",
+            message="the HTTPRoute after the CRD was installed",
         )
         (rule,) = route["spec"]["rules"]
         assert rule["timeouts"]["request"].endswith("s")
         assert route["metadata"]["ownerReferences"][0]["kind"] == "StreamingModel"
-        status = wait_for(
+        status = eventually(
             lambda: (
                 (s := models.get(namespace, "gw").get("status") or {})
                 and {c["type"]: c for c in s["conditions"]}["GatewayRoute"]["reason"] == "Pending"
                 and s
             ),
             timeout=30,
-            what="GatewayRoute Pending",
+            message="GatewayRoute Pending",
         )
         assert status["url"] == "http://chat.example.com/chat"
         assert models.children(namespace, "gw")["Ingress"] is None
@@ -188,27 +188,27 @@ def test_gateway_route_lifecycle(operator, admin, models, namespace):
             "gw",
             {"spec": {"gateway": None, "ingress": {"enabled": True, "host": "chat.example.com"}}},
         )
-        wait_for(
+        eventually(
             lambda: (
                 models.children(namespace, "gw")["Ingress"] is not None
                 and _route(admin, namespace, "gw") is None
             ),
             timeout=30,
-            what="Ingress in, HTTPRoute out",
+            message="Ingress in, HTTPRoute out",
         )
-        wait_for(
+        eventually(
             lambda: _condition(models, namespace, "gw") is None,
             timeout=30,
-            what="GatewayRoute condition gone",
+            message="GatewayRoute condition gone",
         )
         models.patch(namespace, "gw", {"spec": {"gateway": GATEWAY, "ingress": {"enabled": False}}})
-        wait_for(
+        eventually(
             lambda: (
                 models.children(namespace, "gw")["Ingress"] is None
                 and _route(admin, namespace, "gw") is not None
             ),
             timeout=30,
-            what="HTTPRoute in, Ingress out",
+            message="HTTPRoute in, Ingress out",
         )
 
         # 3b. Resumable streams with session persistence (an Experimental channel field, in
@@ -223,14 +223,14 @@ def test_gateway_route_lifecycle(operator, admin, models, namespace):
                 }
             },
         )
-        route = wait_for(
+        route = eventually(
             lambda: (
                 (r := _route(admin, namespace, "gw"))
                 and "sessionPersistence" in r["spec"]["rules"][0]
                 and r
             ),
             timeout=30,
-            what="the route's session persistence",
+            message="the route's session persistence",
         )
         assert route["spec"]["rules"][0]["sessionPersistence"]["sessionName"] == "sluice-affinity"
 
@@ -242,10 +242,10 @@ def test_gateway_route_lifecycle(operator, admin, models, namespace):
         # 5. Garbage collection. The garbage collector watches a new CRD's kind only from
         # its next discovery sync (every 30 s), which may come after this delete.
         models.delete(namespace, "gw")
-        wait_for(
+        eventually(
             lambda: _route(admin, namespace, "gw") is None,
             timeout=90,
-            what="the HTTPRoute to be garbage collected",
+            message="the HTTPRoute to be garbage collected",
         )
 
         # 6. The Standard channel's CRD (no rules[].sessionPersistence): server-side apply
@@ -266,14 +266,14 @@ def test_gateway_route_lifecycle(operator, admin, models, namespace):
         body["spec"]["gateway"] = {**copy.deepcopy(GATEWAY), "sessionPersistence": True}
         body["spec"].setdefault("streaming", {})["resume"] = {"graceSeconds": 30}
         models.create(body)
-        cond = wait_for(
+        cond = eventually(
             lambda: (
                 (c := _condition(models, namespace, "gw2"))
                 and c["reason"] == "SessionPersistenceDropped"
                 and c
             ),
             timeout=30,
-            what="GatewayRoute=False: the CRD has no sessionPersistence",
+            message="GatewayRoute=False: the CRD has no sessionPersistence",
         )
         assert cond["status"] == "False" and "Experimental channel" in cond["message"]
         route = _route(admin, namespace, "gw2")

@@ -21,7 +21,7 @@ import yaml
 from kubernetes import client
 from testkit.repo import shared_crd
 
-from .harness.kube import load_sample, wait_for
+from .harness.kube import eventually, load_sample
 
 POOL_CRD = shared_crd(
     "gateway-api-inference-extension/inference.networking.k8s.io_inferencepools.yaml"
@@ -59,13 +59,13 @@ def _install(ext, path):
     body = yaml.safe_load(path.read_text())
     ext.create_custom_resource_definition(body)
     name = body["metadata"]["name"]
-    wait_for(
+    eventually(
         lambda: any(
             c.type == "Established" and c.status == "True"
             for c in ext.read_custom_resource_definition(name).status.conditions or []
         ),
         timeout=30,
-        what=f"CRD {name} established",
+        message=f"CRD {name} established",
     )
     return name
 
@@ -83,14 +83,14 @@ def test_inference_pool_lifecycle(operator, admin, models, namespace):
     models.create(body)
 
     # 1. No InferencePool CRD: both conditions say so, one Event, the rest converges.
-    conditions = wait_for(
+    conditions = eventually(
         lambda: (
             (c := _conditions(models, namespace, "pool")).get("RouteBackend", {}).get("status")
             == "False"
             and c
         ),
         timeout=30,
-        what="RouteBackend=False without the InferencePool CRD",
+        message="RouteBackend=False without the InferencePool CRD",
     )
     assert conditions["RouteBackend"]["reason"] == "InferencePoolUnavailable"
     assert "Inference Extension is not installed" in conditions["RouteBackend"]["message"]
@@ -103,7 +103,7 @@ def test_inference_pool_lifecycle(operator, admin, models, namespace):
             namespace, field_selector="reason=InferencePoolUnavailable"
         ).items
 
-    wait_for(warnings, timeout=10, what="the InferencePoolUnavailable Event")
+    eventually(warnings, timeout=10, message="the InferencePoolUnavailable Event")
     operator.process.check_alive()
 
     installed = []
@@ -111,11 +111,11 @@ def test_inference_pool_lifecycle(operator, admin, models, namespace):
         # 2. The official CRDs appear: the retry applies the pool and the route naming it.
         installed.append(_install(ext, POOL_CRD))
         installed.append(_install(ext, ROUTE_CRD))
-        pool = wait_for(
+        pool = eventually(
             lambda: _get(admin, POOL, namespace, "pool"),
             timeout=90,
             interval=0.5,
-            what="the InferencePool after its CRD was installed",
+            message="the InferencePool after its CRD was installed",
         )
         deployment = children["Deployment"]
         assert pool["spec"]["selector"]["matchLabels"] == deployment.spec.selector.match_labels
@@ -128,19 +128,19 @@ def test_inference_pool_lifecycle(operator, admin, models, namespace):
             "failureMode": "FailOpen",
         }
         assert pool["metadata"]["ownerReferences"][0]["kind"] == "StreamingModel"
-        wait_for(
+        eventually(
             lambda: _backend(admin, namespace, "pool") == ["InferencePool"],
             timeout=90,
             interval=0.5,
-            what="the HTTPRoute naming the pool",
+            message="the HTTPRoute naming the pool",
         )
-        conditions = wait_for(
+        conditions = eventually(
             lambda: (
                 (c := _conditions(models, namespace, "pool"))["RouteBackend"]["status"] == "True"
                 and c
             ),
             timeout=30,
-            what="RouteBackend=True",
+            message="RouteBackend=True",
         )
         assert conditions["RouteBackend"]["reason"] == "InferencePool"
         assert conditions["InferencePoolReady"]["status"] == "True"
@@ -149,31 +149,31 @@ def test_inference_pool_lifecycle(operator, admin, models, namespace):
         models.patch(
             namespace, "pool", {"spec": {"routing": {"inferencePool": {"enabled": False}}}}
         )
-        wait_for(
+        eventually(
             lambda: (
                 _get(admin, POOL, namespace, "pool") is None
                 and _backend(admin, namespace, "pool") == ["Service"]
             ),
             timeout=30,
-            what="pool gone, route to the Service",
+            message="pool gone, route to the Service",
         )
-        conditions = wait_for(
+        conditions = eventually(
             lambda: (
                 (c := _conditions(models, namespace, "pool"))["RouteBackend"]["reason"] == "Service"
                 and c
             ),
             timeout=30,
-            what="RouteBackend=Service",
+            message="RouteBackend=Service",
         )
         assert "InferencePoolReady" not in conditions
         models.patch(namespace, "pool", {"spec": {"routing": {"inferencePool": {"enabled": True}}}})
-        wait_for(
+        eventually(
             lambda: (
                 _get(admin, POOL, namespace, "pool") is not None
                 and _backend(admin, namespace, "pool") == ["InferencePool"]
             ),
             timeout=30,
-            what="pool back, route to the pool",
+            message="pool back, route to the pool",
         )
 
         # 4. Negative control: the official CEL rule (a Service EPP needs a port) is enforced.
@@ -188,11 +188,11 @@ def test_inference_pool_lifecycle(operator, admin, models, namespace):
     finally:
         for name in installed:
             ext.delete_custom_resource_definition(name)
-        wait_for(
+        eventually(
             lambda: not [n for n in installed
                          if any(c.metadata.name == n
                                 for c in ext.list_custom_resource_definition().items)],
             timeout=60,
-            what="the CRDs removed",
+            message="the CRDs removed",
         )  # fmt: skip
         time.sleep(1)

@@ -15,14 +15,12 @@ garbage-collects the LWS.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import yaml
 from kubernetes import client
 from testkit.repo import LWS_CRD, shared_crd
 
-from .harness.kube import load_sample, wait_for
+from .harness.kube import eventually, load_sample
 
 GROUP, VERSION, PLURAL = "leaderworkerset.x-k8s.io", "v1", "leaderworkersets"
 CRD_NAME = f"{PLURAL}.{GROUP}"
@@ -45,6 +43,16 @@ def _lws(admin, namespace, name):
         raise
 
 
+def _crd_exists(ext) -> bool:
+    try:
+        ext.read_custom_resource_definition(CRD_NAME)
+    except client.ApiException as exc:
+        if exc.status == 404:
+            return False
+        raise
+    return True
+
+
 def _condition(models, namespace, name):
     status = models.get(namespace, name).get("status") or {}
     return {c["type"]: c for c in status.get("conditions") or []}.get("LeaderWorkerSetReady")
@@ -60,13 +68,13 @@ def _workloads(admin, models, namespace, name) -> set[str]:
 def _install_crd(ext) -> None:
     crd = yaml.safe_load(shared_crd(LWS_CRD).read_text())  # type: ignore[union-attr]
     ext.create_custom_resource_definition(crd)
-    wait_for(
+    eventually(
         lambda: any(
             c.type == "Established" and c.status == "True"
             for c in ext.read_custom_resource_definition(CRD_NAME).status.conditions or []
         ),
         timeout=30,
-        what="the LeaderWorkerSet CRD to be established",
+        message="the LeaderWorkerSet CRD to be established",
     )
 
 
@@ -79,19 +87,19 @@ def test_leaderworkerset_lifecycle(operator, admin, models, namespace):
     models.create(load_sample("chat-small.yaml", namespace, new_name="small"))
 
     # 1. No LWS: a condition and an Event; no Deployment for it; the one-node model is unaffected.
-    cond = wait_for(
+    cond = eventually(
         lambda: (c := _condition(models, namespace, "big")) and c["status"] == "False" and c,
         timeout=30,
-        what="LeaderWorkerSetReady=False without the LWS CRD",
+        message="LeaderWorkerSetReady=False without the LWS CRD",
     )
     assert cond["reason"] == "CRDMissing" and "LWS v0.10 or later" in cond["message"]
     children = models.children(namespace, "big")
     assert children["Service"] is not None and children["Deployment"] is None
     assert children["Service"].spec.selector["serving.sluice.dev/role"] == "leader"
-    wait_for(
+    eventually(
         lambda: models.children(namespace, "small")["Deployment"] is not None,
         timeout=30,
-        what="the one-node model's Deployment",
+        message="the one-node model's Deployment",
     )
     assert _condition(models, namespace, "small") is None
 
@@ -100,17 +108,17 @@ def test_leaderworkerset_lifecycle(operator, admin, models, namespace):
             namespace, field_selector="reason=LeaderWorkerSetUnavailable"
         ).items
 
-    wait_for(warnings, timeout=10, what="the LeaderWorkerSetUnavailable Event")
+    eventually(warnings, timeout=10, message="the LeaderWorkerSetUnavailable Event")
     operator.process.check_alive()  # no crash loop
 
     # 2. The official CRD appears: the retry creates the LWS and the API server accepts it.
     _install_crd(ext)
     try:
-        lws = wait_for(
+        lws = eventually(
             lambda: _lws(admin, namespace, "big"),
             timeout=60,
             interval=0.5,
-            what="the LeaderWorkerSet after the CRD was installed",
+            message="the LeaderWorkerSet after the CRD was installed",
         )
         group = lws["spec"]["leaderWorkerTemplate"]
         assert group["size"] == 2 and group["restartPolicy"] == "RecreateGroupOnPodRestart"
@@ -118,10 +126,10 @@ def test_leaderworkerset_lifecycle(operator, admin, models, namespace):
         assert lws["metadata"]["ownerReferences"][0]["kind"] == "StreamingModel"
         (worker,) = group["workerTemplate"]["spec"]["containers"]
         assert "$(LWS_WORKER_INDEX)" in worker["args"] and "readinessProbe" not in worker
-        wait_for(
+        eventually(
             lambda: (c := _condition(models, namespace, "big")) and c["status"] == "True",
             timeout=30,
-            what="LeaderWorkerSetReady=True",
+            message="LeaderWorkerSetReady=True",
         )
         assert warnings() and len(warnings()) == 1
 
@@ -133,10 +141,10 @@ def test_leaderworkerset_lifecycle(operator, admin, models, namespace):
             template = found.get("spec", {}).get("leaderWorkerTemplate", {})
             return template.get("leaderTemplate", {}).get("spec", {}).get("containers", [{}])[0]
 
-        wait_for(
+        eventually(
             lambda: "4096" in (leader_args().get("args") or []),
             timeout=30,
-            what="the LWS's leader template with the new maxModelLen",
+            message="the LWS's leader template with the new maxModelLen",
         )
 
         # 4. The HPA scales the LWS (groups) through its scale subresource. The LWS
@@ -146,10 +154,10 @@ def test_leaderworkerset_lifecycle(operator, admin, models, namespace):
             "big",
             {"spec": {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 3}}},
         )
-        hpa = wait_for(
+        hpa = eventually(
             lambda: models.children(namespace, "big")["HorizontalPodAutoscaler"],
             timeout=30,
-            what="the HPA",
+            message="the HPA",
         )
         assert hpa.spec.scale_target_ref.kind == "LeaderWorkerSet"
         custom.patch_namespaced_custom_object_status(
@@ -168,14 +176,14 @@ def test_leaderworkerset_lifecycle(operator, admin, models, namespace):
         )
         scale = custom.get_namespaced_custom_object_scale(GROUP, VERSION, namespace, PLURAL, "big")
         assert scale["status"]["selector"].startswith("leaderworkerset.sigs.k8s.io/name=big")
-        wait_for(
+        eventually(
             lambda: (_lws(admin, namespace, "big") or {}).get("spec", {}).get("replicas") == 2,
             timeout=90,
-            what="the HPA to scale the LWS to minReplicas 2",
+            message="the HPA to scale the LWS to minReplicas 2",
         )
         # The operator leaves .spec.replicas to the HPA (a pass does not put it back).
         models.patch(namespace, "big", {"spec": {"engine": {"maxModelLen": 2048}}})
-        wait_for(lambda: "2048" in leader_args()["args"], timeout=30, what="another pass")
+        eventually(lambda: "2048" in leader_args()["args"], timeout=30, message="another pass")
         assert _lws(admin, namespace, "big")["spec"]["replicas"] == 2
 
         # 5. nodes 2 -> 1 -> 2: the workload is replaced, one at the end of each switch.
@@ -184,22 +192,23 @@ def test_leaderworkerset_lifecycle(operator, admin, models, namespace):
             (TWO_NODES, {"LeaderWorkerSet"}),
         ):
             models.patch(namespace, "big", {"spec": {"parallelism": parallelism}})
-            wait_for(
+            eventually(
                 lambda want=want: _workloads(admin, models, namespace, "big") == want,
                 timeout=60,
-                what=f"only a {want} after the switch",
+                message=f"only a {want} after the switch",
             )
         assert _condition(models, namespace, "big")["status"] == "True"
 
         # 6. Garbage collection. The garbage collector watches a new CRD's kind only from
         # its next discovery sync (every 30 s), which may come after this delete.
         models.delete(namespace, "big")
-        wait_for(
+        eventually(
             lambda: _lws(admin, namespace, "big") is None,
             timeout=90,
-            what="the LeaderWorkerSet to be garbage collected",
+            message="the LeaderWorkerSet to be garbage collected",
         )
         operator.process.check_alive()
     finally:
         ext.delete_custom_resource_definition(CRD_NAME)
-        time.sleep(1)
+        # Gone before the next test, which runs without it.
+        eventually(lambda: not _crd_exists(ext), timeout=30, message="the LWS CRD to be gone")

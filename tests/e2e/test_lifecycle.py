@@ -46,7 +46,7 @@ from testkit.repo import ROOT
 from .conftest import TIMINGS
 from .harness import pinned
 from .harness.control_plane import ControlPlane, is_write
-from .harness.kube import GROUP, PLURAL, VERSION, Models, model_body, wait_for
+from .harness.kube import GROUP, PLURAL, VERSION, Models, eventually, model_body
 from .harness.node_agent import NodeAgent
 from .harness.operator_pods import OperatorPods, writer_of
 from .harness.operator_process import find_helm
@@ -124,12 +124,12 @@ class Plane:
                 }
             )
         )
-        wait_for(
+        eventually(
             lambda: client.CoreV1Api(self.api).read_namespaced_service_account(
                 "default", "default"
             ),
             timeout=30,
-            what="the default ServiceAccount",
+            message="the default ServiceAccount",
         )
         for ns in (MODELS_NS, SAMPLES_NS):
             self.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
@@ -255,10 +255,12 @@ def test_1_pinned_release_installs_and_reconciles_models(plane, state):
                 plane.models.create(body)
                 samples.append(body["metadata"]["name"])
     began = time.monotonic()
-    wait_for(_ready(plane, MODELS_NS, names), timeout=120, what="10 models Ready (pinned operator)")
+    eventually(
+        _ready(plane, MODELS_NS, names), timeout=120, message="10 models Ready (pinned operator)"
+    )
     TIMINGS["pinned release: 10 models Ready (s)"] = round(time.monotonic() - began, 1)
-    wait_for(lambda: set(samples) <= set(plane.deployments(SAMPLES_NS)), timeout=60,
-             what="every pinned sample's Deployment")  # fmt: skip
+    eventually(lambda: set(samples) <= set(plane.deployments(SAMPLES_NS)), timeout=60,
+               message="every pinned sample's Deployment")  # fmt: skip
     stored = {ns: plane.stored(ns) for ns in (MODELS_NS, SAMPLES_NS)}
     state.update(names=names, samples=samples, sent={
         ns: {n: copy.deepcopy(o["spec"]) for n, o in objects.items()}
@@ -339,16 +341,16 @@ def test_3_upgrade_never_runs_the_pinned_operator_beside_an_electing_one(plane, 
     new = [c for c in plane.pods.history if c.tag == "current"]
     assert len(new) == 2 and len(plane.pods.running()) == 2
     assert len([c for c in plane.pods.history if c.tag == "pinned"]) == 1
-    leader = wait_for(plane.lease_holder, timeout=60, what="a leader")
+    leader = eventually(plane.lease_holder, timeout=60, message="a leader")
     # Every model reconciled under the new operator, and no pod template changed.
-    wait_for(
+    eventually(
         lambda: all(
             "serving.sluice.dev/template-hash" in (d.metadata.labels or {})
             for ns in (MODELS_NS, SAMPLES_NS)
             for d in plane.deployments(ns).values()
         ),
         timeout=60,
-        what="the new operator to converge every Deployment",
+        message="the new operator to converge every Deployment",
     )
     serialize = plane.api.sanitize_for_serialization
     for ns, deployments in before.items():
@@ -362,7 +364,7 @@ def test_3_upgrade_never_runs_the_pinned_operator_beside_an_electing_one(plane, 
             )
             if ns == MODELS_NS:
                 assert after[name].metadata.generation == dep.metadata.generation
-    wait_for(_ready(plane, MODELS_NS, state["names"]), timeout=60, what="models Ready")
+    eventually(_ready(plane, MODELS_NS, state["names"]), timeout=60, message="models Ready")
     writes = plane.writes(since=mark)
     writers = [writer_of(e) for e in writes]
     old_writes = [e for e, w in zip(writes, writers, strict=True) if w == old[0].pod]
@@ -433,7 +435,7 @@ def test_4_a_release_that_changes_pod_templates_rolls_two_models_at_a_time(plane
             _, row = sampler.samples[-1]
             return len(row) == N_MODELS and all(new and settled for new, settled, _ in row.values())
 
-        wait_for(all_rolled, timeout=240, interval=0.5, what="every model on the new template")
+        eventually(all_rolled, timeout=240, interval=0.5, message="every model on the new template")
     finally:
         sampler.done.set()
         sampler.join(5)
@@ -465,20 +467,20 @@ def test_4_a_release_that_changes_pod_templates_rolls_two_models_at_a_time(plane
         f"{n} {s:.1f}->{e:.1f}" for s, e, n in timeline
     )
     TIMINGS["paced rollout: all 10 models rolled (s)"] = round(max(end.values()) - began, 1)
-    state["leader"] = wait_for(plane.lease_holder, timeout=30, what="a leader")
+    state["leader"] = eventually(plane.lease_holder, timeout=30, message="a leader")
 
 
 # ---- 5. the leader killed -----------------------------------------------------------------
 
 
 def test_5_sigkill_of_the_leader_the_standby_takes_over_within_lease_plus_5s(plane, state):
-    leader = wait_for(plane.lease_holder, timeout=30, what="a leader")
+    leader = eventually(plane.lease_holder, timeout=30, message="a leader")
     (standby,) = [c.pod for c in plane.pods.running() if c.pod != leader]
     mark = plane.cp.audit_mark()
     killed_at = plane.pods.kill(leader)
     plane.models.create(_fleet_model("after-kill"))
-    wait_for(lambda: "after-kill" in plane.deployments(MODELS_NS), timeout=LEASE_SECONDS + 15,
-             interval=0.2, what="the standby to reconcile the new model")  # fmt: skip
+    eventually(lambda: "after-kill" in plane.deployments(MODELS_NS), timeout=LEASE_SECONDS + 15,
+               interval=0.2, message="the standby to reconcile the new model")  # fmt: skip
     # Bytes a killed process had already sent may arrive a moment later; nothing after that.
     writes = [e for e in plane.writes(since=mark) if _ts(e["requestReceivedTimestamp"]) > killed_at]
     late = [
@@ -501,8 +503,8 @@ def test_5_sigkill_of_the_leader_the_standby_takes_over_within_lease_plus_5s(pla
     assert plane.lease_holder() == standby
     # The killed pod is deleted (a kubelet would restart it); the Deployment replaces it.
     plane.core.delete_namespaced_pod(leader, NS)
-    wait_for(lambda: len(plane.pods.running()) == 2, timeout=90, what="a replacement pod")
-    wait_for(_ready(plane, MODELS_NS, ["after-kill"]), timeout=60, what="after-kill Ready")
+    eventually(lambda: len(plane.pods.running()) == 2, timeout=90, message="a replacement pod")
+    eventually(_ready(plane, MODELS_NS, ["after-kill"]), timeout=60, message="after-kill Ready")
 
 
 # ---- 6. the leader cut off from the API server, alive ----------------------------------------
@@ -519,24 +521,26 @@ def _stopped_writing_at(log: str) -> float | None:
 
 
 def test_6_a_cut_off_leader_stops_writing_before_the_standby_starts(plane, state):
-    leader = wait_for(plane.lease_holder, timeout=30, what="a leader")
+    leader = eventually(plane.lease_holder, timeout=30, message="a leader")
     (standby,) = [c.pod for c in plane.pods.running() if c.pod != leader]
     cut_pod = plane.pods.by_pod(leader)
     mark = plane.cp.audit_mark()
     cut_pod.proxy.cut()
     cut_at = cut_pod.proxy.cut_at
-    stopped = wait_for(lambda: _stopped_writing_at(cut_pod.log_text()), timeout=RENEW_DEADLINE + 10,
-                       what="the cut-off leader to log that it stopped writing")  # fmt: skip
-    wait_for(lambda: plane.lease_holder() == standby, timeout=LEASE_SECONDS + 10,
-             what="the standby to take the Lease")  # fmt: skip
+    stopped = eventually(lambda: _stopped_writing_at(cut_pod.log_text()), timeout=RENEW_DEADLINE + 10,
+                         message="the cut-off leader to log that it stopped writing")  # fmt: skip
+    eventually(lambda: plane.lease_holder() == standby, timeout=LEASE_SECONDS + 10,
+               message="the standby to take the Lease")  # fmt: skip
     plane.models.create(_fleet_model("after-cut"))
-    wait_for(_ready(plane, MODELS_NS, ["after-cut"]), timeout=60, what="after-cut Ready")
+    eventually(_ready(plane, MODELS_NS, ["after-cut"]), timeout=60, message="after-cut Ready")
     # The old leader's network comes back: it sees the new holder and writes nothing.
     cut_pod.proxy.restore()
-    wait_for(lambda: f"the leader is {plane.lease_holder()}" in cut_pod.log_text().split(
-        "stopped writing")[-1], timeout=30, what="the old leader to see the new one")  # fmt: skip
+    eventually(lambda: f"the leader is {plane.lease_holder()}" in cut_pod.log_text().split(
+        "stopped writing")[-1], timeout=30, message="the old leader to see the new one")  # fmt: skip
     plane.models.create(_fleet_model("after-restore"))
-    wait_for(_ready(plane, MODELS_NS, ["after-restore"]), timeout=60, what="after-restore Ready")
+    eventually(
+        _ready(plane, MODELS_NS, ["after-restore"]), timeout=60, message="after-restore Ready"
+    )
     writes = plane.writes(since=mark)
     by_old = [e for e in writes if writer_of(e) == leader]
     by_new = [e for e in writes if writer_of(e) == standby]

@@ -27,7 +27,7 @@ import pytest
 from kubernetes import client
 
 from .conftest import TIMINGS
-from .harness.kube import load_sample, wait_for
+from .harness.kube import eventually, load_sample
 from .live_helpers import live_pods, pod_ready, ready_model, routed
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.usefixtures("footprint")]
@@ -49,8 +49,8 @@ def _claim(core: client.CoreV1Api, namespace: str, name: str) -> None:
         "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "e2e-local",
                  "volumeName": pv, "resources": {"requests": {"storage": "1Gi"}}},
     })  # fmt: skip
-    wait_for(lambda: core.read_namespaced_persistent_volume_claim(name, namespace).status.phase
-             == "Bound", timeout=30, what=f"claim {name} Bound")  # fmt: skip
+    eventually(lambda: core.read_namespaced_persistent_volume_claim(name, namespace).status.phase
+               == "Bound", timeout=30, message=f"claim {name} Bound")  # fmt: skip
 
 
 def _sse_tokens(text: str) -> tuple[int, str | None, bool]:
@@ -143,7 +143,7 @@ def test_real_engine_pod_streams_through_the_ingress_and_recovers_from_a_wedged_
             seen.setdefault("restarted", time.monotonic() - killed)
         return restarts >= 1 and pod_ready(p) and phase == "Ready" and p
 
-    p = wait_for(recovered, timeout=60 + START_TIMEOUT, interval=1, what="the pod to recover")
+    p = eventually(recovered, timeout=60 + START_TIMEOUT, interval=1, message="the pod to recover")
     why = [e["why"] for e in node.exits if e["pod"] == pod.metadata.name]
     TIMINGS["live wedged engine: seen after the kill (s), exit reason"] = (
         f"{ {k: round(v) for k, v in seen.items()} }, {why}")  # fmt: skip

@@ -23,7 +23,7 @@ from kubernetes import client
 
 from .conftest import TIMINGS
 from .harness.endpoints import ready_endpoints
-from .harness.kube import wait_for
+from .harness.kube import eventually
 from .harness.traffic import Traffic, server_outcomes, verdict
 from .live_helpers import (
     LONG_TOKENS,
@@ -62,7 +62,7 @@ def _rollout_under_load(models, namespace, live_nodes, ingress, rollout=None) ->
             gone = old not in {p.metadata.name for p in models.pods(namespace, "roll")}
             return gone and len(pods) == 1 and pod_ready(pods[0]) and pods[0].metadata.name
 
-        new = wait_for(rolled, timeout=STREAM_TIMEOUT + 90, interval=0.5, what="the rollout")
+        new = eventually(rolled, timeout=STREAM_TIMEOUT + 90, interval=0.5, message="the rollout")
         outcomes = traffic.finish()
     finally:
         traffic.process.stop()
@@ -116,8 +116,8 @@ def _two_replicas_under_load(models, namespace, live_nodes, ingress, act) -> dic
     try:
         traffic.wait_long_started()
         gone = act(before)
-        wait_for(lambda: gone not in {p.metadata.name for p in models.pods(namespace, "pair")},
-                 timeout=STREAM_TIMEOUT + 60, interval=0.5, what=f"{gone} to go")  # fmt: skip
+        eventually(lambda: gone not in {p.metadata.name for p in models.pods(namespace, "pair")},
+                   timeout=STREAM_TIMEOUT + 60, interval=0.5, message=f"{gone} to go")  # fmt: skip
         outcomes = traffic.finish()
     finally:
         traffic.process.stop()
@@ -132,9 +132,9 @@ def test_scale_down_under_load_completes_in_flight_streams(
 ):
     def scale_down(before: set[str]) -> str:
         models.patch(namespace, "pair", {"spec": {"replicas": 1}})
-        return wait_for(lambda: next((p.metadata.name for p in models.pods(namespace, "pair")
-                                      if p.metadata.deletion_timestamp), None),
-                        timeout=30, what="the scale-down to pick a pod")  # fmt: skip
+        return eventually(lambda: next((p.metadata.name for p in models.pods(namespace, "pair")
+                                        if p.metadata.deletion_timestamp), None),
+                          timeout=30, message="the scale-down to pick a pod")  # fmt: skip
 
     v = _two_replicas_under_load(models, namespace, live_nodes, ingress, scale_down)
     TIMINGS["live scale-down 2 -> 1: streams cut / new requests failed"] = (
@@ -245,14 +245,14 @@ def test_node_loss_evicts_and_reschedules_and_the_model_is_ready_again(
         conds = core.read_node(doomed.name).status.conditions
         return any(c.type == "Ready" and c.status != "True" for c in conds)
 
-    wait_for(not_ready, timeout=120, interval=1, what=f"{doomed.name} NotReady")
+    eventually(not_ready, timeout=120, interval=1, message=f"{doomed.name} NotReady")
     t_not_ready = time.monotonic() - t0
 
     def replaced():
         pods = live_pods(models, namespace, "lost")
         return [p for p in pods if p.spec.node_name == survivor.name and pod_ready(p)]
 
-    wait_for(replaced, timeout=120, interval=1, what="a replacement Ready on the other node")
+    eventually(replaced, timeout=120, interval=1, message="a replacement Ready on the other node")
     t_replaced = time.monotonic() - t0
     try:  # the taint manager's eviction: deleted, and no kubelet left to confirm it
         evicted = core.read_namespaced_pod(pod.metadata.name, namespace)
@@ -279,7 +279,7 @@ def test_unknown_image_is_a_clear_status_not_a_crash(operator, models, namespace
         st = models.get(namespace, "img").get("status") or {}
         return "ErrImagePull" in (st.get("message") or "") and st
 
-    st = wait_for(stuck, timeout=60, interval=0.5, what="status to name ErrImagePull")
+    st = eventually(stuck, timeout=60, interval=0.5, message="status to name ErrImagePull")
     assert "has no local mapping" in st["message"], st["message"]
     assert not node.exits  # nothing ran, nothing crashed
 
@@ -307,8 +307,8 @@ def test_rotated_key_secret_reaches_the_running_pod_without_a_restart(
         return httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"},
                          timeout=10).status_code  # fmt: skip
 
-    wait_for(lambda: status(new) == 200 and status(old) == 401, timeout=60, interval=0.5,
-             what="the rotated key to be served")  # fmt: skip
+    eventually(lambda: status(new) == 200 and status(old) == 401, timeout=60, interval=0.5,
+               message="the rotated key to be served")  # fmt: skip
     runtime = node.pod(pod.metadata.name, namespace)
     assert [p.updates for p in runtime.projections] == [1]
     after = models.core.read_namespaced_pod(pod.metadata.name, namespace)

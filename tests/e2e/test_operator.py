@@ -16,7 +16,7 @@ from testkit.repo import ROOT
 from .conftest import TIMINGS
 from .harness.control_plane import is_write
 from .harness.expect import CHECKS, TTFT_METRIC, children_present, expected_kinds
-from .harness.kube import GROUP, PLURAL, SAMPLES, VERSION, load_sample, wait_for
+from .harness.kube import GROUP, PLURAL, SAMPLES, VERSION, eventually, load_sample
 from .harness.operator_process import find_kubectl
 
 SAMPLE_FILES = sorted(p.name for p in SAMPLES.glob("*.yaml"))
@@ -31,7 +31,7 @@ def converge(models, namespace: str, name: str, timeout: float = 20.0) -> tuple[
         children = models.children(namespace, name)
         return children_present(children, model["spec"]) and (model, children)
 
-    return wait_for(ready, timeout=timeout, what=f"children of {namespace}/{name}")
+    return eventually(ready, timeout=timeout, message=f"children of {namespace}/{name}")
 
 
 @pytest.mark.parametrize("sample", SAMPLE_FILES)
@@ -51,16 +51,17 @@ def test_sample_children_appear_with_expected_fields(operator, models, namespace
 
 def settle(models, namespace: str, name: str, quiet: float = 4.0, timeout: float = 45.0) -> None:
     """Wait until the StreamingModel has not changed for `quiet` seconds."""
-    deadline = time.monotonic() + timeout
-    last, since = None, time.monotonic()
-    while time.monotonic() < deadline:
+    seen = {"version": None, "since": time.monotonic()}
+
+    def quiet_for_long_enough() -> bool:
         version = models.get(namespace, name)["metadata"]["resourceVersion"]
-        if version != last:
-            last, since = version, time.monotonic()
-        elif time.monotonic() - since >= quiet:
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"{namespace}/{name} kept changing for {timeout:.0f}s")
+        if version != seen["version"]:
+            seen.update(version=version, since=time.monotonic())
+            return False
+        return time.monotonic() - seen["since"] >= quiet
+
+    eventually(quiet_for_long_enough, timeout=timeout, interval=0.2,
+               message=f"{namespace}/{name} to stop changing for {quiet:g} s")  # fmt: skip
 
 
 def _table(admin: client.ApiClient, namespace: str) -> dict:
@@ -97,7 +98,7 @@ def test_pods_run_on_the_gpu_node_and_status_turns_ready(
         status = models.get(namespace, name).get("status") or {}
         return status.get("phase") == "Ready" and status.get("readyReplicas") == 2 and status
 
-    status = wait_for(ready, timeout=30, what="status Ready with 2 ready replicas")
+    status = eventually(ready, timeout=30, message="status Ready with 2 ready replicas")
     TIMINGS["apply -> status Ready, 2 pods on the fake node (s)"] = round(
         time.monotonic() - started, 2
     )
@@ -183,7 +184,7 @@ def test_edit_converges_and_observed_generation_follows(operator, models, namesp
             and (model, children)
         )
 
-    model, children = wait_for(converged, timeout=20, what="children to follow the edit")
+    model, children = eventually(converged, timeout=20, message="children to follow the edit")
     assert model["metadata"]["generation"] >= 2
     for kind in expected_kinds(model["spec"]):
         CHECKS[kind](children[kind], model)
@@ -196,12 +197,12 @@ def test_children_edited_or_deleted_by_hand_are_restored(operator, admin, models
     _, children = converge(models, namespace, name)
     old_uid = children["Service"].metadata.uid
     models.core.delete_namespaced_service(name, namespace)
-    restored = wait_for(
+    restored = eventually(
         lambda: (
             (s := models.children(namespace, name)["Service"]) and s.metadata.uid != old_uid and s
         ),
         timeout=15,
-        what="the deleted Service to come back",
+        message="the deleted Service to come back",
     )
     assert restored.spec.ports[0].port == 8000
 
@@ -209,13 +210,13 @@ def test_children_edited_or_deleted_by_hand_are_restored(operator, admin, models
     # ours, and the API server refuses two ports named "http". The operator replaces the list.
     edit = [{"op": "replace", "path": "/spec/ports/0/port", "value": 9999}]
     models.core.patch_namespaced_service(name, namespace, edit)  # a JSON patch
-    wait_for(
+    eventually(
         lambda: (
             [p.port for p in models.core.read_namespaced_service(name, namespace).spec.ports]
             == [8000]
         ),
         timeout=15,
-        what="the hand-edited Service port to be put back, alone",
+        message="the hand-edited Service port to be put back, alone",
     )
     assert (models.condition(namespace, name, "SpecValid") or {}).get("status") != "False"
 
@@ -234,7 +235,7 @@ def test_children_edited_or_deleted_by_hand_are_restored(operator, admin, models
             }
         },
     )
-    wait_for(
+    eventually(
         lambda: (
             models.apps.read_namespaced_deployment(name, namespace)
             .spec.template.spec.containers[0]
@@ -242,7 +243,7 @@ def test_children_edited_or_deleted_by_hand_are_restored(operator, admin, models
             == image
         ),
         timeout=15,
-        what="the hand-edited image to be put back",
+        message="the hand-edited image to be put back",
     )
 
 
@@ -259,14 +260,14 @@ def test_resync_without_change_makes_no_calls(
     name = body["metadata"]["name"]
     models.create(body)
     converge(models, namespace, name)
-    wait_for(
+    eventually(
         lambda: (models.get(namespace, name).get("status") or {}).get("phase") == "Ready",
         timeout=30,
-        what="the model to be Ready",
+        message="the model to be Ready",
     )
     # The HPA controller's first evaluation (within its 15 s sync period) changes the HPA's
     # status, which the operator mirrors: a real change. Wait for it, then for quiet.
-    wait_for(
+    eventually(
         lambda: (
             models.autoscaling.read_namespaced_horizontal_pod_autoscaler(
                 name, namespace
@@ -274,7 +275,7 @@ def test_resync_without_change_makes_no_calls(
         ),
         timeout=45,
         interval=1,
-        what="the HPA controller's first evaluation",
+        message="the HPA controller's first evaluation",
     )
     settle(models, namespace, name)
     mark = control_plane.audit_mark()
@@ -306,10 +307,10 @@ def test_delete_garbage_collects_every_child(operator, models, namespace):
     models.create(body)
     converge(models, namespace, name)
     models.delete(namespace, name)
-    wait_for(
+    eventually(
         lambda: all(v is None for v in models.children(namespace, name).values()),
         timeout=30,
-        what="the garbage collector to remove every child",
+        message="the garbage collector to remove every child",
     )
     assert models.apps.list_namespaced_replica_set(namespace).items == []
 
@@ -350,8 +351,8 @@ def test_hpa_is_accepted_and_targets_the_server_metric(operator, models, namespa
             if c.type == "ScalingActive" and c.status == "False"
         ]
 
-    (active,) = wait_for(
-        controller_tried, timeout=45, interval=1, what="the HPA controller to evaluate the HPA"
+    (active,) = eventually(
+        controller_tried, timeout=45, interval=1, message="the HPA controller to evaluate the HPA"
     )
     assert target.metric.name in active.message, active
 
@@ -366,16 +367,16 @@ def test_removed_endpoint_leaves_status_and_status_then_settles(
     body["spec"]["streaming"] = {"protocols": ["sse", "websocket"]}
     name = body["metadata"]["name"]
     models.create(body)
-    wait_for(
+    eventually(
         lambda: (
             "websocket"
             in ((models.get(namespace, name).get("status") or {}).get("endpoints") or {})
         ),
         timeout=20,
-        what="the WebSocket endpoint in status",
+        message="the WebSocket endpoint in status",
     )
     models.patch(namespace, name, {"spec": {"streaming": {"protocols": ["sse"]}}})
-    status = wait_for(
+    status = eventually(
         lambda: (
             (s := models.get(namespace, name).get("status") or {})
             and s.get("observedGeneration") == 2
@@ -383,7 +384,7 @@ def test_removed_endpoint_leaves_status_and_status_then_settles(
             and s
         ),
         timeout=20,
-        what="the WebSocket endpoint to leave status",
+        message="the WebSocket endpoint to leave status",
     )
     assert set(status["endpoints"]) == {"openai", "sse"}
     settle(models, namespace, name)
@@ -416,7 +417,7 @@ def test_network_policy_is_accepted_and_removed_when_turned_off(operator, admin,
                 return None
             raise
 
-    np = wait_for(policy, timeout=20, what="the model's NetworkPolicy")
+    np = eventually(policy, timeout=20, message="the model's NetworkPolicy")
     assert np.spec.policy_types == ["Ingress"]
     (rule,) = np.spec.ingress
     assert [p.port for p in rule.ports] == [8000]
@@ -424,4 +425,4 @@ def test_network_policy_is_accepted_and_removed_when_turned_off(operator, admin,
     assert names == [["ingress-nginx"], ["monitoring"]]
     assert np.metadata.owner_references[0].kind == "StreamingModel"
     models.patch(namespace, "netpol", {"spec": {"networkPolicy": {"enabled": False}}})
-    wait_for(lambda: policy() is None, timeout=20, what="the NetworkPolicy to be deleted")
+    eventually(lambda: policy() is None, timeout=20, message="the NetworkPolicy to be deleted")

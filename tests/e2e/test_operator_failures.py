@@ -10,7 +10,7 @@ from kubernetes import client
 from .conftest import OPERATOR_NAMESPACE, TIMINGS
 from .harness.control_plane import is_write
 from .harness.expect import children_present
-from .harness.kube import load_sample, wait_for
+from .harness.kube import eventually, load_sample
 from .harness.operator_process import OperatorProcess, RenderedChart, install_operator_identity
 
 
@@ -33,7 +33,7 @@ def test_model_larger_than_any_node_is_pending_with_the_schedulers_reason(
             and status
         )
 
-    status = wait_for(explained, timeout=30, what="status to carry the scheduler's reason")
+    status = eventually(explained, timeout=30, message="status to carry the scheduler's reason")
     print(status)
     (pod,) = models.pods(namespace, "too-big")
     assert pod.status.phase == "Pending"
@@ -76,8 +76,10 @@ def test_spec_the_api_server_accepts_but_the_operator_rejects(
     body["spec"].update({"resources": {"gpus": 4}, "parallelism": {"tensor": 3}})
     try:
         # The relaxed schema takes a moment to reach the API server's validators.
-        wait_for(
-            lambda: models.create(body), timeout=15, what="the relaxed CRD to accept TP 3 on 4 GPUs"
+        eventually(
+            lambda: models.create(body),
+            timeout=15,
+            message="the relaxed CRD to accept TP 3 on 4 GPUs",
         )
     finally:
         current = ext.read_custom_resource_definition(name)
@@ -89,11 +91,11 @@ def test_spec_the_api_server_accepts_but_the_operator_rejects(
         cond = models.condition(namespace, "bad-tp", "SpecValid")
         return cond and cond["status"] == "False" and cond
 
-    cond = wait_for(rejected, timeout=20, what="SpecValid=False")
+    cond = eventually(rejected, timeout=20, message="SpecValid=False")
     assert "parallelism.tensor" in cond["message"] and "resources.gpus" in cond["message"], cond
     assert (models.get(namespace, "bad-tp").get("status") or {}).get("phase") == "Failed"
-    events = wait_for(
-        lambda: models.events_for(namespace, "bad-tp"), what="an Event on the StreamingModel"
+    events = eventually(
+        lambda: models.events_for(namespace, "bad-tp"), message="an Event on the StreamingModel"
     )
     assert any(e.type == "Warning" and "parallelism.tensor" in (e.message or "") for e in events), [
         (e.type, e.reason, e.message) for e in events
@@ -108,10 +110,10 @@ def test_operator_restart_mid_rollout_resumes_without_duplicates(
     for n in names:
         models.create(load_sample("chat-small.yaml", namespace, new_name=n))
     # Stop the operator as soon as it has made the first Deployment: the others are half done.
-    wait_for(
+    eventually(
         lambda: models.apps.list_namespaced_deployment(namespace).items,
         timeout=20,
-        what="the first Deployment",
+        message="the first Deployment",
     )
     operator.process.proc.kill()  # no graceful shutdown: as if the node died
     operator.process.proc.wait()
@@ -134,7 +136,7 @@ def test_operator_restart_mid_rollout_resumes_without_duplicates(
                 return False
         return True
 
-    wait_for(all_converged, timeout=30, what="every model to converge after the restart")
+    eventually(all_converged, timeout=30, message="every model to converge after the restart")
     TIMINGS["restart mid-rollout -> all converged (s)"] = round(time.monotonic() - started, 2)
     print(f"{made_before} of {len(names)} Deployments existed when the operator was killed")
     for kind, items in (
@@ -174,8 +176,8 @@ def test_rbac_gap_in_the_chart_fails_visibly(operator, admin, control_plane, mod
                 and e["objectRef"].get("resource") == "deployments"
             ]
 
-        denials = wait_for(
-            refused, timeout=20, what="the API server to refuse the Deployment patch"
+        denials = eventually(
+            refused, timeout=20, message="the API server to refuse the Deployment patch"
         )
         assert denials[0]["verb"] == "patch"
         assert models.children(namespace, "chat-small")["Deployment"] is None

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from kubernetes import client, utils
 
-from .harness.kube import wait_for
+from .harness.kube import eventually
 
 SCHEMA = Path(__file__).parents[1] / "operator" / "schemas" / "podmonitor.schema.json"
 GROUP, VERSION, PLURAL = "monitoring.coreos.com", "v1", "podmonitors"
@@ -80,7 +80,7 @@ def pod_monitor_kind(admin):
             c.type == "Established" and c.status == "True" for c in got.status.conditions or []
         )
 
-    wait_for(established, timeout=30, what="the PodMonitor CRD to be Established")
+    eventually(established, timeout=30, message="the PodMonitor CRD to be Established")
     yield
     ext.delete_custom_resource_definition(body["metadata"]["name"])
 

@@ -16,7 +16,7 @@ import pytest
 from kubernetes import client
 
 from .conftest import TIMINGS
-from .harness.kube import load_sample, wait_for
+from .harness.kube import eventually, load_sample
 from .harness.node_agent import NodeAgent
 
 LOAD_SECONDS = 3.0
@@ -45,7 +45,7 @@ def own_node(admin, namespace):
             taints = core.read_node(name).spec.taints or []
             return all(t.key == "sluice.dev/e2e-node" for t in taints)
 
-        wait_for(only_our_taint, timeout=30, what=f"{name} to lose its not-ready taint")
+        eventually(only_our_taint, timeout=30, message=f"{name} to lose its not-ready taint")
         placement = {
             "nodeSelector": {"sluice.dev/e2e-node": name},
             "tolerations": [
@@ -85,7 +85,7 @@ def _ready_model(models, namespace: str, name: str) -> dict:
             and status
         )
 
-    return wait_for(ready, timeout=60, what=f"{namespace}/{name} Ready")
+    return eventually(ready, timeout=60, message=f"{namespace}/{name} Ready")
 
 
 def _rollout_min_ready(models, namespace: str, name: str, change: dict) -> tuple[int, int]:
@@ -123,7 +123,7 @@ def _rollout_min_ready(models, namespace: str, name: str, change: dict) -> tuple
                 and not pods & old
             )
 
-        wait_for(done, timeout=60, what="the rollout to finish")
+        eventually(done, timeout=60, message="the rollout to finish")
         time.sleep(0.3)
     finally:
         stop.set()
@@ -170,7 +170,9 @@ def test_full_node_rollout_waits_and_status_says_why(operator, models, namespace
         conds = {c["type"]: c for c in status.get("conditions") or []}
         return conds.get("Progressing", {}).get("reason") == "SurgePodUnschedulable" and status
 
-    status = wait_for(waiting, timeout=30, what="status to say the surge pod cannot be scheduled")
+    status = eventually(
+        waiting, timeout=30, message="status to say the surge pod cannot be scheduled"
+    )
     assert status["phase"] == "Progressing" and status["readyReplicas"] == 1
     assert "Insufficient nvidia.com/gpu" in status["message"], status["message"]
     assert "maxSurge: 0" in status["message"]

@@ -17,7 +17,7 @@ import pytest
 from .conftest import TIMINGS
 from .harness.control_plane import is_write
 from .harness.expect import expected_kinds
-from .harness.kube import load_sample, wait_for
+from .harness.kube import eventually, load_sample
 from .harness.node_agent import NodeAgent
 
 COUNT = 50
@@ -106,15 +106,17 @@ def test_fifty_models_converge(
     apply_seconds = time.monotonic() - began
 
     converged: dict[str, float] = {}
-    deadline = time.monotonic() + 180
-    while len(converged) < COUNT and time.monotonic() < deadline:
+
+    def all_converged() -> bool:
         present = _present(models, namespace)
         now = time.monotonic()
         for name in applied:
             if name not in converged and all(name in present[k] for k in want):
                 converged[name] = now - applied[name]
-        time.sleep(0.2)
-    assert len(converged) == COUNT, f"only {len(converged)} of {COUNT} converged"
+        return len(converged) == COUNT
+
+    eventually(all_converged, timeout=180, interval=0.2,
+               message=lambda: f"all converged: only {len(converged)} of {COUNT}")  # fmt: skip
     all_children = time.monotonic() - began
 
     def all_ready():
@@ -123,7 +125,7 @@ def test_fifty_models_converge(
         )["items"]
         return sum((m.get("status") or {}).get("phase") == "Ready" for m in items) == COUNT
 
-    wait_for(all_ready, timeout=180, interval=1, what=f"all {COUNT} models Ready")
+    eventually(all_ready, timeout=180, interval=1, message=f"all {COUNT} models Ready")
     all_ready_seconds = time.monotonic() - began
     time.sleep(2)
     calls = [
@@ -162,15 +164,17 @@ def test_fifty_models_converge(
         )["items"]
         return all("message" in (m.get("status") or {}).get("autoscaling", {}) for m in items)
 
-    wait_for(hpas_mirrored, timeout=60, interval=1, what="every HPA's first evaluation mirrored")
+    eventually(
+        hpas_mirrored, timeout=60, interval=1, message="every HPA's first evaluation mirrored"
+    )
     time.sleep(2)
     settled = control_plane.audit_mark()
     log_before = fast_resync.log_text().count("resync: ")
-    wait_for(
+    eventually(
         lambda: fast_resync.log_text().count("resync: ") - log_before >= SETTLED_RESYNCS,
         timeout=SETTLED_RESYNCS * RESYNC_SECONDS * 3,
         interval=0.5,
-        what=f"{SETTLED_RESYNCS} resyncs",
+        message=f"{SETTLED_RESYNCS} resyncs",
     )
     resync_calls = _in(namespace, control_plane.audit_events(operator_user, since=settled))
     TIMINGS[
@@ -185,12 +189,12 @@ def test_fifty_models_converge(
     core = client.CoreV1Api(admin)
     hand_edit = [{"op": "replace", "path": "/spec/ports/0/appProtocol", "value": "grpc"}]
     core.patch_namespaced_service("model-00", namespace, hand_edit)  # a JSON patch
-    wait_for(
+    eventually(
         lambda: (
             core.read_namespaced_service("model-00", namespace).spec.ports[0].app_protocol == "http"
         ),
         timeout=30,
-        what="the operator to restore the hand-edited Service",
+        message="the operator to restore the hand-edited Service",
     )
     restore_calls = _in(namespace, control_plane.audit_events(operator_user, since=changed))
     assert any(is_write(e) for e in restore_calls), Counter(_what(e) for e in restore_calls)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from e2e.harness import sandbox as sb
 from e2e.harness.pod_runtime import PodRuntime
+from testkit.wait import eventually
 
 
 def _pod(containers: list[dict], volumes: list[dict] | None = None, **spec) -> dict:
@@ -138,13 +139,8 @@ class FakeHost:
         self.exits.append((container, code, why))
 
 
-def _eventually(fn, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := fn():
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"not within {timeout}s: {fn}")
+# How long a pod under bubblewrap may take to do what a test waits for.
+WAIT_S = 20.0
 
 
 HOST = "e2e.local/host"
@@ -182,7 +178,7 @@ def test_a_pod_runs_as_its_spec_says_and_drains_on_deletion(tmp_path):
             conds = {c["type"]: c["status"] for c in last["conditions"]}
             return conds.get("Ready") == "True" and last
 
-        status = _eventually(reported_ready)
+        status = eventually(reported_ready, timeout=WAIT_S, message="the pod reported Ready")
         assert status["phase"] == "Running" and status["podIP"] == "127.1.250.1"
         log = host.log_dir / "ns.p.app.log"
         assert "pid=1 uid=65532 token=s3cret" in log.read_text()
@@ -215,7 +211,8 @@ def test_sigterm_ignored_means_sigkill_at_the_grace_period(tmp_path):
          "trap '' TERM; while true; do sleep 0.1; done"]}  # fmt: skip
     pod = PodRuntime(_pod([c]), "127.1.250.2", host, tmp_path / "pods").start()
     try:
-        _eventually(lambda: pod.container("stubborn").pid1())
+        eventually(lambda: pod.container("stubborn").pid1(), timeout=WAIT_S,
+                   message="the container's PID 1")  # fmt: skip
         started = time.monotonic()
         pod.terminate(grace=1.5)
         assert time.monotonic() - started >= 1.5
@@ -240,12 +237,13 @@ def test_liveness_failure_restarts_and_exits_restart_per_policy(tmp_path):
                      "127.1.250.3", host, tmp_path / "pods").start()  # fmt: skip
     try:
         wedges = pod.container("wedges")
-        _eventually(lambda: wedges.pid1())
+        eventually(wedges.pid1, timeout=WAIT_S, message="the container's PID 1")
         (pod.dir / "volumes" / "work" / "alive").unlink()  # the process wedges
-        _eventually(lambda: wedges.restart_count == 1 and wedges.pid1())
+        eventually(lambda: wedges.restart_count == 1 and wedges.pid1(), timeout=WAIT_S,
+                   message="the wedged container restarted once")  # fmt: skip
         # The crashing container: restarted at once, then held by the 10 s back-off.
-        _eventually(lambda: pod.container("crashes").state.get("waiting", {}).get("reason")
-                    == "CrashLoopBackOff")  # fmt: skip
+        eventually(lambda: pod.container("crashes").state.get("waiting", {}).get("reason")
+                   == "CrashLoopBackOff", timeout=WAIT_S, message="CrashLoopBackOff")  # fmt: skip
     finally:
         pod.kill_now()
     assert ("wedges", 0, "LivenessProbeFailed") in host.exits
@@ -261,7 +259,7 @@ def test_unknown_image_and_missing_secret_are_reported_not_crashed(tmp_path):
                                 "name": "absent", "key": "k"}}}]}]),
                      "127.1.250.4", host, tmp_path / "pods").start()  # fmt: skip
     try:
-        _eventually(lambda: host.statuses)
+        eventually(lambda: host.statuses, timeout=WAIT_S, message="a status patch")
     finally:
         done = threading.Thread(target=pod.terminate, args=(1,))
         done.start()

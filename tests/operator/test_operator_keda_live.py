@@ -52,7 +52,7 @@ def plane(tmp_path_factory):
 
 
 def test_keda_backend_on_a_real_api_server(plane):
-    from e2e.harness.kube import Models, model_body, wait_for
+    from e2e.harness.kube import Models, eventually, model_body
     from e2e.harness.operator_process import (
         OperatorProcess,
         RenderedChart,
@@ -88,7 +88,7 @@ def test_keda_backend_on_a_real_api_server(plane):
 
         # keda: a ScaledObject owned by the model, and no HPA.
         models.create(model_body("m", NS, autoscaling={"backend": "keda", "maxReplicas": 3}))
-        so = wait_for(scaled_object, timeout=60, what="the ScaledObject")
+        so = eventually(scaled_object, timeout=60, message="the ScaledObject")
         model = models.get(NS, "m")
         (ref,) = so["metadata"]["ownerReferences"]
         assert (ref["kind"], ref["uid"]) == ("StreamingModel", model["metadata"]["uid"])
@@ -97,13 +97,13 @@ def test_keda_backend_on_a_real_api_server(plane):
         jsonschema.Draft202012Validator(__import__("json").loads(KEDA_SCHEMA.read_text())).validate(
             stored
         )
-        wait_for(
+        eventually(
             lambda: (
                 (models.get(NS, "m").get("status") or {}).get("autoscaling", {}).get("backend")
                 == "keda"
             ),
             timeout=30,
-            what="status.autoscaling.backend",
+            message="status.autoscaling.backend",
         )
         assert models.children(NS, "m")["HorizontalPodAutoscaler"] is None
 
@@ -111,7 +111,7 @@ def test_keda_backend_on_a_real_api_server(plane):
         # hash annotation and server-side apply): its resourceVersion does not move.
         version = so["metadata"]["resourceVersion"]
         models.patch(NS, "m", {"metadata": {"labels": {"touch": "1"}}})  # an update event
-        wait_for(lambda: models.get(NS, "m")["metadata"]["labels"].get("touch"), what="label")
+        eventually(lambda: models.get(NS, "m")["metadata"]["labels"].get("touch"), message="label")
         import time
 
         time.sleep(3)
@@ -119,17 +119,17 @@ def test_keda_backend_on_a_real_api_server(plane):
 
         # keda -> hpa: the ScaledObject goes, our HPA comes.
         models.patch(NS, "m", {"spec": {"autoscaling": {"backend": "hpa"}}})
-        wait_for(
+        eventually(
             lambda: scaled_object() is None and models.children(NS, "m")["HorizontalPodAutoscaler"],
             timeout=60,
-            what="ScaledObject deleted and HPA created",
+            message="ScaledObject deleted and HPA created",
         )
         # hpa -> keda again: the HPA goes, the ScaledObject comes back.
         models.patch(NS, "m", {"spec": {"autoscaling": {"backend": "keda"}}})
-        wait_for(
+        eventually(
             lambda: scaled_object() and models.children(NS, "m")["HorizontalPodAutoscaler"] is None,
             timeout=60,
-            what="HPA deleted and ScaledObject created",
+            message="HPA deleted and ScaledObject created",
         )
         # The chart granted everything the operator called on the way; the audit log did
         # see those calls (the check is not vacuous), and nothing beyond what is granted.
@@ -147,7 +147,7 @@ def test_keda_backend_on_a_real_api_server(plane):
         assert denied == []
         # Deleting the model lets the garbage collector remove the ScaledObject.
         models.delete(NS, "m")
-        wait_for(lambda: scaled_object() is None, timeout=60, what="ScaledObject collected")
+        eventually(lambda: scaled_object() is None, timeout=60, message="ScaledObject collected")
     finally:
         if op is not None:
             op.stop()

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 from pathlib import Path
 
 import httpx
 from testkit.net import free_port
+from testkit.wait import eventually_async
 
 ENGINE_KV_BYTES = 256 * 2**20
 
@@ -50,6 +52,24 @@ def ws_url(base_url: str, path: str = "/ws/stream") -> str:
     return base_url.replace("http://", "ws://") + path
 
 
+# Request ids of `engine_flushed`'s probes: spies on the engine's outputs leave them out.
+PROBE = "flush-probe-"
+_probes = itertools.count()
+
+
+async def engine_flushed(engine) -> None:
+    """Return once every output the engine core made so far has reached the front end's
+    output processor (where the tests' spies count them). The core takes requests and
+    aborts in the order they were sent and answers in order, so a 1-token probe sent now
+    comes back after all of them: no sleep guessing how long outputs take on their way."""
+    from sluice_server.engine.base import SamplingOptions, StreamRequest
+
+    probe = StreamRequest(request_id=f"{PROBE}{next(_probes)}", prompt="x",
+                          options=SamplingOptions(max_tokens=1))  # fmt: skip
+    answer = [d async for d in engine.generate(probe)]
+    assert answer and answer[-1].finished, answer
+
+
 def engine_settings(tiny_model_path: Path, **overrides):
     from sluice_server.settings import Settings
 
@@ -85,15 +105,17 @@ async def serving(config, sockets=None):
     """Serve `config` in this event loop (bounded start-up wait: 10 s) until the block ends."""
     server = _TestServer.make(config)
     task = asyncio.create_task(server.serve(sockets=sockets))
+
+    def started() -> bool:
+        if task.done():  # not retried: the server's own error, at once
+            task.result()
+            raise RuntimeError("test server stopped before it started")
+        return server.started
+
     try:
-        for _ in range(500):
-            if server.started:
-                break
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.02)
-        else:
-            raise RuntimeError("test server did not start")
+        await eventually_async(
+            started, timeout=10, interval=0.02, message="the test server to start"
+        )
         yield server
     finally:
         server.should_exit = True

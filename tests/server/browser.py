@@ -11,6 +11,8 @@ import tempfile
 import threading
 from collections.abc import Iterator
 
+from testkit.wait import eventually
+
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 ARGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
@@ -50,13 +52,10 @@ def chrome() -> Iterator:
         shutil.rmtree(profile, ignore_errors=True)
 
 
-def wait_for(driver, script: str, timeout: float = 60.0):
-    """Poll a JS expression until it is truthy; returns its value."""
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    return WebDriverWait(driver, timeout, poll_frequency=0.05).until(
-        lambda d: d.execute_script("return " + script)
-    )
+def page_eventually(driver, script: str, timeout: float = 60.0):
+    """`testkit.wait.eventually` for a JS expression in the page: its first truthy value."""
+    return eventually(lambda: driver.execute_script("return " + script), timeout=timeout,
+                      message=f"the page to say {script}")  # fmt: skip
 
 
 @contextlib.contextmanager

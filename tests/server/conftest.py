@@ -2,9 +2,9 @@
 the whole session, and a factory of uvicorn servers on loopback around it.
 
 Names are a contract with the other server test files: `tiny_model_path`, `engine`,
-`make_server`, `server_url`. Everything runs in pytest-asyncio's session loop. Plain
-helpers (settings, serving an app in the test loop) live in app_helpers.py, so tests
-import them from there and never from this file.
+`engine_apart`, `make_server`, `server_url`. Everything runs in pytest-asyncio's session
+loop. Plain helpers (settings, serving an app in the test loop) live in app_helpers.py, so
+tests import them from there and never from this file.
 """
 
 from __future__ import annotations
@@ -41,6 +41,20 @@ async def engine(tiny_model_path):
 
     async with open_engine(engine_settings(tiny_model_path)) as eng:
         yield eng
+
+
+@pytest.fixture(scope="module")
+def engine_apart(engine):
+    """For the checks whose verdict depends on when bytes arrive (a stream arrives
+    incrementally, a proxy does not buffer): the session engine's processes on their own
+    core, this process (the servers and the test's clients) and what it starts meanwhile
+    (nginx, a browser) on the others, for the whole module (`testkit.cpus`: unpinned, the
+    engine core starves the server on 2 cores and a whole stream leaves in one write).
+    Yields the layout; {} where there is nothing to separate (one core)."""
+    from testkit.cpus import engine_apart_from_this_process
+
+    with engine_apart_from_this_process() as layout:
+        yield layout
 
 
 # LoRA limits of `lora_engine` (the tests' adapters have rank 8; one of rank 16 is refused).

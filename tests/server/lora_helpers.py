@@ -1,17 +1,10 @@
-"""LoRA adapters made at test time, the adapters file the server watches, and waiting for
-what the server records."""
+"""LoRA adapters made at test time and the adapters file the server watches."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TypeVar
-
-T = TypeVar("T")
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -58,16 +51,3 @@ def write_adapters(path: Path, adapters: dict[str, Path | str]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(doc))
     os.replace(tmp, path)
-
-
-async def eventually(check: Callable[[], Awaitable[T]], within: float = 30.0,
-                     every: float = 0.1) -> T:  # fmt: skip
-    """`check()`'s first truthy result; AssertionError with the last one after `within` seconds."""
-    deadline = time.monotonic() + within
-    while True:
-        result = await check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"still {result!r} after {within} s")
-        await asyncio.sleep(every)

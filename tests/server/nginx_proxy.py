@@ -37,16 +37,14 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
 from testkit.net import free_port
-from testkit.nginx import LB_DIRECTIVES, find_nginx, run_as_root_directive
+from testkit.nginx import LB_DIRECTIVES, find_nginx, run_as_root_directive, wait_listening
 
 __all__ = ["NginxProxy", "find_nginx", "render_config"]
 Mode = Literal["ingress", "nginx-default", "buffered"]
@@ -192,16 +190,15 @@ class NginxProxy:
                  "-c", str(conf)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
             )  # fmt: skip
-            deadline = time.monotonic() + wait_seconds
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    break
-                try:
-                    with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                        return self
-                except OSError:
-                    time.sleep(0.05)
-            err = self.proc.stderr.read().decode() if self.proc.poll() is not None else ""
+            proc = self.proc
+            try:
+                if wait_listening(self.port, lambda p=proc: p.poll() is None, timeout=wait_seconds,
+                                  log=self.error_log):  # fmt: skip
+                    return self
+            except AssertionError:
+                self.stop(cleanup=False)
+                raise
+            err = self.proc.stderr.read().decode()
             self.stop(cleanup=False)
             if "Address already in use" not in err + self.error_log() or attempt == 2:
                 raise RuntimeError(f"nginx did not start: {err}\n{self.error_log()}")

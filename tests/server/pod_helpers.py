@@ -18,6 +18,7 @@ import httpx
 import psutil
 from testkit.net import free_port, wait_http
 from testkit.process import ManagedProcess
+from testkit.wait import eventually, eventually_async
 
 # The supervisor with per-worker limits: the negative control of the shared-limit tests.
 PER_WORKER_LIMITS = (
@@ -140,13 +141,16 @@ async def read_stream(c: httpx.AsyncClient, max_tokens: int, key: str | None = N
 def access_entry(proc: ManagedProcess, rid: str, within_s: float = 30) -> dict[str, str]:
     """The fields of the pod's access-log line for request `rid`, written when the
     request ends: the server's own account of it, whatever the test process saw."""
-    deadline = time.monotonic() + within_s
-    while True:
+
+    def entry() -> dict[str, str] | None:
         for line in proc.log_path.read_text(errors="replace").splitlines():
             if f" access request_id={rid} " in line:
                 return dict(re.findall(r"(\w+)=(\S+)", line))
-        assert time.monotonic() < deadline, f"no access-log line for {rid}"
-        time.sleep(0.2)
+        return None
+
+    return eventually(
+        entry, timeout=within_s, interval=0.2, message=f"an access-log line for {rid}"
+    )
 
 
 def drains_logged(proc: ManagedProcess) -> list[int]:
@@ -156,29 +160,31 @@ def drains_logged(proc: ManagedProcess) -> list[int]:
 
 
 async def _ready_turns_503(
-    c: httpx.AsyncClient, since: float, within_s: float, worker_killed: bool = False
+    c: httpx.AsyncClient, within_s: float, worker_killed: bool = False
 ) -> None:
     """Poll /ready until 503. With `worker_killed`, a connection that reaches the killed
     worker's socket is retried; otherwise any transport error fails the test."""
+    since = time.monotonic()
     tries: list[str] = []  # what each poll got, for the failure message
-    while True:
+
+    async def unready() -> bool:
         t0 = time.monotonic()
         try:
             # A poll of its own, bounded: one answer that comes late (seen: 12.7 s, "ready"
             # from before the supervisor noticed the death) must not eat the whole drain.
             r = await c.get("/ready", timeout=2.0)
             if r.status_code == 503:
-                return
+                return True
             got = f"{r.status_code} {r.text[:80]}"
         except httpx.TransportError as e:
             if not worker_killed:
                 raise
             got = repr(e)[:80]
         tries.append(f"{t0 - since:.2f}s +{time.monotonic() - t0:.2f}s: {got}")
-        assert time.monotonic() - since < within_s, (
-            f"/ready did not turn 503: {tries[:6]} ... {tries[-2:]}"
-        )
-        await asyncio.sleep(0.02)
+        return False
+
+    await eventually_async(unready, timeout=within_s, interval=0.02, retry_on=(),
+                           message=lambda: f"/ready to turn 503: {tries[:6]} ... {tries[-2:]}")  # fmt: skip
 
 
 async def streaming_on_both(c: httpx.AsyncClient, streams: int, tokens: int,
@@ -214,7 +220,7 @@ async def drain_while_streaming(proc: ManagedProcess, url: str, *, streams: int,
     async with client(url) as c:
         reads = await streaming_on_both(c, streams, tokens, pinned_tokens=hold_tokens)
         proc.proc.send_signal(signal.SIGTERM)
-        await _ready_turns_503(c, time.monotonic(), within_s=5)
+        await _ready_turns_503(c, within_s=5)
         late = await c.post("/v1/stream", json={"prompt": "late", "max_tokens": 2})
         assert late.status_code == 503 and late.json()["error"]["code"] == "draining"
         results = await asyncio.gather(*reads)
@@ -252,7 +258,7 @@ async def kill_a_worker_while_streaming(proc: ManagedProcess, url: str, *, strea
         os.kill(next(p for p in pids if p != holder), signal.SIGKILL)
         killed_at = time.strftime("%H:%M:%S")
         try:
-            await _ready_turns_503(c, time.monotonic(), ready_within_s, worker_killed=True)
+            await _ready_turns_503(c, ready_within_s, worker_killed=True)
         except AssertionError as e:
             raise AssertionError(f"{e}; killed at {killed_at}; the pod's log ends:\n"
                                  f"{proc.tail(40)}") from None  # fmt: skip

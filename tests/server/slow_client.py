@@ -22,6 +22,7 @@ from pathlib import Path
 
 from testkit.net import free_port, wait_http
 from testkit.process import ManagedProcess
+from testkit.wait import eventually_async
 
 RCVBUF = 1024  # the kernel makes it about 2.3 KiB: the reader acknowledges in small steps
 SIM = ("--engine", "simulator", "--model", "sim")
@@ -70,13 +71,19 @@ class SimServer:
         return [line for line in self.lines() if _PROBLEM.search(line)]
 
     async def wait_access(self, n: int, limit_s: float = 120) -> list[dict]:
-        """The first `n` access-log lines, once the server has written them."""
-        for _ in range(int(limit_s / 0.2)):
-            if len(lines := self.access()) >= n:
-                return lines
-            self.proc.check_alive()
-            await asyncio.sleep(0.2)
-        raise TimeoutError(f"{len(lines)} of {n} access-log lines:\n{self.proc.tail()}")
+        """The first `n` access-log lines, once the server has written them (fails at once
+        if the server exited)."""
+
+        def written() -> list[dict] | None:
+            self.proc.check_alive()  # not retried: an exited server fails at once
+            return lines if len(lines := self.access()) >= n else None
+
+        def why() -> str:
+            return f"{n} access-log lines\n{self.proc.tail()}"
+
+        # A line the server is still writing does not parse yet.
+        return await eventually_async(written, timeout=limit_s, interval=0.2, message=why,
+                                      retry_on=(json.JSONDecodeError,))  # fmt: skip
 
 
 def send_queues(port: int) -> list[int]:
@@ -214,7 +221,7 @@ async def read(s: socket.socket, pace: Pace, done, limit_s: float = 120) -> Rece
             while True:
                 if pace.stop_after is not None and len(data) >= pace.stop_after:
                     got.stopped_at = time.monotonic()
-                    await _until_reset(s)
+                    await _until_reset(s, limit_s)
                     got.error = "reset"
                     break
                 owed = pace.rate * (time.monotonic() - t0) - len(data)
@@ -241,13 +248,13 @@ async def read(s: socket.socket, pace: Pace, done, limit_s: float = 120) -> Rece
     return got
 
 
-async def _until_reset(s: socket.socket) -> None:
+async def _until_reset(s: socket.socket, limit_s: float) -> None:
     """Without reading, until the server resets the connection (TCP state leaves
-    ESTABLISHED; the caller's time limit bounds the wait)."""
-    while True:
-        if s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] != 1:
-            return
-        await asyncio.sleep(0.1)
+    ESTABLISHED). `limit_s` is the caller's own limit, which started earlier and so ends
+    first: the read then reports "timeout"."""
+    await eventually_async(lambda: s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] != 1,
+                           timeout=limit_s, interval=0.1,
+                           message="the server to reset the connection")  # fmt: skip
 
 
 def sse_done(data: bytes) -> bool:

@@ -17,8 +17,9 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from lora_helpers import eventually, make_adapter, write_adapters
+from lora_helpers import make_adapter, write_adapters
 from pod_helpers import client, scrape, start_pod, worker_pids
+from testkit.wait import eventually_async
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.engine, pytest.mark.slow]
 
@@ -89,8 +90,10 @@ async def test_adapters_added_and_removed_without_a_restart(pod, adapters):
 
     write_adapters(adapters["file"], {n: adapters[n] for n in ("alpha", "beta", "too-big")})
     written = os.stat(adapters["file"]).st_mtime
-    assert await eventually(lambda: _all(url, "beta", 200), within=60)
-    stamps = await eventually(lambda: _two(proc.log_path, "beta"), within=30)
+    assert await eventually_async(lambda: _all(url, "beta", 200), timeout=60, interval=0.1,
+                                  message="both workers to serve beta")  # fmt: skip
+    stamps = await eventually_async(lambda: _two(proc.log_path, "beta"), timeout=30, interval=0.1,
+                                    message="both workers to log beta loaded")  # fmt: skip
     latency = [t - written for t in stamps]
     print(f"\nTIMING hot add (file written -> served, per worker): "
           f"{', '.join(f'{s:.2f} s' for s in latency)}")  # fmt: skip
@@ -106,7 +109,8 @@ async def test_adapters_added_and_removed_without_a_restart(pod, adapters):
     assert await answers(url, "alpha") == {"0": 200, "1": 200}  # the others serve
 
     write_adapters(adapters["file"], {"beta": adapters["beta"]})
-    assert await eventually(lambda: _all(url, "alpha", 404), within=60)
+    assert await eventually_async(lambda: _all(url, "alpha", 404), timeout=60, interval=0.1,
+                                  message="both workers to refuse alpha")  # fmt: skip
     assert await answers(url, "beta") == {"0": 200, "1": 200}
     assert worker_pids(proc) == workers and proc.alive()  # never restarted
 

@@ -13,10 +13,11 @@ import httpx
 import pytest
 import websockets
 from app_helpers import serve_simulator, sse_events, token_payloads, ws_url
-from lora_helpers import eventually, make_adapter, write_adapters
+from lora_helpers import make_adapter, write_adapters
 from sluice_server.core.adapters import parse_adapters
 from sluice_server.core.trail import ACCESS_LOGGER
 from sluice_server.engine.simulator import SimulatorEngine
+from testkit.wait import eventually_async
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 PROMPT = {"messages": [{"role": "user", "content": "hello river"}], "max_tokens": 6,
@@ -164,17 +165,20 @@ async def test_hot_add_and_remove_through_the_watched_file(adapters, tmp_path):
         assert await names() == ["sim", "b"]
         new = make_adapter(tmp_path / "new")
         write_adapters(path, {"b": dirs["b"], "new": new})
-        await eventually(lambda: _has(names, "new"))
+        await eventually_async(lambda: _has(names, "new"), timeout=30, interval=0.1,
+                               message="the new adapter listed")  # fmt: skip
         assert (
             await c.post("/v1/chat/completions", json={**PROMPT, "model": "new"})
         ).status_code == 200
         write_adapters(path, {"new": new})
-        await eventually(lambda: _lacks(names, "b"))
+        await eventually_async(lambda: _lacks(names, "b"), timeout=30, interval=0.1,
+                               message="the removed adapter gone from the list")  # fmt: skip
         r = await c.post("/v1/chat/completions", json={**PROMPT, "model": "b"})
         assert r.status_code == 404
         # An unusable file changes nothing.
         path.write_text("{not json")
-        await eventually(lambda: _metric(c, 'result="file_error"} 1.0'))
+        await eventually_async(lambda: _metric(c, 'result="file_error"} 1.0'), timeout=30,
+                               interval=0.1, message="the unusable file counted")  # fmt: skip
         assert await names() == ["sim", "new"]
 
 

@@ -11,6 +11,7 @@ import httpx
 import pytest
 import websockets
 from app_helpers import error_of, sse_events, token_payloads, ws_url
+from testkit.wait import eventually_async
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.engine]
 
@@ -148,10 +149,8 @@ async def test_capacity_limit_is_immediate_429(make_server, engine):
                 assert r2.headers["retry-after"] == "1"
                 assert error_of(r2)["code"] == "capacity_exceeded"
         # the first stream is gone (closed early -> aborted); capacity is back
-        for _ in range(100):
-            if engine.num_unfinished_requests() == 0:
-                break
-            await asyncio.sleep(0.05)
+        await eventually_async(lambda: engine.num_unfinished_requests() == 0, timeout=5,
+                               message="the closed stream's engine request to end")  # fmt: skip
         await finish_ok(c)
         metrics = (await c.get("/metrics")).text
     assert 'protocol="sse",reason="capacity"} 1.0' in metrics

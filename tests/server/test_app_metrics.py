@@ -10,6 +10,7 @@ import pytest
 import websockets
 from app_helpers import sse_events, token_payloads, ws_url
 from prometheus_client.parser import text_string_to_metric_families
+from testkit.wait import eventually_async
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.engine]
 
@@ -52,10 +53,8 @@ async def test_metrics_match_known_requests(make_server, engine):
             async for line in r.aiter_lines():
                 if line.startswith("data:"):
                     break
-        for _ in range(100):
-            if engine.num_unfinished_requests() == 0:
-                break
-            await asyncio.sleep(0.05)
+        await eventually_async(lambda: engine.num_unfinished_requests() == 0, timeout=5,
+                               message="the disconnected stream's engine request to end")  # fmt: skip
         # probes are not requests
         for path in ("/health", "/ready", "/metrics", "/health"):
             await c.get(path)
@@ -68,10 +67,14 @@ async def test_metrics_match_known_requests(make_server, engine):
                 n += 1
             itl_expected["websocket"] += n - 1
 
-    await asyncio.sleep(0.3)  # the disconnected stream's cleanup has run
-    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
-        m = samples((await c.get("/metrics")).text)
+    async def cleaned_up() -> dict | None:
+        """The metrics once the disconnected stream's bookkeeping ran (all of it at once:
+        `Meter.finish` counts the disconnect with the rest)."""
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            m = samples((await c.get("/metrics")).text)
+        return m if get(m, "sluice_client_disconnects_total", "sse") else None
 
+    m = await eventually_async(cleaned_up, timeout=5, message="the disconnect counted")
     assert get(m, "sluice_requests_total", "sse") == 4
     assert get(m, "sluice_requests_total", "openai") == 2
     assert get(m, "sluice_requests_total", "websocket") == 2

@@ -10,6 +10,7 @@ import httpx
 import pytest
 import websockets
 from app_helpers import error_of, sse_events, token_payloads, ws_url
+from testkit.wait import eventually_async
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.engine]
 
@@ -101,8 +102,8 @@ async def test_websocket_stop_and_reuse(server_url, engine):
             if f.get("finished"):
                 break
         assert f["finish_reason"] == "abort"
-        await asyncio.sleep(0.2)
-        assert engine.num_unfinished_requests() == 0
+        await eventually_async(lambda: engine.num_unfinished_requests() == 0, timeout=2,
+                               message="the stopped request to leave the engine")  # fmt: skip
         # the same socket serves the next request
         await ws.send(json.dumps({"id": "next", "prompt": "again", "params": {"max_tokens": 3}}))
         while True:

@@ -11,16 +11,15 @@ import httpx
 import pytest
 import websockets
 from app_helpers import sse_events, token_payloads, ws_url
+from testkit.wait import eventually_async
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.engine]
 
 
-async def settled(engine, within: float = 5.0) -> int:
-    for _ in range(int(within / 0.05)):
-        if engine.num_unfinished_requests() == 0:
-            return 0
-        await asyncio.sleep(0.05)
-    return engine.num_unfinished_requests()
+async def settled(engine, within: float = 5.0) -> None:
+    """No engine request left unfinished (within `within` seconds)."""
+    await eventually_async(lambda: engine.num_unfinished_requests() == 0, timeout=within,
+                           message=lambda: f"{engine.num_unfinished_requests()} unfinished")  # fmt: skip
 
 
 async def test_stream_timeout_sends_error_event_and_aborts(make_server, engine):
@@ -38,7 +37,7 @@ async def test_stream_timeout_sends_error_event_and_aborts(make_server, engine):
             body = (await r.aread()).decode()
         assert "event: error" in body and body.rstrip().endswith("data: [DONE]")
         metrics = (await c.get("/metrics")).text
-    assert await settled(engine) == 0
+    await settled(engine)
     assert 'sluice_stream_errors_total{model="tiny",protocol="sse"} 1.0' in metrics
 
     async with websockets.connect(ws_url(url)) as ws:
@@ -46,7 +45,7 @@ async def test_stream_timeout_sends_error_event_and_aborts(make_server, engine):
         while "error" not in (f := json.loads(await asyncio.wait_for(ws.recv(), 30))):
             assert not f["finished"]
         assert "time limit" in f["error"]["message"] and f["id"] == "t"
-    assert await settled(engine) == 0
+    await settled(engine)
 
 
 async def test_disconnect_before_first_token_aborts(server_url, engine):
@@ -59,7 +58,7 @@ async def test_disconnect_before_first_token_aborts(server_url, engine):
             ) as r:
                 assert r.status_code == 200
             # closed right after the headers: before the first token
-    assert await settled(engine) == 0
+    await settled(engine)
 
 
 async def test_websocket_close_aborts_all_requests(server_url, engine):
@@ -68,7 +67,7 @@ async def test_websocket_close_aborts_all_requests(server_url, engine):
             await ws.send(json.dumps({"id": i, "prompt": "w", "params": {"max_tokens": 480}}))
         await asyncio.wait_for(ws.recv(), 30)
         assert engine.num_unfinished_requests() >= 1
-    assert await settled(engine) == 0
+    await settled(engine)
 
 
 async def test_drain_in_process(make_server, engine):
@@ -83,7 +82,7 @@ async def test_drain_in_process(make_server, engine):
             while not (await anext(lines)).startswith("data:"):
                 pass
             drain = asyncio.create_task(gate.drain(0.3))
-            await asyncio.sleep(0.05)
+            await eventually_async(lambda: gate.draining, timeout=5, message="the drain to begin")
             assert (await c.get("/ready")).status_code == 503
             refused = await c.post("/v1/stream", json={"prompt": "x"})
             assert refused.status_code == 503 and refused.headers["retry-after"]
@@ -91,7 +90,7 @@ async def test_drain_in_process(make_server, engine):
         assert await drain == 1
         assert "event: error" in rest and rest[-2] == "data: [DONE]"
         assert any("drain" in line for line in rest)
-    assert await settled(engine) == 0
+    await settled(engine)
 
 
 async def test_sse_heartbeat_only_when_idle(make_server):

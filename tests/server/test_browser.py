@@ -2,8 +2,11 @@
 real nginx configured like the operator's Ingress. Selenium blocks, so every browser
 session runs in a thread while the servers keep running in the test's event loop.
 
-- the playground streams a chat incrementally (many distinct arrival times) over
-  EventSource and over fetch(), and Stop ends the WebSocket request at once;
+- the playground streams a chat incrementally over EventSource and over fetch(): the
+  server holds its sends at a few points (held_sends.py) and the page must show every
+  token event sent so far before it sends more; through an nginx that buffers, it does
+  not (the negative control). A causal check, no arrival timing, so load cannot fail it;
+- Stop ends the WebSocket request at once;
 - a page on another origin works when its origin is allowed and fails when it is not;
 - a naive EventSource page that never calls close() starts exactly one generation in the
   15 s after its answer ended (the browser does reconnect: it gets 204 and stops).
@@ -12,14 +15,26 @@ session runs in a thread while the servers keep running in the test's event loop
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import queue
 import time
 
 import httpx
 import pytest
-from browser import chrome, missing, static_site, wait_for
+from app_helpers import engine_settings, serving
+from browser import chrome, missing, page_eventually, static_site
+from held_sends import HeldSends
 from nginx_proxy import NginxProxy, find_nginx
+from testkit.net import free_port
+from testkit.wait import eventually_async
 
-pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
+# The browser, nginx and the servers on cores of their own, apart from the engine's
+# (`engine_apart` in conftest.py): the engine's busy-polling core does not delay a Stop.
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.usefixtures("engine_apart"),
+    pytest.mark.asyncio(loop_scope="session"),
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -52,52 +67,107 @@ async def metrics(url: str) -> str:
         return (await c.get(url + "/metrics")).text
 
 
-def playground_chat(page: str, transport: str) -> dict:
+# Token-carrying sends after which the server holds the playground's stream until the page
+# shows every token event sent so far: the first, a few, many (of about 150).
+HOLDS = [1, 5, 25]
+
+
+@contextlib.asynccontextmanager
+async def held_server(engine, tiny_model_path):
+    """A server on the session engine whose streamed answers stop at each of `HOLDS`
+    (held_sends.py); yields (url, HeldSends)."""
+    from sluice_server.app import build_app
+    from sluice_server.serve import uvicorn_config
+
+    settings = engine_settings(tiny_model_path, port=free_port())
+    held = HeldSends(build_app(settings, engine), HOLDS)
+    async with serving(uvicorn_config(settings, held)):
+        yield f"http://127.0.0.1:{settings.port}", held
+
+
+def playground_chat(page: str, transport: str, held: HeldSends, show_s: float) -> dict:
+    """Send from the playground; at each hold, the page must show every token event the
+    server has sent (within `show_s`) before the server sends more."""
     with chrome() as d:
         d.get(page)
-        wait_for(d, "document.getElementById('model').textContent === 'tiny'")
+        page_eventually(d, "document.getElementById('model').textContent === 'tiny'")
         d.execute_script(f"""
             document.getElementById('transport').value = '{transport}';
             document.getElementById('max_tokens').value = '150';
             document.getElementById('temperature').value = '0';
             window.sluicePlayground.extra = {{ignore_eos: true}};
             document.getElementById('send').click();""")
-        wait_for(d, "window.sluicePlayground.done", 120)
-        return d.execute_script("""const s = window.sluicePlayground;
+        shown = []  # (token events the server had sent, events the page showed) per hold
+        try:
+            for index in range(len(held.holds)):
+                try:
+                    sent = held.held.get(timeout=120)  # the server holds after `sent` events
+                except queue.Empty:
+                    raise AssertionError(f"the server never reached hold {index}") from None
+                n = page_eventually(d, f"(s => s.arrivals.length >= {sent} && s.arrivals.length)"
+                                       "(window.sluicePlayground)", show_s)  # fmt: skip
+                shown.append((sent, n))
+                held.release(index)
+        finally:
+            held.release_all()
+        page_eventually(d, "window.sluicePlayground.done", 120)
+        got = d.execute_script("""const s = window.sluicePlayground;
             return {arrivals: s.arrivals, tokens: s.tokens, error: document.getElementById('out').className,
                     stats: document.getElementById('stats').textContent};""")
+        return {**got, "shown": shown}
 
 
 @pytest.mark.parametrize("transport", ["eventsource", "fetch"])
-async def test_playground_streams_incrementally(server_url, transport):
-    with NginxProxy(server_url, "ingress", annotations=ingress_annotations()) as proxy:
-        got = await asyncio.to_thread(playground_chat, proxy.url + "/playground", transport)
-    arrivals = got["arrivals"]
-    distinct = len({round(a) for a in arrivals})  # distinct milliseconds
-    span = arrivals[-1] - arrivals[0]
-    print(f"\nBROWSER playground {transport}: {len(arrivals)} events at {distinct} distinct ms "
-          f"over {span:.0f} ms; {got['stats']}")  # fmt: skip
+async def test_playground_streams_incrementally(engine, tiny_model_path, transport):
+    """The page shows each token event before the server sends the next one, at each of
+    `HOLDS`: through nginx configured like our Ingress, nothing buffers the answer."""
+    async with held_server(engine, tiny_model_path) as (url, held):
+        with NginxProxy(url, "ingress", annotations=ingress_annotations()) as proxy:
+            got = await asyncio.to_thread(playground_chat, proxy.url + "/playground",
+                                          transport, held, 60)  # fmt: skip
+    span = (held.sent[-1] - held.sent[0]) * 1e3
+    print(f"\nBROWSER playground {transport}: page showed {got['shown']} (server's events, "
+          f"page's) at the holds; {len(held.sent)} events sent over {span:.0f} ms (holds "
+          f"included), {len(got['arrivals'])} shown; {got['stats']}")  # fmt: skip
     assert not got["error"], got
-    # Not one burst at the end: the answer arrives over many moments. (Bunched into fewer
-    # of them when vLLM's CPU engine holds the cores the server and the browser share.)
-    assert distinct >= 10, got
+    # At each hold the page showed every event sent so far (and there was nothing more it
+    # could have shown).
+    assert len(got["shown"]) == len(HOLDS), got["shown"]
+    assert all(sent == shown for sent, shown in got["shown"]), got["shown"]
+    assert held.timed_out == []
+    assert len(got["arrivals"]) == len(held.sent) == got["tokens"]  # every event, once
     assert got["stats"].startswith("TTFT ") and "tokens/s" in got["stats"]
+
+
+@pytest.mark.parametrize("transport", ["eventsource", "fetch"])
+async def test_negative_control_a_buffering_nginx_fails_the_proof(engine, tiny_model_path,
+                                                                  transport):  # fmt: skip
+    """Through an nginx that buffers event streams (gzip, `X-Accel-Buffering` ignored) the
+    page never shows the first held event, however long it waits: the proof above fails."""
+    async with held_server(engine, tiny_model_path) as (url, held):
+        with NginxProxy(url, "buffered") as proxy:
+            with pytest.raises(AssertionError, match="arrivals.length >= 1 ") as failed:
+                await asyncio.to_thread(playground_chat, proxy.url + "/playground",
+                                        transport, held, 5)  # fmt: skip
+    print(f"\nBROWSER playground {transport} via buffering nginx: "
+          f"{str(failed.value).splitlines()[0]}")  # fmt: skip
+    assert held.sent, "the server sent nothing: no proof either way"
 
 
 def playground_stop(page: str, engine_busy) -> dict:
     with chrome() as d:
         d.get(page)
-        wait_for(d, "document.getElementById('model').textContent === 'tiny'")
+        page_eventually(d, "document.getElementById('model').textContent === 'tiny'")
         d.execute_script("""
             document.getElementById('transport').value = 'websocket';
             document.getElementById('max_tokens').value = '400';
             window.sluicePlayground.extra = {ignore_eos: true};
             document.getElementById('send').click();""")
-        wait_for(d, "window.sluicePlayground.arrivals.length >= 10", 120)
+        page_eventually(d, "window.sluicePlayground.arrivals.length >= 10", 120)
         assert engine_busy()
         t = time.monotonic()
         d.find_element("id", "stop").click()
-        wait_for(d, "window.sluicePlayground.done", 30)
+        page_eventually(d, "window.sluicePlayground.done", 30)
         clicked_to_done = time.monotonic() - t
         return {"reason": d.execute_script("return window.sluicePlayground.finishReason"),
                 "tokens": d.execute_script("return window.sluicePlayground.tokens"),
@@ -108,10 +178,8 @@ async def test_playground_websocket_stop_ends_the_request(server_url, engine):
     with NginxProxy(server_url, "ingress", annotations=ingress_annotations()) as proxy:
         got = await asyncio.to_thread(playground_stop, proxy.url + "/playground",
                                       lambda: engine.num_unfinished_requests() > 0)  # fmt: skip
-        t0 = time.monotonic()
-        while engine.num_unfinished_requests():
-            assert time.monotonic() - t0 < 2, "the engine request outlived Stop"
-            await asyncio.sleep(0.01)
+        await eventually_async(lambda: engine.num_unfinished_requests() == 0, timeout=2,
+                               interval=0.01, message="the engine request to end after Stop")  # fmt: skip
     print(f"\nBROWSER stop: final frame {got['took'] * 1e3:.0f} ms after the click, "
           f"{got['tokens']} tokens of 400")  # fmt: skip
     assert got["reason"] == "abort" and got["tokens"] < 400
@@ -131,7 +199,7 @@ fetch(base + "/v1/chat/completions", {method: "POST",
 def cross_origin(site: str, api: str) -> dict:
     with chrome() as d:
         d.get(f"{site}/?api={api}")
-        return wait_for(d, "window.result", 60)
+        return page_eventually(d, "window.result", 60)
 
 
 async def test_cross_origin_page_allowed_and_refused(make_server):
@@ -160,7 +228,7 @@ es.onmessage = (e) => { window.msgs++; if (e.data === "[DONE]") window.done++; }
 def naive_event_source(page_url: str) -> dict:
     with chrome() as d:
         d.get(page_url)
-        wait_for(d, "window.done >= 1", 60)
+        page_eventually(d, "window.done >= 1", 60)
         t = time.monotonic()
         time.sleep(15)
         state = d.execute_script("return {msgs: window.msgs, done: window.done, "

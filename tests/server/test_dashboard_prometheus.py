@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import json
 import os
 import re
@@ -28,6 +29,7 @@ import httpx
 import pytest
 import websockets
 from app_helpers import ws_url
+from testkit.wait import eventually_async
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
 
@@ -134,6 +136,19 @@ def check_panels(prom, panels, start: float, end: float) -> dict:
     return results
 
 
+def scraped_since(prom, t: float) -> bool:
+    """Every active target's last scrape began at or after wall-clock time `t`."""
+    return all(_epoch(target["lastScrape"]) >= t for target in prom.targets())
+
+
+def _epoch(rfc3339: str) -> float:
+    """Prometheus's `lastScrape` ("2026-12-01T15:04:05.123456789Z", or with an offset)."""
+    m = re.fullmatch(r"([^.]+?)(\.\d+)?(Z|[+-]\d\d:\d\d)", rfc3339)
+    assert m, rfc3339
+    base = dt.datetime.fromisoformat(m[1] + (m[3] if m[3] != "Z" else "+00:00"))
+    return base.timestamp() + float(m[2] or 0)
+
+
 async def load(url: str) -> None:
     """A short mixed load: finished streams on every protocol, capacity and bad-input
     refusals, client disconnects, a WebSocket stop, and streams cut by the time limit."""
@@ -180,8 +195,12 @@ async def load(url: str) -> None:
                     if frame.get("finished"):
                         return True
 
-        deadline, stops = time.monotonic() + 10, 0
-        while time.monotonic() < deadline or (not stops and time.monotonic() < deadline + 30):
+        loop, stops = asyncio.get_running_loop(), 0
+        began = loop.time()
+
+        async def one_round() -> bool:
+            """True once the load ran 10 s and at least one WebSocket stop went through."""
+            nonlocal stops
             jobs = [finished(), finished(), openai(), disconnect(), stop()]
             jobs.append(too_long())
             results = await asyncio.gather(*jobs, return_exceptions=True)
@@ -197,7 +216,11 @@ async def load(url: str) -> None:
             assert (
                 await c.post("/v1/stream", json={"prompt": "x", "max_tokens": 0})
             ).status_code == 400
-        assert stops, "every WebSocket stop was refused at capacity"
+            return bool(stops) and loop.time() - began >= 10
+
+        # Rounds for 10 s, and on (up to 40 s in all) until a stop was not refused at capacity.
+        await eventually_async(one_round, timeout=40, interval=0, retry_on=(),
+                               message="a WebSocket stop not refused at capacity")  # fmt: skip
 
 
 async def test_every_panel_query_returns_data_from_a_real_server(make_server, tmp_path):
@@ -214,7 +237,10 @@ async def test_every_panel_query_returns_data_from_a_real_server(make_server, tm
         try:
             start = time.time()
             await load(url)
-            await asyncio.sleep(3)  # two more scrapes after the load
+            loaded = time.time()
+            await eventually_async(  # two more scrapes of each target after the load
+                lambda: asyncio.to_thread(scraped_since, prom, loaded + 1.0), timeout=30,
+                message="two scrapes of every target after the load")  # fmt: skip
             end = time.time()
             up = {t["labels"]["job"]: t["health"] for t in prom.targets()}
             assert up == {"sluice": "up", "kube-state-metrics": "up"}, prom.targets()

@@ -20,7 +20,7 @@ import websockets
 from app_helpers import engine_settings, serving, ws_url
 from sluice_server.core.trail import ACCESS_LOGGER
 from testkit.net import free_port
-from testkit.wait import eventually
+from testkit.wait import eventually_async
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
 
@@ -113,7 +113,9 @@ async def behind_a_backlog(url, app, late) -> tuple[list[str], str]:
         first = asyncio.create_task(stream(c, "batch", LONG, started))
         await asyncio.wait_for(started, 120)
         waiting = [asyncio.create_task(stream(c, "batch", 8)) for _ in range(2)]
-        await eventually(lambda: engine.num_unfinished_requests() == 3, what="two waiting")
+        await eventually_async(
+            lambda: engine.num_unfinished_requests() == 3, message="two waiting", timeout=15
+        )
         _, *waited, last = await asyncio.gather(first, *waiting, late(c))
     return waited, last
 

@@ -17,6 +17,7 @@ import websockets
 from app_helpers import serve_simulator, ws_url
 from sluice_server.core.auth import key_id
 from sluice_server.engine.simulator import SimulatorEngine
+from testkit.wait import eventually_async
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -179,12 +180,11 @@ def reloads(metrics: str, file: str, result: str) -> float:
     return float(found[0].split()[-1]) if found else 0.0
 
 
-async def wait_for_reload(c: httpx.AsyncClient, file: str, result: str, count: float) -> None:
-    for _ in range(100):
-        if reloads((await c.get("/metrics")).text, file, result) >= count:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"no {result} reload of {file} within 5 s")
+async def eventually_reloaded(c: httpx.AsyncClient, file: str, result: str, count: float) -> None:
+    async def reloaded() -> bool:
+        return reloads((await c.get("/metrics")).text, file, result) >= count
+
+    await eventually_async(reloaded, timeout=5, message=f"{count:g} {result} reload(s) of {file}")
 
 
 async def ws_generate(ws, rid: str) -> None:
@@ -215,7 +215,7 @@ async def test_key_rotation_without_restart_while_a_stream_runs(tmp_path, caplog
                     while not (await anext(lines)).startswith("data:"):
                         pass
                     secret.write({"api-keys": f"{new} tenant=acme\n"})  # rotate mid-stream
-                    await wait_for_reload(c, "api_keys", "ok", 1)
+                    await eventually_reloaded(c, "api_keys", "ok", 1)
                     assert (await stream(c, old)).status_code == 401
                     assert (await stream(c, new)).status_code == 200
                     # A socket opened with the old key starts nothing more (one opened
@@ -231,11 +231,11 @@ async def test_key_rotation_without_restart_while_a_stream_runs(tmp_path, caplog
 
                 # A bad new version: refused, the keys before it stay, the log says why.
                 secret.write({"api-keys": f"{old} rpm=lots\n"})
-                await wait_for_reload(c, "api_keys", "error", 1)
+                await eventually_reloaded(c, "api_keys", "error", 1)
                 assert (await stream(c, new)).status_code == 200
                 assert (await stream(c, old)).status_code == 401
                 secret.write({"api-keys": f"{old}\n{new}\n"})  # fixed: both now
-                await wait_for_reload(c, "api_keys", "ok", 2)
+                await eventually_reloaded(c, "api_keys", "ok", 2)
                 assert (await stream(c, old)).status_code == 200
     finally:
         await slow.shutdown()
@@ -258,12 +258,12 @@ async def test_jwks_rotation_is_picked_up(sim, tmp_path):
             assert (await stream(c, before.token())).status_code == 200
             assert (await stream(c, after.token())).status_code == 401
             secret.write({"jwks.json": json.dumps(jwks(before, after))})  # overlap
-            await wait_for_reload(c, "jwks", "ok", 1)
+            await eventually_reloaded(c, "jwks", "ok", 1)
             assert (await stream(c, after.token())).status_code == 200
             assert (await stream(c, before.token())).status_code == 200
             secret.write({"jwks.json": json.dumps(jwks(after))})  # the old key retired
-            await wait_for_reload(c, "jwks", "ok", 2)
+            await eventually_reloaded(c, "jwks", "ok", 2)
             assert (await stream(c, before.token())).status_code == 401
             secret.write({"jwks.json": '{"keys": []}'})  # refused: the last good set stays
-            await wait_for_reload(c, "jwks", "error", 1)
+            await eventually_reloaded(c, "jwks", "error", 1)
             assert (await stream(c, after.token())).status_code == 200

@@ -27,6 +27,7 @@ from sluice_server.core.metrics import Metrics
 from sluice_server.core.ratelimit import RedisLimiter
 from sluice_server.engine.simulator import SimulatorEngine
 from testkit.net import free_port
+from testkit.wait import eventually_async
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -36,6 +37,7 @@ PROMPT = "two words"  # the simulator counts words: 2 prompt tokens
 MAX_TOKENS = 8
 PER_REQUEST = 2 + MAX_TOKENS
 WINDOW_S = 6.0
+WINDOW_LIMIT_S = 90.0  # a window that never reaches the limit fails after this
 
 
 @pytest.fixture
@@ -86,16 +88,13 @@ def start_server(port: int, key_file, backend: str, redis_url: str, **limits) ->
 
 
 async def wait_ready(c: httpx.AsyncClient, url: str, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"server exited with {proc.returncode}"
-        try:
-            if (await c.get(url + "/ready")).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        await asyncio.sleep(0.1)
-    raise AssertionError("server not ready within 60 s")
+    async def ready() -> bool:
+        if proc.poll() is not None:  # not retried: fails at once
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        return (await c.get(url + "/ready")).status_code == 200
+
+    await eventually_async(ready, timeout=60, interval=0.1, retry_on=(httpx.TransportError,),
+                           message=f"server at {url} ready")  # fmt: skip
 
 
 @pytest_asyncio.fixture(loop_scope="session")
@@ -150,6 +149,13 @@ class Window:
         usage = json.loads(final)["usage"]
         return usage["prompt_tokens"] + usage["completion_tokens"]
 
+    def done(self) -> bool:
+        """The window is over: WINDOW_S long, and the limit was reached in it (a request was
+        refused). A loaded machine sends fewer requests a second, so that may take longer;
+        the refill bounds are taken from the window's own times either way."""
+        return (self.last_refused is not None and self.first_sent is not None
+                and time.monotonic() - self.first_sent >= WINDOW_S)  # fmt: skip
+
     def refill(self, per_minute: int) -> tuple[float, float]:
         assert self.last_refused is not None, "the load never reached the limit"
         low = max(0.0, self.last_refused - self.first_done) * per_minute / 60
@@ -165,10 +171,15 @@ async def test_requests_per_minute_across_two_replicas(two_servers, backend,
     urls = await two_servers(backend, rpm=rpm)
     admitted, w = 0, Window()
     async with httpx.AsyncClient(timeout=10) as c:
-        while w.first_sent is None or time.monotonic() - w.first_sent < WINDOW_S:
-            # Both replicas at once, far over the limit.
+
+        async def both_at_once() -> bool:  # both replicas at once, far over the limit
+            nonlocal admitted
             results = await asyncio.gather(*(w.send(c, u) for u in urls))
             admitted += sum(r is not None for r in results)
+            return w.done()
+
+        await eventually_async(both_at_once, timeout=WINDOW_LIMIT_S, interval=0, retry_on=(),
+                               message="the load to reach the limit")  # fmt: skip
     low, high = w.refill(rpm)
     print(f"{backend}: {admitted} requests admitted; the bucket arithmetic says "
           f"{n} x ({rpm} + {low:.2f}..{high:.2f})")  # fmt: skip
@@ -184,10 +195,15 @@ async def test_tokens_per_minute_across_two_replicas(two_servers, backend,
     urls = await two_servers(backend, tpm=tpm)
     charged, w, i = 0, Window(), 0
     async with httpx.AsyncClient(timeout=10) as c:
-        while w.first_sent is None or time.monotonic() - w.first_sent < WINDOW_S:
-            # One stream at a time, alternating replicas.
+
+        async def one_stream() -> bool:  # one stream at a time, alternating replicas
+            nonlocal charged, i
             charged += await w.send(c, urls[i % 2]) or 0
             i += 1
+            return w.done()
+
+        await eventually_async(one_stream, timeout=WINDOW_LIMIT_S, interval=0, retry_on=(),
+                               message="the load to reach the limit")  # fmt: skip
     low, high = w.refill(tpm)
     print(f"{backend}: {charged} tokens charged; the bucket arithmetic says "
           f"{n} x ({tpm} + {low:.2f}..{high:.2f}), requests of {PER_REQUEST} tokens")  # fmt: skip

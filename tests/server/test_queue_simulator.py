@@ -24,7 +24,7 @@ from sluice_server.engine.simulator import SimulatorEngine
 from sluice_server.serve import uvicorn_config
 from sluice_server.settings import Settings
 from testkit.net import free_port
-from testkit.wait import eventually
+from testkit.wait import eventually_async
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -152,7 +152,9 @@ async def test_a_short_wait_gets_a_real_429_with_retry_after(tmp_path, access, p
         assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1, r.text
         err = r.json()["error"]
         assert err.get("code", err.get("type")) in ("queue_timeout", "rate_limit_error"), err
-        line = await eventually(lambda: access.of(r.headers["x-request-id"]), what="log line")
+        line = await eventually_async(
+            lambda: access.of(r.headers["x-request-id"]), message="log line", timeout=15
+        )
         assert (line["status"], line["outcome"], line["priority"]) == (429, "rejected", "batch")
         assert line["queue_ms"] >= 500
         assert eng.started == [1]  # only the holding stream ever reached the engine
@@ -177,7 +179,7 @@ async def test_a_long_wait_commits_to_200_then_ends_with_the_protocols_error(tmp
             json.loads(x[5:]) for x in lines if x.startswith("data:") and "[DONE]" not in x
         )
         assert code_of(error) == EXPECTED_CODE[protocol], error
-        line = await eventually(lambda: access.of(rid), what="log line")
+        line = await eventually_async(lambda: access.of(rid), message="log line", timeout=15)
         assert line["outcome"] == "failed" and line["queue_ms"] >= 1200
         assert line["completion_tokens"] == 0 and eng.started == [1]
 
@@ -195,8 +197,8 @@ async def test_websocket_generation_waits_with_queued_frames(tmp_path, access):
                     frames.append(json.loads(await asyncio.wait_for(ws.recv(), 30)))
         assert frames[-1]["usage"]["completion_tokens"] == 3
         assert eng.started == [1, 0]  # its generation started only once it had the slot
-        line = await eventually(lambda: next((x for x in access.lines if x.get("stream") == "w"),
-                                             None), what="ws log line")  # fmt: skip
+        line = await eventually_async(lambda: next((x for x in access.lines if x.get("stream") == "w"),
+                                             None), message="ws log line", timeout=15)  # fmt: skip
         assert line["outcome"] == "finished" and line["queue_ms"] > 0
 
 
@@ -216,18 +218,22 @@ async def test_a_client_that_leaves_the_queue_frees_its_place_at_once(tmp_path, 
                         pass
 
             task = asyncio.create_task(leaver())
-            await eventually(lambda: depth(c), what="queued")
+            await eventually_async(lambda: depth(c), message="queued", timeout=15)
             if heartbeat < 1:  # committed to 200 first
                 assert await asyncio.wait_for(asyncio.shield(answered), 30) == 200
             task.cancel()  # the connection closes: the server sees the client go
             await asyncio.gather(task, return_exceptions=True)
             # Well inside the 60 s timeout: the place is free, nothing reached the engine.
-            await eventually(lambda: _is(depth(c), 0), within=10, what="queue place freed")
-            line = await eventually(lambda: next((x for x in access.lines
-                                                  if x["outcome"] == "disconnected"), None))  # fmt: skip
+            await eventually_async(
+                lambda: _is(depth(c), 0), timeout=10, message="queue place freed"
+            )
+            line = await eventually_async(lambda: next((x for x in access.lines
+                                                  if x["outcome"] == "disconnected"), None), timeout=15)  # fmt: skip
             assert line["queue_ms"] < 60_000 and line["completion_tokens"] == 0
             again = asyncio.create_task(c.post("/v1/stream", json=body, headers=AUTH["low"]))
-            await eventually(lambda: depth(c), what="queued again, not refused")
+            await eventually_async(
+                lambda: depth(c), message="queued again, not refused", timeout=15
+            )
             again.cancel()
             await asyncio.gather(again, return_exceptions=True)
         assert eng.started == [1]
@@ -238,7 +244,7 @@ async def test_the_higher_class_goes_first_and_the_engine_sees_each_class(tmp_pa
         body = {"prompt": "q", "max_tokens": 2}
         async with holding(c) as hold:
             low = asyncio.create_task(c.post("/v1/stream", json=body, headers=AUTH["low"]))
-            await eventually(lambda: depth(c), what="low queued")
+            await eventually_async(lambda: depth(c), message="low queued", timeout=15)
             chat = {
                 "messages": [{"role": "user", "content": "q"}],
                 "max_tokens": 2,
@@ -247,7 +253,7 @@ async def test_the_higher_class_goes_first_and_the_engine_sees_each_class(tmp_pa
             }  # a body's priority is not the caller's
             high = asyncio.create_task(c.post("/v1/chat/completions", json=chat,
                                               headers=AUTH["high"]))  # fmt: skip
-            await eventually(lambda: _is(depth(c), 2), what="high queued")
+            await eventually_async(lambda: _is(depth(c), 2), message="high queued", timeout=15)
             hold.cancel()  # the slot frees: the interactive request is admitted first
             await asyncio.gather(low, high)
         assert eng.started == [1, 0, 1]
@@ -269,7 +275,7 @@ async def test_a_full_queue_sheds_the_lower_class_and_counts_why(tmp_path, acces
         body = {"prompt": "q", "max_tokens": 2}
         async with holding(c) as hold:
             low = asyncio.create_task(c.post("/v1/stream", json=body, headers=AUTH["low"]))
-            await eventually(lambda: depth(c), what="low queued")
+            await eventually_async(lambda: depth(c), message="low queued", timeout=15)
             high = asyncio.create_task(c.post("/v1/stream", json=body, headers=AUTH["high"]))
             shed = await low  # displaced at once by the higher class
             assert shed.status_code == 429 and shed.json()["error"]["code"] == "queue_full"
@@ -296,7 +302,7 @@ async def test_drain_refuses_the_queue_at_once_and_lets_streams_finish(tmp_path,
                 if line.startswith("data:"):
                     break
             before = asyncio.create_task(c.post("/v1/stream", json=body, headers=AUTH["low"]))
-            await eventually(lambda: depth(c), what="queued")
+            await eventually_async(lambda: depth(c), message="queued", timeout=15)
             drained = asyncio.create_task(svc.gate.drain(30))
             refused = await before
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
@@ -320,15 +326,15 @@ async def test_a_key_file_reload_changes_a_callers_class_never_the_classes(tmp_p
         async def class_of_a_request() -> str:
             r = await c.post("/v1/stream", json={"prompt": "q", "max_tokens": 1},
                              headers=AUTH["low"])  # fmt: skip
-            line = await eventually(lambda: access.of(r.headers["x-request-id"]))
+            line = await eventually_async(lambda: access.of(r.headers["x-request-id"]), timeout=15)
             return line["priority"]
 
         assert await class_of_a_request() == "batch"
         keys.write_text(KEYS.replace("sk-low tenant=b priority=batch",
                                      "sk-low tenant=b priority=interactive"))  # fmt: skip
-        await eventually(lambda: _is(reloads("ok"), 1), what="reloaded")
+        await eventually_async(lambda: _is(reloads("ok"), 1), message="reloaded", timeout=15)
         assert await class_of_a_request() == "interactive"
         keys.write_text(KEYS.replace("sk-low tenant=b priority=batch", "sk-low priority=urgent"))
-        await eventually(lambda: _is(reloads("error"), 1), what="refused")
+        await eventually_async(lambda: _is(reloads("error"), 1), message="refused", timeout=15)
         assert await class_of_a_request() == "interactive"  # the keys before it stay
         assert eng.started == [1, 0, 0]

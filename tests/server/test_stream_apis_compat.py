@@ -14,11 +14,9 @@ text they carry must still match exactly.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
@@ -27,6 +25,7 @@ from app_helpers import ENGINE_KV_BYTES, serve_simulator
 from bench.procs import Server, engine_env
 from sluice_server.engine.simulator import SimulatorEngine
 from testkit.net import free_port
+from testkit.wait import eventually_async
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
 
@@ -50,17 +49,15 @@ async def vllm_url(tiny_model_path):
             "--enforce-eager", "--kv-cache-memory-bytes", str(ENGINE_KV_BYTES)]  # fmt: skip
     server = Server("vllm-api-server", argv, engine_env(scratch), scratch, port, "/health")
     try:
-        deadline = time.monotonic() + 600  # engine start: ~30 s alone, minutes when busy
         async with httpx.AsyncClient(timeout=5) as c:
-            while True:
-                assert server.alive(), server.tail()
-                try:
-                    if (await c.get(server.base_url + "/health")).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, "vLLM's server never became ready"
-                await asyncio.sleep(1)
+
+            async def healthy() -> bool:
+                server.check_alive()  # not retried: an exited server fails at once
+                return (await c.get(server.base_url + "/health")).status_code == 200
+
+            # engine start: ~30 s alone, minutes when busy
+            await eventually_async(healthy, timeout=600, interval=1, retry_on=(httpx.TransportError,),
+                                   message=lambda: f"vLLM's server ready\n{server.tail()}")  # fmt: skip
         yield server.base_url
     finally:
         server.stop()

@@ -22,6 +22,7 @@ import time
 import psutil
 import pytest
 from test_stream_abort import generated_tokens, settle
+from testkit.wait import eventually_async
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
 
@@ -62,6 +63,12 @@ async def stalled_request(port: int, path: str = "/v1/stream",
     return s, before
 
 
+async def started(before: float) -> None:
+    """The engine made tokens for the stalled request (its counter moved past `before`)."""
+    await eventually_async(lambda: generated_tokens() > before, timeout=20,
+                           message="the engine to start on the request")  # fmt: skip
+
+
 async def read_all(s: socket.socket, limit_s: float = 10.0) -> bytes:
     loop = asyncio.get_running_loop()
     data = b""
@@ -86,7 +93,7 @@ async def test_buffer_cap_aborts_and_reports_error(engine, tiny_model_path):
                                    send_timeout_seconds=30) as port:  # fmt: skip
         s, before = await stalled_request(port)
         t0 = time.perf_counter()
-        await asyncio.sleep(0.2)
+        await started(before)
         took = await settle(engine, limit_s=20)  # the engine request ends while we stall
         generated = generated_tokens() - before
         rss1 = proc.memory_info().rss
@@ -107,7 +114,7 @@ async def test_send_timeout_aborts_a_reader_that_never_returns(engine, tiny_mode
                                    send_timeout_seconds=0.5) as port:  # fmt: skip
         s, before = await stalled_request(port)
         t0 = time.perf_counter()
-        await asyncio.sleep(0.2)
+        await started(before)
         took = await settle(engine, limit_s=20)
         generated = generated_tokens() - before
         data = await read_all(s, limit_s=10)  # the server closes the connection
@@ -141,7 +148,7 @@ async def test_stalled_reader_is_cut_off_with_the_apis_error_event(engine, tiny_
     async with small_buffer_server(engine, tiny_model_path, stream_buffer_tokens=16,
                                    send_timeout_seconds=30) as port:  # fmt: skip
         s, before = await stalled_request(port, path, json.dumps(body).encode())
-        await asyncio.sleep(0.2)
+        await started(before)
         await settle(engine, limit_s=20)
         generated = generated_tokens() - before
         data = await read_all(s)

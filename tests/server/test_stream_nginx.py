@@ -4,8 +4,14 @@ Each test records the arrival timeline of one long generation (client clock) and
 the first token arrives well before the last. The negative control runs the same check
 through an nginx that buffers (gzip on event streams, see nginx_proxy.py for why plain
 `proxy_buffering on` is not enough) and ignores `X-Accel-Buffering`: the check must fail
-there, so it cannot pass by accident. The same nginx honouring the header must stream. (WebSocket has no such control: nginx tunnels an upgraded
-connection byte for byte and has no buffering to switch on.)
+there, so it cannot pass by accident. The same nginx honouring the header must stream.
+(WebSocket has no such control: nginx tunnels an upgraded connection byte for byte and
+has no buffering to switch on.)
+
+The engine's processes run on a core of their own, the servers, nginx and the client on
+the others (`engine_apart`, conftest.py): on a shared core vLLM's busy-polling engine core
+starves the server, which then writes a whole stream at once, and the check would judge
+the machine, not the proxy.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from nginx_proxy import NginxProxy, find_nginx
 
 pytestmark = [
     pytest.mark.engine,
+    pytest.mark.usefixtures("engine_apart"),
     pytest.mark.asyncio(loop_scope="session"),
     pytest.mark.skipif(
         find_nginx() is None, reason="nginx not installed (tests/scripts/install-tools.sh)"
@@ -136,7 +143,7 @@ async def openai_timeline(base_url: str) -> Timeline:
 
 
 @pytest.fixture(scope="module")
-def ingress(server_url):
+def ingress(server_url, engine_apart):  # nginx starts on the front's cores
     with NginxProxy(server_url, "ingress") as proxy:
         yield proxy
 

@@ -14,6 +14,7 @@ import pytest
 import websockets
 from app_helpers import ws_url
 from testkit.otlp import OtlpReceiver
+from testkit.wait import eventually_async
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
 
@@ -39,10 +40,10 @@ async def test_spans_of_real_engine_streams(make_server):
             )
             while not json.loads(await asyncio.wait_for(ws.recv(), 60)).get("finished"):
                 pass
-        spans = await asyncio.to_thread(
-            rx.wait_for, lambda s: len([x for x in s if x["trace_id"] == trace]) >= 3
+        spans = await eventually_async(
+            lambda: rx.trace(trace, at_least=3), timeout=15, message=f"3 spans of trace {trace}"
         )
-    mine = {s["attributes"]["sluice.protocol"]: s for s in spans if s["trace_id"] == trace}
+    mine = {s["attributes"]["sluice.protocol"]: s for s in spans}
     assert set(mine) == {"sse", "openai", "websocket"}, spans
     for protocol, tokens in (("sse", 8), ("openai", 6), ("websocket", 5)):
         a = mine[protocol]["attributes"]

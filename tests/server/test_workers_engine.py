@@ -24,7 +24,6 @@ import asyncio
 import os
 import re
 import tempfile
-import time
 
 import httpx
 import pytest
@@ -41,6 +40,7 @@ from pod_helpers import (
     scrape,
     start_pod,
 )
+from testkit.wait import eventually_async
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.engine, pytest.mark.slow]
 
@@ -77,16 +77,18 @@ def pod(tmp_path_factory, tiny_model_path):
 
 
 async def _settled(c: httpx.AsyncClient, limit_s: float = 30.0) -> str:
-    """The pod's metrics once no stream is active and vLLM's token count stopped moving."""
-    deadline, last = time.monotonic() + limit_s, None
-    while True:
+    """The pod's metrics once no stream is active and vLLM's token count stopped moving
+    (the same in two scrapes in a row)."""
+    previous: dict[str, float | None] = {"tokens": None}
+
+    async def idle() -> str | None:
         text = await scrape(c)
-        now = metric(text, "vllm:generation_tokens_total")
-        if metric(text, "sluice_active_streams") == 0 and now == last:
-            return text
-        assert time.monotonic() < deadline, "the engine did not go idle"
-        last = now
-        await asyncio.sleep(0.2)
+        tokens = metric(text, "vllm:generation_tokens_total")
+        moved, previous["tokens"] = tokens != previous["tokens"], tokens
+        return text if metric(text, "sluice_active_streams") == 0 and not moved else None
+
+    return await eventually_async(idle, timeout=limit_s, interval=0.2, retry_on=(),
+                                  message="the engine to go idle")  # fmt: skip
 
 
 async def test_streams_land_on_both_workers_and_metrics_sum(pod):
@@ -137,14 +139,17 @@ async def test_disconnect_aborts_on_each_worker(pod, worker):
 
 async def _epp_reading(c: httpx.AsyncClient, done, limit_s: float = 300.0):
     """Scrape until `done(reading, pod's own metrics text)`; the EPP's reading of the last."""
-    deadline = time.monotonic() + limit_s
-    while True:
+    last: list = [None, ""]
+
+    async def read():
         text = await scrape(c)
-        reading = extract(text)
-        if done(reading, text):
-            return reading, text
-        assert time.monotonic() < deadline, (reading, text[-3000:])
-        await asyncio.sleep(0.2)
+        last[:] = [extract(text), text]
+        return (last[0], text) if done(last[0], text) else None
+
+    def why() -> str:
+        return f"the EPP reading to be done\n{last[0]}\n{last[1][-3000:]}"
+
+    return await eventually_async(read, timeout=limit_s, interval=0.2, message=why)
 
 
 def _exactly_once(text: str) -> None:

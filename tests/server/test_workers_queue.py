@@ -14,7 +14,7 @@ import signal
 
 import pytest
 from pod_helpers import access_entry, client, metric, pin, read_stream, scrape, start_pod
-from testkit.wait import eventually
+from testkit.wait import eventually_async
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.slow]
 
@@ -73,15 +73,21 @@ async def test_queue_bound_and_timeout_are_the_pods(tmp_path, shared):
     every: list = []
     try:
         every += reads(held, 3000)
-        await eventually(lambda: _equal(pod_counts(url), (2.0, 0.0, 0.0)), what="streaming")
+        await eventually_async(
+            lambda: _equal(pod_counts(url), (2.0, 0.0, 0.0)), message="streaming", timeout=15
+        )
         queued = reads(waiting, 3000)  # long: in the control, worker 1 streams them
         every += queued
         want = (2.0, 3.0, 0.0) if shared else (4.0, 1.0, 0.0)
-        await eventually(lambda: _equal(pod_counts(url), want), what=f"queued: {want}")
+        await eventually_async(
+            lambda: _equal(pod_counts(url), want), message=f"queued: {want}", timeout=15
+        )
         more = reads(extra, 3000)
         every += more
         want = (2.0, 3.0, 4.0) if shared else (4.0, 5.0, 0.0)
-        await eventually(lambda: _equal(pod_counts(url), want), what=f"full: {want}")
+        await eventually_async(
+            lambda: _equal(pod_counts(url), want), message=f"full: {want}", timeout=15
+        )
         if not shared:
             return
         refused = await asyncio.gather(*(t for _, t in more))
@@ -113,14 +119,20 @@ async def test_a_client_leaving_the_queue_frees_its_place_on_the_other_worker(tm
     try:
         hold = await pinned_reads(url, "0", tokens=3000)
         probe = url
-        await eventually(lambda: _equal(pod_counts(probe), (1.0, 0.0, 0.0)), what="holding")
+        await eventually_async(
+            lambda: _equal(pod_counts(probe), (1.0, 0.0, 0.0)), message="holding", timeout=15
+        )
         leaver = await pinned_reads(url, "1", tokens=5)
-        await eventually(lambda: _equal(pod_counts(probe), (1.0, 1.0, 0.0)), what="queued")
+        await eventually_async(
+            lambda: _equal(pod_counts(probe), (1.0, 1.0, 0.0)), message="queued", timeout=15
+        )
         await close(leaver)  # its connection closes while it waits on worker 1
-        await eventually(lambda: _equal(pod_counts(probe), (1.0, 0.0, 0.0)), within=20,
-                         what="its queue place freed (the timeout is 120 s)")  # fmt: skip
+        await eventually_async(lambda: _equal(pod_counts(probe), (1.0, 0.0, 0.0)), timeout=20,
+                         message="its queue place freed (the timeout is 120 s)")  # fmt: skip
         again = await pinned_reads(url, "0", tokens=5)  # queued, not refused
-        await eventually(lambda: _equal(pod_counts(probe), (1.0, 1.0, 0.0)), what="queued again")
+        await eventually_async(
+            lambda: _equal(pod_counts(probe), (1.0, 1.0, 0.0)), message="queued again", timeout=15
+        )
         async with client(url) as c:
             text = await scrape(c)
         assert metric(text, "sluice_requests_total") == 1  # no engine request but the hold's
@@ -136,9 +148,13 @@ async def test_sigterm_answers_the_queue_503_and_streams_finish(tmp_path):
     try:
         running = await pinned_reads(url, "01", tokens=250)  # 5 s each
         probe = url
-        await eventually(lambda: _equal(pod_counts(probe), (2.0, 0.0, 0.0)), what="streaming")
+        await eventually_async(
+            lambda: _equal(pod_counts(probe), (2.0, 0.0, 0.0)), message="streaming", timeout=15
+        )
         queued = await pinned_reads(url, "001", tokens=5)
-        await eventually(lambda: _equal(pod_counts(probe), (2.0, 3.0, 0.0)), what="queued")
+        await eventually_async(
+            lambda: _equal(pod_counts(probe), (2.0, 3.0, 0.0)), message="queued", timeout=15
+        )
         proc.proc.send_signal(signal.SIGTERM)
         refused = await asyncio.gather(*(t for _, t in queued))
         streamed = await asyncio.gather(*(t for _, t in running))

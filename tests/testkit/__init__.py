@@ -3,12 +3,16 @@ scripts (tests/ is on pytest's `pythonpath`, so `from testkit.net import ...` wo
 every suite; tests/bench/run.py puts tests/ on sys.path itself).
 
 - `repo`: the repository root, tools from `.tools/bin` before PATH;
+- `wait`: `eventually()` / `eventually_async()`, the one loop that waits for a condition
+  (every wait in the tests goes through it; no sleep is used as synchronisation);
 - `net`: `free_port()`, `wait_http()` (poll a URL until 200, failing fast when the process
   behind it exits);
 - `process`: `ManagedProcess`, every child process the tests and the bench start, stopped
   by PID and process group;
 - `k8s`: the Kubernetes versions manifests are validated against;
 - `clock`: a virtual-time event loop for code that runs on the loop's timers;
+- `cpus`: vLLM's engine processes on cores of their own, apart from the servers and
+  clients (for checks whose verdict depends on when bytes arrive, and the benchmark);
 - `live_cluster`: a control plane with the CRD for suites outside tests/e2e, and the
   one-line skip of e2e-marked tests without one;
 - `promtool`: Prometheus's rule-test runner;

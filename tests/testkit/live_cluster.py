@@ -41,7 +41,7 @@ def live_control_plane(workdir: Path, extra_crds: tuple[dict, ...] = ()) -> Iter
     if reason := harness.missing_prerequisites():
         pytest.skip(reason)
     import yaml
-    from e2e.harness.kube import CRD_FILE, wait_for
+    from e2e.harness.kube import CRD_FILE, eventually
     from kubernetes import client, config, utils
 
     cp = harness.ControlPlane(
@@ -60,7 +60,7 @@ def live_control_plane(workdir: Path, extra_crds: tuple[dict, ...] = ()) -> Iter
             return any(c.type == "Established" and c.status == "True" for c in conds)
 
         for name in (SLUICE_CRD, *(crd["metadata"]["name"] for crd in extra_crds)):
-            wait_for(lambda n=name: established(n), timeout=30, what=name)
+            eventually(lambda n=name: established(n), timeout=30, message=name)
         yield cp, admin
     finally:
         cp.stop()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import http.client
 import socket
 import ssl
-import time
 import urllib.request
 from typing import Protocol
+
+from testkit.wait import eventually
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -34,27 +36,25 @@ def wait_http(
     context: ssl.SSLContext | None = None,
     what: str | None = None,
 ) -> None:
-    """Poll GET `url` until it answers 200.
+    """Poll GET `url` until it answers 200 (`testkit.wait.eventually`).
 
     Raises at once when `process` (a `testkit.process.ManagedProcess`) has exited (its
-    `check_alive` error carries the last log lines), and `TimeoutError` after `timeout`
-    seconds with the last connection error and the process's log tail. Anything but a 200
-    (refused, reset, 500 while starting, 503 while not ready) counts as "not yet".
+    `check_alive` error carries the last log lines), and `AssertionError` after `timeout`
+    seconds with the last answer or connection error and the process's log tail. Anything
+    but a 200 (refused, reset, 500 while starting, 503 while not ready) counts as "not yet".
     """
-    deadline = time.monotonic() + timeout
-    last = ""
-    while True:
+
+    def ready() -> bool:
         if process is not None:
-            process.check_alive()
-        try:
-            with urllib.request.urlopen(url, context=context, timeout=2) as r:
-                if r.status == 200:
-                    return
-                last = f"HTTP {r.status}"
-        except Exception as e:  # not listening yet, or an error status while starting
-            last = str(e)
-        if time.monotonic() >= deadline:
-            who = what or (process.name if process is not None else url)
-            tail = f"\n{process.tail()}" if process is not None else ""
-            raise TimeoutError(f"{who} not ready at {url} after {timeout:.0f} s: {last}{tail}")
-        time.sleep(interval)
+            process.check_alive()  # not retried: an exited process fails at once
+        with urllib.request.urlopen(url, context=context, timeout=2) as r:  # 4xx/5xx raise
+            assert r.status == 200, f"HTTP {r.status}"
+        return True
+
+    def why() -> str:
+        who = what or (process.name if process is not None else url)
+        tail = f"\n{process.tail()}" if process is not None else ""
+        return f"{who} ready at {url}{tail}"  # the log tail goes after the verdict
+
+    not_yet = (AssertionError, OSError, http.client.HTTPException)  # OSError: refused, 503...
+    eventually(ready, timeout=timeout, interval=interval, message=why, retry_on=not_yet)

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
+from collections.abc import Callable
+
+from testkit.wait import eventually
 
 NGINX_CANDIDATES = ("/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/local/bin/nginx")
 # F5 NGINX Ingress's `nginx.org/lb-method` values the test proxies apply, as the nginx
@@ -23,3 +27,23 @@ def run_as_root_directive() -> str:
     """Running as root (CI containers), workers would switch to `nobody` and could not write
     the temp folders in a private prefix: keep them root (throw-away test proxies)."""
     return "user root;\n" if os.geteuid() == 0 else ""
+
+
+def wait_listening(port: int, alive: Callable[[], bool], *, timeout: float,
+                   log: Callable[[], str]) -> bool:  # fmt: skip
+    """Until a just-started nginx listens on `port` (True) or has exited (False: the free
+    port was taken between the probe and the bind, or the config is bad; the caller reads
+    why). `AssertionError` with `log()` after `timeout` seconds."""
+
+    def listening_or_exited() -> str | None:
+        if not alive():
+            return "exited"
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return "listening"
+        except OSError:
+            return None
+
+    state = eventually(listening_or_exited, timeout=timeout,
+                       message=lambda: f"nginx to listen on {port}\n{log()}")  # fmt: skip
+    return state == "listening"

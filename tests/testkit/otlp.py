@@ -4,14 +4,12 @@
 
     with OtlpReceiver() as rx:
         ... (point the server at rx.endpoint) ...
-        spans = rx.wait_for(lambda s: len(s) >= 3)
+        spans = eventually(lambda: rx.trace(trace_id, at_least=3), timeout=15)
 """
 
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -87,14 +85,11 @@ class OtlpReceiver:
         with self._lock:
             return list(self.spans)
 
-    def wait_for(self, done: Callable[[list[dict]], bool], timeout: float = 15.0) -> list[dict]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            spans = self.snapshot()
-            if done(spans):
-                return spans
-            time.sleep(0.05)
-        return self.snapshot()
+    def trace(self, trace_id: str, at_least: int = 1) -> list[dict]:
+        """The spans of `trace_id` received so far, or [] while fewer than `at_least` have
+        arrived: a condition for `testkit.wait.eventually`."""
+        spans = [s for s in self.snapshot() if s["trace_id"] == trace_id]
+        return spans if len(spans) >= at_least else []
 
 
 if (

@@ -13,10 +13,10 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 from .net import free_port
+from .wait import eventually
 
 BINARY = shutil.which("redis-server") or "/usr/bin/redis-server"
 MISSING = "redis-server is not installed (tests/scripts/install-tools.sh installs it)"
@@ -43,14 +43,13 @@ class RedisServer:
              "--appendonly", "no", "--dir", str(self.workdir), "--protected-mode", "yes"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
-            if self._ping():
-                return self
-            time.sleep(0.05)
-        raise RuntimeError("redis-server did not answer PING within 10 s")
+        eventually(self._answers, timeout=10, message="redis-server to answer PING")
+        return self
+
+    def _answers(self) -> bool:
+        if self.proc.poll() is not None:  # not retried: fails at once
+            raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
+        return self._ping()
 
     def _ping(self) -> bool:
         try:

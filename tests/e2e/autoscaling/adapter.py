@@ -38,9 +38,9 @@ from pathlib import Path
 
 import yaml
 from kubernetes import client
-from kubernetes.client.rest import ApiException
 from testkit.repo import ROOT
 
+from ..harness.kube import eventually
 from ..harness.pki import CertificateAuthority
 from .cluster import FRONT_PROXY_USER
 from .prometheus import Prometheus
@@ -197,19 +197,15 @@ class CustomMetricsAdapter:
                 ca_bundle=base64.b64encode(self.ca.cert_path.read_bytes()).decode(),
             ),
         ))  # fmt: skip
-        deadline = time.monotonic() + timeout
-        last = None
-        while time.monotonic() < deadline:
-            try:
-                got = registration.read_api_service(f"{VERSION}.{GROUP}")
-                cond = next((c for c in got.status.conditions or [] if c.type == "Available"), None)
-                if cond is not None and cond.status == "True":
-                    return
-                last = cond
-            except ApiException as e:
-                last = e
-            time.sleep(0.5)
-        raise TimeoutError(f"APIService {VERSION}.{GROUP} not Available: {last}")
+
+        def available():  # the condition itself, for the message while it is not True
+            got = registration.read_api_service(f"{VERSION}.{GROUP}")
+            cond = next((c for c in got.status.conditions or [] if c.type == "Available"), None)
+            assert cond is not None and cond.status == "True", cond
+            return True
+
+        eventually(available, timeout=timeout, interval=0.5,
+                   message=f"APIService {VERSION}.{GROUP} Available")  # fmt: skip
 
 
 def _handler(adapter: CustomMetricsAdapter):

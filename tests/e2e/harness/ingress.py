@@ -45,7 +45,7 @@ from pathlib import Path
 
 from kubernetes import client
 from testkit.net import free_port
-from testkit.nginx import LB_DIRECTIVES, find_nginx, run_as_root_directive
+from testkit.nginx import LB_DIRECTIVES, find_nginx, run_as_root_directive, wait_listening
 from testkit.process import ManagedProcess
 
 from .endpoints import ready_endpoints
@@ -253,9 +253,14 @@ class IngressController:
                     "-c", str(self.conf)]  # fmt: skip
             self.process = ManagedProcess("ingress-nginx", argv, self.prefix, cpus=self.cpus)
             self.process.start()
-            if self._wait_listening():
-                break
-            self.process.stop()
+            process = self.process
+            try:
+                if wait_listening(self.port, process.alive, timeout=10, log=self._error_log):
+                    break
+            except AssertionError:
+                process.stop()
+                raise
+            process.stop()
             if attempt == 2:
                 raise RuntimeError(f"nginx did not start:\n{self.process.tail()}")
         self._thread.start()
@@ -297,19 +302,11 @@ class IngressController:
             except Exception as e:  # the API server busy or going away: next period
                 self.errors.append(f"sync: {e}")
 
-    def _wait_listening(self, timeout: float = 10.0) -> bool:
-        import socket
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self.process.alive():
-                return False
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return True
-            except OSError:
-                time.sleep(0.05)
-        return False
+    def _error_log(self) -> str:
+        try:
+            return (self.prefix / "error.log").read_text(errors="replace")
+        except OSError:
+            return ""
 
     def _routes(self) -> list[Route]:
         out = []

@@ -1,42 +1,30 @@
-"""Small helpers the tests share: wait for a condition, read StreamingModels and their children."""
+"""Small helpers the tests share: wait for a condition (`eventually`), read StreamingModels and
+their children."""
 
 from __future__ import annotations
 
 import copy
-import time
-from collections.abc import Callable
-from typing import TypeVar
+import functools
 
 import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 from testkit.repo import ROOT
+from testkit.wait import eventually as _eventually
 
-T = TypeVar("T")
 GROUP, VERSION, PLURAL = "serving.sluice.dev", "v1alpha1", "streamingmodels"
 SAMPLES = ROOT / "samples"
 CRD_FILE = ROOT / "crds/streamingmodels.serving.sluice.dev.yaml"
 
 
-def wait_for(
-    fn: Callable[[], T], timeout: float = 15.0, interval: float = 0.1, what: str = ""
-) -> T:
-    """Poll `fn` until it returns something truthy; fail with the last value or error."""
-    deadline = time.monotonic() + timeout
-    last: object = None
-    while True:
-        try:
-            value = fn()
-            if value:
-                return value
-            last = value
-        except (ApiException, KeyError, AssertionError, TypeError) as e:
-            last = e
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"gave up after {timeout:.0f}s waiting for {what or fn}: last {last!r}"
-            )
-        time.sleep(interval)
+# What a read of the Kubernetes API raises while the object, or the part of it a test
+# waits for, is not there yet: a 404 (ApiException), a status field not written yet
+# (KeyError; TypeError from indexing a None).
+NOT_YET = (ApiException, KeyError, AssertionError, TypeError)
+
+# `testkit.wait.eventually` for conditions read from the API: those errors mean "not yet",
+# 15 s unless told otherwise, polled every 0.1 s.
+eventually = functools.partial(_eventually, timeout=15.0, interval=0.1, retry_on=NOT_YET)
 
 
 def load_sample(name: str, namespace: str, new_name: str | None = None) -> dict:

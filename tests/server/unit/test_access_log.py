@@ -13,7 +13,6 @@ import logging
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -25,6 +24,7 @@ from app_helpers import ws_url
 from sluice_server.core.trail import ACCESS_LOGGER
 from sluice_server.engine.simulator import SimulatorEngine
 from testkit.net import free_port
+from testkit.wait import eventually, eventually_async
 
 asyncio_test = pytest.mark.asyncio(loop_scope="session")
 KEY = "sk-secret-query-key-0123456789"
@@ -67,14 +67,6 @@ def access():
     yield handler
     logger.removeHandler(handler)
     logger.setLevel(level)
-
-
-async def wait_for_lines(access: Lines, n: int) -> list[dict]:
-    for _ in range(200):
-        if len(access.records) >= n:
-            break
-        await asyncio.sleep(0.02)
-    return access.json()
 
 
 def by_id(lines: list[dict], rid: str) -> dict:
@@ -143,7 +135,9 @@ async def test_one_line_per_request_every_protocol_and_outcome(sim, key_file, ac
             async with websockets.connect(ws_url(url)):
                 pass
         ws_denied_rid = denied.value.response.headers["x-request-id"]
-        lines = await wait_for_lines(access, 11)
+        await eventually_async(lambda: len(access.records) >= 11, timeout=4, interval=0.02,
+                               message=lambda: f"11 access lines, not {len(access.records)}")  # fmt: skip
+        lines = access.json()
 
     kid = lines[0]["key_id"]
     assert kid and kid not in KEY and kid != "anonymous"
@@ -187,10 +181,8 @@ async def test_text_format_and_capacity_refusal(sim, access):
                 r2 = await c.post("/v1/stream", json={"prompt": "p"})
                 assert r2.status_code == 429
                 await r.aread()
-        for _ in range(100):
-            if len(access.records) >= 2:
-                break
-            await asyncio.sleep(0.02)
+        await eventually_async(lambda: len(access.records) >= 2, timeout=2, interval=0.02,
+                               message=lambda: f"2 access lines, not {len(access.records)}")  # fmt: skip
     texts = [r.getMessage() for r in access.records]
     assert len(texts) == 2, texts
     refused = next(t for t in texts if r2.headers["x-request-id"] in t)
@@ -221,15 +213,16 @@ def test_the_server_process_never_logs_a_key(tmp_path, key_file):
         )  # fmt: skip
         try:
             base = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 60
-            while True:
+
+            def ready() -> bool:
+                assert proc.poll() is None, out.read_text()  # not retried: fails at once
                 try:
-                    if httpx.get(base + "/ready", timeout=1).status_code == 200:
-                        break
+                    return httpx.get(base + "/ready", timeout=1).status_code == 200
                 except httpx.HTTPError:
-                    pass
-                assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
-                time.sleep(0.1)
+                    return False
+
+            eventually(ready, timeout=60, interval=0.1, retry_on=(),
+                       message=lambda: f"the server ready\n{out.read_text()}")  # fmt: skip
             r = httpx.get(
                 base + "/v1/stream", params={"prompt": "x", "max_tokens": "3", "api_key": KEY}
             )

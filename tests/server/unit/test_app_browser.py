@@ -12,6 +12,7 @@ import pytest_asyncio
 import websockets
 from app_helpers import serve_simulator as serve
 from sluice_server.engine.simulator import SimulatorEngine
+from testkit.wait import eventually_async
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -134,6 +135,15 @@ def text_of(events: list[dict]) -> str:
                    if e.get("data", "").startswith("{") and "error" not in e)  # fmt: skip
 
 
+async def counted(c: httpx.AsyncClient, name: str) -> None:
+    """Once the server's counter `name` has moved (what the test waits for happened)."""
+
+    async def moved() -> bool:
+        return metric((await c.get("/metrics")).text, name) > 0
+
+    await eventually_async(moved, timeout=5, message=f"{name} to count it")
+
+
 def metric(text: str, name: str, protocol: str = "sse") -> float:
     for ln in text.splitlines():
         if ln.startswith(name + "{") and f'protocol="{protocol}"' in ln:
@@ -197,7 +207,7 @@ async def _drop_after(url: str, n: int) -> tuple[str, list[dict]]:
 async def test_grace_zero_aborts_and_reconnect_is_410(slow):
     async with serve(slow) as url, httpx.AsyncClient(base_url=url) as c:
         rid, events = await _drop_after(url, 5)
-        await asyncio.sleep(0.2)
+        await counted(c, "sluice_client_disconnects_total")  # the server saw it go
         r = await c.post("/v1/stream", json=LONG, headers={"Last-Event-ID": events[-1]["id"]})
         assert r.status_code == 410 and r.json()["error"]["code"] == "stream_aborted"
         m = (await c.get("/metrics")).text
@@ -238,7 +248,7 @@ async def test_resume_window_expires_and_aborts(slow):
     async with serve(slow, resume_grace_seconds=0.3) as url, \
             httpx.AsyncClient(base_url=url) as c:  # fmt: skip
         rid, first = await _drop_after(url, 3)
-        await asyncio.sleep(0.7)
+        await counted(c, "sluice_stream_resumes_expired_total")  # the 0.3 s window closed
         r = await c.post("/v1/stream", json=LONG, headers={"Last-Event-ID": first[-1]["id"]})
         assert r.status_code == 410
         m = (await c.get("/metrics")).text
@@ -252,7 +262,9 @@ async def test_buffer_cap_holds_while_detached(sim):
     async with serve(sim, resume_grace_seconds=5, stream_buffer_tokens=5) as url, \
             httpx.AsyncClient(base_url=url) as c:  # fmt: skip
         rid, first = await _drop_after(url, 2)
-        await asyncio.sleep(0.3)  # > 5 undelivered outputs pile up: the cap aborts it
+        # > 5 undelivered outputs pile up while detached: the cap aborts the engine request
+        await eventually_async(lambda: sim.num_unfinished_requests() == 0, timeout=5,
+                               message="the detached stream's engine request to end")  # fmt: skip
         async with c.stream("POST", "/v1/stream", json=LONG,
                             headers={"Last-Event-ID": first[-1]["id"]}) as r:  # fmt: skip
             rest = await read_events(r)

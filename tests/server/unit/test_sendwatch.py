@@ -14,6 +14,7 @@ from fake_connection import FakeConnection
 from sluice_server.transport import sendwatch
 from sluice_server.transport.sendwatch import CHECKS, UNSENT_BYTES, SendWatchdog, transport_of
 from testkit.clock import virtual_time
+from testkit.wait import eventually_async
 
 TIMEOUT = 1.0
 EVENT = {"type": "http.response.body", "body": b"x" * 100, "more_body": True}
@@ -24,12 +25,11 @@ def now() -> float:
     return asyncio.get_running_loop().time()
 
 
-async def run_until_cut(watchdog: SendWatchdog, conn: FakeConnection, limit: float) -> float:
-    """Loop time until the watchdog cut the connection, or `limit` seconds passed."""
-    for _ in range(int(limit / (TIMEOUT / 100))):
-        if conn.lost:
-            break
-        await asyncio.sleep(TIMEOUT / 100)
+async def run_until_cut(conn: FakeConnection, limit: float) -> float:
+    """Loop time once the watchdog has cut the connection (seen to 1/100 of the timeout);
+    AssertionError if it has not within `limit` seconds."""
+    await eventually_async(lambda: conn.lost, timeout=limit, interval=TIMEOUT / 100,
+                           message="the watchdog to cut the connection")  # fmt: skip
     return now()
 
 
@@ -41,7 +41,7 @@ async def test_a_reader_that_stops_is_cut_after_the_timeout_and_not_long_after(t
     w.start(conn.transport)
     await w.send(conn.send, EVENT)  # the kernel took nothing: 100 bytes wait, then never move
     stopped = now()
-    cut = await run_until_cut(w, conn, 10 * TIMEOUT)
+    cut = await run_until_cut(conn, 10 * TIMEOUT)
     assert conn.lost and w.stalled
     assert TIMEOUT <= cut - stopped <= TIMEOUT * (1 + 2 / CHECKS) + 1e-6, cut - stopped
     if tcp:  # reset, so the kernel drops what the reader never took
@@ -111,7 +111,7 @@ async def test_a_check_that_runs_late_judges_nothing():
     await asyncio.sleep(0)
     back = now()
     assert not conn.lost
-    cut = await run_until_cut(w, conn, 10 * TIMEOUT)
+    cut = await run_until_cut(conn, 10 * TIMEOUT)
     assert conn.lost and TIMEOUT <= cut - back <= TIMEOUT * (1 + 2 / CHECKS) + 1e-6
     w.stop()
 

@@ -18,7 +18,7 @@ from app_helpers import serve_simulator as serve
 from app_helpers import ws_url
 from sluice_server.engine.simulator import SimulatorEngine
 from testkit.otlp import OtlpReceiver
-from testkit.wait import eventually
+from testkit.wait import eventually_async
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 EVENTS = ["admitted", "first_output", "first_byte", "end"]
@@ -43,12 +43,10 @@ def parent() -> tuple[str, str, dict]:
 
 
 async def spans_of(rx: OtlpReceiver, trace: str, n: int = 1) -> list[dict]:
-    def mine(spans):
-        return [s for s in spans if s["trace_id"] == trace]
-
-    spans = await asyncio.to_thread(rx.wait_for, lambda s: len(mine(s)) >= n)
-    found = mine(spans)
-    assert len(found) == n, (trace, spans)
+    found = await eventually_async(
+        lambda: rx.trace(trace, at_least=n), timeout=15, message=f"{n} span(s) of trace {trace}"
+    )
+    assert len(found) == n, (trace, rx.snapshot())
     return found
 
 
@@ -170,7 +168,7 @@ async def test_a_queued_request_shows_its_wait_and_class(sim, rx):
                 trace, span, tp = parent()
                 waiting = asyncio.create_task(c.post("/v1/stream", headers=tp,
                                                      json={"prompt": "q", "max_tokens": 2}))  # fmt: skip
-                await eventually(lambda: _queued(c), what="queued")
+                await eventually_async(lambda: _queued(c), message="queued", timeout=15)
             # The held stream's client left: its slot goes to the waiting request.
             assert (await waiting).status_code == 200
             [s] = await spans_of(rx, trace)

@@ -29,6 +29,7 @@ from app_helpers import serving
 from sluice_server.transport import handshake
 from sluice_server.transport.sendwatch import transport_of
 from testkit.net import free_port
+from testkit.wait import eventually_async
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 CHUNK = b"x" * 65536
@@ -64,11 +65,8 @@ async def serve(app, **config):
 
 async def returned(server) -> None:
     """Until every connection's ASGI task has returned (and uvicorn logged its verdict)."""
-    for _ in range(1000):
-        if not server.server_state.tasks:
-            return
-        await asyncio.sleep(0.01)
-    raise TimeoutError("an ASGI task did not return")
+    await eventually_async(lambda: not server.server_state.tasks, timeout=10, interval=0.01,
+                           message="every ASGI task to return")  # fmt: skip
 
 
 async def client(port: int, request: bytes) -> socket.socket:
