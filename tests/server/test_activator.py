@@ -29,7 +29,7 @@ from activator_helpers import (
 from nginx_proxy import NginxProxy, find_nginx
 from sluice_server.engine.simulator import SimulatorEngine
 from testkit.net import free_port
-from testkit.wait import eventually
+from testkit.wait import eventually_async
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -121,14 +121,20 @@ async def test_held_requests_of_every_kind_get_their_whole_answer(tmp_path):
                  websocket(), tokens.run(), responses_stream())]  # fmt: skip
         # All six are held; each held stream heard at least two keep-alives, the WebSocket
         # at least two pings (uvicorn's, every --heartbeat-seconds) and two `queued` frames.
-        await eventually(lambda: act.held() == 6, what="six held requests")
-        await eventually(lambda: tokens.count(": ") >= 2 and tokens.count("event: status") >= 2
-                         and oa_tee.received.count(b": queued") >= 2
-                         and re_tee.received.count(b": queued") >= 2
-                         and len(pings) >= 2
-                         and sum(f.get("type") == "queued" for f in ws_seen) >= 2
-                         and an_tee.received.count(b": queued") >= 2,
-                         what="keep-alives on every held stream")  # fmt: skip
+        await eventually_async(lambda: act.held() == 6, timeout=15, message="six held requests")
+        await eventually_async(
+            lambda: (
+                tokens.count(": ") >= 2
+                and tokens.count("event: status") >= 2
+                and oa_tee.received.count(b": queued") >= 2
+                and re_tee.received.count(b": queued") >= 2
+                and len(pings) >= 2
+                and sum(f.get("type") == "queued" for f in ws_seen) >= 2
+                and an_tee.received.count(b": queued") >= 2
+            ),
+            timeout=15,
+            message="keep-alives on every held stream",
+        )
         assert not tokens.count('data: {"id"')  # nothing but keep-alives yet
         async with model_server(port) as url:
             chat, text, ws_frames, _, output = await asyncio.gather(*tasks)
@@ -167,14 +173,20 @@ async def test_a_held_client_that_leaves_is_dropped_and_never_forwarded(tmp_path
             asyncio.ensure_future(client.post("/v1/chat/completions", json=CHAT)),
         ]
         staying = asyncio.ensure_future(client.post("/v1/chat/completions", json=CHAT))
-        await eventually(lambda: act.held() == 3 and stream.count(": queued") >= 1,
-                         what="three held, the stream committed")  # fmt: skip
+        await eventually_async(
+            lambda: act.held() == 3 and stream.count(": queued") >= 1,
+            timeout=15,
+            message="three held, the stream committed",
+        )
         assert not stream.count("event: status")  # only when asked for (X-Sluice-Status)
         for task in leaving:
             task.cancel()
         await asyncio.gather(*leaving, return_exceptions=True)
-        await eventually(lambda: act.held() == 1 and act.outcome("disconnected") == 2,
-                         what="the two that left dropped")  # fmt: skip
+        await eventually_async(
+            lambda: act.held() == 1 and act.outcome("disconnected") == 2,
+            timeout=15,
+            message="the two that left dropped",
+        )
         async with model_server(port) as url:
             assert (await staying).status_code == 200
             # The server saw one request: the one that stayed (negative control: it counts).
@@ -246,7 +258,7 @@ async def test_past_max_held_is_429_with_retry_after_at_once(tmp_path):
         client = httpx.AsyncClient(base_url=act.url, headers=HEADERS, timeout=30)
         held = [asyncio.ensure_future(client.post("/v1/chat/completions", json=CHAT))
                 for _ in range(2)]  # fmt: skip
-        await eventually(lambda: act.held() == 2, what="two held")
+        await eventually_async(lambda: act.held() == 2, timeout=15, message="two held")
         over = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
         assert over.status_code == 429 and over.headers["retry-after"] == "1"
         assert over.json()["error"]["code"] == "too_many_held"
@@ -325,8 +337,11 @@ async def test_refusals_of_the_model_server_pass_through_or_become_error_events(
                 return frame, closed.value.rcvd.code if closed.value.rcvd else None
 
         ws_task = asyncio.ensure_future(websocket())
-        await eventually(lambda: act.held() == 3 and stream.count(": queued") >= 1,
-                         what="all three held, the stream committed")  # fmt: skip
+        await eventually_async(
+            lambda: act.held() == 3 and stream.count(": queued") >= 1,
+            timeout=15,
+            message="all three held, the stream committed",
+        )
         async with model_server(port, api_key_file=keys) as url:
             r = await plain
             await running
@@ -367,26 +382,35 @@ async def test_a_client_leaving_after_forwarding_aborts_the_server_request(tmp_p
                         await asyncio.Event().wait()  # stays until cancelled
 
         reader = asyncio.ensure_future(read_until_a_token())
-        await eventually(lambda: act.held() == 1, what="held")
+        await eventually_async(lambda: act.held() == 1, timeout=15, message="held")
         engine = SimulatorEngine("sim", ttft_ms=5, itl_ms=20)
         async with model_server(port, engine) as url:
             await asyncio.wait_for(got_token.wait(), 30)
             assert await scrape(url, "sluice_aborts_total", protocol="sse") == 0  # control
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
-            await eventually(lambda: scrape(url, "sluice_aborts_total", protocol="sse"),
-                             what="the server aborted the engine request")  # fmt: skip
+            await eventually_async(
+                lambda: scrape(url, "sluice_aborts_total", protocol="sse"),
+                timeout=15,
+                message="the server aborted the engine request",
+            )
             assert await scrape(url, "sluice_client_disconnects_total", protocol="sse") == 1
             # Forwarded without a hold (a replica is ready): a plain request left mid-way.
             plain = asyncio.ensure_future(
                 client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2000})
             )
-            await eventually(lambda: engine.num_unfinished_requests() == 1,
-                             what="the plain request generating on the server")  # fmt: skip
+            await eventually_async(
+                lambda: engine.num_unfinished_requests() == 1,
+                timeout=15,
+                message="the plain request generating on the server",
+            )
             plain.cancel()
             await asyncio.gather(plain, return_exceptions=True)
-            await eventually(lambda: engine.num_unfinished_requests() == 0,
-                             what="the server aborted the plain request")  # fmt: skip
+            await eventually_async(
+                lambda: engine.num_unfinished_requests() == 0,
+                timeout=15,
+                message="the server aborted the plain request",
+            )
         await client.aclose()
 
 
@@ -399,12 +423,17 @@ async def test_the_models_file_is_reloaded_and_a_bad_one_refused(tmp_path):
                 return (await c.get("/metrics")).text
 
             act.write({"team-b/code": entry(port)})
-            await eventually(lambda: _has(known, "team-b"), what="the new file loaded")
+            await eventually_async(
+                lambda: _has(known, "team-b"), timeout=15, message="the new file loaded"
+            )
             page = await known()
             assert 'namespace="team-a"' not in page.split("sluice_activator_held")[0]
             act.path.write_text("{not json")
-            await eventually(lambda: act.app.metrics.reloads.labels("error")._value.get(),
-                             what="the bad file refused")  # fmt: skip
+            await eventually_async(
+                lambda: act.app.metrics.reloads.labels("error")._value.get(),
+                timeout=15,
+                message="the bad file refused",
+            )
             r = await c.get("/v1/models", headers={"X-Sluice-Model": "team-b/code"})
             assert r.status_code == 200  # the models loaded before stay
             r = await c.get("/v1/models", headers=HEADERS)
@@ -429,8 +458,11 @@ async def test_keep_alives_carry_a_held_stream_through_a_proxy_that_cuts_silent_
             running = asyncio.ensure_future(stream.run())
             silent = await client.post("/v1/chat/completions", json=CHAT)
             assert silent.status_code == 504  # nginx gave up on a silent upstream
-            await eventually(lambda: act.outcome("disconnected") == 1,
-                             what="the cut request dropped from the held count")  # fmt: skip
+            await eventually_async(
+                lambda: act.outcome("disconnected") == 1,
+                timeout=15,
+                message="the cut request dropped from the held count",
+            )
             assert act.held() == 1 and not running.done()  # the stream is still held
             async with model_server(port):
                 await running
@@ -456,8 +488,11 @@ async def test_a_replica_that_went_away_again_means_holding_again(tmp_path, monk
         async with model_server(port):
             assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
         again = asyncio.ensure_future(client.post("/v1/chat/completions", json=CHAT))
-        await eventually(lambda: "connect failed (ConnectError); holding again" in caplog.text,
-                         what="the stale ready answer found out")  # fmt: skip
+        await eventually_async(
+            lambda: "connect failed (ConnectError); holding again" in caplog.text,
+            timeout=15,
+            message="the stale ready answer found out",
+        )
         assert act.held() == 1 and not again.done()
         async with model_server(port):
             assert (await again).status_code == 200

@@ -26,7 +26,7 @@ from activator_helpers import (
 )
 from testkit.net import free_port, wait_http
 from testkit.process import ManagedProcess
-from testkit.wait import eventually
+from testkit.wait import eventually_async
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.slow]
 
@@ -61,8 +61,11 @@ async def test_the_activator_process_holds_until_a_server_process_is_up(tmp_path
             return metric(page, "sluice_activator_held_requests", namespace=NS, model=NAME)
 
         answer = asyncio.ensure_future(stream())
-        await eventually(lambda: received.received.count(b": queued") >= 2, within=30,
-                         what="keep-alives while held")  # fmt: skip
+        await eventually_async(
+            lambda: received.received.count(b": queued") >= 2,
+            timeout=30,
+            message="keep-alives while held",
+        )
         assert await held() == 1
         server = ManagedProcess("server", [sys.executable, "-m", "sluice_server", "--engine",
                                            "simulator", "--model", "sim", "--host", "127.0.0.1",
@@ -114,8 +117,11 @@ async def test_held_requests_reach_the_real_engine_once_its_server_is_up(tmp_pat
                 return frames
 
         tasks = [asyncio.ensure_future(stream.run()), asyncio.ensure_future(websocket())]
-        await eventually(lambda: act.held() == 3 and stream.count(": queued") >= 2,
-                         what="three held, the stream hearing keep-alives")  # fmt: skip
+        await eventually_async(
+            lambda: act.held() == 3 and stream.count(": queued") >= 2,
+            timeout=15,
+            message="three held, the stream hearing keep-alives",
+        )
         async with model_server(port, engine):
             _, frames = await asyncio.gather(*tasks)
             whole = await plain
@@ -153,7 +159,7 @@ async def test_on_sigterm_held_requests_give_up_cleanly_and_the_process_exits_0(
                 held = metric(page, "sluice_activator_held_requests", namespace=NS, model=NAME)
                 return held == 2 and stream.count(": queued") >= 1
 
-            await eventually(both_held, within=30, what="both held, the stream committed")
+            await eventually_async(both_held, timeout=30, message="both held, the stream committed")
             assert act.proc is not None
             act.proc.terminate()  # SIGTERM
             r = await plain

@@ -317,8 +317,9 @@ async def _pass_through(request: Request, send: Send) -> bool:
     if response is None:
         return False
     try:
+        dropped = HOP_BY_HOP - {"content-length"}  # raw bytes: their length stands
         headers = [(k, v) for k, v in response.headers.raw
-                   if k.decode("latin-1").lower() not in HOP_BY_HOP - {"content-length"}]  # fmt: skip
+                   if k.decode("latin-1").lower() not in dropped]  # fmt: skip
         await send({"type": "http.response.start", "status": response.status_code,
                     "headers": headers})  # fmt: skip
         async for chunk in response.aiter_raw():
