@@ -52,9 +52,9 @@ async def activator(tmp_path: Path, models: dict, **overrides) -> AsyncIterator[
     path = tmp_path / "models.json"
     path.write_text(json.dumps(models))
     port = free_port()
+    fast = {"ready_poll_seconds": 0.1, "models_reload_seconds": 0.05, "log_level": "warning"}
     settings = ActivatorSettings(models_file=path, host="127.0.0.1", port=port,
-                                 ready_poll_seconds=0.1, models_reload_seconds=0.05,
-                                 log_level="warning", **overrides)  # fmt: skip
+                                 **{**fast, **overrides})  # fmt: skip
     app = build_activator(settings)
     async with serving(activator_config(settings, app)):
         # Reached as `localhost`: the models' host is 127.0.0.1, and a Host naming a model
