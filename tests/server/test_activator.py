@@ -8,6 +8,7 @@ file names only after the activator holds the requests."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 
@@ -498,3 +499,52 @@ async def test_a_replica_that_went_away_again_means_holding_again(tmp_path, monk
             assert (await again).status_code == 200
         await client.aclose()
     assert act.outcome("forwarded") == 2 and act.outcome("timeout") == 0
+
+
+@contextlib.asynccontextmanager
+async def breaking_server(port: int, content_type: str):
+    """A model server that dies mid-answer: `/ready` is 200; anything else gets a 200 head
+    of `content_type`, half an event, and a dropped connection (a pod killed midway)."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        if head.startswith(b"GET /ready "):
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: " + content_type.encode()
+                         + b"\r\ntransfer-encoding: chunked\r\n\r\n"
+                         + b'13\r\ndata: {"choices": [\r\n')  # fmt: skip
+        await writer.drain()
+        writer.transport.abort()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", port)
+    try:
+        yield
+    finally:
+        server.close()
+
+
+async def test_an_upstream_stream_that_breaks_off_ends_with_the_protocols_error_event(tmp_path):
+    port = free_port()
+    async with activator(tmp_path, {MODEL: entry(port)}) as act:
+        client = httpx.AsyncClient(base_url=act.url, headers=HEADERS, timeout=30)
+        body = {**CHAT, "stream": True}
+        committed = RawSSE(client, "POST", "/v1/chat/completions", json=body)
+        held = asyncio.ensure_future(committed.run())
+        await eventually_async(lambda: committed.count(": queued") >= 1, timeout=15,
+                               message="the held stream committed")  # fmt: skip
+        async with breaking_server(port, "text/event-stream"):
+            await held  # committed first: keep-alives, then the cut
+            passed = RawSSE(client, "POST", "/v1/chat/completions", json=body)
+            await passed.run()  # forwarded at once: the server's head, then the cut
+        async with breaking_server(port, "application/json"):
+            with pytest.raises(httpx.RemoteProtocolError):  # negative control: not a stream
+                await client.post("/v1/chat/completions", json=CHAT)
+        await client.aclose()
+    for stream in (committed, passed):
+        assert stream.status == 200 and 'data: {"choices": [' in stream.lines
+        error = json.loads(stream.lines[stream.lines.index("event: error") + 1][6:])
+        assert (
+            error["error"]["code"] == "upstream_error" and "broke off" in error["error"]["message"]
+        )
+        assert stream.lines[-2] == "data: [DONE]"

@@ -15,6 +15,9 @@ then forward the request and stream the answer through unchanged.
   upstream's status, message and code.
 - Past `holdTimeoutSeconds`: 503 `model_starting` with `Retry-After` when nothing was sent,
   else the protocol's error event with that code.
+- An upstream event stream that breaks off midway (the replica died) ends with the
+  protocol's error event, code `upstream_error`; any other answer cut off midway is cut
+  for the client too (the connection is dropped).
 - The client leaving while held drops it from the held count (no upstream request is
   made); leaving after forwarding closes the upstream connection at once, so the model
   server's abort on disconnect stops its engine. A forwarded request that cannot even
@@ -265,7 +268,7 @@ async def handle(
                 held.end("disconnected")
                 return
             if ready in done:
-                forwarded = asyncio.ensure_future(_pass_through(request, send))
+                forwarded = asyncio.ensure_future(_pass_through(request, kind, send))
                 await asyncio.wait((forwarded, gone), return_when=asyncio.FIRST_COMPLETED)
                 if not forwarded.done():  # the client left: close the upstream at once
                     forwarded.cancel()
@@ -305,7 +308,7 @@ def _asked_status(scope: Scope) -> bool:
                for k, v in scope["headers"])  # fmt: skip
 
 
-async def _pass_through(request: Request, send: Send) -> bool:
+async def _pass_through(request: Request, kind: Kind, send: Send) -> bool:
     """Forward, then stream the upstream answer to a client that got nothing yet; False
     when it could not connect."""
     try:
@@ -322,16 +325,32 @@ async def _pass_through(request: Request, send: Send) -> bool:
                    if k.decode("latin-1").lower() not in dropped]  # fmt: skip
         await send({"type": "http.response.start", "status": response.status_code,
                     "headers": headers})  # fmt: skip
-        async for chunk in response.aiter_raw():
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        try:
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except httpx.HTTPError as e:  # the upstream broke off mid-answer
+            log.info("%s: upstream answer broke off (%s)", request.held.up.model.key,
+                     type(e).__name__)  # fmt: skip
+            if not _is_event_stream(response):
+                raise  # cut the client's answer too: uvicorn drops the connection
+            await send({"type": "http.response.body", "body": broke_off(kind, e),
+                        "more_body": True})  # fmt: skip
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-    except httpx.HTTPError as e:  # the upstream broke off mid-answer: end the client's too
-        log.info("%s: upstream answer broke off (%s)", request.held.up.model.key,
-                 type(e).__name__)  # fmt: skip
-        raise
     finally:
         await response.aclose()
     return True
+
+
+def _is_event_stream(response: httpx.Response) -> bool:
+    return response.headers.get("content-type", "").startswith("text/event-stream")
+
+
+def broke_off(kind: Kind, e: Exception) -> bytes:
+    """The protocol's error event for an upstream stream cut off midway; the blank line
+    first ends an event the cut left open."""
+    message = f"The model's server broke off the stream ({type(e).__name__})."
+    return b"\n\n" + kind.error_event(f"activator-{uuid.uuid4().hex}", message,
+                                        "upstream_error", 502)  # fmt: skip
 
 
 class HeldStream:
@@ -398,8 +417,13 @@ class HeldStream:
                 raw = await response.aread()
                 yield self.kind.error_event(self.rid, *_upstream_error(response, raw))
                 return
-            async for chunk in response.aiter_bytes():
-                yield chunk
+            try:
+                async for chunk in response.aiter_bytes():
+                    yield chunk
+            except httpx.HTTPError as e:  # the upstream broke off mid-stream
+                log.info("%s: upstream stream broke off (%s)", held.up.model.key,
+                         type(e).__name__)  # fmt: skip
+                yield broke_off(self.kind, e)
         finally:
             await response.aclose()
 
