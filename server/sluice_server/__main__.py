@@ -1,6 +1,7 @@
 """`sluice-server` / `python -m sluice_server`: parse flags + env, serve, drain on SIGTERM
 (one process, or a supervisor of `--api-workers` front-end processes); with `--node-rank`
-above 0 a multi-node worker, vLLM's headless workers only."""
+above 0 a multi-node worker, vLLM's headless workers only; `sluice-server activator ...`
+the activator (activator/)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,17 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     from pydantic import ValidationError
 
-    from .serve import serve
-    from .settings import parse_settings
+    from .serve import serve, serve_activator
+    from .settings import parse_activator_settings, parse_settings
     from .supervisor import run_pod
 
+    args = list(sys.argv[1:] if argv is None else argv)
+    activator = args[:1] == ["activator"]
     try:
-        settings = parse_settings(argv)
+        if activator:
+            activator_settings = parse_activator_settings(args[1:])
+        else:
+            settings = parse_settings(args)
     except ValidationError as e:
         problems = "; ".join(
             f"--{'.'.join(str(x) for x in err['loc']).replace('_', '-')}: {err['msg']}"
@@ -23,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"sluice-server: invalid settings: {problems}", file=sys.stderr)
         return 2
+    if activator:
+        return serve_activator(activator_settings)
     if settings.headless:
         from .engine import run_engine_worker
 

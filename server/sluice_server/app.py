@@ -183,7 +183,9 @@ def build_reloader(settings: Settings, svc: Services) -> Reloader | None:
             lambda verifier: setattr(creds, "jwt", verifier),
             lambda verifier: f"{len(verifier.keys)} signing keys",
         ))  # fmt: skip
-    return Reloader(sources, svc.metrics, s.credentials_reload_seconds)
+    reloads, model = svc.metrics.credential_reloads, svc.metrics.model
+    return Reloader(sources, lambda name, result: reloads.labels(model, name, result).inc(),
+                    s.credentials_reload_seconds)  # fmt: skip
 
 
 def build_queue(settings: Settings, metrics: Metrics, pod: PodSeat | None) -> Admission | None:

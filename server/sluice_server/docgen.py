@@ -1,7 +1,8 @@
 """`python -m sluice_server.docgen --write` (or `--check`; `make docs`): the generated parts of
 the server's docs, so no table is written twice.
 
-- the flag table (server/README.md, docs/design.md) from the Settings fields' descriptions;
+- the flag table (server/README.md, docs/design.md) from the Settings fields' descriptions,
+  and the activator's (server/README.md) from ActivatorSettings';
 - the module map (server/README.md), one line per module from its docstring's first sentence.
 
 Each generated part sits between `<!-- generated:NAME -->` and `<!-- end:NAME -->`.
@@ -16,7 +17,7 @@ import re
 import sys
 from pathlib import Path
 
-from .settings import flag_table
+from .settings import ActivatorSettings, flag_table
 
 PACKAGE = Path(__file__).resolve().parent
 REPO = PACKAGE.parents[1]
@@ -40,7 +41,11 @@ def module_map() -> str:
 def sections() -> dict[Path, dict[str, str]]:
     flags = flag_table()
     return {
-        REPO / "server" / "README.md": {"flags": flags, "modules": module_map()},
+        REPO / "server" / "README.md": {
+            "flags": flags,
+            "activator-flags": flag_table(ActivatorSettings),
+            "modules": module_map(),
+        },
         REPO / "docs" / "design.md": {"flags": flags},
     }
 

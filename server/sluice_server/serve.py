@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import multiprocessing
 import os
 import socket
@@ -25,10 +26,11 @@ from multiprocessing import connection
 
 import uvicorn
 
+from .activator.app import Activator, build_activator
 from .app import build_app
 from .core.pod import PodSeat, PodState
 from .core.trail import ACCESS_LOGGER
-from .settings import Settings
+from .settings import ActivatorSettings, Settings
 from .transport import handshake, redact
 
 log = logging.getLogger("sluice_server")
@@ -117,6 +119,59 @@ def serve(
     # uvicorn returns normally after a signal-initiated shutdown; a failed start-up
     # (engine error in the lifespan) leaves `started` false.
     return 0 if server.started else 1
+
+
+def activator_config(settings: ActivatorSettings, app) -> uvicorn.Config:
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        lifespan="on",
+        ws_ping_interval=settings.heartbeat_seconds,
+        ws_ping_timeout=settings.heartbeat_seconds,
+        ws_max_size=settings.max_body_bytes,
+        timeout_keep_alive=settings.keep_alive_seconds,  # type: ignore[arg-type]
+        # uvicorn's own wait for open connections: what held requests have, and 5 s more.
+        timeout_graceful_shutdown=math.ceil(settings.drain_timeout_seconds) + 5,
+        access_log=False,  # it would log query strings (`?api_key=`)
+        # A forwarded answer keeps the model server's own `date` and `server` (not two of each).
+        server_header=False,
+        date_header=False,
+    )
+    redact.install()
+    handshake.install()
+    return config
+
+
+def serve_activator(settings: ActivatorSettings) -> int:
+    """The activator: one process (it only waits and relays). SIGTERM: new connections are
+    refused, held requests wait at most `--drain-timeout-seconds` more, then uvicorn exits."""
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    app = build_activator(settings)
+    server = ActivatorServer(activator_config(settings, app), app)
+    server.run()
+    return 0 if server.started else 1
+
+
+class ActivatorServer(uvicorn.Server):
+    """uvicorn's shutdown (stop listening, wait for open connections), with the held
+    requests told first how long they may still wait (`Activator.drain`); exit 0 after it,
+    as the server's drain does. A second signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, app: Activator) -> None:
+        super().__init__(config)
+        self.app = app
+
+    def handle_exit(self, sig: int, frame) -> None:  # called from the signal handler
+        if self.started and not self.should_exit:
+            asyncio.get_event_loop().call_soon_threadsafe(self.app.drain)
+            self.should_exit = True  # exits 0 once drained (uvicorn re-raises only its own)
+            return
+        self.force_exit = True  # a second signal: no waiting
+        super().handle_exit(sig, frame)
 
 
 def serve_worker(

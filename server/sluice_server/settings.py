@@ -441,12 +441,66 @@ class Settings(BaseSettings):
         return self.served_model_name or self.model
 
 
+class ActivatorSettings(BaseSettings):
+    """The activator (`sluice-server activator`): every field is a flag and a
+    `SLUICE_ACTIVATOR_*` environment variable; flags win. What it holds and for how long is
+    per model, in `--models-file`."""
+
+    model_config = SettingsConfigDict(env_prefix="SLUICE_ACTIVATOR_", extra="forbid")
+
+    models_file: Path = Field(
+        description="JSON file of the models the activator may hold requests for, "
+        "`{\"<namespace>/<name>\": {\"host\", \"port\", \"holdTimeoutSeconds\", \"maxHeld\", "
+        "\"keepaliveSeconds\"}}` (on Kubernetes the operator's `<release>-activator-models` "
+        "ConfigMap); watched, and reloaded without a restart when it changes. A request for "
+        "any other model gets 404.",
+    )  # fmt: skip
+    models_reload_seconds: float = Field(
+        2.0, gt=0, description="How often `--models-file` is checked for changes (one `stat`).",
+    )  # fmt: skip
+    host: str = Field("0.0.0.0", description="Listen address.")
+    port: int = Field(8000, ge=0, le=65535, description="Listen port.")
+    ready_poll_seconds: float = Field(
+        0.5, gt=0, description="Longest pause between two readiness checks (`GET /ready`) of "
+        "a model that has held requests; the first checks come sooner (backoff from a tenth "
+        "of it).",
+    )  # fmt: skip
+    connect_timeout_seconds: float = Field(
+        5.0, gt=0, description="Connecting to a model's Service (a readiness check or a "
+        "forwarded request).",
+    )  # fmt: skip
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="Request body limit (413): "
+                                "a held request's body waits in memory.")  # fmt: skip
+    max_held_frames: int = Field(
+        64, ge=1, description="WebSocket frames a held connection may send before its model "
+        "is up (they are relayed then); past it the connection is closed with 1013.",
+    )  # fmt: skip
+    send_timeout_seconds: float = Field(
+        10.0, gt=0, description="A held stream's client that accepts no bytes for this long "
+        "is cut off.",
+    )  # fmt: skip
+    keep_alive_seconds: float = Field(
+        75.0, gt=0, description="Idle HTTP keep-alive (keep it above the proxy's upstream "
+        "keep-alive).",
+    )  # fmt: skip
+    heartbeat_seconds: float = Field(15.0, gt=0, description="WebSocket ping interval.")
+    drain_timeout_seconds: float = Field(
+        30.0, ge=0, description="On SIGTERM: how much longer held requests wait for their "
+        "model (then they give up as at the hold timeout: 503 `model_starting`, or the "
+        "stream's error event); forwarded ones get 5 s more to finish. New connections are "
+        "refused at once (the Service sends them to the other activator pods).",
+    )  # fmt: skip
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Log level."
+    )
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _default(name: str) -> str:
-    info = Settings.model_fields[name]
+def _default(name: str, model: type[BaseSettings] = Settings) -> str:
+    info = model.model_fields[name]
     if info.is_required():
         return "(required)"
     value = info.get_default(call_default_factory=True)
@@ -457,28 +511,34 @@ def _default(name: str) -> str:
     return f"`{value}`"
 
 
-def flag_table() -> str:
+def flag_table(model: type[BaseSettings] = Settings) -> str:
     """The Markdown flag table of server/README.md and docs/design.md (`make docs`)."""
+    prefix = model.model_config.get("env_prefix", "")
     rows = ["| flag | env | default | meaning |", "|---|---|---|---|"]
-    for name, info in Settings.model_fields.items():
+    for name, info in model.model_fields.items():
         flag = "`-- ARGS...`" if name == "engine_args" else f"`{_flag(name)}`"
-        env = "" if name == "engine_args" else f"`SLUICE_{name.upper()}`"
-        rows.append(f"| {flag} | {env} | {_default(name)} | {info.description} |")
+        env = "" if name == "engine_args" else f"`{prefix}{name.upper()}`"
+        rows.append(f"| {flag} | {env} | {_default(name, model)} | {info.description} |")
     return "\n".join(rows) + "\n"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(model: type[BaseSettings] = Settings) -> argparse.ArgumentParser:
     """Flags mirror the Settings fields; unset flags stay absent so the environment applies."""
-    parser = argparse.ArgumentParser(
-        prog="sluice-server",
-        description="Streaming LLM server. Arguments after `--` go to vLLM's engine parser.",
-        argument_default=argparse.SUPPRESS,
-    )
-    for name, info in Settings.model_fields.items():
+    if model is Settings:
+        prog, about = "sluice-server", ("Streaming LLM server. Arguments after `--` go to "
+                                        "vLLM's engine parser.")  # fmt: skip
+    else:
+        prog, about = (
+            "sluice-server activator",
+            ("Holds requests for models at zero replicas until one is ready, then forwards them."),
+        )
+    parser = argparse.ArgumentParser(prog=prog, description=about,
+                                     argument_default=argparse.SUPPRESS)  # fmt: skip
+    for name, info in model.model_fields.items():
         if name == "engine_args":
             continue
         parser.add_argument(_flag(name), dest=name, metavar=name.upper(),
-                            help=f"{info.description} [default: {_default(name)}]")  # fmt: skip
+                            help=f"{info.description} [default: {_default(name, model)}]")  # fmt: skip
     return parser
 
 
@@ -495,3 +555,8 @@ def parse_settings(argv: Sequence[str] | None = None) -> Settings:
         given["engine_args"] = engine_args
     # Init values win over env in pydantic-settings; pydantic converts the strings.
     return Settings(**given)
+
+
+def parse_activator_settings(argv: Sequence[str]) -> ActivatorSettings:
+    """`sluice-server activator ARGS`: the arguments after the word `activator`."""
+    return ActivatorSettings(**vars(build_parser(ActivatorSettings).parse_args(list(argv))))

@@ -1,4 +1,5 @@
-"""Rotation without restart: the key file and the JWKS file are reloaded when they change.
+"""Rotation without restart: the key file and the JWKS file (and the activator's models file)
+are reloaded when they change.
 
 Kubernetes updates a mounted Secret or ConfigMap by writing a new timestamped directory and
 swapping the `..data` symlink to it in one rename; the file's path stays, what it resolves
@@ -19,8 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
-
-from .metrics import Metrics
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,8 +46,10 @@ class Source(Generic[T]):
 
 
 class Reloader:
-    def __init__(self, sources: list[Source[Any]], metrics: Metrics, interval: float) -> None:
-        self.sources, self.metrics, self.interval = sources, metrics, interval
+    def __init__(self, sources: list[Source[Any]], record: Callable[[str, str], None],
+                 interval: float) -> None:  # fmt: skip
+        """`record(source name, "ok" | "error")` counts each reload (a metric)."""
+        self.sources, self.record, self.interval = sources, record, interval
         for source in sources:
             source.seen = stamp(source.path)  # what the app was built from (or newer)
 
@@ -62,14 +63,13 @@ class Reloader:
                 value = source.load()
             except (OSError, ValueError) as e:
                 # The messages name line numbers and key indices, never a key or token.
-                self.metrics.credential_reloads.labels(self.metrics.model, source.name,
-                                                       "error").inc()  # fmt: skip
-                log.warning("%s: %s changed but cannot be used (%s: %s); keeping the "
-                            "credentials loaded before", source.name, source.path,
+                self.record(source.name, "error")
+                log.warning("%s: %s changed but cannot be used (%s: %s); keeping what was "
+                            "loaded before", source.name, source.path,
                             type(e).__name__, e)  # fmt: skip
                 continue
             source.apply(value)
-            self.metrics.credential_reloads.labels(self.metrics.model, source.name, "ok").inc()
+            self.record(source.name, "ok")
             log.info("%s: reloaded %s (%s)", source.name, source.path, source.describe(value))
 
     async def run(self) -> None:

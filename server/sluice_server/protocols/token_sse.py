@@ -126,6 +126,21 @@ def error_payload(rid: str, message: str, code: str = "stream_error") -> str:
     return _dumps({"id": rid, "error": {"message": message, "type": "stream_error", "code": code}})
 
 
+def error_event(rid: str, message: str, code: str = "stream_error") -> str:
+    """The error after the 200 of a stream that sent no token yet (a proxy in front of the
+    server ends a held stream with it), then `[DONE]`."""
+    return f"event: error\ndata: {error_payload(rid, message, code)}\n\ndata: [DONE]\n\n"
+
+
+def status_event(phase: str, waited: float) -> str:
+    """A progress event for pages that show why nothing streams yet (`event: status`,
+    asked for with `X-Sluice-Status: 1`): the phase (`starting`: the model has no ready
+    replica) and the seconds waited so far."""
+    return (
+        f"event: status\ndata: {_dumps({'phase': phase, 'waited_seconds': round(waited, 3)})}\n\n"
+    )
+
+
 async def token_events(
     stream: Stream, meter: Meter, rid: str, start: int | None = None, retry_ms: int = 1000
 ) -> AsyncIterator[bytes]:

@@ -177,8 +177,7 @@ class Connection:
                 raise WebSocketDisconnect(code=1006) from None
 
     async def error(self, rid, status: int, message: str, code: str | None) -> None:
-        body = error_body(status or 400, message, code=code)
-        await self.send(_dumps({"id": rid, "type": "error", **body}))
+        await self.send(error_frame(rid, status, message, code))
 
     async def pump(self, rid, stream: Stream, meter: Meter, cleanup) -> None:
         head = '{"id":' + _dumps(rid) + ',"index":'
@@ -201,11 +200,21 @@ class Connection:
                 elif type(ev) is Failed:
                     await self.error(rid, ev.status, ev.message, ev.code)
                 elif type(ev) is Waiting:
-                    await send(f'{{"id":{_dumps(rid)},"type":"queued",'
-                               f'"waited_ms":{round(ev.waited * 1000)}}}')  # fmt: skip
+                    await send(queued_frame(rid, ev.waited))
         except (WebSocketDisconnect, RuntimeError):
             pass  # the client went away or was cut off: the cleanup aborts and records it
         finally:
             cleanup(self.watchdog.stalled)
             self.tasks.pop(rid, None)
             self.streams.pop(rid, None)
+
+
+def error_frame(rid, status: int, message: str, code: str | None) -> str:
+    """An error frame: `{"id", "type": "error", "error": {...}}` (id None: not one generation's)."""
+    return _dumps({"id": rid, "type": "error", **error_body(status or 400, message, code=code)})
+
+
+def queued_frame(rid, waited: float) -> str:
+    """A generation that waits (for a stream slot, or for its model to start):
+    `{"id", "type": "queued", "waited_ms"}`."""
+    return f'{{"id":{_dumps(rid)},"type":"queued","waited_ms":{round(waited * 1000)}}}'

@@ -1,0 +1,159 @@
+"""The activator's ASGI app: find the model a request is for, then hold and forward it
+(proxy.py, relay.py); its own `/health`, `/ready` and `/metrics` for requests that name no
+model.
+
+A request names its model by Host or `X-Sluice-Model` (models.py); one that names none in
+the models file gets 404 `model_not_found` (a WebSocket: its handshake refused with 404),
+except the activator's own three routes. The models file is watched the way the server
+watches its key file (core/reload.py): a changed file is loaded and swapped in, a bad one is
+refused and the models loaded before stay. Requests already held keep the entry they were
+held under; each model's held count and readiness poll live in one `Upstream`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+
+import httpx
+from starlette.types import Receive, Scope, Send
+from starlette.websockets import WebSocket
+
+from ..core.errors import error_body
+from ..core.reload import Reloader, Source
+from ..settings import ActivatorSettings
+from ..transport.sendwatch import transport_of
+from . import proxy, relay
+from .metrics import ActivatorMetrics
+from .models import MODEL_HEADER, Model, Models, load
+from .upstream import Closing, Upstream
+
+log = logging.getLogger(__name__)
+OWN_ROUTES = ("/health", "/ready", "/metrics")
+
+
+class Activator:
+    def __init__(self, settings: ActivatorSettings) -> None:
+        self.settings = settings
+        self.metrics = ActivatorMetrics()
+        self.upstreams: dict[str, Upstream] = {}
+        self.client: httpx.AsyncClient | None = None
+        self.closing = Closing()
+        try:
+            models = load(settings.models_file)
+        except (OSError, ValueError) as e:
+            log.warning("models: %s cannot be used (%s: %s); no models until it can",
+                        settings.models_file, type(e).__name__, e)  # fmt: skip
+            models = Models([])
+        self.apply(models)
+        path = settings.models_file
+        self.reloader = Reloader(
+            [Source("models", path, lambda: load(path), self.apply, _describe)],
+            lambda name, result: self.metrics.reloads.labels(result).inc(),
+            settings.models_reload_seconds,
+        )  # fmt: skip
+
+    def apply(self, models: Models) -> None:
+        self.models = models
+        self.metrics.loaded(models)
+
+    def drain(self) -> None:
+        """SIGTERM: held requests wait at most `--drain-timeout-seconds` more."""
+        log.info("draining: %d requests held", sum(up.held for up in self.upstreams.values()))
+        self.closing.begin(self.settings.drain_timeout_seconds)
+
+    def upstream(self, model: Model) -> Upstream:
+        up = self.upstreams.get(model.key)
+        # A changed entry applies from the next request on once none is held under the old.
+        if up is None or (up.held == 0 and up.model != model):
+            assert self.client is not None  # made in the lifespan
+            s = self.settings
+            up = self.upstreams[model.key] = Upstream(model, self.client, self.metrics,
+                                                      s.ready_poll_seconds,
+                                                      s.connect_timeout_seconds,
+                                                      self.closing)  # fmt: skip
+        return up
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "lifespan":
+            return await self._lifespan(receive, send)
+        headers = dict(scope["headers"])
+        host, named = (
+            headers.get(b"host", b"").decode("latin-1"),
+            headers.get(MODEL_HEADER.encode()),
+        )
+        model = self.models.find(host, named.decode("latin-1") if named is not None else None)
+        s = self.settings
+        if model is None:
+            if kind == "http" and named is None and scope["path"] in OWN_ROUTES:
+                return await self._own(scope, send)
+            return await self._unknown(scope, receive, send, host, named)
+        up = self.upstream(model)
+        if kind == "websocket":
+            return await relay.relay(scope, receive, send, up, self.metrics, s.max_held_frames,
+                                     s.connect_timeout_seconds, s.max_body_bytes)  # fmt: skip
+        assert self.client is not None
+        # What the send watchdog of a held stream watches (transport/sendwatch.py).
+        scope["sluice.transport"] = transport_of(receive)
+        await proxy.handle(scope, receive, send, up, self.metrics, self.client,
+                           s.max_body_bytes, s.send_timeout_seconds)  # fmt: skip
+
+    async def _own(self, scope: Scope, send: Send) -> None:
+        path = scope["path"]
+        if path == "/metrics":
+            body, ctype = self.metrics.scrape(), b"text/plain; version=0.0.4; charset=utf-8"
+        else:
+            body, ctype = json.dumps({"status": "ok", "models": len(self.models)}).encode(), \
+                b"application/json"  # fmt: skip
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", ctype)]})  # fmt: skip
+        await send({"type": "http.response.body", "body": body})
+
+    async def _unknown(self, scope: Scope, receive: Receive, send: Send, host: str,
+                       named: bytes | None) -> None:  # fmt: skip
+        self.metrics.unknown.inc()
+        said = (f"X-Sluice-Model `{named.decode('latin-1')}`" if named is not None
+                else f"Host `{host}`")  # fmt: skip
+        message = (
+            f"No model for {said}: the activator forwards only to the models in its "
+            "models file (a StreamingModel with autoscaling.minReplicas 0)."
+        )
+        body = error_body(404, message, code="model_not_found")
+        if scope["type"] == "websocket":
+            await relay.refuse(WebSocket(scope, receive, send), 404, body)
+            return
+        await proxy.json_response(404, body)(send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        watcher: asyncio.Task[None] | None = None
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                s = self.settings
+                self.client = httpx.AsyncClient(
+                    trust_env=False,  # a Service address: never through an HTTP proxy
+                    timeout=httpx.Timeout(None, connect=s.connect_timeout_seconds),
+                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
+                )  # fmt: skip
+                watcher = asyncio.create_task(self.reloader.run())
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                if watcher is not None:
+                    watcher.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await watcher
+                if self.client is not None:
+                    await self.client.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+def _describe(models: Models) -> str:
+    return f"{len(models)} models: {', '.join(sorted(models.by_key)) or 'none'}"
+
+
+def build_activator(settings: ActivatorSettings) -> Activator:
+    return Activator(settings)

@@ -1,0 +1,66 @@
+"""The activator's metrics: demand (held requests), outcomes, hold time, and which models
+this pod has loaded (what the operator reads before it scales a model to zero).
+
+- `sluice_activator_models_known{namespace,model}` 1 per entry of the models file now loaded
+  (an entry removed from the file loses its series);
+- `sluice_activator_held_requests{namespace,model}`: requests waiting for a ready replica
+  now (the scale-up signal: the operator, or KEDA's prometheus trigger, reads it);
+- `sluice_activator_requests_total{namespace,model,outcome}`: `forwarded` (a replica was
+  ready and the request went to it), `timeout` (past the hold timeout), `rejected` (past
+  `maxHeld`: 429; a body over `--max-body-bytes`: 413), `disconnected` (the client left
+  while held);
+- `sluice_activator_hold_seconds{namespace,model}`: arrival to forwarded or given up;
+- `sluice_activator_unknown_model_total`: requests for no model in the file (404);
+- `sluice_activator_models_reloads_total{result}`: models-file reloads, `ok` or `error`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .models import Models
+
+OUTCOMES = ("forwarded", "timeout", "rejected", "disconnected")
+# 10 ms .. 30 min: a warm replica answers at once, a cold GPU node takes minutes.
+HOLD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 45, 60, 90, 120, 180, 240,
+                300, 450, 600, 900, 1200, 1800)  # fmt: skip
+
+
+class ActivatorMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        labels = ("namespace", "model")
+        self.known = Gauge("sluice_activator_models_known",
+                           "1 for each model in the models file this activator has loaded.",
+                           labels, registry=r)  # fmt: skip
+        self.held = Gauge("sluice_activator_held_requests",
+                          "Requests waiting for a ready replica of their model now.",
+                          labels, registry=r)  # fmt: skip
+        self.requests = Counter("sluice_activator_requests",
+                                "Requests for a known model, by how their hold ended.",
+                                (*labels, "outcome"), registry=r)  # fmt: skip
+        self.hold = Histogram("sluice_activator_hold_seconds",
+                              "Arrival to forwarded (or given up) of held requests.",
+                              labels, buckets=HOLD_BUCKETS, registry=r)  # fmt: skip
+        self.unknown = Counter(
+            "sluice_activator_unknown_model",
+            "Requests naming no model in the models file (404).",
+            registry=r,
+        )
+        self.reloads = Counter("sluice_activator_models_reloads",
+                               "Models-file reloads by result (ok, error).", ("result",),
+                               registry=r)  # fmt: skip
+        self._known: set[tuple[str, str]] = set()
+
+    def loaded(self, models: Models) -> None:
+        """The series of `models_known` (and zeroed held gauges) for what is loaded now."""
+        now = {(m.namespace, m.name) for m in models.by_key.values()}
+        for gone in self._known - now:
+            self.known.remove(*gone)
+        for labels in now:
+            self.known.labels(*labels).set(1)
+            self.held.labels(*labels)  # a 0 series from the start: demand reads as 0, not absent
+        self._known = now
+
+    def scrape(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,100 @@
+"""The models file: which models the activator may hold requests for, and how (pure).
+
+`{"<namespace>/<name>": {"host": "<name>.<namespace>.svc.cluster.local", "port": 8000,
+"holdTimeoutSeconds": N, "maxHeld": M, "keepaliveSeconds": K}, ...}`, written by the
+operator (its `<release>-activator-models` ConfigMap, one entry per model at
+`autoscaling.minReplicas: 0`). A request names its model by its Host header (the route
+rewrites it to the model Service's name; a port is ignored) or by `X-Sluice-Model:
+<namespace>/<name>`; anything else is not the activator's to forward (404), so it is never
+an open proxy. Fields the activator does not know are ignored (an operator newer than the
+activator); a file that cannot be used raises ValueError naming the entry.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MODEL_HEADER = "x-sluice-model"
+
+
+class _Entry(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    host: str = Field(min_length=1)
+    port: int = Field(8000, ge=1, le=65535)
+    hold_timeout: float = Field(600.0, gt=0, alias="holdTimeoutSeconds")
+    max_held: int = Field(100, ge=1, alias="maxHeld")
+    keepalive: float = Field(15.0, gt=0, alias="keepaliveSeconds")
+
+
+@dataclass(frozen=True)
+class Model:
+    namespace: str
+    name: str
+    host: str
+    port: int
+    hold_timeout: float  # seconds a request may wait for a ready replica
+    max_held: int  # requests held at once; past it 429
+    keepalive: float  # seconds between keep-alives on a held stream (and its commit point)
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+class Models:
+    """The loaded file: look-ups by key and by host."""
+
+    def __init__(self, models: list[Model]) -> None:
+        self.by_key = {m.key: m for m in models}
+        self.by_host = {m.host.lower(): m for m in models}
+
+    def __len__(self) -> int:
+        return len(self.by_key)
+
+    def find(self, host: str | None, named: str | None) -> Model | None:
+        """The model a request is for: `X-Sluice-Model` first, else the Host (port stripped)."""
+        if named:
+            return self.by_key.get(named.strip())
+        if not host:
+            return None
+        name = host.strip().lower()
+        if name.startswith("["):  # an IPv6 literal: never a model's host name
+            return None
+        return self.by_host.get(name.rsplit(":", 1)[0] if ":" in name else name)
+
+
+def parse(data: object) -> Models:
+    if not isinstance(data, dict):
+        raise ValueError('the models file must be a JSON object of "<namespace>/<name>": {...}')
+    models = []
+    for key, value in data.items():
+        namespace, _, name = str(key).partition("/")
+        if not namespace or not name or "/" in name:
+            raise ValueError(f"entry {key!r}: the key must be <namespace>/<name>")
+        try:
+            entry = _Entry.model_validate(value)
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(str(x) for x in err['loc']) or 'entry'}: "
+                                 f"{err['msg']}" for err in e.errors())  # fmt: skip
+            raise ValueError(f"entry {key!r}: {problems}") from None
+        models.append(Model(namespace, name, entry.host, entry.port, entry.hold_timeout,
+                            entry.max_held, entry.keepalive))  # fmt: skip
+    return Models(models)
+
+
+def load(path: Path) -> Models:
+    """The file as it is now (OSError when unreadable, ValueError when unusable)."""
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON: {e}") from None
+    return parse(data)

@@ -1,0 +1,442 @@
+"""One held HTTP request: wait for a ready replica, keep a streaming client alive meanwhile,
+then forward the request and stream the answer through unchanged.
+
+- Before anything is sent, the client only waits: a non-streamed request until a replica
+  is ready or the hold timeout; a streamed one (token SSE, and OpenAI, Responses and
+  Anthropic bodies with `"stream": true`) for at most one keep-alive interval
+  (`keepaliveSeconds`), the admission queue's rule (a queued stream commits to 200 after one
+  `--heartbeat-seconds`). Forwarded in that time, the upstream status and headers pass
+  through as they are (401 and 429 from the model's server too).
+- Past that a stream commits: 200 `text/event-stream`, a keep-alive at once and one every
+  interval from the server core's one keep-alive writer (core/keepalive.py), in the
+  protocol's own form (an SSE comment, which the SDKs ignore; with `X-Sluice-Status: 1` on
+  token SSE also `event: status`). Forwarded then, an upstream 200's body follows the
+  keep-alives; any other upstream answer becomes the protocol's error event with the
+  upstream's status, message and code.
+- Past `holdTimeoutSeconds`: 503 `model_starting` with `Retry-After` when nothing was sent,
+  else the protocol's error event with that code.
+- An upstream event stream that breaks off midway (the replica died) ends with the
+  protocol's error event, code `upstream_error`; any other answer cut off midway is cut
+  for the client too (the connection is dropped).
+- The client leaving while held drops it from the held count (no upstream request is
+  made); leaving after forwarding closes the upstream connection at once, so the model
+  server's abort on disconnect stops its engine. A forwarded request that cannot even
+  connect (the replica went away again) is held again: it never reached the server.
+
+The request goes to `http://<host>:<port>` with its method, path, query, body and headers
+(hop-by-hop ones and Host removed). Upstream connections are not pooled: each forwarded
+request has its own, so closing it reaches the server and no stale one is ever reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import httpx
+from starlette.types import Receive, Scope, Send
+
+from ..core.errors import error_body as openai_error_body
+from ..core.keepalive import KeepAlive
+from ..protocols import anthropic, responses, token_sse
+from ..protocols.engine_api import openai_error_event
+from ..transport.sse import QUEUED, SSEResponse
+from .metrics import ActivatorMetrics
+from .upstream import Upstream
+
+log = logging.getLogger(__name__)
+
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+    "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
+})  # fmt: skip
+STATUS_HEADER = "x-sluice-status"  # token SSE: also `event: status` while held
+MODEL_STARTING = "model_starting"
+ROUTES = (
+    ("/v1/chat/completions", "openai"), ("/v1/completions", "openai"),
+    ("/v1/responses", "responses"), ("/v1/messages", "anthropic"), ("/v1/stream", "sse"),
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What a request is, as far as holding it goes: its protocol (for the shape of its
+    errors) and whether it streams."""
+
+    protocol: str  # openai, responses, anthropic, sse, or other
+    streaming: bool
+
+    def error_body(self, status: int, message: str, code: str) -> dict:
+        if self.protocol == "anthropic":
+            return anthropic.error_body(status, message)
+        return openai_error_body(status, message, code=code)
+
+    def error_event(self, rid: str, message: str, code: str, status: int) -> bytes:
+        if self.protocol == "anthropic":
+            text = anthropic.error_event(message, code, 0, status)
+        elif self.protocol == "responses":
+            text = responses.error_event(message, code, 0, status)
+        elif self.protocol == "sse":
+            text = token_sse.error_event(rid, message, code)
+        else:
+            text = openai_error_event(message, code, 0, status)
+        return text.encode()
+
+
+def classify(path: str, body: bytes) -> Kind:
+    protocol = next((p for suffix, p in ROUTES if path.endswith(suffix)), "other")
+    if protocol == "sse":
+        return Kind(protocol, True)
+    streaming = False
+    if protocol != "other" and body:
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            parsed = None  # the server answers it (400); forwarded as a plain request
+        streaming = isinstance(parsed, dict) and parsed.get("stream") is True
+    return Kind(protocol, streaming)
+
+
+class Held:
+    """One request from its arrival to forwarded or given up; the outcome counted once."""
+
+    def __init__(self, up: Upstream, metrics: ActivatorMetrics) -> None:
+        self.up, self.metrics = up, metrics
+        self.t0 = time.monotonic()
+        self.ended = False
+
+    @property
+    def waited(self) -> float:
+        return time.monotonic() - self.t0
+
+    @property
+    def deadline(self) -> float:
+        """When it gives up: its hold timeout, or sooner when the activator shuts down."""
+        return min(self.t0 + self.up.model.hold_timeout, self.up.closing.at)
+
+    def wakers(self) -> tuple[asyncio.Future[None], ...]:
+        """What must wake a wait besides its own events: the shutdown beginning."""
+        changed = self.up.closing.changed
+        return () if changed.done() else (changed,)
+
+    def end(self, outcome: str) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        self.up.release()
+        m, model = self.metrics, self.up.model
+        m.requests.labels(model.namespace, model.name, outcome).inc()
+        m.hold.labels(model.namespace, model.name).observe(self.waited)
+        log.info("%s %s after %.3f s held", model.key, outcome, self.waited)
+
+
+def json_response(status: int, body: dict, headers: dict[str, str] | None = None):
+    raw = json.dumps(body).encode()
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+    head += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+
+    async def respond(send: Send) -> None:
+        await send({"type": "http.response.start", "status": status, "headers": head})
+        await send({"type": "http.response.body", "body": raw, "more_body": False})
+
+    return respond
+
+
+def retry_after(seconds: float) -> dict[str, str]:
+    return {"Retry-After": str(max(1, math.ceil(seconds)))}
+
+
+def starting_message(held: Held) -> str:
+    model = held.up.model
+    if held.up.closing.at < held.t0 + model.hold_timeout:
+        return (f"Model {model.key} is starting and this activator is shutting down "
+                f"({MODEL_STARTING}). Retry.")  # fmt: skip
+    return (f"Model {model.key} is starting: no replica was ready within "
+            f"{model.hold_timeout:g} s ({MODEL_STARTING}). Retry later.")  # fmt: skip
+
+
+def forward_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
+    """The request's headers less the hop-by-hop ones (also those its Connection names)."""
+    named = {t.strip().lower() for k, v in scope["headers"] if k == b"connection"
+             for t in v.decode("latin-1").split(",")}  # fmt: skip
+    return [(k, v) for k, v in scope["headers"]
+            if (name := k.decode("latin-1")) not in HOP_BY_HOP and name not in named]  # fmt: skip
+
+
+async def read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole request body; None past `limit` bytes."""
+    parts, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientLeft
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        parts.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(parts)
+
+
+class ClientLeft(Exception):
+    pass
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class Request:
+    """A held request's forwarding: its upstream request, and the moment it went out."""
+
+    def __init__(self, client: httpx.AsyncClient, held: Held, scope: Scope, body: bytes) -> None:
+        self.client, self.held, self.scope, self.body = client, held, scope, body
+
+    def build(self) -> httpx.Request:
+        scope, held = self.scope, self.held
+
+        async def trace(event: str, info: dict) -> None:
+            if event == "http11.send_request_headers.started":
+                held.end("forwarded")  # connected: from here on the server has it
+
+        url = held.up.model.url + scope["path"]
+        query = scope.get("query_string", b"")
+        return self.client.build_request(
+            scope["method"], httpx.URL(url, query=query), headers=forward_headers(scope),
+            content=self.body, extensions={"trace": trace},
+        )  # fmt: skip
+
+    async def send(self) -> httpx.Response | None:
+        """The upstream response (headers read, body not); None when it could not connect
+        (the replica went away: marked down, the request is held again)."""
+        try:
+            return await self.client.send(self.build(), stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+            if self.held.ended:
+                raise
+            log.info("%s: connect failed (%s); holding again", self.held.up.model.key,
+                     type(e).__name__)  # fmt: skip
+            self.held.up.down()
+            return None
+
+
+async def handle(
+    scope: Scope, receive: Receive, send: Send, up: Upstream, metrics: ActivatorMetrics,
+    client: httpx.AsyncClient, max_body: int, send_timeout: float,
+) -> None:  # fmt: skip
+    """One HTTP request for a known model (see the module docstring)."""
+    model = up.model
+    kind = classify(scope["path"], b"")
+    if not up.hold():
+        m = f"Model {model.key} has {model.max_held} requests waiting for a replica already."
+        metrics.requests.labels(model.namespace, model.name, "rejected").inc()
+        await json_response(429, kind.error_body(429, m, "too_many_held"),
+                            retry_after(model.keepalive))(send)  # fmt: skip
+        return
+    held = Held(up, metrics)
+    try:
+        body = await read_body(receive, max_body)
+    except ClientLeft:
+        held.end("disconnected")
+        return
+    if body is None:
+        held.end("rejected")
+        m = f"Request body over {max_body} bytes."
+        await json_response(413, kind.error_body(413, m, "body_too_large"))(send)
+        return
+    kind = classify(scope["path"], body)
+    request = Request(client, held, scope, body)
+    gone = asyncio.ensure_future(_disconnected(receive))
+    forwarded: asyncio.Future[bool] | None = None
+    try:
+        commit_at = held.t0 + model.keepalive if kind.streaming else math.inf
+        while True:
+            ready = asyncio.ensure_future(up.wait_ready())
+            left = min(held.deadline, commit_at) - time.monotonic()
+            done, _ = await asyncio.wait((ready, gone, *held.wakers()), timeout=max(left, 0),
+                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            if gone in done:
+                ready.cancel()
+                held.end("disconnected")
+                return
+            if ready in done:
+                forwarded = asyncio.ensure_future(_pass_through(request, kind, send))
+                await asyncio.wait((forwarded, gone), return_when=asyncio.FIRST_COMPLETED)
+                if not forwarded.done():  # the client left: close the upstream at once
+                    forwarded.cancel()
+                    await asyncio.gather(forwarded, return_exceptions=True)
+                    held.end("disconnected")
+                    return
+                if forwarded.result():
+                    return
+                continue  # could not connect: held again
+            ready.cancel()
+            if time.monotonic() >= held.deadline:
+                held.end("timeout")
+                m = starting_message(held)
+                await json_response(503, kind.error_body(503, m, MODEL_STARTING),
+                                    retry_after(model.keepalive))(send)  # fmt: skip
+                return
+            if time.monotonic() >= commit_at:
+                break  # a stream that waited one keep-alive interval: commit to 200
+            # the shutdown began: wait again, up to the new deadline
+    except BaseException:
+        if not held.ended:  # cancelled (server shutdown) while held
+            held.end("disconnected")
+        raise
+    finally:
+        gone.cancel()
+        if forwarded is not None and not forwarded.done():  # cancelled while forwarding
+            forwarded.cancel()
+    status_events = kind.protocol == "sse" and _asked_status(scope)
+    stream = HeldStream(request, kind, status_events)
+    await SSEResponse(stream.frames(), stream.cleanup, ping=0, send_timeout=send_timeout)(
+        scope, receive, send
+    )
+
+
+def _asked_status(scope: Scope) -> bool:
+    return any(k == STATUS_HEADER.encode() and v.strip() in (b"1", b"true")
+               for k, v in scope["headers"])  # fmt: skip
+
+
+async def _pass_through(request: Request, kind: Kind, send: Send) -> bool:
+    """Forward, then stream the upstream answer to a client that got nothing yet; False
+    when it could not connect."""
+    try:
+        response = await request.send()
+    except httpx.HTTPError as e:  # connected, then no answer
+        m = f"The model's server gave no answer ({type(e).__name__})."
+        await json_response(502, openai_error_body(502, m, code="upstream_error"))(send)
+        return True
+    if response is None:
+        return False
+    try:
+        dropped = HOP_BY_HOP - {"content-length"}  # raw bytes: their length stands
+        headers = [(k, v) for k, v in response.headers.raw
+                   if k.decode("latin-1").lower() not in dropped]  # fmt: skip
+        await send({"type": "http.response.start", "status": response.status_code,
+                    "headers": headers})  # fmt: skip
+        try:
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except httpx.HTTPError as e:  # the upstream broke off mid-answer
+            log.info("%s: upstream answer broke off (%s)", request.held.up.model.key,
+                     type(e).__name__)  # fmt: skip
+            if not _is_event_stream(response):
+                raise  # cut the client's answer too: uvicorn drops the connection
+            await send({"type": "http.response.body", "body": broke_off(kind, e),
+                        "more_body": True})  # fmt: skip
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    finally:
+        await response.aclose()
+    return True
+
+
+def _is_event_stream(response: httpx.Response) -> bool:
+    return response.headers.get("content-type", "").startswith("text/event-stream")
+
+
+def broke_off(kind: Kind, e: Exception) -> bytes:
+    """The protocol's error event for an upstream stream cut off midway; the blank line
+    first ends an event the cut left open."""
+    message = f"The model's server broke off the stream ({type(e).__name__})."
+    return b"\n\n" + kind.error_event(f"activator-{uuid.uuid4().hex}", message,
+                                        "upstream_error", 502)  # fmt: skip
+
+
+class HeldStream:
+    """A stream committed to 200 while its model starts: keep-alives from the one
+    keep-alive writer until a replica is ready, then the upstream stream's events."""
+
+    def __init__(self, request: Request, kind: Kind, status_events: bool) -> None:
+        self.request, self.kind, self.status_events = request, kind, status_events
+        self.held = request.held
+        self.rid = f"activator-{uuid.uuid4().hex}"
+        self._due: asyncio.Future[None] | None = None
+
+    def cleanup(self, stalled: bool) -> None:
+        self.held.end("disconnected")  # no-op once forwarded or timed out
+
+    def _beat(self) -> None:
+        if self._due is not None and not self._due.done():
+            self._due.set_result(None)
+
+    def _keepalive(self) -> bytes:
+        """The protocol's keep-alive while waiting: the admission queue's SSE comment, and
+        on token SSE, when asked, the progress event."""
+        if self.status_events:
+            return QUEUED + token_sse.status_event("starting", self.held.waited).encode()
+        return QUEUED
+
+    async def frames(self) -> AsyncIterator[bytes]:
+        held, model = self.held, self.held.up.model
+        loop = asyncio.get_running_loop()
+        unbeat: Callable[[], None] = KeepAlive.on(loop, model.keepalive).add(self._beat)
+        try:
+            yield self._keepalive()  # the first at once: the client learns why it waits
+            while True:
+                ready = asyncio.ensure_future(held.up.wait_ready())
+                self._due = loop.create_future()
+                done, _ = await asyncio.wait(
+                    (ready, self._due, *held.wakers()),
+                    timeout=max(held.deadline - time.monotonic(), 0),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )  # fmt: skip
+                if ready in done:
+                    try:
+                        response = await self.request.send()
+                    except httpx.HTTPError as e:  # connected, then no answer
+                        m = f"The model's server gave no answer ({type(e).__name__})."
+                        yield self.kind.error_event(self.rid, m, "upstream_error", 502)
+                        return
+                    if response is not None:
+                        break
+                    continue  # could not connect: held again
+                ready.cancel()
+                if self._due in done:
+                    yield self._keepalive()
+                    continue
+                if time.monotonic() < held.deadline:
+                    continue  # the shutdown began: wait again, up to the new deadline
+                held.end("timeout")
+                yield self.kind.error_event(self.rid, starting_message(held), MODEL_STARTING, 503)
+                return
+        finally:
+            unbeat()
+        try:
+            if response.status_code != 200:
+                raw = await response.aread()
+                yield self.kind.error_event(self.rid, *_upstream_error(response, raw))
+                return
+            try:
+                async for chunk in response.aiter_bytes():
+                    yield chunk
+            except httpx.HTTPError as e:  # the upstream broke off mid-stream
+                log.info("%s: upstream stream broke off (%s)", held.up.model.key,
+                         type(e).__name__)  # fmt: skip
+                yield broke_off(self.kind, e)
+        finally:
+            await response.aclose()
+
+
+def _upstream_error(response: httpx.Response, raw: bytes) -> tuple[str, str, int]:
+    """Message, code and status of an upstream refusal (OpenAI's or Anthropic's shape)."""
+    status = response.status_code
+    message, code = f"The model's server answered {status}.", str(status)
+    try:
+        err = json.loads(raw).get("error")
+    except (ValueError, AttributeError):
+        err = None
+    if isinstance(err, dict):
+        message = str(err.get("message") or message)
+        code = str(err.get("code") or err.get("type") or code)
+    return message, code, status

@@ -1,0 +1,88 @@
+"""The activator's models file (activator/models.py) and its command line: what maps a
+request to a model, and what a file or a flag the activator cannot use is told."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from sluice_server.activator.models import load, parse
+from sluice_server.settings import ActivatorSettings, build_parser, parse_activator_settings
+
+FILE = {
+    "team-a/chat": {"host": "chat.team-a.svc.cluster.local", "port": 8000,
+                    "holdTimeoutSeconds": 360, "maxHeld": 50, "keepaliveSeconds": 15},
+    "team-b/code": {"host": "code.team-b.svc.cluster.local"},
+}  # fmt: skip
+
+
+def test_a_request_is_for_the_model_its_host_or_header_names():
+    models = parse(FILE)
+    chat = models.by_key["team-a/chat"]
+    assert (chat.namespace, chat.name, chat.port, chat.hold_timeout, chat.max_held,
+            chat.keepalive) == ("team-a", "chat", 8000, 360, 50, 15)  # fmt: skip
+    assert chat.url == "http://chat.team-a.svc.cluster.local:8000"
+    for host in ("chat.team-a.svc.cluster.local", "Chat.Team-A.svc.cluster.local:8000",
+                 "chat.team-a.svc.cluster.local:80"):  # fmt: skip
+        assert models.find(host, None) is chat, host
+    assert models.find("anything", "team-a/chat") is chat  # the header wins
+    assert models.find("chat.team-a.svc.cluster.local", "team-b/other") is None
+    for host in ("chat.team-a", "chat.team-a.svc", "code.team-a.svc.cluster.local", "", None,
+                 "[::1]:8000"):  # fmt: skip
+        assert models.find(host, None) is None, host
+    code = models.by_key["team-b/code"]  # the defaults
+    assert (code.port, code.hold_timeout, code.max_held, code.keepalive) == (8000, 600, 100, 15)
+
+
+def test_unknown_fields_are_ignored_and_bad_entries_named(tmp_path):
+    assert len(parse({"a/b": {"host": "h", "futureField": 1}})) == 1
+    cases = [
+        ([], "JSON object"),
+        ({"chat": {"host": "h"}}, "entry 'chat': the key must be <namespace>/<name>"),
+        ({"a/b/c": {"host": "h"}}, "the key must be"),
+        ({"a/b": {"port": 8000}}, "entry 'a/b': host: Field required"),
+        ({"a/b": {"host": "h", "maxHeld": 0}}, "maxHeld: Input should be greater than or equal"),
+        ({"a/b": {"host": "h", "holdTimeoutSeconds": -1}}, "holdTimeoutSeconds"),
+        ({"a/b": "h"}, "entry 'a/b'"),
+    ]  # fmt: skip
+    for data, message in cases:
+        with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+            parse(data)
+    path = tmp_path / "models.json"
+    path.write_text("{nope")
+    with pytest.raises(ValueError, match="not JSON"):
+        load(path)
+    path.write_text(json.dumps(FILE))
+    assert set(load(path).by_key) == set(FILE)
+
+
+def test_the_command_line_and_environment(monkeypatch):
+    s = parse_activator_settings(["--models-file", "/etc/m.json", "--port", "9000"])
+    assert (str(s.models_file), s.port, s.ready_poll_seconds) == ("/etc/m.json", 9000, 0.5)
+    chart = parse_activator_settings(["--models-file=/etc/sluice/activator/models.json"])
+    assert (str(chart.models_file), chart.port) == ("/etc/sluice/activator/models.json", 8000)
+    monkeypatch.setenv("SLUICE_ACTIVATOR_READY_POLL_SECONDS", "0.25")
+    assert parse_activator_settings(["--models-file", "m"]).ready_poll_seconds == 0.25
+    with pytest.raises(ValueError, match="models_file"):
+        parse_activator_settings([])
+    help_text = "".join(build_parser(ActivatorSettings).format_help().split())
+    for name, info in ActivatorSettings.model_fields.items():
+        assert info.description and "".join(info.description.split()) in help_text, name
+
+
+def test_sluice_server_activator_is_the_entry_point(tmp_path, capsys):
+    from sluice_server.__main__ import main
+
+    assert main(["activator", "--models-file", str(tmp_path / "m"), "--port", "-1"]) == 2
+    assert "--port: Input should be greater than or equal to 0" in capsys.readouterr().err
+
+
+def test_hop_by_hop_headers_stay_behind():
+    from sluice_server.activator.proxy import forward_headers
+
+    scope = {"headers": [(b"host", b"chat.team-a"), (b"connection", b"keep-alive, x-hop"),
+                         (b"x-hop", b"1"), (b"keep-alive", b"timeout=5"), (b"te", b"trailers"),
+                         (b"authorization", b"Bearer k"), (b"content-length", b"2"),
+                         (b"x-sluice-model", b"team-a/chat")]}  # fmt: skip
+    assert forward_headers(scope) == [(b"authorization", b"Bearer k"),
+                                      (b"x-sluice-model", b"team-a/chat")]  # fmt: skip
