@@ -17,8 +17,11 @@ def run(
     identity: str | None = None,
     election: object | None = None,
     max_rollouts: int | None = None,
+    activator: object | None = None,
 ) -> int:
-    """`election`: `election.ElectionSettings` for `--leader-elect`, or None (one replica)."""
+    """`election`: `election.ElectionSettings` for `--leader-elect`, or None (one replica).
+    `activator`: `scaler.ActivatorSettings` (`--activator-service`), or None: no model is
+    scaled to zero."""
     import kopf
 
     from . import handlers  # noqa: F401 - registers the handlers with kopf's default registry
@@ -39,6 +42,7 @@ def run(
             identity=identity,
             leader_election=election,
             max_rollouts=max_rollouts,
+            activator=activator,
         ),
     )
     return 0

@@ -361,7 +361,7 @@ def _compute_status(
     )
     if deployment is None:
         a = model.spec.autoscaling
-        desired = a.min_replicas if a is not None and a.enabled else model.spec.replicas
+        desired = max(1, a.min_replicas) if a is not None and a.enabled else model.spec.replicas
         out.update(phase="Pending", message=f"creating the {workload}", replicas=0, readyReplicas=0)
         out["ready"] = f"0/{desired}"
         missing = f"the {workload} does not exist yet"

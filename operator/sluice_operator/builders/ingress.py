@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..models.resource import StreamingModel
-from .common import PORT_NAME, metadata
+from .activator import UPSTREAM_VHOST, activator_service_name, upstream_host
+from .common import PORT, PORT_NAME, metadata
 
 # The session-affinity cookie that brings a resumed stream back to its pod.
 AFFINITY_COOKIE = "sluice-affinity"
@@ -80,7 +81,7 @@ def desired_ingress(model: StreamingModel) -> dict[str, Any] | None:
                 {
                     "path": ing.path,
                     "pathType": "Prefix",
-                    "backend": {"service": {"name": model.name, "port": {"name": PORT_NAME}}},
+                    "backend": {"service": backend_service(model)},
                 }
             ]
         }
@@ -91,12 +92,22 @@ def desired_ingress(model: StreamingModel) -> dict[str, Any] | None:
     if ing.tls_secret_name:
         spec["tls"] = [{"hosts": [ing.host], "secretName": ing.tls_secret_name}]
     annotations = {**streaming_annotations(model), **ing.annotations}  # the user's win
+    if model.via_activator:  # the activator tells models apart by Host (builders/activator.py)
+        annotations[UPSTREAM_VHOST] = upstream_host(model)
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "Ingress",
         "metadata": metadata(model, annotations=annotations),
         "spec": spec,
     }
+
+
+def backend_service(model: StreamingModel) -> dict[str, Any]:
+    """The Ingress path's backend: the model's Service, or its activator Service while the
+    model has no Ready replica (scale to zero). ExternalName has no named port: by number."""
+    if model.via_activator:
+        return {"name": activator_service_name(model), "port": {"number": PORT}}
+    return {"name": model.name, "port": {"name": PORT_NAME}}
 
 
 def ingress_url(model: StreamingModel) -> str | None:
