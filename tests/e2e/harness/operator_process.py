@@ -61,7 +61,9 @@ class RenderedChart:
         return [o for o in self.objects if o["kind"] in kinds]
 
     def deployment(self) -> dict:
-        (dep,) = self.of_kind("Deployment")
+        """The operator's Deployment (the chart also ships the activator's)."""
+        (dep,) = [d for d in self.of_kind("Deployment")
+                  if d["metadata"]["labels"].get("app.kubernetes.io/component") == "operator"]  # fmt: skip
         return dep
 
     def container(self) -> dict:
