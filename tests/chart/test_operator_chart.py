@@ -873,7 +873,9 @@ def test_network_policy_set_and_not_rendered(h):
     docs = h.template(OPERATOR_CHART, set_=["networkPolicy.enabled=true",
                                             "networkPolicy.modelPodMetrics=false"])  # fmt: skip
     assert len(one(docs, "NetworkPolicy")["spec"]["egress"]) == 3
-    docs = h.template(OPERATOR_CHART, set_=["networkPolicy.enabled=true", "activator.enabled=false"])
+    docs = h.template(
+        OPERATOR_CHART, set_=["networkPolicy.enabled=true", "activator.enabled=false"]
+    )
     assert len(one(docs, "NetworkPolicy")["spec"]["egress"]) == 3
 
 
