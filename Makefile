@@ -65,8 +65,9 @@ chart: venv tools ## Lint and render the charts
 render: venv ## Print the manifests the operator would apply for SAMPLE=samples/x.yaml
 	$(PY) -m sluice_operator render -f $(SAMPLE)
 
-bench: venv ## Benchmarks: our server vs vLLM's server vs the bare engine; fan-out (writes docs/)
+bench: venv ## Benchmarks: our server vs vLLM's server vs the bare engine; fan-out; balancing (writes docs/)
 	$(PY) tests/bench/run.py
+	$(PY) tests/bench/balance.py --write
 
 bench-lora: venv ## Benchmark only a LoRA adapter next to the base on one engine (docs/bench-lora.md)
 	$(PY) tests/bench/lora_ratio.py

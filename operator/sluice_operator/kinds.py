@@ -28,6 +28,7 @@ from .builders.leaderworkerset import desired_leaderworkerset
 from .builders.networkpolicy import desired_network_policy
 from .builders.pdb import desired_pdb
 from .builders.podmonitor import desired_pod_monitor
+from .builders.routing import desired_inference_pool, pool_verdict
 from .builders.service import desired_service
 from .models import GROUP, KIND, PLURAL, VERSION
 from .models.resource import StreamingModel
@@ -133,6 +134,13 @@ POD_MONITOR_KIND = Kind(
 HTTPROUTE = Kind(
     "gateway.networking.k8s.io/v1", "HTTPRoute", "httproutes", desired_httproute, optional=True
 )
+INFERENCE_POOL_KIND = Kind(
+    "inference.networking.k8s.io/v1",
+    "InferencePool",
+    "inferencepools",
+    desired_inference_pool,
+    optional=True,
+)
 LWS_KIND = Kind(
     "leaderworkerset.x-k8s.io/v1",
     "LeaderWorkerSet",
@@ -229,6 +237,18 @@ GATEWAY_API = OptionalKind(
     ready=lambda model, route: route_verdict(route, wants_session_persistence(model)),
     reasons=("GatewayAPIUnavailable", "GatewayAPIUnavailable"),
 )
+GATEWAY_API_INFERENCE_EXTENSION = OptionalKind(
+    INFERENCE_POOL_KIND,
+    event="InferencePoolUnavailable",
+    forbidden="the operator may not manage inference.networking.k8s.io InferencePools: "
+    "upgrade the sluice-operator chart (its RBAC grants them), or turn "
+    "routing.inferencePool off",
+    missing="the Gateway API Inference Extension is not installed: the API server has no "
+    "inference.networking.k8s.io/v1 InferencePool resource (install its CRDs, v1.0 or later, "
+    "or turn routing.inferencePool off)",
+    condition="InferencePoolReady",
+    ready=pool_verdict,
+)
 PROMETHEUS_OPERATOR = OptionalKind(
     POD_MONITOR_KIND,
     event="PodMonitorUnavailable",
@@ -255,8 +275,10 @@ LEADER_WORKER_SET = OptionalKind(
 )
 # In the order a pass converges them (after the children, but see `excludes`), reports
 # them (conditions in this order) and raises the first refusal.
+# The pool goes before the route that names it.
 OPTIONAL_KINDS: tuple[OptionalKind, ...] = (
     KEDA,
+    GATEWAY_API_INFERENCE_EXTENSION,
     GATEWAY_API,
     PROMETHEUS_OPERATOR,
     LEADER_WORKER_SET,

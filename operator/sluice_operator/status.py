@@ -16,8 +16,9 @@ from .builders.common import selector_string
 from .builders.gateway import route_url
 from .builders.hpa import ttft_metric_name
 from .builders.ingress import ingress_url
+from .builders.routing import backend_verdict
 from .builders.service import service_url
-from .kinds import OPTIONAL_KINDS, OptionalKind, Unavailable
+from .kinds import GATEWAY_API_INFERENCE_EXTENSION, OPTIONAL_KINDS, OptionalKind, Unavailable
 from .models.resource import StreamingModel
 
 # Container states that will not fix themselves without a change (image, args, secrets).
@@ -329,6 +330,13 @@ def compute_status(
             if not row.wanted(model):
                 scaling["backend"] = "keda"  # a ScaledObject may still exist: keep cleaning up
             out["autoscaling"] = scaling
+    routed = model.spec.gateway is not None or (
+        model.spec.ingress.enabled and model.spec.scale_to_zero is not None
+    )
+    if routed:  # the route's one backend (builders/routing.py)
+        pool = unavailable.get(GATEWAY_API_INFERENCE_EXTENSION.name)
+        verdict = backend_verdict(model, pool.message if pool else None)
+        conditions.append(_cond("RouteBackend", *verdict))
     out["conditions"] += _stamp(conditions, previous.get("conditions") or [], now, generation)
     return out
 

@@ -20,14 +20,15 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .core.adapters import Adapters
+from .core.admission import Admission
 from .core.auth import KeyStore
 from .core.credentials import Credentials
 from .core.errors import install_error_handlers
 from .core.gate import Gate
-from .core.identity import Plan
+from .core.identity import CallerRules, Plan, Priorities
 from .core.jwks import JwtVerifier
 from .core.metrics import Metrics
-from .core.pod import PodSeat
+from .core.pod import PodSeat, QueueShape
 from .core.ratelimit import Limiter, MemoryLimiter, RedisLimiter
 from .core.reload import Reloader, Source
 from .core.services import Services
@@ -137,17 +138,26 @@ def build_limiter(settings: Settings, metrics: Metrics, pod: PodSeat | None = No
     return MemoryLimiter(pod=pod.state if pod is not None and pod.limits else None)
 
 
+def caller_rules(settings: Settings) -> CallerRules:
+    """What key lines and JWTs are read against: the flags' plan, the priority classes
+    (ValueError for a default that is no class) and --tenant-weights."""
+    s = settings
+    return CallerRules(Plan(s.rate_limit_rpm, s.rate_limit_tpm),
+                       Priorities(tuple(s.priority_classes), s.default_priority),
+                       dict(s.tenant_weights))  # fmt: skip
+
+
 def load_credentials(settings: Settings) -> Credentials:
     """The key file and the JWKS file as they are now (ValueError/OSError when unusable)."""
     s = settings
-    plan = Plan(s.rate_limit_rpm, s.rate_limit_tpm)
-    keys = KeyStore.from_file(s.api_key_file, plan) if s.api_key_file else None
+    rules = caller_rules(s)
+    keys = KeyStore.from_file(s.api_key_file, rules) if s.api_key_file else None
     verifier = None
     if s.jwt_jwks_file is not None:
         assert s.jwt_issuer and s.jwt_audience  # Settings refuses a JWKS without them
         verifier = JwtVerifier.from_file(s.jwt_jwks_file, s.jwt_issuer, s.jwt_audience,
-                                         s.jwt_tenant_claim, plan)  # fmt: skip
-    return Credentials(keys, verifier, plan)
+                                         s.jwt_tenant_claim, rules, s.jwt_priority_claim)  # fmt: skip
+    return Credentials(keys, verifier, rules)
 
 
 def build_reloader(settings: Settings, svc: Services) -> Reloader | None:
@@ -159,7 +169,7 @@ def build_reloader(settings: Settings, svc: Services) -> Reloader | None:
     if s.api_key_file is not None:
         path = s.api_key_file
         sources.append(Source(
-            "api_keys", path, lambda: KeyStore.from_file(path, creds.plan),
+            "api_keys", path, lambda: KeyStore.from_file(path, creds.rules),
             lambda keys: setattr(creds, "keys", keys),
             lambda keys: f"{len(keys)} keys, tenants {', '.join(sorted(keys.tenants))}",
         ))  # fmt: skip
@@ -168,11 +178,29 @@ def build_reloader(settings: Settings, svc: Services) -> Reloader | None:
         sources.append(Source(
             "jwks", jwks,
             lambda: JwtVerifier.from_file(jwks, s.jwt_issuer or "", s.jwt_audience or "",
-                                          s.jwt_tenant_claim, creds.plan),
+                                          s.jwt_tenant_claim, creds.rules,
+                                          s.jwt_priority_claim),
             lambda verifier: setattr(creds, "jwt", verifier),
             lambda verifier: f"{len(verifier.keys)} signing keys",
         ))  # fmt: skip
     return Reloader(sources, svc.metrics, s.credentials_reload_seconds)
+
+
+def build_queue(settings: Settings, metrics: Metrics, pod: PodSeat | None) -> Admission | None:
+    """The admission queue (`--queue-size`): the pod's, in its shared memory, when the
+    worker has a seat; else this process's own."""
+    shape = QueueShape.of(settings)
+    if shape is None:
+        return None
+    priorities = caller_rules(settings).priorities
+    metrics.queue_classes(priorities.names)
+    kw: dict[str, Any] = dict(timeout=settings.queue_timeout, priorities=priorities,
+                              metrics=metrics, sharing=settings.queue_slot_sharing,
+                              window=settings.fair_share_window_seconds)  # fmt: skip
+    queue = pod.state.queue if pod is not None else None
+    if pod is not None and queue is not None:
+        return Admission(queue, pod.state.lock, pod.index, wake=pod.state.wake, **kw)
+    return Admission.local(shape, **kw)
 
 
 def build_services(
@@ -186,11 +214,15 @@ def build_services(
     return Services(
         settings=settings,
         metrics=metrics,
-        gate=Gate(settings.max_concurrent_streams, pod),
+        gate=Gate(settings.max_concurrent_streams, pod, build_queue(settings, metrics, pod)),
         limiter=build_limiter(settings, metrics, pod),
         credentials=load_credentials(settings),
         recorder=Recorder(
-            settings.model_label, settings.access_log, settings.access_log_format, tracing
+            settings.model_label,
+            settings.access_log,
+            settings.access_log_format,
+            tracing,
+            priorities=bool(settings.priority_classes),
         ),  # fmt: skip
         adapters=Adapters(
             settings.model_label, metrics, settings.adapters_file, settings.adapters_reload_seconds

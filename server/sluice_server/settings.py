@@ -13,6 +13,8 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from .names import TENANT, check_priority_classes, check_weight, valid_tenant
+
 Protocol = Literal["sse", "websocket", "responses", "anthropic"]
 ALL_PROTOCOLS: tuple[Protocol, ...] = ("sse", "websocket", "responses", "anthropic")
 
@@ -127,7 +129,7 @@ class Settings(BaseSettings):
     )  # fmt: skip
     max_concurrent_streams: int = Field(
         256, ge=1, description="Streams per pod (shared by every `--api-workers` process); "
-        "over it: 429 + `Retry-After: 1`, at once (no queue).",
+        "over it: 429 + `Retry-After: 1` at once, or with `--queue-size` a wait in the queue.",
     )  # fmt: skip
     stream_timeout_seconds: float = Field(
         600.0, gt=0, description="Whole-stream limit; then an error event, and the engine "
@@ -152,6 +154,50 @@ class Settings(BaseSettings):
     drain_timeout_seconds: float = Field(
         30.0, ge=0, description="On SIGTERM: how long in-flight streams may continue before "
         "they end with an error event.",
+    )  # fmt: skip
+
+    # Admission queue, priorities and fair shares (server/README.md, "Sharing a model")
+    queue_size: int = Field(
+        0, ge=0, le=100000, description="Requests per pod that may wait for a stream slot "
+        "when every slot is taken (shared by every `--api-workers` process), served by "
+        "priority, then by tenant weight. Past it: 429 with a `Retry-After` from the "
+        "queue's measured drain rate, at once (the lowest priority is shed first). 0: no "
+        "queue, a full pod answers 429 at once.",
+    )  # fmt: skip
+    queue_timeout_seconds: float | None = Field(
+        None, gt=0, le=3600, description="Longest wait in the queue (default 30 with "
+        "`--queue-size`); then 429 + `Retry-After`, or, for a stream already committed to "
+        "200 by keep-alives (after `--heartbeat-seconds` of waiting), its protocol's error "
+        "event with code `queue_timeout`. Needs `--queue-size`.",
+    )  # fmt: skip
+    queue_slot_sharing: bool = Field(
+        True, description="With a queue: a tenant takes more than its weighted share of the "
+        "slots only while slots stay free for every other active tenant (queued, streaming "
+        "or seen within `--fair-share-window-seconds`) below its share: as many as it held "
+        "at once lately, at least one, at most a quarter of the slots in all; free slots are "
+        "lent when nobody else needs them. `false`: every free slot goes to the next request "
+        "in the queue's order.",
+    )  # fmt: skip
+    fair_share_window_seconds: float = Field(
+        30.0, ge=0, le=3600, description="How long a tenant counts as active after its last "
+        "request, for the slot shares (`--queue-slot-sharing`).",
+    )  # fmt: skip
+    priority_classes: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Priority classes, highest first, comma-separated "
+        "(`interactive,batch`). A caller's class comes from its key line (`priority=`) or "
+        "its JWT (`--jwt-priority-claim`), else `--default-priority`. The queue serves "
+        "higher classes first and sheds lower ones first, and vLLM runs with "
+        "`--scheduling-policy priority` and each request's class as its priority. Fixed "
+        "for the process (the engine's policy is); key files reload, classes do not.",
+    )  # fmt: skip
+    default_priority: str | None = Field(
+        None, description="The class of a caller that names none (default: the lowest of "
+        "`--priority-classes`).",
+    )  # fmt: skip
+    tenant_weights: Annotated[dict[str, int], NoDecode] = Field(
+        default_factory=dict, description="Tenants' weights, `acme=3,free=1` (1-1000; "
+        "unnamed tenants: 1, or the key file's `weight=`): a tenant's share of the pod "
+        "against the other active tenants', in generated tokens and in slots.",
     )  # fmt: skip
 
     # Browsers
@@ -199,6 +245,10 @@ class Settings(BaseSettings):
         "tenant", description="The JWT claim that names the tenant (absent: `default`). The "
         "claims `rpm` and `tpm` give the token's limits (absent: the `--rate-limit-*` flags); "
         "limits apply per subject (`iss` + `sub`).",
+    )  # fmt: skip
+    jwt_priority_claim: str = Field(
+        "priority", description="The JWT claim that names the caller's priority class (with "
+        "`--priority-classes`; absent: `--default-priority`; not a class: 401).",
     )  # fmt: skip
     credentials_reload_seconds: float = Field(
         2.0, ge=0, description="How often the key file and the JWKS file are checked for "
@@ -268,7 +318,38 @@ class Settings(BaseSettings):
             return [p.strip() for p in value.split(",") if p.strip()]
         return value
 
-    @field_validator("cors_allowed_origins", "cors_allowed_headers", mode="before")
+    @field_validator("tenant_weights", mode="before")
+    @classmethod
+    def _split_weights(cls, value: object) -> object:
+        if not isinstance(value, str):
+            return value
+        weights: dict[str, str] = {}
+        for item in (p.strip() for p in value.split(",")):
+            if not item:
+                continue
+            tenant, sep, weight = item.partition("=")
+            if not sep or tenant in weights:
+                raise ValueError("give each tenant once, as TENANT=WEIGHT")
+            weights[tenant] = weight
+        return weights
+
+    @field_validator("tenant_weights")
+    @classmethod
+    def _weights(cls, value: dict[str, int]) -> dict[str, int]:
+        for tenant, weight in value.items():
+            if not valid_tenant(tenant):
+                raise ValueError(f"tenant names must match {TENANT.pattern}")
+            check_weight(weight)
+        return value
+
+    @field_validator("priority_classes")
+    @classmethod
+    def _classes(cls, value: list[str]) -> list[str]:
+        check_priority_classes(value)
+        return value
+
+    @field_validator("priority_classes", "cors_allowed_origins", "cors_allowed_headers",
+                     mode="before")  # fmt: skip
     @classmethod
     def _split_list(cls, value: object) -> object:
         if isinstance(value, str):
@@ -298,6 +379,14 @@ class Settings(BaseSettings):
             raise ValueError("--rate-limit-backend redis needs --redis-url (or SLUICE_REDIS_URL)")
         if self.jwt_jwks_file is not None and not (self.jwt_issuer and self.jwt_audience):
             raise ValueError("--jwt-jwks-file needs --jwt-issuer and --jwt-audience")
+        if self.queue_timeout_seconds is not None and not self.queue_size:
+            raise ValueError("--queue-timeout-seconds needs --queue-size N (N > 0): a queue "
+                             "always has a bound")  # fmt: skip
+        if self.default_priority is not None and not self.priority_classes:
+            raise ValueError("--default-priority needs --priority-classes")
+        if self.default_priority is not None and self.default_priority not in self.priority_classes:
+            raise ValueError(f"--default-priority {self.default_priority} is not one of "
+                             f"--priority-classes ({','.join(self.priority_classes)})")  # fmt: skip
         self._check_nodes()
         if self.api_workers > 1 and self.resume_grace_seconds > 0:
             raise ValueError(
@@ -343,6 +432,10 @@ class Settings(BaseSettings):
         return self.adapters_file is not None or self.max_loras is not None
 
     @property
+    def queue_timeout(self) -> float:
+        return self.queue_timeout_seconds if self.queue_timeout_seconds is not None else 30.0
+
+    @property
     def model_label(self) -> str:
         """The name clients send in `model` and metrics carry as a label."""
         return self.served_model_name or self.model
@@ -359,7 +452,7 @@ def _default(name: str) -> str:
     value = info.get_default(call_default_factory=True)
     if value is None:
         return "none"
-    if isinstance(value, list):
+    if isinstance(value, list | dict):
         return f"`{','.join(value)}`" if value else "none"
     return f"`{value}`"
 

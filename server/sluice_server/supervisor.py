@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from multiprocessing import connection
 
-from .core.pod import PodState
+from .core.pod import PodState, QueueShape
 from .serve import configure_logging, serve_worker
 from .settings import Settings
 
@@ -82,7 +82,8 @@ def run_pod(settings: Settings, share_limits: bool = True) -> int:
     signals = _Signals()
     signal.signal(signal.SIGTERM, signals.handle)
     signal.signal(signal.SIGINT, signals.handle)
-    state = PodState(settings.api_workers, share_limits=share_limits)
+    state = PodState(settings.api_workers, share_limits=share_limits,
+                     queue=QueueShape.of(settings))  # fmt: skip
     target = partial(serve_worker, settings, state)
     failed = False
     with _metrics_dir() as metrics_dir:

@@ -11,7 +11,10 @@ Phases (each system in its own process, the load generator in another, all on 12
 4. fan-out: our server on the simulator engine, SSE and WebSocket ramped separately;
 5. a LoRA adapter next to the base on one engine (lora_ratio.py: TTFT and tokens/s ratios);
 6. write docs/bench-results.{json,md}, docs/bench-throughput.png, docs/bench-fanout.md and
-   the generated part of docs/benchmarks.md.
+   the generated part of docs/benchmarks.md;
+7. fairness between tenants on one pod (`fairness.py`: the admission queue, slot shares,
+   priorities, vLLM's priority policy), on the simulator and the real engine: its own
+   section of docs/benchmarks.md and docs/bench-fairness.json.
 
 `python tests/bench/run.py --help` for knobs (`--quick` for a smoke run).
 """
@@ -105,6 +108,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-fanout", action="store_true")
     p.add_argument("--skip-lora", action="store_true", help="skip the LoRA adapter/base ratio")
     p.add_argument("--skip-crosscheck", action="store_true")
+    p.add_argument("--skip-fairness", action="store_true")
+    p.add_argument(
+        "--fairness-engines",
+        default="simulator,vllm",
+        help="engines the fairness phase runs on (fairness.py --engine)",
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: fewer points, short ramps")
     p.add_argument("--out", type=Path, default=ROOT / "docs")
     p.add_argument("--no-docs", action="store_true", help="write only bench-results.json")
@@ -126,6 +135,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.fanout_itl_ms = [float(s) for s in a.fanout_itl_ms.split(",")]
     a.fanout_protocols = [s for s in a.fanout_protocols.split(",") if s]
     a.fanout_workers = [int(s) for s in a.fanout_workers.split(",") if s]
+    a.fairness_engines = ["quick"] if a.quick else [e for e in a.fairness_engines.split(",") if e]
     return a
 
 
@@ -477,6 +487,14 @@ def main(argv=None) -> int:
     (out_dir / "bench-results.json").write_text(json.dumps(results, indent=1))
     if not args.no_docs:
         write_all(results, out_dir)
+    if not args.skip_fairness:  # after the docs: it keeps its own section of benchmarks.md
+        import fairness
+
+        t = time.time()
+        for engine in args.fairness_engines:
+            mode = ["--quick"] if engine == "quick" else ["--engine", engine]
+            fairness.main(["--out", str(out_dir), *mode])
+        print(f"bench: fairness done in {time.time() - t:.0f} s", flush=True)
     print(f"bench: done in {results['phases_s']['total']:.0f} s; results in {out_dir}", flush=True)
     return 0
 

@@ -1,7 +1,8 @@
 """`make bench` end to end in its short form (`run.py --quick`): every phase (vLLM's server,
 our server and the bare engine on the tiny model, the matrix, the cross-check with vLLM's
 own benchmark client, both fan-out ramps with one and two front-end workers, a LoRA adapter
-next to the base) runs on a fresh machine and writes its outputs.
+next to the base, fairness between tenants on the simulator) runs on a fresh machine and
+writes its outputs.
 No speed is asserted here (numbers live in docs/benchmarks.md); errors are, because a
 benchmark request that fails is a bug, not noise."""
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from testkit.repo import ROOT
@@ -59,3 +61,35 @@ def test_quick_bench_runs_end_to_end(tmp_path):
     assert "### Targets" in note and "| target | measured | met |" in note
     assert "### Cross-check with vLLM's benchmark client" in note
     assert "### Front-end workers (`--api-workers`): scaling with cores" in note
+
+    fair = json.loads((tmp_path / "bench-fairness.json").read_text())["simulator"]
+    for label, r in fair["ttft"].items():  # the steady tenant is served under every policy
+        assert r["B"]["requests"] > 0, label  # but today's (no queue: 429s)
+        assert r["B"]["ok"] + r["B"]["refused_429"] == r["B"]["requests"], (label, r)
+    assert fair["ttft"]["queue + slot shares"]["B"]["refused_429"] == 0
+    assert fair["shares"]["A"]["tokens"] > 0 and fair["shares"]["B"]["tokens"] > 0
+    assert fair["priority"]["interactive"]["refused_429"] == 0
+    assert "<!-- bench:fairness:begin -->" in note and "Both backlogged" in note
+
+
+def test_quick_balance_bench_runs_and_reads_the_servers_counts():
+    """tests/bench/balance.py in a short form: four runs through nginx, no request fails,
+    and every replica's own active-streams count was read (no speed asserted)."""
+    if not any(
+        Path(p).exists()
+        for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/local/bin/nginx")
+    ):  # nginx_proxy's places
+        pytest.skip("nginx not installed (apt-get install nginx)")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests/bench/balance.py"), "--requests", "24", "--rate", "12"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [(r["mix"], r["balance"]) for r in rows] == [
+        ("random", "round-robin"), ("random", "least-loaded"),
+        ("every 3rd", "round-robin"), ("every 3rd", "least-loaded"),
+    ]  # fmt: skip
+    for row in rows:
+        assert row["failed"] == 0 and len(row["active_means"]) == 3, row
+        assert sum(row["active_means"]) > 0, row

@@ -94,6 +94,7 @@ def one(docs: list[dict], kind: str) -> dict:
 
 POD_MONITOR_SCHEMA = ROOT / "tests" / "operator" / "schemas" / "podmonitor.schema.json"
 HTTPROUTE_SCHEMA = ROOT / "tests" / "operator" / "schemas" / "gateway-httproute.schema.json"
+INFERENCE_POOL_SCHEMA = ROOT / "tests" / "operator" / "schemas" / "inferencepool.schema.json"
 
 
 def load_crd() -> dict:
@@ -107,6 +108,7 @@ def validate_k8s(doc: dict, versions: tuple[str, ...] = K8S_VERSIONS) -> None:
     own = {  # not built-in kinds: strict schemas written from their projects' API references
         ("monitoring.coreos.com/v1", "PodMonitor"): POD_MONITOR_SCHEMA,
         ("gateway.networking.k8s.io/v1", "HTTPRoute"): HTTPROUTE_SCHEMA,
+        ("inference.networking.k8s.io/v1", "InferencePool"): INFERENCE_POOL_SCHEMA,
     }.get((doc["apiVersion"], doc["kind"]))
     if own is not None:
         import jsonschema

@@ -375,6 +375,7 @@ EXPECTED = {
     },
     ("policy", "poddisruptionbudgets"): {"get", "list", "watch", "create", "patch", "delete"},
     ("gateway.networking.k8s.io", "httproutes"): {"get", "create", "patch", "delete"},
+    ("inference.networking.k8s.io", "inferencepools"): {"get", "create", "patch", "delete"},
     ("leaderworkerset.x-k8s.io", "leaderworkersets"): {"get", "create", "patch", "delete"},
     ("leaderworkerset.x-k8s.io", "leaderworkersets/scale"): {"patch"},
     ("networking.k8s.io", "networkpolicies"): {

@@ -64,12 +64,27 @@ def test_first_ingress_keeps_a_path_and_hosts_get_their_own_server(tmp_path):
     assert "server_name a.example;" in conf and "default_server" in conf
 
 
+@pytest.mark.parametrize(
+    ("annotations", "upstream"),
+    [
+        ({"nginx.org/lb-method": "least_conn"}, "upstream ns_m_http { least_conn; server "),
+        ({"nginx.org/lb-method": "round_robin"}, "upstream ns_m_http { server "),
+        ({ANN + "load-balance": "round_robin"}, "upstream ns_m_http { server "),
+    ],
+)
+def test_the_balancing_annotation_becomes_the_upstream_method(tmp_path, annotations, upstream):
+    assert upstream in render([_route(annotations)], 8080, tmp_path)
+
+
 @pytest.mark.skipif(find_nginx() is None, reason="nginx not installed (apt-get install nginx)")
 def test_nginx_accepts_the_rendered_config(tmp_path):
     """Names as long as Kubernetes allows (a 63-character namespace and Service)."""
     long = "n" * 63
     conf = tmp_path / "nginx.conf"
-    routes = [_route(OPERATOR, namespace=long, service=long), _route({}, host="h", endpoints=())]
+    routes = [
+        _route({**OPERATOR, "nginx.org/lb-method": "least_conn"}, namespace=long, service=long),
+        _route({}, host="h", endpoints=()),
+    ]
     conf.write_text(render(routes, 8080, tmp_path))
     got = subprocess.run([find_nginx(), "-t", "-p", str(tmp_path), "-e",
                           str(tmp_path / "error.log"), "-c", str(conf)],

@@ -27,6 +27,9 @@ POD_MONITOR_SCHEMA = ROOT / "tests" / "operator" / "schemas" / "podmonitor.schem
 # Gateway API's HTTPRoute likewise: a strict subset written from the Gateway API reference
 # (the official CRDs are not in any registry reachable here).
 HTTPROUTE_SCHEMA = ROOT / "tests" / "operator" / "schemas" / "gateway-httproute.schema.json"
+# The Inference Extension's InferencePool likewise (the official CRD is checked too where
+# ../shared/crds holds it: test_operator_routing.py).
+INFERENCE_POOL_SCHEMA = ROOT / "tests" / "operator" / "schemas" / "inferencepool.schema.json"
 
 
 def _unknown_fields(value, schema: dict, at: str = "") -> list[str]:
@@ -78,7 +81,8 @@ def validate_leaderworkerset(manifest: dict, version: str) -> None:
 
 def validate_manifest(manifest: dict, version: str) -> None:
     """Strict schema validation: kubernetes-validate for built-in kinds, ours for KEDA's
-    ScaledObject, Gateway API's HTTPRoute and the Prometheus Operator's PodMonitor."""
+    ScaledObject, Gateway API's HTTPRoute, the Inference Extension's InferencePool and the
+    Prometheus Operator's PodMonitor."""
     api_version = manifest.get("apiVersion", "")
     if api_version.startswith("leaderworkerset.x-k8s.io/"):
         validate_leaderworkerset(manifest, version)
@@ -87,6 +91,7 @@ def validate_manifest(manifest: dict, version: str) -> None:
         "keda.sh/": KEDA_SCHEMA,
         "gateway.networking.k8s.io/": HTTPROUTE_SCHEMA,
         "monitoring.coreos.com/": POD_MONITOR_SCHEMA,
+        "inference.networking.k8s.io/": INFERENCE_POOL_SCHEMA,
     }
     for prefix, path in own.items():
         if api_version.startswith(prefix):

@@ -172,6 +172,51 @@ def test_api_workers_bounds_are_refused():
         model(server={"apiWorkers": 0})
 
 
+def test_queue_priorities_and_weights_reach_the_server():
+    assert "--queue-size" not in server_args(model())  # no queue: a full pod answers 429
+    args = server_args(model(server={"queue": {
+        "size": 128, "timeoutSeconds": 20, "priorities": ["interactive", "batch"],
+        "defaultPriority": "interactive", "tenantWeights": {"globex": 1, "acme": 3},
+        "slotSharing": False}}))  # fmt: skip
+    assert (flag(args, "--queue-size"), flag(args, "--queue-timeout-seconds")) == ("128", "20")
+    assert flag(args, "--priority-classes") == "interactive,batch"
+    assert flag(args, "--default-priority") == "interactive"
+    assert flag(args, "--tenant-weights") == "acme=3,globex=1"
+    assert flag(args, "--queue-slot-sharing") == "false"
+    assert flag(args, "--fair-share-window-seconds") == "30"
+
+
+def test_the_jwt_priority_claim_reaches_the_server_with_classes_only():
+    jwt = {**JWT, "jwks": {"secretRef": {"name": "jwks"}}, "priorityClaim": "tier"}
+    classes = {"queue": {"size": 8, "priorities": ["interactive", "batch"]}}
+    assert (
+        flag(server_args(model(auth={"jwt": jwt}, server=classes)), "--jwt-priority-claim")
+        == "tier"
+    )
+    # without classes the server never reads the claim: the pod template stays as it was
+    assert "--jwt-priority-claim" not in server_args(model(auth={"jwt": jwt}))
+    assert "--jwt-priority-claim" not in server_args(
+        model(auth={"jwt": jwt}, server={"queue": {"size": 8}})
+    )
+
+
+@pytest.mark.parametrize("queue, says", [
+    ({"timeoutSeconds": 30}, "server.queue needs size: a queue is always bounded"),
+    ({"size": 0}, "greater than or equal to 1"),
+    ({"size": 8, "priorities": ["a"], "defaultPriority": "b"}, "must be one of server.queue.priorities"),
+    ({"size": 8, "defaultPriority": "b"}, "must be one of server.queue.priorities"),
+    ({"size": 8, "priorities": ["a", "a"]}, "must not repeat"),
+    ({"size": 8, "priorities": ["Urgent"]}, "should match pattern"),
+    ({"size": 8, "tenantWeights": {"acme": -1}}, "every weight is a whole number from 1 to 1000"),
+    ({"size": 8, "tenantWeights": {"a": 2, "acme": 1001}}, "weighs 1) (acme: 1001)"),
+    ({"size": 8, "tenantWeights": {"a/b": 2}}, "not a plain name: a/b"),
+])  # fmt: skip
+def test_bad_queues_are_refused(queue, says):
+    with pytest.raises(SpecError) as e:
+        model(server={"queue": queue})
+    assert says in str(e.value)
+
+
 def test_unset_engine_values_are_left_to_vllm():
     args = server_args(model())
     for name in (

@@ -164,6 +164,20 @@ CASES = pytest.mark.parametrize(
         ({"autoscaling": {"minReplicas": 3, "maxReplicas": 3}}, None),
         ({"autoscaling": {"minReplicas": 4}}, None),  # the default maxReplicas is 4
         ({"autoscaling": {"minReplicas": 5}}, "minReplicas must not exceed"),
+        ({"server": {"queue": {"size": 8, "priorities": ["a", "b"]}}}, None),
+        ({"server": {"queue": {"timeoutSeconds": 5}}}, "server.queue needs size"),
+        (
+            {"server": {"queue": {"size": 8, "priorities": ["a"], "defaultPriority": "c"}}},
+            "defaultPriority must be one of server.queue.priorities",
+        ),
+        (
+            {"server": {"queue": {"size": 8, "defaultPriority": "c"}}},
+            "defaultPriority must be one of server.queue.priorities",
+        ),
+        (
+            {"server": {"queue": {"size": 8, "tenantWeights": {"acme": 0}}}},
+            "every weight is a whole number from 1 to 1000",
+        ),
     ],
 )
 

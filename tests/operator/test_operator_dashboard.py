@@ -44,7 +44,8 @@ def test_variables_and_panels():
     for needed in ("Time to first token vs target", "Inter-token latency", "Output tokens/s",
                    "Active streams", "Requests and rejections by reason",
                    "Client disconnects and aborts", "Stream errors after the 200",
-                   "Queue wait (request -> engine's first output)", "Engine KV-cache usage",
+                   "Time to the engine's first output", "Admission queue: wait by priority",
+                   "Admission queue: waiting and shed", "Engine KV-cache usage",
                    "Engine running and waiting requests", "Replicas: desired and current",
                    "Autoscaler's reading: per-pod TTFT p90"):  # fmt: skip
         assert needed in titles

@@ -26,6 +26,7 @@ WANTS = {
     "ScaledObject": {"autoscaling": {"backend": "keda", "maxReplicas": 3}},
     "HTTPRoute": {"gateway": {"parentRefs": [{"name": "public"}]}},
     "PodMonitor": {"observability": {"podMonitor": {"enabled": True}}},
+    "InferencePool": {"routing": {"inferencePool": {"enabled": True}}},
     "LeaderWorkerSet": {"parallelism": {"pipeline": 2, "nodes": 2}},
 }
 ROWS = [pytest.param(o, id=o.name) for o in OPTIONAL_KINDS]

@@ -475,3 +475,58 @@ def test_poller_without_an_activator_never_signals_idle():
     scaler.run_once()
     assert scaler.signals(("default", "m")) == Signals()
     assert not [c for c in cluster.calls if c[0] in ("apply", "list")]
+
+
+# ---- the route switch (routing.route_backend, one decision for both routes) ----------------
+
+
+def test_httproute_names_the_activator_service_with_the_models_host_while_none_is_ready():
+    """Gateway API: the same ExternalName Service as the Ingress, and a URLRewrite of the
+    Host only (the path is unchanged); checked against our strict schema and the official
+    Standard-channel CRD."""
+    gw = {"parentRefs": [{"name": "public", "namespace": "gateways"}]}
+    body = body_of(minimal(autoscaling=ZERO, gateway=gw))
+    up = desired_children(model_of(body))["HTTPRoute"]["spec"]["rules"][0]
+    assert up["backendRefs"] == [{"name": "m", "port": 8000}] and "filters" not in up
+    route = desired_children(model_of(body, via=True))["HTTPRoute"]
+    rule = route["spec"]["rules"][0]
+    assert rule["backendRefs"] == [{"name": "m-activator", "port": 8000}]
+    assert rule["filters"] == [
+        {"type": "URLRewrite", "urlRewrite": {"hostname": "m.default.svc.cluster.local"}}
+    ]
+    validate_manifest(route, "1.33.0")
+    path = shared_crd("gateway-api/standard/gateway.networking.k8s.io_httproutes.yaml")
+    if path is not None:
+        crd = yaml.safe_load(path.read_text())
+        (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+        jsonschema.Draft7Validator(v1["schema"]["openAPIV3Schema"]).validate(route)
+        bad = copy.deepcopy(route)  # negative control: the CRD has teeth
+        bad["spec"]["rules"][0]["filters"][0]["type"] = "Rewrite"
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.Draft7Validator(v1["schema"]["openAPIV3Schema"]).validate(bad)
+    # The pool loses the route to the activator while no replica is Ready, and gets it back.
+    pooled = body_of(minimal(autoscaling=ZERO, gateway=gw, routing={"inferencePool": {
+        "enabled": True}}))  # fmt: skip
+    assert desired_children(model_of(pooled))["HTTPRoute"]["spec"]["rules"][0]["backendRefs"][
+        0]["kind"] == "InferencePool"  # fmt: skip
+    rule = desired_children(model_of(pooled, via=True))["HTTPRoute"]["spec"]["rules"][0]
+    assert rule["backendRefs"] == [{"name": "m-activator", "port": 8000}]
+
+
+def test_route_backend_condition_follows_the_switch():
+    cluster, events, sig = FakeCluster(), Events(), Signalled()
+    body = zero_body()
+    converge(cluster, body, events, now=NOW, zero=sig.context())
+    cond = {c["type"]: c for c in cluster.stored_status[("default", "m")]["conditions"]}
+    assert cond["RouteBackend"]["reason"] == "Activator"
+    assert "Service m-activator" in cond["RouteBackend"]["message"]
+    cluster.set_deployment_status("default", "m", replicas=1, readyReplicas=1,
+                                  updatedReplicas=1, availableReplicas=1)  # fmt: skip
+    converge(cluster, with_status(body, cluster), events, now=NOW, zero=sig.context())
+    cond = {c["type"]: c for c in cluster.stored_status[("default", "m")]["conditions"]}
+    assert cond["RouteBackend"]["reason"] == "Service"
+    assert cond["RouteBackend"]["message"] == "the Ingress sends requests to Service m"
+    # Models without scale to zero and without a Gateway have no such condition.
+    plain = FakeCluster()
+    converge(plain, body_of(minimal(ingress={"enabled": True})), Events(), now=NOW)
+    assert "RouteBackend" not in {c["type"] for c in plain.statuses[-1]["conditions"]}

@@ -17,8 +17,11 @@ change routing, so a wrong annotation fails a test: ingress-nginx cookie affinit
 (`affinity: cookie`, `session-cookie-name`, `session-cookie-path`) pins a client to the
 upstream server that answered it first, as ingress-nginx's balancer does (its cookie holds
 a hash of the endpoint; ours holds the endpoint itself, mapped back over a fixed list).
-Several upstream URLs make one round-robin upstream. `path` is the Ingress rule's path
-(Prefix): only it is routed, unchanged, and everything else gets nginx's 404.
+Several upstream URLs make one upstream, round robin unless F5's `nginx.org/lb-method`
+annotation asks for `least_conn` (nginx's own directive, which that annotation sets). `path` is the Ingress rule's path
+(Prefix): only it is routed, unchanged, and everything else gets nginx's 404. `http2`:
+the client side speaks HTTP/2 in cleartext (prior knowledge, as a gateway hop does); the
+upstream side stays HTTP/1.1.
 
 Measured with nginx 1.22: `proxy_buffering on` by itself does not delay an SSE response
 (nginx forwards what it has read whenever the client socket is writable), so it is no
@@ -43,7 +46,7 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from testkit.net import free_port
-from testkit.nginx import find_nginx, run_as_root_directive
+from testkit.nginx import LB_DIRECTIVES, find_nginx, run_as_root_directive
 
 __all__ = ["NginxProxy", "find_nginx", "render_config"]
 Mode = Literal["ingress", "nginx-default", "buffered"]
@@ -62,12 +65,22 @@ def render_config(
     max_body: str = "1m",
     annotations: dict[str, str] | None = None,
     path: str = "/",
+    http2: bool = False,
 ) -> str:
     """nginx.conf text. `upstream` is host:port (or several). Everything nginx writes stays
     in `prefix`."""
     upstreams = [upstream] if isinstance(upstream, str) else list(upstream)
     ann = annotations or {}
     servers = " ".join(f"server {u};" for u in upstreams)
+    # The balancing method the operator's annotation asks for (builders/ingress.py
+    # LB_METHODS): F5's lb-method is nginx's upstream directive; round_robin is nginx's
+    # default and needs none.
+    lb = ann.get("nginx.org/lb-method", "round_robin")
+    if lb not in LB_DIRECTIVES:
+        raise ValueError(
+            f"nginx.org/lb-method {lb!r}: this test proxy knows {sorted(LB_DIRECTIVES)}"
+        )
+    method = LB_DIRECTIVES[lb]
     affinity_map, target, set_cookie = "", "sluice", ""
     if ann.get(ING + "affinity") == "cookie":
         name = ann.get(ING + "session-cookie-name", "INGRESSCOOKIE")
@@ -126,10 +139,10 @@ http {{
         default upgrade;
         ''      close;
     }}
-    upstream sluice {{ {servers} }}
+    upstream sluice {{ {method}{servers} }}
     {affinity_map}
     server {{
-        listen 127.0.0.1:{listen_port};
+        listen 127.0.0.1:{listen_port}{" http2" if http2 else ""};
         client_max_body_size {max_body};
 {locations}
     }}

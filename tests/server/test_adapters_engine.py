@@ -7,7 +7,7 @@ without mixing; an adapter stream is aborted when its client goes (engine tokens
 drop <= 2, from the engine core's own step timestamps, as test_stream_abort.py measures);
 unknown names are 404; an adapter the engine refuses (rank over --max-lora-rank) is Failed
 with the engine's reason while the others serve; /metrics keeps vLLM's own
-`vllm:lora_requests_info`.
+`vllm:lora_requests_info`, read without error by an endpoint picker's rules (epp_rules.py).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import pytest
 import pytest_asyncio
 import websockets
 from app_helpers import engine_settings, serving, sse_events, token_payloads, ws_url
+from epp_rules import extract
 from lora_helpers import make_adapter, write_adapters
 from testkit.net import free_port
 
@@ -83,6 +84,10 @@ async def test_adapters_change_the_answer_and_the_base_stays_the_same(lora_serve
         assert "`tiny`, `alpha`, `beta`" in r.json()["error"]["message"]
         metrics = (await c.get("/metrics")).text
         assert "vllm:lora_requests_info" in metrics
+        # As an endpoint picker reads it (llm-d-router's extractor rules): no error, and the
+        # engine's adapter slots (max_lora) as an int.
+        epp = extract(metrics)
+        assert epp.errors == [] and epp.max_adapters > 0, epp
         assert 'sluice_adapter_state{adapter="alpha"' in metrics
 
 

@@ -82,7 +82,7 @@ async def test_metrics_match_known_requests(make_server, engine):
     assert get(m, "sluice_ttft_seconds_bucket", "sse", le="60.0") == 4
     assert get(m, "sluice_e2e_latency_seconds_count", "sse") == 4
     assert get(m, "sluice_e2e_latency_seconds_count", "openai") == 2
-    assert get(m, "sluice_queue_wait_seconds_count", "websocket") == 2
+    assert get(m, "sluice_first_output_seconds_count", "websocket") == 2
     assert (
         get(m, "sluice_inter_token_latency_seconds_count", "websocket") == itl_expected["websocket"]
     )

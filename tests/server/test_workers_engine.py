@@ -28,12 +28,14 @@ import time
 
 import httpx
 import pytest
+from epp_rules import extract, families
 from pod_helpers import (
     access_entry,
     client,
     drain_while_streaming,
     kill_a_worker_while_streaming,
     metric,
+    pin,
     pinned,
     read_stream,
     scrape,
@@ -45,6 +47,10 @@ pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.engine, pyt
 START_S = 600  # engine core + two front ends on a busy 2-core machine
 LONG = 10_000  # tokens: over a minute of one stream here
 HOLD = 3_000  # tokens: the drain test's pinned reads, about 30 s beside the others
+MAX_SEQS = 12  # above every other test's concurrency (the drain test's 8 + 2 pinned)
+EPP_STREAMS = 16  # the endpoint-picker test's load: MAX_SEQS running, the rest waiting
+EPP_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running",
+              "vllm:kv_cache_usage_perc", "vllm:cache_config_info")  # fmt: skip
 
 
 def _pod(log_dir, *flags):
@@ -55,8 +61,10 @@ def _pod(log_dir, *flags):
     env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "TMPDIR": scratch,
            "VLLM_CACHE_ROOT": os.path.join(scratch, "vllm"),
            "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}  # fmt: skip
+    # At most MAX_SEQS sequences run at once, so a load above it also shows as waiting.
     return start_pod(log_dir, "--model", "tiny", "--max-model-len", str(LONG + 64),
-                     "--drain-timeout-seconds", "180", *flags, env=env, timeout=START_S)  # fmt: skip
+                     "--max-num-seqs", str(MAX_SEQS), "--drain-timeout-seconds", "180",
+                     *flags, env=env, timeout=START_S)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +133,66 @@ async def test_disconnect_aborts_on_each_worker(pod, worker):
     assert got <= generated < LONG, entry  # cut short, not run to the end
     for name in ("sluice_client_disconnects_total", "sluice_aborts_total"):
         assert metric(after, name, protocol="sse") - metric(before, name, protocol="sse") == 1
+
+
+async def _epp_reading(c: httpx.AsyncClient, done, limit_s: float = 300.0):
+    """Scrape until `done(reading, pod's own metrics text)`; the EPP's reading of the last."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        text = await scrape(c)
+        reading = extract(text)
+        if done(reading, text):
+            return reading, text
+        assert time.monotonic() < deadline, (reading, text[-3000:])
+        await asyncio.sleep(0.2)
+
+
+def _exactly_once(text: str) -> None:
+    fams = families(text)
+    for name in EPP_GAUGES:
+        assert len(fams.get(name, [])) == 1, (name, fams.get(name))
+
+
+async def test_an_endpoint_picker_reads_the_pods_load_once_across_workers(pod):
+    """llm-d-router's extractor rules (epp_rules.py) on this pod's /metrics: every gauge it
+    reads is one series (it takes the first, so a per-worker split would read one worker's
+    share), the values are the pod's (running + waiting = the streams the pod itself counts,
+    so not doubled by two workers), they move with load and come back when it ends, and the
+    cache config parses as the EPP parses it."""
+    _, url = pod
+    async with client(url) as c:
+        text = await _settled(c)
+        # A pod no request has reached yet may lack the scheduler gauges: vLLM's are
+        # multiprocess "mostrecent" gauges, which the collector leaves out until first set
+        # (the EPP then reports the family missing and keeps its zero defaults). Whatever
+        # is there is there once.
+        fams = families(text)
+        for name in EPP_GAUGES:
+            assert len(fams.get(name, [])) <= 1, (name, fams.get(name))
+        assert "vllm:lora_requests_info" not in fams  # no adapters: none, as vLLM
+
+        holds = []
+        for i in range(EPP_STREAMS):  # half on each worker
+            hold = await pin(url, str(i % 2))
+            holds.append((hold, asyncio.create_task(read_stream(hold, LONG))))
+        try:
+            busy, text = await _epp_reading(
+                c, lambda r, t: metric(t, "sluice_active_streams") == EPP_STREAMS
+                and r.running + r.waiting == EPP_STREAMS and r.kv_cache_usage > 0)  # fmt: skip
+            _exactly_once(text)
+            # The scheduler runs at most MAX_SEQS (fewer if KV blocks run out); the rest wait.
+            assert 0 < busy.running <= MAX_SEQS and busy.waiting >= EPP_STREAMS - MAX_SEQS, busy
+            assert 0 < busy.kv_cache_usage <= 1 and busy.errors == []
+            assert busy.block_size > 0 and busy.num_gpu_blocks > 0
+        finally:
+            for hold, task in holds:
+                task.cancel()
+                await hold.aclose()
+            await asyncio.gather(*(t for _, t in holds), return_exceptions=True)
+        after, text = await _epp_reading(c, lambda r, t: r.running == r.waiting == 0
+                                         and r.kv_cache_usage == 0.0)  # fmt: skip
+        _exactly_once(text)
+        assert after.errors == []
 
 
 async def test_sigterm_drains_every_worker_and_exits_zero(pod):

@@ -11,7 +11,8 @@ every suite; tests/bench/run.py puts tests/ on sys.path itself).
 - `clock`: a virtual-time event loop for code that runs on the loop's timers;
 - `live_cluster`: a control plane with the CRD for suites outside tests/e2e, and the
   one-line skip of e2e-marked tests without one;
-- `promtool`: Prometheus's rule-test runner.
+- `promtool`: Prometheus's rule-test runner;
+- `wait`: `eventually()`, waiting for what the system under test will record.
 
 Suite-specific helpers stay with their suite: tests/e2e/harness (the control plane, fake
 nodes, the operator process), tests/operator/operator_helpers.py,

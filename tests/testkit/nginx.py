@@ -7,6 +7,9 @@ import os
 import shutil
 
 NGINX_CANDIDATES = ("/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/local/bin/nginx")
+# F5 NGINX Ingress's `nginx.org/lb-method` values the test proxies apply, as the nginx
+# upstream directive that controller writes for each (round_robin is nginx's default).
+LB_DIRECTIVES = {"round_robin": "", "least_conn": "least_conn; "}
 
 
 def find_nginx() -> str | None:

@@ -74,6 +74,12 @@ rule's "why" there, and each `if .Values.x` block its "granted" column.
 - apiGroups: ["gateway.networking.k8s.io"]
   resources: ["httproutes"]
   verbs: ["get", "create", "patch", "delete"]
+# Gateway API Inference Extension InferencePools for models with
+# `routing.inferencePool.enabled`: read, server-side applied, deleted when it is turned off.
+# Not watched (the CRD may be absent), so no list/watch.
+- apiGroups: ["inference.networking.k8s.io"]
+  resources: ["inferencepools"]
+  verbs: ["get", "create", "patch", "delete"]
 # LeaderWorkerSets (LWS v0.10+) for models with `parallelism.nodes` above 1: read,
 # server-side applied, deleted when a model moves back to one node (a Deployment). Not
 # watched (the LWS CRD may be absent; the model's pods are), so no list/watch.

@@ -131,12 +131,30 @@ def server_args(model: StreamingModel) -> list[str]:
     if s.resume.grace_seconds:
         args += ["--resume-grace-seconds", str(s.resume.grace_seconds)]
 
+    q = spec.server.queue
+    if q is not None:
+        args += ["--queue-size", str(q.size), "--queue-timeout-seconds", str(q.timeout_seconds)]
+        if q.priorities:  # the server then runs vLLM with --scheduling-policy priority
+            args += ["--priority-classes", ",".join(q.priorities)]
+        if q.default_priority:
+            args += ["--default-priority", q.default_priority]
+        if q.tenant_weights:
+            args += [
+                "--tenant-weights",
+                ",".join(f"{t}={w}" for t, w in sorted(q.tenant_weights.items())),
+            ]
+        if not q.slot_sharing:
+            args += ["--queue-slot-sharing", "false"]
+        args += ["--fair-share-window-seconds", str(q.fair_share_window_seconds)]
+
     auth = spec.auth
     if auth.api_key_secret_ref:
         args += ["--api-key-file", f"{API_KEYS_DIR}/{API_KEYS_FILE}"]
     if auth.jwt:
         args += ["--jwt-jwks-file", f"{JWKS_DIR}/{JWKS_FILE}", "--jwt-issuer", auth.jwt.issuer,
                  "--jwt-audience", auth.jwt.audience, "--jwt-tenant-claim", auth.jwt.tenant_claim]  # fmt: skip
+        if q is not None and q.priorities:  # the server reads the claim with classes only
+            args += ["--jwt-priority-claim", auth.jwt.priority_claim]
     limit = auth.rate_limit
     if limit.requests_per_minute:
         args += ["--rate-limit-rpm", str(limit.requests_per_minute)]

@@ -30,6 +30,22 @@ def labels(model: StreamingModel) -> dict[str, str]:
     }
 
 
+# The pod labels an endpoint picker reads (llm-d-router's metrics extractor picks its metric
+# mapping by engine type, falling back to GAIE's older `inference.networking.k8s.io/
+# engine-type`; its role filters keep `both` for a pod that does prefill and decode).
+ENGINE_TYPE_LABEL = "llm-d.ai/engine-type"
+ROLE_LABEL = "llm-d.ai/role"
+
+
+def endpoint_picker_labels(model: StreamingModel) -> dict[str, str]:
+    """On the vLLM pods of a model with an InferencePool (whose /metrics carry the `vllm:*`
+    gauges an EPP reads). None without the pool: an operator upgrade then changes (and
+    rolls) no other model's pods. None on the simulator, which an EPP could not read."""
+    if model.simulated or not model.spec.routing.inference_pool.enabled:
+        return {}
+    return {ENGINE_TYPE_LABEL: "vllm", ROLE_LABEL: "both"}
+
+
 def metadata(model: StreamingModel, **extra: Any) -> dict[str, Any]:
     return {"name": model.name, "namespace": model.namespace, "labels": labels(model), **extra}
 

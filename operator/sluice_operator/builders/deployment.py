@@ -15,7 +15,7 @@ from ..models.resource import (
 )
 from .adapters import adapter_volumes
 from .args import PRESTOP_SECONDS, server_args, termination_grace_seconds
-from .common import PORT, PORT_NAME, labels, metadata, selector_labels
+from .common import PORT, PORT_NAME, endpoint_picker_labels, labels, metadata, selector_labels
 
 # Loading a large model (download + weights into GPU memory + CUDA graphs) takes tens of
 # minutes; the startup probe holds liveness off for spec.startup.timeoutSeconds. The
@@ -211,7 +211,8 @@ def pod_template(model: StreamingModel) -> dict[str, Any]:
     pod_spec.update({k: v for k, v in optional.items() if v})
     return {
         "metadata": {
-            "labels": {**spec.pod_labels, **labels(model)},
+            # podLabels may change the EPP's labels (a role), never the operator's own.
+            "labels": {**endpoint_picker_labels(model), **spec.pod_labels, **labels(model)},
             "annotations": pod_annotations(model),
         },
         "spec": pod_spec,

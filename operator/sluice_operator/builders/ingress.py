@@ -4,6 +4,24 @@ Two controllers answer to "nginx" in the field: the community ingress-nginx
 (`nginx.ingress.kubernetes.io/*`, project retired but widely deployed) and F5's NGINX
 Ingress Controller (`nginx.org/*`). Both default to the class name `nginx`, so
 `spec.ingress.controller` says which one when the class name cannot.
+
+Balancing (`spec.routing.balance`, `balance_annotations`): a stream holds its replica for its
+whole length, so what matters is how many streams each replica has open.
+
+- F5: `nginx.org/lb-method` is nginx's own upstream method. least-loaded is `least_conn`
+  (open upstream connections, which is open streams: nginx counts a connection from the
+  request until its response ends); round-robin is `round_robin`. F5's own default is
+  `random two least_conn`, close to least_conn with many nginx workers. `least_time` (NGINX
+  Plus only) weighs header or last-byte time, and for a stream last-byte time is its
+  length, so it is not used.
+- ingress-nginx balances in Lua and ignores upstream directives; its
+  `nginx.ingress.kubernetes.io/load-balance` offers `round_robin` and `ewma` only. EWMA
+  (balancer/ewma.lua) picks the better of two random replicas by a moving average (10 s
+  decay) of upstream connect + response time, updated when a response ends. For a stream the
+  response time is the stream's length, known only once it is over: replicas holding long
+  streams look idle until those end, and then look slow once they are free again. That is
+  not a load signal, so least-loaded keeps `round_robin` there, and load-aware routing on
+  ingress-nginx needs the InferencePool path (a Gateway with an endpoint picker).
 """
 
 from __future__ import annotations
@@ -13,6 +31,7 @@ from typing import Any
 from ..models.resource import StreamingModel
 from .activator import UPSTREAM_VHOST, activator_service_name, upstream_host
 from .common import PORT, PORT_NAME, metadata
+from .routing import Backend, route_backend
 
 # The session-affinity cookie that brings a resumed stream back to its pod.
 AFFINITY_COOKIE = "sluice-affinity"
@@ -26,6 +45,21 @@ def controller(model: StreamingModel) -> str:
     if ing.controller != "auto":
         return ing.controller
     return "f5-nginx" if any(h in ing.class_name for h in _F5_HINTS) else "ingress-nginx"
+
+
+# spec.routing.balance -> each controller's method (see the module docstring).
+LB_METHODS = {
+    "f5-nginx": {"least-loaded": "least_conn", "round-robin": "round_robin"},
+    "ingress-nginx": {"least-loaded": "round_robin", "round-robin": "round_robin"},
+}
+
+
+def balance_annotations(model: StreamingModel) -> dict[str, str]:
+    which = controller(model)
+    method = LB_METHODS[which][model.spec.routing.balance]
+    if which == "f5-nginx":
+        return {"nginx.org/lb-method": method}
+    return {"nginx.ingress.kubernetes.io/load-balance": method}
 
 
 def streaming_annotations(model: StreamingModel) -> dict[str, str]:
@@ -91,8 +125,12 @@ def desired_ingress(model: StreamingModel) -> dict[str, Any] | None:
     spec: dict[str, Any] = {"ingressClassName": ing.class_name, "rules": [rule]}
     if ing.tls_secret_name:
         spec["tls"] = [{"hosts": [ing.host], "secretName": ing.tls_secret_name}]
-    annotations = {**streaming_annotations(model), **ing.annotations}  # the user's win
-    if model.via_activator:  # the activator tells models apart by Host (builders/activator.py)
+    annotations = {
+        **streaming_annotations(model),
+        **balance_annotations(model),
+        **ing.annotations,  # the user's win
+    }
+    if route_backend(model) is Backend.ACTIVATOR:  # it tells models apart by Host
         annotations[UPSTREAM_VHOST] = upstream_host(model)
     return {
         "apiVersion": "networking.k8s.io/v1",
@@ -103,9 +141,10 @@ def desired_ingress(model: StreamingModel) -> dict[str, Any] | None:
 
 
 def backend_service(model: StreamingModel) -> dict[str, Any]:
-    """The Ingress path's backend: the model's Service, or its activator Service while the
-    model has no Ready replica (scale to zero). ExternalName has no named port: by number."""
-    if model.via_activator:
+    """The Ingress path's backend (`routing.route_backend`): the model's Service, or its
+    activator Service while the model has no Ready replica (scale to zero; ExternalName has
+    no named port: by number). An Ingress cannot name an InferencePool: the Service."""
+    if route_backend(model) is Backend.ACTIVATOR:
         return {"name": activator_service_name(model), "port": {"number": PORT}}
     return {"name": model.name, "port": {"name": PORT_NAME}}
 

@@ -101,7 +101,7 @@ def desired_scaled_object(model: StreamingModel) -> dict[str, Any] | None:
     a = spec.autoscaling
     assert a is not None
     zero = spec.scale_to_zero
-    out = {
+    out: dict[str, Any] = {
         "apiVersion": API_VERSION,
         "kind": "ScaledObject",
         "metadata": metadata(model),

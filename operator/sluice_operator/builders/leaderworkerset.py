@@ -27,7 +27,7 @@ from typing import Any
 
 from ..models.resource import StreamingModel
 from .args import PRESTOP_SECONDS, drain_seconds, worker_args
-from .common import metadata
+from .common import endpoint_picker_labels, metadata
 from .deployment import pod_template
 
 API_VERSION = "leaderworkerset.x-k8s.io/v1"
@@ -45,7 +45,12 @@ def leader_selector(model: StreamingModel) -> dict[str, str]:
 
 def _worker_template(model: StreamingModel, leader: dict[str, Any]) -> dict[str, Any]:
     worker = copy.deepcopy(leader)
-    worker["metadata"]["labels"][ROLE_LABEL] = "worker"
+    labels = worker["metadata"]["labels"]
+    labels[ROLE_LABEL] = "worker"
+    # An endpoint picker reads leaders only (the pool selects them): the operator's EPP
+    # labels stay off workers (podLabels do not).
+    for key in endpoint_picker_labels(model).keys() - model.spec.pod_labels.keys():
+        del labels[key]
     # Nothing to scrape or probe: the worker serves no HTTP.
     worker["metadata"]["annotations"] = dict(model.spec.pod_annotations)
     (container,) = worker["spec"]["containers"]

@@ -121,9 +121,38 @@ PANELS: tuple[Panel, ...] = (
         "Streams ended by an error event: time limit, stalled reader, drain, engine error.",
     ),
     Panel(
-        "Queue wait (request -> engine's first output)",
+        "Time to the engine's first output",
         "s",
-        _quantiles("sluice_queue_wait_seconds", (0.5, 0.99)),
+        _quantiles("sluice_first_output_seconds", (0.5, 0.99)),
+        "Request received -> the engine's first output: the admission queue, the engine's "
+        "own queue and prefill.",
+    ),
+    Panel(
+        "Admission queue: wait by priority",
+        "s",
+        tuple(
+            Target(
+                f"histogram_quantile({q:g}, sum by (le, priority) "
+                f"(rate(sluice_queue_wait_seconds_bucket{{{PODS}}}[{RATE}])))",
+                f"p{round(q * 100)} {{{{priority}}}}",
+            )
+            for q in (0.5, 0.99)
+        ),
+        "Time admitted requests waited for a stream slot (--queue-size), part of their TTFT; "
+        "by tenant too in sluice_queue_wait_seconds.",
+    ),
+    Panel(
+        "Admission queue: waiting and shed",
+        "short",
+        (
+            Target(f"sum by (priority) (sluice_queue_depth{{{PODS}}})", "waiting {{priority}}"),
+            Target(
+                f"sum by (reason) (rate(sluice_queue_sheds_total{{{PODS}}}[{RATE}]))",
+                "shed/s {{reason}}",
+            ),
+        ),
+        "Requests waiting per priority class, and refusals per second by reason: queue_full, "
+        "displaced (lower priority shed for a higher), timeout, draining.",
     ),
     Panel(
         "Engine KV-cache usage",

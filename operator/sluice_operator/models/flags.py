@@ -33,7 +33,8 @@ checked (it may be the second value of a multi-value flag such as `--lora-module
 
 from __future__ import annotations
 
-# The server's own flags (`--engine`, `--api-key-file`) and the vLLM options the spec sets.
+# The server's own flags (`--engine`, `--api-key-file`) and the vLLM options the spec sets
+# (`--scheduling-policy` follows server.queue.priorities).
 RESERVED_LONG = (
     "--model",
     "--revision",
@@ -70,6 +71,8 @@ RESERVED_LONG = (
     "--master-addr",
     "--master-port",
     "--headless",
+    # Priority scheduling: server.queue.priorities.
+    "--scheduling-policy",
 )
 RESERVED_SHORT = ("-tp", "-pp", "-dp", "-dpl", "-q", "-n", "-r")
 # The vLLM settings (argparse destinations) behind them; the tests collect every option
@@ -103,6 +106,7 @@ RESERVED_VLLM_DESTS = frozenset(
         "max_lora_rank",
         "max_cpu_loras",
         "lora_modules",
+        "scheduling_policy",
     }
 )
 # Reserved but not vLLM's: the server's own flags, and --swap-space (engine.swapSpaceGiB).

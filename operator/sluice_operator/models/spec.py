@@ -661,6 +661,11 @@ class JwtSpec(ApiModel):
         description="Claim naming the tenant (metrics and logs are labelled by tenant). The "
         "claims rpm and tpm give a token its limits.",
     )
+    priority_claim: Annotated[str, StringConstraints(min_length=1, max_length=253)] = Field(
+        default="priority",
+        description="Claim naming the caller's priority class (with server.queue.priorities; "
+        "a class that is not one of them: 401).",
+    )
 
 
 class AuthSpec(ApiModel):
@@ -669,9 +674,10 @@ class AuthSpec(ApiModel):
     api_key_secret_ref: ApiKeySecretRef | None = Field(
         default=None,
         description="Secret key with API keys, mounted as a file: one key per line, "
-        "optionally followed by tenant=NAME rpm=N tpm=N models=A,B (models: the served names, "
-        "base or adapters, the key may use). Reloaded when the Secret changes (no "
-        "restart). Unset (and no jwt): no authentication.",
+        "optionally followed by tenant=NAME rpm=N tpm=N models=A,B priority=CLASS weight=N "
+        "(models: the served names, base or adapters, the key may use; priority and weight: "
+        "server.queue). Reloaded when the Secret changes (no restart). Unset (and no jwt): no "
+        "authentication.",
     )
     jwt: JwtSpec | None = Field(
         default=None, description="Accept Bearer JWTs (as well as API keys, if both are set)."
@@ -936,6 +942,72 @@ class GatewaySpec(ApiModel):
     )
 
 
+class EndpointPickerPort(ApiModel):
+    """A port of the endpoint picker's Service."""
+
+    number: int = Field(
+        ge=1,
+        le=65535,
+        description="Port number (the EPP's ext-proc gRPC port, 9002 in GAIE's charts).",
+    )
+
+
+class EndpointPickerRef(ApiModel):
+    """The endpoint picker (EPP) the gateway asks which pod serves each request."""
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=253)] = Field(
+        description="Name of the endpoint picker's Service, in the model's namespace (the "
+        "platform team runs the EPP, e.g. llm-d-router's or GAIE's chart)."
+    )
+    port: EndpointPickerPort = Field(description="The EPP Service's ext-proc port.")
+    failure_mode: Literal["FailOpen", "FailClose"] = Field(
+        default="FailClose",
+        description="What the gateway does when the EPP does not answer: FailClose refuses "
+        "the request (503), FailOpen sends it to a pod of the pool its own way.",
+    )
+
+
+class InferencePoolSpec(ApiModel):
+    """A Gateway API Inference Extension InferencePool (inference.networking.k8s.io/v1)."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Create an InferencePool named like the model that selects its pods; "
+        "with spec.gateway, the HTTPRoute's backend is the pool instead of the Service, so "
+        "the gateway asks the endpoint picker which pod takes each request.",
+    )
+    app_protocol: Literal["http", "kubernetes.io/h2c"] = Field(
+        default="http",
+        description="Protocol the gateway speaks to the pods. The Sluice server speaks "
+        "HTTP/1.1 (uvicorn has no HTTP/2): keep http unless the image serves HTTP/2 in "
+        "cleartext (kubernetes.io/h2c).",
+    )
+    endpoint_picker: EndpointPickerRef | None = Field(
+        default=None,
+        description="The pool's endpointPickerRef. Unset: the pool carries none (optional "
+        "in GAIE v1.6.0's CRD) and the gateway implementation picks the endpoint its own way.",
+    )
+
+
+class RoutingSpec(ApiModel):
+    """How requests are spread over the model's replicas."""
+
+    balance: Literal["least-loaded", "round-robin"] = Field(
+        default="least-loaded",
+        description="How the Ingress picks a replica for a new request. least-loaded: the "
+        "controller's nearest load-aware method (F5 NGINX Ingress: nginx.org/lb-method "
+        "least_conn, the replica with the fewest open streams; ingress-nginx has none that "
+        "sees open streams, its ewma scores replicas by finished responses only, so it "
+        "keeps round_robin). round-robin: each replica in turn. With "
+        "streaming.resume.graceSeconds > 0 an affinity cookie still brings a client back "
+        "to its pod. A Gateway API route has no balancing field: use inferencePool for "
+        "load-aware routing behind a Gateway.",
+    )
+    inference_pool: InferencePoolSpec = sub(
+        InferencePoolSpec, "InferencePool for an endpoint picker (off by default)."
+    )
+
+
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
 
 
@@ -1074,6 +1146,122 @@ class NetworkPolicySpec(ApiModel):
     )
 
 
+# Priority class and tenant names: the server's grammar (sluice_server/names.py), as RE2.
+PRIORITY_PATTERN = r"^[a-z][a-z0-9-]{0,30}$"
+TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+PriorityName = Annotated[str, StringConstraints(pattern=PRIORITY_PATTERN)]
+
+QUEUE_NEEDS_SIZE = (
+    "server.queue needs size: a queue is always bounded (at most that many requests wait per "
+    "pod; past it they get 429 with Retry-After at once)"
+)
+QUEUE_DEFAULT_IS_A_CLASS = "server.queue.defaultPriority must be one of server.queue.priorities"
+QUEUE_WEIGHTS = (
+    "server.queue.tenantWeights: every weight is a whole number from 1 to 1000 (a tenant "
+    "without one weighs 1)"
+)
+
+
+class QueueSpec(ApiModel):
+    """The admission queue: a request that finds every stream slot of the pod taken waits,
+    instead of an instant 429, served by priority class, then by tenant weight."""
+
+    RULES = (
+        Rule(
+            "has(self.size)",
+            QUEUE_NEEDS_SIZE,
+            holds=lambda q: q.size is not None,
+            field=".size",
+        ),
+        Rule(
+            "!has(self.defaultPriority) || (has(self.priorities) && "
+            "self.defaultPriority in self.priorities)",
+            QUEUE_DEFAULT_IS_A_CLASS,
+            holds=lambda q: q.default_priority is None or q.default_priority in q.priorities,
+            field=".defaultPriority",
+            detail=lambda q: f"got {q.default_priority!r}; priorities: {q.priorities}",
+        ),
+        # Values only: a map's keys have no length bound for CEL's cost estimate (the
+        # operator checks the names, `_tenants`).
+        Rule(
+            "!has(self.tenantWeights) || self.tenantWeights.all(t, "
+            "self.tenantWeights[t] >= 1 && self.tenantWeights[t] <= 1000)",
+            QUEUE_WEIGHTS,
+            holds=lambda q: all(1 <= w <= 1000 for w in q.tenant_weights.values()),
+            field=".tenantWeights",
+            detail=lambda q: ", ".join(
+                f"{t}: {w}" for t, w in q.tenant_weights.items() if not 1 <= w <= 1000
+            ),
+        ),
+    )
+
+    size: int | None = Field(
+        default=None,
+        ge=1,
+        le=100000,
+        description="Requests per pod that may wait for a stream slot (required: a queue is "
+        "always bounded). Past it: 429 with a Retry-After from the queue's measured drain "
+        "rate, at once, the lowest priority shed first.",
+    )
+    timeout_seconds: int = Field(
+        default=30,
+        ge=1,
+        le=3600,
+        description="Longest wait in the queue; then 429 with Retry-After (or, for a stream "
+        "that already got its 200 after a heartbeat of waiting, its protocol's error event "
+        "with code queue_timeout).",
+    )
+    priorities: Annotated[list[PriorityName], Field(max_length=16)] = Field(
+        default_factory=list,
+        description="Priority classes, highest first (e.g. [interactive, batch]). A caller's "
+        "class comes from its API key line (priority=CLASS) or its JWT (auth.jwt."
+        "priorityClaim); higher classes are served first and shed last, and vLLM runs with "
+        "--scheduling-policy priority. A key file naming another class is refused by the "
+        "server. Empty: one class.",
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+    )
+    default_priority: PriorityName | None = Field(
+        default=None,
+        description="Class of a caller that names none; default: the last (lowest) of priorities.",
+    )
+    tenant_weights: Annotated[dict[str, int], Field(max_length=256)] = Field(
+        default_factory=dict,
+        description="Tenants' weights (1-1000, default 1): a tenant's share of the pod, in "
+        "generated tokens and in slots, against the other active tenants'. A key line's "
+        "weight=N says the same for its tenant (the two must agree).",
+    )
+    slot_sharing: bool = Field(
+        default=True,
+        description="A tenant takes more than its weighted share of the slots only while "
+        "slots stay free for every other active tenant below its share (as many as that "
+        "tenant held at once lately, at least one, at most a quarter of the slots in all); "
+        "false: slots go to the queue's order alone.",
+    )
+    fair_share_window_seconds: int = Field(
+        default=30,
+        ge=0,
+        le=3600,
+        description="How long a tenant counts as active after its last request, for the "
+        "slot shares.",
+    )
+
+    @field_validator("priorities")
+    @classmethod
+    def _distinct(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError("server.queue.priorities must not repeat a class")
+        return v
+
+    @field_validator("tenant_weights")
+    @classmethod
+    def _tenants(cls, v: dict[str, int]) -> dict[str, int]:
+        bad = [t for t in v if not re.match(TENANT_PATTERN, t)]
+        if bad:
+            raise ValueError(f"server.queue.tenantWeights: tenant names match {TENANT_PATTERN}; "
+                             f"not a plain name: {', '.join(bad)}")  # fmt: skip
+        return v
+
+
 class ServerSpec(ApiModel):
     """The streaming server's own processes."""
 
@@ -1087,6 +1275,11 @@ class ServerSpec(ApiModel):
         "vLLM's engine core busy-polls (max(1, cores - 1)), at most 8; no CPU request, "
         "streaming.resume on (a resumed stream lives in one process) or parallelism.nodes "
         "above 1 (the leader runs one process): 1.",
+    )
+    queue: QueueSpec | None = Field(
+        default=None,
+        description="Admission queue with priority classes and tenant weights, shared by "
+        "every API worker of a pod; unset: a full pod answers 429 at once.",
     )
 
 
@@ -1270,6 +1463,7 @@ class StreamingModelSpec(ApiModel):
         description="Expose the model through a Gateway API Gateway with an HTTPRoute "
         "(gateway.networking.k8s.io/v1) instead of an Ingress; exclusive with ingress.enabled.",
     )
+    routing: RoutingSpec = sub(RoutingSpec, "Balancing over replicas and the InferencePool path.")
     network_policy: NetworkPolicySpec = sub(
         NetworkPolicySpec, "NetworkPolicy for the model pods (off by default)."
     )

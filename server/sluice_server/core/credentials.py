@@ -2,15 +2,17 @@
 (either, both, or neither: then everyone is anonymous with the flags' plan).
 
 A credential that looks like a JWT goes to the JWT verifier when one is configured;
-anything else is an API key.
+anything else is an API key. A caller's tenant weight is the tenant's one weight, wherever
+the caller came from: the key file's (which holds `--tenant-weights` too), else the flag's,
+else 1.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from .auth import KeyStore, anonymous, authenticate, missing_credential
-from .identity import NO_LIMITS, Plan, Principal
+from .identity import ANONYMOUS_TENANT, CallerRules, Plan, Principal
 from .jwks import JwtVerifier, looks_like_jwt
 
 
@@ -18,18 +20,32 @@ from .jwks import JwtVerifier, looks_like_jwt
 class Credentials:
     keys: KeyStore | None = None
     jwt: JwtVerifier | None = None
-    plan: Plan = NO_LIMITS  # for keys the file gives no plan, tokens without limit claims
+    # The plan of keys the file gives none and tokens without limit claims, the priority
+    # classes and --tenant-weights.
+    rules: CallerRules = field(default_factory=CallerRules)
+
+    @property
+    def plan(self) -> Plan:
+        return self.rules.plan
 
     @property
     def enabled(self) -> bool:
         return self.keys is not None or self.jwt is not None
 
+    def weight_of(self, tenant: str) -> int:
+        if self.keys is not None and tenant in self.keys.weights:
+            return self.keys.weights[tenant]
+        return self.rules.weights.get(tenant, 1)
+
     def authenticate(self, presented: str | None) -> Principal:
         """The caller, or ApiError 401 (counted by the caller)."""
         if not self.enabled:
-            return anonymous(self.plan)
+            rules = self.rules
+            return anonymous(rules.plan, rules.priorities.default, self.weight_of(ANONYMOUS_TENANT))
         if presented is None:
             raise missing_credential()
         if self.jwt is not None and (self.keys is None or looks_like_jwt(presented)):
-            return self.jwt.verify(presented)
-        return authenticate(self.keys, presented, self.plan)
+            who = self.jwt.verify(presented)
+            weight = self.weight_of(who.tenant)
+            return who if weight == who.weight else replace(who, weight=weight)
+        return authenticate(self.keys, presented)

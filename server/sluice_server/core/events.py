@@ -12,9 +12,13 @@ Events:
 - `Tokens(text, index)`: new text (everything a slow reader let pile up, as one event),
   numbered per stream from 0;
 - `Finished(reason, usage)`: the engine finished ("stop", "length", ...);
-- `Failed(message, code)`: after the 200 the stream cannot go on (buffer cap, time limit,
-  drain, engine error, engine-side abort, engine ended without finishing);
-- `Stopped()`: the client asked to stop (WebSocket); the engine request is aborted.
+- `Failed(message, code, status)`: after the 200 the stream cannot go on (buffer cap, time
+  limit, drain, engine error, engine-side abort, engine ended without finishing; or, for a
+  stream still waiting in the admission queue, the queue's refusal: 429 `queue_timeout`,
+  503 `draining`);
+- `Stopped()`: the client asked to stop (WebSocket); the engine request is aborted;
+- `Waiting(waited)`: a keep-alive while the stream waits in the admission queue (before
+  any token; the protocol writes it in its own form: an SSE comment, a WebSocket frame).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, cast
 
-from .stream import Stream, StreamFailed, join_batch
+from .stream import KEEPALIVE, Stream, StreamFailed, join_batch
 
 if TYPE_CHECKING:
     from ..engine.base import Delta
@@ -53,17 +57,24 @@ class Finished:
 
 
 class Failed:
-    __slots__ = ("message", "code")
+    __slots__ = ("message", "code", "status")
 
-    def __init__(self, message: str, code: str = "stream_error") -> None:
-        self.message, self.code = message, code
+    def __init__(self, message: str, code: str = "stream_error", status: int = 500) -> None:
+        self.message, self.code, self.status = message, code, status
 
 
 class Stopped:
     __slots__ = ()
 
 
-Event = Tokens | Finished | Failed | Stopped
+class Waiting:
+    __slots__ = ("waited",)
+
+    def __init__(self, waited: float) -> None:
+        self.waited = waited  # seconds in the admission queue so far
+
+
+Event = Tokens | Finished | Failed | Stopped | Waiting
 
 
 def usage_of(last: Delta | None) -> dict[str, int]:
@@ -118,7 +129,7 @@ class Meter:
         if self.tokens:
             m.output_tokens.inc(self.tokens)
         if stream is not None and stream.first_output_at is not None:
-            m.queue_wait.observe(stream.first_output_at - self.t0)
+            m.first_output.observe(stream.first_output_at - self.t0)
         if outcome == DISCONNECTED or outcome == STALLED:
             m.disconnects.inc()
             m.aborts.inc()
@@ -153,8 +164,11 @@ async def events(
             batch = await stream.next_batch()
         except StreamFailed as e:
             meter.finish(FAILED, stream)
-            yield Failed(str(e))
+            yield Failed(str(e), e.code, e.status)
             return
+        if batch is KEEPALIVE:
+            yield Waiting(stream.waited)
+            continue
         if batch is None:
             if stream.stopped:
                 meter.reason = "abort"

@@ -8,8 +8,11 @@ algorithm of its own type (RSA: RS256, EC P-256: ES256). Claims: `exp`, `iss`, `
 `sub` are required; the tenant comes from the configured claim (default `tenant`; absent:
 tenant `default`), limits from `rpm`/`tpm` (absent: the `--rate-limit-*` flags), the served
 names the token may use from `models` (a list, or one comma-separated string, as the key
-file's `models=`; absent: every one). Limits apply per subject (issuer + `sub`), as they apply per key. Refusals say what was wrong,
-never the token.
+file's `models=`; absent: every one), the priority class from the priority claim (default
+`priority`; read only when priority classes are configured; absent: the default class; a
+name that is no class refuses the token). Limits apply per subject (issuer + `sub`), as they
+apply per key. A tenant's weight is never a claim (two tokens could disagree): it comes from
+the key file or `--tenant-weights`. Refusals say what was wrong, never the token.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import jwt
 
+from ..names import valid_tenant
 from .errors import ApiError
-from .identity import DEFAULT_TENANT, NO_LIMITS, Plan, Principal, parse_models, valid_tenant
+from .identity import DEFAULT_TENANT, CallerRules, Plan, Principal, parse_models
 
 if TYPE_CHECKING:
     from jwt.algorithms import AllowedPublicKeys
@@ -52,9 +56,13 @@ def looks_like_jwt(credential: str) -> bool:
 
 class JwtVerifier:
     def __init__(self, jwks: dict[str, Any], issuer: str, audience: str,
-                 tenant_claim: str = "tenant", default: Plan = NO_LIMITS) -> None:  # fmt: skip
+                 tenant_claim: str = "tenant", rules: CallerRules | Plan | None = None,
+                 priority_claim: str = "priority") -> None:  # fmt: skip
         self.issuer, self.audience = issuer, audience
-        self.tenant_claim, self.default = tenant_claim, default
+        if isinstance(rules, Plan):
+            rules = CallerRules(plan=rules)
+        self.rules = rules or CallerRules()
+        self.tenant_claim, self.priority_claim = tenant_claim, priority_claim
         self.keys: list[tuple[str | None, str, AllowedPublicKeys]] = []  # (kid, algorithm, key)
         entries = jwks.get("keys") if isinstance(jwks, dict) else None
         if not isinstance(entries, list):
@@ -78,12 +86,13 @@ class JwtVerifier:
 
     @classmethod
     def from_file(cls, path: Path, issuer: str, audience: str, tenant_claim: str = "tenant",
-                  default: Plan = NO_LIMITS) -> JwtVerifier:  # fmt: skip
+                  rules: CallerRules | Plan | None = None,
+                  priority_claim: str = "priority") -> JwtVerifier:  # fmt: skip
         try:
             jwks = json.loads(path.read_text())
         except ValueError as e:
             raise ValueError(f"not JSON: {e}") from None
-        return cls(jwks, issuer, audience, tenant_claim, default)
+        return cls(jwks, issuer, audience, tenant_claim, rules, priority_claim)
 
     def verify(self, token: str) -> Principal:
         try:
@@ -128,11 +137,19 @@ class JwtVerifier:
         if not isinstance(tenant, str) or not valid_tenant(tenant):
             raise invalid_token(f"`{self.tenant_claim}` must be a plain name")
         limits = {}
+        rules = self.rules
         for name in ("rpm", "tpm"):
-            value = claims.get(name, getattr(self.default, name))
+            value = claims.get(name, getattr(rules.plan, name))
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise invalid_token(f"`{name}` must be a whole number >= 0")
             limits[name] = value
+        priority = rules.priorities.default
+        if rules.priorities.configured and self.priority_claim in claims:
+            named = claims[self.priority_claim]
+            if not isinstance(named, str) or named not in rules.priorities.classes:
+                raise invalid_token(f"`{self.priority_claim}` must be one of the priority "
+                                    f"classes ({rules.priorities.spelled})")  # fmt: skip
+            priority = named
         models = claims.get("models")
         if models is not None:  # a list of served names, or one comma-separated string
             if isinstance(models, list) and all(isinstance(m, str) for m in models):
@@ -144,5 +161,5 @@ class JwtVerifier:
             if models is None:
                 raise invalid_token("`models` must list served model names")
         subject = f"{claims['iss']}\n{claims['sub']}".encode()
-        return Principal("jwt-" + hashlib.sha256(subject).hexdigest()[:16], tenant,
-                         Plan(**limits), models)  # fmt: skip
+        return Principal("jwt-" + hashlib.sha256(subject).hexdigest()[:16], tenant, Plan(**limits),
+                         priority, rules.weights.get(tenant, 1), models)  # fmt: skip

@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from ..engine.base import Delta
+from .admission import Ticket
 from .events import DISCONNECTED, STALLED, Meter
 from .events import FINISHED as DONE
 from .identity import Principal
@@ -36,21 +37,30 @@ ATTACH_WAIT_SECONDS = 2.0  # a reconnect may overtake the server noticing the di
 def open_stream(
     svc: Services, trail: Trail, who: Principal, source: AsyncIterator[Delta], t0: float,
     prompt_tokens: Callable[[], int] = lambda: 0, rid: str | None = None,
+    ticket: Ticket | None = None,
 ) -> Handle:  # fmt: skip
-    """Start producing at once (the engine works while headers go out). The returned
-    cleanup(stalled) is idempotent and must run however the response ends: it aborts an
-    unfinished engine request, frees the slot and bills the caller's tokens; a stream that
-    did not end on its own ends as a disconnect, or with `stalled` as a reader cut off. The
-    stream's end also ends `trail` (its protocol and caller are the stream's). With `rid`
-    the stream is recorded in `svc.recent` (and detached instead when it may be resumed)."""
+    """Start producing at once (the engine works while headers go out), or, with a `ticket`
+    still waiting in the admission queue, once it is admitted (keep-alives meanwhile: the
+    stream core's `Waiting` events). The returned cleanup(stalled) is idempotent and must
+    run however the response ends: it aborts an unfinished engine request, frees the slot
+    (or the queue place) and bills the caller's tokens; a stream that did not end on its own
+    ends as a disconnect, or with `stalled` as a reader cut off. The stream's end also ends
+    `trail` (its protocol and caller are the stream's). With `rid` the stream is recorded in
+    `svc.recent` (and detached instead when it may be resumed)."""
     protocol = trail.protocol or ""
     trail.prompt_tokens = prompt_tokens
     trail.admitted_at = time.perf_counter()
+    if ticket is not None:
+        trail.ticket = ticket
+        if ticket.queued:
+            source = ticket.metered(source)  # its tokens to its tenant's fair share
     meter = Meter(bind(svc.metrics, protocol, trail.model), t0, trail)
     s = svc.settings
     grace = s.resume_grace_seconds if rid is not None else 0.0
+    waiting = ticket is not None and ticket.waiting
     stream = Stream(source, cap=s.stream_buffer_tokens, timeout=s.stream_timeout_seconds,
-                    replayable=grace > 0)  # fmt: skip
+                    replayable=grace > 0, admission=ticket if waiting else None,
+                    keepalive=s.heartbeat_seconds)  # fmt: skip
     svc.gate.streams.add(stream)
     done = False
 
@@ -61,7 +71,8 @@ def open_stream(
         done = True
         stream.close()
         svc.gate.streams.discard(stream)
-        svc.gate.release()
+        if ticket is not None:
+            ticket.release()
         if meter.outcome is None:
             meter.finish(STALLED if stalled else DISCONNECTED, stream)
         svc.bill(who, prompt_tokens() + meter.tokens)

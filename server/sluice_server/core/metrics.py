@@ -59,9 +59,10 @@ class Metrics:
             "Request received to the end of the stream (any outcome).",
             labels, buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
-        self.queue_wait = Histogram(
-            "sluice_queue_wait_seconds",
-            "Request received to the engine's first output (queueing plus prefill).",
+        self.first_output = Histogram(
+            "sluice_first_output_seconds",
+            "Request received to the engine's first output (admission queue, the engine's "
+            "own queue and prefill).",
             labels, buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.output_tokens = Counter(
@@ -125,6 +126,23 @@ class Metrics:
             "error: the file was refused and the credentials loaded before stay).",
             ("model", "file", "result"), registry=r,
         )  # fmt: skip
+        # The admission queue (--queue-size), by priority class and tenant.
+        self.queue_wait = Histogram(
+            "sluice_queue_wait_seconds",
+            "Time an admitted request waited in the admission queue for a stream slot (0 "
+            "when one was free), by tenant and priority class.",
+            ("model", "tenant", "priority"), buckets=(0.0,) + LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.queue_depth = Gauge(
+            "sluice_queue_depth", "Requests waiting in the admission queue, by priority class.",
+            ("model", "priority"), registry=r, multiprocess_mode="livesum",
+        )  # fmt: skip
+        self.queue_sheds = Counter(
+            "sluice_queue_sheds",
+            "Requests the admission queue refused, by priority class and reason: queue_full "
+            "(no place, at once), displaced (shed for a better newcomer), timeout, draining.",
+            ("model", "priority", "reason"), registry=r,
+        )  # fmt: skip
         # LoRA adapters (core/adapters.py): the operator reads the state for the status.
         self.adapter_state = Gauge(
             "sluice_adapter_state",
@@ -156,7 +174,7 @@ class Metrics:
         self.last_request.labels(model).set(time.time())
         # Pre-create the label sets so dashboards and the autoscaler see zeros, not gaps.
         for p in PROTOCOLS:
-            for m in (self.ttft, self.itl, self.e2e, self.queue_wait, self.output_tokens,
+            for m in (self.ttft, self.itl, self.e2e, self.first_output, self.output_tokens,
                       self.requests, self.disconnects, self.aborts, self.stream_errors,
                       self.resumes, self.resumes_expired, self.active):  # fmt: skip
                 m.labels(p, model)
@@ -164,6 +182,13 @@ class Metrics:
                 self.rejections.labels(p, model, reason)
         for op in ("admit", "charge"):
             self.limiter_errors.labels(model, op)
+
+    def queue_classes(self, priorities: tuple[str, ...]) -> None:
+        """Zeros for every priority class's depth and sheds (with a queue)."""
+        for priority in priorities:
+            self.queue_depth.labels(self.model, priority)
+            for reason in ("queue_full", "displaced", "timeout", "draining"):
+                self.queue_sheds.labels(self.model, priority, reason)
 
     def reject(self, protocol: str, reason: str) -> None:
         self.rejections.labels(protocol, self.model, reason).inc()
@@ -190,12 +215,12 @@ class Bound:
     """Label-bound children for one protocol and served model (the base, or a LoRA
     adapter), so the hot path does no label lookups."""
 
-    __slots__ = ("ttft", "itl", "e2e", "queue_wait", "output_tokens", "requests",
+    __slots__ = ("ttft", "itl", "e2e", "first_output", "output_tokens", "requests",
                  "disconnects", "aborts", "stream_errors", "active", "last_request")  # fmt: skip
     ttft: Histogram
     itl: Histogram
     e2e: Histogram
-    queue_wait: Histogram
+    first_output: Histogram
     output_tokens: Counter
     requests: Counter
     disconnects: Counter

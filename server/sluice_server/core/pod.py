@@ -1,12 +1,17 @@
 """What the worker processes of one pod share (`--api-workers N`): the stream slots, the
-rate-limit buckets and one readiness flag per worker, in shared memory the supervisor
-creates before it spawns the workers.
+rate-limit buckets, the admission queue (`QueueTable`, with `--queue-size`) and one
+readiness flag per worker, in shared memory the supervisor creates before it spawns the
+workers.
 
 Every piece is plain shared memory (`multiprocessing` raw arrays) behind one
 `multiprocessing` lock, handed to each worker as a spawn argument: the pod's limits stay
 exact whatever worker a request lands on (`--max-concurrent-streams 8` is 8 per pod, not
 8 per worker), without a round trip to another process. The critical sections are a few
 arithmetic operations, so the lock is taken on the event loop directly.
+
+A worker whose queued request got a slot, or was shed, by another worker's decision is told
+so on its own wake-up pipe (`WakeLines`, one byte; it then reads the outcome from the
+table): a queued request never polls.
 
 A worker that dies holding slots leaks them; that is fine because a dead worker takes
 the whole pod down (the supervisor exits non-zero and the kubelet restarts the
@@ -18,7 +23,12 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import multiprocessing
-from typing import Any
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..settings import Settings
 
 # Rate-limit buckets the pod can hold at once (two per active caller: requests and
 # tokens). A bucket that has refilled completely is free again, so this bounds the
@@ -77,11 +87,134 @@ class SharedBuckets:
         v[3 * slot], v[3 * slot + 1], v[3 * slot + 2] = level, stamp, full_at
 
 
+# Queue entry states.
+FREE, WAITING, GRANTED, REFUSED = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class QueueShape:
+    """The sizes the queue's table is made with (fixed for the pod's life)."""
+
+    slots: int  # --max-concurrent-streams
+    size: int  # --queue-size
+    priorities: int  # priority classes (1 without --priority-classes)
+
+    @classmethod
+    def of(cls, settings: Settings) -> QueueShape | None:
+        """The queue `settings` ask for; None without `--queue-size`."""
+        if not settings.queue_size:
+            return None
+        return cls(settings.max_concurrent_streams, settings.queue_size,
+                   max(1, len(settings.priority_classes)))  # fmt: skip
+
+
+class QueueTable:
+    """The admission queue's state in shared memory (the policy is core/admission.py).
+    Call everything with the pod's lock held.
+
+    Entries (`entries` = twice the queue's size, plus some: an entry another worker granted
+    or shed stays taken until its owner has read the outcome): state, owning worker,
+    priority rank, tenant row, arrival number (identity and FIFO order). Tenant rows (an
+    open-addressing table keyed by the tenant's hash): slots held, requests queued, weight,
+    virtual time (generated tokens / weight), last seen, the most slots held at once lately
+    and when, and whether the row is on the `active` list. A row is only ever overwritten, never emptied, so probe chains stay
+    whole; one that holds nothing, waits for nothing and is off the active list may be
+    taken by another tenant."""
+
+    def __init__(self, ctx: Any, shape: QueueShape) -> None:
+        self.shape = shape
+        n = self.entries = 2 * shape.size + 16
+        self.e_state = ctx.RawArray("b", n)
+        self.e_worker = ctx.RawArray("i", n)
+        self.e_prio = ctx.RawArray("i", n)
+        self.e_tenant = ctx.RawArray("i", n)
+        self.e_seq = ctx.RawArray("q", n)
+        self.e_reason = ctx.RawArray("b", n)
+        self.waiting = ctx.RawValue("i", 0)
+        self.depth = ctx.RawArray("i", shape.priorities)
+        self.next_seq = ctx.RawValue("q", 0)
+        self.held = ctx.RawValue("i", 0)  # slots taken, pod-wide
+        # Tenants: every row that holds a slot or a queued request pins one, so four times
+        # that many rows keep probe chains short.
+        t = self.tenants = min(1 << 20, max(64, 1 << (4 * (shape.slots + shape.size)).bit_length()))
+        self.t_key = ctx.RawArray("q", t)
+        self.t_held = ctx.RawArray("i", t)
+        self.t_queued = ctx.RawArray("i", t)
+        self.t_weight = ctx.RawArray("d", t)
+        self.t_vt = ctx.RawArray("d", t)
+        self.t_seen = ctx.RawArray("d", t)
+        self.t_peak = ctx.RawArray("i", t)
+        self.t_peak_at = ctx.RawArray("d", t)
+        self.t_active = ctx.RawArray("b", t)
+        self.active = ctx.RawArray("i", t)  # rows of active tenants, `n_active` of them
+        self.n_active = ctx.RawValue("i", 0)
+        # Freed slots: decayed count, when last, when first (the drain rate, Retry-After).
+        self.releases = ctx.RawArray("d", 3)
+
+    @staticmethod
+    def tenant_key(name: str) -> int:
+        return SharedBuckets._hash(name)
+
+    def tenant_row(self, name: str) -> int:
+        """The tenant's row, taken now if it has none (its counters zeroed)."""
+        h = self.tenant_key(name)
+        keys, n = self.t_key, self.tenants
+        reuse = -1
+        for i in range(n):
+            row = (h + i) % n
+            k = keys[row]
+            if k == h:
+                return row
+            if k == 0:
+                break
+            if reuse < 0 and not self.t_active[row] and not self.t_held[row] \
+                    and not self.t_queued[row]:  # fmt: skip
+                reuse = row
+        else:  # pragma: no cover - four rows per pinned row: never full
+            if reuse < 0:
+                raise RuntimeError("tenant table full")
+        row = reuse if reuse >= 0 else row
+        keys[row] = h
+        self.t_held[row] = self.t_queued[row] = self.t_peak[row] = 0
+        self.t_vt[row] = self.t_seen[row] = self.t_peak_at[row] = 0.0
+        self.t_weight[row] = 1.0
+        return row
+
+    def free_entry(self) -> int:
+        """An unused entry, or -1."""
+        state = self.e_state
+        for e in range(self.entries):
+            if state[e] == FREE:
+                return e
+        return -1
+
+
+class WakeLines:
+    """One pipe per worker: another worker writes a byte to wake it (non-blocking: a full
+    pipe already holds a wake-up)."""
+
+    def __init__(self, ctx: Any, workers: int) -> None:
+        self.pipes = [ctx.Pipe(duplex=False) for _ in range(workers)]  # (reader, writer)
+
+    def reader(self, worker: int) -> int:
+        fd: int = self.pipes[worker][0].fileno()
+        os.set_blocking(fd, False)
+        return fd
+
+    def wake(self, worker: int) -> None:
+        fd = self.pipes[worker][1].fileno()
+        try:
+            os.write(fd, b"w")
+        except BlockingIOError:
+            pass
+
+
 class PodState:
     """Created once by the supervisor (`PodState(workers)`), pickled into every worker as
     a spawn argument (shared memory and locks travel that way only)."""
 
-    def __init__(self, workers: int, share_limits: bool = True, ctx: Any | None = None) -> None:
+    def __init__(self, workers: int, share_limits: bool = True, ctx: Any | None = None,
+                 queue: QueueShape | None = None) -> None:  # fmt: skip
         ctx = ctx or multiprocessing.get_context("spawn")
         self.workers = workers
         # False only for the tests' negative control: each worker then limits on its own.
@@ -90,6 +223,8 @@ class PodState:
         self.streams: ctypes.c_int = ctx.RawValue("i", 0)
         self.ready = ctx.RawArray("b", workers)
         self.buckets = SharedBuckets(ctx)
+        self.queue = QueueTable(ctx, queue) if queue is not None and share_limits else None
+        self.wake = WakeLines(ctx, workers) if self.queue is not None else None
 
     def not_ready(self) -> None:
         """Every worker's flag down: the pod answers 503 on /ready from any worker (the

@@ -14,6 +14,7 @@ from starlette.requests import HTTPConnection, Request
 from ..engine.base import Adapter, Engine
 from ..settings import Settings
 from .adapters import Adapters
+from .admission import Ticket
 from .auth import bearer
 from .credentials import Credentials
 from .errors import ApiError
@@ -26,6 +27,10 @@ from .recent import RecentStreams
 from .trail import REJECTED, Recorder, Trail, new_request_id
 
 log = logging.getLogger(__name__)
+
+
+class ClientGone(Exception):
+    """The client went away while its request waited in the queue (it left the queue)."""
 
 
 @dataclass
@@ -56,6 +61,12 @@ class Services:
             raise ApiError(503, f"Engine failed: {type(e).__name__}: {e}",
                            code="engine_unavailable", headers={"Retry-After": "5"}) from None  # fmt: skip
         return engine
+
+    def engine_priority(self, who: Principal) -> int:
+        """The caller's class as the engine's priority (0: highest), with priority classes;
+        0 without (the engine runs first come, first served)."""
+        priorities = self.credentials.rules.priorities
+        return priorities.rank(who.priority) if priorities.configured else 0
 
     def require_protocol(self, protocol: str, path: str) -> None:
         if protocol not in self.settings.protocols:
@@ -99,18 +110,57 @@ class Services:
         trail.model = adapter.name if adapter is not None else None
         return adapter
 
-    async def admit(self, protocol: str, who: Principal) -> None:
+    async def admit(self, protocol: str, who: Principal, trail: Trail | None = None) -> Ticket:
         """Drain and capacity first (no limiter call for a request refused anyway), then the
-        rate limit; 429/503 with Retry-After, counted. Takes a stream slot on success."""
+        rate limit; 429/503 with Retry-After, counted. The ticket holds a stream slot, or,
+        with a queue, a place in it (`wait_admitted`); its release gives either back."""
         try:
-            self.gate.admit()
+            ticket = self.gate.admit(who)
         except ApiError as e:
             raise self._counted(protocol, e) from None
+        if trail is not None:
+            trail.ticket = ticket
         try:
             await self.admit_request(protocol, who)
         except BaseException:
-            self.gate.release()
+            ticket.release()
             raise
+        return ticket
+
+    async def wait_admitted(self, request: Request, protocol: str, ticket: Ticket,
+                            commit_after: float | None) -> bool:  # fmt: skip
+        """Wait for a queued request's slot before its response starts: True once admitted;
+        False when it still waits after `commit_after` seconds (a stream then commits to
+        200 and waits in the stream core, with keep-alives). Refused: ApiError 429/503
+        with Retry-After (counted). The client leaving: ClientGone, out of the queue."""
+        if not ticket.waiting or ticket.future is None:
+            await self._refused_if(protocol, ticket)
+            return True
+        admitted = asyncio.shield(ticket.future)  # resolved when admitted or refused
+        gone = asyncio.ensure_future(_disconnect(request))
+        try:
+            done, _ = await asyncio.wait((admitted, gone), timeout=commit_after,
+                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        except asyncio.CancelledError:
+            ticket.release()
+            raise
+        finally:
+            gone.cancel()
+            if not admitted.done():
+                admitted.cancel()
+        if admitted in done:
+            await self._refused_if(protocol, ticket)
+            return True
+        if gone in done:
+            ticket.release()
+            raise ClientGone
+        return False
+
+    async def _refused_if(self, protocol: str, ticket: Ticket) -> None:
+        try:
+            await ticket.wait()
+        except ApiError as e:
+            raise self._counted(protocol, e) from None
 
     async def admit_request(self, protocol: str, who: Principal) -> None:
         """The caller's rate limit alone (also for routes that take no stream slot)."""
@@ -156,6 +206,11 @@ class Services:
         self._counted(trail.protocol or "", e)
         trail.end(REJECTED, e.status)
         return e
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def services(conn: HTTPConnection) -> Services:

@@ -10,11 +10,15 @@ WebSocket opens one more per generation. A trail ends once, in one of three plac
 Everything is taken from numbers the stream keeps anyway, so the cost is per request, never
 per token. The path is logged without its query string (`?api_key=` stays out of logs).
 
+With an admission queue (or priority classes) the line also names the caller's `priority`
+class and `queue_ms`, the time it waited in the queue for a stream slot (part of its TTFT).
+
 The span (with `--otlp-traces-endpoint`) is made whole at the end too: started at the
 request's arrival time in the caller's trace (W3C `traceparent`/`tracestate` kept at the
-edge), with events at the times the stream recorded (`admitted`, `first_output`: the
-engine's first output, `first_byte`: the first token's bytes handed to the socket, i.e.
-TTFT, `end`), and ended now. So tracing costs nothing until a request ends.
+edge), with events at the times the stream recorded (`queued` when it had to wait for a
+slot, `admitted`, `first_output`: the engine's first output, `first_byte`: the first
+token's bytes handed to the socket, i.e. TTFT, `end`), and ended now, with the queue wait
+and the priority as attributes. So tracing costs nothing until a request ends.
 """
 
 from __future__ import annotations
@@ -45,6 +49,22 @@ class Measured(Protocol):
     first_write: float | None
 
 
+class Seated(Protocol):
+    """What a trail reads from the request's admission ticket (core/admission.py)."""
+
+    priority: str
+    queued_at: float
+    admitted_at: float | None
+
+    @property
+    def queued(self) -> bool:
+        """Went through an admission queue."""
+
+    @property
+    def waited(self) -> float:
+        """Seconds it waited for its slot."""
+
+
 def new_request_id() -> str:
     return uuid.uuid4().hex
 
@@ -54,8 +74,9 @@ class Recorder:
     on, the tracer."""
 
     def __init__(self, model: str, access_log: bool = True, fmt: str = "text",
-                 tracing: Tracing | None = None) -> None:  # fmt: skip
+                 tracing: Tracing | None = None, priorities: bool = False) -> None:  # fmt: skip
         self.model = model
+        self.priorities = priorities  # priority classes are configured: log each one
         self.enabled = access_log
         self.json = fmt == "json"
         self.log = logging.getLogger(ACCESS_LOGGER)
@@ -93,7 +114,8 @@ class Trail:
     `stream` is the client's id of a WebSocket generation."""
 
     __slots__ = ("rec", "rid", "t0", "path", "method", "protocol", "kid", "tenant", "stream",
-                 "status", "ended", "prompt_tokens", "carrier", "admitted_at", "model")  # fmt: skip
+                 "status", "ended", "prompt_tokens", "carrier", "admitted_at", "ticket",
+                 "model")  # fmt: skip
 
     def __init__(self, rec: Recorder, rid: str, t0: float, path: str, method: str) -> None:
         self.rec, self.rid, self.t0, self.path, self.method = rec, rid, t0, path, method
@@ -106,6 +128,7 @@ class Trail:
         self.prompt_tokens = _zero
         self.carrier: dict[str, str] | None = None  # the caller's trace headers
         self.admitted_at: float | None = None
+        self.ticket: Seated | None = None  # its admission (a slot, or a queue's place)
         self.model: str | None = None  # a LoRA adapter's name, when the request named one
 
     def child(self, stream: str, t0: float) -> Trail:
@@ -150,6 +173,12 @@ class Trail:
         }
         if self.stream is None:
             del record["stream"]
+        ticket = self.ticket
+        if ticket is not None:
+            if ticket.queued or self.rec.priorities:
+                record["priority"] = ticket.priority
+            if ticket.queued:
+                record["queue_ms"] = round(ticket.waited * 1000, 1)
         self.rec.write(record)
         if self.rec.tracing is not None:
             first_byte = meter.first_write if meter is not None else None
@@ -184,12 +213,17 @@ class Trail:
             "http.route": self.path,
         }
         for key, name in (("finish_reason", "sluice.finish_reason"), ("stream", "sluice.stream"),
-                          ("key_id", "sluice.key_id")):  # fmt: skip
+                          ("key_id", "sluice.key_id"), ("priority", "sluice.priority"),
+                          ("queue_ms", "sluice.queue_wait_ms")):  # fmt: skip
             if record.get(key) is not None:
                 attrs[name] = record[key]
         span.set_attributes(attrs)
-        for name, t in (("admitted", self.admitted_at), ("first_output", first_output),
-                        ("first_byte", first_byte), ("end", now)):  # fmt: skip
+        ticket = self.ticket
+        queued = ticket.queued_at if ticket is not None and ticket.waited > 0 else None
+        admitted = ticket.admitted_at if ticket is not None else self.admitted_at
+        for name, t in (("queued", queued), ("admitted", admitted),
+                        ("first_output", first_output), ("first_byte", first_byte),
+                        ("end", now)):  # fmt: skip
             if t is not None:
                 span.add_event(name, timestamp=ns(t))
         if record["outcome"] in ("failed", REJECTED):

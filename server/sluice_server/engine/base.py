@@ -117,6 +117,9 @@ class StreamRequest:
     prompt_token_ids: list[int] | None = None
     # The caller's W3C trace headers, for engines that trace (vLLM with an OTLP endpoint).
     trace_headers: dict[str, str] | None = None
+    # The caller's priority class as the engine's priority: 0 is the highest, larger runs
+    # later (vLLM's `priority`, honoured with `--scheduling-policy priority`).
+    priority: int = 0
     # A LoRA adapter to generate with (None: the base model).
     adapter: Adapter | None = None
 
@@ -201,8 +204,10 @@ class ApiServing(Protocol):
     def parse(self, body: dict[str, Any], kind: ApiKind) -> Any:
         """The engine's request object; raises pydantic's ValidationError (a 400)."""
 
-    async def respond(self, request: Any, kind: ApiKind, http_request: Any) -> ApiReply | ApiStream:
-        """Start the request: a reply, or a stream (when the request asked for one);
+    async def respond(self, request: Any, kind: ApiKind, http_request: Any,
+                      priority: int = 0) -> ApiReply | ApiStream:  # fmt: skip
+        """Start the request at the engine's `priority` (the caller's, never one the body
+        or a header names): a reply, or a stream (when the request asked for one);
         ApiRequestError when the serving layer refuses it. Cancelling it aborts any
         engine work it started."""
 
@@ -222,7 +227,8 @@ class Engine(Protocol):
         exception when the chat template rejects the messages. Returns the token count."""
 
     def generate(self, request: StreamRequest) -> AsyncGenerator[Delta, None]:
-        """Stream deltas. Closing/cancelling the generator must abort the request."""
+        """Stream deltas, scheduled at `request.priority`. Closing/cancelling the generator
+        must abort the request."""
 
     async def abort(self, request_id: str) -> None:
         """Stop a request at once; its iterator ends with finish_reason "abort"."""

@@ -192,7 +192,8 @@ class BuiltinApi:
             raise ApiRequestError(400, str(e)) from None
         return req
 
-    async def respond(self, b: Any, kind: ApiKind, http_request: Any) -> ApiReply | ApiStream:
+    async def respond(self, b: Any, kind: ApiKind, http_request: Any,
+                      priority: int = 0) -> ApiReply | ApiStream:  # fmt: skip
         if kind == "detokenize":
             raise ApiRequestError(501, "The simulator has no vocabulary to detokenize with; "
                                   "/detokenize needs a model (--engine vllm).")  # fmt: skip
@@ -209,6 +210,7 @@ class BuiltinApi:
             return ApiReply({"count": len(ids), "max_model_len": self._engine.max_model_len,
                              "tokens": ids, "token_strs": None})  # fmt: skip
         req, framer = self._request(b, kind)
+        req.priority = priority
         req.adapter = getattr(self._engine, "adapters", {}).get(getattr(b, "model", None))
         deltas = self._engine.generate(req)
         if b.stream:

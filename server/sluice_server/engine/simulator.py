@@ -7,7 +7,8 @@ proofs of behaviour.
 Timing model (all on the event loop's monotonic clock, one timer per stream, no threads):
 
 * Time to first token = ``ttft_ms + ttft_per_stream_ms * in_flight``, where ``in_flight``
-  is the number of other unfinished requests when this one arrives. This is the queueing
+  is the number of other unfinished requests when this one arrives at the same or a higher
+  priority (``request.priority``, lower is higher: a priority scheduler's queue). This is the queueing
   model the TTFT autoscaler is rehearsed against: a real engine's TTFT grows with the number
   of streams it is already serving (prefill waits behind decode steps), so more load means
   higher TTFT, and more replicas bring it back down.
@@ -64,6 +65,7 @@ class _Stream:
 
     aborted: bool = False
     waiter: asyncio.Future | None = None
+    priority: int = 0
 
     def wake(self) -> None:
         if self.waiter is not None and not self.waiter.done():
@@ -208,8 +210,11 @@ class SimulatorEngine:
 
         loop = asyncio.get_running_loop()
         wall_offset = time.time() - loop.time()
-        in_flight = len(self._streams)
-        stream = _Stream()
+        priority = request.priority
+        in_flight = 0
+        if self.ttft_per_stream_s:
+            in_flight = sum(1 for s in self._streams.values() if s.priority <= priority)
+        stream = _Stream(priority=priority)
         self._streams[rid] = stream
         due = loop.time() + (self.ttft_s + self.ttft_per_stream_s * in_flight) * self._factor(rng)
         text = ""  # everything generated so far (stop strings need the whole tail)

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from ..settings import Settings
 
 log = logging.getLogger(__name__)
+PRIORITY_HEADER = b"x-vllm-priority"  # vllm.entrypoints.generate.base.serving.PRIORITY_HEADER
 
 
 class PromptTooLong(ValueError):
@@ -119,6 +120,9 @@ def vllm_cli_args(settings: Settings, model_path: str, cpu_defaults: bool) -> li
     if settings.otlp_traces_endpoint:
         # The engine's own spans (queue, prefill, decode) join the request's trace.
         args += ["--otlp-traces-endpoint", settings.otlp_traces_endpoint]
+    if settings.priority_classes:
+        # Fixed when the engine starts; each request then carries its caller's class.
+        args += ["--scheduling-policy", "priority"]
     if cpu_defaults:
         # The CPU build misreads NUMA memory without an explicit KV size, and
         # torch.compile adds ~30 s to start-up for a model this small.
@@ -184,7 +188,8 @@ class VllmApi:
             return cls.validate_python(body)
         return cls.model_validate(body)
 
-    async def respond(self, request: Any, kind: ApiKind, http_request: Any) -> ApiReply | ApiStream:
+    async def respond(self, request: Any, kind: ApiKind, http_request: Any,
+                      priority: int = 0) -> ApiReply | ApiStream:  # fmt: skip
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.entrypoints.serve.exception_handling.error_response import (
             create_error_response,
@@ -197,7 +202,7 @@ class VllmApi:
         if handler is None:
             raise ApiRequestError(501, f"This model does not support the {kind} API.")
         try:
-            result = await getattr(handler, method)(request, http_request)
+            result = await getattr(handler, method)(request, _at_priority(http_request, priority))
         except Exception as e:  # vLLM raises its validation errors; map them as vLLM does
             result = create_error_response(e)
         if isinstance(result, ErrorResponse):
@@ -208,6 +213,20 @@ class VllmApi:
             return ApiReply(body, 200, *usage_tokens(body))
         events = _framed(result) if kind == "responses" else result
         return ApiStream(_chunks(events, tap), lambda: tap.prompt_tokens)
+
+
+def _at_priority(http_request: Any, priority: int) -> Any:
+    """The request as vLLM's handlers read it, with our priority in the header they prefer
+    over the body's `priority` field (`X-Vllm-Priority`, every generating route; the
+    Anthropic route's chat request has no field at all): a client's own header is
+    dropped, so a caller's priority is its class, never what it asks for."""
+    from starlette.requests import Request
+
+    if http_request is None:
+        return None
+    headers = [(k, v) for k, v in http_request.scope.get("headers", ()) if k != PRIORITY_HEADER]
+    headers.append((PRIORITY_HEADER, str(priority).encode()))
+    return Request({**http_request.scope, "headers": headers}, http_request.receive)
 
 
 async def _framed(events: AsyncGenerator[Any, None]) -> AsyncGenerator[str, None]:
@@ -294,7 +313,8 @@ class VllmEngine:
         # it explicitly so an abandoned outer generator never waits for GC to abort.
         gen = self.llm.generate({"prompt_token_ids": ids}, params, request.request_id,
                                 lora_request=_lora_request(request.adapter),
-                                trace_headers=request.trace_headers)  # fmt: skip
+                                trace_headers=request.trace_headers,
+                                priority=request.priority)  # fmt: skip
         try:
             async for out in gen:
                 o = out.outputs[0]

@@ -32,8 +32,8 @@ def error_body(status: int, message: str, param: str | None = None, code=None) -
                                        "message": message}}  # fmt: skip
 
 
-def error_event(message: str, code: str = "stream_error", sent: int = 0) -> str:
-    return f"event: error\ndata: {json.dumps(error_body(500, message))}\n\n"
+def error_event(message: str, code: str = "stream_error", sent: int = 0, status: int = 500) -> str:
+    return f"event: error\ndata: {json.dumps(error_body(status, message))}\n\n"
 
 
 API = Api(flag="anthropic", label="anthropic", error_event=error_event, error_body=error_body)

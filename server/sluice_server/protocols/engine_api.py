@@ -23,21 +23,22 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from ..core.errors import ApiError, error_body
-from ..core.events import DISCONNECTED, FINISHED, Failed, Meter, Tokens, events
+from ..core.events import DISCONNECTED, FINISHED, Failed, Meter, Tokens, Waiting, events
 from ..core.identity import Principal
 from ..core.lifecycle import open_stream
 from ..core.metrics import bind
 from ..core.params import describe_validation_error
-from ..core.services import Services, read_json, received_at, services, trail_of
+from ..core.services import ClientGone, Services, read_json, received_at, services, trail_of
 from ..core.stream import Stream
 from ..engine.base import GENERATING, ApiKind, ApiRequestError, ApiStream
-from ..transport.sse import SSEResponse
+from ..transport.sse import QUEUED, SSEResponse
 
 
-def openai_error_event(message: str, code: str = "stream_error", sent: int = 0) -> str:
+def openai_error_event(message: str, code: str = "stream_error", sent: int = 0,
+                       status: int = 500) -> str:  # fmt: skip
     """OpenAI's error after the 200: the same object as before it, as `event: error`, then
     `data: [DONE]` (the official SDK raises `APIError` on it)."""
-    payload = json.dumps(error_body(500, message, code=code))
+    payload = json.dumps(error_body(status, message, code=code))
     return f"event: error\ndata: {payload}\n\ndata: [DONE]\n\n"
 
 
@@ -47,8 +48,8 @@ class Api:
 
     flag: str  # its value in --protocols (spec.streaming.protocols)
     label: str  # its `protocol` metric label
-    # The error event after the 200: (message, code, events already sent) -> framed SSE.
-    error_event: Callable[[str, str, int], str] = openai_error_event
+    # The error event after the 200: (message, code, events already sent, status) -> SSE.
+    error_event: Callable[[str, str, int, int], str] = openai_error_event
     # The error body before the 200 (status, message, param, code) -> JSON; OpenAI's by default.
     error_body: Callable[..., dict] = error_body
 
@@ -108,17 +109,35 @@ async def answer(request: Request, api: Api, path: str, kind: ApiKind) -> Respon
 
 
 async def generate(request: Request, api: Api, path: str, kind: ApiKind) -> Response:
-    """A generating kind, streamed (SSE) when the body asks for it."""
+    """A generating kind, streamed (SSE) when the body asks for it. With a queue, a request
+    that waits for a slot waits here up to a heartbeat (a refusal is then a real 429/503);
+    a stream still waiting then commits to 200 and waits in the stream core."""
     assert kind in GENERATING
     svc, who = gate(request, api, path)
     engine, parsed = await _parsed(request, svc, api, kind, who)
-    await svc.admit(api.label, who)
-    t0 = received_at(request)
     trail = trail_of(request)
-    admitted = True
+    ticket = await svc.admit(api.label, who, trail)
+    t0 = received_at(request)
+    priority = svc.engine_priority(who)
+    held = True  # the ticket is released here unless a stream took it over
     try:
+        streaming = bool(getattr(parsed, "stream", False))
+        commit = svc.settings.heartbeat_seconds if streaming else None
         try:
-            result = await _unless_disconnected(request, engine.api.respond(parsed, kind, request))
+            admitted = await svc.wait_admitted(request, api.label, ticket, commit)
+        except ClientGone:
+            trail.end(DISCONNECTED, 499)
+            return Response(status_code=499)
+        if not admitted:  # committed: the engine request starts once a slot is free
+            later = _Later(engine, parsed, kind, request, priority)
+            handle = open_stream(svc, trail, who, later.chunks(), t0, later.prompt_tokens,
+                                 ticket=ticket)  # fmt: skip
+            held = False
+            return _sse(svc, api, *handle)
+        try:
+            result = await _unless_disconnected(
+                request, engine.api.respond(parsed, kind, request, priority)
+            )
         except ApiRequestError as e:
             raise _refused(svc, api, e) from None
         if result is None:  # client left while the engine rendered or generated (non-stream)
@@ -129,21 +148,52 @@ async def generate(request: Request, api: Api, path: str, kind: ApiKind) -> Resp
             meter = Meter(bind(svc.metrics, api.label, trail.model), t0, trail)
             meter.tokens = result.completion_tokens
             meter.finish(FINISHED)
+            ticket.charge(result.completion_tokens)
             svc.bill(who, result.prompt_tokens + result.completion_tokens)
             return JSONResponse(result.body, result.status)
-        admitted = False  # the stream owns the slot now
-        stream, meter, cleanup = open_stream(
-            svc, trail, who, result.chunks, t0, result.prompt_tokens
-        )
-        return SSEResponse(
-            frames(stream, meter, api.error_event),
-            cleanup,
-            ping=svc.settings.heartbeat_seconds,
-            send_timeout=svc.settings.send_timeout_seconds,
-        )
+        handle = open_stream(svc, trail, who, result.chunks, t0, result.prompt_tokens,
+                             ticket=ticket)  # fmt: skip
+        held = False  # the stream owns the slot now
+        return _sse(svc, api, *handle)
     finally:
-        if admitted:
-            svc.gate.release()
+        if held:
+            ticket.release()
+
+
+def _sse(svc: Services, api: Api, stream: Stream, meter: Meter, cleanup) -> SSEResponse:
+    return SSEResponse(
+        frames(stream, meter, api.error_event),
+        cleanup,
+        ping=svc.settings.heartbeat_seconds,
+        send_timeout=svc.settings.send_timeout_seconds,
+    )
+
+
+class _Later:
+    """A streamed answer whose engine request starts only when its queued stream is
+    admitted (the stream core iterates `chunks()` then)."""
+
+    def __init__(self, engine, parsed, kind: ApiKind, request: Request, priority: int) -> None:
+        self.engine, self.parsed, self.kind = engine, parsed, kind
+        self.request, self.priority = request, priority
+        self.result: ApiStream | None = None
+
+    def prompt_tokens(self) -> int:
+        return self.result.prompt_tokens() if self.result is not None else 0
+
+    async def chunks(self) -> AsyncIterator:
+        result = await self.engine.api.respond(self.parsed, self.kind, self.request,
+                                               self.priority)  # fmt: skip
+        if not isinstance(result, ApiStream):  # pragma: no cover - stream was asked for
+            raise RuntimeError("the engine answered a streamed request as a whole")
+        self.result = result
+        try:
+            async for delta in result.chunks:
+                yield delta
+        finally:
+            aclose = getattr(result.chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()  # aborts an unfinished engine request at once
 
 
 async def _unless_disconnected(request: Request, work):
@@ -182,4 +232,6 @@ async def frames(stream: Stream, meter: Meter, error_event) -> AsyncIterator[byt
             sent += ev.text.count("\n\n")
             yield ev.text.encode()
         elif type(ev) is Failed:
-            yield error_event(ev.message, ev.code, sent).encode()
+            yield error_event(ev.message, ev.code, sent, ev.status).encode()
+        elif type(ev) is Waiting:
+            yield QUEUED

@@ -25,7 +25,7 @@ from .openapi import api_body, streamed
 router = APIRouter(tags=["openai responses"])
 
 
-def error_event(message: str, code: str = "stream_error", sent: int = 0) -> str:
+def error_event(message: str, code: str = "stream_error", sent: int = 0, status: int = 500) -> str:
     data = {"type": "error", "code": code, "message": message, "param": None,
             "sequence_number": sent}  # fmt: skip
     return f"event: error\ndata: {json.dumps(data)}\n\n"

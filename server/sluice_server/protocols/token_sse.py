@@ -6,8 +6,10 @@ final event with `finish_reason` and `usage`, then `data: [DONE]`; after the 200
 is `event: error` with `{"id","error":{...}}`, then `[DONE]`. Every event has an
 `id: <stream id>:<index>` and the first carries `retry:` (EventSource's reconnect delay).
 
-A request with `Last-Event-ID` (EventSource sends it when it reconnects) never starts a
-generation: it resumes that stream after that event (core/lifecycle.py), gets 204 when the
+With a queue, a request that waits for a stream slot gets its 200 after
+`--heartbeat-seconds` of waiting, then `: queued` comments every heartbeat until its first
+token (a refusal after that is the error event with the queue's code). A request with
+`Last-Event-ID` (EventSource sends it when it reconnects) never starts a generation: it resumes that stream after that event (core/lifecycle.py), gets 204 when the
 stream has ended (which stops EventSource), or a 4xx.
 """
 
@@ -21,13 +23,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from ..core.errors import ApiError
-from ..core.events import Failed, Finished, Meter, Tokens, events
+from ..core.events import DISCONNECTED, Failed, Finished, Meter, Tokens, Waiting, events
 from ..core.identity import Principal
 from ..core.lifecycle import open_stream, resume_stream
 from ..core.params import to_stream_request
-from ..core.services import Services, read_json, received_at, services, trail_of
+from ..core.services import ClientGone, Services, read_json, received_at, services, trail_of
 from ..core.stream import Stream
-from ..transport.sse import SSEResponse
+from ..transport.sse import QUEUED, SSEResponse
 from .openapi import stream_body, stream_query, streamed
 
 router = APIRouter(tags=["token stream"])
@@ -78,12 +80,18 @@ async def _start(request: Request, svc: Services, who: Principal, body: dict) ->
         req = to_stream_request(body, rid, engine, lambda m: svc.route(trail, who, m))
     except ApiError as e:
         raise svc.count(PROTOCOL, e) from None
-    await svc.admit(PROTOCOL, who)
+    ticket = await svc.admit(PROTOCOL, who, trail)
+    try:
+        # Waits up to a heartbeat for a slot with a real status; past it, commits to 200.
+        await svc.wait_admitted(request, PROTOCOL, ticket, svc.settings.heartbeat_seconds)
+    except ClientGone:
+        trail.end(DISCONNECTED, 499)
+        return Response(status_code=499)
     req.trace_headers = trail.carrier
+    req.priority = svc.engine_priority(who)
     n_prompt = len(req.prompt_token_ids or ())
-    handle = open_stream(
-        svc, trail, who, engine.generate(req), received_at(request), lambda: n_prompt, rid
-    )
+    handle = open_stream(svc, trail, who, engine.generate(req), received_at(request),
+                         lambda: n_prompt, rid, ticket)  # fmt: skip
     return _respond(svc, handle, rid, None)
 
 
@@ -127,6 +135,9 @@ async def token_events(
     head = ('\ndata: {"id":' + _dumps(rid) + ',"index":').encode()
     prefix = f"retry: {retry_ms}\n".encode()  # goes with the first event
     async for ev in events(stream, meter, start):
+        if type(ev) is Waiting:
+            yield QUEUED
+            continue
         if type(ev) is Tokens:
             i = ev.index
             yield b'%s%s%d%s%d,"token":%s,"finished":false}\n\n' % (

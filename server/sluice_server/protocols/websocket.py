@@ -3,7 +3,9 @@
 Client frames: `{"id", "prompt"|"messages", "params": {...}}` starts one;
 `{"type": "stop", "id"}` stops one at once. Server frames: `{"id", "index", "token",
 "finished": false}`, a final `{"id", "index", "token": "", "finished": true,
-"finish_reason", "usage"}`, and `{"id", "type": "error", "error": {...}}`. A bad frame gets
+"finish_reason", "usage"}`, and `{"id", "type": "error", "error": {...}}`; with a queue, a
+generation waiting for a stream slot gets `{"id", "type": "queued", "waited_ms"}` at once
+and every heartbeat until its first token. A bad frame gets
 an error frame and the socket stays usable. The handshake's credential is checked again for
 every generation: once a reload removed the key, or the token expired, a new one gets a 401
 error frame (generations already running go on, as an HTTP stream does). Pings are the
@@ -23,7 +25,7 @@ from fastapi.responses import JSONResponse
 from starlette.websockets import WebSocketDisconnect
 
 from ..core.errors import ApiError, error_body
-from ..core.events import Failed, Finished, Meter, Stopped, Tokens, events
+from ..core.events import Failed, Finished, Meter, Stopped, Tokens, Waiting, events
 from ..core.identity import Principal
 from ..core.lifecycle import open_stream
 from ..core.params import to_stream_request
@@ -144,14 +146,15 @@ class Connection:
             engine = await svc.require_engine()
             req = to_stream_request(body, f"ws-{uuid.uuid4().hex}", engine,
                                     lambda m: svc.route(trail, self.who, m))  # fmt: skip
-            await svc.admit(PROTOCOL, self.who)
+            ticket = await svc.admit(PROTOCOL, self.who, trail)  # may wait: in the stream
         except ApiError as e:
             svc.refuse(trail, e)
             return await self.error(rid, e.status, e.message, e.code)
         req.trace_headers = trail.carrier
+        req.priority = svc.engine_priority(self.who)
         n_prompt = len(req.prompt_token_ids or ())
         stream, meter, cleanup = open_stream(
-            svc, trail, self.who, engine.generate(req), t0, lambda: n_prompt
+            svc, trail, self.who, engine.generate(req), t0, lambda: n_prompt, ticket=ticket
         )
         self.streams[rid] = stream
         task = asyncio.create_task(self.pump(rid, stream, meter, cleanup))
@@ -196,7 +199,10 @@ class Connection:
                              "finish_reason": "abort", "usage": None}  # fmt: skip
                     await self.send(_dumps(final))
                 elif type(ev) is Failed:
-                    await self.error(rid, 500, ev.message, ev.code)
+                    await self.error(rid, ev.status, ev.message, ev.code)
+                elif type(ev) is Waiting:
+                    await send(f'{{"id":{_dumps(rid)},"type":"queued",'
+                               f'"waited_ms":{round(ev.waited * 1000)}}}')  # fmt: skip
         except (WebSocketDisconnect, RuntimeError):
             pass  # the client went away or was cut off: the cleanup aborts and records it
         finally:

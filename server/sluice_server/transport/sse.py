@@ -30,6 +30,8 @@ from .sendwatch import SendWatchdog
 
 NO_BUFFERING = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 PING = b": ping\n\n"
+# The keep-alive of a stream waiting for a stream slot (the events loop's `Waiting`).
+QUEUED = b": queued\n\n"
 
 
 class Disconnected(Exception):
@@ -106,7 +108,10 @@ class SSEResponse(Response):
         self._cleanup = cleanup
         self.ping_interval = ping
         self.status_code = status_code
-        raw = {**NO_BUFFERING, "Connection": "keep-alive", **(headers or {})}
+        # No hop-by-hop header (Connection, Transfer-Encoding, ...): the HTTP server frames the
+        # body and owns the connection, and a proxy that copies one onto an HTTP/2 response
+        # breaks the stream (RFC 9113 8.2.2). tests/server/test_stream_hop_headers.py.
+        raw = {**NO_BUFFERING, **(headers or {})}
         raw["Content-Type"] = f"{self.media_type}; charset=utf-8"
         self.raw_headers = [
             (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in raw.items()

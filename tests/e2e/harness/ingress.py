@@ -19,8 +19,12 @@ controller the operator's default annotations are written for (builders/ingress.
 - WebSocket upgrade only when the client asks; `proxy_next_upstream error timeout`, 3 tries
   (its defaults), so a pod that went away between two reloads costs a retry, not an error;
 - a backend with no Ready endpoint answers 503, as ingress-nginx does;
+- the balancing method the operator's `spec.routing.balance` annotations ask for: F5's
+  `nginx.org/lb-method: least_conn` becomes nginx's `least_conn` upstream directive (what
+  that controller writes); `round_robin` (either controller's) is nginx's default;
 - harness only: every proxied response carries `X-E2E-Upstream: <pod ip:port>`.
-What it leaves out: TLS, the `nginx.org/*` (F5) annotations, regex paths and rewrites, auth
+What it leaves out: TLS, the other `nginx.org/*` (F5) annotations, ingress-nginx's `ewma`
+(round robin here), regex paths and rewrites, auth
 and rate-limit annotations, upstream keep-alive, canary and every other annotation; the
 affinity cookie holds the endpoint's address (ingress-nginx stores a hash of it) and always
 behaves as `affinity-mode: persistent`; reloads happen on every endpoint change (the
@@ -41,12 +45,13 @@ from pathlib import Path
 
 from kubernetes import client
 from testkit.net import free_port
-from testkit.nginx import find_nginx, run_as_root_directive
+from testkit.nginx import LB_DIRECTIVES, find_nginx, run_as_root_directive
 from testkit.process import ManagedProcess
 
 from .endpoints import ready_endpoints
 
 ANN = "nginx.ingress.kubernetes.io/"
+F5_LB_METHOD = "nginx.org/lb-method"
 DEFAULTS = {
     "proxy-buffering": "off",
     "proxy-request-buffering": "on",
@@ -80,6 +85,10 @@ class Route:
 
     def ann(self, key: str) -> str | None:
         return self.annotations.get(ANN + key, DEFAULTS.get(key))
+
+    @property
+    def lb_directive(self) -> str:
+        return LB_DIRECTIVES.get(self.annotations.get(F5_LB_METHOD, "round_robin"), "")
 
     @property
     def upstream(self) -> str:
@@ -143,6 +152,7 @@ def render(routes: list[Route], listen_port: int, prefix: Path) -> str:
     """nginx.conf for `routes` (the first Ingress to claim a host+path keeps it, as
     ingress-nginx keeps the oldest)."""
     upstreams: dict[str, tuple[str, ...]] = {}
+    methods: dict[str, str] = {}  # upstream -> its balancing directive
     pins: dict[str, tuple[str, str]] = {}  # upstream -> (cookie name, map variable)
     servers: dict[str, dict[str, Route]] = {}
     for r in routes:
@@ -151,11 +161,13 @@ def render(routes: list[Route], listen_port: int, prefix: Path) -> str:
             taken.setdefault(loc, r)
         if r.endpoints:
             upstreams[r.upstream] = r.endpoints
+            methods[r.upstream] = r.lb_directive
             if r.ann("affinity") == "cookie":
                 pins[r.upstream] = (r.ann("session-cookie-name"), r.pin)
     http = []
     for name, eps in sorted(upstreams.items()):
-        http.append(f"    upstream {name} {{ {' '.join(f'server {e};' for e in eps)} }}")
+        listed = " ".join(f"server {e};" for e in eps)
+        http.append(f"    upstream {name} {{ {methods[name]}{listed} }}")
     for upstream, (cookie, var) in sorted(pins.items()):
         known = "".join(
             f'        "~(^|;\\s*){re.escape(cookie)}={re.escape(e)}(;|$)" {e};\n'

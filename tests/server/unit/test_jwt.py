@@ -20,7 +20,7 @@ def verifier(*issuers: Issuer, **kw) -> JwtVerifier:
 
 
 def test_valid_tokens_map_claims_to_tenant_and_plan():
-    v = verifier(default=Plan(rpm=5, tpm=50))
+    v = verifier(rules=Plan(rpm=5, tpm=50))
     who = v.verify(RSA.token(tenant="acme", rpm=100))
     assert who.tenant == "acme" and who.plan == Plan(100, 50)
     assert who.id.startswith("jwt-") and "user-1" not in who.id

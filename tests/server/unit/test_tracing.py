@@ -18,6 +18,7 @@ from app_helpers import serve_simulator as serve
 from app_helpers import ws_url
 from sluice_server.engine.simulator import SimulatorEngine
 from testkit.otlp import OtlpReceiver
+from testkit.wait import eventually
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 EVENTS = ["admitted", "first_output", "first_byte", "end"]
@@ -152,3 +153,35 @@ async def test_tracing_off_by_default(sim, rx):
                              headers=tp)).status_code == 200  # fmt: skip
         await asyncio.sleep(1.0)
     assert rx.requests == 0
+
+
+async def test_a_queued_request_shows_its_wait_and_class(sim, rx):
+    async with serve(sim, otlp_traces_endpoint=rx.endpoint, max_concurrent_streams=1,
+                     queue_size=2, priority_classes=["interactive", "batch"]) as url:  # fmt: skip
+        async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+            hold_trace, _, hold_tp = parent()
+            body = {"prompt": "p", "max_tokens": 2000, "ignore_eos": True}  # 4 s
+            async with c.stream("POST", "/v1/stream", json=body, headers=hold_tp) as held:
+                assert held.status_code == 200
+                lines = held.aiter_lines()  # kept: a dropped line iterator closes the response
+                async for line in lines:
+                    if line.startswith("data:"):
+                        break  # the one slot is taken
+                trace, span, tp = parent()
+                waiting = asyncio.create_task(c.post("/v1/stream", headers=tp,
+                                                     json={"prompt": "q", "max_tokens": 2}))  # fmt: skip
+                await eventually(lambda: _queued(c), what="queued")
+            # The held stream's client left: its slot goes to the waiting request.
+            assert (await waiting).status_code == 200
+            [s] = await spans_of(rx, trace)
+            a = check(s, span, "sse", "finished")
+            assert [e for e, _ in s["events"]] == ["queued", *EVENTS]
+            assert a["sluice.priority"] == "batch" and a["sluice.queue_wait_ms"] > 0
+            [held_span] = await spans_of(rx, hold_trace)
+            assert [e for e, _ in held_span["events"]] == EVENTS  # found a free slot
+            assert held_span["attributes"]["sluice.queue_wait_ms"] == 0
+
+
+async def _queued(c: httpx.AsyncClient) -> bool:
+    text = (await c.get("/metrics")).text
+    return 'sluice_queue_depth{model="sim",priority="batch"} 1.0' in text
