@@ -81,6 +81,9 @@ class ZeroScaler:
         self._signals: dict[tuple[str, str], Signals] = {}
         self._checked: dict[tuple[str, str], float] = {}  # last idle check per model
         self._written: str | None = None  # models.json as last applied
+        # (namespace, name) -> (uid, generation, the parsed model or None): a spec is parsed
+        # once per generation, not every round.
+        self._parsed: dict[tuple[str, str], tuple[Any, Any, StreamingModel | None]] = {}
         self._guard = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="sluice-scale-to-zero",
@@ -113,17 +116,25 @@ class ZeroScaler:
             self._stop.wait(delay)
 
     def _models(self) -> list[StreamingModel]:
-        out = []
+        out, seen = [], set()
         for namespace, name in self.memory.models():
             body = self.memory.model(namespace, name)
             if body is None or body["metadata"].get("deletionTimestamp"):
                 continue
-            try:
-                model = load_model(body)
-            except SpecError:
-                continue
-            if model.spec.scale_to_zero is not None:
+            key, meta = (namespace, name), body["metadata"]
+            seen.add(key)
+            cached = self._parsed.get(key)
+            if cached is None or cached[:2] != (meta.get("uid"), meta.get("generation")):
+                try:
+                    parsed: StreamingModel | None = load_model(body)
+                except SpecError:
+                    parsed = None
+                cached = self._parsed[key] = (meta.get("uid"), meta.get("generation"), parsed)
+            model = cached[2]
+            if model is not None and model.spec.scale_to_zero is not None:
                 out.append(model)
+        for key in [k for k in self._parsed if k not in seen]:
+            del self._parsed[key]
         return out
 
     def _workload(self, model: StreamingModel) -> dict[str, Any] | None:
