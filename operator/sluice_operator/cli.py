@@ -102,6 +102,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         election=election,
         max_rollouts=args.max_concurrent_model_rollouts,
         activator=activator_settings(args),
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
     )
 
 
@@ -247,6 +249,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SELECTOR",
         help="label selector of the activator's pods, whose /metrics give the held requests",
     )
+    run.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="serve the operator's own Prometheus metrics (scale-to-zero transitions, "
+        "activation time) on this port at /metrics; 0: off",
+    )
+    run.add_argument("--metrics-host", default="0.0.0.0", help="address for --metrics-port")
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     run.set_defaults(func=_cmd_run)
     return parser

@@ -35,6 +35,7 @@ from .election import AlwaysLeading, ElectionSettings, Elector
 from .kinds import DEPLOYMENT, INDEXED_KINDS, STREAMING_MODEL, WATCHED_KINDS, Kind
 from .memory import Memory, index_key, lean
 from .models import GROUP, PLURAL, VERSION
+from .opmetrics import OperatorMetrics
 from .pacing import RolloutPacer
 from .reconcile import converge
 from .scaler import ZeroScaler
@@ -271,10 +272,19 @@ def configure(
 
         store = KubeLeases(memo.kube, election.namespace, election.name, election.renew_deadline)
         memo.leadership = Elector(election, store, on_started=started, on_stopped=stopped)
+    if getattr(memo, "metrics", None) is None:
+        memo.metrics = OperatorMetrics()
+        port = getattr(memo, "metrics_port", None)
+        if port:
+            from prometheus_client import start_http_server
+
+            host = getattr(memo, "metrics_host", None) or "0.0.0.0"
+            start_http_server(int(port), addr=host, registry=memo.metrics.registry)
     if getattr(memo, "zero", None) is None:
         memo.zero = ZeroScaler(
             memo.cluster, memo.memory, getattr(memo, "activator", None),
             wake=memo.resync.converge_soon, page=pod_metrics_page, leading=leading,
+            metrics=memo.metrics,
         )  # fmt: skip
     memo.resync.zero = memo.zero.context()
     memo.resync.start()

@@ -290,6 +290,7 @@ class _Pass:
         # Scale to zero (scaletozero.py): the route and the step, from the workload as
         # stored and the poller's signals, before the children are built.
         self.signals, self.step = Signals(), Step.NONE
+        self.metrics = zero.metrics if zero is not None else None
         if model.spec.scale_to_zero is not None:
             if zero is not None:
                 self.signals = zero.signals((self.namespace, self.name))
@@ -322,6 +323,8 @@ class _Pass:
         scale = self.cluster.scale(kind.api_version, kind.kind, self.namespace, self.name, replicas)
         version = ((scale or {}).get("metadata") or {}).get("resourceVersion")
         self.live[kind.kind] = self.reads.wrote(with_replicas(workload, replicas, version))
+        if self.metrics is not None:
+            self.metrics.scaled((self.namespace, self.name), replicas)
         log.info(f"{self.namespace}/{self.name}: scaled to {replicas} ({self.step.value})")
 
     def wants(self, row: OptionalKind) -> bool:
@@ -511,6 +514,8 @@ class _Pass:
         elif before in ("ScaledToZero", "Activating") and not self.model.via_activator:
             self.post_event("Normal", "Activated", f"a replica is Ready: the route goes to "
                             f"Service {self.name} again")  # fmt: skip
+        if self.metrics is not None and not self.model.via_activator:
+            self.metrics.serving((self.namespace, self.name))
         return new
 
     def post_events(self) -> None:

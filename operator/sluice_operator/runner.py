@@ -18,6 +18,8 @@ def run(
     election: object | None = None,
     max_rollouts: int | None = None,
     activator: object | None = None,
+    metrics_port: int = 0,
+    metrics_host: str = "0.0.0.0",
 ) -> int:
     """`election`: `election.ElectionSettings` for `--leader-elect`, or None (one replica).
     `activator`: `scaler.ActivatorSettings` (`--activator-service`), or None: no model is
@@ -43,6 +45,8 @@ def run(
             leader_election=election,
             max_rollouts=max_rollouts,
             activator=activator,
+            metrics_port=metrics_port,
+            metrics_host=metrics_host,
         ),
     )
     return 0

@@ -34,6 +34,7 @@ from .cluster import Cluster
 from .kinds import DEPLOYMENT, LWS_KIND
 from .memory import Memory
 from .models.resource import StreamingModel
+from .opmetrics import OperatorMetrics
 from .scaletozero import (
     DEMAND_PERIOD_SECONDS,
     IDLE_PERIOD_SECONDS,
@@ -75,8 +76,10 @@ class ZeroScaler:
         page: PageReader,
         leading: Callable[[], bool] = lambda: True,
         clock: Callable[[], float] = time.time,
+        metrics: OperatorMetrics | None = None,
     ) -> None:
         self.cluster, self.memory, self.activator = cluster, memory, activator
+        self.metrics = metrics
         self.wake, self.page, self.leading, self.clock = wake, page, leading, clock
         self._signals: dict[tuple[str, str], Signals] = {}
         self._checked: dict[tuple[str, str], float] = {}  # last idle check per model
@@ -93,7 +96,7 @@ class ZeroScaler:
     def context(self) -> ZeroContext:
         host = self.activator.host if self.activator else activator_host_of(
             "sluice-activator", "sluice-system")  # fmt: skip
-        return ZeroContext(activator_host=host, signals=self.signals)
+        return ZeroContext(activator_host=host, signals=self.signals, metrics=self.metrics)
 
     def signals(self, key: tuple[str, str]) -> Signals:
         with self._guard:

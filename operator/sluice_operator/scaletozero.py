@@ -39,6 +39,7 @@ from enum import StrEnum
 from typing import Any
 
 from .models.resource import StreamingModel
+from .opmetrics import OperatorMetrics
 
 LAST_REQUEST = "sluice_last_request_timestamp_seconds"
 ACTIVE_STREAMS = "sluice_active_streams"
@@ -141,10 +142,12 @@ class Signals:
 @dataclass(frozen=True)
 class ZeroContext:
     """What a pass needs from the operator for scale to zero: where the activator answers
-    (the ExternalName's target) and the poller's latest signals per (namespace, name)."""
+    (the ExternalName's target), the poller's latest signals per (namespace, name), and the
+    operator's metrics (opmetrics.py), which count what the pass does."""
 
     activator_host: str
     signals: Callable[[tuple[str, str]], Signals] = lambda key: Signals()
+    metrics: OperatorMetrics | None = None
 
 
 class Step(StrEnum):

@@ -129,6 +129,7 @@ def test_deployment_runs_the_operator_with_kopf_health(h):
         "--liveness=http://0.0.0.0:8080/healthz",
         "--log-format=json",
         "--max-concurrent-model-rollouts=2",
+        "--metrics-port=8081",
         "--activator-service=sluice-activator",
         "--activator-namespace=sluice-system",
         "--activator-selector=app.kubernetes.io/component=activator,app.kubernetes.io/instance=sluice",
@@ -136,7 +137,14 @@ def test_deployment_runs_the_operator_with_kopf_health(h):
     assert c["image"] == "ghcr.io/sluice-dev/sluice-operator:0.1.0"
     for probe in ("livenessProbe", "readinessProbe"):
         assert c[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
-    assert c["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"}]
+    assert c["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"},
+                          {"name": "metrics", "containerPort": 8081, "protocol": "TCP"}]  # fmt: skip
+    notes = deploy["spec"]["template"]["metadata"]["annotations"]
+    assert (notes["prometheus.io/scrape"], notes["prometheus.io/port"]) == ("true", "8081")
+    deploy, c = _container(h.template(OPERATOR_CHART, set_=["operator.metricsPort=0"]))
+    assert not any(a.startswith("--metrics") for a in c["args"]) and len(c["ports"]) == 1
+    assert "prometheus.io/scrape" not in deploy["spec"]["template"]["metadata"]["annotations"]
+    deploy, c = _container(h.template(OPERATOR_CHART))
     # Two electing replicas; a new pod starts as a standby before an old one goes.
     assert deploy["spec"]["replicas"] == 2
     assert deploy["spec"]["strategy"] == {
@@ -855,7 +863,9 @@ def test_network_policy_set_and_not_rendered(h):
     deploy = one(docs, "Deployment")
     assert policy["spec"]["podSelector"]["matchLabels"] == deploy["spec"]["selector"]["matchLabels"]
     assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
-    assert policy["spec"]["ingress"] == [{"ports": [{"port": 8080, "protocol": "TCP"}]}]
+    assert policy["spec"]["ingress"] == [
+        {"ports": [{"port": 8080, "protocol": "TCP"}, {"port": 8081, "protocol": "TCP"}]}
+    ]
     dns, api, pods, activator = policy["spec"]["egress"]
     assert {p["port"] for p in dns["ports"]} == {53}
     assert [p["port"] for p in api["ports"]] == [443, 6443] and "to" not in api

@@ -23,6 +23,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
@@ -215,5 +216,18 @@ def test_idle_model_scales_to_zero_routes_to_the_activator_and_demand_brings_it_
                    and s[1][1] != "ScalingDisabled" and s, timeout=60, interval=1,
                    what="the HPA to act again")  # fmt: skip
     assert got[0] == 1
+    # The operator's own metrics counted both steps and timed the activation.
+    text = httpx.get(f"http://127.0.0.1:{operator.metrics_port}/metrics", timeout=5).text
+    mine = [line for line in text.splitlines() if f'namespace="{namespace}"' in line]
+    zero, one = (
+        [line for line in mine if line.startswith("sluice_operator_scale_to_zero_transitions_total")
+         and f'to="{to}"' in line]
+        for to in ("zero", "one")
+    )  # fmt: skip
+    assert [line.rsplit(" ", 1)[1] for line in zero + one] == ["1.0", "1.0"], mine
+    (count,) = [
+        line for line in mine if line.startswith("sluice_operator_activation_seconds_count")
+    ]
+    assert count.endswith(" 1.0"), mine
     TIMINGS["scale to zero: idle to 0 replicas, held request to Ready (s)"] = (
         round(idle_s, 1), round(wake_s, 1))  # fmt: skip

@@ -530,3 +530,34 @@ def test_route_backend_condition_follows_the_switch():
     plain = FakeCluster()
     converge(plain, body_of(minimal(ingress={"enabled": True})), Events(), now=NOW)
     assert "RouteBackend" not in {c["type"] for c in plain.statuses[-1]["conditions"]}
+
+
+def test_operator_metrics_count_transitions_and_time_the_activation():
+    from prometheus_client import generate_latest
+    from sluice_operator.opmetrics import OperatorMetrics
+
+    now = [100.0]
+    metrics = OperatorMetrics(clock=lambda: now[0])
+    cluster, events = FakeCluster(), Events()
+    signals = [Signals()]
+    ctx = ZeroContext(activator_host=HOST, signals=lambda key: signals[0], metrics=metrics)
+    body = zero_body()
+    converge(cluster, body, events, now=NOW, zero=ctx)
+    up = {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1, "availableReplicas": 1}
+    cluster.set_deployment_status("default", "m", **up)
+    signals[0] = Signals(idle=True)
+    converge(cluster, with_status(body, cluster), events, now=NOW, zero=ctx)
+    cluster.set_deployment_status("default", "m", replicas=0)
+    signals[0] = Signals(held=1)
+    converge(cluster, with_status(body, cluster), events, now=NOW, zero=ctx)  # scale to 1 at t=100
+    now[0] = 142.0
+    cluster.set_deployment_status("default", "m", **up)
+    signals[0] = Signals()
+    converge(cluster, with_status(body, cluster), events, now=NOW, zero=ctx)  # Ready at t=142
+    converge(cluster, with_status(body, cluster), events, now=NOW, zero=ctx)  # nothing new
+    text = generate_latest(metrics.registry).decode()
+    labels = 'model="m",namespace="default"'
+    assert f'sluice_operator_scale_to_zero_transitions_total{{{labels},to="zero"}} 1.0' in text
+    assert f'sluice_operator_scale_to_zero_transitions_total{{{labels},to="one"}} 1.0' in text
+    assert f"sluice_operator_activation_seconds_count{{{labels}}} 1.0" in text
+    assert f"sluice_operator_activation_seconds_sum{{{labels}}} 42.0" in text
