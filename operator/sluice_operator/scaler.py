@@ -33,7 +33,7 @@ from .builders.leaderworkerset import leader_selector
 from .cluster import Cluster
 from .kinds import DEPLOYMENT, LWS_KIND
 from .memory import Memory
-from .models.resource import StreamingModel
+from .models.resource import DEFAULT_ACTIVATOR_HOST, StreamingModel
 from .opmetrics import OperatorMetrics
 from .scaletozero import (
     DEMAND_PERIOD_SECONDS,
@@ -94,8 +94,7 @@ class ZeroScaler:
         self.rounds = 0
 
     def context(self) -> ZeroContext:
-        host = self.activator.host if self.activator else activator_host_of(
-            "sluice-activator", "sluice-system")  # fmt: skip
+        host = self.activator.host if self.activator else DEFAULT_ACTIVATOR_HOST
         return ZeroContext(activator_host=host, signals=self.signals, metrics=self.metrics)
 
     def signals(self, key: tuple[str, str]) -> Signals:
