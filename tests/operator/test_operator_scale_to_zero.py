@@ -561,3 +561,27 @@ def test_operator_metrics_count_transitions_and_time_the_activation():
     assert f'sluice_operator_scale_to_zero_transitions_total{{{labels},to="one"}} 1.0' in text
     assert f"sluice_operator_activation_seconds_count{{{labels}}} 1.0" in text
     assert f"sluice_operator_activation_seconds_sum{{{labels}}} 42.0" in text
+
+
+def test_multi_node_model_scales_its_leaderworkerset_through_the_scale_subresource():
+    """parallelism.nodes > 1: the workload is the LeaderWorkerSet (not watched: read through
+    the cluster), scaled in groups like the Deployment."""
+    cluster, events, sig = FakeCluster(), Events(), Signalled()
+    spec = minimal(autoscaling=ZERO, ingress={"enabled": True}, resources={"gpus": 8},
+                   parallelism={"tensor": 8, "pipeline": 2, "nodes": 2})  # fmt: skip
+    body = body_of(spec)
+    converge(cluster, body, events, now=NOW, zero=sig.context())
+    lws = cluster.objects[("LeaderWorkerSet", "default", "m")]
+    lws["spec"]["replicas"] = 1
+    lws["status"] = {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1}
+    converge(cluster, with_status(body, cluster), events, now=NOW, zero=sig.context())
+    assert _backend(cluster) == "m" and cluster.scaled == []
+    sig.now = Signals(idle=True)
+    converge(cluster, with_status(body, cluster), events, now=NOW, zero=sig.context())
+    assert cluster.scaled == [("LeaderWorkerSet", "default", "m", 0)]
+    assert _backend(cluster) == "m-activator"
+    assert cluster.stored_status[("default", "m")]["phase"] == "ScaledToZero"
+    lws["status"] = {"replicas": 0}
+    sig.now = Signals(held=1)
+    converge(cluster, with_status(body, cluster), events, now=NOW, zero=sig.context())
+    assert cluster.scaled[-1] == ("LeaderWorkerSet", "default", "m", 1)
