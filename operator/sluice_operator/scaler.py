@@ -174,11 +174,12 @@ class ZeroScaler:
         """One round; returns the seconds until the next."""
         self.rounds += 1
         models = self._models()
+        if self.activator is not None:
+            self._keep_config_map(models)  # also when the last such model went: {}
         if self.activator is None or not models:
             with self._guard:
                 self._signals.clear()
             return IDLE_PERIOD_SECONDS
-        self._keep_config_map(models)
         activators = self._activator_pages()
         now = self.clock()
         changed, delay = [], IDLE_PERIOD_SECONDS

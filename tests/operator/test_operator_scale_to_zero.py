@@ -462,6 +462,12 @@ def test_poller_keeps_models_json_and_signals_idle_only_when_every_activator_kno
     pages["10.0.1.1"] = activator_page({("default", "m"): 2}, [("default", "m")])
     assert scaler.run_once() == 1.0
     assert scaler.signals(("default", "m")) == Signals(held=2)
+    # The model goes: its entry leaves models.json (the activator answers 404 for it then).
+    del cluster.objects[("StreamingModel", "default", "m")]
+    scaler.run_once()
+    cm = cluster.objects[("ConfigMap", "sluice-system", "sluice-activator-models")]
+    assert json.loads(cm["data"]["models.json"]) == {}
+    assert scaler.signals(("default", "m")) == Signals()
 
 
 def test_poller_without_an_activator_never_signals_idle():
