@@ -68,6 +68,19 @@ def election_settings(args: argparse.Namespace) -> object | None:
     )
 
 
+def activator_settings(args: argparse.Namespace) -> object | None:
+    """The `--activator-*` flags as `scaler.ActivatorSettings` (None without the Service)."""
+    if not args.activator_service:
+        return None
+    from .scaler import ActivatorSettings
+
+    return ActivatorSettings(
+        service=args.activator_service,
+        namespace=args.activator_namespace,
+        selector=args.activator_selector,
+    )
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from .runner import run
 
@@ -88,6 +101,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         identity=args.identity,
         election=election,
         max_rollouts=args.max_concurrent_model_rollouts,
+        activator=activator_settings(args),
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
     )
 
 
@@ -213,6 +229,34 @@ def build_parser() -> argparse.ArgumentParser:
         default=2.0,
         help="seconds between attempts to acquire or renew the Lease",
     )
+    zero = run.add_argument_group("scale to zero (models with autoscaling.minReplicas 0)")
+    zero.add_argument(
+        "--activator-service",
+        default="",
+        metavar="NAME",
+        help="the activator's Service in --activator-namespace: the per-model ExternalName "
+        "Services point at it, and the operator keeps the ConfigMap NAME-models there; unset: "
+        "no model is scaled to zero (nothing would wake it)",
+    )
+    zero.add_argument(
+        "--activator-namespace",
+        default=os.environ.get("POD_NAMESPACE") or "default",
+        help="namespace of the activator (default: $POD_NAMESPACE, else default)",
+    )
+    zero.add_argument(
+        "--activator-selector",
+        default="app.kubernetes.io/component=activator",
+        metavar="SELECTOR",
+        help="label selector of the activator's pods, whose /metrics give the held requests",
+    )
+    run.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="serve the operator's own Prometheus metrics (scale-to-zero transitions, "
+        "activation time) on this port at /metrics; 0: off",
+    )
+    run.add_argument("--metrics-host", default="0.0.0.0", help="address for --metrics-port")
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     run.set_defaults(func=_cmd_run)
     return parser

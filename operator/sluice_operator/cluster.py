@@ -48,6 +48,13 @@ class Cluster(Protocol):
 
     def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]: ...
 
+    def scale(
+        self, api_version: str, kind: str, namespace: str, name: str, replicas: int
+    ) -> dict[str, Any] | None:
+        """Set the workload's replicas through its scale subresource (a merge patch of
+        `spec.replicas`); returns the Scale as stored."""
+        ...
+
     def patch_status(
         self, namespace: str, name: str, patch: dict[str, Any]
     ) -> dict[str, Any] | None:
@@ -185,6 +192,20 @@ class KubeCluster:
         pods: list[dict[str, Any]] = (data or {}).get("items") or []
         return pods
 
+    def scale(
+        self, api_version: str, kind: str, namespace: str, name: str, replicas: int
+    ) -> dict[str, Any] | None:
+        """Scale to zero and back (scaletozero.py): the scale subresource, so only
+        `spec.replicas` changes and no field manager takes over the workload's spec."""
+        path = f"{collection_path(api_version, kind, namespace)}/{name}/scale"
+        stored: dict[str, Any] | None = self._call(
+            "PATCH",
+            path,
+            body={"spec": {"replicas": replicas}},
+            content_type="application/merge-patch+json",
+        )
+        return stored
+
     def patch_status(
         self, namespace: str, name: str, patch: dict[str, Any]
     ) -> dict[str, Any] | None:
@@ -243,6 +264,12 @@ class FencedCluster:
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
         self._check(f"delete of {kind}")
         return self._cluster.delete(api_version, kind, namespace, name)
+
+    def scale(
+        self, api_version: str, kind: str, namespace: str, name: str, replicas: int
+    ) -> dict[str, Any] | None:
+        self._check(f"scale of {kind}")
+        return self._cluster.scale(api_version, kind, namespace, name, replicas)
 
     def patch_status(
         self, namespace: str, name: str, patch: dict[str, Any]

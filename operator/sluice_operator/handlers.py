@@ -35,14 +35,18 @@ from .election import AlwaysLeading, ElectionSettings, Elector
 from .kinds import DEPLOYMENT, INDEXED_KINDS, STREAMING_MODEL, WATCHED_KINDS, Kind
 from .memory import Memory, index_key, lean
 from .models import GROUP, PLURAL, VERSION
+from .opmetrics import OperatorMetrics
 from .pacing import RolloutPacer
 from .reconcile import converge
+from .scaler import ZeroScaler
+from .scaletozero import ZeroContext
 from .validation import SpecError
 
 log = logging.getLogger("sluice_operator.handlers")
 OURS = {MANAGED_BY_LABEL: MANAGER}
 # (group, version, plural) of every child watch, from the one table of kinds.
-CHILD_RESOURCES = tuple((k.group, k.version, k.plural) for k in WATCHED_KINDS)
+# Two kinds may share a resource (the model's Service and its activator Service): one watch.
+CHILD_RESOURCES = tuple(dict.fromkeys((k.group, k.version, k.plural) for k in WATCHED_KINDS))
 MAX_BACKOFF_SECONDS = 300
 ADAPTER_RECHECK_SECONDS = 10
 DEFAULT_RESYNC_SECONDS = 300.0
@@ -268,7 +272,23 @@ def configure(
 
         store = KubeLeases(memo.kube, election.namespace, election.name, election.renew_deadline)
         memo.leadership = Elector(election, store, on_started=started, on_stopped=stopped)
+    if getattr(memo, "metrics", None) is None:
+        memo.metrics = OperatorMetrics()
+        port = getattr(memo, "metrics_port", None)
+        if port:
+            from prometheus_client import start_http_server
+
+            host = getattr(memo, "metrics_host", None) or "0.0.0.0"
+            start_http_server(int(port), addr=host, registry=memo.metrics.registry)
+    if getattr(memo, "zero", None) is None:
+        memo.zero = ZeroScaler(
+            memo.cluster, memo.memory, getattr(memo, "activator", None),
+            wake=memo.resync.converge_soon, page=pod_metrics_page, leading=leading,
+            metrics=memo.metrics,
+        )  # fmt: skip
+    memo.resync.zero = memo.zero.context()
     memo.resync.start()
+    memo.zero.start()
     logger.info("sluice operator started", extra={"field_manager": "sluice-operator"})
 
 
@@ -290,6 +310,9 @@ async def stop(memo: kopf.Memo, **_: Any) -> None:
     resync = getattr(memo, "resync", None)
     if resync is not None:
         await asyncio.to_thread(resync.stop)
+    zero = getattr(memo, "zero", None)
+    if zero is not None:
+        await asyncio.to_thread(zero.stop)
 
 
 def _load_kube_config() -> Any:
@@ -342,6 +365,7 @@ def _converge(
     logger: kopf.Logger,
     collapsible: bool = False,
     pacer: RolloutPacer | None = None,
+    zero: ZeroContext | None = None,
 ) -> None:
     """Converge one StreamingModel, read from memory under its lock.
 
@@ -369,6 +393,7 @@ def _converge(
                     owner_exists=check,
                     pacer=pacer,
                     pod_metrics=pod_metrics_page,
+                    zero=zero,
                 )
             )
         except WriteFenced as exc:
@@ -415,7 +440,13 @@ def reconcile(
     assert namespace is not None  # StreamingModels are namespaced
     _adopt_context(memo)
     pacer = getattr(memo, "pacer", None)
-    _converge(memo.cluster, memo.memory, namespace, name, retry, logger, pacer=pacer)
+    _converge(memo.cluster, memo.memory, namespace, name, retry, logger, pacer=pacer,
+              zero=_zero(memo))  # fmt: skip
+
+
+def _zero(memo: kopf.Memo) -> ZeroContext | None:
+    zero = getattr(memo, "zero", None)
+    return zero.context() if zero is not None else None
 
 
 def _adopt_context(memo: kopf.Memo) -> None:
@@ -439,10 +470,12 @@ def _converge_quietly(
     logger: kopf.Logger,
     why: str,
     pacer: RolloutPacer | None = None,
+    zero: ZeroContext | None = None,
 ) -> None:
     """A pass nobody retries (child event, resync): errors are logged, never raised."""
     try:
-        _converge(cluster, memory, namespace, name, 0, logger, collapsible=True, pacer=pacer)
+        _converge(cluster, memory, namespace, name, 0, logger, collapsible=True, pacer=pacer,
+                  zero=zero)  # fmt: skip
     except kopf.PermanentError:
         pass  # already reported on the StreamingModel (status + Event)
     except kopf.TemporaryError as exc:
@@ -467,7 +500,7 @@ def _owner_changed(
         return
     _converge_quietly(
         memo.cluster, memo.memory, namespace, owner, logger, f"a {event_type} child event",
-        getattr(memo, "pacer", None),
+        getattr(memo, "pacer", None), _zero(memo),
     )  # fmt: skip
 
 
@@ -489,6 +522,7 @@ class Resync:
         self.cluster, self.memory, self.seconds, self.logger = cluster, memory, seconds, logger
         self.leading = leading
         self.pacer: RolloutPacer | None = None
+        self.zero: ZeroContext | None = None
         self.passes = 0
         self._soon: set[tuple[str, str]] = set()
         self._soon_guard = threading.Lock()
@@ -520,7 +554,7 @@ class Resync:
         assert self._context is not None
         self._context.copy().run(
             _converge_quietly, self.cluster, self.memory, namespace, name, self.logger, why,
-            self.pacer,
+            self.pacer, self.zero,
         )  # fmt: skip
         self.passes += 1
 
@@ -566,7 +600,8 @@ class Resync:
                     self.run_once()
                 elif soon and self._context is not None:
                     for namespace, name in soon:
-                        self._converge(namespace, name, "a free rollout slot")
+                        self._converge(namespace, name, "a free rollout slot or a scale "
+                                       "signal")  # fmt: skip
             except Exception:  # a bug in one pass must not end every later resync
                 self.logger.exception("resync failed")
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .builders.activator import ACTIVATOR_SUFFIX, desired_activator_service
 from .builders.adapters import ADAPTERS_SUFFIX, desired_adapter_config_map
 from .builders.deployment import desired_deployment
 from .builders.gateway import desired_httproute, route_verdict, wants_session_persistence
@@ -52,6 +53,13 @@ class Kind:
     # Children are named like their model; a kind whose name would clash with the user's
     # own objects (a ConfigMap) gets a suffix.
     name_suffix: str = ""
+    # What `desired_children` and a pass call this child when two share a kind (the
+    # model's Service and its activator Service); default: the kind.
+    role: str = ""
+
+    @property
+    def id(self) -> str:
+        return self.role or self.kind
 
     def child_name(self, model_name: str) -> str:
         return model_name + self.name_suffix
@@ -100,10 +108,20 @@ NETWORK_POLICY = Kind(
     optional=True,
 )
 
-# Children applied on every pass, in apply order (the Service before the Deployment whose
-# pods it selects, the adapter ConfigMap before the pods that mount it).
+# The ExternalName Service `<name>-activator` the route names while a model with
+# minReplicas 0 has no Ready replica (builders/activator.py); only with minReplicas 0. The
+# same plural as SERVICE: one watch and one index serve both (`unique`).
+ACTIVATOR_SERVICE = Kind(
+    "v1", "Service", "services", desired_activator_service, optional=True,
+    name_suffix=ACTIVATOR_SUFFIX, role="ActivatorService",
+)  # fmt: skip
+
+# Children applied on every pass, in apply order (the Services before the Deployment whose
+# pods one selects and the Ingress that names them, the adapter ConfigMap before the pods
+# that mount it).
 CHILD_KINDS: tuple[Kind, ...] = (
-    SERVICE, ADAPTER_CONFIG_MAP, DEPLOYMENT, INGRESS, HPA, PDB, NETWORK_POLICY
+    SERVICE, ACTIVATOR_SERVICE, ADAPTER_CONFIG_MAP, DEPLOYMENT, INGRESS, HPA, PDB,
+    NETWORK_POLICY,
 )  # fmt: skip
 
 # The optional kinds whose API a cluster may lack: not watched, see `OptionalKind`.
@@ -272,10 +290,20 @@ ALL_KINDS: tuple[Kind, ...] = (*CHILD_KINDS, *(o.kind for o in OPTIONAL_KINDS))
 POD = Kind("v1", "Pod", "pods")
 STREAMING_MODEL = Kind(f"{GROUP}/{VERSION}", KIND, PLURAL)
 
+
+def unique(kinds: tuple[Kind, ...]) -> tuple[Kind, ...]:
+    """One row per API resource (the first): two child kinds may share a resource (the
+    model's Service and its activator Service), and one watch and one index serve both."""
+    seen: dict[tuple[str, str], Kind] = {}
+    for k in kinds:
+        seen.setdefault((k.api_version, k.plural), k)
+    return tuple(seen.values())
+
+
 # What the handlers watch (by the managed-by label) to converge the owner on any change.
 WATCHED_KINDS: tuple[Kind, ...] = (*CHILD_KINDS, POD)
 # What a pass reads from memory (`memory.Memory`, fed by one kopf index per kind), not the API.
-INDEXED_KINDS: tuple[Kind, ...] = (*WATCHED_KINDS, STREAMING_MODEL)
+INDEXED_KINDS: tuple[Kind, ...] = unique((*WATCHED_KINDS, STREAMING_MODEL))
 
 # Everything the cluster client may address.
 RESOURCES: tuple[Kind, ...] = (*ALL_KINDS, POD, STREAMING_MODEL)
@@ -288,5 +316,5 @@ def plural_of(api_version: str, kind: str) -> str:
 
 
 def desired_children(model: StreamingModel) -> dict[str, dict[str, Any] | None]:
-    """Kind -> manifest, or None when that optional child must not exist."""
-    return {k.kind: k.builder(model) for k in ALL_KINDS}  # type: ignore[misc]
+    """Kind (`Kind.id`) -> manifest, or None when that optional child must not exist."""
+    return {k.id: k.builder(model) for k in ALL_KINDS}  # type: ignore[misc]

@@ -13,6 +13,7 @@ must not fight over.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import logging
@@ -49,6 +50,7 @@ from .kinds import (
 from .memory import Memory
 from .models.resource import StreamingModel
 from .pacing import PACED, TEMPLATE_HASH, RolloutPacer, cause_of_change, stamp, template_hash
+from .scaletozero import Signals, Step, ZeroContext, decide, with_replicas, zero_status
 from .status import (
     compute_status,
     deployment_settled,
@@ -191,10 +193,13 @@ def converge(
     owner_exists: Callable[[], bool] | None = None,
     pacer: RolloutPacer | None = None,
     pod_metrics: PodMetrics | None = None,
+    zero: ZeroContext | None = None,
 ) -> Outcome:
     """One pass (see `_converge`); a model found deleted before a create ends it quietly."""
     try:
-        return _converge(cluster, body, post_event, now, reads, owner_exists, pacer, pod_metrics)
+        return _converge(
+            cluster, body, post_event, now, reads, owner_exists, pacer, pod_metrics, zero
+        )
     except _OwnerGone:
         return Outcome()
 
@@ -208,6 +213,7 @@ def _converge(
     owner_exists: Callable[[], bool] | None = None,
     pacer: RolloutPacer | None = None,
     pod_metrics: PodMetrics | None = None,
+    zero: ZeroContext | None = None,
 ) -> Outcome:
     """Raises SpecError (after reporting it) for an invalid spec; API errors propagate.
 
@@ -222,6 +228,8 @@ def _converge(
     without one they are applied at once.
     `pod_metrics`: reads a ready pod's /metrics, for status.adapters (models with LoRA on);
     None: adapters are reported Unknown.
+    `zero`: the activator's address and the poller's signals, for models with minReplicas 0
+    (scaletozero.py); None: the default address and no signals (never idle, nothing held).
     """
     reads = reads if reads is not None else LiveReads(cluster)
     try:
@@ -230,8 +238,9 @@ def _converge(
         report_invalid(cluster, body, str(exc), post_event, now, reads)
         raise
     run = _Pass(
-        cluster, body, model, post_event, now or _now(), reads, owner_exists, pacer, pod_metrics
-    )
+        cluster, body, model, post_event, now or _now(), reads, owner_exists, pacer, pod_metrics,
+        zero,
+    )  # fmt: skip
     status = body.get("status") or {}
     touched = [row for row in OPTIONAL_KINDS if run.wants(row) or remembered(row, status)]
     # A kind no longer wanted goes before what it excludes is applied (never two HPAs).
@@ -243,6 +252,7 @@ def _converge(
     for row in touched:
         if row not in first:
             run.optional(row)
+    run.scale()  # after the route: to zero only once the route names the activator
     run.write_status()
     run.post_events()
     # A missing CRD or grant fails the pass after the rest converged: the handler retries
@@ -267,19 +277,55 @@ class _Pass:
         owner_exists: Callable[[], bool] | None,
         pacer: RolloutPacer | None = None,
         pod_metrics: PodMetrics | None = None,
+        zero: ZeroContext | None = None,
     ) -> None:
-        self.cluster, self.body, self.model, self.reads = cluster, body, model, reads
+        self.cluster, self.body, self.reads = cluster, body, reads
         self.post_event, self.now, self.owner_exists = post_event, now, owner_exists
         self.pacer, self.pod_metrics = pacer, pod_metrics
         self.waiting: list[Any] = []  # the pacer's Decision when the Deployment waits for a slot
         meta = body["metadata"]
         self.namespace, self.name, self.uid = meta["namespace"], meta["name"], meta.get("uid")
         self.status = body.get("status") or {}
+        self.workload_kind = LWS_KIND if model.multi_node else DEPLOYMENT
+        # Scale to zero (scaletozero.py): the route and the step, from the workload as
+        # stored and the poller's signals, before the children are built.
+        self.signals, self.step = Signals(), Step.NONE
+        self.metrics = zero.metrics if zero is not None else None
+        if model.spec.scale_to_zero is not None:
+            if zero is not None:
+                self.signals = zero.signals((self.namespace, self.name))
+                model = dataclasses.replace(model, activator_host=zero.activator_host)
+            via, self.step = decide(model, self._workload(), self.signals)
+            model = dataclasses.replace(model, via_activator=via)
+        self.model = model
         self.desired = desired_children(model)
         self.live: dict[str, dict[str, Any] | None] = {}
         # Optional kinds the cluster refused (403/404): kind -> (what it means, the error).
         self.refused: dict[str, tuple[Unavailable, Exception]] = {}
         self.outcome = Outcome()
+
+    def _workload(self) -> dict[str, Any] | None:
+        kind = self.workload_kind
+        if kind in WATCHED_KINDS:
+            return self.reads.get(kind, self.namespace, self.name)
+        return self.cluster.get(kind.api_version, kind.kind, self.namespace, self.name)
+
+    def scale(self) -> None:
+        """The step `decide` chose: the workload's scale subresource to 0 or 1 (the HPA keeps
+        1..N and stops acting at 0; the scale to 1 re-enables it)."""
+        if self.step is Step.NONE:
+            return
+        kind = self.workload_kind
+        workload = self.live.get(kind.kind)
+        if workload is None:
+            return
+        replicas = 0 if self.step is Step.TO_ZERO else 1
+        scale = self.cluster.scale(kind.api_version, kind.kind, self.namespace, self.name, replicas)
+        version = ((scale or {}).get("metadata") or {}).get("resourceVersion")
+        self.live[kind.kind] = self.reads.wrote(with_replicas(workload, replicas, version))
+        if self.metrics is not None:
+            self.metrics.scaled((self.namespace, self.name), replicas)
+        log.info(f"{self.namespace}/{self.name}: scaled to {replicas} ({self.step.value})")
 
     def wants(self, row: OptionalKind) -> bool:
         return self.desired[row.name] is not None
@@ -345,15 +391,15 @@ class _Pass:
         return self.apply_child(without_session_persistence(manifest), current is not None)
 
     def child(self, child: Kind) -> None:
-        kind, namespace, name = child.kind, self.namespace, child.child_name(self.name)
+        kind, namespace, name = child.id, self.namespace, child.child_name(self.name)
         manifest = self.desired[kind]
         if child in WATCHED_KINDS:
             current = self.reads.get(child, namespace, name)
         else:
-            current = self.cluster.get(child.api_version, kind, namespace, name)
+            current = self.cluster.get(child.api_version, child.kind, namespace, name)
         if manifest is None:
             if current is not None and _owned_by(current, self.uid):
-                self.cluster.delete(child.api_version, kind, namespace, name)
+                self.cluster.delete(child.api_version, child.kind, namespace, name)
                 self.reads.deleted(child, namespace, name, current)
                 self.outcome.deleted.append(kind)
             self.live[kind] = None
@@ -400,8 +446,7 @@ class _Pass:
     def write_status(self) -> None:
         # The workload: the Deployment, or the LeaderWorkerSet of a multi-node model (its
         # status has the same replica counts, in groups).
-        workload = LWS_KIND if self.model.multi_node else DEPLOYMENT
-        deployment = self.live.get(workload.kind)
+        deployment = self.live.get(self.workload_kind.kind)
         # Pods are only read when something is missing or a rollout is under way: they explain
         # why (no GPUs for the new or the surge pod, crash loop); and for models with LoRA on,
         # whose pages say how they stand with each adapter (adapterstatus.py).
@@ -437,6 +482,8 @@ class _Pass:
             new = _with_adapters(self.model, new, pods, self.status, self.pod_metrics,
                                  self.post_event, self.now, generation)  # fmt: skip
             self.outcome.adapters_settling = settling(new.get("adapters"))
+        if self.model.spec.scale_to_zero is not None:
+            new = self.zero_status(new, deployment, generation)
         if self.pacer is not None:
             self.pacer.observe((self.namespace, self.name), deployment)
         self.outcome.phase = new["phase"]
@@ -445,6 +492,31 @@ class _Pass:
             log.info(f"status of {self.namespace}/{self.name} changed: {str(patch)[:2000]}")
             self.reads.wrote(self.cluster.patch_status(self.namespace, self.name, patch))
             self.outcome.status_written = True
+
+    def zero_status(
+        self, new: dict[str, Any], workload: dict[str, Any] | None, generation: int | None
+    ) -> dict[str, Any]:
+        """Phase ScaledToZero / Activating (held count), condition ScaledToZero, and an
+        Event on each transition into or out of them."""
+        phase, message, cond, held = zero_status(
+            self.model, workload, self.signals, self.model.via_activator
+        )
+        new = with_condition(new, cond, self.status, self.now, generation)
+        new["heldRequests"] = held
+        before = self.status.get("phase")
+        if phase is not None:
+            new["phase"], new["message"] = phase, message
+            for c in new["conditions"]:
+                if c["type"] == "Ready":
+                    c.update(reason=phase, message=message)
+            if before != phase:
+                self.post_event("Normal", phase, message or "")
+        elif before in ("ScaledToZero", "Activating") and not self.model.via_activator:
+            self.post_event("Normal", "Activated", f"a replica is Ready: the route goes to "
+                            f"Service {self.name} again")  # fmt: skip
+        if self.metrics is not None and not self.model.via_activator:
+            self.metrics.serving((self.namespace, self.name))
+        return new
 
     def post_events(self) -> None:
         """What changed, then a Warning per refused kind whose message the status lacked."""

@@ -17,8 +17,13 @@ def run(
     identity: str | None = None,
     election: object | None = None,
     max_rollouts: int | None = None,
+    activator: object | None = None,
+    metrics_port: int = 0,
+    metrics_host: str = "0.0.0.0",
 ) -> int:
-    """`election`: `election.ElectionSettings` for `--leader-elect`, or None (one replica)."""
+    """`election`: `election.ElectionSettings` for `--leader-elect`, or None (one replica).
+    `activator`: `scaler.ActivatorSettings` (`--activator-service`), or None: no model is
+    scaled to zero."""
     import kopf
 
     from . import handlers  # noqa: F401 - registers the handlers with kopf's default registry
@@ -39,6 +44,9 @@ def run(
             identity=identity,
             leader_election=election,
             max_rollouts=max_rollouts,
+            activator=activator,
+            metrics_port=metrics_port,
+            metrics_host=metrics_host,
         ),
     )
     return 0

@@ -330,7 +330,10 @@ def compute_status(
             if not row.wanted(model):
                 scaling["backend"] = "keda"  # a ScaledObject may still exist: keep cleaning up
             out["autoscaling"] = scaling
-    if model.spec.gateway is not None:  # the route's one backend (builders/routing.py)
+    routed = model.spec.gateway is not None or (
+        model.spec.ingress.enabled and model.spec.scale_to_zero is not None
+    )
+    if routed:  # the route's one backend (builders/routing.py)
         pool = unavailable.get(GATEWAY_API_INFERENCE_EXTENSION.name)
         verdict = backend_verdict(model, pool.message if pool else None)
         conditions.append(_cond("RouteBackend", *verdict))
@@ -366,7 +369,7 @@ def _compute_status(
     )
     if deployment is None:
         a = model.spec.autoscaling
-        desired = a.min_replicas if a is not None and a.enabled else model.spec.replicas
+        desired = max(1, a.min_replicas) if a is not None and a.enabled else model.spec.replicas
         out.update(phase="Pending", message=f"creating the {workload}", replicas=0, readyReplicas=0)
         out["ready"] = f"0/{desired}"
         missing = f"the {workload} does not exist yet"

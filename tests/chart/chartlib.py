@@ -76,8 +76,18 @@ def by_kind(docs: list[dict], kind: str) -> list[dict]:
     return [d for d in docs if d.get("kind") == kind]
 
 
+def activator_docs(docs: list[dict]) -> list[dict]:
+    """The operator chart's activator objects (templates/activator.yaml), tested apart."""
+    return [d for d in docs if _component(d) == "activator"]
+
+
+def _component(doc: dict) -> str | None:
+    return ((doc.get("metadata") or {}).get("labels") or {}).get("app.kubernetes.io/component")
+
+
 def one(docs: list[dict], kind: str) -> dict:
-    found = by_kind(docs, kind)
+    """The one object of `kind`, leaving out the activator's (`activator_docs`)."""
+    found = [d for d in by_kind(docs, kind) if _component(d) != "activator"]
     assert len(found) == 1, f"expected one {kind}, got {len(found)}"
     return found[0]
 

@@ -19,6 +19,7 @@ from .chartlib import (
     HERE,
     MODEL_CHART,
     OPERATOR_CHART,
+    activator_docs,
     by_kind,
     documented_keys,
     one,
@@ -62,6 +63,11 @@ def test_every_manifest_validates(h, values, set_):
 
 def test_default_objects(h):
     docs = h.template(OPERATOR_CHART)
+    activator = activator_docs(docs)
+    assert sorted(d["kind"] for d in activator) == [
+        "Deployment", "NetworkPolicy", "PodDisruptionBudget", "Service",
+    ]  # fmt: skip
+    docs = [d for d in docs if d not in activator]
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == sorted(
         [
@@ -73,6 +79,8 @@ def test_default_objects(h):
             "ClusterRoleBinding",
             "Deployment",
             "Role",
+            "Role",
+            "RoleBinding",
             "RoleBinding",
             "PodDisruptionBudget",
         ]
@@ -121,11 +129,22 @@ def test_deployment_runs_the_operator_with_kopf_health(h):
         "--liveness=http://0.0.0.0:8080/healthz",
         "--log-format=json",
         "--max-concurrent-model-rollouts=2",
+        "--metrics-port=8081",
+        "--activator-service=sluice-activator",
+        "--activator-namespace=sluice-system",
+        "--activator-selector=app.kubernetes.io/component=activator,app.kubernetes.io/instance=sluice",
     ]
     assert c["image"] == "ghcr.io/sluice-dev/sluice-operator:0.1.0"
     for probe in ("livenessProbe", "readinessProbe"):
         assert c[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
-    assert c["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"}]
+    assert c["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"},
+                          {"name": "metrics", "containerPort": 8081, "protocol": "TCP"}]  # fmt: skip
+    notes = deploy["spec"]["template"]["metadata"]["annotations"]
+    assert (notes["prometheus.io/scrape"], notes["prometheus.io/port"]) == ("true", "8081")
+    deploy, c = _container(h.template(OPERATOR_CHART, set_=["operator.metricsPort=0"]))
+    assert not any(a.startswith("--metrics") for a in c["args"]) and len(c["ports"]) == 1
+    assert "prometheus.io/scrape" not in deploy["spec"]["template"]["metadata"]["annotations"]
+    deploy, c = _container(h.template(OPERATOR_CHART))
     # Two electing replicas; a new pod starts as a standby before an old one goes.
     assert deploy["spec"]["replicas"] == 2
     assert deploy["spec"]["strategy"] == {
@@ -253,7 +272,7 @@ def test_peering_set_and_not_rendered(h):
     } in rules
 
     docs = h.template(OPERATOR_CHART, set_=["peering.enabled=true", *NAMESPACED])
-    for role in by_kind(docs, "Role")[:-1]:  # the last is the leader election's
+    for role in by_kind(docs, "Role")[:-2]:  # the last are the activator's and the election's
         assert {
             "apiGroups": ["kopf.dev"],
             "resources": ["kopfpeerings"],
@@ -272,7 +291,9 @@ def test_more_than_one_replica_needs_leader_election(h):
     assert deploy["spec"]["strategy"] == {"type": "Recreate"}
     assert not any(a.startswith("--leader-elect") for a in c["args"])
     assert "sluice.dev/leader-election" not in deploy["spec"]["template"]["metadata"]["annotations"]
-    assert not by_kind(docs, "Role") and not by_kind(docs, "PodDisruptionBudget")
+    assert [r["metadata"]["name"] for r in by_kind(docs, "Role")] == [
+        "sluice-sluice-operator-activator"]  # fmt: skip
+    assert not [p for p in by_kind(docs, "PodDisruptionBudget") if p not in activator_docs(docs)]
     deploy, _ = _container(h.template(OPERATOR_CHART, set_=["replicaCount=0"]))
     assert deploy["spec"]["replicas"] == 0  # stopping the operator is fine
     deploy, _ = _container(h.template(OPERATOR_CHART, set_=["replicaCount=3"]))
@@ -299,7 +320,9 @@ def test_replicas_spread_over_nodes_and_a_pdb_keeps_one(h):
     pdb = one(h.template(OPERATOR_CHART), "PodDisruptionBudget")
     assert pdb["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": selector}}
     for set_ in (["replicaCount=1"], ["podDisruptionBudget.enabled=false"]):
-        assert not by_kind(h.template(OPERATOR_CHART, set_=set_), "PodDisruptionBudget")
+        docs = h.template(OPERATOR_CHART, set_=set_)
+        assert by_kind(docs, "PodDisruptionBudget") == by_kind(activator_docs(docs),
+                                                               "PodDisruptionBudget")  # fmt: skip
     assert "/podAntiAffinity" in h.template_error(OPERATOR_CHART, set_=["podAntiAffinity=always"])
 
 
@@ -320,8 +343,14 @@ def _operator_role(docs, kind="ClusterRole"):
     (role,) = [
         d
         for d in by_kind(docs, kind)
-        if not d["metadata"]["name"].endswith(("-edit", "-view", "-election"))
+        if not d["metadata"]["name"].endswith(("-edit", "-view", "-election", "-activator"))
     ]
+    return role
+
+
+def _side_role(docs, suffix: str) -> dict:
+    """The Role in the release namespace for leader election (-election) or the activator."""
+    (role,) = [r for r in by_kind(docs, "Role") if r["metadata"]["name"].endswith(suffix)]
     return role
 
 
@@ -340,7 +369,8 @@ EXPECTED = {
     ("serving.sluice.dev", "streamingmodels/status"): {"get", "patch"},
     ("serving.sluice.dev", "streamingmodels/finalizers"): {"update"},
     ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("", "services"): {"get", "list", "watch", "create", "patch"},
+    ("apps", "deployments/scale"): {"patch"},
+    ("", "services"): {"get", "list", "watch", "create", "patch", "delete"},
     ("", "configmaps"): {"get", "list", "watch", "create", "patch", "delete"},
     ("networking.k8s.io", "ingresses"): {"get", "list", "watch", "create", "patch", "delete"},
     ("autoscaling", "horizontalpodautoscalers"): {
@@ -355,6 +385,7 @@ EXPECTED = {
     ("gateway.networking.k8s.io", "httproutes"): {"get", "create", "patch", "delete"},
     ("inference.networking.k8s.io", "inferencepools"): {"get", "create", "patch", "delete"},
     ("leaderworkerset.x-k8s.io", "leaderworkersets"): {"get", "create", "patch", "delete"},
+    ("leaderworkerset.x-k8s.io", "leaderworkersets/scale"): {"patch"},
     ("networking.k8s.io", "networkpolicies"): {
         "get",
         "list",
@@ -377,10 +408,20 @@ def test_rbac_cluster_wide_is_exactly_what_the_operator_uses(h):
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": "sluice-sluice-operator", "namespace": "sluice-system"}
     ]
-    # Beside it only the leader election's Role, in the release namespace.
-    (lease_role,) = by_kind(docs, "Role")
-    assert lease_role["metadata"]["namespace"] == "sluice-system"
+    # Beside it only the leader election's and the activator's Roles, in the release namespace.
+    lease_role, activator = _side_role(docs, "-election"), _side_role(docs, "-activator")
+    assert len(by_kind(docs, "Role")) == 2
+    assert lease_role["metadata"]["namespace"] == activator["metadata"]["namespace"] == (
+        "sluice-system")  # fmt: skip
     assert {r["resources"][0] for r in lease_role["rules"]} == {"leases"}
+    assert activator["rules"] == [
+        {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create"]},
+        {"apiGroups": [""], "resources": ["configmaps"],
+         "resourceNames": ["sluice-activator-models"], "verbs": ["get", "patch"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+    ]  # fmt: skip
+    off = h.template(OPERATOR_CHART, set_=["activator.enabled=false"])
+    assert not [r for r in by_kind(off, "Role") if r["metadata"]["name"].endswith("-activator")]
 
 
 def test_rbac_has_no_wildcards_and_no_secrets(h):
@@ -449,7 +490,8 @@ def test_rbac_table_is_what_the_chart_renders(h, case):
     """docs/helm.md's RBAC table (read from _rbac-rules.tpl, conditions and all) lists exactly
     the rules helm renders, in order, for each combination of the values that switch them."""
     set_, values = RBAC_CASES[case]
-    rules = [r for r in chartdocs.parse_rbac_rules(RBAC_TPL.read_text()) if r.define != ELECTION]
+    rules = [r for r in chartdocs.parse_rbac_rules(RBAC_TPL.read_text())
+             if r.define not in (ELECTION, ACTIVATOR)]  # fmt: skip
     kind = "Role" if values.get("watch.allNamespaces") is False else "ClusterRole"
     rendered = _operator_role(h.template(OPERATOR_CHART, set_=set_), kind)["rules"]
     assert _granted(rules, values) == rendered
@@ -461,6 +503,7 @@ def test_rbac_table_is_what_the_chart_renders(h, case):
 
 
 ELECTION = "sluice-operator.rules.election"
+ACTIVATOR = "sluice-operator.rules.activator"
 
 
 def test_rbac_table_lists_the_election_role(h):
@@ -486,12 +529,15 @@ def test_rbac_table_lists_the_election_role(h):
 
 def test_rbac_namespaced_mode(h):
     docs = h.template(OPERATOR_CHART, set_=NAMESPACED)
-    roles = [r for r in by_kind(docs, "Role") if not r["metadata"]["name"].endswith("-election")]
+    roles = [r for r in by_kind(docs, "Role")
+             if not r["metadata"]["name"].endswith(("-election", "-activator"))]  # fmt: skip
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     for role in roles:
         assert _grants(role["rules"]) == EXPECTED
     bindings = [
-        b for b in by_kind(docs, "RoleBinding") if not b["metadata"]["name"].endswith("-election")
+        b
+        for b in by_kind(docs, "RoleBinding")
+        if not b["metadata"]["name"].endswith(("-election", "-activator"))
     ]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     for b in bindings:
@@ -505,7 +551,7 @@ def test_rbac_namespaced_mode(h):
     assert c["args"][:2] == ["--namespace=team-a", "--namespace=team-b"]
     # An empty list means the release namespace.
     docs = h.template(OPERATOR_CHART, set_=["watch.allNamespaces=false"], namespace="models")
-    assert [r["metadata"]["namespace"] for r in by_kind(docs, "Role")] == ["models", "models"]
+    assert [r["metadata"]["namespace"] for r in by_kind(docs, "Role")] == ["models"] * 3
 
 
 def test_keda_set_and_not_rendered(h):
@@ -582,8 +628,9 @@ def test_rbac_covers_every_child_the_operator_manages(h):
     need = _needed(kinds.ALL_KINDS, kinds.WATCHED_KINDS, kinds.STREAMING_MODEL)
     missing = _missing(need, grants)
     assert not missing, f"add to charts/sluice-operator/templates/_rbac-rules.tpl: {missing}"
-    for k in kinds.ALL_KINDS:
-        if not k.optional:
+    deleted = {(k.group, k.plural) for k in kinds.ALL_KINDS if k.optional}
+    for k in kinds.ALL_KINDS:  # (an optional kind may share the resource: the activator's)
+        if not k.optional and (k.group, k.plural) not in deleted:
             assert "delete" not in grants[(k.group, k.plural)], f"{k.kind} is never deleted"
     # Negative control: a kind added to the table without a rule is reported.
     widget = kinds.Kind("example.com/v1", "Widget", "widgets", optional=True)
@@ -642,7 +689,7 @@ def test_rbac_grants_exactly_the_lease_calls_the_operator_makes(h):
         on_collection = last == "leases"  # a create names no object: RBAC sees no name
         need.setdefault(None if on_collection else last, set()).add(verbs_of[method])
     docs = h.template(OPERATOR_CHART)
-    (role,) = by_kind(docs, "Role")
+    role = _side_role(docs, "-election")
     granted: dict[str | None, set[str]] = {}
     for rule in role["rules"]:
         assert rule["apiGroups"] == ["coordination.k8s.io"] and rule["resources"] == ["leases"]
@@ -809,26 +856,38 @@ def test_kube_version_floor(h, chart):
 
 
 def test_network_policy_set_and_not_rendered(h):
-    assert not by_kind(h.template(OPERATOR_CHART), "NetworkPolicy")
+    docs = h.template(OPERATOR_CHART)
+    assert by_kind(docs, "NetworkPolicy") == by_kind(activator_docs(docs), "NetworkPolicy")
     docs = h.template(OPERATOR_CHART, set_=["networkPolicy.enabled=true"])
     policy = one(docs, "NetworkPolicy")
     deploy = one(docs, "Deployment")
     assert policy["spec"]["podSelector"]["matchLabels"] == deploy["spec"]["selector"]["matchLabels"]
     assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
-    assert policy["spec"]["ingress"] == [{"ports": [{"port": 8080, "protocol": "TCP"}]}]
-    dns, api, pods = policy["spec"]["egress"]
+    assert policy["spec"]["ingress"] == [
+        {"ports": [{"port": 8080, "protocol": "TCP"}, {"port": 8081, "protocol": "TCP"}]}
+    ]
+    dns, api, pods, activator = policy["spec"]["egress"]
     assert {p["port"] for p in dns["ports"]} == {53}
     assert [p["port"] for p in api["ports"]] == [443, 6443] and "to" not in api
     # The model pods' /metrics (status.adapters), only pods the operator manages.
     assert pods["ports"] == [{"port": 8000, "protocol": "TCP"}]
     assert pods["to"] == [{"namespaceSelector": {}, "podSelector": {"matchLabels": {
         "app.kubernetes.io/managed-by": "sluice-operator"}}}]  # fmt: skip
+    # The activator pods' /metrics in the release namespace (held requests: scale to zero).
+    assert activator["ports"] == [{"port": 8000, "protocol": "TCP"}]
+    assert activator["to"] == [{"podSelector": {"matchLabels": {
+        "app.kubernetes.io/name": "sluice-activator", "app.kubernetes.io/instance": "sluice",
+        "app.kubernetes.io/component": "activator"}}}]  # fmt: skip
     docs = h.template(OPERATOR_CHART, values=[ALL_ON])
-    (_, api, _) = one(docs, "NetworkPolicy")["spec"]["egress"]
+    (_, api, *_) = one(docs, "NetworkPolicy")["spec"]["egress"]
     assert api["to"] == [{"ipBlock": {"cidr": "10.0.0.1/32"}}]
     docs = h.template(OPERATOR_CHART, set_=["networkPolicy.enabled=true",
                                             "networkPolicy.modelPodMetrics=false"])  # fmt: skip
-    assert len(one(docs, "NetworkPolicy")["spec"]["egress"]) == 2
+    assert len(one(docs, "NetworkPolicy")["spec"]["egress"]) == 3
+    docs = h.template(
+        OPERATOR_CHART, set_=["networkPolicy.enabled=true", "activator.enabled=false"]
+    )
+    assert len(one(docs, "NetworkPolicy")["spec"]["egress"]) == 3
 
 
 @pytest.mark.parametrize(
@@ -866,3 +925,71 @@ def test_common_labels_and_image_tag(h):
     # selector labels never carry the version: upgrades must not orphan the old pods
     selector = one(docs, "Deployment")["spec"]["selector"]["matchLabels"]
     assert "app.kubernetes.io/version" not in selector and "helm.sh/chart" not in selector
+
+
+# ---- the activator (scale to zero) ---------------------------------------------------
+
+
+def test_activator_set_and_not_rendered(h):
+    """Two replicas of the server image in activator mode, a PDB that keeps one, no API
+    token, the operator's models ConfigMap mounted whole (optional: the operator writes it),
+    probes on its own routes; the operator is told where it is. Off: none of it, and the
+    operator runs without --activator-* (no model is scaled to zero)."""
+    docs = h.template(OPERATOR_CHART)
+    act = activator_docs(docs)
+    (deploy,) = by_kind(act, "Deployment")
+    (svc,) = by_kind(act, "Service")
+    (pdb,) = by_kind(act, "PodDisruptionBudget")
+    (policy,) = by_kind(act, "NetworkPolicy")
+    assert deploy["metadata"]["name"] == svc["metadata"]["name"] == "sluice-activator"
+    pod = deploy["spec"]["template"]["spec"]
+    selector = deploy["spec"]["selector"]["matchLabels"]
+    assert deploy["spec"]["replicas"] == 2
+    assert pdb["spec"] == {"minAvailable": 1, "selector": {"matchLabels": selector}}
+    assert svc["spec"]["selector"] == selector == policy["spec"]["podSelector"]["matchLabels"]
+    assert svc["spec"]["ports"][0]["port"] == 8000
+    assert pod["automountServiceAccountToken"] is False and "serviceAccountName" not in pod
+    (c,) = pod["containers"]
+    assert c["image"] == "ghcr.io/sluice-dev/sluice-server:0.1.0"
+    assert c["command"] == ["sluice-server", "activator"]
+    assert c["args"] == ["--models-file=/etc/sluice/activator/models.json"]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    (models,) = [v for v in pod["volumes"] if v["name"] == "models"]
+    assert models["configMap"] == {"name": "sluice-activator-models", "optional": True}
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "models"]
+    assert "subPath" not in mount and mount["mountPath"] == "/etc/sluice/activator"
+    # Ingress on 8000 from anywhere; egress to DNS and the model pods' port only.
+    assert policy["spec"]["ingress"] == [{"ports": [{"port": 8000, "protocol": "TCP"}]}]
+    dns, models_egress = policy["spec"]["egress"]
+    assert {p["port"] for p in dns["ports"]} == {53}
+    assert models_egress["to"][0]["podSelector"]["matchLabels"] == {
+        "app.kubernetes.io/managed-by": "sluice-operator",
+        "app.kubernetes.io/component": "model-server",
+    }
+    _, op = _container(docs)
+    assert "--activator-service=sluice-activator" in op["args"]
+    # The operator's selector finds exactly the activator's pods.
+    (flag,) = [a for a in op["args"] if a.startswith("--activator-selector=")]
+    want = dict(kv.split("=") for kv in flag.split("=", 1)[1].split(","))
+    assert want.items() <= deploy["spec"]["template"]["metadata"]["labels"].items()
+    off = h.template(OPERATOR_CHART, set_=["activator.enabled=false"])
+    assert not activator_docs(off)
+    _, op = _container(off)
+    assert not any(a.startswith("--activator") for a in op["args"])
+    docs = h.template(OPERATOR_CHART, set_=["activator.networkPolicy=false"])
+    assert not by_kind(activator_docs(docs), "NetworkPolicy")
+
+
+def test_activator_names_match_what_the_operator_builds():
+    """The ExternalName target and the ConfigMap the operator writes are the chart's."""
+    from sluice_operator.builders.activator import desired_models_config_map
+    from sluice_operator.models.resource import DEFAULT_ACTIVATOR_HOST
+    from sluice_operator.scaler import ActivatorSettings
+
+    settings = ActivatorSettings("sluice-activator", "sluice-system", "x=y")
+    assert settings.host == DEFAULT_ACTIVATOR_HOST
+    cm = desired_models_config_map(settings.service, settings.namespace, [])
+    assert cm["metadata"]["name"] == "sluice-activator-models"
+    assert cm["data"] == {"models.json": "{}\n"}

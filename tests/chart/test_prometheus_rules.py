@@ -28,6 +28,7 @@ ALERTS = {
     "SluiceClientDisconnectRateHigh",
     "SluiceStreamErrorRateHigh",
     "SluicePodsNotReady",
+    "SluiceActivationTimedOut",
 }
 LE = ("0.1", "0.3", "0.5", "0.75", "1", "+Inf")
 STEPS = 100  # 15 s steps: 25 minutes of series
@@ -127,6 +128,25 @@ SERIES = [
     *pod_ready("llm", "fast-5f6d7c8b9-abcde", f"1+0x{STEPS}", "fast"),
     *pod_ready("llm", "fast-5f6d7c8b9-vwxyz", f"0+0x40 1+0x{STEPS - 40}", "fast"),
     *pod_ready("llm", "web-1", f"0+0x{STEPS}", "web", managed=False),
+    # The activator (scale to zero), scraped in its own namespace: its `namespace` label was
+    # renamed exported_namespace. llm/chat's held requests time out once, at 12 minutes;
+    # llm/fast's are all forwarded; team/solo is scraped with honor_labels (its own
+    # `namespace` label kept) and times out from the start.
+    (
+        'sluice_activator_requests_total{namespace="sluice-system",pod="sluice-activator-1",'
+        'exported_namespace="llm",model="chat",outcome="timeout"}',
+        f"0+0x48 1+0x{STEPS - 48}",
+    ),
+    (
+        'sluice_activator_requests_total{namespace="sluice-system",pod="sluice-activator-1",'
+        'exported_namespace="llm",model="fast",outcome="forwarded"}',
+        f"0+1x{STEPS}",
+    ),
+    (
+        'sluice_activator_requests_total{namespace="team",pod="sluice-activator-2",'
+        'model="solo",outcome="timeout"}',
+        f"0+1x{STEPS}",
+    ),
 ]
 
 
@@ -169,7 +189,7 @@ def test_promtool_check_rules():
         timeout=60,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "SUCCESS: 12 rules found" in proc.stdout
+    assert "SUCCESS: 13 rules found" in proc.stdout
 
 
 def test_rule_set_shape():
@@ -276,6 +296,17 @@ def test_pods_not_ready_for_fifteen_minutes(tmp_path):
             "20m",
             {"severity": "warning", "namespace": "llm", "streamingmodel": "chat"},
         ),
+    ]
+    _ok(_run(tmp_path, groups, alert_cases=cases))
+
+
+def test_activation_timeouts_fire_per_model(tmp_path):
+    groups = _without_annotations(_groups())
+    solo = {"severity": "warning", "namespace": "team", "streamingmodel": "solo"}
+    chat = {"severity": "warning", "namespace": "llm", "streamingmodel": "chat"}
+    cases = [
+        _alert("SluiceActivationTimedOut", "5m", solo),  # fast's forwarded ones stay silent
+        _alert("SluiceActivationTimedOut", "13m", chat, solo),
     ]
     _ok(_run(tmp_path, groups, alert_cases=cases))
 

@@ -57,7 +57,9 @@ def test_namespaced_rbac_on_a_real_api_server(live_cluster):
             values={"watch.allNamespaces": "false", "watch.namespaces": "{team-a,team-b}"},
         )
         watched_roles = [
-            r for r in chart.of_kind("Role") if not r["metadata"]["name"].endswith("-election")
+            r
+            for r in chart.of_kind("Role")
+            if not r["metadata"]["name"].endswith(("-election", "-activator"))
         ]
         assert {r["metadata"]["namespace"] for r in watched_roles} == set(WATCHED)
         assert not chart.of_kind("ClusterRoleBinding")  # nothing cluster-scoped for the operator

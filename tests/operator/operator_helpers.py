@@ -237,6 +237,7 @@ class FakeCluster:
         self.stored_status: dict[tuple[str, str], dict] = {}  # (namespace, name) -> stored status
         self.fail_with = None  # exception to raise on the next write
         self.applied: dict[tuple[str, str, str], dict] = {}  # key -> the last manifest applied
+        self.scaled: list[tuple[str, str, str, int]] = []  # (kind, namespace, name, replicas)
         self._revisions = itertools.count(1)
         self.watched = Watched(self)
         self.memo = SimpleNamespace(cluster=self, memory=Memory(self.watched))
@@ -252,7 +253,9 @@ class FakeCluster:
 
     def writes(self) -> list[tuple[str, str]]:
         return [
-            c for c in self.calls if c[0] in ("apply", "replace_lists", "delete", "patch_status")
+            c
+            for c in self.calls
+            if c[0] in ("apply", "replace_lists", "delete", "patch_status", "scale")
         ]
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
@@ -307,6 +310,19 @@ class FakeCluster:
     def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         self.calls.append(("list", "Pod"))
         return copy.deepcopy(self.pods)
+
+    def scale(
+        self, api_version: str, kind: str, namespace: str, name: str, replicas: int
+    ) -> dict[str, Any] | None:
+        """The scale subresource: only spec.replicas changes (a new resourceVersion)."""
+        self.calls.append(("scale", kind))
+        self.scaled.append((kind, namespace, name, replicas))
+        obj = self.objects[self._key(kind, namespace, name)]
+        obj["spec"]["replicas"] = replicas
+        self._bump(obj)
+        return {"kind": "Scale", "metadata": {"name": name, "namespace": namespace,
+                "resourceVersion": obj["metadata"]["resourceVersion"]},
+                "spec": {"replicas": replicas}}  # fmt: skip
 
     def patch_status(
         self, namespace: str, name: str, patch: dict[str, Any]

@@ -5,8 +5,12 @@ filled in) must return data, and data that moved during the load.
 
 The HPA series (TTFT target, desired/current replicas) come from kube-state-metrics in a
 cluster; a single test process has none, so a stand-in endpoint serves recorded
-kube-state-metrics series for the model's HPA, scraped by the same Prometheus. Everything
-else (sluice_*, vllm:*, up) is the real server's own /metrics.
+kube-state-metrics series for the model's HPA, scraped by the same Prometheus. The scale-to-
+zero panel's series come from the activator (another process, in the operator's namespace):
+a stand-in serves them in the activator's format, its counter moving on every scrape, and
+is scraped as a pod of another namespace (its `namespace` label becomes
+`exported_namespace`, as in most clusters). Everything else (sluice_*, vllm:*, up) is the
+real server's own /metrics.
 
 With SLUICE_DASHBOARD_PNG=<path> the main panels are also drawn from the same queries
 (docs/observability.md's picture).
@@ -66,11 +70,22 @@ def _prometheus_or_skip():
     return Prometheus
 
 
+def activator_page(scrapes: int) -> str:
+    labels = f'namespace="{NAMESPACE}",model="{MODEL}"'
+    return (
+        f"sluice_activator_held_requests{{{labels}}} {scrapes % 3}\n"
+        f'sluice_activator_requests_total{{{labels},outcome="forwarded"}} {scrapes}\n'
+    )
+
+
 @contextlib.contextmanager
-def kube_state_metrics():
+def kube_state_metrics(page=lambda n: KSM):
+    scrapes = [0]
+
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802
-            body = KSM.encode()
+            scrapes[0] += 1
+            body = page(scrapes[0]).encode()
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
             self.send_header("Content-Length", str(len(body)))
@@ -90,7 +105,7 @@ def kube_state_metrics():
         server.server_close()
 
 
-def prometheus_config(sluice: str, ksm: str) -> dict:
+def prometheus_config(sluice: str, ksm: str, activator: str) -> dict:
     return {
         "global": {"scrape_interval": "1s", "scrape_timeout": "900ms"},
         "scrape_configs": [
@@ -98,6 +113,8 @@ def prometheus_config(sluice: str, ksm: str) -> dict:
                 {"targets": [sluice], "labels": {"namespace": NAMESPACE, "pod": POD}}]},
             {"job_name": "kube-state-metrics", "honor_labels": True,
              "static_configs": [{"targets": [ksm]}]},
+            {"job_name": "activator", "static_configs": [{"targets": [activator], "labels": {
+                "namespace": "sluice-system", "pod": "sluice-activator-6c7d8-abcde"}}]},
         ],
     }  # fmt: skip
 
@@ -229,10 +246,9 @@ async def test_every_panel_query_returns_data_from_a_real_server(make_server, tm
 
     url = await make_server(max_concurrent_streams=CAP, stream_timeout_seconds=1.0,
                             queue_size=QUEUE, queue_timeout_seconds=5)  # fmt: skip
-    with kube_state_metrics() as ksm:
-        prom = Prometheus(
-            tmp_path / "prom", tmp_path, prometheus_config(url.removeprefix("http://"), ksm)
-        )
+    with kube_state_metrics() as ksm, kube_state_metrics(activator_page) as activator:
+        config = prometheus_config(url.removeprefix("http://"), ksm, activator)
+        prom = Prometheus(tmp_path / "prom", tmp_path, config)
         await asyncio.to_thread(prom.start)
         try:
             start = time.time()
@@ -243,7 +259,8 @@ async def test_every_panel_query_returns_data_from_a_real_server(make_server, tm
                 message="two scrapes of every target after the load")  # fmt: skip
             end = time.time()
             up = {t["labels"]["job"]: t["health"] for t in prom.targets()}
-            assert up == {"sluice": "up", "kube-state-metrics": "up"}, prom.targets()
+            assert up == {"sluice": "up", "kube-state-metrics": "up", "activator": "up"}, (
+                prom.targets())  # fmt: skip
             results = await asyncio.to_thread(check_panels, prom, dashboard.PANELS, start, end)
             # Negative control: a query with a misspelt metric fails, naming its panel.
             bogus = dashboard.Panel("Bogus", "s", (dashboard.Target(

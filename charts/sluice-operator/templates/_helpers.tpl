@@ -115,3 +115,39 @@ true
 {{- $live := lookup "apps/v1" "Deployment" .Release.Namespace (include "sluice-operator.fullname" .) -}}
 {{- $live | dig "spec" "replicas" 0 -}}
 {{- end -}}
+
+{{/*
+The activator (scale to zero): Deployment and Service "<release>-activator"; the operator
+keeps the ConfigMap "<release>-activator-models" with the models it may hold requests for.
+*/}}
+{{- define "sluice-operator.activatorName" -}}
+{{- printf "%s-activator" .Release.Name | trunc 55 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Labels that select the activator's pods (also the operator's --activator-selector). */}}
+{{- define "sluice-operator.activatorSelectorLabels" -}}
+app.kubernetes.io/name: sluice-activator
+app.kubernetes.io/instance: {{ .Release.Name | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/component: activator
+{{- end -}}
+
+{{/* Labels on every activator object. */}}
+{{- define "sluice-operator.activatorLabels" -}}
+helm.sh/chart: {{ include "sluice-operator.chart" . }}
+{{ include "sluice-operator.activatorSelectorLabels" . }}
+app.kubernetes.io/version: {{ .Values.activator.image.tag | trunc 63 | trimSuffix "-" | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: sluice
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "sluice-operator.activatorImage" -}}
+{{- $img := .Values.activator.image -}}
+{{- if $img.digest -}}
+{{- printf "%s@%s" $img.repository $img.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $img.repository $img.tag -}}
+{{- end -}}
+{{- end -}}

@@ -32,10 +32,18 @@ rule's "why" there, and each `if .Values.x` block its "granted" column.
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
-# The model's Service: as the Deployment (server-side applied, watched, never deleted).
+# Scale to zero (`autoscaling.minReplicas: 0`): the operator sets the replicas of an idle
+# model's Deployment to 0, and to 1 when the activator holds requests for it, through the
+# scale subresource (only `spec.replicas`; the HPA keeps 1..N).
+- apiGroups: ["apps"]
+  resources: ["deployments/scale"]
+  verbs: ["patch"]
+# The model's Service: as the Deployment (server-side applied, watched). Its ExternalName
+# Service `<name>-activator` (models with `autoscaling.minReplicas: 0`, the route's backend
+# while no replica is Ready) likewise, and deleted when minReplicas moves above 0.
 - apiGroups: [""]
   resources: ["services"]
-  verbs: ["get", "list", "watch", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # The adapter list of models with LoRA on (`<name>-adapters`, mounted in their pods): as the
 # Deployment, and deleted when LoRA is turned off. Only ConfigMaps with the operator's
 # labels are watched; the operator never reads other ConfigMaps.
@@ -78,6 +86,11 @@ rule's "why" there, and each `if .Values.x` block its "granted" column.
 - apiGroups: ["leaderworkerset.x-k8s.io"]
   resources: ["leaderworkersets"]
   verbs: ["get", "create", "patch", "delete"]
+# Scale to zero for models on several nodes per replica: the LeaderWorkerSet's scale
+# subresource, as for the Deployment.
+- apiGroups: ["leaderworkerset.x-k8s.io"]
+  resources: ["leaderworkersets/scale"]
+  verbs: ["patch"]
 # Read only: model pods are watched and kept in memory, so a pod turning Ready or Pending
 # updates the status at once, and the status says why pods are Pending (PodScheduled
 # condition, e.g. no free GPUs).
@@ -140,5 +153,30 @@ it with a PUT carrying the resourceVersion it read (no patch, list, watch or del
   resources: ["leases"]
   resourceNames: [{{ include "sluice-operator.fullname" . | quote }}]
   verbs: ["get", "update"]
+{{- end }}
+{{- end -}}
+
+{{/*
+The activator (activator.enabled): in a Role in the release namespace, where it runs. The
+operator keeps one ConfigMap there, `<release>-activator-models` (the models the activator
+may hold requests for), and finds the activator's pods to read their /metrics.
+*/}}
+{{- define "sluice-operator.rules.activator" -}}
+{{- if .Values.activator.enabled }}
+# Scale to zero: creating the activator's models ConfigMap (server-side apply of an object
+# that does not exist yet), which cannot be limited to a name.
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["create"]
+# Scale to zero: reading and updating only the activator's models ConfigMap.
+- apiGroups: [""]
+  resources: ["configmaps"]
+  resourceNames: [{{ include "sluice-operator.activatorName" . | printf "%s-models" | quote }}]
+  verbs: ["get", "patch"]
+# Scale to zero: listing the activator's pods in the release namespace, whose /metrics
+# (held requests per model) tell the operator to scale a model to 1.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list"]
 {{- end }}
 {{- end -}}

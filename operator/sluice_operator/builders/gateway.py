@@ -4,8 +4,9 @@ Written against the `gateway.networking.k8s.io/v1` HTTPRoute of the Standard cha
 (Gateway API v1.2 and later, where `rules[].timeouts` is standard):
 
 - `parentRefs`, `hostnames` as given; one rule: `PathPrefix` on `spec.gateway.path` to the
-  model's backend (`routing.backend_ref`: its Service port, or its InferencePool), the path
-  passed on unchanged (no URLRewrite), as with the Ingress;
+  model's backend (`routing.backend_ref`: its Service port, its InferencePool, or while a
+  model at zero has no Ready replica its activator Service, with a URLRewrite of the Host
+  only), the path passed on unchanged, as with the Ingress;
 - `timeouts.request` and `timeouts.backendRequest`: the stream timeout plus the same margin
   the Ingress gives nginx, so the gateway never cuts a stream the server would still serve
   (implementations default to 15 s or so for a whole request, and a stream is one request).
@@ -32,7 +33,7 @@ from typing import Any
 from ..models.resource import StreamingModel
 from .common import HASH_ANNOTATION, metadata
 from .ingress import AFFINITY_COOKIE, TIMEOUT_MARGIN_SECONDS
-from .routing import backend_ref
+from .routing import backend_ref, route_filters
 
 API_VERSION = "gateway.networking.k8s.io/v1"
 
@@ -93,6 +94,8 @@ def desired_httproute(model: StreamingModel) -> dict[str, Any] | None:
         "backendRefs": [backend_ref(model)],
         "timeouts": {"request": timeout, "backendRequest": timeout},
     }
+    if filters := route_filters(model):  # the activator's Host (scale to zero)
+        rule["filters"] = filters
     if wants_session_persistence(model):
         # Experimental channel: a session cookie, gone when the browser session ends.
         rule["sessionPersistence"] = {

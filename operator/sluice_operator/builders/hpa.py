@@ -32,7 +32,11 @@ def desired_hpa(model: StreamingModel) -> dict[str, Any] | None:
         "spec": {
             # The LeaderWorkerSet's scale subresource selects its leaders (hpaPodSelector).
             "scaleTargetRef": scale_target(model),
-            "minReplicas": a.min_replicas,
+            # The HPA cannot go below 1 (without the alpha HPAScaleToZero gate): with
+            # minReplicas 0 it keeps 1..N and the operator owns 0 <-> 1 (builders/activator.py).
+            # At 0 replicas the HPA stops acting (ScalingActive False, ScalingDisabled) until
+            # the operator's scale to 1 re-enables it, so the two never fight.
+            "minReplicas": max(1, a.min_replicas),
             "maxReplicas": a.max_replicas,
             "metrics": [
                 {

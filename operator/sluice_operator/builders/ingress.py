@@ -29,7 +29,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..models.resource import StreamingModel
-from .common import PORT_NAME, metadata
+from .activator import UPSTREAM_VHOST, activator_service_name, upstream_host
+from .common import PORT, PORT_NAME, metadata
+from .routing import Backend, route_backend
 
 # The session-affinity cookie that brings a resumed stream back to its pod.
 AFFINITY_COOKIE = "sluice-affinity"
@@ -113,7 +115,7 @@ def desired_ingress(model: StreamingModel) -> dict[str, Any] | None:
                 {
                     "path": ing.path,
                     "pathType": "Prefix",
-                    "backend": {"service": {"name": model.name, "port": {"name": PORT_NAME}}},
+                    "backend": {"service": backend_service(model)},
                 }
             ]
         }
@@ -128,12 +130,23 @@ def desired_ingress(model: StreamingModel) -> dict[str, Any] | None:
         **balance_annotations(model),
         **ing.annotations,  # the user's win
     }
+    if route_backend(model) is Backend.ACTIVATOR:  # it tells models apart by Host
+        annotations[UPSTREAM_VHOST] = upstream_host(model)
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "Ingress",
         "metadata": metadata(model, annotations=annotations),
         "spec": spec,
     }
+
+
+def backend_service(model: StreamingModel) -> dict[str, Any]:
+    """The Ingress path's backend (`routing.route_backend`): the model's Service, or its
+    activator Service while the model has no Ready replica (scale to zero; ExternalName has
+    no named port: by number). An Ingress cannot name an InferencePool: the Service."""
+    if route_backend(model) is Backend.ACTIVATOR:
+        return {"name": activator_service_name(model), "port": {"number": PORT}}
+    return {"name": model.name, "port": {"name": PORT_NAME}}
 
 
 def ingress_url(model: StreamingModel) -> str | None:

@@ -7,8 +7,19 @@ per-pod TTFT quantile (idle pods 0) and the threshold is the per-pod target: the
 decision as our HPA's Pods metric, whose average over pods is compared with the target.
 The per-pod query is the chart's prometheus-adapter rule (builders/metrics.py).
 
-KEDA's cooldownPeriod only applies to scaling to zero, which minReplicas >= 1 rules out,
-so scale-down is governed by the HPA behavior below, identical to our own HPA's.
+KEDA's cooldownPeriod only applies to scaling to zero, so scale-down above one replica is
+governed by the HPA behavior below, identical to our own HPA's.
+
+Scale to zero (autoscaling.minReplicas 0): KEDA owns 0 <-> 1 and the operator never scales
+(it only switches the route to the activator and back, scaletozero.py), so the two never
+fight. minReplicaCount 0 (no idleReplicaCount: that is for a floor above 0), cooldownPeriod
+= scaleToZero.idleSeconds (KEDA goes to 0 once no trigger has been active that long: the
+TTFT query is 0 without streams), and a second trigger on the activator's held-requests
+gauge, clamped to 1: it wakes the model (activation above 0) and never asks for more than
+one replica; the TTFT trigger scales beyond. Prometheus must scrape the activator pods (the
+operator chart annotates them). Their series carry the model's namespace in a `namespace`
+label, which most scrape configs rename to `exported_namespace` (the target's namespace, the
+operator's, wins unless honor_labels): the query accepts either.
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ from .metrics import ttft_metrics_query
 
 API_VERSION = "keda.sh/v1alpha1"
 TRIGGER_NAME = "ttft"
+HELD_TRIGGER_NAME = "held-requests"
 
 
 def keda_hpa_name(model: StreamingModel) -> str:
@@ -56,13 +68,40 @@ def ttft_threshold_seconds(milliseconds: int) -> str:
     return fmt_number(milliseconds / 1000)
 
 
+def held_query(model: StreamingModel) -> str:
+    """Requests the activator holds for this model, clamped to 1 (see the docstring)."""
+    forms = [
+        f'sum(sluice_activator_held_requests{{{label}="{model.namespace}",model="{model.name}"}})'
+        for label in ("namespace", "exported_namespace")
+    ]
+    return f"clamp_max({forms[0]} or {forms[1]}, 1)"
+
+
+def held_trigger(model: StreamingModel) -> dict[str, Any]:
+    a = model.spec.autoscaling
+    assert a is not None
+    return {
+        "type": "prometheus",
+        "name": HELD_TRIGGER_NAME,
+        "metricType": "AverageValue",
+        "metadata": {
+            "serverAddress": a.keda.server_address,
+            "query": held_query(model),
+            "threshold": "1",
+            "activationThreshold": "0",
+            "ignoreNullValues": "true",
+        },
+    }
+
+
 def desired_scaled_object(model: StreamingModel) -> dict[str, Any] | None:
     spec = model.spec
     if spec.autoscaling_backend != "keda":
         return None
     a = spec.autoscaling
     assert a is not None
-    return {
+    zero = spec.scale_to_zero
+    out: dict[str, Any] = {
         "apiVersion": API_VERSION,
         "kind": "ScaledObject",
         "metadata": metadata(model),
@@ -88,3 +127,7 @@ def desired_scaled_object(model: StreamingModel) -> dict[str, Any] | None:
             ],
         },
     }
+    if zero is not None:
+        out["spec"]["cooldownPeriod"] = zero.idle_seconds
+        out["spec"]["triggers"].append(held_trigger(model))
+    return out

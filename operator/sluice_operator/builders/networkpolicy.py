@@ -7,6 +7,10 @@ monitoring namespaces that scrape `/metrics` (a NetworkPolicy cannot tell paths 
 that is the same port). Namespaces are matched by their `kubernetes.io/metadata.name` label,
 which the API server sets on every namespace. Needs a CNI that enforces NetworkPolicy.
 
+With autoscaling.minReplicas 0 the operator's namespace is admitted too: the activator there
+forwards held requests to the pods, and the operator reads their `/metrics` (the idle
+signal).
+
 With parallelism.nodes > 1 the model's own pods also reach each other on every port: vLLM's
 rendezvous (`--master-port`) is one, but NCCL and the engine's message queues pick theirs at
 run time, so no fixed list of ports would do.
@@ -42,6 +46,8 @@ def desired_network_policy(model: StreamingModel) -> dict[str, Any] | None:
         peers.append(_namespaces(np.proxy_namespaces))
     if np.monitoring_namespaces:
         peers.append(_namespaces(np.monitoring_namespaces))
+    if model.spec.scale_to_zero is not None:  # <service>.<namespace>.svc.cluster.local
+        peers.append(_namespaces([model.activator_host.split(".")[1]]))
     ingress: list[dict[str, Any]] = [{"from": peers, "ports": port}]
     if model.multi_node:  # leader <-> workers of a group: the engine's own ports
         ingress.append({"from": [{"podSelector": {"matchLabels": selector_labels(model)}}]})

@@ -1,10 +1,16 @@
 """Where the model's route sends requests: ONE switch over the backends, and the
 InferencePool (`spec.routing.inferencePool`) that is one of them.
 
-`route_backend` is the only place that decides the HTTPRoute rule's backend; the rule's
-`backendRefs` (`backend_ref`) and the `RouteBackend` condition (`backend_verdict`) both read
-it, so the Service and the pool (and, with scale from zero, an activator: one more member of
-`Backend` and one more case in each function here) never both claim the rule.
+`route_backend` is the only place that decides the route's backend; the HTTPRoute rule's
+`backendRefs` (`backend_ref`) and filters (`route_filters`), the Ingress path's backend
+(builders/ingress.py) and the `RouteBackend` condition (`backend_verdict`) all read it, so
+the Service, the pool and the activator never both claim the route.
+
+The activator (scale to zero, builders/activator.py) wins while the pass found no Ready
+replica of a model with minReplicas 0 (`model.via_activator`): the route names the model's
+ExternalName Service `<name>-activator` and sets the upstream Host to the model Service's
+FQDN (HTTPRoute: a URLRewrite `hostname` filter; Ingress: ingress-nginx's upstream-vhost),
+which is how the activator tells models apart and where it forwards.
 
 The InferencePool is written against `inference.networking.k8s.io/v1` as GAIE v1.6.0's CRD
 declares it (`../shared/crds`, GAIE tag v1.6.0; endpointPickerRef optional there since
@@ -28,6 +34,7 @@ from enum import StrEnum
 from typing import Any
 
 from ..models.resource import StreamingModel
+from .activator import activator_service_name, upstream_host
 from .common import PORT, metadata, selector_labels
 from .leaderworkerset import leader_selector
 
@@ -40,10 +47,14 @@ class Backend(StrEnum):
 
     SERVICE = "Service"
     INFERENCE_POOL = "InferencePool"
+    ACTIVATOR = "Activator"
 
 
 def route_backend(model: StreamingModel) -> Backend:
-    """The one decision: the pool when the model asks for one, else the Service."""
+    """The one decision: the activator while a model with minReplicas 0 has no Ready
+    replica, else the pool when the model asks for one, else the Service."""
+    if model.via_activator:
+        return Backend.ACTIVATOR
     if model.spec.routing.inference_pool.enabled:
         return Backend.INFERENCE_POOL
     return Backend.SERVICE
@@ -52,9 +63,18 @@ def route_backend(model: StreamingModel) -> Backend:
 def backend_ref(model: StreamingModel) -> dict[str, Any]:
     """The HTTPRoute rule's one backendRefs entry."""
     backend = route_backend(model)
+    if backend is Backend.ACTIVATOR:
+        return {"name": activator_service_name(model), "port": PORT}
     if backend is Backend.INFERENCE_POOL:
         return {"group": POOL_GROUP, "kind": "InferencePool", "name": model.name}
     return {"name": model.name, "port": PORT}
+
+
+def route_filters(model: StreamingModel) -> list[dict[str, Any]]:
+    """The HTTPRoute rule's filters: the model's Host for the activator, else none."""
+    if route_backend(model) is Backend.ACTIVATOR:
+        return [{"type": "URLRewrite", "urlRewrite": {"hostname": upstream_host(model)}}]
+    return []
 
 
 def backend_verdict(
@@ -64,6 +84,16 @@ def backend_verdict(
     names, False when that backend cannot exist (`pool_unavailable`: why the pool could not
     be applied)."""
     backend = route_backend(model)
+    route = "HTTPRoute" if model.spec.gateway is not None else "Ingress"
+    if backend is Backend.ACTIVATOR:
+        return (
+            True,
+            backend.value,
+            (
+                f"no Ready replica: the {route} sends requests to the activator (Service "
+                f"{activator_service_name(model)}), which holds them until one is Ready"
+            ),
+        )
     if backend is Backend.INFERENCE_POOL:
         if pool_unavailable is not None:
             return False, "InferencePoolUnavailable", pool_unavailable
@@ -78,7 +108,7 @@ def backend_verdict(
             backend.value,
             f"the HTTPRoute sends requests to InferencePool {model.name} ({who})",
         )
-    return True, backend.value, f"the HTTPRoute sends requests to Service {model.name}"
+    return True, backend.value, f"the {route} sends requests to Service {model.name}"
 
 
 def desired_inference_pool(model: StreamingModel) -> dict[str, Any] | None:

@@ -58,6 +58,16 @@ def _rate(metric: str, by: str = "") -> str:
 
 HPA = 'namespace="$namespace",horizontalpodautoscaler="$model"'
 
+
+def _activator(template: str) -> str:
+    """An activator query for this model (scale to zero). Its series carry the model's
+    namespace in their own `namespace` label, which a scrape config without honor_labels
+    renames `exported_namespace` (the activator pod's namespace wins): either form."""
+    forms = [template.format(sel=f'{label}="$namespace",model="$model"')
+             for label in ("exported_namespace", "namespace")]  # fmt: skip
+    return f"({forms[0]}) or ({forms[1]})"
+
+
 PANELS: tuple[Panel, ...] = (
     Panel(
         "Time to first token vs target",
@@ -169,6 +179,23 @@ PANELS: tuple[Panel, ...] = (
             ),
         ),
         "From the model's HPA (kube-state-metrics); with KEDA the HPA is keda-hpa-<model>.",
+    ),
+    Panel(
+        "Scale to zero: activator held requests and outcomes",
+        "short",
+        (
+            Target(_activator("sum(sluice_activator_held_requests{{{sel}}})"), "held"),
+            Target(
+                _activator(
+                    "sum by (outcome) (rate(sluice_activator_requests_total{{{sel}}}["
+                    + RATE
+                    + "]))"
+                ),
+                "{{outcome}}/s",
+            ),
+        ),
+        "Models with autoscaling.minReplicas 0: requests the activator holds while a replica "
+        "starts, and how held requests ended (forwarded, timeout, rejected, disconnected).",
     ),
     Panel(
         "Autoscaler's reading: per-pod TTFT p90",

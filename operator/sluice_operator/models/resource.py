@@ -36,6 +36,9 @@ ADAPTER_NAME_RULE = Rule(
     detail=lambda obj: f"{obj[0]}, the object's name: rename the adapter or set model.servedName",
 )
 
+# The chart's activator Service (release "sluice" in namespace "sluice-system").
+DEFAULT_ACTIVATOR_HOST = "sluice-activator.sluice-system.svc.cluster.local"
+
 # Where things live inside the server pod.
 CACHE_DIR = "/cache"
 MODEL_PVC_DIR = "/mnt/model"
@@ -83,6 +86,12 @@ class StreamingModel:
     name: str
     namespace: str
     spec: StreamingModelSpec
+    # Not the spec: what a pass hands the builders about the cluster (scaletozero.py). Where
+    # the operator's activator answers (its Service's name in the operator's namespace, from
+    # `run --activator-service`), and whether the model's route goes there now (scale to
+    # zero on, and no Ready replica). Offline renders see the defaults.
+    activator_host: str = DEFAULT_ACTIVATOR_HOST
+    via_activator: bool = False
 
     @property
     def source(self) -> ModelSource:

@@ -711,6 +711,46 @@ class KedaSpec(ApiModel):
     )
 
 
+class ScaleToZeroSpec(ApiModel):
+    """Scale to zero when idle and back on the first request (autoscaling.minReplicas: 0).
+
+    The operator's activator (shipped by the sluice-operator chart) is in the model's route
+    while it has no Ready replica: it holds each request, keeps streams alive, and the
+    operator scales the workload to 1 on that demand (docs/autoscaling.md, "Scale to zero")."""
+
+    idle_seconds: int = Field(
+        default=600,
+        ge=30,
+        le=604800,
+        description="Scale to zero once no request has been admitted for this long on any "
+        "pod and none is in flight (each pod's sluice_last_request_timestamp_seconds and "
+        "sluice_active_streams, read from its /metrics). With backend keda this is the "
+        "ScaledObject's cooldownPeriod.",
+    )
+    hold_timeout_seconds: int | None = Field(
+        default=None,
+        ge=1,
+        le=86400,
+        description="How long the activator holds a request while a replica starts; past it "
+        "a request that received nothing gets 503 model_starting with Retry-After, a stream "
+        "already committed to 200 ends with its protocol's error event. Default: "
+        "startup.timeoutSeconds + 60.",
+    )
+    max_held: int = Field(
+        default=100,
+        ge=1,
+        le=100000,
+        description="Most requests the activator holds for this model at once (per activator "
+        "pod); past it 429 with Retry-After, before anything else is sent.",
+    )
+
+
+MIN_ZERO_NEEDS_AUTOSCALING = (
+    "autoscaling.minReplicas 0 (scale to zero) needs autoscaling.enabled: the operator scales "
+    "0 <-> 1 and the autoscaler 1 <-> maxReplicas"
+)
+
+
 class AutoscalingSpec(ApiModel):
     """Horizontal autoscaling on time to first token: an HPA fed by prometheus-adapter with the chart's rule (backend hpa), or a KEDA ScaledObject running the same query (backend keda)."""
 
@@ -721,6 +761,20 @@ class AutoscalingSpec(ApiModel):
             holds=lambda a: a.min_replicas <= a.max_replicas,
             field=".minReplicas",
             detail=lambda a: f"got minReplicas {a.min_replicas}, maxReplicas {a.max_replicas}",
+        ),
+        Rule(
+            "!has(self.minReplicas) || self.minReplicas > 0 || !has(self.enabled) || self.enabled",
+            MIN_ZERO_NEEDS_AUTOSCALING,
+            holds=lambda a: a.min_replicas > 0 or a.enabled,
+            field=".minReplicas",
+        ),
+        Rule(
+            "!has(self.scaleToZero) || (has(self.minReplicas) && self.minReplicas == 0)",
+            "autoscaling.scaleToZero is only used with autoscaling.minReplicas 0: set "
+            "minReplicas: 0, or remove scaleToZero",
+            holds=lambda a: a.scale_to_zero is None or a.min_replicas == 0,
+            field=".scaleToZero",
+            detail=lambda a: f"got minReplicas {a.min_replicas}",
         ),
     )
 
@@ -740,7 +794,17 @@ class AutoscalingSpec(ApiModel):
         ),
     )
     keda: KedaSpec = sub(KedaSpec, "KEDA settings, used when backend is keda.")
-    min_replicas: int = Field(default=1, ge=1, le=1000, description="Fewest replicas.")
+    min_replicas: int = Field(
+        default=1,
+        ge=0,
+        le=1000,
+        description="Fewest replicas. 0: scale to zero when idle (see scaleToZero); the HPA "
+        "(or KEDA's) then keeps 1..maxReplicas and the operator owns 0 <-> 1.",
+    )
+    scale_to_zero: ScaleToZeroSpec | None = Field(
+        default=None,
+        description="Scale-to-zero settings, used with minReplicas 0 (defaults apply when unset).",
+    )
     max_replicas: int = Field(
         default=4, ge=1, le=1000, description="Most replicas (each needs resources.gpus GPUs)."
     )
@@ -1290,6 +1354,8 @@ ADAPTER_RULES = (
 
 
 DEFAULT_IMAGE = "ghcr.io/sluice-dev/sluice-server:0.1.0"
+# The activator holds a request this long past the startup budget by default.
+HOLD_TIMEOUT_MARGIN_SECONDS = 60
 
 
 def _gpus_detail(spec: StreamingModelSpec) -> str:
@@ -1468,6 +1534,22 @@ class StreamingModelSpec(ApiModel):
         """Which autoscaler object the operator makes; None when autoscaling is off."""
         a = self.autoscaling
         return a.backend if a is not None and a.enabled else None
+
+    @property
+    def scale_to_zero(self) -> ScaleToZeroSpec | None:
+        """The scale-to-zero settings (defaults filled in) when autoscaling.minReplicas is 0."""
+        a = self.autoscaling
+        if a is None or not a.enabled or a.min_replicas != 0:
+            return None
+        return a.scale_to_zero or ScaleToZeroSpec()
+
+    @property
+    def hold_timeout_seconds(self) -> int:
+        """How long the activator holds a request: as set, else the startup budget + 60 s."""
+        zero = self.scale_to_zero or ScaleToZeroSpec()
+        if zero.hold_timeout_seconds is not None:
+            return zero.hold_timeout_seconds
+        return self.startup.timeout_seconds + HOLD_TIMEOUT_MARGIN_SECONDS
 
     @property
     def max_possible_replicas(self) -> int:

@@ -8,7 +8,9 @@ from pydantic import Field
 
 from .base import ApiModel
 
-Phase = Literal["Pending", "Progressing", "Ready", "Degraded", "Failed"]
+Phase = Literal[
+    "Pending", "Progressing", "Ready", "Degraded", "Failed", "ScaledToZero", "Activating"
+]
 CONDITION_TYPES = ("SpecValid", "Available", "Progressing", "Ready")
 
 
@@ -105,7 +107,10 @@ class StreamingModelStatus(ApiModel):
     """Observed state of a StreamingModel."""
 
     phase: Phase | None = Field(
-        default=None, description="Pending, Progressing, Ready, Degraded or Failed."
+        default=None,
+        description="Pending, Progressing, Ready, Degraded or Failed; with "
+        "autoscaling.minReplicas 0 also ScaledToZero (no replica, the activator holds the next "
+        "request) and Activating (requests held while a replica starts).",
     )
     message: str | None = Field(
         default=None, description="Human-readable summary of the phase (why not Ready)."
@@ -115,7 +120,9 @@ class StreamingModelStatus(ApiModel):
         description="SpecValid, Available, Progressing and Ready conditions; with spec.gateway "
         "also GatewayRoute (the HTTPRoute accepted by its Gateways, or why not: the Gateway API "
         "CRDs missing, access forbidden, a Gateway refusing the route); TemplateCurrent=False "
-        "while an operator upgrade's new pod template waits for a rollout slot.",
+        "while an operator upgrade's new pod template waits for a rollout slot; with "
+        "autoscaling.minReplicas 0 also ScaledToZero (True at zero; False says why not, e.g. "
+        "how long since the last request).",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     observed_generation: int | None = Field(
@@ -126,6 +133,11 @@ class StreamingModelStatus(ApiModel):
     )
     ready_replicas: int | None = Field(default=None, description="Pods ready to serve.")
     ready: str | None = Field(default=None, description="readyReplicas/replicas, for kubectl get.")
+    held_requests: int | None = Field(
+        default=None,
+        description="With autoscaling.minReplicas 0: requests the activator holds for the "
+        "model now (condition ScaledToZero says why it is or is not at zero).",
+    )
     selector: str | None = Field(
         default=None,
         description="Label selector of the pods (scale subresource, for kubectl scale and HPAs).",

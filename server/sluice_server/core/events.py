@@ -102,6 +102,7 @@ class Meter:
         self.trail = trail
         bound.requests.inc()
         bound.active.inc()
+        bound.last_request.set_to_current_time()
 
     def wrote(self, tokens: int) -> None:
         """Call right after a token event's bytes were handed to the socket. A write that

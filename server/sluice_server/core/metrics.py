@@ -11,6 +11,7 @@ change.
 from __future__ import annotations
 
 import os
+import time
 
 from prometheus_client import (
     REGISTRY,
@@ -161,6 +162,16 @@ class Metrics:
             "From an adapter appearing in the file to it serving (download included).",
             ("model",), buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
+        # Scale to zero: the operator reads it from each pod (with sluice_active_streams)
+        # to tell an idle model; the process start counts as the last request, so a new
+        # pod is never idle before it has served for idleSeconds.
+        self.last_request = Gauge(
+            "sluice_last_request_timestamp_seconds",
+            "Unix time of the last generation request admitted (the process start before "
+            "the first); the newest over the pod's workers.", ("model",), registry=r,
+            multiprocess_mode="livemax",
+        )  # fmt: skip
+        self.last_request.labels(model).set(time.time())
         # Pre-create the label sets so dashboards and the autoscaler see zeros, not gaps.
         for p in PROTOCOLS:
             for m in (self.ttft, self.itl, self.e2e, self.first_output, self.output_tokens,
@@ -205,7 +216,7 @@ class Bound:
     adapter), so the hot path does no label lookups."""
 
     __slots__ = ("ttft", "itl", "e2e", "first_output", "output_tokens", "requests",
-                 "disconnects", "aborts", "stream_errors", "active")  # fmt: skip
+                 "disconnects", "aborts", "stream_errors", "active", "last_request")  # fmt: skip
     ttft: Histogram
     itl: Histogram
     e2e: Histogram
@@ -216,10 +227,12 @@ class Bound:
     aborts: Counter
     stream_errors: Counter
     active: Gauge
+    last_request: Gauge  # per pod, not per protocol or adapter: the base model's label
 
     def __init__(self, m: Metrics, protocol: str, model: str) -> None:
-        for name in self.__slots__:
+        for name in self.__slots__[:-1]:
             setattr(self, name, getattr(m, name).labels(protocol, model))
+        self.last_request = m.last_request.labels(m.model)
 
 
 def bind(metrics: Metrics, protocol: str, model: str | None = None) -> Bound:

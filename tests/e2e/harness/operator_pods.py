@@ -73,6 +73,9 @@ class OperatorPods:
         for arg in spec.args or []:
             if arg.startswith("--liveness="):  # the pod listens on 0.0.0.0; tests stay on loopback
                 arg = f"--liveness=http://127.0.0.1:{health}/healthz"
+            if arg.startswith("--metrics-port="):  # likewise, and one port per pod
+                argv.append("--metrics-host=127.0.0.1")
+                arg = f"--metrics-port={free_port()}"
             argv.append(arg)
         proxy = TcpProxy(self.cp.port).start()
         env = {

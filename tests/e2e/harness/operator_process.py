@@ -61,7 +61,9 @@ class RenderedChart:
         return [o for o in self.objects if o["kind"] in kinds]
 
     def deployment(self) -> dict:
-        (dep,) = self.of_kind("Deployment")
+        """The operator's Deployment (the chart also ships the activator's)."""
+        (dep,) = [d for d in self.of_kind("Deployment")
+                  if d["metadata"]["labels"].get("app.kubernetes.io/component") == "operator"]  # fmt: skip
         return dep
 
     def container(self) -> dict:
@@ -117,10 +119,15 @@ class OperatorProcess:
         container = chart.container()
         self.name = name
         self.health_port = free_port()
+        self.metrics_port: int | None = None
         argv = [sys.executable if a == "python" else a for a in container["command"]]
         for arg in container.get("args", []):
             if arg.startswith("--liveness="):  # the pod listens on 0.0.0.0; tests stay on loopback
                 arg = f"--liveness=http://127.0.0.1:{self.health_port}/healthz"
+            if arg.startswith("--metrics-port="):  # likewise, and one port per process
+                self.metrics_port = free_port()
+                argv.append("--metrics-host=127.0.0.1")
+                arg = f"--metrics-port={self.metrics_port}"
             argv.append(arg)
         namespace, _ = chart.service_account()
         env = {

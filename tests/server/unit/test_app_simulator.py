@@ -158,3 +158,34 @@ async def test_a_finished_stream_leaves_no_reference_cycle(sim):
         finally:
             gc.set_debug(0)
             gc.garbage.clear()
+
+
+def _last_request(text: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    (value,) = [
+        s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == "sluice_last_request_timestamp_seconds"
+    ]
+    return value
+
+
+async def test_last_request_gauge_starts_at_process_start_and_moves_on_admission(sim):
+    """What the operator reads to scale a model to zero: set when the app is built (a new
+    pod is never idle at once), moved to the admission time by each generation request, and
+    not by probes or /metrics scrapes."""
+    import time
+
+    before_build = time.time()
+    async with serve(sim) as url, httpx.AsyncClient(base_url=url) as c:
+        started = _last_request((await c.get("/metrics")).text)
+        assert before_build - 1 <= started <= time.time()
+        await c.get("/ready")
+        assert _last_request((await c.get("/metrics")).text) == started  # probes do not count
+        sent = time.time()
+        r = await c.post("/v1/stream", json={"prompt": "a", "max_tokens": 2})
+        assert r.status_code == 200
+        moved = _last_request((await c.get("/metrics")).text)
+        assert moved >= sent

@@ -1,0 +1,123 @@
+"""Scale to zero: how a model's route reaches the operator's activator, and what it knows.
+
+The activator (the server image in activator mode, shipped by the sluice-operator chart as
+Deployment and Service `<release>-activator` in the operator's namespace) holds a model's
+requests while the model has no Ready replica, and forwards them once one is.
+
+- The route names a Service in the model's own namespace (an Ingress can name no other):
+  `<name>-activator`, of type ExternalName, pointing at the activator Service's FQDN. An
+  ExternalName Service is a DNS CNAME: no EndpointSlice to keep, no selector, and
+  ingress-nginx accepts it as a backend. The same Service serves an HTTPRoute (a
+  ReferenceGrant would also do there; one path is simpler to keep right). It exists only
+  while autoscaling.minReplicas is 0.
+- The activator tells models apart by the request's Host: the route rewrites it to the
+  model Service's FQDN (`upstream_host`), which is also where the activator forwards.
+- The operator keeps ONE ConfigMap in its own namespace, `<activator>-models`, key
+  `models.json`: an entry per model with minReplicas 0 (`activator_entry`). It is the
+  activator's allowlist: a Host it does not list is answered 404, never proxied.
+
+Pure: the model in, manifests out.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from ..models.resource import StreamingModel
+from .common import MANAGED_BY_LABEL, MANAGER, PORT, PORT_NAME, metadata
+
+ACTIVATOR_SUFFIX = "-activator"
+MODELS_FILE = "models.json"
+CONFIG_MAP_SUFFIX = "-models"
+# How often the activator writes a keep-alive to a held stream (proxies cut idle
+# connections after 60 s or so; the issue's bound is 15 s).
+KEEPALIVE_SECONDS = 10
+# The ingress-nginx annotation that sets the Host header sent upstream.
+UPSTREAM_VHOST = "nginx.ingress.kubernetes.io/upstream-vhost"
+
+
+def activator_service_name(model: StreamingModel) -> str:
+    return model.name + ACTIVATOR_SUFFIX
+
+
+def upstream_host(model: StreamingModel) -> str:
+    """The model Service's FQDN: the Host the route sends to the activator, and where the
+    activator forwards."""
+    return f"{model.name}.{model.namespace}.svc.cluster.local"
+
+
+def model_key(model: StreamingModel) -> str:
+    """The entry's key in models.json, and the activator's `X-Sluice-Model` header value."""
+    return f"{model.namespace}/{model.name}"
+
+
+def desired_activator_service(model: StreamingModel) -> dict[str, Any] | None:
+    """`<name>-activator`: ExternalName to the activator; only with minReplicas 0."""
+    if model.spec.scale_to_zero is None:
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            **metadata(model),
+            "name": activator_service_name(model),
+            "labels": {**metadata(model)["labels"], "app.kubernetes.io/component": "activator"},
+        },
+        "spec": {
+            "type": "ExternalName",
+            "externalName": model.activator_host,
+            "ports": [
+                {
+                    "name": PORT_NAME,
+                    "port": PORT,
+                    "targetPort": PORT,
+                    "protocol": "TCP",
+                    "appProtocol": "http",
+                }
+            ],
+        },
+    }
+
+
+def activator_entry(model: StreamingModel) -> dict[str, Any] | None:
+    """The model's entry in models.json; None without scale to zero."""
+    if model.spec.scale_to_zero is None:
+        return None
+    zero = model.spec.scale_to_zero
+    return {
+        "host": upstream_host(model),
+        "port": PORT,
+        "holdTimeoutSeconds": model.spec.hold_timeout_seconds,
+        "maxHeld": zero.max_held,
+        "keepaliveSeconds": KEEPALIVE_SECONDS,
+    }
+
+
+def models_json(entries: Mapping[str, Mapping[str, Any]]) -> str:
+    """models.json: sorted keys, so the same models always make the same bytes."""
+    return json.dumps(dict(entries), sort_keys=True, indent=1) + "\n"
+
+
+def desired_models_config_map(
+    name: str, namespace: str, models: Iterable[StreamingModel]
+) -> dict[str, Any]:
+    """The operator's one ConfigMap of every model with minReplicas 0 (`name`: the
+    activator's, plus `-models`). Owned by no model: the chart names it, the operator
+    keeps its data."""
+    entries = {model_key(m): e for m in models if (e := activator_entry(m)) is not None}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": name + CONFIG_MAP_SUFFIX,
+            "namespace": namespace,
+            "labels": {MANAGED_BY_LABEL: MANAGER, "app.kubernetes.io/component": "activator"},
+        },
+        "data": {MODELS_FILE: models_json(entries)},
+    }
+
+
+def activator_host_of(service: str, namespace: str) -> str:
+    return f"{service}.{namespace}.svc.cluster.local"
