@@ -256,6 +256,7 @@ def configure(
         DEFAULT_MAX_ROLLOUTS if limit is None else int(limit),
         deployments=lambda: memo.memory.every(DEPLOYMENT),
         wake=memo.resync.converge_soon,
+        models=memo.memory.models,
     )
     if election is not None and getattr(memo, "leadership", None) is None:
 

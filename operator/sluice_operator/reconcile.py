@@ -48,7 +48,15 @@ from .kinds import (
 )
 from .memory import Memory
 from .models.resource import StreamingModel
-from .pacing import PACED, TEMPLATE_HASH, RolloutPacer, cause_of_change, stamp, template_hash
+from .pacing import (
+    PACED,
+    TEMPLATE_HASH,
+    RolloutPacer,
+    cause_of_change,
+    pod_templates,
+    stamp,
+    template_hash,
+)
 from .status import (
     compute_status,
     deployment_settled,
@@ -271,7 +279,7 @@ class _Pass:
         self.cluster, self.body, self.model, self.reads = cluster, body, model, reads
         self.post_event, self.now, self.owner_exists = post_event, now, owner_exists
         self.pacer, self.pod_metrics = pacer, pod_metrics
-        self.waiting: list[Any] = []  # the pacer's Decision when the Deployment waits for a slot
+        self.waiting: list[Any] = []  # the pacer's Decision when the workload waits for a slot
         meta = body["metadata"]
         self.namespace, self.name, self.uid = meta["namespace"], meta["name"], meta.get("uid")
         self.status = body.get("status") or {}
@@ -290,13 +298,12 @@ class _Pass:
                 raise _OwnerGone
             self.owner_exists = None
 
-    def pace_deployment(self, manifest: dict[str, Any], current: dict[str, Any] | None) -> bool:
-        """Label the Deployment for pacing (after its applied-hash: the labels never change
-        it); False: hold it (an operator-caused template change, no slot free), keeping the
-        live one."""
+    def pace_workload(self, manifest: dict[str, Any], current: dict[str, Any] | None) -> bool:
+        """Label the Deployment or LeaderWorkerSet for pacing (after its applied-hash: the
+        labels never change it); False: hold it (an operator-caused template change, no slot
+        free), keeping the live one."""
         generation = self.body["metadata"].get("generation")
-        live_template = ((current or {}).get("spec") or {}).get("template") or {}
-        contained = contains(manifest["spec"]["template"], live_template)
+        contained = contains(pod_templates(manifest), pod_templates(current or {}))
         observed = self.status.get("observedGeneration")
         cause = cause_of_change(manifest, current, generation, observed, contained)
         new = template_hash(manifest)
@@ -304,7 +311,7 @@ class _Pass:
         paced = old.get(PACED) == new
         key = (self.namespace, self.name)
         if cause == "operator" and self.pacer is not None:
-            decision = self.pacer.admit(key, new, old.get(TEMPLATE_HASH))
+            decision = self.pacer.admit(key, new, old.get(TEMPLATE_HASH), current)
             if not decision.admitted:
                 self.waiting.append(decision)
                 return False
@@ -359,7 +366,7 @@ class _Pass:
             self.live[kind] = None
             return
         manifest = _adopt(manifest, self.body)
-        if child is DEPLOYMENT and not self.pace_deployment(manifest, current):
+        if child in (DEPLOYMENT, LWS_KIND) and not self.pace_workload(manifest, current):
             self.live[kind] = current
             return
         if session_persistence_dropped(manifest, current):
