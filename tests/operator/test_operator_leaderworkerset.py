@@ -192,3 +192,40 @@ def test_network_policy_lets_a_groups_pods_reach_each_other_on_any_port():
     assert group["from"] == [{"podSelector": {"matchLabels": own}}]
     one = by_kind(minimal(networkPolicy={"enabled": True}))
     assert len(one["NetworkPolicy"]["spec"]["ingress"]) == 1
+
+
+def _matches(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector["matchLabels"].items())
+
+
+@pytest.mark.parametrize("unavailable", [0, 1, 2])
+def test_pdb_covers_every_pod_of_every_group(unavailable):
+    """One budget over leaders and workers: an evicted pod recreates its group, whose pods
+    are then all unavailable, so a drain takes a group at a time (more with maxUnavailable
+    above the group size)."""
+    rollout = {"maxSurge": 1 if unavailable == 0 else 0, "maxUnavailable": unavailable}
+    out = by_kind(minimal(**TWO_NODES, replicas=3, rollout=rollout))
+    pdb = out["PodDisruptionBudget"]["spec"]
+    assert pdb["maxUnavailable"] == max(1, unavailable)
+    group = out["LeaderWorkerSet"]["spec"]["leaderWorkerTemplate"]
+    for role in ("leaderTemplate", "workerTemplate"):
+        assert _matches(pdb["selector"], group[role]["metadata"]["labels"]), role
+    # Negative control: a selector with the leaders' role label would miss the workers.
+    leaders = {
+        "matchLabels": {**pdb["selector"]["matchLabels"], "serving.sluice.dev/role": "leader"}
+    }
+    assert not _matches(leaders, group["workerTemplate"]["metadata"]["labels"])
+    # One group: a budget would block every drain or protect nothing, as with one pod.
+    assert "PodDisruptionBudget" not in by_kind(minimal(**TWO_NODES, replicas=1))
+
+
+def test_network_policy_peers_select_the_workers_too():
+    """The group rule admits traffic from and to every pod of the model, leaders and workers
+    (the engine's rendezvous, NCCL/gloo and message-queue ports are picked at run time)."""
+    out = by_kind(minimal(**TWO_NODES, networkPolicy={"enabled": True}))
+    spec = out["NetworkPolicy"]["spec"]
+    group = out["LeaderWorkerSet"]["spec"]["leaderWorkerTemplate"]
+    (peer,) = spec["ingress"][1]["from"]
+    for role in ("leaderTemplate", "workerTemplate"):
+        labels = group[role]["metadata"]["labels"]
+        assert _matches(spec["podSelector"], labels) and _matches(peer["podSelector"], labels)
