@@ -159,8 +159,9 @@ class Metrics:
         self.engine_group_up = Gauge(
             "sluice_engine_group_up",
             "1 while the engine is loaded and passes its health check, which on several "
-            "nodes means every node's workers joined it; 0 while loading or failed. Set by "
-            "each /ready, /health and /metrics request.", ("model",), registry=r,
+            "nodes means every node's workers joined it (a lost worker node is noticed at "
+            "the engine's next step); 0 while loading or failed. Set by each /ready, /health "
+            "and /metrics request.", ("model",), registry=r,
             multiprocess_mode="livemostrecent",
         )  # fmt: skip
         self.engine_group_up.labels(model)
