@@ -83,6 +83,9 @@ class Outcome:
     phase: str | None = None
     # An adapter is still loading on some pod: look again soon (handlers.py retries).
     adapters_settling: bool = False
+    # The LeaderWorkerSet's groups are not all updated and Ready. Its status is not watched
+    # (the LWS kind is optional), so nothing else would show the change: look again soon.
+    workload_settling: bool = False
 
 
 PodMetrics = Callable[[Mapping[str, Any]], str | None]  # a pod's /metrics page, or None
@@ -446,6 +449,8 @@ class _Pass:
             self.outcome.adapters_settling = settling(new.get("adapters"))
         if self.pacer is not None:
             self.pacer.observe((self.namespace, self.name), deployment)
+        unwatched = workload is LWS_KIND and deployment is not None
+        self.outcome.workload_settling = unwatched and not deployment_settled(deployment or {})
         self.outcome.phase = new["phase"]
         patch = status_patch(self.status, new)
         if patch:

@@ -229,3 +229,33 @@ def test_network_policy_peers_select_the_workers_too():
     for role in ("leaderTemplate", "workerTemplate"):
         labels = group[role]["metadata"]["labels"]
         assert _matches(spec["podSelector"], labels) and _matches(peer["podSelector"], labels)
+
+
+def test_a_starting_lws_makes_the_handler_read_it_again_until_its_groups_are_ready(monkeypatch):
+    """LeaderWorkerSets are not watched, so the model's handler looks again soon while the
+    LWS's groups are not all updated and Ready; the status then counts them."""
+    import logging
+
+    import kopf
+    from sluice_operator import handlers
+
+    monkeypatch.setattr(kopf, "event", lambda body, **kw: None)
+    cluster = FakeCluster()
+    body = body_of(minimal(**TWO_NODES))
+    cluster.store(body)
+    kwargs = dict(body=body, namespace="default", name="m", memo=cluster.memo, retry=0,
+                  logger=logging.getLogger("test"))  # fmt: skip
+    with pytest.raises(kopf.TemporaryError) as exc:
+        handlers.reconcile(**kwargs)  # created: the LWS controller has not reported yet
+    assert exc.value.delay == handlers.WORKLOAD_RECHECK_SECONDS
+    assert cluster.stored_status[("default", "m")]["ready"] == "0/1"
+    cluster.set_deployment_status("default", "m", kind="LeaderWorkerSet", replicas=1,
+                                  readyReplicas=1, updatedReplicas=1)  # fmt: skip
+    handlers.reconcile(**kwargs)  # settled: no retry
+    status = cluster.stored_status[("default", "m")]
+    assert status["ready"] == "1/1" and status["message"] == "1/1 groups ready"
+    # A one-node model's Deployment is watched: no such retry (its events start passes).
+    one = FakeCluster()
+    plain = body_of(minimal())
+    one.store(plain)
+    handlers.reconcile(**{**kwargs, "body": plain, "memo": one.memo})
