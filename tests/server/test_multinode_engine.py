@@ -1,26 +1,31 @@
 """One engine over two "nodes" on this machine: two `sluice-server` processes, the leader
 (`--node-rank 0`, the HTTP API) and a headless worker (`--node-rank 1`), joined by vLLM's
-multiprocessing multi-node backend over loopback, the tiny model split across them by
-tensor parallelism 2 (one rank per process).
+multiprocessing multi-node backend over loopback, the tiny model split across them: by
+pipeline parallelism 2 (the cross-node layout of the two-node sample: a stage per node) and
+by tensor parallelism 2, one rank per process.
 
 - The leader serves nothing before its worker joined: vLLM opens the engine only once the
-  whole group is up, so `/ready` is not 200 (no answer at all: the app starts after it).
+  whole group is up (the leader's log says when), and the app starts after it.
 - With the worker joined: `/ready` 200, `sluice_engine_nodes` 2, `sluice_engine_group_up`
   1, and streams through the leader on the token SSE and OpenAI routes.
 - The worker killed: vLLM's leader notices a lost worker node at its next step, not while
   idle (its worker monitor watches local processes only), so the next request ends in an
-  error event at once (never a hang) and from then on `/ready` is 503 and the gauge 0. On
-  Kubernetes the LeaderWorkerSet's RecreateGroupOnPodRestart replaces the group as soon as
-  the worker's pod fails.
+  error event and from then on `/ready` is 503 and the gauge 0. With tensor parallelism the
+  step fails at once (the leader's own rank loses its peer); with pipeline parallelism the
+  step's output comes from the last stage, the lost node, and the leader waits for it up to
+  `VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS` (vLLM's default 300 s; 120 s here). On Kubernetes the
+  LeaderWorkerSet's RecreateGroupOnPodRestart replaces the group as soon as the worker's pod
+  fails.
 
-Pipeline parallelism across the two processes does not run on vLLM 0.32's CPU build: with
-`--enforce-eager` (the server's CPU default) the CPU worker skips its warm-up, so the
-last stage's intermediate-tensor buffer (allocated in `_dummy_run`) is never made, its
-first `execute_model` fails (`assert self.intermediate_tensors is not None` in
-`sync_and_gather_intermediate_tensors`), and the engine's batch queue, which checks
-`execute_model`'s result only when `sample_tokens` returns None, hands the empty output to
-the scheduler: `KeyError` in `update_from_output`. Without `--enforce-eager` both stages
-hang in the compile warm-up. Tensor parallelism uses no batch queue and streams.
+Pipeline parallelism needs `--no-enforce-eager` on vLLM 0.32's CPU build. With
+`--enforce-eager` (the server's CPU default) the CPU worker skips its warm-up, so the last
+stage's intermediate-tensor buffer (allocated in `_dummy_run`) is never made and its first
+`execute_model` fails (`assert self.intermediate_tensors is not None` in
+`sync_and_gather_intermediate_tensors`); the engine's batch queue checks `execute_model`'s
+result only when `sample_tokens` returns None, so it hands the stage's empty output to the
+scheduler instead: `KeyError` in `update_from_output`. With torch.compile on, the warm-up
+runs and allocates it (start-up is slower by the compile). Tensor parallelism needs no
+such buffer and runs eager.
 """
 
 from __future__ import annotations
@@ -49,7 +54,8 @@ if (os.cpu_count() or 1) < 2:
 pytest.importorskip("vllm")
 
 START_S = 600  # two engine processes loading on a busy 2-core machine
-FAIL_S = 120  # a request after the worker's death ends (in an error event) within this
+STEP_TIMEOUT_S = 120  # vLLM's wait for a step's output from the last pipeline stage
+FAIL_S = 300  # a request after the worker's death ends (in an error event) within this
 
 
 def _ready(url: str) -> int | None:
@@ -63,21 +69,30 @@ def _ready(url: str) -> int | None:
         return None
 
 
-@pytest.fixture(scope="module")
-def group(tmp_path_factory, tiny_model_path):
+LAYOUTS = {
+    "pipeline": ["--pipeline-parallel-size", "2", "--", "--no-enforce-eager"],
+    "tensor": ["--tensor-parallel-size", "2"],
+}
+
+
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def group(request, tmp_path_factory, tiny_model_path):
     log_dir = tmp_path_factory.mktemp("group")
     scratch = tempfile.mkdtemp(prefix="sluice-group-")
     env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "TMPDIR": scratch,
-           "VLLM_CACHE_ROOT": os.path.join(scratch, "vllm")}  # fmt: skip
+           "VLLM_CACHE_ROOT": os.path.join(scratch, "vllm"),
+           "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(STEP_TIMEOUT_S)}  # fmt: skip
     port, master = free_port(), free_port()
     common = [sys.executable, "-m", "sluice_server", "--model", "tiny", "--engine", "vllm",
-              "--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
-              "--master-port", str(master)]  # fmt: skip
+              "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(master)]  # fmt: skip
+    engine = LAYOUTS[request.param]  # `--` and vLLM's own arguments last
     leader = ManagedProcess(
-        "leader", [*common, "--node-rank", "0", "--host", "127.0.0.1", "--port", str(port)],
+        "leader", [*common, "--node-rank", "0", "--host", "127.0.0.1", "--port", str(port), *engine],
         log_dir, env=env, nice=10,
     ).start()  # fmt: skip
-    worker = ManagedProcess("worker", [*common, "--node-rank", "1"], log_dir, env=env, nice=10)
+    worker = ManagedProcess(
+        "worker", [*common, "--node-rank", "1", *engine], log_dir, env=env, nice=10
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         yield leader, worker, url
@@ -140,7 +155,8 @@ async def test_group_serves_only_with_its_worker_and_fails_fast_without_it(group
         assert worker.proc is not None
         os.killpg(worker.proc.pid, signal.SIGKILL)
         worker.proc.wait(timeout=30)
-        r = await c.post("/v1/stream", json=body, timeout=FAIL_S)  # a hang fails here
+        # Heartbeats keep the stream's reads alive: bound the whole request (a hang fails).
+        r = await asyncio.wait_for(c.post("/v1/stream", json=body), FAIL_S)
         assert r.status_code in (200, 503)  # an error event after the 200, or a refusal
         assert "EngineDeadError" in r.text or "Engine failed" in r.text, r.text[:500]
         ready = await c.get("/ready")
