@@ -49,6 +49,8 @@ OURS = {MANAGED_BY_LABEL: MANAGER}
 CHILD_RESOURCES = tuple(dict.fromkeys((k.group, k.version, k.plural) for k in WATCHED_KINDS))
 MAX_BACKOFF_SECONDS = 300
 ADAPTER_RECHECK_SECONDS = 10
+# A LeaderWorkerSet rolling or starting: its status is read, not watched (`kinds.py`).
+WORKLOAD_RECHECK_SECONDS = 10
 DEFAULT_RESYNC_SECONDS = 300.0
 DEFAULT_MAX_ROLLOUTS = 2
 # Threads for the (sync) handlers. A pass mostly waits on the API server, and every child
@@ -260,6 +262,7 @@ def configure(
         DEFAULT_MAX_ROLLOUTS if limit is None else int(limit),
         deployments=lambda: memo.memory.every(DEPLOYMENT),
         wake=memo.resync.converge_soon,
+        models=memo.memory.models,
     )
     if election is not None and getattr(memo, "leadership", None) is None:
 
@@ -423,6 +426,13 @@ def _converge(
         # No event follows an adapter finishing its load on a pod: look again soon, until
         # every adapter is Ready or Failed.
         raise kopf.TemporaryError("LoRA adapters still loading", delay=ADAPTER_RECHECK_SECONDS)
+    if not collapsible and any(o.workload_settling for o in outcomes):
+        # No watch event follows the LeaderWorkerSet's status: read it again soon, until its
+        # groups are updated and Ready (the status and a paced rollout's slot follow it).
+        raise kopf.TemporaryError(
+            "the LeaderWorkerSet's groups are not all updated and Ready yet",
+            delay=WORKLOAD_RECHECK_SECONDS,
+        )
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL, when=_leading)

@@ -9,6 +9,12 @@ pods, say so in their status (condition `TemplateCurrent=False`, reason
 `WaitingForRolloutSlot`) and get one `RolloutWaiting` Event, and are converged again as soon
 as a slot frees (first come, first served).
 
+The workload is the model's Deployment, or its LeaderWorkerSet with
+`spec.parallelism.nodes > 1`, whose pod templates are `spec.leaderWorkerTemplate` (leader and
+worker, rolled by the LWS group by group); everything below holds for both, read from the
+same status fields (`spec.replicas`, `status.observedGeneration`, `updatedReplicas`,
+`readyReplicas`, `replicas`: groups for an LWS).
+
 How a template change is told apart: every Deployment carries the label
 `serving.sluice.dev/template-hash`, a hash of the pod template the operator applied, and the
 model's `status.observedGeneration` is the `metadata.generation` the operator last converged
@@ -28,7 +34,13 @@ does not. Neither label changes unless the template does, and neither enters the
 manifest's hash (`reconcile`'s `applied-hash` annotation), so the upgrade that first adds
 them rewrites no annotation and moves no generation.
 
-Pure: no kopf, no API client; memory and the Deployments' status come in from the caller.
+The operator watches Deployments, so memory shows every one of them; it does not watch
+LeaderWorkerSets (their CRD is optional, `kinds.LEADER_WORKER_SET`), so the pacer keeps the
+last LWS each pass of a model read (`admit`, `observe`), while that LWS holds a claim or is
+rolling: a new leader counts the LWS rollouts still under way once a pass read them (its
+first resync round reads every model).
+
+Pure: no kopf, no API client; memory and the workloads' status come in from the caller.
 """
 
 from __future__ import annotations
@@ -49,8 +61,18 @@ Key = tuple[str, str]  # (namespace, model name)
 Cause = Literal["none", "spec", "operator"]
 
 
-def template_hash(deployment: Mapping[str, Any]) -> str:
-    template = (deployment.get("spec") or {}).get("template") or {}
+def pod_templates(workload: Mapping[str, Any]) -> Mapping[str, Any]:
+    """What the workload's pods are made from: a Deployment's `spec.template`, a
+    LeaderWorkerSet's `spec.leaderWorkerTemplate` (leader and worker templates, group size,
+    restart policy: a change to any of it makes the LWS roll its groups)."""
+    spec = workload.get("spec") or {}
+    if "leaderWorkerTemplate" in spec:
+        return spec["leaderWorkerTemplate"] or {}
+    return spec.get("template") or {}
+
+
+def template_hash(workload: Mapping[str, Any]) -> str:
+    template = pod_templates(workload)
     return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -121,8 +143,11 @@ class RolloutPacer:
     """At most `limit` operator-caused rollouts at a time, in this process (the leader).
 
     A rollout is counted from when it is admitted (a claim, before the write is sent) until
-    memory shows its Deployment settled on the new template, and also whenever memory shows
-    a paced Deployment not settled (rollouts a previous leader started). Waiting models
+    memory (for an LWS: the model's last pass) shows its workload settled on the new
+    template, and also whenever it shows a paced workload not settled (rollouts a previous
+    leader started). An LWS is read by its model's passes only, which its pods' events and
+    the resync start: its slot may stay taken until the first pass after the LWS's status
+    says its groups are Ready (at the latest the next resync round). Waiting models
     queue in arrival order; when a slot frees, `wake` is called with the next ones (the
     handlers converge them at once). Thread-safe; the tables hold only models that need a
     paced rollout now.
@@ -133,22 +158,45 @@ class RolloutPacer:
         limit: int,
         deployments: Callable[[], Iterable[tuple[Key, Mapping[str, Any] | None]]],
         wake: Callable[[list[Key]], None] = lambda keys: None,
+        models: Callable[[], Iterable[Key]] | None = None,
     ) -> None:
         self.limit = limit
         self._deployments = deployments  # every model's Deployment, as memory has it
         self._wake = wake
+        self._models = models  # every model memory knows (None: keep what passes read)
         self._guard = threading.Lock()
         # admitted model -> (template hash it rolls to, template hash it had when admitted)
         self._claims: dict[Key, tuple[str, str | None]] = {}
         self._waiting: list[Key] = []
+        # The workload a pass last read, for kinds memory does not hold (LeaderWorkerSets):
+        # only while it holds a claim or rolls.
+        self._read: dict[Key, Mapping[str, Any]] = {}
 
     @property
     def waiting(self) -> list[Key]:
         with self._guard:
             return list(self._waiting)
 
-    def _in_flight(self) -> list[Key]:
+    def _workloads(self) -> dict[Key, Mapping[str, Any] | None]:
+        """Memory's Deployments, and where memory has none, the workload a pass read."""
         seen = dict(self._deployments())
+        if self._models is not None:
+            known = set(self._models())
+            for key in [k for k in self._read if k not in known]:
+                del self._read[key]  # the model is gone
+        for key, workload in self._read.items():
+            if seen.get(key) is None:
+                seen[key] = workload
+        return seen
+
+    def _remember(self, key: Key, workload: Mapping[str, Any] | None) -> None:
+        if workload is not None and (key in self._claims or rolling(workload)):
+            self._read[key] = workload
+        else:
+            self._read.pop(key, None)
+
+    def _in_flight(self) -> list[Key]:
+        seen = self._workloads()
         for key, (new, old) in list(self._claims.items()):
             dep = seen.get(key)
             live = _labels(dep).get(TEMPLATE_HASH)
@@ -158,9 +206,14 @@ class RolloutPacer:
         flying = {k for k, dep in seen.items() if rolling(dep)} | set(self._claims)
         return sorted(flying)
 
-    def admit(self, key: Key, new: str, old: str | None) -> Decision:
-        """May `key` roll from template `old` to `new` now? Always when `limit` is 0."""
+    def admit(
+        self, key: Key, new: str, old: str | None, live: Mapping[str, Any] | None = None
+    ) -> Decision:
+        """May `key` roll from template `old` to `new` now? Always when `limit` is 0.
+        `live`: the workload as the pass read it (kept for kinds memory does not hold)."""
         with self._guard:
+            if live is not None:
+                self._read[key] = live
             if self.limit <= 0 or (key in self._claims and self._claims[key][0] == new):
                 self._claims[key] = (new, old)
                 return Decision(True, tuple(self._in_flight()))
@@ -181,8 +234,10 @@ class RolloutPacer:
                 self._waiting.remove(key)
 
     def observe(self, key: Key, deployment: Mapping[str, Any] | None) -> None:
-        """After a pass of `key`: when a paced rollout ended, wake the next waiting models."""
+        """After a pass of `key` (`deployment`: its workload as the pass left it): when a
+        paced rollout ended, wake the next waiting models."""
         with self._guard:
+            self._remember(key, deployment)
             if not self._waiting:
                 return
             paced = key in self._claims or bool(_labels(deployment).get(PACED))

@@ -49,7 +49,15 @@ from .kinds import (
 )
 from .memory import Memory
 from .models.resource import StreamingModel
-from .pacing import PACED, TEMPLATE_HASH, RolloutPacer, cause_of_change, stamp, template_hash
+from .pacing import (
+    PACED,
+    TEMPLATE_HASH,
+    RolloutPacer,
+    cause_of_change,
+    pod_templates,
+    stamp,
+    template_hash,
+)
 from .scaletozero import Signals, Step, ZeroContext, decide, with_replicas, zero_status
 from .status import (
     compute_status,
@@ -77,6 +85,9 @@ class Outcome:
     phase: str | None = None
     # An adapter is still loading on some pod: look again soon (handlers.py retries).
     adapters_settling: bool = False
+    # The LeaderWorkerSet's groups are not all updated and Ready. Its status is not watched
+    # (the LWS kind is optional), so nothing else would show the change: look again soon.
+    workload_settling: bool = False
 
 
 PodMetrics = Callable[[Mapping[str, Any]], str | None]  # a pod's /metrics page, or None
@@ -282,7 +293,7 @@ class _Pass:
         self.cluster, self.body, self.reads = cluster, body, reads
         self.post_event, self.now, self.owner_exists = post_event, now, owner_exists
         self.pacer, self.pod_metrics = pacer, pod_metrics
-        self.waiting: list[Any] = []  # the pacer's Decision when the Deployment waits for a slot
+        self.waiting: list[Any] = []  # the pacer's Decision when the workload waits for a slot
         meta = body["metadata"]
         self.namespace, self.name, self.uid = meta["namespace"], meta["name"], meta.get("uid")
         self.status = body.get("status") or {}
@@ -336,13 +347,12 @@ class _Pass:
                 raise _OwnerGone
             self.owner_exists = None
 
-    def pace_deployment(self, manifest: dict[str, Any], current: dict[str, Any] | None) -> bool:
-        """Label the Deployment for pacing (after its applied-hash: the labels never change
-        it); False: hold it (an operator-caused template change, no slot free), keeping the
-        live one."""
+    def pace_workload(self, manifest: dict[str, Any], current: dict[str, Any] | None) -> bool:
+        """Label the Deployment or LeaderWorkerSet for pacing (after its applied-hash: the
+        labels never change it); False: hold it (an operator-caused template change, no slot
+        free), keeping the live one."""
         generation = self.body["metadata"].get("generation")
-        live_template = ((current or {}).get("spec") or {}).get("template") or {}
-        contained = contains(manifest["spec"]["template"], live_template)
+        contained = contains(pod_templates(manifest), pod_templates(current or {}))
         observed = self.status.get("observedGeneration")
         cause = cause_of_change(manifest, current, generation, observed, contained)
         new = template_hash(manifest)
@@ -350,7 +360,7 @@ class _Pass:
         paced = old.get(PACED) == new
         key = (self.namespace, self.name)
         if cause == "operator" and self.pacer is not None:
-            decision = self.pacer.admit(key, new, old.get(TEMPLATE_HASH))
+            decision = self.pacer.admit(key, new, old.get(TEMPLATE_HASH), current)
             if not decision.admitted:
                 self.waiting.append(decision)
                 return False
@@ -405,7 +415,7 @@ class _Pass:
             self.live[kind] = None
             return
         manifest = _adopt(manifest, self.body)
-        if child is DEPLOYMENT and not self.pace_deployment(manifest, current):
+        if child in (DEPLOYMENT, LWS_KIND) and not self.pace_workload(manifest, current):
             self.live[kind] = current
             return
         if session_persistence_dropped(manifest, current):
@@ -486,6 +496,8 @@ class _Pass:
             new = self.zero_status(new, deployment, generation)
         if self.pacer is not None:
             self.pacer.observe((self.namespace, self.name), deployment)
+        unwatched = self.workload_kind is LWS_KIND and deployment is not None
+        self.outcome.workload_settling = unwatched and not deployment_settled(deployment or {})
         self.outcome.phase = new["phase"]
         patch = status_patch(self.status, new)
         if patch:

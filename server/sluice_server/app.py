@@ -209,6 +209,7 @@ def build_services(
     settings: Settings, engine: Engine | None, pod: PodSeat | None = None
 ) -> Services:
     metrics = Metrics(settings.model_label)
+    metrics.engine_group(settings.nnodes, settings.node_rank)
     tracing = None
     if settings.otlp_traces_endpoint:
         tracing = Tracing(settings.otlp_traces_endpoint, settings.trace_sample_ratio,

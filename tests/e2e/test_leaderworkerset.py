@@ -197,7 +197,12 @@ def test_leaderworkerset_lifecycle(operator, admin, models, namespace):
                 timeout=60,
                 message=f"only a {want} after the switch",
             )
-        assert _condition(models, namespace, "big")["status"] == "True"
+        # The pass writes the status after the children: wait for it, not just the LWS.
+        eventually(
+            lambda: (_condition(models, namespace, "big") or {}).get("status") == "True",
+            timeout=30,
+            message="LeaderWorkerSetReady=True after the switch back",
+        )
 
         # 6. Garbage collection. The garbage collector watches a new CRD's kind only from
         # its next discovery sync (every 30 s), which may come after this delete.

@@ -278,6 +278,7 @@ class FakeCluster:
             tpl = obj["spec"]["template"]["spec"]
             tpl.setdefault("dnsPolicy", "ClusterFirst")
             tpl["containers"][0].setdefault("terminationMessagePath", "/dev/termination-log")
+        if obj["kind"] in ("Deployment", "LeaderWorkerSet"):  # replicas and status kept
             obj["spec"].setdefault("replicas", (old or {}).get("spec", {}).get("replicas", 1))
             obj["status"] = (old or {}).get("status") or {"observedGeneration": meta["generation"]}
         if obj["kind"] == "Service":
@@ -349,8 +350,8 @@ class FakeCluster:
         self.objects[("StreamingModel", meta["namespace"], meta["name"])] = stored
         return body
 
-    def set_deployment_status(self, namespace, name, **status):
-        dep = self.objects[("Deployment", namespace, name)]
+    def set_deployment_status(self, namespace, name, kind="Deployment", **status):
+        dep = self.objects[(kind, namespace, name)]
         dep["status"] = {"observedGeneration": dep["metadata"]["generation"], **status}
         self._bump(dep)
 

@@ -140,6 +140,13 @@ COMBINATIONS: dict[str, dict] = {
         "resources": {"gpus": 8},
         "parallelism": {"tensor": 8, "pipeline": 2, "nodes": 2},
     },
+    # LoRA on a group: the adapter list is mounted on the leader, whose engine loads them.
+    "lora-two-nodes": {
+        "resources": {"gpus": 8},
+        "parallelism": {"tensor": 8, "pipeline": 2, "nodes": 2},
+        "engine": {"lora": {"maxLoras": 2, "maxLoraRank": 16}},
+        "adapters": [{"name": "support", "uri": "pvc://adapters/support", "rank": 16}],
+    },
 }
 
 

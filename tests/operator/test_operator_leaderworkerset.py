@@ -192,3 +192,70 @@ def test_network_policy_lets_a_groups_pods_reach_each_other_on_any_port():
     assert group["from"] == [{"podSelector": {"matchLabels": own}}]
     one = by_kind(minimal(networkPolicy={"enabled": True}))
     assert len(one["NetworkPolicy"]["spec"]["ingress"]) == 1
+
+
+def _matches(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector["matchLabels"].items())
+
+
+@pytest.mark.parametrize("unavailable", [0, 1, 2])
+def test_pdb_covers_every_pod_of_every_group(unavailable):
+    """One budget over leaders and workers: an evicted pod recreates its group, whose pods
+    are then all unavailable, so a drain takes a group at a time (more with maxUnavailable
+    above the group size)."""
+    rollout = {"maxSurge": 1 if unavailable == 0 else 0, "maxUnavailable": unavailable}
+    out = by_kind(minimal(**TWO_NODES, replicas=3, rollout=rollout))
+    pdb = out["PodDisruptionBudget"]["spec"]
+    assert pdb["maxUnavailable"] == max(1, unavailable)
+    group = out["LeaderWorkerSet"]["spec"]["leaderWorkerTemplate"]
+    for role in ("leaderTemplate", "workerTemplate"):
+        assert _matches(pdb["selector"], group[role]["metadata"]["labels"]), role
+    # Negative control: a selector with the leaders' role label would miss the workers.
+    leaders = {
+        "matchLabels": {**pdb["selector"]["matchLabels"], "serving.sluice.dev/role": "leader"}
+    }
+    assert not _matches(leaders, group["workerTemplate"]["metadata"]["labels"])
+    # One group: a budget would block every drain or protect nothing, as with one pod.
+    assert "PodDisruptionBudget" not in by_kind(minimal(**TWO_NODES, replicas=1))
+
+
+def test_network_policy_peers_select_the_workers_too():
+    """The group rule admits traffic from and to every pod of the model, leaders and workers
+    (the engine's rendezvous, NCCL/gloo and message-queue ports are picked at run time)."""
+    out = by_kind(minimal(**TWO_NODES, networkPolicy={"enabled": True}))
+    spec = out["NetworkPolicy"]["spec"]
+    group = out["LeaderWorkerSet"]["spec"]["leaderWorkerTemplate"]
+    (peer,) = spec["ingress"][1]["from"]
+    for role in ("leaderTemplate", "workerTemplate"):
+        labels = group[role]["metadata"]["labels"]
+        assert _matches(spec["podSelector"], labels) and _matches(peer["podSelector"], labels)
+
+
+def test_a_starting_lws_makes_the_handler_read_it_again_until_its_groups_are_ready(monkeypatch):
+    """LeaderWorkerSets are not watched, so the model's handler looks again soon while the
+    LWS's groups are not all updated and Ready; the status then counts them."""
+    import logging
+
+    import kopf
+    from sluice_operator import handlers
+
+    monkeypatch.setattr(kopf, "event", lambda body, **kw: None)
+    cluster = FakeCluster()
+    body = body_of(minimal(**TWO_NODES))
+    cluster.store(body)
+    kwargs = dict(body=body, namespace="default", name="m", memo=cluster.memo, retry=0,
+                  logger=logging.getLogger("test"))  # fmt: skip
+    with pytest.raises(kopf.TemporaryError) as exc:
+        handlers.reconcile(**kwargs)  # created: the LWS controller has not reported yet
+    assert exc.value.delay == handlers.WORKLOAD_RECHECK_SECONDS
+    assert cluster.stored_status[("default", "m")]["ready"] == "0/1"
+    cluster.set_deployment_status("default", "m", kind="LeaderWorkerSet", replicas=1,
+                                  readyReplicas=1, updatedReplicas=1)  # fmt: skip
+    handlers.reconcile(**kwargs)  # settled: no retry
+    status = cluster.stored_status[("default", "m")]
+    assert status["ready"] == "1/1" and status["message"] == "1/1 groups ready"
+    # A one-node model's Deployment is watched: no such retry (its events start passes).
+    one = FakeCluster()
+    plain = body_of(minimal())
+    one.store(plain)
+    handlers.reconcile(**{**kwargs, "body": plain, "memo": one.memo})

@@ -291,3 +291,144 @@ def test_the_operator_paces_with_its_flag_and_wakes_through_the_resync():
         assert memo.pacer._wake == memo.resync.converge_soon  # a freed slot converges at once
     finally:
         memo.resync.stop()
+
+
+# ---- LeaderWorkerSets (models on several nodes) ------------------------------------------
+
+TWO_NODES = {"resources": {"gpus": 8}, "parallelism": {"tensor": 8, "pipeline": 2, "nodes": 2}}
+LWS = "LeaderWorkerSet"
+
+
+def _lws(paced: bool = False, template: dict | None = None, **status):
+    lws = stamp(
+        {
+            "kind": LWS,
+            "metadata": {"name": "m", "namespace": "ns"},
+            "spec": {"replicas": 1, "leaderWorkerTemplate": {"size": 2, **(template or {})}},
+        },
+        paced,
+    )
+    lws["metadata"]["generation"] = 2
+    lws["status"] = {"observedGeneration": 2, "replicas": 1, "updatedReplicas": 1,
+                     "readyReplicas": 1, **status}  # fmt: skip
+    return lws
+
+
+def test_an_lws_template_is_its_leader_worker_template():
+    """The hash covers what makes an LWS roll its groups (leader and worker templates, group
+    size), and a Deployment's hash is the one earlier releases labelled (spec.template)."""
+    a = _lws(template={"leaderTemplate": OLD, "workerTemplate": OLD})
+    b = _lws(template={"leaderTemplate": OLD, "workerTemplate": NEW})
+    assert template_hash(a) != template_hash(b)
+    assert template_hash(a) == template_hash(
+        {"spec": {"template": a["spec"]["leaderWorkerTemplate"]}}
+    )
+    assert rolling(_lws(paced=True, readyReplicas=0))
+    assert rolling(_lws(paced=True, observedGeneration=1))  # the LWS controller has not seen it
+    assert not rolling(_lws(paced=True))
+
+
+def test_an_lws_rollout_holds_its_slot_though_memory_has_no_lws():
+    """Memory holds Deployments only: the pacer keeps the LWS its model's passes read, so a
+    claim is not taken for gone and a rolling LWS a new leader's pass read takes a slot, until
+    a pass sees it settled or the model is gone."""
+    models = [("ns", "lws"), ("ns", "other")]
+    woken: list = []
+    pacer = RolloutPacer(1, lambda: [], woken.append, models=lambda: models)
+    key, other = models
+    assert pacer.admit(key, "new", template_hash(_lws()), _lws()).admitted
+    assert not pacer.admit(other, "new", "old", None).admitted  # the claim holds
+    rolling_lws = _lws(paced=True, readyReplicas=0)
+    labels = rolling_lws["metadata"]["labels"]
+    labels[TEMPLATE_HASH] = labels[PACED] = "new"
+    pacer.observe(key, rolling_lws)
+    assert not pacer.admit(other, "new", "old", None).admitted and woken == []
+    settled = copy.deepcopy(rolling_lws)
+    settled["status"]["readyReplicas"] = 1
+    pacer.observe(key, settled)
+    assert woken == [[other]] and pacer.admit(other, "new", "old", None).admitted
+
+    fresh = RolloutPacer(1, lambda: [], models=lambda: models)  # a new leader
+    fresh.observe(key, rolling_lws)  # its first pass of the model read the LWS rolling
+    assert not fresh.admit(other, "new", "old", None).admitted
+    models.remove(key)  # the model was deleted: its LWS no longer counts
+    assert fresh.admit(other, "new", "old", None).admitted
+
+
+def _new_release_everywhere(monkeypatch):
+    """A release that adds a pod annotation to the Deployment's template and to both of the
+    LWS's (leader and worker)."""
+    real = reconcile.desired_children
+
+    def newer(model):
+        out = real(model)
+        if out["Deployment"] is not None:
+            templates = [out["Deployment"]["spec"]["template"]]
+        else:
+            group = out[LWS]["spec"]["leaderWorkerTemplate"]
+            templates = [group["leaderTemplate"], group["workerTemplate"]]
+        for t in templates:
+            t["metadata"].setdefault("annotations", {})["example.com/new-release"] = "true"
+        return out
+
+    monkeypatch.setattr(reconcile, "desired_children", newer)
+
+
+def _settle(cluster, kind, name):
+    cluster.set_deployment_status("default", name, kind=kind, replicas=1, readyReplicas=1,
+                                  updatedReplicas=1, availableReplicas=1)  # fmt: skip
+
+
+def test_a_release_rolls_deployments_and_lws_through_the_same_slots(monkeypatch):
+    """One slot; m0 and m2 run on two nodes (LWS), m1 on one (Deployment). The release rolls
+    m0's LWS, m1 and m2 wait in order; m0's settled LWS frees the slot for m1, whose
+    Deployment then holds it against m2."""
+    cluster = FakeCluster()
+    bodies, kinds = [], {"m0": LWS, "m1": "Deployment", "m2": LWS}
+    for name, kind in kinds.items():
+        spec = minimal(**TWO_NODES) if kind == LWS else minimal()
+        body = body_of(spec | {"metadata": {"name": name, "namespace": "default"}})
+        converge(cluster, body, Events(), now=NOW)
+        _settle(cluster, kind, name)
+        bodies.append(with_status(body, cluster))
+    _new_release_everywhere(monkeypatch)
+    woken: list = []
+    names = list(kinds)
+    pacer = RolloutPacer(1, _memory_pacer(cluster, 1, [])._deployments, woken.append,
+                         models=lambda: [("default", n) for n in names])  # fmt: skip
+
+    def templates(name):
+        spec = cluster.objects[(kinds[name], "default", name)]["spec"]
+        if kinds[name] == LWS:
+            group = spec["leaderWorkerTemplate"]
+            return [group["leaderTemplate"], group["workerTemplate"]]
+        return [spec["template"]]
+
+    def new(name):
+        marks = ["example.com/new-release" in t["metadata"].get("annotations", {})
+                 for t in templates(name)]  # fmt: skip
+        assert len(set(marks)) == 1  # leader and worker roll together
+        return marks[0]
+
+    def waiting(name):
+        status = cluster.stored_status[("default", name)]
+        return [c for c in status["conditions"] if c["type"] == "TemplateCurrent"]
+
+    for body in bodies:
+        converge(cluster, with_status(body, cluster), Events(), now=NOW, pacer=pacer)
+    assert [new(n) for n in names] == [True, False, False]
+    lws = cluster.objects[(LWS, "default", "m0")]
+    assert lws["metadata"]["labels"][PACED] == lws["metadata"]["labels"][TEMPLATE_HASH]
+    for name in ("m1", "m2"):
+        (cond,) = waiting(name)
+        assert "rolling now: default/m0" in cond["message"]
+    # Still rolling (the LWS controller has not reported the new groups Ready): m2 waits.
+    converge(cluster, with_status(bodies[2], cluster), Events(), now=NOW, pacer=pacer)
+    assert not new("m2") and woken == []
+    _settle(cluster, LWS, "m0")
+    converge(cluster, with_status(bodies[0], cluster), Events(), now=NOW, pacer=pacer)
+    assert woken == [[("default", "m1")]]
+    for body in bodies[1:]:
+        converge(cluster, with_status(body, cluster), Events(), now=NOW, pacer=pacer)
+    assert [new(n) for n in names] == [True, True, False]
+    assert not waiting("m1") and waiting("m2")

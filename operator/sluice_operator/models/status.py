@@ -129,9 +129,15 @@ class StreamingModelStatus(ApiModel):
         default=None, description="metadata.generation the status was computed for."
     )
     replicas: int | None = Field(
-        default=None, description="Pods of the model's Deployment (scale subresource)."
+        default=None,
+        description="Replicas (scale subresource): pods of the model's Deployment, or with "
+        "parallelism.nodes above 1 groups of its LeaderWorkerSet (one pod per node each).",
     )
-    ready_replicas: int | None = Field(default=None, description="Pods ready to serve.")
+    ready_replicas: int | None = Field(
+        default=None,
+        description="Replicas ready to serve (groups whose leader is Ready, for a multi-node "
+        "model: its readiness waits for every node of the group).",
+    )
     ready: str | None = Field(default=None, description="readyReplicas/replicas, for kubectl get.")
     held_requests: int | None = Field(
         default=None,

@@ -172,6 +172,28 @@ class Metrics:
             multiprocess_mode="livemax",
         )  # fmt: skip
         self.last_request.labels(model).set(time.time())
+        # The engine's node group (`--nnodes`): only the leader (rank 0) serves HTTP, so its
+        # page speaks for the group.
+        self.engine_nodes = Gauge(
+            "sluice_engine_nodes",
+            "Nodes the engine runs on (--nnodes; 1: one node).", ("model",), registry=r,
+            multiprocess_mode="livemax",
+        )  # fmt: skip
+        self.engine_node_rank = Gauge(
+            "sluice_engine_node_rank",
+            "This server's node rank in the engine's group (0: the leader, which serves the "
+            "API; the workers serve no /metrics).", ("model",), registry=r,
+            multiprocess_mode="livemax",
+        )  # fmt: skip
+        self.engine_group_up = Gauge(
+            "sluice_engine_group_up",
+            "1 while the engine is loaded and passes its health check, which on several "
+            "nodes means every node's workers joined it (a lost worker node is noticed at "
+            "the engine's next step); 0 while loading or failed. Set by each /ready, /health "
+            "and /metrics request.", ("model",), registry=r,
+            multiprocess_mode="livemostrecent",
+        )  # fmt: skip
+        self.engine_group_up.labels(model)
         # Pre-create the label sets so dashboards and the autoscaler see zeros, not gaps.
         for p in PROTOCOLS:
             for m in (self.ttft, self.itl, self.e2e, self.first_output, self.output_tokens,
@@ -189,6 +211,13 @@ class Metrics:
             self.queue_depth.labels(self.model, priority)
             for reason in ("queue_full", "displaced", "timeout", "draining"):
                 self.queue_sheds.labels(self.model, priority, reason)
+
+    def engine_group(self, nodes: int, rank: int) -> None:
+        self.engine_nodes.labels(self.model).set(nodes)
+        self.engine_node_rank.labels(self.model).set(rank)
+
+    def engine_up(self, up: bool) -> None:
+        self.engine_group_up.labels(self.model).set(1 if up else 0)
 
     def reject(self, protocol: str, reason: str) -> None:
         self.rejections.labels(protocol, self.model, reason).inc()

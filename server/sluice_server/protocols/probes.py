@@ -8,17 +8,26 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..core.metrics import exposition
 from ..core.services import services
+from ..engine.base import Engine
 from .openapi import METRICS
 
 router = APIRouter(tags=["probes"])
 
 
 async def _engine_ok(request: Request) -> tuple[bool, str]:
+    """The engine's verdict, also kept in `sluice_engine_group_up`: on several nodes vLLM
+    opens the engine only once every node's workers joined it."""
     svc = services(request)
-    if svc.engine is None:
-        return False, svc.engine_error or "engine not loaded"
+    ok, why = await _engine_check(svc.engine, svc.engine_error)
+    svc.metrics.engine_up(ok)
+    return ok, why
+
+
+async def _engine_check(engine: Engine | None, error: str | None) -> tuple[bool, str]:
+    if engine is None:
+        return False, error or "engine not loaded"
     try:
-        await svc.engine.check_health()
+        await engine.check_health()
     except Exception as e:
         return False, f"engine unhealthy: {type(e).__name__}: {e}"
     return True, "ok"
@@ -52,5 +61,7 @@ async def ready(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     """Our `sluice_*` metrics, then the process-wide default registry: process/GC metrics
     and, on vLLM, the engine's own `vllm:*` metrics (KV cache use, running/waiting); with
-    several workers, the pod's sums over all of them (`core/metrics.py`)."""
+    several workers, the pod's sums over all of them (`core/metrics.py`); the engine's
+    health is checked first, for `sluice_engine_group_up`."""
+    await _engine_ok(request)
     return Response(exposition(services(request).metrics), media_type=CONTENT_TYPE_LATEST)
