@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 
 import psutil
+import yaml
 from e2e.harness.control_plane import ControlPlane, missing_prerequisites
 from e2e.harness.endpoints import ready_endpoints
 from e2e.harness.ingress import IngressController
@@ -31,6 +32,7 @@ from e2e.harness.node_agent import NodeAgent
 from e2e.harness.operator_process import OperatorProcess, RenderedChart, install_operator_identity
 from e2e.harness.sandbox import sandbox_problem
 from kubernetes import client, config, utils
+from sluice_operator.builders.ingress import LB_METHODS
 from testkit.nginx import LB_DIRECTIVES, find_nginx
 
 OPERATOR_NAMESPACE = "sluice-system"
@@ -93,8 +95,6 @@ class LiveReplicas:
         core = client.CoreV1Api(api)
         eventually(lambda: core.read_namespaced_service_account("default", "default"),
                    timeout=60, message="the default ServiceAccount")  # fmt: skip
-        import yaml
-
         crd = yaml.safe_load(CRD_FILE.read_text())
         utils.create_from_dict(api, crd)
         ext = client.ApiextensionsV1Api(api)
@@ -138,8 +138,6 @@ class LiveReplicas:
     def set_balance(self, balance: str) -> str:
         """Patch `spec.routing.balance`; once nginx balances with it, the annotation's
         value (the F5 method)."""
-        from sluice_operator.builders.ingress import LB_METHODS
-
         reloads, workers = len(self.ingress.reloads), self._workers()
         self.models.patch(NAMESPACE, NAME, {"spec": {"routing": {"balance": balance}}})
 
