@@ -10,7 +10,7 @@ export SLUICE_CACHE ?= $(CURDIR)/.cache
 
 SAMPLE ?= samples/chat-small.yaml
 
-.PHONY: help venv tools demo run test test-e2e test-multinode lint docs crds golden chart render bench bench-lora bench-ab clean
+.PHONY: help venv tools demo run test test-e2e test-multinode lint docs crds golden chart render bench bench-balance bench-lora bench-ab clean
 
 help:
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
@@ -70,6 +70,9 @@ render: venv ## Print the manifests the operator would apply for SAMPLE=samples/
 
 bench: venv ## Benchmarks: our server vs vLLM's server vs the bare engine; fan-out; balancing (writes docs/)
 	$(PY) tests/bench/run.py
+	$(PY) tests/bench/balance.py --write
+
+bench-balance: venv ## Balancing only: least-loaded vs round-robin on live pods through the e2e ingress (needs K8S_ASSETS; the table in docs/benchmarks.md)
 	$(PY) tests/bench/balance.py --write
 
 bench-lora: venv ## Benchmark only a LoRA adapter next to the base on one engine (docs/bench-lora.md, the LoRA table in docs/benchmarks.md)

@@ -73,19 +73,20 @@ def test_quick_bench_runs_end_to_end(tmp_path):
 
 
 def test_quick_balance_bench_runs_and_reads_the_servers_counts():
-    """tests/bench/balance.py in a short form: four runs through nginx, no request fails,
-    and every replica's own active-streams count was read (no speed asserted)."""
+    """tests/bench/balance.py --direct in a short form: four runs through nginx, no request
+    fails, and every replica's own active-streams count was read (no speed asserted)."""
     if not any(
         Path(p).exists()
         for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/local/bin/nginx")
     ):  # nginx_proxy's places
         pytest.skip("nginx not installed (apt-get install nginx)")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests/bench/balance.py"), "--requests", "24", "--rate", "12"],
+        [sys.executable, str(ROOT / "tests/bench/balance.py"), "--direct", "--requests", "24",
+         "--rate", "12"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    rows = _phases(proc.stdout)
     assert [(r["mix"], r["balance"]) for r in rows] == [
         ("random", "round-robin"), ("random", "least-loaded"),
         ("every 3rd", "round-robin"), ("every 3rd", "least-loaded"),
@@ -93,3 +94,33 @@ def test_quick_balance_bench_runs_and_reads_the_servers_counts():
     for row in rows:
         assert row["failed"] == 0 and len(row["active_means"]) == 3, row
         assert sum(row["active_means"]) > 0, row
+
+
+def _phases(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.e2e
+def test_live_balance_bench_runs_on_pods_through_the_ingress(tmp_path):
+    """tests/bench/balance.py on live pods (what `make bench-balance` runs) in a short form:
+    the operator's three pods behind the e2e ingress, the model patched between phases and
+    each phase run on the method its annotation asks for, no request fails, every pod's own
+    active-streams count was read (no speed asserted)."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests/bench/balance.py"), "--requests", "12", "--rate",
+         "6", "--ttft-ms", "20", "--ttft-per-stream-ms", "20", "--itl-ms", "5",
+         "--workdir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    if "live pods skipped:" in proc.stdout:
+        pytest.skip(proc.stdout.split("live pods skipped:", 1)[1].splitlines()[0].strip())
+    rows = _phases(proc.stdout)
+    assert [(r["mix"], r["balance"], r["method"]) for r in rows] == [
+        ("random", "round-robin", "round_robin"), ("random", "least-loaded", "least_conn"),
+        ("every 3rd", "round-robin", "round_robin"), ("every 3rd", "least-loaded", "least_conn"),
+    ]  # fmt: skip
+    for row in rows:
+        assert row["failed"] == 0 and len(row["active_means"]) == 3, row
+        assert sum(row["active_means"]) > 0, row
+    assert "live pods of one StreamingModel" in proc.stdout  # the table says where it ran

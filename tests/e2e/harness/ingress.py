@@ -211,6 +211,7 @@ http {{
 class Reload:
     at: float  # time.time()
     endpoints: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    methods: dict[str, str] = field(default_factory=dict)  # upstream -> balancing directive
 
 
 class IngressController:
@@ -292,7 +293,8 @@ class IngressController:
         self._text = text
         assert self.process is not None and self.process.pid is not None
         self.process.proc.send_signal(signal.SIGHUP)
-        self.reloads.append(Reload(time.time(), {r.upstream: r.endpoints for r in routes}))
+        self.reloads.append(Reload(time.time(), {r.upstream: r.endpoints for r in routes},
+                                   {r.upstream: r.lb_directive for r in routes}))  # fmt: skip
         return True
 
     def _loop(self) -> None:
