@@ -29,7 +29,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from .conftest import OPERATOR_NAMESPACE, TIMINGS
-from .harness.kube import wait_for
+from .harness.kube import eventually
 from .live_helpers import live_pods, pod_ready, ready_model, sim_model
 
 pytestmark = [pytest.mark.slow]
@@ -164,8 +164,8 @@ def test_idle_model_scales_to_zero_routes_to_the_activator_and_demand_brings_it_
 
     # Up: one Ready replica, the route names the model's Service; the activator knows it.
     ready_model(models, namespace, name, timeout=120)
-    wait_for(lambda: _backend(net, namespace, name) == (name, None), timeout=30,
-             what="the Ingress to name the model's Service")  # fmt: skip
+    eventually(lambda: _backend(net, namespace, name) == (name, None), timeout=30,
+             message="the Ingress to name the model's Service")  # fmt: skip
     assert key in activator.known()
     ext = client.CoreV1Api(admin).read_namespaced_service(f"{name}-activator", namespace)
     assert ext.spec.type == "ExternalName"
@@ -178,19 +178,19 @@ def test_idle_model_scales_to_zero_routes_to_the_activator_and_demand_brings_it_
         return dep.spec.replicas == 0 and dep
 
     t0 = time.monotonic()
-    wait_for(at_zero, timeout=IDLE_SECONDS + 90, interval=1, what="the scale to zero")
+    eventually(at_zero, timeout=IDLE_SECONDS + 90, interval=1, message="the scale to zero")
     idle_s = time.monotonic() - t0
     assert _backend(net, namespace, name) == (
         f"{name}-activator", f"{name}.{namespace}.svc.cluster.local")  # fmt: skip
-    wait_for(lambda: models.get(namespace, name).get("status", {}).get("phase") == "ScaledToZero",
-             timeout=60, interval=0.5, what="phase ScaledToZero")  # fmt: skip
-    wait_for(lambda: not live_pods(models, namespace, name), timeout=90, interval=1,
-             what="the pod to go")  # fmt: skip
+    eventually(lambda: models.get(namespace, name).get("status", {}).get("phase") == "ScaledToZero",
+             timeout=60, interval=0.5, message="phase ScaledToZero")  # fmt: skip
+    eventually(lambda: not live_pods(models, namespace, name), timeout=90, interval=1,
+             message="the pod to go")  # fmt: skip
 
     # The HPA keeps 1..N and stands aside at zero (it does not scale the Deployment back).
-    got = wait_for(lambda: (s := _hpa_scaling_active(scaling, namespace, name))[1] == (
+    got = eventually(lambda: (s := _hpa_scaling_active(scaling, namespace, name))[1] == (
         "False", "ScalingDisabled") and s, timeout=60, interval=1,
-        what="the HPA to report ScalingDisabled")  # fmt: skip
+        message="the HPA to report ScalingDisabled")  # fmt: skip
     assert got[0] == 1
     assert apps.read_namespaced_deployment(name, namespace).spec.replicas == 0
     scrapes_before = activator.scrapes
@@ -198,23 +198,23 @@ def test_idle_model_scales_to_zero_routes_to_the_activator_and_demand_brings_it_
     # Demand: the activator holds 2 requests -> scaled to 1, Ready, route back.
     activator.held[(namespace, name)] = 2
     t0 = time.monotonic()
-    wait_for(lambda: apps.read_namespaced_deployment(name, namespace).spec.replicas == 1,
-             timeout=30, interval=0.25, what="the scale to 1")  # fmt: skip
+    eventually(lambda: apps.read_namespaced_deployment(name, namespace).spec.replicas == 1,
+             timeout=30, interval=0.25, message="the scale to 1")  # fmt: skip
     assert activator.scrapes > scrapes_before  # the operator read the activator's page
     assert _backend(net, namespace, name)[0] == f"{name}-activator"  # not Ready yet
-    wait_for(lambda: any(pod_ready(p) for p in live_pods(models, namespace, name)),
-             timeout=120, interval=0.5, what="the new pod to be Ready")  # fmt: skip
+    eventually(lambda: any(pod_ready(p) for p in live_pods(models, namespace, name)),
+             timeout=120, interval=0.5, message="the new pod to be Ready")  # fmt: skip
     wake_s = time.monotonic() - t0
     activator.held.clear()  # forwarded
-    wait_for(lambda: _backend(net, namespace, name) == (name, None), timeout=30,
-             interval=0.25, what="the route back to the model's Service")  # fmt: skip
+    eventually(lambda: _backend(net, namespace, name) == (name, None), timeout=30,
+             interval=0.25, message="the route back to the model's Service")  # fmt: skip
     ready_model(models, namespace, name, timeout=60)
     reasons = [e.reason for e in models.events_for(namespace, name)]
     assert {"ScaledToZero", "Activating", "Activated"} <= set(reasons), reasons
     # The HPA acts again (any reason but ScalingDisabled) and still keeps 1..N.
-    got = wait_for(lambda: (s := _hpa_scaling_active(scaling, namespace, name))[1] is not None
+    got = eventually(lambda: (s := _hpa_scaling_active(scaling, namespace, name))[1] is not None
                    and s[1][1] != "ScalingDisabled" and s, timeout=60, interval=1,
-                   what="the HPA to act again")  # fmt: skip
+                   message="the HPA to act again")  # fmt: skip
     assert got[0] == 1
     # The operator's own metrics counted both steps and timed the activation.
     text = httpx.get(f"http://127.0.0.1:{operator.metrics_port}/metrics", timeout=5).text
