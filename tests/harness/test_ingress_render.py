@@ -57,6 +57,13 @@ def test_defaults_are_ingress_nginx_defaults_and_no_endpoint_is_503(tmp_path):
     assert "return 503;" in _location(conf, "/empty/")
 
 
+def test_upstream_vhost_is_the_host_sent_upstream(tmp_path):
+    vhost = {"nginx.ingress.kubernetes.io/upstream-vhost": "m.ns.svc.cluster.local"}
+    conf = render([_route(vhost), _route({}, path="/plain", service="p")], 8080, tmp_path)
+    assert "proxy_set_header Host m.ns.svc.cluster.local;" in _location(conf, "/llm/")
+    assert "proxy_set_header Host $host;" in _location(conf, "/plain/")
+
+
 def test_first_ingress_keeps_a_path_and_hosts_get_their_own_server(tmp_path):
     conf = render([_route({}), _route({}, service="later"), _route({}, host="a.example")],
                   8080, tmp_path)  # fmt: skip

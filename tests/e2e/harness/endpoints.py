@@ -8,6 +8,11 @@ which applies the EndpointSlice controller's rules: the Service's selector, pods
 `Ready=True`, not terminating (a terminating pod is `ready: false, serving: ...` in a slice,
 and kube-proxy and ingress-nginx send it nothing new), and the Service port's `targetPort`
 resolved per pod (a name is looked up in that pod's container ports).
+
+An `ExternalName` Service whose name is another Service's cluster name
+(`<service>.<namespace>.svc.cluster.local`) resolves to that Service's Ready endpoints on
+the same port number: what the cluster DNS (a CNAME to the Service) and kube-proxy (its
+port to the pods' target port) give an ingress controller that proxies to it.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kubernetes import client
+
+CLUSTER_DOMAIN = ".svc.cluster.local"
 
 
 @dataclass(frozen=True, order=True)
@@ -64,6 +71,12 @@ def ready_endpoints(
         if e.status == 404:
             return []
         raise
+    if svc.spec.type == "ExternalName":
+        name, _, ns = (svc.spec.external_name or "").removesuffix(CLUSTER_DOMAIN).partition(".")
+        if not (svc.spec.external_name or "").endswith(CLUSTER_DOMAIN) or not ns or "." in ns:
+            return []  # a name outside the cluster: nothing here answers it
+        number = service_port(svc, port).port
+        return ready_endpoints(core, ns, name, number)
     if not svc.spec.selector:
         return []
     sp = service_port(svc, port)

@@ -22,6 +22,8 @@ controller the operator's default annotations are written for (builders/ingress.
 - the balancing method the operator's `spec.routing.balance` annotations ask for: F5's
   `nginx.org/lb-method: least_conn` becomes nginx's `least_conn` upstream directive (what
   that controller writes); `round_robin` (either controller's) is nginx's default;
+- `upstream-vhost`: the Host header sent upstream (else the client's); an `ExternalName`
+  backend naming a Service of the cluster is that Service's endpoints (endpoints.py);
 - harness only: every proxied response carries `X-E2E-Upstream: <pod ip:port>`.
 What it leaves out: TLS, the other `nginx.org/*` (F5) annotations, ingress-nginx's `ewma`
 (round robin here), regex paths and rewrites, auth
@@ -131,7 +133,7 @@ def _location_body(route: Route) -> str:
         "add_header X-E2E-Upstream $upstream_addr always;",
         f"proxy_pass http://{target};",
         f"proxy_http_version {route.ann('proxy-http-version')};",
-        "proxy_set_header Host $host;",
+        f"proxy_set_header Host {route.annotations.get(ANN + 'upstream-vhost') or '$host'};",
         "proxy_set_header X-Forwarded-For $remote_addr;",
         "proxy_set_header X-Real-IP $remote_addr;",
         "proxy_set_header Upgrade $http_upgrade;",

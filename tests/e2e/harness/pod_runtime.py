@@ -278,6 +278,20 @@ class PodRuntime:
             out.append(sb.Mount(m["mountPath"], source, read_only, base.size))
         return out
 
+    def _hosts_file(self) -> list[sb.Mount]:
+        """`spec.hostAliases` the kubelet's way: its own /etc/hosts for the pod (localhost,
+        the pod's address and name, then the aliases), bound read-only over the host's."""
+        aliases = self.pod["spec"].get("hostAliases") or []
+        if not aliases:
+            return []
+        lines = ["127.0.0.1\tlocalhost", f"{self.ip}\t{self.name}",
+                 "# Entries added by HostAliases."]  # fmt: skip
+        lines += [f"{a['ip']}\t{chr(9).join(a.get('hostnames') or [])}" for a in aliases]
+        path = self.dir / "etc-hosts"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(lines) + "\n")
+        return [sb.Mount("/etc/hosts", path, read_only=True)]
+
     # --- containers ------------------------------------------------------------------
     def _start_container(self, c: ContainerState) -> None:
         try:
@@ -290,7 +304,7 @@ class PodRuntime:
                                      self.host.host_ip)  # fmt: skip
             argv = sb.container_argv(c.spec, image, c.env, self.ip)
             uid, gid = sb.run_as(c.spec, self.pod, image)
-            mounts = self._container_mounts(c)
+            mounts = self._container_mounts(c) + self._hosts_file()
         except sb.ConfigError as e:
             c.state = {"waiting": {"reason": "CreateContainerConfigError", "message": str(e)}}
             return

@@ -304,8 +304,10 @@ class Sandbox:
 
     def mount_points(self) -> list[str]:
         """Folders that must exist on the host's root (read-only inside), made before start;
-        /dev is the sandbox's own, anything under it is made by bwrap."""
-        return [m.target for m in self.mounts if not m.target.startswith("/dev/")]
+        /dev is the sandbox's own, anything under it is made by bwrap; a file bound over a
+        file (/etc/hosts) needs none."""
+        return [m.target for m in self.mounts if not m.target.startswith("/dev/")
+                and not (m.source is not None and m.source.is_file())]  # fmt: skip
 
 
 # --- projected Secret / ConfigMap volumes --------------------------------------------
