@@ -110,7 +110,8 @@ def test_streaming_model_chart_passes_the_api_server(h, live_cluster, charts, tm
         "serving.sluice.dev", "v1alpha1", "apps", "streamingmodels", "llama-70b"
     )
     values = yaml.safe_load((HERE / "streaming-model-values-all-on.yaml").read_text())
-    assert sm["spec"]["parallelism"] == values["parallelism"]
+    # As written, plus the schema's default for what the values leave out (one node).
+    assert sm["spec"]["parallelism"] == {"nodes": 1, **values["parallelism"]}
     assert sm["spec"]["autoscaling"]["targetTTFTMilliseconds"] == 400
 
     # tensor x pipeline != gpus: valid for the values schema, refused by the CRD's CEL rule.
