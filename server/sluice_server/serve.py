@@ -65,9 +65,10 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def uvicorn_config(settings: Settings, app) -> uvicorn.Config:
-    config = uvicorn.Config(
-        app,
+def uvicorn_config(settings: Settings | ActivatorSettings, app, **overrides) -> uvicorn.Config:
+    """uvicorn's Config from the flags both processes share (the server and the activator);
+    `overrides` for what the activator sets otherwise."""
+    options = dict(
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
@@ -76,10 +77,11 @@ def uvicorn_config(settings: Settings, app) -> uvicorn.Config:
         ws_ping_timeout=settings.heartbeat_seconds,
         ws_max_size=settings.max_body_bytes,  # one limit for bodies and frames
         # uvicorn annotates an int but only hands it to loop.call_later: seconds as a float.
-        timeout_keep_alive=settings.keep_alive_seconds,  # type: ignore[arg-type]
+        timeout_keep_alive=settings.keep_alive_seconds,
         timeout_graceful_shutdown=5,
-        access_log=False,
+        access_log=False,  # it would log query strings (`?api_key=`)
     )
+    config = uvicorn.Config(app, **{**options, **overrides})
     # After the Config: it (re)configures uvicorn's loggers.
     redact.install()
     handshake.install()
@@ -122,26 +124,15 @@ def serve(
 
 
 def activator_config(settings: ActivatorSettings, app) -> uvicorn.Config:
-    config = uvicorn.Config(
+    return uvicorn_config(
+        settings,
         app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        lifespan="on",
-        ws_ping_interval=settings.heartbeat_seconds,
-        ws_ping_timeout=settings.heartbeat_seconds,
-        ws_max_size=settings.max_body_bytes,
-        timeout_keep_alive=settings.keep_alive_seconds,  # type: ignore[arg-type]
         # uvicorn's own wait for open connections: what held requests have, and 5 s more.
         timeout_graceful_shutdown=math.ceil(settings.drain_timeout_seconds) + 5,
-        access_log=False,  # it would log query strings (`?api_key=`)
         # A forwarded answer keeps the model server's own `date` and `server` (not two of each).
         server_header=False,
         date_header=False,
     )
-    redact.install()
-    handshake.install()
-    return config
 
 
 def serve_activator(settings: ActivatorSettings) -> int:
