@@ -252,16 +252,27 @@ async def test_every_panel_query_returns_data_from_a_real_server(make_server, tm
         await asyncio.to_thread(prom.start)
         try:
             start = time.time()
-            await load(url)
-            loaded = time.time()
-            await eventually_async(  # two more scrapes of each target after the load
-                lambda: asyncio.to_thread(scraped_since, prom, loaded + 1.0), timeout=30,
-                message="two scrapes of every target after the load")  # fmt: skip
+
+            async def loaded_and_seen() -> dict:
+                """A load, two more scrapes of each target, then every panel. On a busy
+                machine a scrape can time out during the load and a gauge then reads only
+                its idle zeros: another round of load, until Prometheus recorded it move."""
+                await load(url)
+                loaded = time.time()
+                await eventually_async(  # two more scrapes of each target after the load
+                    lambda: asyncio.to_thread(scraped_since, prom, loaded + 1.0), timeout=30,
+                    message="two scrapes of every target after the load")  # fmt: skip
+                up = {t["labels"]["job"]: t["health"] for t in prom.targets()}
+                assert up == {"sluice": "up", "kube-state-metrics": "up", "activator": "up"}, (
+                    prom.targets())  # fmt: skip
+                return await asyncio.to_thread(
+                    check_panels, prom, dashboard.PANELS, start, time.time()
+                )
+
+            results = await eventually_async(
+                loaded_and_seen, timeout=240, interval=0,
+                message="every panel's queries with data that moved during the load")  # fmt: skip
             end = time.time()
-            up = {t["labels"]["job"]: t["health"] for t in prom.targets()}
-            assert up == {"sluice": "up", "kube-state-metrics": "up", "activator": "up"}, (
-                prom.targets())  # fmt: skip
-            results = await asyncio.to_thread(check_panels, prom, dashboard.PANELS, start, end)
             # Negative control: a query with a misspelt metric fails, naming its panel.
             bogus = dashboard.Panel("Bogus", "s", (dashboard.Target(
                 dashboard.PANELS[0].targets[0].expr.replace("ttft", "tftt"), "p50"),))  # fmt: skip

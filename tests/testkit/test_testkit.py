@@ -243,9 +243,24 @@ worker.wait()
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to separate")
-def test_engine_apart_moves_the_engine_core_beside_its_worker_and_us_away(tmp_path):
+def test_engine_apart_moves_the_engine_core_beside_its_worker_and_us_away():
     """vLLM's layout faked by two processes named as vLLM names its own: an engine core (our
-    child) and its model worker bound to CPU 0, as vLLM's auto binding leaves them."""
+    child) and its model worker bound to CPU 0, as vLLM's auto binding leaves them. In a fresh
+    interpreter: in the whole suite this process already has the session's real engine as a
+    child, which the negative control (no engine, nothing moved) would see."""
+    import subprocess
+
+    tests = str(Path(__file__).resolve().parents[1])
+    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-c", "from testkit.test_testkit import check_layout; check_layout()"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": path},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def check_layout() -> None:
+    """The test above, in its own process (no engine of ours yet)."""
     import subprocess
 
     from testkit.cpus import engine_apart_from_this_process
