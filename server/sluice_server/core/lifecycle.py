@@ -39,10 +39,9 @@ def open_stream(
     prompt_tokens: Callable[[], int] = lambda: 0, rid: str | None = None,
     ticket: Ticket | None = None,
 ) -> Handle:  # fmt: skip
-    """The engine request starts when the response first reads the stream (in the
-    response's own task, right after its headers went out), or, with a `ticket` still
-    waiting in the admission queue, once it is admitted (keep-alives meanwhile: the stream
-    core's `Waiting` events). The returned cleanup(stalled) is idempotent and must
+    """Start producing at once (the engine works while headers go out), or, with a `ticket`
+    still waiting in the admission queue, once it is admitted (keep-alives meanwhile: the
+    stream core's `Waiting` events). The returned cleanup(stalled) is idempotent and must
     run however the response ends: it aborts an unfinished engine request, frees the slot
     (or the queue place) and bills the caller's tokens; a stream that did not end on its own
     ends as a disconnect, or with `stalled` as a reader cut off. The stream's end also ends
@@ -110,7 +109,6 @@ def open_stream(
         if meter.outcome is None and grace > 0:
             cut = stalled
             entry.state = DETACHED
-            stream.detach()  # the engine goes on into the buffer
             entry.timer = asyncio.get_running_loop().call_later(grace, expire)
             return
         finish(stalled)
@@ -168,6 +166,5 @@ async def resume_stream(
     entry.timer.cancel()
     entry.timer = None
     entry.state = LIVE
-    stream.attach()
     svc.metrics.resumes.labels(protocol, svc.metrics.model).inc()
     return detached

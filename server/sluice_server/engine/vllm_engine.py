@@ -241,7 +241,7 @@ async def _framed(events: AsyncGenerator[Any, None]) -> AsyncGenerator[str, None
 
 async def _chunks(sse: AsyncIterator[str], tap: UsageTap) -> AsyncGenerator[Delta, None]:
     """vLLM's framed events as Deltas, token counts from the tap; a finished Delta last."""
-    usage_tap.set(tap)  # vLLM's generator runs in the task that reads the stream
+    usage_tap.set(tap)  # vLLM's generator runs in this (the stream's producer) task
     seen = 0
     try:
         async for chunk in sse:
