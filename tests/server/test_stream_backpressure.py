@@ -65,7 +65,7 @@ async def stalled_request(port: int, path: str = "/v1/stream",
 
 async def started(before: float) -> None:
     """The engine made tokens for the stalled request (its counter moved past `before`)."""
-    await eventually_async(lambda: generated_tokens() > before, timeout=20,
+    await eventually_async(lambda: generated_tokens() > before, timeout=60,
                            message="the engine to start on the request")  # fmt: skip
 
 
