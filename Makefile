@@ -10,7 +10,7 @@ export SLUICE_CACHE ?= $(CURDIR)/.cache
 
 SAMPLE ?= samples/chat-small.yaml
 
-.PHONY: help venv tools demo run test test-e2e test-multinode lint docs crds golden chart render bench bench-balance bench-lora bench-ab clean
+.PHONY: help venv tools demo run test test-e2e test-dashboard test-multinode lint docs crds golden chart render bench bench-balance bench-lora bench-ab clean
 
 help:
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
@@ -38,6 +38,9 @@ test: lint ## Lint, then all tests (unit, real-engine, nginx, helm, schemathesis
 
 test-e2e: venv tools ## Every test that needs a real control plane (marked e2e, anywhere in tests/; needs K8S_ASSETS)
 	$(PY) -m pytest tests -m e2e
+
+test-dashboard: venv tools ## The Grafana dashboard's every query against a real server scraped by Prometheus, alone (in the whole suite three panels read zeros)
+	SLUICE_TEST_DASHBOARD=1 $(PY) -m pytest tests/server/test_dashboard_prometheus.py
 
 test-multinode: venv ## The engine split over two processes (leader + headless worker), both layouts; minutes per layout, so not in `make test`
 	SLUICE_TEST_MULTINODE=1 $(PY) -m pytest tests/server/test_multinode_engine.py
