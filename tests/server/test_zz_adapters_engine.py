@@ -1,5 +1,9 @@
 """LoRA adapters on the real vLLM engine (CPU build, tiny model), started with LoRA on.
 
+Last in the server suite (its name): its second engine takes over vLLM's metrics in the
+process-wide Prometheus registry, so the session engine's counters read by later tests
+would stop moving.
+
 Adapters are made at test time (PEFT's file layout, random weights: testkit/lora.py). At
 temperature 0 an adapter's answer differs from the base's and the base's answer does not
 change; every protocol routes by `model`; streams on the base and two adapters run at once
