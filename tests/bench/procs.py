@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 
 from testkit.cpus import engine_processes, separate
-from testkit.net import wait_http
+from testkit.net import free_port, wait_http
 from testkit.process import ManagedProcess
 
 PY = sys.executable
@@ -55,17 +55,49 @@ def separate_engines(fronts: list[ManagedProcess]) -> dict:
 
 
 class Server(ManagedProcess):
-    """An HTTP server, started at once; `wait_ready` polls `ready_path` for a 200."""
+    """An HTTP server, started at once; `wait_ready` polls `ready_path` for a 200.
+
+    Its port is picked before it binds (`free_port`), and another process may take it
+    meanwhile (vLLM's engines take loopback ports of their own as they start): a server
+    that exits because its address is in use starts again on a fresh port (`argv`'s
+    `--port` value), up to `BIND_TRIES` times; `port` and `base_url` follow."""
+
+    BIND_TRIES = 3
 
     def __init__(self, name, argv, env, log_dir, port: int, ready_path: str) -> None:
         super().__init__(name, argv, log_dir, env)
-        self.port = port
-        self.base_url = f"http://127.0.0.1:{port}"
+        self._use(port)
         self.ready_path = ready_path
         self.start()
 
+    def _use(self, port: int) -> None:
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+
+    def start(self) -> Server:
+        self._log_mark = self.log_path.stat().st_size if self.log_path.exists() else 0
+        super().start()
+        return self
+
+    def _lost_its_port(self) -> bool:
+        if self.alive():
+            return False
+        with self.log_path.open("rb") as log:
+            log.seek(self._log_mark)
+            return b"address already in use" in log.read().lower()
+
     def wait_ready(self, timeout: float) -> None:
-        wait_http(self.base_url + self.ready_path, timeout=timeout, process=self, interval=0.5)
+        for attempt in range(1, self.BIND_TRIES + 1):
+            try:
+                wait_http(self.base_url + self.ready_path, timeout=timeout, process=self,
+                          interval=0.5)  # fmt: skip
+                return
+            except RuntimeError:
+                if attempt == self.BIND_TRIES or not self._lost_its_port():
+                    raise
+            self._use(free_port())
+            self.argv[self.argv.index("--port") + 1] = str(self.port)
+            self.start()
 
 
 class Worker(ManagedProcess):
