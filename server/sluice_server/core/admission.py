@@ -471,7 +471,14 @@ class Admission:
             ticket.timer = None
 
     def _expire(self, ticket: Ticket) -> None:
-        """Its timeout passed: refused, unless a slot reached it first."""
+        """Its timeout passed: refused, unless a slot reached it first. An event loop may
+        run a timer up to a clock tick early (uvloop's are whole milliseconds, on a cached
+        clock): one that fires before the ticket's own clock says `timeout` waits out the
+        rest, so no request is refused before its queue timeout."""
+        left = self.timeout - (time.perf_counter() - ticket.queued_at)
+        if left > 0:
+            ticket.timer = asyncio.get_running_loop().call_later(left, self._expire, ticket)
+            return
         ticket.timer = None
         with self.lock:
             e = ticket.entry

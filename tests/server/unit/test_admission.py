@@ -216,6 +216,23 @@ async def test_timeout_refuses_with_retry_after():
     assert adm.depth == 0
 
 
+async def test_a_timer_run_early_refuses_no_sooner_than_the_timeout():
+    """An event loop may run a timer a clock tick early (uvloop's are whole milliseconds):
+    the refusal waits for the ticket's own clock to pass the timeout."""
+    adm = queue(1, 4, timeout=0.3)
+    adm.enter(caller())
+    waiting = adm.enter(caller())
+    task = asyncio.ensure_future(waiting.wait())
+    await asyncio.sleep(0)  # it is watched: its timer is armed
+    waiting.timer.cancel()
+    adm._expire(waiting)  # the loop runs its timer now, 0.3 s early
+    await asyncio.sleep(0)
+    assert not task.done() and adm.depth == 1
+    with pytest.raises(ApiError) as e:
+        await task
+    assert e.value.code == "queue_timeout" and waiting.waited >= 0.3
+
+
 async def test_leaving_frees_the_place_at_once():
     adm = queue(1, 1)
     running = adm.enter(caller())
