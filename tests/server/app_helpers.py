@@ -85,6 +85,35 @@ def engine_settings(tiny_model_path: Path, **overrides):
     return Settings(**{**base, **overrides})
 
 
+def _vllm_collectors() -> list:
+    from prometheus_client import REGISTRY
+
+    return [c for c in list(REGISTRY._collector_to_names)
+            if getattr(c, "_name", "").startswith("vllm:")]  # fmt: skip
+
+
+@contextlib.asynccontextmanager
+async def another_engine(settings):
+    """A second real engine beside the session's (settings fixed at engine start: LoRA
+    limits, the scheduling policy). vLLM's Prometheus stat logger, created with each engine,
+    unregisters every `vllm:*` collector in the process-wide registry and registers its
+    own; so while this one is open the registry shows its numbers, and when it closes the
+    session engine's collectors (still counting) go back, and tests that read them
+    (backpressure, abort, the dashboard) see them move again."""
+    from prometheus_client import REGISTRY
+    from sluice_server.engine import open_engine
+
+    saved = _vllm_collectors()
+    try:
+        async with open_engine(settings) as engine:
+            yield engine
+    finally:
+        for collector in _vllm_collectors():
+            REGISTRY.unregister(collector)
+        for collector in saved:
+            REGISTRY.register(collector)
+
+
 class _TestServer:
     """uvicorn.Server without signal handlers (the test process keeps its own)."""
 

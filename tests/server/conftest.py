@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from app_helpers import engine_settings, serving
+from app_helpers import another_engine, engine_settings, serving
 from testkit.net import free_port
 
 # Engine sockets on loopback; scratch files (ZMQ sockets, compile caches) in one folder.
@@ -67,13 +67,12 @@ def engine_apart(engine):
 LORA_LIMITS = {"max_loras": 3, "max_lora_rank": 8, "max_cpu_loras": 4}
 
 
-@pytest_asyncio.fixture(scope="session", loop_scope="session")
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def lora_engine(tiny_model_path):
     """A second real engine, started with LoRA on (vLLM's LoRA limits are fixed at engine
-    start), once per session and only for the adapter tests that ask for it."""
-    from sluice_server.engine import open_engine
-
-    async with open_engine(engine_settings(tiny_model_path, **LORA_LIMITS)) as eng:
+    start), for the adapter tests' module that asks for it (`another_engine`: the session
+    engine's metrics come back when it closes)."""
+    async with another_engine(engine_settings(tiny_model_path, **LORA_LIMITS)) as eng:
         yield eng
 
 

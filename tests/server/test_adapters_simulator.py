@@ -1,7 +1,7 @@
 """LoRA adapters on the simulator engine (no model, seconds): served by name on every
 protocol, unknown names 404 listing what is served, keys limited to some names, a broken
 adapter Failed while the others serve, and hot add/remove through the watched file. The
-real engine proves the same in test_zz_adapters_engine.py."""
+real engine proves the same in test_adapters_engine.py."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import pytest_asyncio
 import websockets
-from app_helpers import engine_settings, serving, ws_url
+from app_helpers import another_engine, engine_settings, serving, ws_url
 from sluice_server.core.trail import ACCESS_LOGGER
 from testkit.net import free_port
 from testkit.wait import eventually_async
@@ -42,7 +42,6 @@ async def served(tiny_model_path, tmp_path_factory):
     """A server with priority classes on its own engine (policy and batch size are fixed
     when an engine starts); its URL, app and access log."""
     from sluice_server.app import build_app
-    from sluice_server.engine import open_engine
     from sluice_server.serve import uvicorn_config
 
     keys = tmp_path_factory.mktemp("keys") / "keys"
@@ -57,7 +56,7 @@ async def served(tiny_model_path, tmp_path_factory):
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
-        async with open_engine(settings) as engine:  # with --scheduling-policy priority
+        async with another_engine(settings) as engine:  # --scheduling-policy priority
             app = build_app(settings, engine)
             async with serving(uvicorn_config(settings, app)):
                 yield f"http://127.0.0.1:{port}", app, handler

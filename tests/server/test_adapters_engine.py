@@ -56,7 +56,7 @@ def adapter_dirs(tiny_model_path, tmp_path_factory):
     }
 
 
-@pytest_asyncio.fixture(scope="session", loop_scope="session")
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def lora_server(lora_engine, tiny_model_path, adapter_dirs, tmp_path_factory):
     from conftest import LORA_LIMITS
     from sluice_server.app import build_app
