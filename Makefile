@@ -39,8 +39,8 @@ test: lint ## Lint, then all tests (unit, real-engine, nginx, helm, schemathesis
 test-e2e: venv tools ## Every test that needs a real control plane (marked e2e, anywhere in tests/; needs K8S_ASSETS)
 	$(PY) -m pytest tests -m e2e
 
-test-dashboard: venv tools ## The Grafana dashboard's every query against a real server scraped by Prometheus, alone (in the whole suite three panels read zeros)
-	SLUICE_TEST_DASHBOARD=1 $(PY) -m pytest tests/server/test_dashboard_prometheus.py
+test-dashboard: venv tools ## The Grafana dashboard's every query against a real server scraped by Prometheus, alone (also part of make test; SLUICE_DASHBOARD_PNG=path draws the picture)
+	$(PY) -m pytest tests/server/test_dashboard_prometheus.py
 
 test-multinode: venv ## The engine split over two processes (leader + headless worker), both layouts; minutes per layout, so not in `make test`
 	SLUICE_TEST_MULTINODE=1 $(PY) -m pytest tests/server/test_multinode_engine.py
