@@ -85,9 +85,12 @@ def usage_of(last: Delta | None) -> dict[str, int]:
 
 
 class Meter:
-    """Edge timings for one stream. `t0` is when the request arrived (middleware). The
-    stream's end is recorded once (`finish`): metrics, then the request's trail (access log
-    line, span) from the same numbers."""
+    """Edge timings for one stream. `t0` is when the request arrived (middleware). Per
+    delivered chunk (a token event, however many tokens it carries) one ITL observation on
+    children bound once per protocol and model (`metrics.bind`); tokens are summed here and
+    counted with one `inc(n)` when the stream ends. The stream's end is recorded once
+    (`finish`): metrics, then the request's trail (access log line, span) from the same
+    numbers."""
 
     __slots__ = ("m", "t0", "first_write", "last_write", "tokens", "outcome", "reason", "trail")
 

@@ -51,7 +51,9 @@ class Metrics:
         )  # fmt: skip
         self.itl = Histogram(
             "sluice_inter_token_latency_seconds",
-            "Time between consecutive writes of token events to the socket.",
+            "Time between consecutive token-event writes to the socket: one observation "
+            "per delivered chunk, however many tokens it carries (vLLM's benchmark counts "
+            "inter-token latency the same way).",
             labels, buckets=ITL_BUCKETS, registry=r,
         )  # fmt: skip
         self.e2e = Histogram(
