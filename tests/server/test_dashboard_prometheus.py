@@ -41,11 +41,9 @@ NAMESPACE, MODEL = "team-a", "chat"
 POD = f"{MODEL}-5d8f7c9b6-x2k4p"
 CAP = 8  # concurrent streams: above one round of the load, below its bursts
 QUEUE = 4  # admission queue places: the bursts overflow it too
-# Panels whose series may stay flat at zero in this load (nothing queues in the engine; the
-# admission queue holds the bursts for well under a scrape interval).
-# Series a healthy load may leave at zero: nothing waiting in the engine or the queue at a
-# scrape, and the median queue wait (most requests find a free slot: 0, its own bucket; the
-# p99 of the same panel must move).
+# Series this load may leave flat at zero: nothing queues in the engine, the admission queue
+# holds the bursts for well under a scrape interval, and the median queue wait is 0 (most
+# requests find a free slot, and 0 is its own bucket; the same panel's p99 must move).
 MAY_BE_ZERO = {("Engine running and waiting requests", "waiting"),
                ("Admission queue: waiting and shed", "waiting {{priority}}"),
                ("Admission queue: wait by priority", "p50 {{priority}}")}  # fmt: skip
