@@ -102,14 +102,14 @@ async def another_engine(settings):
     (backpressure, abort, the dashboard) see them move again."""
     from prometheus_client import REGISTRY
     from sluice_server.engine import open_engine
+    from vllm.v1.metrics.prometheus import unregister_vllm_metrics
 
     saved = _vllm_collectors()
     try:
         async with open_engine(settings) as engine:
             yield engine
     finally:
-        for collector in _vllm_collectors():
-            REGISTRY.unregister(collector)
+        unregister_vllm_metrics()  # what the next engine's stat logger would do
         for collector in saved:
             REGISTRY.register(collector)
 
