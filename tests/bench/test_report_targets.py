@@ -25,7 +25,8 @@ def _stage(streams, lag_p99, kb, tps, cores, errors=0):
 
 
 def _results(sse_cpu, lag_p99, sluice_p99s):
-    matrix = [_point("vllm", 64, 5000, 150, 100.0), _point("sse", 64, 5000, 150, sse_cpu)]
+    matrix = [_point("vllm", 64, 5000, 150, 100.0), _point("sse", 64, 5000, 150, sse_cpu),
+              _point("engine", 64, 6000, 120, 45.0)]  # fmt: skip
     bench = lambda p99: {"p99_ttft_ms": p99, "failed": 0}  # noqa: E731
     return {
         "settings": {"concurrency": [64]},
@@ -64,6 +65,12 @@ def test_every_target_met_when_the_numbers_are_inside_their_bounds():
     assert [met for _, _, met in rows] == [True] * 5, rows
     fanout = next(m for g, m, _ in rows if g.startswith("Fan-out"))
     assert "1 worker 40,000, 2 workers 25,000" in fanout and "1.00x" in fanout
+
+
+def test_the_cpu_rows_show_the_floor_no_http_server_goes_below():
+    rows = report.target_rows(_results(sse_cpu=60.0, lag_p99=30.0, sluice_p99s=[200, 200]))
+    cpu = next(m for g, m, _ in rows if g.startswith("Front-end CPU"))
+    assert cpu == "60 us vs 100 us = 0.60x (the bare engine, no HTTP: 0.45x)", cpu
 
 
 def test_a_number_past_its_bound_is_not_met():
