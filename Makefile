@@ -10,7 +10,7 @@ export SLUICE_CACHE ?= $(CURDIR)/.cache
 
 SAMPLE ?= samples/chat-small.yaml
 
-.PHONY: help venv tools demo run test test-e2e test-dashboard test-multinode lint docs crds golden chart render bench bench-balance bench-lora bench-ab clean
+.PHONY: help venv tools demo run test test-e2e test-dashboard test-multinode lint docs crds golden chart render bench bench-balance bench-lora bench-ab bench-ab-engine clean
 
 help:
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
@@ -83,6 +83,9 @@ bench-lora: venv ## Benchmark only a LoRA adapter next to the base on one engine
 
 bench-ab: venv ## CPU per token event, this checkout (B) vs BASE=<another checkout> (A), pinned pairs
 	$(PY) tests/bench/stack_cost.py ab --against $(BASE) --pairs 4 --cpu $${CPU:-0}
+
+bench-ab-engine: venv ## Front-end CPU per token on the real tiny engine, this checkout (B) vs BASE=<another checkout> (A), vLLM's server beside
+	$(PY) tests/bench/engine_ab.py --against $(BASE) --pairs 4
 
 clean:
 	rm -rf $(VENV) .tools .cache
