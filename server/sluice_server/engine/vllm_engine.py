@@ -20,6 +20,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from . import vllm_chat_stream
 from .base import (
     Adapter,
     AdapterLoadError,
@@ -173,6 +174,9 @@ class VllmApi:
     def __init__(self, state: Any) -> None:
         self.state = state
         self._classes = _request_classes()
+        chat = getattr(state, "openai_serving_chat", None)
+        if chat is not None:  # a plain streamed chat: vLLM's chunks, cheaper (its docstring)
+            chat.chat_completion_stream_generator = vllm_chat_stream.route(chat)
 
     async def models(self) -> dict[str, Any]:
         return (await self.state.openai_serving_models.show_available_models()).model_dump()

@@ -1,0 +1,111 @@
+"""A plain streamed chat request is written by `engine/vllm_chat_stream.py`, every other
+by vLLM's own generator; on the real engine both give the same chunks, byte for byte but
+for the request id and the creation time, for the same requests (seeded sampling)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
+
+MESSAGES = [{"role": "user", "content": "Tell me about the river."}]
+PLAIN = {
+    "usage": {"stream_options": {"include_usage": True}},
+    "no usage": {},
+    "a stop string": {"stop": [" the", "a"], "max_tokens": 64},
+    "stop_token_ids": {"stop_token_ids": [5, 17, 42, 99], "max_tokens": 64},
+    "one token": {"max_tokens": 1, "stream_options": {"include_usage": True}},
+    "not unicode-safe text": {"temperature": 1.5, "seed": 3},
+}
+NOT_PLAIN = {
+    "logprobs": {"logprobs": True, "top_logprobs": 2},
+    "continuous usage": {
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}
+    },  # fmt: skip
+    "n=2": {"n": 2},
+    "echo": {"echo": True},
+    "token ids": {"return_token_ids": True},
+}
+
+
+async def _chunks(serving, api, body: dict) -> list[str]:
+    request = api.parse(body, "chat")
+    out = []
+    async for text in await serving.create_chat_completion(request, None):
+        out.append(re.sub(r'"id":"[^"]*"|"created":\d+', '"id":"","created":0', text))
+    return out
+
+
+def _body(extra: dict) -> dict:
+    return {"model": "tiny", "messages": MESSAGES, "max_tokens": 24, "temperature": 1.0,
+            "seed": 11, "stream": True, **extra}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(PLAIN) + list(NOT_PLAIN))
+async def test_the_same_chunks_as_vllms_generator(engine, case, monkeypatch):
+    from sluice_server.engine.vllm_chat_stream import is_plain
+
+    serving, api = engine.api.state.openai_serving_chat, engine.api
+    body = _body(PLAIN[case] if case in PLAIN else NOT_PLAIN[case])
+    assert is_plain(serving, api.parse(body, "chat")) is (case in PLAIN)
+    ours = await _chunks(serving, api, body)
+    monkeypatch.delattr(serving, "chat_completion_stream_generator")  # vLLM's, unchanged
+    theirs = await _chunks(serving, api, body)
+    assert ours == theirs
+    assert ours[-1] == "data: [DONE]\n\n" and len(ours) >= 3
+    if case in NOT_PLAIN:
+        return
+    finish = [json.loads(c[6:])["choices"][0].get("finish_reason") for c in ours[1:-1]
+              if '"choices":[{' in c]  # fmt: skip
+    assert finish[-1] in ("length", "stop") and set(finish[:-1]) <= {None}, finish
+
+
+async def test_a_plain_stream_takes_the_fast_path(engine, monkeypatch):
+    """The negative control of the comparison above: the route really is ours for a plain
+    request (a stream that always went to vLLM would pass it too)."""
+    from sluice_server.engine import vllm_chat_stream
+
+    taken = []
+    real = vllm_chat_stream.plain_stream
+
+    def spy(*args, **kwargs):
+        taken.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(vllm_chat_stream, "plain_stream", spy)
+    serving, api = engine.api.state.openai_serving_chat, engine.api
+    await _chunks(serving, api, _body(PLAIN["usage"]))
+    await _chunks(serving, api, _body(NOT_PLAIN["logprobs"]))
+    assert len(taken) == 1 and not taken[0].logprobs
+
+
+async def test_an_engine_error_mid_stream_ends_with_vllms_error_chunk(engine):
+    """An engine failure after the first chunk: vLLM's error chunk, then [DONE]."""
+    from sluice_server.engine.vllm_chat_stream import plain_stream
+
+    serving, api = engine.api.state.openai_serving_chat, engine.api
+    request = api.parse(_body({}), "chat")
+
+    class Out:
+        index, text, token_ids, finish_reason, stop_reason = 0, "hi", [1], None, None
+
+    class Res:
+        prompt_token_ids, encoder_prompt_token_ids, outputs = [1, 2], None, [Out()]
+        num_cached_tokens = num_cache_creation_tokens = None
+
+    async def failing():
+        yield Res()
+        raise RuntimeError("engine core died")
+
+    class Meta:
+        final_usage_info = None
+
+    chunks = [c async for c in plain_stream(serving, request, failing(), "chatcmpl-x", "tiny",
+                                            Meta())]  # fmt: skip
+    assert len(chunks) == 4 and chunks[-1] == "data: [DONE]\n\n", chunks
+    assert json.loads(chunks[1][6:])["choices"][0]["delta"] == {"content": "hi"}
+    error = json.loads(chunks[2][6:])["error"]
+    assert "engine core died" in error["message"], error
