@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 from procs import PY, ProcGroup, Server, Worker, engine_env, separate_engines  # noqa: E402
-from run import ENGINE_ARGS, MODEL_NAME, process_cpu_s, prompts, settle  # noqa: E402
+from run import point_runner, prompts, sluice_server_argv, vllm_server_argv  # noqa: E402
 from testkit.net import free_port  # noqa: E402
 from testkit.repo import ROOT  # noqa: E402
 
@@ -42,15 +42,9 @@ def start(group: ProcGroup, name: str, checkout: Path | None, model: Path, scrat
     env = engine_env(scratch / name)
     port = free_port()
     if checkout is None:
-        argv = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
-                *ENGINE_ARGS]  # fmt: skip
-        return group.add(Server(name, argv, env, logs, port, "/health"))
+        return group.add(Server(name, vllm_server_argv(model, port), env, logs, port, "/health"))
     env["PYTHONPATH"] = os.pathsep.join([str(checkout / "server"), str(ROOT / "tests")])
-    argv = [PY, "-m", "sluice_server", "--model", "tiny", "--served-model-name", MODEL_NAME,
-            "--host", "127.0.0.1", "--port", str(port), "--max-concurrent-streams", "1000",
-            "--log-level", "warning", "--", *ENGINE_ARGS]  # fmt: skip
-    return group.add(Server(name, argv, env, logs, port, "/ready"))
+    return group.add(Server(name, sluice_server_argv(port), env, logs, port, "/ready"))
 
 
 def main(argv=None) -> int:
@@ -86,18 +80,17 @@ def main(argv=None) -> int:
         loadgen = group.add(Worker("loadgen", [PY, str(HERE / "loadgen.py")], engine_env(scratch),
                                    logs, cpus=cpus))  # fmt: skip
 
+        # The matrix's point: our routes are systems of the "sluice" process, vLLM's
+        # server the "vllm" system.
+        runs = {name: point_runner({"vllm" if name == "vllm" else "sluice": server}, loadgen,
+                                   a.max_tokens, prompts(), 1.5)
+                for name, server in servers.items()}  # fmt: skip
+
         def point(name: str, protocol: str, concurrency: int, requests: int) -> float:
-            server = servers[name]
-            settle(1.5)  # vLLM's engine processes busy-poll for 1 s after work
-            cpu0 = process_cpu_s(server.pid)
-            res = loadgen.call({"concurrency": concurrency, "num_requests": requests,
-                                "max_tokens": a.max_tokens, "prompts": prompts(),
-                                "model": MODEL_NAME, "point_timeout_s": 120,
-                                "base_url": server.base_url, "protocol": protocol},
-                               timeout=180)  # fmt: skip
+            res = runs[name]("vllm" if name == "vllm" else protocol, concurrency, requests)
             if res["errors"] or not res.get("output_tokens"):
                 raise SystemExit(f"{name} {protocol}: {res['errors']} errors: {res}")
-            return (process_cpu_s(server.pid) - cpu0) / res["output_tokens"] * 1e6
+            return res["front_cpu_us_per_token"]
 
         for name in servers:  # warm-up, not recorded
             for protocol in protocols if name != "vllm" else ["openai"]:

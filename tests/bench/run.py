@@ -181,27 +181,32 @@ def machine() -> dict:
 # -- phases --------------------------------------------------------------------------
 
 
+def vllm_server_argv(model_path: Path, port: int) -> list[str]:
+    """vLLM's own OpenAI server on the tiny model (the `vllm` console script does not work
+    with the CPU build)."""
+    return [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
+            "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
+            *ENGINE_ARGS]  # fmt: skip
+
+
+def sluice_server_argv(port: int) -> list[str]:
+    """Our server on the tiny model (the code the process's PYTHONPATH finds)."""
+    return [PY, "-m", "sluice_server", "--model", "tiny", "--served-model-name", MODEL_NAME,
+            "--host", "127.0.0.1", "--port", str(port), "--max-concurrent-streams", "1000",
+            "--log-level", "warning", "--", *ENGINE_ARGS]  # fmt: skip
+
+
 def start_engine_systems(group: ProcGroup, model_path: Path, env, logs: Path, wanted) -> dict:
     """Start what `wanted` needs, all at once (engine start-up overlaps), wait for all."""
     started: dict = {}
     if "vllm" in wanted:
         port = free_port()
-        started["vllm"] = group.add(Server(
-            "vllm-server",
-            [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
-             "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
-             *ENGINE_ARGS],
-            env, logs, port, "/health",
-        ))  # fmt: skip
+        started["vllm"] = group.add(Server("vllm-server", vllm_server_argv(model_path, port),
+                                           env, logs, port, "/health"))  # fmt: skip
     if {"openai", "sse", "websocket"} & set(wanted):
         port = free_port()
-        started["sluice"] = group.add(Server(
-            "sluice-server",
-            [PY, "-m", "sluice_server", "--model", "tiny", "--served-model-name", MODEL_NAME,
-             "--host", "127.0.0.1", "--port", str(port), "--max-concurrent-streams", "1000",
-             "--log-level", "warning", "--", *ENGINE_ARGS],
-            env, logs, port, "/ready",
-        ))  # fmt: skip
+        started["sluice"] = group.add(Server("sluice-server", sluice_server_argv(port), env,
+                                             logs, port, "/ready"))  # fmt: skip
     if "engine" in wanted:
         started["engine"] = group.add(Worker(
             "bare-engine", [PY, str(HERE / "bare_engine.py"), str(model_path), *ENGINE_ARGS],
