@@ -10,6 +10,12 @@ first tokens, then measures for `hold_s`: tokens/s, lag p50/p99/max of the token
 arrived in the window, errors (non-200, error events, streams that ended early, failed
 connects), the server's RSS (growth over the idle baseline / streams) and its CPU time
 (cores; cores per 1,000 tokens/s). It stops early when the server is clearly saturated.
+
+The search (`"search": true`) finds the largest offered load that passes (p99 lag under
+the target, no errors): it doubles the streams until a stage fails, then narrows the gap
+between the largest pass and the smallest failure. Run it with the server and this client
+pinned to cores of their own (run.py does), so the load generator does not take the
+server's CPU and the result reads as tokens/s per server core.
 Streams are long (`max_tokens` outlasts the run); at the end the client closes them all.
 """
 
@@ -137,108 +143,189 @@ def rss_bytes(proc: psutil.Process) -> int:
     return total
 
 
-async def run(cmd: dict) -> dict:
-    base, protocol = cmd["base_url"], cmd["protocol"]
-    server = psutil.Process(cmd["server_pid"])
-    me = psutil.Process()
-    opener = sse_stream if protocol == "sse" else ws_stream
-    payload = {
-        "model": cmd["model"],
-        "messages": [{"role": "user", "content": "fan out please"}],
-        "max_tokens": cmd["max_tokens"],
-        "ignore_eos": True,
-    }
-    st = State()
-    tasks: list[asyncio.Task] = []
-    conn = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
-    stages = []
-    deadline = time.monotonic() + cmd["budget_s"]
-    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
-        # Warm the server's code paths, then take the idle baseline.
-        warm = [
-            asyncio.create_task(guarded(opener(session, base, payload, st), st)) for _ in range(20)
-        ]
+class Fleet:
+    """The client's open streams and one measurement over them (a stage)."""
+
+    def __init__(self, cmd: dict, session: aiohttp.ClientSession, server: psutil.Process) -> None:
+        self.cmd, self.session, self.server = cmd, session, server
+        self.opener = sse_stream if cmd["protocol"] == "sse" else ws_stream
+        self.payload = {
+            "model": cmd["model"],
+            "messages": [{"role": "user", "content": "fan out please"}],
+            "max_tokens": cmd["max_tokens"],
+            "ignore_eos": True,
+        }
+        self.st = State()
+        self.tasks: list[asyncio.Task] = []
+        self.me = psutil.Process()
+        self.baseline_rss = 0
+
+    def _open(self) -> asyncio.Task:
+        return asyncio.create_task(
+            guarded(self.opener(self.session, self.cmd["base_url"], self.payload, self.st), self.st)
+        )
+
+    async def warm(self) -> None:
+        """Warm the server's code paths, then take the idle baseline."""
+        warm = [self._open() for _ in range(20)]
         await asyncio.sleep(1.5)
-        st.stopping = True
+        self.st.stopping = True
         for t in warm:
             t.cancel()
         await asyncio.gather(*warm, return_exceptions=True)
         await asyncio.sleep(1.0)
-        st = State()
-        baseline_rss = rss_bytes(server)
-        for target in cmd["stages"]:
-            if time.monotonic() > deadline:
-                break
-            errors_before = st.errors
-            batch = max(1, int(cmd["ramp_per_s"] * 0.05))
-            while len(tasks) < target:
-                for _ in range(min(batch, target - len(tasks))):
-                    tasks.append(
-                        asyncio.create_task(guarded(opener(session, base, payload, st), st))
-                    )
-                await asyncio.sleep(0.05)
-            # Wait (bounded) until every stream has its first token.
-            settle_until = time.monotonic() + cmd["settle_s"] + target / 1000
-            while st.started < target - st.errors and time.monotonic() < settle_until:  # noqa: ASYNC110 - bounded poll
-                await asyncio.sleep(0.05)
+        self.st = State()
+        self.baseline_rss = rss_bytes(self.server)
+
+    async def resize(self, target: int) -> None:
+        """Open or close streams until `target` are open; wait (bounded) for the new ones'
+        first tokens. Closed streams are the newest: a cancel is not an error."""
+        st, cmd = self.st, self.cmd
+        if target < len(self.tasks):
+            gone = self.tasks[target:]
+            del self.tasks[target:]
+            for t in gone:
+                t.cancel()
+            await asyncio.gather(*gone, return_exceptions=True)
             await asyncio.sleep(0.5)
-            st.lags, st.tokens = [], 0
-            psutil.cpu_percent(None)  # starts the machine-wide busy measurement
-            cpu0, me0, t0 = cpu_seconds(server), cpu_seconds(me), time.monotonic()
-            st.measuring = True
-            await asyncio.sleep(cmd["hold_s"])
-            st.measuring = False
-            elapsed = time.monotonic() - t0
-            cores = (cpu_seconds(server) - cpu0) / elapsed
-            rss = rss_bytes(server)
-            tps = st.tokens / elapsed
-            lags_ms = [x * 1000 for x in st.lags]
-            stage = {
-                "streams": target,
-                "started": st.started,
-                "errors": st.errors,
-                "new_errors": st.errors - errors_before,
-                "tokens_per_s": tps,
-                "expected_tokens_per_s": target * 1000.0 / cmd["itl_ms"],
-                "lag_p50_ms": percentile(lags_ms, 50),
-                "lag_p99_ms": percentile(lags_ms, 99),
-                "lag_max_ms": max(lags_ms) if lags_ms else None,
-                "server_rss_mb": rss / 2**20,
-                "rss_per_stream_kb": (rss - baseline_rss) / target / 1024,
-                "server_cores": cores,
-                "cores_per_1k_tps": cores / (tps / 1000) if tps else None,
-                "client_cores": (cpu_seconds(me) - me0) / elapsed,
-                # Other work on the machine steals the same cores: read lag with this.
-                "machine_busy_pct": psutil.cpu_percent(None),
-            }
-            stages.append(stage)
-            p99 = stage["lag_p99_ms"]
-            saturated = p99 is not None and p99 > cmd["give_up_lag_ms"]
-            if st.errors > 0.05 * target or (saturated and target >= cmd.get("min_streams", 0)):
-                break  # failing, or saturated past the floor: more streams only pile up lag
-        st.stopping = True
-        for t in tasks:
+            return
+        added = target - len(self.tasks)
+        goal, errors0 = st.started + added, st.errors
+        batch = max(1, int(cmd["ramp_per_s"] * 0.05))
+        while len(self.tasks) < target:
+            for _ in range(min(batch, target - len(self.tasks))):
+                self.tasks.append(self._open())
+            await asyncio.sleep(0.05)
+        settle_until = time.monotonic() + cmd["settle_s"] + added / 1000
+        while st.started < goal - (st.errors - errors0) and time.monotonic() < settle_until:  # noqa: ASYNC110 - bounded poll
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
+
+    async def stage(self, target: int) -> dict:
+        """Hold `target` streams open and measure for `hold_s`."""
+        st, cmd = self.st, self.cmd
+        errors_before = st.errors
+        await self.resize(target)
+        st.lags, st.tokens = [], 0
+        psutil.cpu_percent(None)  # starts the machine-wide busy measurement
+        cpu0, me0, t0 = cpu_seconds(self.server), cpu_seconds(self.me), time.monotonic()
+        st.measuring = True
+        await asyncio.sleep(cmd["hold_s"])
+        st.measuring = False
+        elapsed = time.monotonic() - t0
+        cores = (cpu_seconds(self.server) - cpu0) / elapsed
+        rss = rss_bytes(self.server)
+        tps = st.tokens / elapsed
+        lags_ms = [x * 1000 for x in st.lags]
+        return {
+            "streams": target,
+            "started": st.started,
+            "errors": st.errors,
+            "new_errors": st.errors - errors_before,
+            "tokens_per_s": tps,
+            "expected_tokens_per_s": target * 1000.0 / cmd["itl_ms"],
+            "lag_p50_ms": percentile(lags_ms, 50),
+            "lag_p99_ms": percentile(lags_ms, 99),
+            "lag_max_ms": max(lags_ms) if lags_ms else None,
+            "server_rss_mb": rss / 2**20,
+            "rss_per_stream_kb": (rss - self.baseline_rss) / target / 1024,
+            "server_cores": cores,
+            "cores_per_1k_tps": cores / (tps / 1000) if tps else None,
+            "client_cores": (cpu_seconds(self.me) - me0) / elapsed,
+            # Other work on the machine steals the same cores: read lag with this.
+            "machine_busy_pct": psutil.cpu_percent(None),
+        }
+
+    async def close(self) -> None:
+        self.st.stopping = True
+        for t in self.tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-    ok = [s for s in stages if s["errors"] == 0 and s["lag_p99_ms"] is not None
-          and s["lag_p99_ms"] < cmd["lag_target_ms"]]  # fmt: skip
-    # "Largest concurrency with p99 < target and nothing failed": the ramp is cumulative,
-    # so a stage only counts while every stage before it passed too.
-    best = 0
-    for s in stages:
-        if s in ok:
-            best = s["streams"]
-        else:
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+def passes(stage: dict, cmd: dict) -> bool:
+    """No errors in this stage and p99 lag under the target."""
+    return (
+        stage["new_errors"] == 0
+        and stage["lag_p99_ms"] is not None
+        and stage["lag_p99_ms"] < cmd["lag_target_ms"]
+    )
+
+
+async def ramp(fleet: Fleet, cmd: dict, deadline: float) -> tuple[list[dict], int]:
+    """The fixed stages, cumulative; stops early once failing or saturated. The largest
+    concurrency that passed, with every stage before it passing too."""
+    stages, best, failed = [], 0, False
+    for target in cmd["stages"]:
+        if time.monotonic() > deadline:
             break
+        stage = await fleet.stage(target)
+        stages.append(stage)
+        if passes(stage, cmd) and not failed:
+            best = target
+        else:
+            failed = True
+        p99 = stage["lag_p99_ms"]
+        saturated = p99 is not None and p99 > cmd["give_up_lag_ms"]
+        if fleet.st.errors > 0.05 * target or (saturated and target >= cmd.get("min_streams", 0)):
+            break  # failing, or saturated past the floor: more streams only pile up lag
+    return stages, best
+
+
+async def search(fleet: Fleet, cmd: dict, deadline: float) -> tuple[list[dict], int]:
+    """The largest offered load that passes: double from `start` until a stage fails, then
+    halve the gap (on a log scale) between the largest pass and the smallest failure until
+    they are within `resolution` of each other. Streams are closed to step down, so a
+    failure's backlog does not linger: each step settles before it is measured."""
+    stages: list[dict] = []
+    good, bad = 0, None
+    n = cmd["start"]
+    while time.monotonic() < deadline and n <= cmd["max_streams"]:
+        stage = await fleet.stage(n)
+        stages.append(stage)
+        if not passes(stage, cmd):
+            bad = n
+            break
+        good, n = n, n * 2
+    while bad is not None and time.monotonic() < deadline:
+        if good == 0:
+            n = bad // 2
+            if n < cmd["start"] // 4:
+                break
+        elif bad / good <= 1 + cmd["resolution"]:
+            break
+        else:
+            n = int(round((good * bad) ** 0.5))
+        stage = await fleet.stage(n)
+        stages.append(stage)
+        if passes(stage, cmd):
+            good = n
+        else:
+            bad = n
+    return stages, good
+
+
+async def run(cmd: dict) -> dict:
+    server = psutil.Process(cmd["server_pid"])
+    conn = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
+    deadline = time.monotonic() + cmd["budget_s"]
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+        fleet = Fleet(cmd, session, server)
+        await fleet.warm()
+        find = search if cmd.get("search") else ramp
+        stages, best = await find(fleet, cmd, deadline)
+        await fleet.close()
     return {
-        "protocol": protocol,
+        "protocol": cmd["protocol"],
         "itl_ms": cmd["itl_ms"],
         "workers": cmd.get("workers", 1),
-        "baseline_rss_mb": baseline_rss / 2**20,
+        "search": bool(cmd.get("search")),
+        "pinned": cmd.get("pinned"),
+        "baseline_rss_mb": fleet.baseline_rss / 2**20,
         "stages": stages,
         "max_ok_streams": best,
-        "error_samples": sorted(st.error_samples),
+        "error_samples": sorted(fleet.st.error_samples),
     }
 
 

@@ -64,8 +64,8 @@ class Server(ManagedProcess):
 
     BIND_TRIES = 3
 
-    def __init__(self, name, argv, env, log_dir, port: int, ready_path: str) -> None:
-        super().__init__(name, argv, log_dir, env)
+    def __init__(self, name, argv, env, log_dir, port: int, ready_path: str, cpus=None) -> None:
+        super().__init__(name, argv, log_dir, env, cpus=cpus)
         self._use(port)
         self.ready_path = ready_path
         self.start()

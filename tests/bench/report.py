@@ -77,16 +77,29 @@ def matrix_table(agg: dict, concs: list[int], systems: list[str]) -> str:
     return "\n".join(lines)
 
 
-# Front-end CPU per output token against vLLM's server, at the concurrencies where the
-# serving layer's own cost matters: the token protocols (SSE, WebSocket) carry less per
-# token than OpenAI's chunk format, so they get the tighter bound.
-CPU_TARGET = {"sse": 0.5, "websocket": 0.5, "openai": 0.8}
+# Front-end CPU per output token at the concurrencies where the serving layer's own cost
+# matters, measured above the bare engine: every server on vLLM's AsyncLLM pays its front
+# end (detokenizing, output objects, stat loggers: the bare engine's process, no HTTP), so
+# the target is our cost above that floor against vLLM's server's cost above the same floor.
+# The token protocols (SSE, WebSocket) carry less per token than OpenAI's chunk format, so
+# they get the tighter bound.
+CPU_TARGET = {"sse": 0.3, "websocket": 0.3, "openai": 0.5}
 CPU_TARGET_CONCS = (32, 64)
+
+
+def above_floor(ours: float | None, vllm: float | None, engine: float | None) -> float | None:
+    """(ours - bare engine) / (vLLM's server - bare engine), CPU per token: the share of
+    vLLM's serving-layer cost that ours costs. None when a number is missing or vLLM's
+    server costs no more than the bare engine (nothing to compare against)."""
+    if ours is None or vllm is None or engine is None or vllm <= engine:
+        return None
+    return (ours - engine) / (vllm - engine)
 
 
 def ratio_rows(agg: dict, concs: list[int]) -> list[dict]:
     """Our routes against vLLM's server and the bare engine. The tok/s and TTFT ratios are
-    information (the engine bounds both here); the target is front-end CPU per token."""
+    information (the engine bounds both here); the target is front-end CPU per token above
+    the bare engine."""
     rows = []
     for s in OURS:
         for c in concs:
@@ -96,35 +109,40 @@ def ratio_rows(agg: dict, concs: list[int]) -> list[dict]:
             tps_v = _ratio(a["tokens_per_s"], v and v["tokens_per_s"])
             tps_e = _ratio(a["tokens_per_s"], e and e["tokens_per_s"])
             ttft_v = _ratio(a["ttft_p50_ms"], v and v["ttft_p50_ms"])
-            cpu_v = _ratio(a.get("front_cpu_us_per_token"), v and v.get("front_cpu_us_per_token"))
-            # The bare engine's process runs vLLM's AsyncLLM front end (detokenizing, output
-            # objects, its stat loggers) and no HTTP: what any server on AsyncLLM pays.
-            floor = _ratio(e and e.get("front_cpu_us_per_token"),
-                           v and v.get("front_cpu_us_per_token"))  # fmt: skip
+            cpu_us, cpu_vllm = (
+                a.get("front_cpu_us_per_token"),
+                v and v.get("front_cpu_us_per_token"),
+            )
+            cpu_engine = e and e.get("front_cpu_us_per_token")
+            cpu_v = _ratio(cpu_us, cpu_vllm)
+            # The bare engine's share of vLLM's server's cost: the floor of the total ratio.
+            floor = _ratio(cpu_engine, cpu_vllm)
+            above = above_floor(cpu_us, cpu_vllm, cpu_engine)
             if c in CPU_TARGET_CONCS:
                 need = CPU_TARGET[s]
-                target = f"front-end CPU / token <= {need}x vLLM, no errors"
-                met = cpu_v is not None and cpu_v <= need and a["errors"] == 0
+                target = f"front-end CPU / token above the bare engine <= {need}x vLLM's, no errors"
+                met = above is not None and above <= need and a["errors"] == 0
             else:
                 target, met = "- (information)", None
             rows.append({"system": s, "concurrency": c, "tps_vs_vllm": tps_v,
                          "tps_vs_engine": tps_e, "ttft_p50_vs_vllm": ttft_v,
-                         "cpu_vs_vllm": cpu_v, "cpu_us": a.get("front_cpu_us_per_token"),
-                         "cpu_us_vllm": v and v.get("front_cpu_us_per_token"),
+                         "cpu_vs_vllm": cpu_v, "cpu_us": cpu_us, "cpu_us_vllm": cpu_vllm,
+                         "cpu_us_engine": cpu_engine, "cpu_above_engine_vs_vllm": above,
                          "cpu_floor_vs_vllm": floor, "target": target, "met": met})  # fmt: skip
     return rows
 
 
 def ratio_table(rows: list[dict]) -> str:
     lines = [
-        "| route | concurrency | tok/s vs vLLM server | tok/s vs bare engine | TTFT p50 vs vLLM server | front-end CPU per token vs vLLM server | target | met |",
-        "|---|---:|---:|---:|---:|---:|---|:---:|",
+        "| route | concurrency | tok/s vs vLLM server | tok/s vs bare engine | TTFT p50 vs vLLM server | front-end CPU per token vs vLLM server | the same above the bare engine | target | met |",
+        "|---|---:|---:|---:|---:|---:|---:|---|:---:|",
     ]
     for r in rows:
         lines.append(
             f"| {LABELS[r['system']]} | {r['concurrency']} | {_f(r['tps_vs_vllm'], 2)}x | "
             f"{_f(r['tps_vs_engine'], 2)}x | {_f(r['ttft_p50_vs_vllm'], 2)}x | "
-            f"{_f(r.get('cpu_vs_vllm'), 2)}x | {r['target']} | "
+            f"{_f(r.get('cpu_vs_vllm'), 2)}x | {_f(r.get('cpu_above_engine_vs_vllm'), 2)}x | "
+            f"{r['target']} | "
             f"{_met(r['met'])} |"
         )
     return "\n".join(lines)
@@ -207,8 +225,11 @@ def fanout_tables(fanout: list[dict]) -> str:
     for f in fanout:
         rate = 1000.0 / f["itl_ms"]
         workers = f.get("workers", 1)
+        how = ""
+        if f.get("search"):
+            how = ", search" + (" (server and client pinned apart)" if f.get("pinned") else "")
         parts.append(
-            f"**{f['protocol']}**, {workers} worker{'s' if workers > 1 else ''}, "
+            f"**{f['protocol']}**, {workers} worker{'s' if workers > 1 else ''}{how}, "
             f"{rate:g} tokens/s per stream (simulator ITL {f['itl_ms']:g} ms): "
             f"largest concurrency with p99 lag < 50 ms and no errors: **{f['max_ok_streams']:,}**; "
             f"idle server RSS {f.get('baseline_rss_mb', 0):.0f} MB."
@@ -262,6 +283,8 @@ def worker_scaling_table(fanout: list[dict]) -> str:
     projections = []
     groups: dict[tuple, list[dict]] = {}
     for f in fanout:
+        if f.get("search"):
+            continue  # the search's stages are not the ramp's offered loads
         groups.setdefault((f["protocol"], f["itl_ms"]), []).append(f)
     for (proto, itl), runs in groups.items():
         by_stage: dict[int, dict[int, dict]] = {}
@@ -380,9 +403,12 @@ def regression_table(rows: list[dict], baseline: dict) -> str:
     return "\n".join(lines)
 
 
-# Fan-out target: streams per pod at 20 tokens/s (simulator ITL 50 ms), on the ramp with
-# the most front-end workers.
-FANOUT_STREAMS, FANOUT_ITL_MS, FANOUT_LAG_MS, FANOUT_KB = 2000, 50.0, 50.0, 50.0
+# Fan-out target: the largest offered load at 20 tokens/s per stream (simulator ITL 50 ms)
+# with p99 lag under 50 ms and no errors, found by a search with the server (one worker) and
+# the load generator pinned to cores of their own, per server core: 2,000 streams on a
+# 2-core pod's worth of front end is 20,000 tok/s per core. Memory per stream at that load.
+FANOUT_SEARCH_ITL_MS, FANOUT_LAG_MS, FANOUT_KB = 50.0, 50.0, 50.0
+FANOUT_TPS_PER_CORE = 20_000.0
 # TTFT p99 at this concurrency, per cross-check round, against vLLM's server.
 TTFT_P99_CONC, TTFT_P99_MAX = 64, 1.2
 
@@ -391,8 +417,39 @@ def _stage(ramp: dict | None, streams: int) -> dict | None:
     return next((s for s in (ramp or {}).get("stages", []) if s["streams"] == streams), None)
 
 
-def _per_core(st: dict | None) -> float | None:
-    return st["tokens_per_s"] / st["server_cores"] if st and st["server_cores"] else None
+def fanout_search_rows(fanout: list[dict]) -> list[tuple[str, str, bool | None]]:
+    """One target row per protocol's fan-out search."""
+    rows: list[tuple[str, str, bool | None]] = []
+    for f in fanout:
+        if not f.get("search") or f["itl_ms"] != FANOUT_SEARCH_ITL_MS:
+            continue
+        goal = (f"Fan-out search, {f['protocol']}: largest offered load at "
+                f"{1000 / FANOUT_SEARCH_ITL_MS:g} tok/s per stream with p99 lag < "
+                f"{FANOUT_LAG_MS:g} ms and 0 errors, >= {FANOUT_TPS_PER_CORE:,.0f} tok/s per "
+                f"server core, < {FANOUT_KB:g} KB / stream")  # fmt: skip
+        st = _stage(f, f["max_ok_streams"])
+        if st is None:
+            rows.append((goal, "no load passed", False))
+            continue
+        # Pinned, the server has one core; unpinned, divide by the cores it used.
+        cores = 1.0 if f.get("pinned") else st["server_cores"]
+        per_core = st["expected_tokens_per_s"] / cores if cores else None
+        fails = [s["streams"] for s in f["stages"] if s["streams"] > f["max_ok_streams"]]
+        where = ("server and load generator pinned apart" if f.get("pinned")
+                 else f"not pinned: {_f(cores, 2)} server cores used")  # fmt: skip
+        measured = (
+            f"{f['max_ok_streams']:,} streams = {_f(st['expected_tokens_per_s'])} tok/s offered, "
+            f"{_f(st['tokens_per_s'])} delivered, p99 lag {_f(st['lag_p99_ms'], 1)} ms, "
+            f"{_f(st['rss_per_stream_kb'], 1)} KB / stream; "
+            f"{_f(per_core)} tok/s per server core ({where}; machine busy "
+            f"{_f(st.get('machine_busy_pct'))}%)"
+            + (f"; the next step up ({min(fails):,} streams) failed" if fails
+               else "; no step failed: the search stopped at its cap")
+        )  # fmt: skip
+        met = (per_core is not None and per_core >= FANOUT_TPS_PER_CORE
+               and st["rss_per_stream_kb"] < FANOUT_KB)  # fmt: skip
+        rows.append((goal, measured, met))
+    return rows
 
 
 def target_rows(results: dict) -> list[tuple[str, str, bool | None]]:
@@ -404,44 +461,15 @@ def target_rows(results: dict) -> list[tuple[str, str, bool | None]]:
             if r["met"] is None:
                 continue
             rows.append((
-                f"Front-end CPU / output token, {LABELS[r['system']]}, c={r['concurrency']}: "
-                f"<= {CPU_TARGET[r['system']]}x vLLM's server",
-                f"{_f(r['cpu_us'])} us vs {_f(r['cpu_us_vllm'])} us = "
-                f"{_f(r['cpu_vs_vllm'], 2)}x (the bare engine, no HTTP: "
-                f"{_f(r['cpu_floor_vs_vllm'], 2)}x)",
+                f"Front-end CPU / output token above the bare engine, {LABELS[r['system']]}, "
+                f"c={r['concurrency']}: <= {CPU_TARGET[r['system']]}x vLLM's server's",
+                f"({_f(r['cpu_us'])} - {_f(r['cpu_us_engine'])}) us vs "
+                f"({_f(r['cpu_us_vllm'])} - {_f(r['cpu_us_engine'])}) us = "
+                f"{_f(r['cpu_above_engine_vs_vllm'], 2)}x (in all: {_f(r['cpu_vs_vllm'], 2)}x; "
+                f"the bare engine, no HTTP: {_f(r['cpu_floor_vs_vllm'], 2)}x)",
                 r["met"],
             ))  # fmt: skip
-    for proto in ("sse", "websocket"):
-        ramps = [f for f in results.get("fanout", [])
-                 if f["protocol"] == proto and f["itl_ms"] == FANOUT_ITL_MS]  # fmt: skip
-        if not ramps:
-            continue
-        most = max(ramps, key=lambda f: f.get("workers", 1))
-        one = next((f for f in ramps if f.get("workers", 1) == 1), None)
-        st = _stage(most, FANOUT_STREAMS)
-        w = most.get("workers", 1)
-        goal = (f"Fan-out, {proto}, {w} worker{'s' if w > 1 else ''}: {FANOUT_STREAMS:,} "
-                f"streams at {1000 / FANOUT_ITL_MS:g} tok/s, p99 lag < {FANOUT_LAG_MS:g} ms, "
-                f"0 errors, < {FANOUT_KB:g} KB / stream")  # fmt: skip
-        if st is None:
-            rows.append((goal, f"the ramp stopped before {FANOUT_STREAMS:,} streams", False))
-            continue
-        pc1, pcw = _per_core(_stage(one, FANOUT_STREAMS)), _per_core(st)
-        st1 = _stage(one, FANOUT_STREAMS)
-        scale = _ratio(st["tokens_per_s"], st1 and st1["tokens_per_s"])
-        measured = (
-            f"p99 lag {_f(st['lag_p99_ms'], 1)} ms, {st['errors']} errors, "
-            f"{_f(st['rss_per_stream_kb'], 1)} KB / stream; {_f(st['tokens_per_s'])} tok/s "
-            f"({_f(st['expected_tokens_per_s'])} offered)"
-        )
-        if w > 1:
-            measured += (
-                f"; tok/s per server core: 1 worker {_f(pc1)}, {w} workers {_f(pcw)}; "
-                f"delivered tok/s, {w} workers / 1 worker: {_f(scale, 2)}x"
-            )
-        met = (st["errors"] == 0 and st["lag_p99_ms"] is not None
-               and st["lag_p99_ms"] < FANOUT_LAG_MS and st["rss_per_stream_kb"] < FANOUT_KB)  # fmt: skip
-        rows.append((goal, measured, met))
+    rows += fanout_search_rows(results.get("fanout", []))
     base = results.get("baseline")
     if results.get("matrix") and base:
         reg = regression_rows(aggregate(results["matrix"]), base)

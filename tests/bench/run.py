@@ -44,7 +44,12 @@ from procs import (  # noqa: E402
     engine_env,
     separate_engines,
 )
-from report import SYSTEMS, baseline_from, write_all  # noqa: E402 (systems, labels: report.py)
+from report import (  # noqa: E402 (systems, labels: report.py)
+    FANOUT_SEARCH_ITL_MS,
+    SYSTEMS,
+    baseline_from,
+    write_all,
+)
 from testkit.net import free_port  # noqa: E402
 from testkit.repo import ROOT  # noqa: E402
 
@@ -100,6 +105,21 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="simulator inter-token latency per fan-out ramp (50 ms = 20 tokens/s)",
     )
     p.add_argument("--fanout-hold-s", type=float, default=3.0)
+    p.add_argument(
+        "--fanout-search-start",
+        type=int,
+        default=500,
+        help="streams the fan-out search starts from (it doubles them until a stage fails)",
+    )
+    p.add_argument(
+        "--fanout-search-resolution",
+        type=float,
+        default=0.15,
+        help="the search stops when its smallest failure is within this share of its largest pass",
+    )
+    p.add_argument(
+        "--fanout-search-max", type=int, default=16000, help="streams the fan-out search stops at"
+    )
     p.add_argument("--fanout-protocols", default="sse,websocket")
     p.add_argument(
         "--fanout-workers", default="1,2", help="--api-workers values for the fan-out server"
@@ -129,6 +149,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.concurrency, a.repeats, a.min_requests, a.crosscheck_rounds = "1,8", 1, 8, 1
         a.crosscheck_concurrency = 8
         a.fanout_stages, a.fanout_itl_ms, a.fanout_hold_s = "100,300", "50", 2.0
+        a.fanout_search_start, a.fanout_search_resolution, a.fanout_search_max = 100, 1.0, 400
     a.concurrency = [int(c) for c in a.concurrency.split(",")]
     a.systems = [s for s in a.systems.split(",") if s]
     a.fanout_stages = [int(s) for s in a.fanout_stages.split(",")]
@@ -348,46 +369,67 @@ def run_crosscheck(args, group, started, loadgen_run, model_path, env, scratch: 
     return out
 
 
+# The fan-out search: the server (one worker) on FANOUT_SERVER_CPU, the load generator on
+# FANOUT_CLIENT_CPU, so the client's cost is not the server's and tokens/s per server core
+# is what one core holds.
+FANOUT_SERVER_CPU, FANOUT_CLIENT_CPU = 0, 1
+
+
+def fanout_point(
+    args, group: ProcGroup, env, logs: Path, proto: str, itl: float, workers: int, search: bool
+) -> dict:
+    """One fan-out run against a fresh simulator server: the ramp over `--fanout-stages`, or
+    (search) the largest passing load with server and client pinned apart."""
+    pinned = search and len(os.sched_getaffinity(0)) >= 2
+    server_cpus = {FANOUT_SERVER_CPU} if pinned else None
+    client_cpus = {FANOUT_CLIENT_CPU} if pinned else None
+    tag = f"{proto}-{int(itl)}-w{workers}{'-search' if search else ''}"
+    port = free_port()
+    server = group.add(Server(
+        f"sluice-sim-{tag}",
+        [PY, str(HERE / "simserver.py"), "--model", "simulator", "--engine", "simulator",
+         "--sim-ttft-ms", "50", "--sim-itl-ms", str(itl), "--host", "127.0.0.1",
+         "--port", str(port), "--max-concurrent-streams", "20000",
+         "--protocols", "sse,websocket", "--log-level", "warning",
+         "--api-workers", str(workers)],
+        env, logs, port, "/ready", cpus=server_cpus,
+    ))  # fmt: skip
+    server.wait_ready(60)
+    client = group.add(
+        Worker(f"fanout-{tag}", [PY, str(HERE / "fanout.py")], env, logs, cpus=client_cpus)
+    )
+    cmd = {
+        "base_url": server.base_url, "protocol": proto, "server_pid": server.pid,
+        "model": "simulator", "stages": args.fanout_stages, "itl_ms": itl,
+        "max_tokens": 1_000_000, "ramp_per_s": 1000, "settle_s": 1.0,
+        "hold_s": args.fanout_hold_s, "lag_target_ms": 50.0, "give_up_lag_ms": 500.0,
+        "budget_s": 120, "min_streams": 2000, "workers": workers,
+    }  # fmt: skip
+    if search:
+        cmd |= {"search": True, "pinned": pinned, "start": args.fanout_search_start,
+                "max_streams": args.fanout_search_max, "resolution": args.fanout_search_resolution}  # fmt: skip
+    try:
+        res = client.call(cmd, timeout=300)
+    except Exception as exc:  # keep the other runs: report the failure instead
+        res = {"protocol": proto, "itl_ms": itl, "workers": workers, "search": search,
+               "pinned": pinned, "stages": [], "max_ok_streams": 0,
+               "error_samples": [f"{type(exc).__name__}: {exc}"[:500]]}  # fmt: skip
+    group.stop(client)
+    group.stop(server)
+    return res
+
+
 def run_fanout(args, group: ProcGroup, env, logs: Path) -> list[dict]:
     from tqdm import tqdm
 
-    results = []
-    ramps = [(itl, proto, w) for itl in args.fanout_itl_ms for proto in args.fanout_protocols
-             for w in args.fanout_workers]  # fmt: skip
-    for itl, proto, workers in tqdm(ramps, desc="fan-out", unit="ramp", dynamic_ncols=True):
-        port = free_port()
-        server = group.add(Server(
-            f"sluice-sim-{proto}-{int(itl)}-w{workers}",
-            [PY, str(HERE / "simserver.py"), "--model", "simulator", "--engine", "simulator",
-             "--sim-ttft-ms", "50", "--sim-itl-ms", str(itl), "--host", "127.0.0.1",
-             "--port", str(port), "--max-concurrent-streams", "20000",
-             "--protocols", "sse,websocket", "--log-level", "warning",
-             "--api-workers", str(workers)],
-            env, logs, port, "/ready",
-        ))  # fmt: skip
-        server.wait_ready(60)
-        client = group.add(
-            Worker(
-                f"fanout-{proto}-{int(itl)}-w{workers}", [PY, str(HERE / "fanout.py")], env, logs
-            )  # fmt: skip
-        )
-        hold = args.fanout_hold_s
-        try:
-            res = client.call({
-                "base_url": server.base_url, "protocol": proto, "server_pid": server.pid,
-                "model": "simulator", "stages": args.fanout_stages, "itl_ms": itl,
-                "max_tokens": 1_000_000, "ramp_per_s": 1000, "settle_s": 1.0, "hold_s": hold,
-                "lag_target_ms": 50.0, "give_up_lag_ms": 500.0, "budget_s": 120,
-                "min_streams": 2000, "workers": workers,
-            }, timeout=300)  # fmt: skip
-        except Exception as exc:  # keep the other ramps: report the failure instead
-            res = {"protocol": proto, "itl_ms": itl, "workers": workers, "stages": [],
-                   "max_ok_streams": 0,
-                   "error_samples": [f"{type(exc).__name__}: {exc}"[:500]]}  # fmt: skip
-        results.append(res)
-        group.stop(client)
-        group.stop(server)
-    return results
+    runs = [(itl, proto, w, False) for itl in args.fanout_itl_ms
+            for proto in args.fanout_protocols for w in args.fanout_workers]  # fmt: skip
+    runs += [(FANOUT_SEARCH_ITL_MS, proto, 1, True) for proto in args.fanout_protocols]
+    return [
+        fanout_point(args, group, env, logs, proto, itl, workers, search)
+        for itl, proto, workers, search in tqdm(runs, desc="fan-out", unit="run",
+                                                 dynamic_ncols=True)
+    ]  # fmt: skip
 
 
 def main(argv=None) -> int:

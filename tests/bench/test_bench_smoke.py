@@ -1,6 +1,7 @@
 """`make bench` end to end in its short form (`run.py --quick`): every phase (vLLM's server,
 our server and the bare engine on the tiny model, the matrix, the cross-check with vLLM's
-own benchmark client, both fan-out ramps with one and two front-end workers, a LoRA adapter
+own benchmark client, both fan-out ramps with one and two front-end workers and the fan-out
+search with server and client pinned apart, a LoRA adapter
 next to the base, fairness between tenants on the simulator) runs on a fresh machine and
 writes its outputs.
 No speed is asserted here (numbers live in docs/benchmarks.md); errors are, because a
@@ -43,9 +44,16 @@ def test_quick_bench_runs_end_to_end(tmp_path):
             assert "error" not in theirs and theirs["failed"] == 0, theirs
         assert all(r["errors"] == 0 for r in target["ours"])
 
-    for ramp in results["fanout"]:
+    ramps = [r for r in results["fanout"] if not r.get("search")]
+    for ramp in ramps:
         assert ramp["stages"] and all(s["errors"] == 0 for s in ramp["stages"]), ramp
-    assert {r["workers"] for r in results["fanout"]} == {1, 2}  # one process, and a pod of 2
+    assert {r["workers"] for r in ramps} == {1, 2}  # one process, and a pod of 2
+    # The search pushes until a stage fails: only the load it reports must be clean.
+    searches = [r for r in results["fanout"] if r.get("search")]
+    assert {r["protocol"] for r in searches} == {"sse", "websocket"}
+    for search in searches:
+        best = [s for s in search["stages"] if s["streams"] == search["max_ok_streams"]]
+        assert best and best[0]["new_errors"] == 0, search
 
     for row in results["lora"]["rows"]:
         assert row["errors"] == 0 and row["ttft_ratio"] > 0 and row["tokens_per_s_ratio"] > 0
