@@ -22,7 +22,7 @@ ALL_PROTOCOLS: tuple[Protocol, ...] = ("sse", "websocket", "responses", "anthrop
 class Settings(BaseSettings):
     """Every field is a flag (`--max-model-len`) and an environment variable
     (`SLUICE_MAX_MODEL_LEN`); flags win. The descriptions are the documentation: `--help`
-    and the flag tables in server/README.md and docs/design.md are generated from them."""
+    and the flag table in server/README.md is generated from them."""
 
     model_config = SettingsConfigDict(env_prefix="SLUICE_", extra="forbid")
 
@@ -512,7 +512,7 @@ def _default(name: str, model: type[BaseSettings] = Settings) -> str:
 
 
 def flag_table(model: type[BaseSettings] = Settings) -> str:
-    """The Markdown flag table of server/README.md and docs/design.md (`make docs`)."""
+    """The Markdown flag table of server/README.md (`make docs`)."""
     prefix = model.model_config.get("env_prefix", "")
     rows = ["| flag | env | default | meaning |", "|---|---|---|---|"]
     for name, info in model.model_fields.items():
