@@ -5,7 +5,7 @@ engine's arguments, environment and simulator timing (`engine`), and its LoRA li
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import Field, StringConstraints
 
@@ -71,9 +71,10 @@ class ModelSpec(ApiModel):
     cache: ModelCache = sub(ModelCache, "Cache volume for downloaded weights.")
 
 
-# vLLM 0.32's --max-lora-rank choices (vllm.config.lora.MaxLoRARanks).
-LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# vLLM 0.32's --max-lora-rank choices (vllm.config.lora.MaxLoRARanks), which
+# test_operator_vllm_flags.py compares with vLLM's parser; the field's description lists them.
 LoraRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
+_RANKS = [str(r) for r in get_args(LoraRank)]
 DEFAULT_MAX_LORAS = 4
 DEFAULT_MAX_LORA_RANK: LoraRank = 16
 ENGINE_START = (
@@ -112,8 +113,8 @@ class LoraSpec(ApiModel):
     )
     max_lora_rank: LoraRank = Field(
         default=DEFAULT_MAX_LORA_RANK,
-        description="Largest adapter rank the engine accepts (vLLM --max-lora-rank: 1, 8, 16, "
-        "32, 64, 128, 256, 320 or 512). " + ENGINE_START,
+        description="Largest adapter rank the engine accepts (vLLM --max-lora-rank: "
+        f"{', '.join(_RANKS[:-1])} or {_RANKS[-1]}). " + ENGINE_START,
     )
     max_cpu_loras: int | None = Field(
         default=None,

@@ -13,7 +13,6 @@ Name = Annotated[
     str,
     StringConstraints(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"),
 ]
-Label = Annotated[str, StringConstraints(max_length=63)]
 
 
 class SecretKeyRef(ApiModel):
