@@ -29,8 +29,9 @@ from typing import Any
 
 from .builders.adapters import adapter_id, lora_args
 from .models.resource import StreamingModel
+from .models.status import ConditionType
 
-CONDITION = "AdaptersReady"
+CONDITION: ConditionType = "AdaptersReady"
 _SAMPLE = re.compile(r"^sluice_adapter_state\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)", re.M)
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 

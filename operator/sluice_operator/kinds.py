@@ -32,6 +32,7 @@ from .builders.routing import desired_inference_pool, pool_verdict
 from .builders.service import desired_service
 from .models import GROUP, KIND, PLURAL, VERSION
 from .models.resource import StreamingModel
+from .models.status import ConditionType
 
 Builder = Callable[[StreamingModel], dict[str, Any] | None]
 
@@ -190,7 +191,7 @@ class OptionalKind:
     event: str
     forbidden: str
     missing: str
-    condition: str | None = None
+    condition: ConditionType | None = None
     ready: Ready | None = None
     reasons: tuple[str, str] = ("Forbidden", "CRDMissing")
     excludes: Kind | None = None

@@ -39,6 +39,7 @@ from enum import StrEnum
 from typing import Any
 
 from .models.resource import StreamingModel
+from .models.status import ConditionType
 from .opmetrics import OperatorMetrics
 
 LAST_REQUEST = "sluice_last_request_timestamp_seconds"
@@ -196,7 +197,7 @@ def with_replicas(workload: Mapping[str, Any], replicas: int, resource_version: 
     return out
 
 
-ZERO_CONDITION = "ScaledToZero"
+ZERO_CONDITION: ConditionType = "ScaledToZero"
 
 
 def zero_status(

@@ -20,6 +20,7 @@ from .builders.routing import backend_verdict
 from .builders.service import service_url
 from .kinds import GATEWAY_API_INFERENCE_EXTENSION, OPTIONAL_KINDS, OptionalKind, Unavailable
 from .models.resource import StreamingModel
+from .models.status import ConditionType
 
 # Container states that will not fix themselves without a change (image, args, secrets).
 STUCK_REASONS = {
@@ -32,7 +33,7 @@ STUCK_REASONS = {
 }
 
 
-def _cond(type_: str, ok: bool | None, reason: str, message: str) -> dict[str, str]:
+def _cond(type_: ConditionType, ok: bool | None, reason: str, message: str) -> dict[str, str]:
     status = "Unknown" if ok is None else ("True" if ok else "False")
     return {"type": type_, "status": status, "reason": reason, "message": message}
 
@@ -192,7 +193,7 @@ def optional_condition(
     return _cond(optional.condition, *optional.ready(model, live))
 
 
-TEMPLATE_CONDITION = "TemplateCurrent"
+TEMPLATE_CONDITION: ConditionType = "TemplateCurrent"
 
 
 def with_template_wait(

@@ -41,7 +41,7 @@ from sluice_operator.builders.metrics import (
 )
 from sluice_operator.kinds import ALL_KINDS, CHILD_KINDS, KEDA_KIND, desired_children
 from sluice_operator.models.resource import StreamingModel
-from sluice_operator.models.spec import AutoscalingSpec
+from sluice_operator.models.scaling import AutoscalingSpec
 from sluice_operator.reconcile import converge
 from sluice_operator.render import render_objects
 from sluice_operator.validation import load_model

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from operator_helpers import minimal
-from sluice_operator.models.status import StreamingModelStatus
+from sluice_operator.models.status import CONDITION_TYPES, StreamingModelStatus
 from sluice_operator.status import compute_status, invalid_status
 from sluice_operator.validation import load_model
 
@@ -304,3 +306,10 @@ def test_surge_waiting_needs_the_old_replicas_ready():
     status = compute_status(model(replicas=1), 2, dep, [pending_pod()], None, None, NOW)
     assert status["phase"] == "Pending"
     assert conds(status)["Progressing"]["reason"] != "SurgePodUnschedulable"
+
+
+def test_the_api_reference_names_every_condition_type():
+    """status.conditions' description (kubectl explain, docs/api.md) says when each condition
+    the operator writes appears; mypy holds the writers to CONDITION_TYPES."""
+    text = StreamingModelStatus.model_fields["conditions"].description or ""
+    assert [t for t in CONDITION_TYPES if not re.search(rf"\b{t}\b", text)] == []

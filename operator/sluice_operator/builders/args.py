@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 import re
 
+from ..models.engine import SimulatorSpec
 from ..models.resource import API_KEYS_DIR, API_KEYS_FILE, JWKS_DIR, JWKS_FILE, StreamingModel
-from ..models.spec import SimulatorSpec
 from .adapters import lora_args
 from .common import PORT, fmt_number
 

@@ -33,8 +33,6 @@ from .deployment import pod_template
 API_VERSION = "leaderworkerset.x-k8s.io/v1"
 KIND = "LeaderWorkerSet"
 EXCLUSIVE_TOPOLOGY = "leaderworkerset.sigs.k8s.io/exclusive-topology"
-# Set by LWS on every pod of a group: "0" on the leader.
-WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
 ROLE_LABEL = "serving.sluice.dev/role"
 
 

@@ -6,8 +6,9 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from .adapters import ADAPTER_NAME_IS_BASE
 from .base import Rule
-from .spec import ADAPTER_NAME_IS_BASE, StreamingModelSpec
+from .spec import StreamingModelSpec
 
 # The object's name becomes the Service's, so it must be a DNS-1035 label. On the CRD's root
 # (generate/crd.py): `self` is the whole object there, and the operator checks the name.
@@ -20,7 +21,7 @@ NAME_RULE = Rule(
     detail=lambda name: f"got {name!r}: rename the resource",
 )
 # The one adapter rule that needs the object's name (an unnamed non-hf base is served under
-# it); the others are on the spec (models/spec.py, ADAPTER_RULES). Also on the CRD's root;
+# it); the others are on the spec (models/adapters.py, ADAPTER_RULES). Also on the CRD's root;
 # the operator's `holds` takes (name, parsed spec).
 ADAPTER_NAME_RULE = Rule(
     "!has(self.spec.adapters) || has(self.spec.model.servedName) || "
