@@ -244,3 +244,32 @@ def test_kopfs_own_requests_write_only_while_leading():
 
     asyncio.run(main())
     assert sent == ["GET", "PATCH"]
+
+
+def test_startup_wires_the_election_into_the_fence_kopfs_events_and_the_resync(monkeypatch):
+    """`--leader-elect`: the composition root hands the one Elector to every writer (the
+    pass's fence, kopf's storages and Events) and its start to the resync; without the flag
+    kopf posts Events from the start and writes are never fenced."""
+    from sluice_operator import wiring
+    from sluice_operator.election import ElectionSettings, Elector
+
+    api = SimpleNamespace()
+    monkeypatch.setattr(wiring, "_load_kube_config", lambda: api)
+    election = ElectionSettings(name="sluice-operator", namespace="ops", identity="pod-a_1")
+    settings = kopf.OperatorSettings()
+    options = Options(identity="pod-a", election=election)
+    runtime = wiring.wire(options, settings, LOG)
+    assert isinstance(runtime.elector, Elector) and runtime.leadership is runtime.elector
+    assert api.user_agent == kopfwrites.user_agent("pod-a")
+    fenced = runtime.cluster
+    assert isinstance(fenced, FencedCluster) and fenced.may_write == runtime.elector.leading
+    assert not runtime.leading() and settings.posting.enabled is False
+    assert isinstance(settings.persistence.progress_storage, kopfwrites.LeaderOnlyProgress)
+    runtime.elector._on_started()  # what winning the Lease calls, on kopf's loop
+    assert settings.posting.enabled is True and runtime.resync._kicked.is_set()
+    runtime.elector._on_stopped("lost")
+    assert settings.posting.enabled is False
+    # Negative control: one replica, no election.
+    single = kopf.OperatorSettings()
+    runtime = wiring.wire(Options(), single, LOG)
+    assert runtime.elector is None and runtime.leading() and single.posting.enabled is True
