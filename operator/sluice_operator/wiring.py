@@ -160,7 +160,8 @@ def wire(
             raise ValueError("leader election needs the API server's Lease, not a stand-in")
         elector = _elector(options.election, kube, settings, lambda: resync.kick())
         leadership = elector
-    leadership = leadership or AlwaysLeading()
+    if leadership is None:
+        leadership = AlwaysLeading()
     leading = leadership.leading
     _configure_kopf(settings, leading, electing=elector is not None)
     fenced = FencedCluster(cluster, leading)
