@@ -12,6 +12,11 @@ import socket
 import sys
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .election import ElectionSettings
+    from .scaler import ActivatorSettings
 
 
 def _repo_root() -> Path:
@@ -50,7 +55,7 @@ def _cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
-def election_settings(args: argparse.Namespace) -> object | None:
+def election_settings(args: argparse.Namespace) -> ElectionSettings | None:
     """The `--leader-elect*` flags as `election.ElectionSettings` (None without the flag).
     The Lease holder is the identity plus a random suffix (client-go's hostname_uuid): a
     restarted container in the same pod is a new candidate, never the old leader."""
@@ -68,7 +73,7 @@ def election_settings(args: argparse.Namespace) -> object | None:
     )
 
 
-def activator_settings(args: argparse.Namespace) -> object | None:
+def activator_settings(args: argparse.Namespace) -> ActivatorSettings | None:
     """The `--activator-*` flags as `scaler.ActivatorSettings` (None without the Service)."""
     if not args.activator_service:
         return None
@@ -83,27 +88,31 @@ def activator_settings(args: argparse.Namespace) -> object | None:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from .runner import run
+    from .wiring import Options
 
     try:
         election = election_settings(args)
     except ValueError as exc:
         print(f"sluice-operator run: {exc}", file=sys.stderr)
         return 2
+    options = Options(
+        resync_seconds=args.resync_seconds,
+        max_rollouts=args.max_concurrent_model_rollouts,
+        identity=args.identity,
+        election=election,
+        activator=activator_settings(args),
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+    )
     return run(
         namespaces=args.namespace,
         all_namespaces=args.all_namespaces,
         liveness=args.liveness,
+        options=options,
         verbose=args.verbose,
         standalone=args.standalone or not args.peering,
         peering=args.peering,
         log_format=args.log_format,
-        resync_seconds=args.resync_seconds,
-        identity=args.identity,
-        election=election,
-        max_rollouts=args.max_concurrent_model_rollouts,
-        activator=activator_settings(args),
-        metrics_port=args.metrics_port,
-        metrics_host=args.metrics_host,
     )
 
 

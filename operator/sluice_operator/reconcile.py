@@ -83,7 +83,7 @@ class Outcome:
     deleted: list[str] = field(default_factory=list)
     status_written: bool = False
     phase: str | None = None
-    # An adapter is still loading on some pod: look again soon (handlers.py retries).
+    # An adapter is still loading on some pod: look again soon (passes.py retries).
     adapters_settling: bool = False
     # The LeaderWorkerSet's groups are not all updated and Ready. Its status is not watched
     # (the LWS kind is optional), so nothing else would show the change: look again soon.
@@ -267,7 +267,7 @@ def _converge(
     run.write_status()
     run.post_events()
     # A missing CRD or grant fails the pass after the rest converged: the handler retries
-    # with backoff (handlers.py), so the kind appears once it is installed.
+    # with backoff (passes.py), so the kind appears once it is installed.
     refused = [run.refused[row.name] for row in OPTIONAL_KINDS if row.name in run.refused]
     if refused:
         raise refused[0][1]

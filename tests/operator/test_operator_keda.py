@@ -400,9 +400,7 @@ def test_missing_keda_is_reported_the_rest_converges_and_the_pass_is_retried(sta
     import kopf
 
     with pytest.raises(kopf.TemporaryError):
-        handlers._converge(
-            cluster, cluster.memo.memory, "default", "m", 0, __import__("logging").getLogger("t")
-        )
+        cluster.runtime.passes.converge("default", "m", 0, __import__("logging").getLogger("t"))
     # KEDA installed (and granted) later: the next pass converges and clears the message.
     cluster.refuse = 0
     converge(cluster, body, Events(), now=NOW)

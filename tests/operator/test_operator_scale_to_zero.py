@@ -438,7 +438,7 @@ def test_poller_keeps_models_json_and_signals_idle_only_when_every_activator_kno
     pages = {"10.0.0.5": page(0.0), "10.0.1.1": activator_page({}, [("default", "m")]),
              "10.0.1.2": activator_page({}, [])}  # fmt: skip
     woken: list = []
-    scaler = ZeroScaler(cluster, cluster.memo.memory,
+    scaler = ZeroScaler(cluster, cluster.memory,
                         ActivatorSettings("sluice-activator", "sluice-system", "x=y"),
                         wake=woken.extend, page=lambda p: pages.get(p["status"]["podIP"]),
                         clock=lambda: 1000.0)  # fmt: skip
@@ -476,7 +476,7 @@ def test_poller_without_an_activator_never_signals_idle():
     cluster.store(body)
     converge(cluster, body, Events(), now=NOW)
     cluster.calls.clear()
-    scaler = ZeroScaler(cluster, cluster.memo.memory, None, wake=lambda k: None,
+    scaler = ZeroScaler(cluster, cluster.memory, None, wake=lambda k: None,
                         page=lambda p: page(0.0), clock=lambda: 1e9)  # fmt: skip
     scaler.run_once()
     assert scaler.signals(("default", "m")) == Signals()
