@@ -110,7 +110,8 @@ class ModelSpec(ApiModel):
     hf_token_secret_ref: SecretKeyRef | None = Field(
         default=None,
         description="Secret key holding a Hugging Face token for gated or private models. "
-        "Passed to the server as the HF_TOKEN environment variable, never as an argument.",
+        "Mounted into the pod as a file named by HF_TOKEN_PATH, never in the environment or "
+        "the arguments.",
     )
     cache: ModelCache = sub(ModelCache, "Cache volume for downloaded weights.")
 
@@ -613,8 +614,9 @@ class RateLimitSpec(ApiModel):
     )
     redis_url_secret_ref: RedisUrlSecretRef | None = Field(
         default=None,
-        description="Secret key with the Redis URL, passed to the server in its environment "
-        "(SLUICE_REDIS_URL), never as an argument.",
+        description="Secret key with the Redis URL, mounted into the pod as the file the server "
+        "reads (--redis-url-file), never in the environment or the arguments (except for a "
+        "spec.image pinned to a server version from before that flag).",
     )
     failure_mode: Literal["open", "closed"] = Field(
         default="open",
