@@ -6,7 +6,8 @@ The flag names are a contract with the operator (docs/design.md); keep them stab
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -264,12 +265,18 @@ class Settings(BaseSettings):
     rate_limit_backend: Literal["memory", "redis"] = Field(
         "memory", description="Where the buckets live: `memory` (each replica limits on its "
         "own, so N replicas allow N times the limit) or `redis` (one set of buckets for every "
-        "replica; needs `--redis-url`).",
+        "replica; needs `--redis-url-file` or `--redis-url`).",
     )  # fmt: skip
     redis_url: SecretStr | None = Field(
         None, description="Redis for `--rate-limit-backend redis`, e.g. "
-        "`redis://:password@redis:6379/0` or `rediss://...` (TLS). Pass it in the "
-        "environment from a Secret, not as a flag: it may hold a password.",
+        "`redis://:password@redis:6379/0` or `rediss://...` (TLS). It may hold a password: "
+        "prefer `--redis-url-file`; never pass it as a flag.",
+    )  # fmt: skip
+    redis_url_file: Path | None = Field(
+        None, description="File holding the Redis URL (surrounding whitespace ignored), read "
+        "at start; instead of `--redis-url`. On Kubernetes the operator mounts "
+        "`spec.auth.rateLimit.redisUrlSecretRef` there. A missing or empty file stops the "
+        "server at start.",
     )  # fmt: skip
     rate_limit_failure_mode: Literal["open", "closed"] = Field(
         "open", description="When Redis cannot be reached: `open` admits (counted in "
@@ -375,8 +382,18 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _complete(self) -> Settings:
+        if self.redis_url_file is not None:
+            if self.redis_url is not None:
+                raise ValueError(
+                    "give --redis-url-file or --redis-url (SLUICE_REDIS_URL), not both"
+                )
+            self.redis_url = SecretStr(
+                read_secret_file(self.redis_url_file, "--redis-url-file", "the Redis URL")
+            )
         if self.rate_limit_backend == "redis" and self.redis_url is None:
-            raise ValueError("--rate-limit-backend redis needs --redis-url (or SLUICE_REDIS_URL)")
+            raise ValueError("--rate-limit-backend redis needs --redis-url-file or --redis-url "
+                             "(SLUICE_REDIS_URL)")  # fmt: skip
+        check_hf_token_path(os.environ)
         if self.jwt_jwks_file is not None and not (self.jwt_issuer and self.jwt_audience):
             raise ValueError("--jwt-jwks-file needs --jwt-issuer and --jwt-audience")
         if self.queue_timeout_seconds is not None and not self.queue_size:
@@ -439,6 +456,32 @@ class Settings(BaseSettings):
     def model_label(self) -> str:
         """The name clients send in `model` and metrics carry as a label."""
         return self.served_model_name or self.model
+
+
+def read_secret_file(path: Path, flag: str, what: str) -> str:
+    """The secret a file holds, stripped (a Secret's key often ends in a newline); a
+    ValueError that names the flag, the file and what to fix when there is none."""
+    try:
+        value = path.read_text().strip()
+    except FileNotFoundError:
+        raise ValueError(f"{flag} {path}: no such file; it must hold {what} (on Kubernetes: "
+                         "mounted from the Secret key the StreamingModel names)") from None  # fmt: skip
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{flag} {path}: cannot read it ({e})") from None
+    if not value:
+        raise ValueError(f"{flag} {path} is empty; it must hold {what} (on Kubernetes: the "
+                         "Secret key the StreamingModel names is empty)")  # fmt: skip
+    return value
+
+
+def check_hf_token_path(environ: Mapping[str, str]) -> None:
+    """`HF_TOKEN_PATH`, when set, names the Hugging Face token file that `huggingface_hub`
+    reads in every process (on Kubernetes: `spec.model.hfTokenSecretRef`, mounted). Without
+    the file it would download anonymously and fail later on a gated model with an error that
+    names no file: refuse at start instead."""
+    path = environ.get("HF_TOKEN_PATH")
+    if path:
+        read_secret_file(Path(path), "HF_TOKEN_PATH", "a Hugging Face token")
 
 
 class ActivatorSettings(BaseSettings):

@@ -208,6 +208,22 @@ def test_secure_defaults(h):
     assert vol["emptyDir"]["sizeLimit"]
 
 
+@pytest.mark.parametrize("values", [[], [ALL_ON]], ids=["defaults", "all-on"])
+def test_no_workload_takes_a_secret_through_env(h, values):
+    """The operator and the activator, like the model pods the operator renders
+    (tests/operator/test_operator_secrets.py): no secretKeyRef in env, no envFrom secretRef."""
+    workloads = [
+        d for d in h.template(OPERATOR_CHART, values=values) if "template" in d.get("spec", {})
+    ]
+    assert {d["kind"] for d in workloads} == {"Deployment"} and len(workloads) == 2
+    for d in workloads:
+        pod = d["spec"]["template"]["spec"]
+        for c in pod["containers"] + pod.get("initContainers", []):
+            env = [e["name"] for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})]
+            env_from = [e for e in c.get("envFrom", []) if "secretRef" in e]
+            assert not env and not env_from, f"{d['metadata']['name']}/{c['name']}"
+
+
 def test_config_checksum_rolls_pods_only_on_config_change(h):
     def checksum(set_):
         deploy, _ = _container(h.template(OPERATOR_CHART, set_=set_))

@@ -2,8 +2,8 @@
 
 The operator renders the Deployment; the live node agent runs it under bubblewrap with
 its weights on a PersistentVolumeClaim (a PV bound by the real PV controller, the claim's
-folder bind-mounted read-only), API keys from a Secret volume, HF_TOKEN from a
-`secretKeyRef`, and the ingress path prefix. Then:
+folder bind-mounted read-only), API keys and the HF token from Secret volumes, and the
+ingress path prefix. Then:
 - token SSE, WebSocket and OpenAI chat stream through the ingress URL, a request without a
   key is refused;
 - a wedged engine: the engine-core process inside the pod is killed; the pod goes unready,

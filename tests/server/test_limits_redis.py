@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -83,7 +84,11 @@ def start_server(port: int, key_file, backend: str, redis_url: str, **limits) ->
             "--log-level", "warning"]  # fmt: skip
     for name, value in limits.items():
         argv += [f"--rate-limit-{name}", str(value)]
-    env = {**os.environ, "SLUICE_REDIS_URL": redis_url}
+    # As in a pod: the URL in a file (the operator mounts the Secret's key there).
+    url_file = Path(key_file).parent / "redis-url"
+    url_file.write_text(redis_url + "\n")
+    argv += ["--redis-url-file", str(url_file)]
+    env = {k: v for k, v in os.environ.items() if k != "SLUICE_REDIS_URL"}
     return subprocess.Popen(argv, env=env, start_new_session=True)
 
 

@@ -9,6 +9,7 @@ from ..models.engine import SimulatorSpec
 from ..models.resource import API_KEYS_DIR, API_KEYS_FILE, JWKS_DIR, JWKS_FILE, StreamingModel
 from .adapters import lora_args
 from .common import PORT, fmt_number
+from .secrets import secret_args
 
 # SIGTERM to exit: the pod keeps serving in-flight streams for the stream timeout, after a
 # short preStop pause that lets endpoints and the ingress stop sending new requests.
@@ -160,8 +161,9 @@ def server_args(model: StreamingModel) -> list[str]:
         args += ["--rate-limit-rpm", str(limit.requests_per_minute)]
     if limit.tokens_per_minute:
         args += ["--rate-limit-tpm", str(limit.tokens_per_minute)]
-    if limit.backend == "redis":  # the URL comes from the Secret, in SLUICE_REDIS_URL
+    if limit.backend == "redis":  # the URL comes from the Secret (builders/secrets.py)
         args += ["--rate-limit-backend", "redis", "--rate-limit-failure-mode", limit.failure_mode]
+        args += secret_args(model)
 
     tracing = spec.observability.tracing
     if tracing.endpoint:

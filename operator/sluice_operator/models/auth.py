@@ -70,8 +70,9 @@ class RateLimitSpec(ApiModel):
     )
     redis_url_secret_ref: RedisUrlSecretRef | None = Field(
         default=None,
-        description="Secret key with the Redis URL, passed to the server in its environment "
-        "(SLUICE_REDIS_URL), never as an argument.",
+        description="Secret key with the Redis URL, mounted into the pod as the file the server "
+        "reads (--redis-url-file), never in the environment or the arguments (except for a "
+        "spec.image pinned to a server version from before that flag).",
     )
     failure_mode: Literal["open", "closed"] = Field(
         default="open",

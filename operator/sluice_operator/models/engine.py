@@ -66,7 +66,8 @@ class ModelSpec(ApiModel):
     hf_token_secret_ref: SecretKeyRef | None = Field(
         default=None,
         description="Secret key holding a Hugging Face token for gated or private models. "
-        "Passed to the server as the HF_TOKEN environment variable, never as an argument.",
+        "Mounted into the pod as a file named by HF_TOKEN_PATH, never in the environment or "
+        "the arguments.",
     )
     cache: ModelCache = sub(ModelCache, "Cache volume for downloaded weights.")
 
