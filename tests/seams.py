@@ -16,7 +16,8 @@ from sluice_server.core.ratelimit import Limiter, MemoryLimiter, RedisLimiter
 from sluice_server.engine.base import ApiServing, Engine
 from sluice_server.engine.builtin_api import BuiltinApi
 from sluice_server.engine.simulator import SimulatorEngine
-from sluice_server.engine.vllm_engine import VllmApi, VllmEngine
+from sluice_server.engine.vllm_api import VllmApi
+from sluice_server.engine.vllm_engine import VllmEngine
 
 
 def engines(simulator: SimulatorEngine, vllm: VllmEngine) -> list[Engine]:

@@ -49,7 +49,7 @@ def test_bad_flags_are_rejected():
 
 
 def test_vllm_args_from_settings():
-    from sluice_server.engine.vllm_engine import vllm_cli_args
+    from sluice_server.engine.vllm_argv import vllm_cli_args
 
     s = parse_settings(["--model", "m", "--max-model-len", "512", "--swap-space", "2",
                         "--", "--seed", "3"])  # fmt: skip
@@ -61,7 +61,7 @@ def test_vllm_args_from_settings():
 
 
 def test_tracing_endpoint_reaches_vllm():
-    from sluice_server.engine.vllm_engine import vllm_cli_args
+    from sluice_server.engine.vllm_argv import vllm_cli_args
 
     url = "http://collector:4318/v1/traces"
     s = parse_settings(["--model", "m", "--otlp-traces-endpoint", url,
