@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from operator_helpers import AbsentKind, FakeCluster
 from sluice_operator.cluster import Cluster, FencedCluster, KubeCluster
-from sluice_server.core.ratelimit import Limiter, MemoryLimiter, RedisLimiter
+from sluice_server.core.limits.ratelimit import Limiter, MemoryLimiter, RedisLimiter
 from sluice_server.engine.base import ApiServing, Engine
 from sluice_server.engine.builtin_api import BuiltinApi
 from sluice_server.engine.simulator import SimulatorEngine

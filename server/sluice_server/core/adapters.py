@@ -43,10 +43,10 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.base import Adapter, AdapterLoadError, Engine
+from .auth.identity import MODEL_NAME, Principal
+from .auth.reload import Stamp, stamp
 from .errors import ApiError
-from .identity import MODEL_NAME, Principal
-from .metrics import Metrics
-from .reload import Stamp, stamp
+from .telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -9,11 +9,11 @@ import pytest
 from jwt_helpers import AUDIENCE, ISSUER, Issuer, jwks
 from pydantic import ValidationError
 from sluice_server.app import caller_rules
-from sluice_server.core.auth import GRAMMAR, KeyStore
-from sluice_server.core.credentials import Credentials
+from sluice_server.core.auth.apikeys import GRAMMAR, KeyStore
+from sluice_server.core.auth.credentials import Credentials
+from sluice_server.core.auth.identity import CallerRules, Plan, Priorities
+from sluice_server.core.auth.jwks import JwtVerifier
 from sluice_server.core.errors import ApiError
-from sluice_server.core.identity import CallerRules, Plan, Priorities
-from sluice_server.core.jwks import JwtVerifier
 from sluice_server.settings import Settings, parse_settings
 
 RULES = CallerRules(Plan(60, 0), Priorities(("interactive", "batch")), {"acme": 3})

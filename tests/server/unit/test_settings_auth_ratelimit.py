@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from sluice_server.core.auth import KeyStore, authenticate, bearer, key_id
+from sluice_server.core.auth.apikeys import KeyStore, authenticate, bearer, key_id
+from sluice_server.core.auth.identity import Plan
 from sluice_server.core.errors import ApiError
-from sluice_server.core.identity import Plan
-from sluice_server.core.ratelimit import MemoryLimiter
+from sluice_server.core.limits.ratelimit import MemoryLimiter
 from sluice_server.settings import parse_settings
 
 
