@@ -47,7 +47,7 @@ from ..core.streaming.keepalive import KeepAlive
 from ..protocols import anthropic, responses, token_sse
 from ..protocols.engine_api import openai_error_event
 from ..transport.sse import QUEUED, SSEResponse
-from .metrics import ActivatorMetrics
+from .metrics import ActivatorMetrics, Outcome
 from .upstream import Upstream
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class Held:
         changed = self.up.closing.changed
         return () if changed.done() else (changed,)
 
-    def end(self, outcome: str) -> None:
+    def end(self, outcome: Outcome) -> None:
         if self.ended:
             return
         self.ended = True

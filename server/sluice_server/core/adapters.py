@@ -51,7 +51,6 @@ from .telemetry.metrics import Metrics
 log = logging.getLogger(__name__)
 
 LOADING, READY, FAILED = "Loading", "Ready", "Failed"
-STATES = (LOADING, READY, FAILED)
 NAME = MODEL_NAME
 HF = re.compile(r"hf://(?P<repo>[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?)"
                 r"(@(?P<rev>[A-Za-z0-9._/-]+))?")  # fmt: skip
