@@ -1,6 +1,8 @@
 """Our flags as vLLM's serve arguments: `vllm_cli_args` renders the argv (pure: settings in,
-a list of strings out; no vLLM import), which `vllm_engine.parse_vllm_args` hands to
-vLLM's own parser and the supervisor to the engine core it launches (`vllm_pod`).
+a list of strings out; no vLLM import).
+
+`vllm_engine.parse_vllm_args` hands it to vLLM's own parser, for the engine this process
+opens, for the engine core the pod's supervisor launches (`vllm_pod`) and for a worker node.
 """
 
 from __future__ import annotations
