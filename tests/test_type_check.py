@@ -78,7 +78,7 @@ DRIFTS = [
         '"SimulatorEngine"',
     ),
     (
-        f"{SRV}/core/ratelimit.py",
+        f"{SRV}/core/limits/ratelimit.py",
         "    async def close(self) -> None:\n        await self.client.aclose()",
         "    def close(self) -> None:\n        pass",
         '"RedisLimiter"',

@@ -20,10 +20,32 @@ Protocol = Literal["sse", "websocket", "responses", "anthropic"]
 ALL_PROTOCOLS: tuple[Protocol, ...] = ("sse", "websocket", "responses", "anthropic")
 
 
-class Settings(BaseSettings):
+class HttpSettings(BaseSettings):
+    """The flags every Sluice process that serves HTTP has, the server's and the activator's:
+    where it listens, idle keep-alive, stalled readers, log level. Each subclass gives its own
+    environment prefix; these fields come first in its flag table."""
+
+    host: str = Field("0.0.0.0", description="Listen address.")
+    port: int = Field(8000, ge=0, le=65535, description="Listen port.")
+    keep_alive_seconds: float = Field(
+        75.0, gt=0, description="Idle HTTP keep-alive. Keep it above the proxy's upstream "
+        "keep-alive (ingress-nginx: 60 s), or the proxy can reuse a connection the server is "
+        "closing and answer a POST with 502.",
+    )  # fmt: skip
+    send_timeout_seconds: float = Field(
+        10.0, gt=0, description="A client that accepts no bytes for this long while bytes "
+        "wait for it (a stalled reader) is cut off and its request aborted; a reader that "
+        "keeps accepting bytes, however slowly, never is.",
+    )  # fmt: skip
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Log level."
+    )
+
+
+class Settings(HttpSettings):
     """Every field is a flag (`--max-model-len`) and an environment variable
     (`SLUICE_MAX_MODEL_LEN`); flags win. The descriptions are the documentation: `--help`
-    and the flag table in server/README.md is generated from them."""
+    and the flag table in server/README.md are generated from them."""
 
     model_config = SettingsConfigDict(env_prefix="SLUICE_", extra="forbid")
 
@@ -41,8 +63,6 @@ class Settings(BaseSettings):
     )  # fmt: skip
 
     # Where
-    host: str = Field("0.0.0.0", description="Listen address.")
-    port: int = Field(8000, ge=0, le=65535, description="Listen port.")
     api_workers: int = Field(
         1, ge=1, le=64, description="Front-end processes sharing the listening port and one "
         "engine (vLLM's multi-API-server mode: one engine core, N API processes). Each runs "
@@ -136,22 +156,12 @@ class Settings(BaseSettings):
         600.0, gt=0, description="Whole-stream limit; then an error event, and the engine "
         "request is aborted.",
     )  # fmt: skip
-    send_timeout_seconds: float = Field(
-        10.0, gt=0, description="A client that accepts no bytes for this long while bytes "
-        "wait for it (a stalled reader) is cut off and its request aborted; a reader that "
-        "keeps accepting bytes, however slowly, never is.",
-    )  # fmt: skip
     stream_buffer_tokens: int = Field(
         4096, ge=1, description="Per-stream cap of undelivered engine outputs; past it the "
         "request is aborted with an error event (stalled reader).",
     )  # fmt: skip
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Request body and WebSocket "
                                 "frame limit (413; 1009 on a WebSocket).")  # fmt: skip
-    keep_alive_seconds: float = Field(
-        75.0, gt=0, description="Idle HTTP keep-alive. Keep it above the proxy's upstream "
-        "keep-alive (ingress-nginx: 60 s), or the proxy can reuse a connection the server is "
-        "closing and answer a POST with 502.",
-    )  # fmt: skip
     drain_timeout_seconds: float = Field(
         30.0, ge=0, description="On SIGTERM: how long in-flight streams may continue before "
         "they end with an error event.",
@@ -297,9 +307,6 @@ class Settings(BaseSettings):
                               "deviation of every TTFT and gap.")  # fmt: skip
 
     # Observability
-    log_level: Literal["debug", "info", "warning", "error"] = Field(
-        "info", description="Log level."
-    )
     access_log: bool = Field(
         True, description="One line per request when it ends (logger `sluice_server.access`): "
         "request id, key id (never the key), model, protocol, status, TTFT, tokens, outcome, "
@@ -484,7 +491,7 @@ def check_hf_token_path(environ: Mapping[str, str]) -> None:
         read_secret_file(Path(path), "HF_TOKEN_PATH", "a Hugging Face token")
 
 
-class ActivatorSettings(BaseSettings):
+class ActivatorSettings(HttpSettings):
     """The activator (`sluice-server activator`): every field is a flag and a
     `SLUICE_ACTIVATOR_*` environment variable; flags win. What it holds and for how long is
     per model, in `--models-file`."""
@@ -501,8 +508,6 @@ class ActivatorSettings(BaseSettings):
     models_reload_seconds: float = Field(
         2.0, gt=0, description="How often `--models-file` is checked for changes (one `stat`).",
     )  # fmt: skip
-    host: str = Field("0.0.0.0", description="Listen address.")
-    port: int = Field(8000, ge=0, le=65535, description="Listen port.")
     ready_poll_seconds: float = Field(
         0.5, gt=0, description="Longest pause between two readiness checks (`GET /ready`) of "
         "a model that has held requests; the first checks come sooner (backoff from a tenth "
@@ -518,14 +523,6 @@ class ActivatorSettings(BaseSettings):
         64, ge=1, description="WebSocket frames a held connection may send before its model "
         "is up (they are relayed then); past it the connection is closed with 1013.",
     )  # fmt: skip
-    send_timeout_seconds: float = Field(
-        10.0, gt=0, description="A held stream's client that accepts no bytes for this long "
-        "is cut off.",
-    )  # fmt: skip
-    keep_alive_seconds: float = Field(
-        75.0, gt=0, description="Idle HTTP keep-alive (keep it above the proxy's upstream "
-        "keep-alive).",
-    )  # fmt: skip
     heartbeat_seconds: float = Field(15.0, gt=0, description="WebSocket ping interval.")
     drain_timeout_seconds: float = Field(
         30.0, ge=0, description="On SIGTERM: how much longer held requests wait for their "
@@ -533,9 +530,6 @@ class ActivatorSettings(BaseSettings):
         "stream's error event); forwarded ones get 5 s more to finish. New connections are "
         "refused at once (the Service sends them to the other activator pods).",
     )  # fmt: skip
-    log_level: Literal["debug", "info", "warning", "error"] = Field(
-        "info", description="Log level."
-    )
 
 
 def _flag(name: str) -> str:

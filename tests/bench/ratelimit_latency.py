@@ -44,9 +44,9 @@ def summary(name: str, ms: list[float]) -> str:
 
 
 async def bench_limiter(url: str, n: int) -> dict[str, dict[str, list[float]]]:
-    from sluice_server.core.identity import Plan
-    from sluice_server.core.metrics import Metrics
-    from sluice_server.core.ratelimit import MemoryLimiter, RedisLimiter
+    from sluice_server.core.auth.identity import Plan
+    from sluice_server.core.limits.ratelimit import MemoryLimiter, RedisLimiter
+    from sluice_server.core.telemetry.metrics import Metrics
 
     plan = Plan(rpm=10**9, tpm=10**12)
     out = {}

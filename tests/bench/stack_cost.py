@@ -71,7 +71,7 @@ def start_receiver() -> tuple[subprocess.Popen, str]:
 
 
 def access_log_to_devnull() -> None:
-    from sluice_server.core.trail import ACCESS_LOGGER
+    from sluice_server.core.telemetry.accesslog import ACCESS_LOGGER
 
     log = logging.getLogger(ACCESS_LOGGER)
     log.setLevel(logging.INFO)

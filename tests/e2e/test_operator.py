@@ -337,7 +337,7 @@ def test_hpa_is_accepted_and_targets_the_server_metric(operator, models, namespa
     )
     (rule,) = [r for r in rules["rules"] if r["name"]["as"] == target.metric.name]
     source = re.match(r"\^?(\w+?)_(count|bucket|sum)\$?", rule["name"]["matches"]).group(1)
-    server_metrics = pytest.importorskip("sluice_server.core.metrics")
+    server_metrics = pytest.importorskip("sluice_server.core.telemetry.metrics")
     exported = {m.name for m in server_metrics.Metrics("probe").registry.collect()}
     assert source in exported, (source, sorted(exported))
 

@@ -15,7 +15,7 @@ import pytest
 import pytest_asyncio
 import websockets
 from app_helpers import serve_simulator, ws_url
-from sluice_server.core.auth import key_id
+from sluice_server.core.auth.apikeys import key_id
 from sluice_server.engine.simulator import SimulatorEngine
 from testkit.wait import eventually_async
 
@@ -240,7 +240,7 @@ async def test_key_rotation_without_restart_while_a_stream_runs(tmp_path, caplog
     finally:
         await slow.shutdown()
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
-                and r.name == "sluice_server.core.reload"]  # fmt: skip
+                and r.name == "sluice_server.core.auth.reload"]  # fmt: skip
     assert len(warnings) == 1 and "line 1: rpm must be a whole number" in warnings[0], warnings
     lines = server_log_lines(caplog, capfd)
     assert not [ln for ln in lines for k in (old, new) if k in ln]

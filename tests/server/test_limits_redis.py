@@ -22,10 +22,10 @@ import httpx
 import pytest
 import pytest_asyncio
 from app_helpers import serve_simulator
+from sluice_server.core.auth.identity import Plan
 from sluice_server.core.errors import ApiError
-from sluice_server.core.identity import Plan
-from sluice_server.core.metrics import Metrics
-from sluice_server.core.ratelimit import RedisLimiter
+from sluice_server.core.limits.ratelimit import RedisLimiter
+from sluice_server.core.telemetry.metrics import Metrics
 from sluice_server.engine.simulator import SimulatorEngine
 from testkit.net import free_port
 from testkit.wait import eventually_async
@@ -272,6 +272,8 @@ async def test_redis_outage_follows_the_failure_mode(sim, redis_server, key_file
     assert errors and float(errors[0].split()[-1]) >= 10, errors
     if mode == "closed":
         assert 'protocol="sse",reason="limiter_unavailable"} 10.0' in metrics
-    lines = [r.getMessage() for r in caplog.records if r.name == "sluice_server.core.ratelimit"]
+    lines = [
+        r.getMessage() for r in caplog.records if r.name == "sluice_server.core.limits.ratelimit"
+    ]
     assert len(lines) == 2, lines  # one line for the whole outage (rate limited), one after
     assert f"failing {mode}" in lines[0] and "reachable again" in lines[1]

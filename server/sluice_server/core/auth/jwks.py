@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import jwt
 
-from ..names import valid_tenant
-from .errors import ApiError
+from ...names import valid_tenant
+from ..errors import ApiError
 from .identity import DEFAULT_TENANT, CallerRules, Plan, Principal, parse_models
 
 if TYPE_CHECKING:

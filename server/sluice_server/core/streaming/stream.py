@@ -13,9 +13,9 @@ every event it handed to a writer (the delivered answer, so at most `max_tokens`
 so that a second consumer can take over after the first one went away (resumable token
 SSE, lifecycle.py); the cap on undelivered outputs is the same.
 
-A stream may start *waiting*: with `admission` (a queued request's ticket, core/admission.py)
+A stream may start *waiting*: with `admission` (a queued request's ticket, core/limits/queue.py)
 the producer first waits for it and only then starts the engine request (`source` is not
-touched before), while the one keep-alive writer (core/keepalive.py) wakes the consumer every
+touched before), while the one keep-alive writer (core/streaming/keepalive.py) wakes the consumer every
 `keepalive` seconds with `KEEPALIVE` instead of a batch, which the events loop hands the
 protocol as a `Waiting` event. A refusal while waiting ends the stream like a failure, with
 the refusal's status and code; the client leaving, a stop or a drain end the wait (the ticket
@@ -30,7 +30,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
-from ..engine.base import Delta
+from ...engine.base import Delta
 from .keepalive import KeepAlive
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ KEEPALIVE: list[Any] = []  # next_batch's answer when a keep-alive is due (compa
 
 
 class Admitting(Protocol):
-    """What a waiting stream reads from its admission ticket (core/admission.py)."""
+    """What a waiting stream reads from its admission ticket (core/limits/queue.py)."""
 
     @property
     def waited(self) -> float:

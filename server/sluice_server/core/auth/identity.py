@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ..names import check_priority_classes
+from ...names import check_priority_classes
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,6 @@ LATENCY_BUCKETS = (
 )  # fmt: skip
 # Inter-token latency is much shorter; add sub-5 ms buckets so it resolves on fast GPUs.
 ITL_BUCKETS = (0.001, 0.0025) + LATENCY_BUCKETS
-TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 REJECTION_REASONS = (
     "auth", "rate_limit", "limiter_unavailable", "capacity", "bad_input", "draining", "origin",

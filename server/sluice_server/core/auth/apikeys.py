@@ -28,8 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..names import MAX_WEIGHT, PRIORITY_NAME, TENANT, valid_tenant
-from .errors import ApiError
+from ...names import MAX_WEIGHT, PRIORITY_NAME, TENANT, valid_tenant
+from ..errors import ApiError
 from .identity import (
     ANONYMOUS_TENANT,
     DEFAULT_PRIORITY,

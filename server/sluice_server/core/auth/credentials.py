@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .auth import KeyStore, anonymous, authenticate, missing_credential
+from .apikeys import KeyStore, anonymous, authenticate, missing_credential
 from .identity import ANONYMOUS_TENANT, CallerRules, Plan, Principal
 from .jwks import JwtVerifier, looks_like_jwt
 

@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, cast
 from .stream import KEEPALIVE, Stream, StreamFailed, join_batch
 
 if TYPE_CHECKING:
-    from ..engine.base import Delta
-    from .metrics import Bound
-    from .trail import Trail
+    from ...engine.base import Delta
+    from ..telemetry.accesslog import Trail
+    from ..telemetry.metrics import Bound
 
 # Outcomes (for logs and metrics). STALLED: the reader accepted no bytes for the send
 # timeout and was cut off (counted as a disconnect: it is a client gone from the stream).

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..settings import Settings
+    from ...settings import Settings
 
 # Rate-limit buckets the pod can hold at once (two per active caller: requests and
 # tokens). A bucket that has refilled completely is free again, so this bounds the
@@ -109,7 +109,7 @@ class QueueShape:
 
 
 class QueueTable:
-    """The admission queue's state in shared memory (the policy is core/admission.py).
+    """The admission queue's state in shared memory (the policy is core/limits/queue.py).
     Call everything with the pod's lock held.
 
     Entries (`entries` = twice the queue's size, plus some: an entry another worker granted

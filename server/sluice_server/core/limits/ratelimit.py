@@ -26,10 +26,10 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
-from .errors import ApiError
-from .identity import Plan
-from .metrics import Metrics
-from .pod import PodState
+from ..auth.identity import Plan
+from ..errors import ApiError
+from ..telemetry.metrics import Metrics
+from .shared_memory import PodState
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ keep the connection open.
     remove()                       # idempotent
 
 A beat only marks what it beats as due (the stream core wakes the stream's writer, which
-writes the keep-alive in its protocol's own form, core/events.py `Waiting`): the writes go
+writes the keep-alive in its protocol's own form, core/streaming/events.py `Waiting`): the writes go
 out through each stream's own send path, with its send timeout, and one slow client holds
 up nobody else's beat. One timer for all, not one sleeping task per waiting client; it
 stops when the last registration is removed.

@@ -3,7 +3,7 @@
 The edge middleware opens a `Trail` per HTTP request or WebSocket handshake (request id,
 arrival time, the caller's trace headers); the routes name the protocol and key id; the
 WebSocket opens one more per generation. A trail ends once, in one of three places:
-- the stream's `Meter.finish` (core/events.py): any stream, any outcome;
+- the stream's `Meter.finish` (core/streaming/events.py): any stream, any outcome;
 - a counted refusal of a WebSocket frame (core/services.py);
 - the edge, when an HTTP request ended without a stream (refusals before the 200, `/v1/models`,
   unknown paths); probes are not logged.
@@ -42,7 +42,7 @@ _propagator = TraceContextTextMapPropagator()
 
 
 class Measured(Protocol):
-    """What a trail reads from the stream's meter (core/events.py `Meter`) at the end."""
+    """What a trail reads from the stream's meter (core/streaming/events.py `Meter`) at the end."""
 
     tokens: int
     reason: str | None
@@ -50,7 +50,7 @@ class Measured(Protocol):
 
 
 class Seated(Protocol):
-    """What a trail reads from the request's admission ticket (core/admission.py)."""
+    """What a trail reads from the request's admission ticket (core/limits/queue.py)."""
 
     priority: str
     queued_at: float

@@ -1,10 +1,10 @@
 """Admission: the concurrent-stream cap, the admission queue in front of it
-(core/admission.py, with `--queue-size`) and the drain switch, plus the live stream set
+(core/limits/queue.py, with `--queue-size`) and the drain switch, plus the live stream set
 that drain aborts when its timeout runs out.
 
 `admit(who)` hands out a `Ticket`: admitted (it holds a slot), or, with a queue, waiting
 for one. With several worker processes (`--api-workers`), the cap and the queue are the
-pod's (shared memory, `core/pod.py`), and `active` stays this worker's own count of
+pod's (shared memory, `core/limits/shared_memory.py`), and `active` stays this worker's own count of
 admitted streams (what its drain waits for).
 """
 
@@ -13,10 +13,10 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
-from .admission import Admission, Ticket
-from .errors import ApiError
-from .identity import ANONYMOUS_TENANT, NO_LIMITS, Principal
-from .pod import PodSeat
+from ..auth.identity import ANONYMOUS_TENANT, NO_LIMITS, Principal
+from ..errors import ApiError
+from .queue import Admission, Ticket
+from .shared_memory import PodSeat
 
 ANYONE = Principal("anonymous", ANONYMOUS_TENANT, NO_LIMITS)
 

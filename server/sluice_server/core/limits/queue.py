@@ -1,6 +1,6 @@
 """The admission queue (`--queue-size`): a request that finds the pod's stream slots taken
 waits here instead of getting a 429, and each free slot goes to a waiting request by
-priority, then by tenant weight. Shared by every worker of the pod (core/pod.py
+priority, then by tenant weight. Shared by every worker of the pod (core/limits/shared_memory.py
 `QueueTable`, under the pod's lock); each worker keeps its own waiters' futures.
 
 The policy, in the order it decides:
@@ -52,13 +52,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-from .errors import ApiError
-from .identity import Principal, Priorities
-from .pod import FREE, GRANTED, REFUSED, WAITING, QueueShape, QueueTable, WakeLines
+from ..auth.identity import Principal, Priorities
+from ..errors import ApiError
+from .shared_memory import FREE, GRANTED, REFUSED, WAITING, QueueShape, QueueTable, WakeLines
 
 if TYPE_CHECKING:
-    from ..engine.base import Delta
-    from .metrics import Metrics
+    from ...engine.base import Delta
+    from ..telemetry.metrics import Metrics
 
 DRAIN_TAU_SECONDS = 10.0
 RESERVE_FRACTION = 0.25
