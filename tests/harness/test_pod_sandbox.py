@@ -93,6 +93,29 @@ def test_bwrap_command_line_follows_the_pod_spec():
                   sb.resolve_image("e2e.local/host"))  # fmt: skip
 
 
+def test_a_checkout_under_tmp_is_bound_back_over_the_pods_tmp(monkeypatch):
+    # A clone under /tmp with its venv inside: the pod's /tmp volume (a tmpfs) would hide
+    # both, so the image's folders are bound read-only after the volumes.
+    monkeypatch.setattr(sb, "ROOT", Path("/tmp/clone"))
+    monkeypatch.setattr(sys, "prefix", "/tmp/clone/.venv")
+    image = sb.resolve_image("ghcr.io/sluice-dev/sluice-server:0.1.0")
+    assert image.paths == ("/tmp/clone",)
+    monkeypatch.setattr(sys, "prefix", "/opt/venv")
+    image = sb.resolve_image("ghcr.io/sluice-dev/sluice-server:0.1.0")
+    assert image.paths == ("/tmp/clone", "/opt/venv")
+    box = sb.Sandbox([sys.executable, "-m", "sluice_server"], 65532, 65532,
+                     [sb.Mount("/tmp", None, size=2**20), sb.Mount("/cache", Path("/v/cache"))],
+                     image_paths=image.paths)  # fmt: skip
+    argv = box.bwrap_argv()
+    tmpfs = argv.index("/tmp", argv.index("--tmpfs"))
+    clone = argv.index("/tmp/clone")
+    assert argv[clone - 1 : clone + 2] == ["--ro-bind", "/tmp/clone", "/tmp/clone"]
+    assert argv[clone + 2 : clone + 5] == ["--ro-bind", "/opt/venv", "/opt/venv"]
+    assert tmpfs < clone < argv.index("--")
+    assert box.mount_points() == ["/tmp", "/cache"]  # the image's folders exist already
+    assert sb.outermost(["/a/b", "/a", "/a", "/c/", "/c/d"]) == ("/a", "/c/")
+
+
 def test_projection_swaps_data_atomically_like_the_kubelet(tmp_path):
     p = sb.Projection(tmp_path / "vol", "secret", "keys", [{"key": "token", "path": "t"}], 0o440)
     assert p.write({"token": b"one"})
@@ -260,6 +283,30 @@ def test_liveness_failure_restarts_and_exits_restart_per_policy(tmp_path):
         pod.kill_now()
     assert [e for e in host.exits if e[0] == "wedges"][0] == ("wedges", 0, "LivenessProbeFailed")
     assert [e for e in host.exits if e[0] == "crashes"][:2] == [("crashes", 3, "Error")] * 2
+
+
+@live
+def test_the_images_folders_show_through_a_tmpfs_tmp(tmp_path, monkeypatch):
+    # tmp_path is under /tmp: an "image" holding a folder there, a pod with a tmpfs /tmp.
+    held = tmp_path / "image"
+    held.mkdir()
+    (held / "code.txt").write_text("the code under test")
+    image = sb.Image(HOST, {}, {"PATH": "/usr/bin:/bin"}, paths=(str(held),))
+    monkeypatch.setattr(sb, "resolve_image", lambda name: image)
+    host = FakeHost(tmp_path / "host")
+    c = {"name": "reads", "image": HOST, "command": ["/bin/sh", "-c",
+         f"cat {held}/code.txt; touch /tmp/scratch && echo tmp-writable"],
+         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}]}  # fmt: skip
+    pod = PodRuntime(_pod([c], [{"name": "tmp", "emptyDir": {"medium": "Memory"}}],
+                          restartPolicy="Never"),
+                     "127.1.250.5", host, tmp_path / "pods").start()  # fmt: skip
+    try:
+        eventually(lambda: host.exits, timeout=WAIT_S, message="the container exited")
+    finally:
+        pod.kill_now()
+    log = (host.log_dir / "ns.p.reads.log").read_text()
+    assert host.exits == [("reads", 0, "Completed")], log
+    assert "the code under test" in log and "tmp-writable" in log
 
 
 @live

@@ -312,7 +312,7 @@ class PodRuntime:
         drop = [x.upper() for x in (sc.get("capabilities") or {}).get("drop") or []]
         c.sandbox = sb.Sandbox(argv, uid, gid, mounts, c.spec.get("workingDir") or "/",
                                read_only_root=bool(sc.get("readOnlyRootFilesystem")),
-                               drop_all_caps="ALL" in drop)  # fmt: skip
+                               drop_all_caps="ALL" in drop, image_paths=image.paths)  # fmt: skip
         for point in c.sandbox.mount_points():
             Path(point).mkdir(parents=True, exist_ok=True)  # on the host: see sandbox.py
         log = self.host.log_dir / f"{self.namespace}.{self.name}.{c.name}.log"

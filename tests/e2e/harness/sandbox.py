@@ -7,7 +7,10 @@ Pure pieces (no API calls, no processes), unit-tested without a cluster
   the environment it sets. There are no image layers here: the serving image
   (`*/sluice-server:*`, any registry and tag) is this checkout's venv, its `sluice-server`
   entrypoint is `<venv python> -m sluice_server`, and its environment carries the test run's
-  `PYTHONPATH`, so a pod runs the code under test. `e2e.local/host` runs a command from the
+  `PYTHONPATH`, so a pod runs the code under test. What the image holds (the checkout and
+  the venv) is bound read-only at its own path after the pod's volumes, as a container's
+  image layers are there whatever it mounts: a tmpfs `/tmp` volume must not hide a checkout
+  under `/tmp`. `e2e.local/host` runs a command from the
   host's root file system (harness tests: `sh`, `sleep`). Anything else raises `ImageError`
   and the pod reports `ErrImagePull` with the list of images it knows.
 - `container_env`: env and envFrom as the kubelet resolves them, `$(VAR)` references
@@ -19,7 +22,8 @@ Pure pieces (no API calls, no processes), unit-tested without a cluster
   every interface of the pod" means when the pod's only interface is its address.
 - `bwrap_argv`: the sandbox (measured in the environment notes): read-only root, the pod's
   uid/gid through a user namespace, the command as PID 1 of its own PID namespace (so
-  SIGTERM goes to it, as in a container), a private IPC namespace, each volume mount.
+  SIGTERM goes to it, as in a container), a private IPC namespace, each volume mount, then
+  the image's own folders.
 - `Projection`: a Secret or ConfigMap volume written the way the kubelet's atomic writer
   does: files in a timestamped folder, `..data` a symlink to it, each key a symlink through
   `..data`; an update writes a new folder and renames a new `..data` over the old one, so a
@@ -38,6 +42,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from testkit.repo import ROOT
 
 BWRAP = "bwrap"
 HOST_IMAGE = "e2e.local/host"
@@ -60,6 +66,17 @@ class Image:
     env: Mapping[str, str]
     entrypoint: tuple[str, ...] = ()  # used when the container has no command
     user: int = 0  # the image's USER when the pod sets none
+    # Host folders the image holds, bound read-only at the same path over the pod's volumes.
+    paths: tuple[str, ...] = ()
+
+
+def outermost(paths: list[str]) -> tuple[str, ...]:
+    """`paths` without duplicates and without those inside another one, in order."""
+    out: list[str] = []
+    for p in paths:
+        if not any(p == q or p.startswith(q.rstrip("/") + "/") for q in out):
+            out = [q for q in out if not q.startswith(p.rstrip("/") + "/")] + [p]
+    return tuple(out)
 
 
 def _serving_image(name: str) -> Image:
@@ -73,7 +90,8 @@ def _serving_image(name: str) -> Image:
         "PYTHONPATH": os.pathsep.join(p for p in sys.path if p and Path(p).is_dir()),
     }
     run = (python, "-m", "sluice_server")
-    return Image(name, {"sluice-server": run}, env, entrypoint=run, user=65532)
+    paths = outermost([str(ROOT), sys.prefix])  # the code under test, the venv
+    return Image(name, {"sluice-server": run}, env, entrypoint=run, user=65532, paths=paths)
 
 
 def _host_image(name: str) -> Image:
@@ -289,6 +307,7 @@ class Sandbox:
     workdir: str = "/"
     read_only_root: bool = True
     drop_all_caps: bool = False
+    image_paths: tuple[str, ...] = ()  # Image.paths
 
     def bwrap_argv(self) -> list[str]:
         # Not read-only: the host's root is still not the pod's to write; every writable
@@ -300,6 +319,8 @@ class Sandbox:
             out += ["--cap-drop", "ALL"]
         for m in sorted(self.mounts, key=lambda m: m.target.count("/")):
             out += m.args()
+        for path in self.image_paths:  # after the volumes: a tmpfs /tmp hides no image folder
+            out += ["--ro-bind", path, path]
         return [*out, "--chdir", self.workdir, "--", *self.argv]
 
     def mount_points(self) -> list[str]:
