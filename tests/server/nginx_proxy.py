@@ -33,18 +33,15 @@ one burst at the end.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import signal
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-from testkit.net import free_port
-from testkit.nginx import LB_DIRECTIVES, find_nginx, run_as_root_directive, wait_listening
+from testkit.nginx import LB_DIRECTIVES, find_nginx, main_config, start_nginx
+from testkit.process import ManagedProcess
 
 __all__ = ["NginxProxy", "find_nginx", "render_config"]
 Mode = Literal["ingress", "nginx-default", "buffered"]
@@ -117,35 +114,14 @@ def render_config(
         {buffering}
 """
     locations = "\n".join(f"        location {p} {{\n{location_body}        }}" for p in paths)
-    user = run_as_root_directive()
-    return f"""# Rendered by tests/server/nginx_proxy.py (mode: {mode})
-{user}worker_processes 1;
-daemon off;
-pid {prefix}/nginx.pid;
-error_log {prefix}/error.log warn;
-events {{ worker_connections 256; }}
-http {{
-    access_log {prefix}/access.log;
-    client_body_temp_path {prefix}/client_body;
-    proxy_temp_path {prefix}/proxy;
-    fastcgi_temp_path {prefix}/fastcgi;
-    uwsgi_temp_path {prefix}/uwsgi;
-    scgi_temp_path {prefix}/scgi;
-
-    # As ingress-nginx does: upgrade only when the client asks for it.
-    map $http_upgrade $connection_upgrade {{
-        default upgrade;
-        ''      close;
-    }}
-    upstream sluice {{ {method}{servers} }}
+    http = f"""    upstream sluice {{ {method}{servers} }}
     {affinity_map}
     server {{
         listen 127.0.0.1:{listen_port}{" http2" if http2 else ""};
         client_max_body_size {max_body};
 {locations}
-    }}
-}}
-"""
+    }}"""
+    return main_config(prefix, http, rendered_by=f"tests/server/nginx_proxy.py (mode: {mode})")
 
 
 class NginxProxy:
@@ -162,7 +138,7 @@ class NginxProxy:
         self.render_kw = render_kw
         self.prefix = Path(tempfile.mkdtemp(prefix=f"sluice-nginx-{mode}-"))
         self.port = 0
-        self.proc: subprocess.Popen | None = None
+        self.process: ManagedProcess | None = None
 
     @property
     def url(self) -> str:
@@ -179,42 +155,17 @@ class NginxProxy:
             return ""
 
     def start(self, wait_seconds: float = 10.0) -> NginxProxy:
-        for attempt in range(3):  # the free port can be taken between probe and bind
-            self.port = free_port()
-            conf = self.prefix / "nginx.conf"
-            conf.write_text(
-                render_config(self.prefix, self.port, self.upstream, self.mode, **self.render_kw)
-            )
-            self.proc = subprocess.Popen(
-                [self.binary, "-p", str(self.prefix), "-e", str(self.prefix / "error.log"),
-                 "-c", str(conf)],
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-            )  # fmt: skip
-            proc = self.proc
-            try:
-                if wait_listening(self.port, lambda p=proc: p.poll() is None, timeout=wait_seconds,
-                                  log=self.error_log):  # fmt: skip
-                    return self
-            except AssertionError:
-                self.stop(cleanup=False)
-                raise
-            err = self.proc.stderr.read().decode()
-            self.stop(cleanup=False)
-            if "Address already in use" not in err + self.error_log() or attempt == 2:
-                raise RuntimeError(f"nginx did not start: {err}\n{self.error_log()}")
-        raise AssertionError("unreachable")
+        def render_for(port: int) -> str:
+            return render_config(self.prefix, port, self.upstream, self.mode, **self.render_kw)
+
+        started = start_nginx(self.binary, self.prefix, render_for, timeout=wait_seconds)
+        self.process, self.port = started.process, started.port
+        return self
 
     def stop(self, cleanup: bool = True) -> None:
-        proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)  # fast shutdown: master stops its workers
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
-        if proc is not None and proc.stderr is not None:
-            proc.stderr.close()
+        process, self.process = self.process, None
+        if process is not None:
+            process.stop()  # SIGTERM, fast shutdown: the master stops its workers
         if cleanup:
             shutil.rmtree(self.prefix, ignore_errors=True)
 

@@ -46,8 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kubernetes import client
-from testkit.net import free_port
-from testkit.nginx import LB_DIRECTIVES, find_nginx, run_as_root_directive, wait_listening
+from testkit.nginx import LB_DIRECTIVES, find_nginx, main_config, start_nginx
 from testkit.process import ManagedProcess
 
 from .endpoints import ready_endpoints
@@ -185,28 +184,8 @@ def render(routes: list[Route], listen_port: int, prefix: Path) -> str:
                        for loc, r in sorted(locs.items()))  # fmt: skip
         http.append(f"    server {{\n        listen 127.0.0.1:{listen_port}{default};\n"
                     f"        server_name {host or '_'};\n{body}    }}")  # fmt: skip
-    blocks = "\n".join(http)
-    return f"""# Rendered by tests/e2e/harness/ingress.py from the cluster's Ingress objects
-{run_as_root_directive()}worker_processes 1;
-daemon off;
-pid {prefix}/nginx.pid;
-error_log {prefix}/error.log notice;
-events {{ worker_connections 1024; }}
-http {{
-    log_format e2e '{LOG_FORMAT}';
-    access_log {prefix}/access.log e2e;
-    client_body_temp_path {prefix}/client_body;
-    proxy_temp_path {prefix}/proxy;
-    fastcgi_temp_path {prefix}/fastcgi;
-    uwsgi_temp_path {prefix}/uwsgi;
-    scgi_temp_path {prefix}/scgi;
-    map $http_upgrade $connection_upgrade {{
-        default upgrade;
-        ''      close;
-    }}
-{blocks}
-}}
-"""
+    return main_config(prefix, "\n".join(http), rendered_by="the e2e ingress from the cluster's Ingresses",
+                       log_format=LOG_FORMAT, error_level="notice", worker_connections=1024)  # fmt: skip
 
 
 @dataclass
@@ -248,24 +227,12 @@ class IngressController:
         return self.prefix / "access.log"
 
     def start(self) -> IngressController:
-        for attempt in range(3):  # the free port can be taken between the probe and the bind
-            self.port = free_port()
-            self._text = render(self._routes(), self.port, self.prefix)
-            self.conf.write_text(self._text)
-            argv = [self.binary, "-p", str(self.prefix), "-e", str(self.prefix / "error.log"),
-                    "-c", str(self.conf)]  # fmt: skip
-            self.process = ManagedProcess("ingress-nginx", argv, self.prefix, cpus=self.cpus)
-            self.process.start()
-            process = self.process
-            try:
-                if wait_listening(self.port, process.alive, timeout=10, log=self._error_log):
-                    break
-            except AssertionError:
-                process.stop()
-                raise
-            process.stop()
-            if attempt == 2:
-                raise RuntimeError(f"nginx did not start:\n{self.process.tail()}")
+        def render_for(port: int) -> str:
+            return render(self._routes(), port, self.prefix)
+
+        started = start_nginx(self.binary, self.prefix, render_for, name="ingress-nginx",
+                              cpus=self.cpus)  # fmt: skip
+        self.process, self.port, self._text = started.process, started.port, started.text
         self._thread.start()
         return self
 
@@ -305,12 +272,6 @@ class IngressController:
                 self.sync()
             except Exception as e:  # the API server busy or going away: next period
                 self.errors.append(f"sync: {e}")
-
-    def _error_log(self) -> str:
-        try:
-            return (self.prefix / "error.log").read_text(errors="replace")
-        except OSError:
-            return ""
 
     def _routes(self) -> list[Route]:
         out = []
