@@ -17,7 +17,7 @@ help:
 
 venv: $(VENV)/.installed ## Python venv with the server (vLLM CPU build), operator and test tools
 
-$(VENV)/.installed: server/pyproject.toml operator/pyproject.toml tests/requirements.txt
+$(VENV)/.installed: server/pyproject.toml operator/pyproject.toml testing/pyproject.toml tests/requirements.txt
 	bash tests/scripts/install-venv.sh $(VENV)
 	touch $@
 
@@ -46,8 +46,8 @@ test-multinode: venv ## The engine split over two processes (leader + headless w
 	SLUICE_TEST_MULTINODE=1 $(PY) -m pytest tests/server/test_multinode_engine.py
 
 lint: venv tools ## ruff (checks and formatting), import contracts and mypy (pyproject.toml), yamllint, hadolint, helm lint
-	$(PY) -m ruff check server operator tests
-	$(PY) -m ruff format --check server operator tests
+	$(PY) -m ruff check server operator tests testing
+	$(PY) -m ruff format --check server operator tests testing
 	PYTHONPATH=operator:server $(VENV)/bin/lint-imports --no-cache
 	$(PY) -m mypy
 	$(PY) -m yamllint -c tests/yamllint.yaml crds samples
@@ -72,20 +72,20 @@ render: venv ## Print the manifests the operator would apply for SAMPLE=samples/
 	$(PY) -m sluice_operator render -f $(SAMPLE)
 
 bench: venv ## Benchmarks: our server vs vLLM's server vs the bare engine; fan-out; balancing (writes docs/)
-	$(PY) tests/bench/run.py
-	$(PY) tests/bench/balance.py --write
+	$(PY) -m sluice_bench.run
+	$(PY) -m sluice_bench.balance --write
 
 bench-balance: venv ## Balancing only: least-loaded vs round-robin on live pods through the e2e ingress (needs K8S_ASSETS; the table in docs/benchmarks.md)
-	$(PY) tests/bench/balance.py --write
+	$(PY) -m sluice_bench.balance --write
 
 bench-lora: venv ## Benchmark only a LoRA adapter next to the base on one engine (docs/bench-lora.md, the LoRA table in docs/benchmarks.md)
-	$(PY) tests/bench/lora_ratio.py
+	$(PY) -m sluice_bench.lora_ratio
 
 bench-ab: venv ## CPU per token event, this checkout (B) vs BASE=<another checkout> (A), pinned pairs
-	$(PY) tests/bench/stack_cost.py ab --against $(BASE) --pairs 4 --cpu $${CPU:-0}
+	$(PY) -m sluice_bench.stack_cost ab --against $(BASE) --pairs 4 --cpu $${CPU:-0}
 
 bench-ab-engine: venv ## Front-end CPU per token on the real tiny engine, this checkout (B) vs BASE=<another checkout> (A), vLLM's server beside
-	$(PY) tests/bench/engine_ab.py --against $(BASE) --pairs 4
+	$(PY) -m sluice_bench.engine_ab --against $(BASE) --pairs 4
 
 clean:
 	rm -rf $(VENV) .tools .cache

@@ -6,7 +6,11 @@ Reusable pieces, each in its own module:
   running each pod under bubblewrap (`pod_runtime`, `sandbox`); `endpoints`: a Service's
   Ready pods; `ingress.IngressController`: nginx configured from Ingress objects;
 - `operator_process.OperatorProcess`: the operator under the Helm chart's identity;
-- `kube`: small waiting and reading helpers for tests.
+- `kube`: small waiting and reading helpers for tests;
+- `traffic`: streams in flight through the ingress, from a client process of its own;
+- `autoscaling`: the pieces the autoscaling scenario composes (Prometheus, the custom
+  metrics adapter, load, a timeline).
 
-Generic helpers (processes, ports, HTTP readiness, the repository root) are in tests/testkit.
+Generic helpers (processes, ports, HTTP readiness, the repository root) are in testkit.
+Its own tests: tests/harness (no cluster), tests/e2e (with one).
 """

@@ -1,7 +1,7 @@
 """What a container runtime would make of a pod's container, built for bubblewrap.
 
 Pure pieces (no API calls, no processes), unit-tested without a cluster
-(tests/e2e/harness/test_sandbox.py):
+(tests/harness/test_pod_sandbox.py):
 
 - `resolve_image`: the image name -> a local "image": which executables it provides and
   the environment it sets. There are no image layers here: the serving image

@@ -14,7 +14,7 @@ timeout) is a failure, with what the client saw. `served_by_pods()` cross-checks
 servers' own access logs: the request id the response carried must have an access-log line
 with `outcome=finished`, so the verdict does not rest on the client alone.
 
-Run as a module (`python -m e2e.harness.traffic URL ...`) it is the client process: JSON
+Run as a module (`python -m e2e_harness.traffic URL ...`) it is the client process: JSON
 lines on stdout, `stop` on stdin ends the arrivals.
 """
 
@@ -54,7 +54,7 @@ class Traffic:
     def __init__(self, url: str, log_dir: Path, *, long: int = 20, long_tokens: int = 300,
                  rate: float = 4.0, short_tokens: int = 5, timeout: float = 180.0,
                  cpus: set[int] | None = None, name: str = "traffic") -> None:  # fmt: skip
-        argv = [sys.executable, "-m", "e2e.harness.traffic", url, "--long", str(long),
+        argv = [sys.executable, "-m", "e2e_harness.traffic", url, "--long", str(long),
                 "--long-tokens", str(long_tokens), "--rate", str(rate), "--short-tokens",
                 str(short_tokens), "--timeout", str(timeout)]  # fmt: skip
         self.process = ManagedProcess(name, argv, log_dir, cpus=cpus, pipes=True)

@@ -12,7 +12,7 @@ imbalance shows as TTFT. Two ways to run them:
   the e2e ingress applies the nginx upstream directive that annotation asks for (what that
   controller writes). Between the two phases of each mix the model is patched and the run
   waits until nginx runs the new method.
-- `--direct`: three server processes behind a NginxProxy (tests/server/nginx_proxy.py)
+- `--direct`: three server processes behind a NginxProxy (testing/testkit/nginx_proxy.py)
   configured from the same annotations, no cluster.
 Either way nginx runs one worker (so least_conn's counts are exact; a controller with
 several workers shares them through its upstream zone), and the table measures nginx's
@@ -25,9 +25,9 @@ pattern round robin aligns with three replicas). Per request the client records 
 `sluice_active_streams` (at its own address, not through nginx), and the table gives each
 replica's mean and the busiest replica's mean over the mean of all three.
 
-    python tests/bench/balance.py            # live pods (skips, saying why, without them)
-    python tests/bench/balance.py --write    # and writes the table into docs/benchmarks.md
-    python tests/bench/balance.py --direct   # no cluster: nginx and three processes
+    python -m sluice_bench.balance            # live pods (skips, saying why, without them)
+    python -m sluice_bench.balance --write    # and writes the table into docs/benchmarks.md
+    python -m sluice_bench.balance --direct   # no cluster: nginx and three processes
 """
 
 from __future__ import annotations
@@ -44,14 +44,12 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parents[1] / "tests"), str(HERE.parents[1] / "tests" / "server")]
+import aiohttp
+from testkit.net import free_port
+from testkit.nginx_proxy import NginxProxy
+from testkit.repo import ROOT
 
-import aiohttp  # noqa: E402
-from nginx_proxy import NginxProxy  # noqa: E402
-from procs import ProcGroup, Server  # noqa: E402
-from testkit.net import free_port  # noqa: E402
-from testkit.repo import ROOT  # noqa: E402
+from sluice_bench.procs import ProcGroup, Server
 
 SHORT, LONG = 16, 2000
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -195,7 +193,7 @@ def table(rows: list[dict], a) -> str:
 
 def write(text: str) -> None:
     doc = DOC.read_text()
-    block = f"{BEGIN}\n<!-- Written by tests/bench/balance.py --write; edits here are overwritten. -->\n{text}{END}"
+    block = f"{BEGIN}\n<!-- Written by testing/sluice_bench/balance.py --write; edits here are overwritten. -->\n{text}{END}"
     if BEGIN in doc:
         doc = re.sub(re.escape(BEGIN) + r".*?" + re.escape(END), lambda _: block, doc, flags=re.S)
     else:
@@ -242,7 +240,7 @@ def run_direct(a, tmp: Path) -> list[dict]:
 
 
 def run_live(a, tmp: Path) -> list[dict]:
-    from balance_live import LiveReplicas
+    from sluice_bench.balance_live import LiveReplicas
 
     sim = {"ttftMs": a.ttft_ms, "itlMs": a.itl_ms, "ttftPerStreamMs": a.ttft_per_stream_ms,
            "jitter": 0}  # fmt: skip
@@ -270,7 +268,7 @@ def main() -> None:
         if getattr(a, key) is None:
             setattr(a, key, value)
     if a.mode == "live":
-        from balance_live import live_problem
+        from sluice_bench.balance_live import live_problem
 
         if reason := live_problem():
             print(

@@ -1,6 +1,6 @@
 """The balancing benchmark's replicas as live pods: one StreamingModel with three simulator
 replicas, deployed by the operator on a real control plane and reached through the e2e
-ingress (tests/e2e/harness).
+ingress (testing/e2e_harness).
 
 `LiveReplicas(workdir, sim).start()` brings up what tests/e2e's session fixtures do, in one
 process tree: kube-apiserver, kube-controller-manager and kube-scheduler (K8S_ASSETS, etcd),
@@ -24,13 +24,13 @@ from pathlib import Path
 
 import psutil
 import yaml
-from e2e.harness.control_plane import ControlPlane, missing_prerequisites
-from e2e.harness.endpoints import ready_endpoints
-from e2e.harness.ingress import IngressController
-from e2e.harness.kube import CRD_FILE, Models, eventually, load_sample
-from e2e.harness.node_agent import NodeAgent
-from e2e.harness.operator_process import OperatorProcess, RenderedChart, install_operator_identity
-from e2e.harness.sandbox import sandbox_problem
+from e2e_harness.control_plane import ControlPlane, missing_prerequisites
+from e2e_harness.endpoints import ready_endpoints
+from e2e_harness.ingress import IngressController
+from e2e_harness.kube import CRD_FILE, Models, eventually, load_sample
+from e2e_harness.node_agent import NodeAgent
+from e2e_harness.operator_process import OperatorProcess, RenderedChart, install_operator_identity
+from e2e_harness.sandbox import sandbox_problem
 from kubernetes import client, config, utils
 from sluice_operator.builders.ingress import LB_METHODS
 from testkit.nginx import LB_DIRECTIVES, find_nginx

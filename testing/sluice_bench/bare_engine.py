@@ -18,9 +18,8 @@ import time
 
 def main() -> None:
     model_path, engine_argv = sys.argv[1], sys.argv[2:]
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    import loadgen
-    from loadgen import Record, closed_loop, serve_stdin, summarise
+    from sluice_bench import loadgen
+    from sluice_bench.loadgen import Record, closed_loop, serve_stdin, summarise
 
     loadgen._PROTO = loadgen.claim_stdout()  # before vLLM prints anything
     from vllm import SamplingParams

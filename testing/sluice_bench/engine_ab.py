@@ -14,7 +14,7 @@ with how busy the front end is), so a change of a few percent needs many pairs.
 `--max-tokens 1` makes it the CPU each request costs to start (a token each).
 
     git worktree add --detach /tmp/sluice-main main
-    python tests/bench/engine_ab.py --against /tmp/sluice-main --pairs 4
+    python -m sluice_bench.engine_ab --against /tmp/sluice-main --pairs 4
     make bench-ab-engine BASE=/tmp/sluice-main
 """
 
@@ -27,13 +27,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
+from testkit.net import free_port
+from testkit.repo import ROOT
 
-from procs import PY, ProcGroup, Server, Worker, engine_env, separate_engines  # noqa: E402
-from run import point_runner, prompts, sluice_server_argv, vllm_server_argv  # noqa: E402
-from testkit.net import free_port  # noqa: E402
-from testkit.repo import ROOT  # noqa: E402
+from sluice_bench.procs import PY, ProcGroup, Server, Worker, engine_env, separate_engines
+from sluice_bench.run import point_runner, prompts, sluice_server_argv, vllm_server_argv
 
 
 def start(group: ProcGroup, name: str, checkout: Path | None, model: Path, scratch: Path,
@@ -43,7 +41,7 @@ def start(group: ProcGroup, name: str, checkout: Path | None, model: Path, scrat
     port = free_port()
     if checkout is None:
         return group.add(Server(name, vllm_server_argv(model, port), env, logs, port, "/health"))
-    env["PYTHONPATH"] = os.pathsep.join([str(checkout / "server"), str(ROOT / "tests")])
+    env["PYTHONPATH"] = os.pathsep.join([str(checkout / "server"), str(ROOT / "testing")])
     return group.add(Server(name, sluice_server_argv(port), env, logs, port, "/ready"))
 
 
@@ -77,7 +75,7 @@ def main(argv=None) -> int:
             server.wait_ready(300)
         layout = separate_engines(list(servers.values()))
         cpus = set(layout.get("front_cpus", ())) or None
-        loadgen = group.add(Worker("loadgen", [PY, str(HERE / "loadgen.py")], engine_env(scratch),
+        loadgen = group.add(Worker("loadgen", [PY, "-m", "sluice_bench.loadgen"], engine_env(scratch),
                                    logs, cpus=cpus))  # fmt: skip
 
         # The matrix's point: our routes are systems of the "sluice" process, vLLM's

@@ -1,10 +1,10 @@
 """Fairness between tenants on one pod: the admission queue, slot shares, priority classes
 and vLLM's priority scheduler, measured (docs/benchmarks.md, "Sharing a pod").
 
-    python tests/bench/fairness.py --engine simulator     # about 6 minutes
-    python tests/bench/fairness.py --engine vllm          # the tiny model, about 15 minutes
-    python tests/bench/fairness.py --quick                # smoke run (simulator, short)
-    python tests/bench/fairness.py --render               # the docs section from the JSON
+    python -m sluice_bench.fairness --engine simulator     # about 6 minutes
+    python -m sluice_bench.fairness --engine vllm          # the tiny model, about 15 minutes
+    python -m sluice_bench.fairness --quick                # smoke run (simulator, short)
+    python -m sluice_bench.fairness --render               # the docs section from the JSON
 
 One pod (a server process; `--max-concurrent-streams 8`, so the flood fills it) and two
 tenants, each with its own API key. Tenant A floods: a closed loop of 24 workers asking for
@@ -50,14 +50,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
+import aiohttp
+from testkit.net import free_port
+from testkit.repo import ROOT
 
-import aiohttp  # noqa: E402
-from loadgen import percentile  # noqa: E402
-from procs import PY, ProcGroup, Server, engine_env, separate_engines  # noqa: E402
-from testkit.net import free_port  # noqa: E402
-from testkit.repo import ROOT  # noqa: E402
+from sluice_bench.loadgen import percentile
+from sluice_bench.procs import PY, ProcGroup, Server, engine_env, separate_engines
 
 BEGIN, END = "<!-- bench:fairness:begin -->", "<!-- bench:fairness:end -->"
 CAP = 8
@@ -430,7 +428,7 @@ def tables(engine: str, res: dict) -> str:
 
 
 def write_docs(results: dict, out: Path) -> None:
-    parts = [f"{BEGIN}\n<!-- Written by tests/bench/fairness.py from docs/bench-fairness.json; "
+    parts = [f"{BEGIN}\n<!-- Written by testing/sluice_bench/fairness.py from docs/bench-fairness.json; "
              "edits here are overwritten. -->\n"]  # fmt: skip
     for engine in ("simulator", "vllm"):
         if engine in results:
@@ -480,7 +478,7 @@ def main(argv=None) -> int:
     with ProcGroup() as group:
         pods = Pods(engine, group, scratch, engine_env(scratch))
         res = asyncio.run(run(engine, shape, pods))
-    cmd = "python tests/bench/fairness.py " + ("--quick" if a.quick else f"--engine {engine}")
+    cmd = "python -m sluice_bench.fairness " + ("--quick" if a.quick else f"--engine {engine}")
     res["command"] = cmd
     results = json.loads(store.read_text()) if store.exists() else {}
     results[engine] = res

@@ -22,7 +22,8 @@ import time
 
 import aiohttp
 import psutil
-from loadgen import percentile, serve_stdin
+
+from sluice_bench.loadgen import percentile, serve_stdin
 
 STAMP = re.compile(rb"@(\d{9,11}\.\d{6})")
 

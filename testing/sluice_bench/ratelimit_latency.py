@@ -9,8 +9,8 @@ A real redis-server on loopback (started here, no persistence) and two measureme
   N sequential `POST /v1/stream` with `max_tokens=1`; time to the response headers (the
   admission happens before them), p50/p99 per backend and the difference.
 
-    python tests/bench/ratelimit_latency.py            # both, N=2000 / 1000
-    python tests/bench/ratelimit_latency.py --n 500 --http-n 300
+    python -m sluice_bench.ratelimit_latency            # both, N=2000 / 1000
+    python -m sluice_bench.ratelimit_latency --n 500 --http-n 300
 """
 
 from __future__ import annotations
@@ -25,10 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # testkit
-
-from testkit.redis_server import MISSING, RedisServer, available  # noqa: E402
+from testkit.redis_server import MISSING, RedisServer, available
 
 KEY = "sk-bench-0123456789"
 
@@ -79,7 +76,8 @@ def start_server(port: int, key_file: Path, backend: str, redis_url: str) -> sub
 
 async def bench_http(url: str, key_file: Path, n: int) -> dict[str, list[float]]:
     import httpx
-    from procs import free_port
+
+    from sluice_bench.procs import free_port
 
     out = {}
     for backend in ("memory", "redis"):
@@ -120,7 +118,6 @@ async def main() -> None:
     args = parser.parse_args()
     if not available():
         sys.exit(MISSING)
-    sys.path.insert(0, str(HERE))
     with tempfile.TemporaryDirectory(prefix="sluice-rl-bench-") as tmp:
         key_file = Path(tmp) / "keys"
         key_file.write_text(KEY + "\n")

@@ -1,6 +1,6 @@
 """Turn bench-results.json into the markdown tables, the plot and docs/benchmarks.md.
 
-`python tests/bench/report.py docs/bench-results.json` re-renders without rerunning.
+`python -m sluice_bench.report docs/bench-results.json` re-renders without rerunning.
 docs/benchmarks.md keeps its hand-written method and reading guide: only the part between
 the `<!-- bench:generated -->` markers is replaced.
 """
@@ -171,7 +171,7 @@ def crosscheck_table(cc: dict) -> str:
             )
         tps_o = [r["tokens_per_s"] for r in ours]
         lines.append(
-            f"| {LABELS[system]} | ours (tests/bench/loadgen.py) | {_f(_med(tps_o))} "
+            f"| {LABELS[system]} | ours (testing/sluice_bench/loadgen.py) | {_f(_med(tps_o))} "
             f"({', '.join(_f(x) for x in tps_o)}) | "
             f"{_f(_med([r['ttft_p50_ms'] for r in ours]), 1)} | "
             f"{_f(_med([r['ttft_p99_ms'] for r in ours]), 1)} "
@@ -573,7 +573,7 @@ def generated_section(results: dict, out_dir: Path) -> str:
     m, v, st = results["machine"], results["versions"], results["settings"]
     lines = [
         BEGIN,
-        "<!-- Written by tests/bench/run.py from docs/bench-results.json; edits here are overwritten. -->",
+        "<!-- Written by testing/sluice_bench/run.py from docs/bench-results.json; edits here are overwritten. -->",
         "",
         f"Command: `{results['command'].strip()}` (what `make bench` runs), "
         f"{results['phases_s'].get('total', 0) / 60:.1f} minutes in all "

@@ -1,4 +1,4 @@
-"""Extra memory per resumable token stream: `python tests/bench/resume_memory.py`.
+"""Extra memory per resumable token stream: `python -m sluice_bench.resume_memory`.
 
 The same N dropped streams on the simulator engine (one server in this process), once with
 resume off (each aborted at once) and once with a long grace window (each detached and
@@ -12,13 +12,14 @@ import asyncio
 import gc
 import sys
 import tracemalloc
-from pathlib import Path
 
 import httpx
+from sluice_server.engine.simulator import SimulatorEngine
+from testkit.repo import ROOT
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+# The server suite's `serve_simulator`: the app on a free port, configured as the tests run it.
+sys.path.insert(0, str(ROOT / "tests" / "server"))
 from app_helpers import serve_simulator  # noqa: E402
-from sluice_server.engine.simulator import SimulatorEngine  # noqa: E402
 
 N, TOKENS = 200, 200
 

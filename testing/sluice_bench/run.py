@@ -16,7 +16,7 @@ Phases (each system in its own process, the load generator in another, all on 12
    priorities, vLLM's priority policy), on the simulator and the real engine: its own
    section of docs/benchmarks.md and docs/bench-fairness.json.
 
-`python tests/bench/run.py --help` for knobs (`--quick` for a smoke run).
+`python -m sluice_bench.run --help` for knobs (`--quick` for a smoke run).
 """
 
 from __future__ import annotations
@@ -32,11 +32,10 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-# This folder (procs, report) and tests/ (the shared testkit), as pytest's pythonpath has it.
-sys.path[:0] = [str(HERE), str(HERE.parent)]
+from testkit.net import free_port
+from testkit.repo import ROOT
 
-from procs import (  # noqa: E402
+from sluice_bench.procs import (
     PY,
     ProcGroup,
     Server,
@@ -44,9 +43,7 @@ from procs import (  # noqa: E402
     engine_env,
     separate_engines,
 )
-from report import SYSTEMS, baseline_from, write_all  # noqa: E402 (systems, labels: report.py)
-from testkit.net import free_port  # noqa: E402
-from testkit.repo import ROOT  # noqa: E402
+from sluice_bench.report import SYSTEMS, baseline_from, write_all  # systems, labels: report.py
 
 MODEL_NAME = "tiny"
 # The same engine arguments for all three vLLM-backed systems (CPU: explicit KV size,
@@ -209,7 +206,7 @@ def start_engine_systems(group: ProcGroup, model_path: Path, env, logs: Path, wa
                                              logs, port, "/ready"))  # fmt: skip
     if "engine" in wanted:
         started["engine"] = group.add(Worker(
-            "bare-engine", [PY, str(HERE / "bare_engine.py"), str(model_path), *ENGINE_ARGS],
+            "bare-engine", [PY, "-m", "sluice_bench.bare_engine", str(model_path), *ENGINE_ARGS],
             env, logs,
         ))  # fmt: skip
     # The bare engine answers its start command once the engine is up.
@@ -317,7 +314,7 @@ def run_crosscheck(args, group, started, loadgen_run, model_path, env, scratch: 
         if server is None:
             continue
         cmds[system] = [
-            PY, str(HERE / "vllm_bench.py"), "--backend", "openai-chat",
+            PY, "-m", "sluice_bench.vllm_bench", "--backend", "openai-chat",
             "--base-url", server.base_url, "--endpoint", "/v1/chat/completions",
             "--model", MODEL_NAME, "--tokenizer", str(model_path),
             "--dataset-name", "custom", "--dataset-path", str(dataset), "--skip-chat-template",
@@ -328,13 +325,14 @@ def run_crosscheck(args, group, started, loadgen_run, model_path, env, scratch: 
         out["targets"][system] = {
             "vllm_bench": [],
             "ours": [],
-            "command": "python "
-            + shlex.join([str(Path(cmds[system][1]).relative_to(ROOT)), *cmds[system][2:]]),
+            "command": "python " + shlex.join(cmds[system][1:]),
         }
     if not cmds:
         return out
     # One worker: vLLM is imported once for every round.
-    bench = group.add(Worker("vllm-bench", [PY, str(HERE / "vllm_bench.py")], env, logs, cpus=cpus))
+    bench = group.add(
+        Worker("vllm-bench", [PY, "-m", "sluice_bench.vllm_bench"], env, logs, cpus=cpus)
+    )
     systems = list(cmds)
     for rnd in range(args.crosscheck_rounds):
         for system in systems if rnd % 2 == 0 else systems[::-1]:
@@ -358,7 +356,7 @@ def run_fanout(args, group: ProcGroup, env, logs: Path) -> list[dict]:
         port = free_port()
         server = group.add(Server(
             f"sluice-sim-{proto}-{int(itl)}-w{workers}",
-            [PY, str(HERE / "simserver.py"), "--model", "simulator", "--engine", "simulator",
+            [PY, "-m", "sluice_bench.simserver", "--model", "simulator", "--engine", "simulator",
              "--sim-ttft-ms", "50", "--sim-itl-ms", str(itl), "--host", "127.0.0.1",
              "--port", str(port), "--max-concurrent-streams", "20000",
              "--protocols", "sse,websocket", "--log-level", "warning",
@@ -368,7 +366,10 @@ def run_fanout(args, group: ProcGroup, env, logs: Path) -> list[dict]:
         server.wait_ready(60)
         client = group.add(
             Worker(
-                f"fanout-{proto}-{int(itl)}-w{workers}", [PY, str(HERE / "fanout.py")], env, logs
+                f"fanout-{proto}-{int(itl)}-w{workers}",
+                [PY, "-m", "sluice_bench.fanout"],
+                env,
+                logs,
             )  # fmt: skip
         )
         hold = args.fanout_hold_s
@@ -416,7 +417,7 @@ def main(argv=None) -> int:
         baseline = baseline_from(json.loads(base_path.read_text()), str(shown))
     results: dict = {
         "command": " ".join(
-            ["python tests/bench/run.py", shlex.join(argv if argv is not None else sys.argv[1:])]
+            ["python -m sluice_bench.run", shlex.join(argv if argv is not None else sys.argv[1:])]
         ).strip(),
         "machine": machine(),
         "versions": versions(),
@@ -453,7 +454,7 @@ def main(argv=None) -> int:
             results["settings"]["cpu_layout"] = layout
             front_cpus = set(layout.get("front_cpus", ())) or None
             loadgen = group.add(
-                Worker("loadgen", [PY, str(HERE / "loadgen.py")], env, logs, cpus=front_cpus)
+                Worker("loadgen", [PY, "-m", "sluice_bench.loadgen"], env, logs, cpus=front_cpus)
             )
             run_point = point_runner(started, loadgen, args.max_tokens, prompts(), args.settle_s)
             t = time.time()
@@ -478,8 +479,8 @@ def main(argv=None) -> int:
             results["fanout"] = run_fanout(args, group, env, logs)
             results["phases_s"]["fanout"] = time.time() - t
         if not args.skip_lora:
-            from lora_ratio import run_lora
-            from lora_ratio import write as write_lora
+            from sluice_bench.lora_ratio import run_lora
+            from sluice_bench.lora_ratio import write as write_lora
 
             t = time.time()
             print("bench: LoRA adapter next to the base...", flush=True)
@@ -493,7 +494,7 @@ def main(argv=None) -> int:
     if not args.no_docs:
         write_all(results, out_dir)
     if not args.skip_fairness:  # after the docs: it keeps its own section of benchmarks.md
-        import fairness
+        from sluice_bench import fairness
 
         t = time.time()
         for engine in args.fairness_engines:

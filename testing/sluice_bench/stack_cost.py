@@ -13,7 +13,7 @@ with a send() that drops the bytes. Two measurements:
   `await send(...)`: what the send-timeout protection costs per event (the cost of a cancel
   scope per send, in transport/sendwatch.py, was measured the same way). `--variant
   tracing` turns OpenTelemetry on (every request sampled, spans exported over OTLP/HTTP to
-  a receiver in another process, tests/testkit/otlp.py);
+  a receiver in another process, testing/testkit/otlp.py);
   `--variant access-log` writes the access log (to /dev/null): what each costs per token.
 * `ab`: the `cpu` measurement for this checkout (B) and another one (A, `--against
   DIR`, e.g. a detached worktree of main) in alternating subprocesses, pinned to one core
@@ -22,12 +22,12 @@ with a send() that drops the bytes. Two measurements:
 * `mem`: N streams held open; tracemalloc growth per stream, top allocation sites, and
   asyncio tasks per stream.
 
-    python tests/bench/stack_cost.py cpu --protocol sse --variant base
-    python tests/bench/stack_cost.py cpu --protocol sse --variant no-timeout
-    python tests/bench/stack_cost.py cpu --protocol sse --variant tracing
-    python tests/bench/stack_cost.py mem --protocol websocket
+    python -m sluice_bench.stack_cost cpu --protocol sse --variant base
+    python -m sluice_bench.stack_cost cpu --protocol sse --variant no-timeout
+    python -m sluice_bench.stack_cost cpu --protocol sse --variant tracing
+    python -m sluice_bench.stack_cost mem --protocol websocket
     git worktree add --detach /tmp/sluice-main main
-    python tests/bench/stack_cost.py ab --against /tmp/sluice-main --pairs 4
+    python -m sluice_bench.stack_cost ab --against /tmp/sluice-main --pairs 4
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ def patch_no_timeout() -> None:
 
 def start_receiver() -> tuple[subprocess.Popen, str]:
     """An OTLP/HTTP receiver in its own process (its decoding is not our CPU time)."""
-    tests = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": f"{tests}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    testing = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{testing}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.Popen([sys.executable, "-m", "testkit.otlp"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, env=env, text=True)  # fmt: skip
     return proc, proc.stdout.readline().strip()

@@ -10,7 +10,6 @@ of vLLM's own result (its full report goes to the worker's log).
 from __future__ import annotations
 
 import json
-import sys
 
 KEYS = (
     "completed", "failed", "duration", "total_output_tokens", "output_throughput",
@@ -31,8 +30,7 @@ def _load_jsonl_without_pandas(self) -> None:
 
 
 def main() -> None:
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    import loadgen
+    from sluice_bench import loadgen
 
     loadgen._PROTO = loadgen.claim_stdout()  # vLLM's report and logs go to stderr
     from vllm.benchmarks.datasets import datasets

@@ -1,6 +1,6 @@
-"""Helpers shared by test suites that live in different folders and by the benchmark
-scripts (tests/ is on pytest's `pythonpath`, so `from testkit.net import ...` works from
-every suite; tests/bench/run.py puts tests/ on sys.path itself).
+"""Helpers shared by test suites that live in different folders, the e2e harness and the
+benchmark (part of the `sluice-testing` package in testing/, installed into the venv, so
+`from testkit.net import ...` works in pytest and in every process a test starts).
 
 - `repo`: the repository root, tools from `.tools/bin` before PATH;
 - `wait`: `eventually()` / `eventually_async()`, the one loop that waits for a condition
@@ -16,9 +16,11 @@ every suite; tests/bench/run.py puts tests/ on sys.path itself).
 - `live_cluster`: a control plane with the CRD for suites outside tests/e2e, and the
   one-line skip of e2e-marked tests without one;
 - `promtool`: Prometheus's rule-test runner;
-- `wait`: `eventually()`, waiting for what the system under test will record.
+- `nginx`: Debian's nginx, its main configuration and its start on a free port;
+  `nginx_proxy`: an nginx in front of a test server, configured like our Ingress;
+- `redis_server`, `otlp`, `lora`: a Redis server, an OTLP receiver, a test LoRA adapter.
 
-Suite-specific helpers stay with their suite: tests/e2e/harness (the control plane, fake
-nodes, the operator process), tests/operator/operator_helpers.py,
-tests/server/app_helpers.py, tests/chart/chartlib.py.
+Suite-specific helpers stay with their suite: tests/operator/operator_helpers.py,
+tests/server/app_helpers.py, tests/chart/chartlib.py; the e2e harness (the control plane,
+fake nodes, the operator process) is testing/e2e_harness.
 """

@@ -11,7 +11,7 @@ load generator waited up to 1.5 s in the run queue while tokens piled up server-
 (bursts after ~0.3-3 s, then ITL 0: TTFTs clustered around 1 s).
 Moving every engine-core process next to its worker and every front end (API servers, the
 bare-engine process, load generators, the test process itself) onto the other cores
-removes the stalls. The benchmark (tests/bench) uses this layout for every system it
+removes the stalls. The benchmark (sluice_bench) uses this layout for every system it
 measures, and the tests whose verdict depends on when bytes arrive use it too.
 """
 

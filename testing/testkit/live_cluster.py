@@ -23,7 +23,7 @@ def skip_without_control_plane(config: pytest.Config, items: list, live: list) -
     if not live:
         return
     try:
-        from e2e.harness.control_plane import missing_prerequisites
+        from e2e_harness.control_plane import missing_prerequisites
     except ImportError:
         reason = "tests/e2e harness not present: live tests skipped"
     else:
@@ -37,11 +37,11 @@ def skip_without_control_plane(config: pytest.Config, items: list, live: list) -
 
 def live_control_plane(workdir: Path, extra_crds: tuple[dict, ...] = ()) -> Iterator[tuple]:
     """Generator for a fixture (`yield from`): yields (ControlPlane, admin ApiClient)."""
-    harness = pytest.importorskip("e2e.harness.control_plane", reason="tests/e2e harness absent")
+    harness = pytest.importorskip("e2e_harness.control_plane", reason="tests/e2e harness absent")
     if reason := harness.missing_prerequisites():
         pytest.skip(reason)
     import yaml
-    from e2e.harness.kube import CRD_FILE, eventually
+    from e2e_harness.kube import CRD_FILE, eventually
     from kubernetes import client, config, utils
 
     cp = harness.ControlPlane(

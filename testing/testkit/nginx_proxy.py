@@ -121,7 +121,7 @@ def render_config(
         client_max_body_size {max_body};
 {locations}
     }}"""
-    return main_config(prefix, http, rendered_by=f"tests/server/nginx_proxy.py (mode: {mode})")
+    return main_config(prefix, http, rendered_by=f"testing/testkit/nginx_proxy.py (mode: {mode})")
 
 
 class NginxProxy:

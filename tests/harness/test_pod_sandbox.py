@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from e2e.harness import sandbox as sb
-from e2e.harness.pod_runtime import PodRuntime
+from e2e_harness import sandbox as sb
+from e2e_harness.pod_runtime import PodRuntime
 from testkit.wait import eventually
 
 

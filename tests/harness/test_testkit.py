@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from testkit.clock import run_in_virtual_time, virtual_time
 from testkit.net import free_port, wait_http
 from testkit.process import ManagedProcess
@@ -253,7 +252,7 @@ def test_engine_apart_moves_the_engine_core_beside_its_worker_and_us_away():
     tests = str(Path(__file__).resolve().parents[1])
     path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
     proc = subprocess.run(
-        [sys.executable, "-c", "from testkit.test_testkit import check_layout; check_layout()"],
+        [sys.executable, "-c", "from harness.test_testkit import check_layout; check_layout()"],
         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": path},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -27,9 +27,9 @@ from activator_helpers import (
     scrape,
     tee,
 )
-from nginx_proxy import NginxProxy, find_nginx
 from sluice_server.engine.simulator import SimulatorEngine
 from testkit.net import free_port
+from testkit.nginx_proxy import NginxProxy, find_nginx
 from testkit.wait import eventually_async
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

@@ -1,6 +1,6 @@
 """Autoscaling on time to first token, end to end: the pieces the test composes.
 
-Each builds on the e2e harness (tests/e2e/harness) through its public options or by
+Each builds on the e2e harness (testing/e2e_harness) through its public options or by
 composing, never by changing it:
 - `cluster.aggregating_control_plane`: the harness's control plane with the API aggregation
   layer's front-proxy certificates and a 5 s HPA sync period;

@@ -40,8 +40,8 @@ import yaml
 from kubernetes import client
 from testkit.repo import ROOT
 
-from ..harness.kube import eventually
-from ..harness.pki import CertificateAuthority
+from ..kube import eventually
+from ..pki import CertificateAuthority
 from .cluster import FRONT_PROXY_USER
 from .prometheus import Prometheus
 

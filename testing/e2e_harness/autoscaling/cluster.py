@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..harness.control_plane import ControlPlane
+from ..control_plane import ControlPlane
 
 FRONT_PROXY_USER = "front-proxy-client"
 HPA_SYNC_PERIOD = "5s"

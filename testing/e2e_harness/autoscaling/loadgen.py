@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import httpx
 from kubernetes import client
 
-from ..harness.endpoints import ready_pod_ips
+from ..endpoints import ready_pod_ips
 
 PORT = 8000
 
