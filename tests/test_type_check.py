@@ -50,7 +50,7 @@ def copy_of_checkout(root: Path) -> Path:
     """What mypy reads (the config, both packages, the fakes and seams), and its cache."""
     shutil.copy(ROOT / "pyproject.toml", root / "pyproject.toml")
     skip = shutil.ignore_patterns("__pycache__")
-    for tree in ("operator/sluice_operator", "server/sluice_server", "testing/testkit"):
+    for tree in ("operator/sluice_operator", "server/sluice_server", "testing"):
         shutil.copytree(ROOT / tree, root / tree, ignore=skip)
     for module in ("tests/seams.py", "tests/operator/operator_helpers.py"):
         (root / module).parent.mkdir(parents=True, exist_ok=True)

@@ -13,12 +13,14 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import TypeVar
 
 from testkit.cpus import engine_processes, separate
 from testkit.net import free_port, wait_http
 from testkit.process import ManagedProcess
 
 PY = sys.executable
+P = TypeVar("P", bound=ManagedProcess)
 # How long a server or worker may take to exit on SIGTERM (vLLM shuts its engine down).
 STOP_GRACE_S = 15.0
 
@@ -144,7 +146,7 @@ class ProcGroup:
     def __init__(self) -> None:
         self.procs: list[ManagedProcess] = []
 
-    def add(self, proc: ManagedProcess) -> ManagedProcess:
+    def add(self, proc: P) -> P:
         self.procs.append(proc)
         return proc
 
