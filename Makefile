@@ -10,7 +10,7 @@ export SLUICE_CACHE ?= $(CURDIR)/.cache
 
 SAMPLE ?= samples/chat-small.yaml
 
-.PHONY: help venv tools demo run test test-e2e test-dashboard test-multinode lint docs crds golden chart render bench bench-balance bench-lora bench-ab bench-ab-engine clean
+.PHONY: help venv tools demo run test test-fast test-e2e test-dashboard test-multinode lint docs crds golden chart render bench bench-balance bench-lora bench-ab bench-ab-engine clean
 
 help:
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
@@ -35,6 +35,13 @@ run: venv ## Start just the server on the tiny local model (port 8000)
 
 test: lint ## Lint, then all tests (unit, real-engine, nginx, helm, schemathesis); e2e runs when K8S_ASSETS is set
 	$(PY) -m pytest tests --durations=25
+
+# The fast loop (docs/testing.md): no real engine, no server outside Python, no bench, no
+# e2e, no second mypy run; lint is `make lint`.
+FAST := not engine and not slow and not e2e and not external
+
+test-fast: venv ## Unit and simulator tests only, in under 3 minutes on 2 cores (no real engine, nginx, Redis, Prometheus, Chromium, bench, e2e); lint is make lint
+	$(PY) -m pytest tests -m "$(FAST)" -q
 
 test-e2e: venv tools ## Every test that needs a real control plane (marked e2e, anywhere in tests/; needs K8S_ASSETS)
 	$(PY) -m pytest tests -m e2e

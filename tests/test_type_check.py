@@ -20,6 +20,10 @@ from pathlib import Path
 
 import pytest
 
+# mypy again, over copies of the checkout: `make lint` runs it once already; this proves
+# the seams fail when they drift (a minute or more).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ".mypy_cache"
 

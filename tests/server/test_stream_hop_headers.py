@@ -201,6 +201,7 @@ def _events(text: str) -> list[dict]:
 
 
 @pytest.mark.skipif(find_nginx() is None, reason="nginx not installed (apt-get install nginx)")
+@pytest.mark.external
 async def test_framing_end_to_end_over_http11_and_an_http2_hop():
     curl = _curl()
     if curl is None:
