@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 def test_quick_bench_runs_end_to_end(tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests/bench/run.py"), "--quick", "--out", str(tmp_path)],
+        [sys.executable, "-m", "sluice_bench.run", "--quick", "--out", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -81,7 +81,7 @@ def test_quick_bench_runs_end_to_end(tmp_path):
 
 
 def test_quick_balance_bench_runs_and_reads_the_servers_counts():
-    """tests/bench/balance.py --direct in a short form: four runs through nginx, no request
+    """sluice_bench.balance --direct in a short form: four runs through nginx, no request
     fails, and every replica's own active-streams count was read (no speed asserted)."""
     if not any(
         Path(p).exists()
@@ -89,7 +89,7 @@ def test_quick_balance_bench_runs_and_reads_the_servers_counts():
     ):  # nginx_proxy's places
         pytest.skip("nginx not installed (apt-get install nginx)")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests/bench/balance.py"), "--direct", "--requests", "24",
+        [sys.executable, "-m", "sluice_bench.balance", "--direct", "--requests", "24",
          "--rate", "12"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -110,12 +110,12 @@ def _phases(stdout: str) -> list[dict]:
 
 @pytest.mark.e2e
 def test_live_balance_bench_runs_on_pods_through_the_ingress(tmp_path):
-    """tests/bench/balance.py on live pods (what `make bench-balance` runs) in a short form:
+    """sluice_bench.balance on live pods (what `make bench-balance` runs) in a short form:
     the operator's three pods behind the e2e ingress, the model patched between phases and
     each phase run on the method its annotation asks for, no request fails, every pod's own
     active-streams count was read (no speed asserted)."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests/bench/balance.py"), "--requests", "12", "--rate",
+        [sys.executable, "-m", "sluice_bench.balance", "--requests", "12", "--rate",
          "6", "--ttft-ms", "20", "--ttft-per-stream-ms", "20", "--itl-ms", "5",
          "--workdir", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,

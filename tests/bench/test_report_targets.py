@@ -3,13 +3,7 @@ and a number on the wrong side of its bound reads "not met" (synthetic results, 
 
 from __future__ import annotations
 
-import importlib.util
-
-from testkit.repo import ROOT
-
-_spec = importlib.util.spec_from_file_location("bench_report", ROOT / "tests/bench/report.py")
-report = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(report)
+from sluice_bench import report
 
 
 def _point(system, conc, tps, ttft, cpu, errors=0):

@@ -156,6 +156,7 @@ def _expand(query: str) -> str:
     ).replace("<<.GroupBy>>", "pod")
 
 
+@pytest.mark.external  # Prometheus
 def test_adapter_queries_on_live_prometheus(prometheus):
     rules = _by_name()
 

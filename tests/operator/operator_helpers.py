@@ -1,5 +1,5 @@
 """Helpers shared by the operator tests (a plain module: conftest.py names collide across test
-dirs). The repository root and Kubernetes versions come from tests/testkit."""
+dirs). The repository root and Kubernetes versions come from testing/testkit."""
 
 from __future__ import annotations
 

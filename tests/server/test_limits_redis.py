@@ -30,7 +30,7 @@ from sluice_server.engine.simulator import SimulatorEngine
 from testkit.net import free_port
 from testkit.wait import eventually_async
 
-pytestmark = pytest.mark.asyncio(loop_scope="session")
+pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.external]  # Redis
 
 KEY = "sk-shared-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -69,7 +69,7 @@ class Stream(Generic[T]):
         self._items: list[T] = []
         # The consumer's wake-up: a bare future while it waits, else None. (An
         # asyncio.Event costs a loop lookup and a waiter deque per wait and per set: about a
-        # tenth of the server's CPU per token event, tests/bench/stack_cost.py.)
+        # tenth of the server's CPU per token event, testing/sluice_bench/stack_cost.py.)
         self._waiter: asyncio.Future[None] | None = None
         self._done = False
         self.error: str | None = None
