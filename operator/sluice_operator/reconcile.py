@@ -210,9 +210,8 @@ def converge(
     """One pass (see `_converge`); a model found deleted before a create ends it quietly."""
     try:
         return _converge(
-            cluster, body, post_event, now, reads, owner_exists, pacer, pod_metrics, zero,
-            defaults,
-        )  # fmt: skip
+            cluster, body, post_event, now, reads, owner_exists, pacer, pod_metrics, zero, defaults
+        )
     except _OwnerGone:
         return Outcome()
 
