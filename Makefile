@@ -75,8 +75,8 @@ chart: venv tools ## Lint and render the charts
 	for c in charts/*/; do $(TOOLS)/helm template sluice $$c > /dev/null || exit 1; done
 	$(PY) -m pytest tests/chart -q
 
-render: venv ## Print the manifests the operator would apply for SAMPLE=samples/x.yaml
-	$(PY) -m sluice_operator render -f $(SAMPLE)
+render: venv ## Print the manifests the operator would apply for SAMPLE=samples/x.yaml (MODEL_IMAGE=...: the operator's --model-image)
+	$(PY) -m sluice_operator render -f $(SAMPLE) $(if $(MODEL_IMAGE),--model-image $(MODEL_IMAGE))
 
 bench: venv ## Benchmarks: our server vs vLLM's server vs the bare engine; fan-out; balancing (writes docs/)
 	$(PY) -m sluice_bench.run

@@ -61,7 +61,11 @@ def configure(
     """Wire the runtime (`wiring.wire`) from `run`'s options and start its threads."""
     memo.runtime = runtime = wire(options_of(memo), settings, logger)
     runtime.start()
-    logger.info("sluice operator started", extra={"field_manager": "sluice-operator"})
+    model_image = runtime.options.defaults.model_image  # of every model without spec.image
+    logger.info(
+        "sluice operator started",
+        extra={"field_manager": "sluice-operator", "model_image": model_image},
+    )
 
 
 @kopf.on.startup()

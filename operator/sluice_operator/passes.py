@@ -26,6 +26,7 @@ from .cluster import Cluster, WriteFenced, pod_metrics_page
 from .kinds import STREAMING_MODEL
 from .memory import Memory
 from .modellocks import ModelLocks
+from .models.resource import OperatorDefaults
 from .pacing import RolloutPacer
 from .reconcile import Outcome, converge
 from .scaletozero import ZeroContext
@@ -72,13 +73,15 @@ def _owner_check(cluster: Cluster, body: Any) -> Callable[[], bool]:
 class Passes:
     """What every pass of the operator shares: the cluster it writes to, the memory it reads,
     one lock per model, the rollout pacer and the scale-to-zero context (None: no pacing;
-    the default activator address and no signals)."""
+    the default activator address and no signals), and the operator's defaults for what a
+    model leaves unset (its image)."""
 
     cluster: Cluster
     memory: Memory
     locks: ModelLocks
     pacer: RolloutPacer | None = None
     zero: ZeroContext | None = None
+    defaults: OperatorDefaults = OperatorDefaults()
 
     def converge(
         self,
@@ -116,6 +119,7 @@ class Passes:
                         pacer=self.pacer,
                         pod_metrics=pod_metrics_page,
                         zero=self.zero,
+                        defaults=self.defaults,
                     )
                 )
             except WriteFenced as exc:

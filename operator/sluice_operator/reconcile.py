@@ -48,7 +48,7 @@ from .kinds import (
     desired_children,
 )
 from .memory import Memory
-from .models.resource import StreamingModel
+from .models.resource import OperatorDefaults, StreamingModel
 from .pacing import (
     PACED,
     TEMPLATE_HASH,
@@ -205,11 +205,12 @@ def converge(
     pacer: RolloutPacer | None = None,
     pod_metrics: PodMetrics | None = None,
     zero: ZeroContext | None = None,
+    defaults: OperatorDefaults | None = None,
 ) -> Outcome:
     """One pass (see `_converge`); a model found deleted before a create ends it quietly."""
     try:
         return _converge(
-            cluster, body, post_event, now, reads, owner_exists, pacer, pod_metrics, zero
+            cluster, body, post_event, now, reads, owner_exists, pacer, pod_metrics, zero, defaults
         )
     except _OwnerGone:
         return Outcome()
@@ -225,6 +226,7 @@ def _converge(
     pacer: RolloutPacer | None = None,
     pod_metrics: PodMetrics | None = None,
     zero: ZeroContext | None = None,
+    defaults: OperatorDefaults | None = None,
 ) -> Outcome:
     """Raises SpecError (after reporting it) for an invalid spec; API errors propagate.
 
@@ -241,10 +243,12 @@ def _converge(
     None: adapters are reported Unknown.
     `zero`: the activator's address and the poller's signals, for models with minReplicas 0
     (scaletozero.py); None: the default address and no signals (never idle, nothing held).
+    `defaults`: the operator's configuration the builders fall back to (the model image);
+    None: the built-in defaults.
     """
     reads = reads if reads is not None else LiveReads(cluster)
     try:
-        model = load_model(body)
+        model = load_model(body, defaults=defaults)
     except SpecError as exc:
         report_invalid(cluster, body, str(exc), post_event, now, reads)
         raise

@@ -13,7 +13,8 @@ seam between them (the collaborators, their types, who wakes whom):
 - `pacer`: operator-caused rollouts, a few at a time; a freed slot wakes the resync;
 - `zero`: the scale-to-zero poller; a changed signal wakes the resync;
 - `metrics`: the operator's own Prometheus metrics;
-- `passes`: one pass of one model under its lock, errors classified (`passes.Passes`).
+- `passes`: one pass of one model under its lock, errors classified, with the operator's
+  defaults for what a model leaves unset (`passes.Passes`, `models.resource.OperatorDefaults`).
 
 kopf's own settings are set here too: its bookkeeping annotations and Events written by the
 leader only (`kopfwrites.py`), no cluster scanning, and the handler thread pool.
@@ -36,6 +37,7 @@ from .kopfwrites import LeaderOnlyDiffBase, LeaderOnlyProgress, user_agent
 from .memory import Memory
 from .modellocks import ModelLocks
 from .models import GROUP
+from .models.resource import OperatorDefaults
 from .opmetrics import OperatorMetrics
 from .pacing import RolloutPacer
 from .passes import Passes
@@ -61,6 +63,7 @@ class Options:
     activator: ActivatorSettings | None = None  # None: no model is scaled to zero
     metrics_port: int = 0  # 0: no metrics endpoint
     metrics_host: str = "0.0.0.0"
+    defaults: OperatorDefaults = OperatorDefaults()  # `--model-image`
 
 
 class Leadership(Protocol):
@@ -182,7 +185,7 @@ def wire(
         fenced, memory, options.activator, wake=resync.converge_soon, page=pod_metrics_page,
         leading=leading, metrics=metrics,
     )  # fmt: skip
-    passes = Passes(fenced, memory, ModelLocks(), pacer, zero.context())
+    passes = Passes(fenced, memory, ModelLocks(), pacer, zero.context(), options.defaults)
     return Runtime(
         options=options, cluster=fenced, memory=memory, leadership=leadership, resync=resync,
         pacer=pacer, zero=zero, metrics=metrics, passes=passes, elector=elector,

@@ -243,6 +243,50 @@ def test_config_map_carries_extra_env(h):
     assert c["envFrom"] == [{"configMapRef": {"name": cm["metadata"]["name"]}}]
 
 
+def _model_defaults(docs, monkeypatch):
+    """What the operator run by the rendered Deployment makes of its ConfigMap's
+    environment and its arguments: its `--model-image`, as `OperatorDefaults`."""
+    cli = pytest.importorskip("sluice_operator.cli")
+    _, c = _container(docs)
+    for key, value in one(docs, "ConfigMap")["data"].items():
+        monkeypatch.setenv(key, value)
+    return cli.operator_defaults(cli.build_parser().parse_args([*c["command"][3:], *c["args"]]))
+
+
+def test_model_image_not_set_is_the_operators_built_in_default(h, monkeypatch):
+    """Not set: the Sluice server at the chart's appVersion, the operator's own default, so
+    installing or upgrading the chart with default values rolls no model."""
+    from sluice_operator.models.resource import DEFAULT_MODEL_IMAGE
+
+    docs = h.template(OPERATOR_CHART)
+    chart = yaml.safe_load((OPERATOR_CHART / "Chart.yaml").read_text())
+    want = f"ghcr.io/sluice-dev/sluice-server:{chart['appVersion']}"
+    assert one(docs, "ConfigMap")["data"]["SLUICE_OPERATOR_MODEL_IMAGE"] == want
+    _, c = _container(docs)
+    assert not [a for a in c["args"] if a.startswith("--model-image")]
+    monkeypatch.delenv("SLUICE_OPERATOR_MODEL_IMAGE", raising=False)
+    assert _model_defaults(docs, monkeypatch).model_image == want == DEFAULT_MODEL_IMAGE
+
+
+def test_model_image_set_reaches_the_operator_and_rolls_its_pod(h, monkeypatch):
+    """A private registry is one value; the tag defaults to appVersion; a changed model
+    image restarts the operator with it (the config checksum)."""
+    repo = "registry.example.com:5000/sluice/sluice-server"
+    base = h.template(OPERATOR_CHART)
+    docs = h.template(OPERATOR_CHART, set_=[f"modelImage.repository={repo}"])
+    assert _model_defaults(docs, monkeypatch).model_image == f"{repo}:0.1.0"
+    docs_tag = h.template(OPERATOR_CHART, set_=[f"modelImage.repository={repo}",
+                                                "modelImage.tag=1.2.3-rc.1"])  # fmt: skip
+    assert _model_defaults(docs_tag, monkeypatch).model_image == f"{repo}:1.2.3-rc.1"
+    sums = [
+        _container(d)[0]["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+        for d in (base, docs, docs_tag)
+    ]
+    assert len(set(sums)) == 3
+    err = h.template_error(OPERATOR_CHART, set_=["modelImage.repository="])
+    assert "modelImage" in err
+
+
 def test_scheduling_values_set_and_not_rendered(h):
     deploy, _ = _container(h.template(OPERATOR_CHART, set_=["podAntiAffinity="]))
     spec = deploy["spec"]["template"]["spec"]

@@ -185,7 +185,7 @@ def test_files_since_is_a_released_version_and_the_default_image_gets_the_file()
     for version in (project["version"], chart["appVersion"]):
         assert secrets.image_version(f"x:{version}") >= secrets.FILES_SINCE
     m = load_model(minimal(auth={"rateLimit": REDIS}))
-    assert secrets.image_version(m.spec.image) is not None
+    assert m.spec.image is None and secrets.image_version(m.image) is not None
     assert not secrets.redis_url_in_env(m)
 
 

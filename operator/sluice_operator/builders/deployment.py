@@ -157,7 +157,7 @@ def pod_template(model: StreamingModel) -> dict[str, Any]:
     volumes, mounts = _volumes(model)
     container: dict[str, Any] = {
         "name": "server",
-        "image": spec.image,
+        "image": model.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["sluice-server"],
         "args": server_args(model),

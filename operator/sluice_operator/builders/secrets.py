@@ -11,10 +11,11 @@ volume is readable by the pod's user only, and the kubelet keeps it on tmpfs. So
 - `spec.auth.rateLimit.redisUrlSecretRef` (backend redis): the key mounted at
   REDIS_DIR/REDIS_FILE and the server's `--redis-url-file` pointing there.
 
-`--redis-url-file` is a server flag, so a server from before it (a `spec.image` pinned to a
-version tag below FILES_SINCE) would refuse the argument and never start: such a pod gets the
-URL as `SLUICE_REDIS_URL` from the Secret, as those servers expect. Any other image (that
-version or a later one, a tag such as `latest`, a digest) gets the file.
+`--redis-url-file` is a server flag, so a server from before it (an image tagged with a
+version below FILES_SINCE, from `spec.image` or the operator's default) would refuse the
+argument and never start: such a pod gets the URL as `SLUICE_REDIS_URL` from the Secret, as
+those servers expect. Any other image (that version or a later one, a tag such as `latest`,
+a digest) gets the file. What counts is the image the container gets (`StreamingModel.image`).
 
 Pure: the model in, volumes, mounts, environment and arguments out.
 """
@@ -33,7 +34,7 @@ REDIS_DIR = "/etc/sluice/redis"
 REDIS_FILE = "url"
 # The first server release with `--redis-url-file`. Images tagged with an earlier version
 # get the Redis URL in their environment. Never above the operator's own version (a test
-# checks it): the default image must get the file.
+# checks it): the default model image must get the file.
 FILES_SINCE = (0, 1, 0)
 REDIS_URL_ENV = "SLUICE_REDIS_URL"
 REDIS_VOLUME = "redis-url"
@@ -62,7 +63,7 @@ def redis_url_ref(model: StreamingModel) -> RedisUrlSecretRef | None:
 
 def redis_url_in_env(model: StreamingModel) -> bool:
     """Whether the pod's server image predates `--redis-url-file` (see the module's doc)."""
-    version = image_version(model.spec.image)
+    version = image_version(model.image)
     return version is not None and version < FILES_SINCE
 
 

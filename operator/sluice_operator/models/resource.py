@@ -8,7 +8,7 @@ from typing import Literal
 
 from .adapters import ADAPTER_NAME_IS_BASE
 from .base import Rule
-from .spec import StreamingModelSpec
+from .spec import FORMER_DEFAULT_IMAGE, StreamingModelSpec
 
 # The object's name becomes the Service's, so it must be a DNS-1035 label. On the CRD's root
 # (generate/crd.py): `self` is the whole object there, and the operator checks the name.
@@ -52,6 +52,20 @@ ADAPTERS_FILE = "adapters.json"
 ADAPTER_PVC_DIR = "/mnt/adapters"  # pvc:// adapters: each claim at ADAPTER_PVC_DIR/<claim>
 
 
+# The model image of an operator run without `--model-image` (and of `render`): the serving
+# image of this release, as the operator chart's modelImage defaults to (a chart test keeps
+# them equal).
+DEFAULT_MODEL_IMAGE = "ghcr.io/sluice-dev/sluice-server:0.1.0"
+
+
+@dataclass(frozen=True)
+class OperatorDefaults:
+    """What the operator's own configuration gives every model that does not choose for
+    itself (`run --model-image`, the operator chart's `modelImage`)."""
+
+    model_image: str = DEFAULT_MODEL_IMAGE
+
+
 @dataclass(frozen=True)
 class ModelSource:
     """Where the weights come from, parsed from spec.model.uri."""
@@ -93,6 +107,18 @@ class StreamingModel:
     # zero on, and no Ready replica). Offline renders see the defaults.
     activator_host: str = DEFAULT_ACTIVATOR_HOST
     via_activator: bool = False
+    # Not the spec either: the operator's configuration (`run --model-image`), which
+    # `image` falls back to. Offline renders see the built-in default.
+    defaults: OperatorDefaults = OperatorDefaults()
+
+    @property
+    def image(self) -> str:
+        """The image the model's pods run: spec.image, or the operator's default when it is
+        unset or holds FORMER_DEFAULT_IMAGE (what older CRDs stored for unset)."""
+        chosen = self.spec.image
+        if chosen is None or chosen == FORMER_DEFAULT_IMAGE:
+            return self.defaults.model_image
+        return chosen
 
     @property
     def source(self) -> ModelSource:

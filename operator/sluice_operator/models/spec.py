@@ -52,7 +52,9 @@ from .serving import (
     StreamingSpec,
 )
 
-DEFAULT_IMAGE = "ghcr.io/sluice-dev/sluice-server:0.1.0"
+# What the CRD used to store in `spec.image` of every object that did not set it; such a
+# stored value counts as unset (`resource.StreamingModel.image`). Never changes.
+FORMER_DEFAULT_IMAGE = "ghcr.io/sluice-dev/sluice-server:0.1.0"
 
 
 class StreamingModelSpec(ApiModel):
@@ -120,8 +122,12 @@ class StreamingModelSpec(ApiModel):
     observability: ObservabilitySpec = sub(
         ObservabilitySpec, "PodMonitor and OpenTelemetry tracing."
     )
-    image: Annotated[str, StringConstraints(min_length=1, max_length=512)] = Field(
-        default=DEFAULT_IMAGE, description="Serving image (the Sluice server)."
+    image: Annotated[str, StringConstraints(min_length=1, max_length=512)] | None = Field(
+        default=None,
+        description="Serving image (the Sluice server). Unset: the operator's default image "
+        "(its --model-image: the operator chart's modelImage.repository and modelImage.tag), "
+        f"and the pods follow it when it changes. {FORMER_DEFAULT_IMAGE}, which older CRDs "
+        "stored as the default, counts as unset.",
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         default="IfNotPresent", description="Image pull policy."
