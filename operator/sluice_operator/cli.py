@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .election import ElectionSettings
     from .models.resource import OperatorDefaults
-    from .scaler import ActivatorSettings
+    from .scaletozero_poller import ActivatorSettings
 
 # The image of models without spec.image (`run --model-image`); the operator chart sets it
 # from modelImage through its ConfigMap.
@@ -102,7 +102,7 @@ def activator_settings(args: argparse.Namespace) -> ActivatorSettings | None:
     """The `--activator-*` flags as `scaler.ActivatorSettings` (None without the Service)."""
     if not args.activator_service:
         return None
-    from .scaler import ActivatorSettings
+    from .scaletozero_poller import ActivatorSettings
 
     return ActivatorSettings(
         service=args.activator_service,

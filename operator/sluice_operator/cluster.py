@@ -66,7 +66,7 @@ class Cluster(Protocol):
 class LiveReads:
     """A pass's reads straight from the API: one GET per child, a LIST for pods.
 
-    The operator reads from memory (`memory.Memory`, fed by its watches); this is what a
+    The operator reads from memory (`cluster_view.ClusterView`, fed by its watches); this is what a
     pass costs without them: `reconcile.converge` called on its own (one-off passes, tests).
     """
 

@@ -38,7 +38,7 @@ def _revision(obj: Mapping[str, Any]) -> int | None:
         return None
 
 
-class Memory:
+class ClusterView:
     """The watched objects (attached kopf indexes) overlaid with the operator's own writes.
 
     Thread-safe: kopf mutates the indexes on its event loop while passes read them from

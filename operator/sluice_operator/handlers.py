@@ -7,7 +7,7 @@ lock and classifies what went wrong.
   deleted -> converge its owner: hand edits are put back, status follows the rollout.
 - Every `--resync-seconds` -> converge every model (`resync.Resync`; a pass that failed
   after a child event is retried there); a settled model costs no API call.
-Passes read the model, children and pods from memory (`memory.Memory`): one kopf index per
+Passes read the model, children and pods from memory (`cluster_view.ClusterView`): one kopf index per
 kind in `kinds.INDEXED_KINDS`, filled by the watches kopf runs anyway, plus the operator's
 own writes.
 
@@ -25,9 +25,9 @@ from typing import Any
 import kopf
 
 from .builders.common import INSTANCE_LABEL, MANAGED_BY_LABEL, MANAGER
+from .cluster_view import index_key, lean
 from .kinds import INDEXED_KINDS, STREAMING_MODEL, WATCHED_KINDS, Kind
 from .kopfwrites import kopf_session
-from .memory import index_key, lean
 from .models import GROUP, PLURAL, VERSION
 from .wiring import options_of, runtime_of, wire, wired
 

@@ -303,7 +303,7 @@ def unique(kinds: tuple[Kind, ...]) -> tuple[Kind, ...]:
 
 # What the handlers watch (by the managed-by label) to converge the owner on any change.
 WATCHED_KINDS: tuple[Kind, ...] = (*CHILD_KINDS, POD)
-# What a pass reads from memory (`memory.Memory`, fed by one kopf index per kind), not the API.
+# What a pass reads from memory (`cluster_view.ClusterView`, fed by one kopf index per kind), not the API.
 INDEXED_KINDS: tuple[Kind, ...] = unique((*WATCHED_KINDS, STREAMING_MODEL))
 
 # Everything the cluster client may address.

@@ -23,8 +23,8 @@ from typing import Any
 import kopf
 
 from .cluster import Cluster, WriteFenced, pod_metrics_page
+from .cluster_view import ClusterView
 from .kinds import STREAMING_MODEL
-from .memory import Memory
 from .modellocks import ModelLocks
 from .models.resource import OperatorDefaults
 from .pacing import RolloutPacer
@@ -77,7 +77,7 @@ class Passes:
     model leaves unset (its image)."""
 
     cluster: Cluster
-    memory: Memory
+    memory: ClusterView
     locks: ModelLocks
     pacer: RolloutPacer | None = None
     zero: ZeroContext | None = None
@@ -95,7 +95,7 @@ class Passes:
 
         Handlers race (the create handler and the first child events arrive together);
         reading the object inside the lock, with the status the previous pass wrote
-        (`Memory.wrote`), means each pass compares against that status, so it neither writes
+        (`ClusterView.wrote`), means each pass compares against that status, so it neither writes
         it again nor loses lastTransitionTime.
         """
         from kubernetes.client.exceptions import ApiException

@@ -2,7 +2,7 @@
 
 Called by every handler (create, update, resume, child changed, resync). The model, its
 watched children and pods are read from `reads`: in the operator the memory its watches
-fill (`memory.Memory`), so a pass makes write calls only, and a pass over an object whose
+fill (`cluster_view.ClusterView`), so a pass makes write calls only, and a pass over an object whose
 children match and whose status is current makes no call at all. Every write's result is
 handed back to `reads`, so the next pass starts from what this one wrote. Children are compared by (a) a hash of the last applied manifest, kept in
 an annotation, which catches spec changes including removed fields, and (b) "every field we
@@ -34,6 +34,7 @@ from .builders.gateway import (
 )
 from .builders.keda import keda_hpa_name
 from .cluster import Cluster, LiveReads
+from .cluster_view import ClusterView
 from .kinds import (
     CHILD_KINDS,
     DEPLOYMENT,
@@ -47,7 +48,6 @@ from .kinds import (
     Unavailable,
     desired_children,
 )
-from .memory import Memory
 from .models.resource import OperatorDefaults, StreamingModel
 from .pacing import (
     PACED,
@@ -59,7 +59,7 @@ from .pacing import (
     template_hash,
 )
 from .scaletozero import Signals, Step, ZeroContext, decide, with_replicas, zero_status
-from .status import (
+from .status_from_cluster import (
     compute_status,
     deployment_settled,
     invalid_status,
@@ -174,7 +174,7 @@ def report_invalid(
     message: str,
     post_event: PostEvent,
     now: str | None = None,
-    reads: Memory | LiveReads | None = None,
+    reads: ClusterView | LiveReads | None = None,
 ) -> bool:
     """SpecValid=False + one Event, once per distinct message (no storm on resync)."""
     meta = body["metadata"]
@@ -200,7 +200,7 @@ def converge(
     body: Mapping[str, Any],
     post_event: PostEvent,
     now: str | None = None,
-    reads: Memory | LiveReads | None = None,
+    reads: ClusterView | LiveReads | None = None,
     owner_exists: Callable[[], bool] | None = None,
     pacer: RolloutPacer | None = None,
     pod_metrics: PodMetrics | None = None,
@@ -221,7 +221,7 @@ def _converge(
     body: Mapping[str, Any],
     post_event: PostEvent,
     now: str | None = None,
-    reads: Memory | LiveReads | None = None,
+    reads: ClusterView | LiveReads | None = None,
     owner_exists: Callable[[], bool] | None = None,
     pacer: RolloutPacer | None = None,
     pod_metrics: PodMetrics | None = None,
@@ -233,7 +233,7 @@ def _converge(
     `reads`: where the watched children and pods come from (default: GETs through `cluster`).
     Kinds that are not watched (`kinds.OPTIONAL_KINDS`, KEDA's HPA) are read through
     `cluster`, and only by models that use them or, as their status says, last did.
-    `owner_exists`: asked once, before the pass creates a child: False ends the pass. Memory
+    `owner_exists`: asked once, before the pass creates a child: False ends the pass. ClusterView
     may still hold a model the API server has deleted (its DELETED event not yet processed)
     while the garbage collector removes the children; without this the pass would create
     them again.
@@ -288,7 +288,7 @@ class _Pass:
         model: StreamingModel,
         post_event: PostEvent,
         now: str,
-        reads: Memory | LiveReads,
+        reads: ClusterView | LiveReads,
         owner_exists: Callable[[], bool] | None,
         pacer: RolloutPacer | None = None,
         pod_metrics: PodMetrics | None = None,

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .memory import Memory
+from .cluster_view import ClusterView
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]
 # (namespace, name, why): one pass nobody retries; it logs its errors, never raises them.
@@ -31,7 +31,7 @@ class Resync:
 
     def __init__(
         self,
-        memory: Memory,
+        memory: ClusterView,
         seconds: float,
         logger: Logger,
         converge: Converge,

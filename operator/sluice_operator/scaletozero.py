@@ -1,7 +1,7 @@
 """Scale to zero and back: what the operator reads from pages, and what a pass decides.
 
 Signals come from `/metrics` pages, read with no credential as for adapters
-(adapterstatus.py says why that is the way; `scaler.py` does the reading):
+(adapterstatus.py says why that is the way; `scaletozero_poller.py` does the reading):
 
 - every ready model pod: `sluice_last_request_timestamp_seconds` (unix time of the last
   request the pod admitted, set to the process start when it starts; the newest over its
@@ -133,7 +133,7 @@ def unaware(pages: Mapping[str, str | None], key: tuple[str, str]) -> list[str]:
 
 @dataclass(frozen=True)
 class Signals:
-    """What the poller last saw for one model (`scaler.py`); the pass decides on it."""
+    """What the poller last saw for one model (`scaletozero_poller.py`); the pass decides on it."""
 
     idle: bool = False  # every ready pod idle for idleSeconds, every activator pod knows it
     held: int = 0  # requests held by the activator pods now

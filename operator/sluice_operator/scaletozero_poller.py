@@ -31,8 +31,8 @@ from .adapterstatus import ready
 from .builders.activator import activator_host_of, desired_models_config_map, model_key
 from .builders.leaderworkerset import leader_selector
 from .cluster import Cluster
+from .cluster_view import ClusterView
 from .kinds import DEPLOYMENT, LWS_KIND
-from .memory import Memory
 from .models.resource import DEFAULT_ACTIVATOR_HOST, StreamingModel
 from .opmetrics import OperatorMetrics
 from .scaletozero import (
@@ -48,7 +48,7 @@ from .scaletozero import (
 )
 from .validation import SpecError, load_model
 
-log = logging.getLogger("sluice_operator.scaler")
+log = logging.getLogger("sluice_operator.scaletozero_poller")
 
 PageReader = Callable[[Mapping[str, Any]], str | None]
 
@@ -66,11 +66,11 @@ class ActivatorSettings:
         return activator_host_of(self.service, self.namespace)
 
 
-class ZeroScaler:
+class ScaleToZeroPoller:
     def __init__(
         self,
         cluster: Cluster,
-        memory: Memory,
+        memory: ClusterView,
         activator: ActivatorSettings | None,
         wake: Callable[[list[tuple[str, str]]], None],
         page: PageReader,

@@ -6,7 +6,7 @@ seam between them (the collaborators, their types, who wakes whom):
 
 - `cluster`: the API server (the kubeconfig's or in-cluster), every write behind the
   leader election's fence (`cluster.FencedCluster`);
-- `memory`: what passes read, fed by kopf's indexes (`memory.Memory`);
+- `memory`: what passes read, fed by kopf's indexes (`cluster_view.ClusterView`);
 - `leadership`: the fence (`election.Elector` with `--leader-elect`, else `AlwaysLeading`);
 - `resync`: the thread that converges every model on its period, or at once for a replica
   that just became the leader (`resync.Resync`);
@@ -31,10 +31,10 @@ from typing import Any, Protocol
 import kopf
 
 from .cluster import Cluster, FencedCluster, KubeCluster, KubeLeases, pod_metrics_page
+from .cluster_view import ClusterView
 from .election import AlwaysLeading, ElectionSettings, Elector
 from .kinds import DEPLOYMENT
 from .kopfwrites import LeaderOnlyDiffBase, LeaderOnlyProgress, user_agent
-from .memory import Memory
 from .modellocks import ModelLocks
 from .models import GROUP
 from .models.resource import OperatorDefaults
@@ -42,7 +42,7 @@ from .opmetrics import OperatorMetrics
 from .pacing import RolloutPacer
 from .passes import Passes
 from .resync import Resync
-from .scaler import ActivatorSettings, ZeroScaler
+from .scaletozero_poller import ActivatorSettings, ScaleToZeroPoller
 
 DEFAULT_RESYNC_SECONDS = 300.0
 DEFAULT_MAX_ROLLOUTS = 2
@@ -76,11 +76,11 @@ class Runtime:
 
     options: Options
     cluster: Cluster
-    memory: Memory
+    memory: ClusterView
     leadership: Leadership
     resync: Resync
     pacer: RolloutPacer
-    zero: ZeroScaler
+    zero: ScaleToZeroPoller
     metrics: OperatorMetrics
     passes: Passes
     elector: Elector | None = None  # the same object as `leadership` with `--leader-elect`
@@ -144,7 +144,7 @@ def wire(
     logger: kopf.Logger,
     *,
     cluster: Cluster | None = None,
-    memory: Memory | None = None,
+    memory: ClusterView | None = None,
     leadership: Leadership | None = None,
 ) -> Runtime:
     """Build the runtime and set kopf's `settings` for it; start nothing (`Runtime.start`).
@@ -168,7 +168,7 @@ def wire(
     leading = leadership.leading
     _configure_kopf(settings, leading, electing=elector is not None)
     fenced = FencedCluster(cluster, leading)
-    memory = memory if memory is not None else Memory()
+    memory = memory if memory is not None else ClusterView()
     metrics = OperatorMetrics()
 
     def converge_quietly(namespace: str, name: str, why: str) -> None:
@@ -181,7 +181,7 @@ def wire(
         wake=resync.converge_soon,
         models=memory.models,
     )
-    zero = ZeroScaler(
+    zero = ScaleToZeroPoller(
         fenced, memory, options.activator, wake=resync.converge_soon, page=pod_metrics_page,
         leading=leading, metrics=metrics,
     )  # fmt: skip

@@ -1046,7 +1046,7 @@ def test_activator_names_match_what_the_operator_builds():
     """The ExternalName target and the ConfigMap the operator writes are the chart's."""
     from sluice_operator.builders.activator import desired_models_config_map
     from sluice_operator.models.resource import DEFAULT_ACTIVATOR_HOST
-    from sluice_operator.scaler import ActivatorSettings
+    from sluice_operator.scaletozero_poller import ActivatorSettings
 
     settings = ActivatorSettings("sluice-activator", "sluice-system", "x=y")
     assert settings.host == DEFAULT_ACTIVATOR_HOST

@@ -14,8 +14,8 @@ from typing import Any
 import kopf
 import yaml
 from kubernetes.client.exceptions import ApiException
+from sluice_operator.cluster_view import ClusterView, index_key
 from sluice_operator.kinds import INDEXED_KINDS
-from sluice_operator.memory import Memory, index_key
 from sluice_operator.wiring import Leadership, Options, Runtime, wire
 from testkit.repo import LWS_CRD, ROOT, shared_crd
 
@@ -243,7 +243,7 @@ class FakeCluster:
         self.scaled: list[tuple[str, str, str, int]] = []  # (kind, namespace, name, replicas)
         self._revisions = itertools.count(1)
         self.watched = Watched(self)
-        self.memory = Memory(self.watched)
+        self.memory = ClusterView(self.watched)
         self._runtime: Runtime | None = None
 
     @property
@@ -376,7 +376,7 @@ class FakeCluster:
 
 def runtime_for(
     cluster: FakeCluster,
-    memory: Memory | None = None,
+    memory: ClusterView | None = None,
     leadership: Leadership | None = None,
     **options: Any,
 ) -> Runtime:

@@ -625,14 +625,14 @@ def test_a_lagging_watch_neither_recreates_nor_redeletes(cluster, monkeypatch):
 def test_lagging_watch_without_remembered_writes_would_write_twice(cluster, monkeypatch):
     """Negative control for the test above: a memory that forgets its own writes applies
     every child again while the watch lags."""
-    from sluice_operator.memory import Memory
+    from sluice_operator.cluster_view import ClusterView
 
     monkeypatch.setattr(kopf, "event", lambda body, **kw: None)
     body = body_of(minimal())
     cluster.store(body)
     cluster.watched.lag()
     handlers.reconcile(**_kwargs(cluster, body))
-    cluster.runtime = runtime_for(cluster, memory=Memory(cluster.watched))
+    cluster.runtime = runtime_for(cluster, memory=ClusterView(cluster.watched))
     cluster.calls.clear()
     _again(cluster, body)
     assert ("apply", "Deployment") in cluster.writes()
@@ -670,8 +670,8 @@ def test_children_of_a_model_memory_still_holds_are_not_recreated(
 
 
 def test_memory_prefers_the_newer_of_the_watch_and_its_own_write():
+    from sluice_operator.cluster_view import ClusterView
     from sluice_operator.kinds import SERVICE
-    from sluice_operator.memory import Memory
 
     def svc(rv, port):
         labels = {"app.kubernetes.io/instance": "m"}
@@ -679,7 +679,7 @@ def test_memory_prefers_the_newer_of_the_watch_and_its_own_write():
         return {"kind": "Service", "metadata": meta, "spec": {"port": port}}
 
     index: dict = {}
-    memory = Memory({SERVICE.index_id: index})
+    memory = ClusterView({SERVICE.index_id: index})
     memory.wrote(svc(10, 1))
     assert memory.get(SERVICE, "ns", "m")["spec"]["port"] == 1  # the watch has nothing yet
     index[("ns", "m")] = [svc(9, 0)]  # the watch shows the state before our write
@@ -714,8 +714,8 @@ def test_resync_thread_survives_a_failing_pass(cluster, monkeypatch):
 
 
 def test_memory_keeps_objects_without_managed_fields():
+    from sluice_operator.cluster_view import ClusterView, lean
     from sluice_operator.kinds import SERVICE
-    from sluice_operator.memory import Memory, lean
 
     obj = {
         "kind": "Service",
@@ -723,6 +723,6 @@ def test_memory_keeps_objects_without_managed_fields():
                      "managedFields": [{"manager": "sluice-operator"}]},
     }  # fmt: skip
     assert "managedFields" not in lean(obj)["metadata"] and "managedFields" in obj["metadata"]
-    memory = Memory({SERVICE.index_id: {}})
+    memory = ClusterView({SERVICE.index_id: {}})
     memory.wrote(obj)
     assert "managedFields" not in memory.get(SERVICE, "ns", "m")["metadata"]

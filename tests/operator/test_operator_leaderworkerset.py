@@ -16,7 +16,7 @@ from sluice_operator.builders.keda import pod_matchers
 from sluice_operator.builders.leaderworkerset import desired_leaderworkerset
 from sluice_operator.reconcile import converge
 from sluice_operator.render import render_objects
-from sluice_operator.status import compute_status
+from sluice_operator.status_from_cluster import compute_status
 from sluice_operator.validation import load_model
 from testkit.k8s import K8S_VERSIONS
 from testkit.repo import LWS_CRD, shared_crd

@@ -7,7 +7,7 @@ import re
 import pytest
 from operator_helpers import minimal
 from sluice_operator.models.status import CONDITION_TYPES, StreamingModelStatus
-from sluice_operator.status import compute_status, invalid_status
+from sluice_operator.status_from_cluster import compute_status, invalid_status
 from sluice_operator.validation import load_model
 
 NOW = "2026-11-30T06:00:00Z"
@@ -221,7 +221,7 @@ def hpa_status(current="250m", conditions=()):
     "value,ms", [("250m", 250), ("1", 1000), ("1500m", 1500), ("0", 0), (None, None), ("x", None)]
 )
 def test_quantity_seconds_to_ms(value, ms):
-    from sluice_operator.status import quantity_seconds_to_ms
+    from sluice_operator.status_from_cluster import quantity_seconds_to_ms
 
     assert quantity_seconds_to_ms(value) == ms
 
