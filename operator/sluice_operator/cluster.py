@@ -324,9 +324,12 @@ class KubeLeases:
 
         try:
             return self._cluster._call(
-                method, path, body=body, content_type="application/json" if body else None,
+                method,
+                path,
+                body=body,
+                content_type="application/json" if body else None,
                 timeout=self.timeout,
-            )  # fmt: skip
+            )
         except ApiException as exc:
             if exc.status == 409:
                 raise LeaseConflict(f"Lease {self.namespace}/{self.name} changed first") from None

@@ -87,9 +87,13 @@ SERVICE = Kind("v1", "Service", "services", desired_service)
 # The adapter list (spec.adapters), mounted in the pods; only while LoRA is on. Named
 # <model>-adapters: a user's own ConfigMap (a JWKS) may well carry the model's name.
 ADAPTER_CONFIG_MAP = Kind(
-    "v1", "ConfigMap", "configmaps", desired_adapter_config_map, optional=True,
+    "v1",
+    "ConfigMap",
+    "configmaps",
+    desired_adapter_config_map,
+    optional=True,
     name_suffix=ADAPTERS_SUFFIX,
-)  # fmt: skip
+)
 # Optional: a LeaderWorkerSet replaces it for models on several nodes per replica.
 DEPLOYMENT = Kind("apps/v1", "Deployment", "deployments", desired_deployment, optional=True)
 INGRESS = Kind("networking.k8s.io/v1", "Ingress", "ingresses", desired_ingress, optional=True)
@@ -113,9 +117,14 @@ NETWORK_POLICY = Kind(
 # minReplicas 0 has no Ready replica (builders/activator.py); only with minReplicas 0. The
 # same plural as SERVICE: one watch and one index serve both (`unique`).
 ACTIVATOR_SERVICE = Kind(
-    "v1", "Service", "services", desired_activator_service, optional=True,
-    name_suffix=ACTIVATOR_SUFFIX, role="ActivatorService",
-)  # fmt: skip
+    "v1",
+    "Service",
+    "services",
+    desired_activator_service,
+    optional=True,
+    name_suffix=ACTIVATOR_SUFFIX,
+    role="ActivatorService",
+)
 
 # Children applied on every pass, in apply order (the Services before the Deployment whose
 # pods one selects and the Ingress that names them, the adapter ConfigMap before the pods

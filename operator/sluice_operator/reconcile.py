@@ -253,9 +253,17 @@ def _converge(
         report_invalid(cluster, body, str(exc), post_event, now, reads)
         raise
     run = _Pass(
-        cluster, body, model, post_event, now or _now(), reads, owner_exists, pacer, pod_metrics,
+        cluster,
+        body,
+        model,
+        post_event,
+        now or _now(),
+        reads,
+        owner_exists,
+        pacer,
+        pod_metrics,
         zero,
-    )  # fmt: skip
+    )
     status = body.get("status") or {}
     touched = [row for row in OPTIONAL_KINDS if run.wants(row) or remembered(row, status)]
     # A kind no longer wanted goes before what it excludes is applied (never two HPAs).
@@ -388,8 +396,11 @@ class _Pass:
                 raise
             message = _api_message(exc)
         kind = manifest["kind"]
-        self.post_event("Warning", "ChildRepaired",
-                        f"the API server refused the {kind} ({message}); its lists were replaced")  # fmt: skip
+        self.post_event(
+            "Warning",
+            "ChildRepaired",
+            f"the API server refused the {kind} ({message}); its lists were replaced",
+        )
         self.cluster.replace_lists(manifest)
         return self.cluster.apply(manifest)
 
@@ -472,8 +483,9 @@ class _Pass:
         )
         hpa = self.live.get(HPA.kind)
         if self.model.spec.autoscaling_backend == "keda":  # KEDA's HPA has the reading
-            hpa = self.cluster.get(HPA.api_version, HPA.kind, self.namespace,
-                                   keda_hpa_name(self.model))  # fmt: skip
+            hpa = self.cluster.get(
+                HPA.api_version, HPA.kind, self.namespace, keda_hpa_name(self.model)
+            )
         new = compute_status(
             self.model,
             self.body["metadata"].get("generation"),
@@ -493,8 +505,16 @@ class _Pass:
             if not was_waiting(self.status):
                 self.post_event("Normal", "RolloutWaiting", message)
         if lora:
-            new = _with_adapters(self.model, new, pods, self.status, self.pod_metrics,
-                                 self.post_event, self.now, generation)  # fmt: skip
+            new = _with_adapters(
+                self.model,
+                new,
+                pods,
+                self.status,
+                self.pod_metrics,
+                self.post_event,
+                self.now,
+                generation,
+            )
             self.outcome.adapters_settling = settling(new.get("adapters"))
         if self.model.spec.scale_to_zero is not None:
             new = self.zero_status(new, deployment, generation)
@@ -528,8 +548,11 @@ class _Pass:
             if before != phase:
                 self.post_event("Normal", phase, message or "")
         elif before in ("ScaledToZero", "Activating") and not self.model.via_activator:
-            self.post_event("Normal", "Activated", f"a replica is Ready: the route goes to "
-                            f"Service {self.name} again")  # fmt: skip
+            self.post_event(
+                "Normal",
+                "Activated",
+                f"a replica is Ready: the route goes to Service {self.name} again",
+            )
         if self.metrics is not None and not self.model.via_activator:
             self.metrics.serving((self.namespace, self.name))
         return new
@@ -572,7 +595,9 @@ def _with_adapters(
     for e in entries:
         old = before.get(e["name"]) or {}
         if e["state"] == "Failed" and (old.get("state"), old.get("message")) != (
-            "Failed", e["message"]):  # fmt: skip
+            "Failed",
+            e["message"],
+        ):
             post_event("Warning", "AdapterFailed", f"adapter {e['name']}: {e['message']}")
     status = with_condition(status, cond, previous, now, generation)
     status["adapters"] = entries

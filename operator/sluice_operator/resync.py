@@ -113,7 +113,6 @@ class Resync:
                     self.run_once()
                 elif soon and self._context is not None:
                     for namespace, name in soon:
-                        self._converge(namespace, name, "a free rollout slot or a scale "
-                                       "signal")  # fmt: skip
+                        self._converge(namespace, name, "a free rollout slot or a scale signal")
             except Exception:  # a bug in one pass must not end every later resync
                 self.logger.exception("resync failed")

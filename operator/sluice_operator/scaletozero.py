@@ -51,8 +51,9 @@ DEMAND_PERIOD_SECONDS = 1.0
 # The longest wait between two idle checks of a model (shorter for a short idleSeconds).
 IDLE_PERIOD_SECONDS = 10.0
 
-_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)",
-                     re.M)  # fmt: skip
+_SAMPLE = re.compile(
+    r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)", re.M
+)
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
@@ -104,8 +105,7 @@ def idle_verdict(
         if seconds is None:
             return False, f"pod {pod}'s /metrics could not be read (or has no {LAST_REQUEST})"
         if seconds < zero.idle_seconds:
-            return False, (f"serving: a request within the last {zero.idle_seconds}s "
-                           "(idleSeconds)")  # fmt: skip
+            return False, (f"serving: a request within the last {zero.idle_seconds}s (idleSeconds)")
         quiet.append(seconds)
     return True, f"no request for {zero.idle_seconds}s or more (idleSeconds)"
 

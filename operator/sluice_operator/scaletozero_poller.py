@@ -89,8 +89,7 @@ class ScaleToZeroPoller:
         self._parsed: dict[tuple[str, str], tuple[Any, Any, StreamingModel | None]] = {}
         self._guard = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="sluice-scale-to-zero",
-                                        daemon=True)  # fmt: skip
+        self._thread = threading.Thread(target=self._loop, name="sluice-scale-to-zero", daemon=True)
         self.rounds = 0
 
     def context(self) -> ZeroContext:
@@ -158,8 +157,7 @@ class ScaleToZeroPoller:
     def _activator_pages(self) -> dict[str, str | None]:
         assert self.activator is not None
         pods = self.cluster.list_pods(self.activator.namespace, self.activator.selector)
-        return {(p.get("metadata") or {}).get("name", "?"): self.page(p)
-                for p in pods if ready(p)}  # fmt: skip
+        return {(p.get("metadata") or {}).get("name", "?"): self.page(p) for p in pods if ready(p)}
 
     def _model_pages(self, model: StreamingModel) -> dict[str, str | None]:
         want = leader_selector(model)
@@ -198,8 +196,10 @@ class ScaleToZeroPoller:
                 missing = unaware(activators, key) if activators else ["(no ready activator pod)"]
                 if idle and missing:
                     idle = False
-                    why = (f"idle, but the activator has not loaded {model_key(model)} yet "
-                           f"({', '.join(missing[:3])}): staying up")  # fmt: skip
+                    why = (
+                        f"idle, but the activator has not loaded {model_key(model)} yet "
+                        f"({', '.join(missing[:3])}): staying up"
+                    )
             delay = min(delay, idle_period(model))
             new = Signals(idle=idle, held=held, why=why)
             if new != old:

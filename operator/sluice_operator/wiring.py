@@ -182,14 +182,27 @@ def wire(
         models=memory.models,
     )
     zero = ScaleToZeroPoller(
-        fenced, memory, options.activator, wake=resync.converge_soon, page=pod_metrics_page,
-        leading=leading, metrics=metrics,
-    )  # fmt: skip
+        fenced,
+        memory,
+        options.activator,
+        wake=resync.converge_soon,
+        page=pod_metrics_page,
+        leading=leading,
+        metrics=metrics,
+    )
     passes = Passes(fenced, memory, ModelLocks(), pacer, zero.context(), options.defaults)
     return Runtime(
-        options=options, cluster=fenced, memory=memory, leadership=leadership, resync=resync,
-        pacer=pacer, zero=zero, metrics=metrics, passes=passes, elector=elector,
-    )  # fmt: skip
+        options=options,
+        cluster=fenced,
+        memory=memory,
+        leadership=leadership,
+        resync=resync,
+        pacer=pacer,
+        zero=zero,
+        metrics=metrics,
+        passes=passes,
+        elector=elector,
+    )
 
 
 def _configure_kopf(

@@ -152,8 +152,16 @@ def server_args(model: StreamingModel) -> list[str]:
     if auth.api_key_secret_ref:
         args += ["--api-key-file", f"{API_KEYS_DIR}/{API_KEYS_FILE}"]
     if auth.jwt:
-        args += ["--jwt-jwks-file", f"{JWKS_DIR}/{JWKS_FILE}", "--jwt-issuer", auth.jwt.issuer,
-                 "--jwt-audience", auth.jwt.audience, "--jwt-tenant-claim", auth.jwt.tenant_claim]  # fmt: skip
+        args += [
+            "--jwt-jwks-file",
+            f"{JWKS_DIR}/{JWKS_FILE}",
+            "--jwt-issuer",
+            auth.jwt.issuer,
+            "--jwt-audience",
+            auth.jwt.audience,
+            "--jwt-tenant-claim",
+            auth.jwt.tenant_claim,
+        ]
         if q is not None and q.priorities:  # the server reads the claim with classes only
             args += ["--jwt-priority-claim", auth.jwt.priority_claim]
     limit = auth.rate_limit

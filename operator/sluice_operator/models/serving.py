@@ -224,8 +224,10 @@ class QueueSpec(ApiModel):
     def _tenants(cls, v: dict[str, int]) -> dict[str, int]:
         bad = [t for t in v if not re.match(TENANT_PATTERN, t)]
         if bad:
-            raise ValueError(f"server.queue.tenantWeights: tenant names match {TENANT_PATTERN}; "
-                             f"not a plain name: {', '.join(bad)}")  # fmt: skip
+            raise ValueError(
+                f"server.queue.tenantWeights: tenant names match {TENANT_PATTERN}; "
+                f"not a plain name: {', '.join(bad)}"
+            )
         return v
 
 
