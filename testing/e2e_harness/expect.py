@@ -17,12 +17,13 @@ def expected_kinds(spec: dict) -> set[str]:
     multi_node = (spec.get("parallelism") or {}).get("nodes", 1) > 1
     kinds = {"Service"} if multi_node else {"Deployment", "Service"}
     autoscaling = spec.get("autoscaling")
-    scaling_on = autoscaling is not None and autoscaling.get("enabled", True)
+    # The autoscaling block when scaling is on, else None.
+    scaling = autoscaling if autoscaling is not None and autoscaling.get("enabled", True) else None
     if (spec.get("ingress") or {}).get("enabled"):
         kinds.add("Ingress")
-    if scaling_on and autoscaling.get("backend", "hpa") == "hpa":
+    if scaling is not None and scaling.get("backend", "hpa") == "hpa":
         kinds.add("HorizontalPodAutoscaler")
-    most = autoscaling.get("maxReplicas", 4) if scaling_on else spec.get("replicas", 1)
+    most = scaling.get("maxReplicas", 4) if scaling is not None else spec.get("replicas", 1)
     if most > 1:
         kinds.add("PodDisruptionBudget")
     return kinds

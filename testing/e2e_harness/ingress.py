@@ -87,6 +87,10 @@ class Route:
     def ann(self, key: str) -> str | None:
         return self.annotations.get(ANN + key, DEFAULTS.get(key))
 
+    def setting(self, key: str) -> str:
+        """An annotation that has a default (`DEFAULTS`)."""
+        return self.annotations.get(ANN + key, DEFAULTS[key])
+
     @property
     def lb_directive(self) -> str:
         return LB_DIRECTIVES.get(self.annotations.get(F5_LB_METHOD, "round_robin"), "")
@@ -120,7 +124,7 @@ def _location_body(route: Route) -> str:
         return "            return 503;\n"
     target = route.upstream
     if route.ann("affinity") == "cookie":
-        name = route.ann("session-cookie-name")
+        name = route.setting("session-cookie-name")
         path = route.annotations.get(ANN + "session-cookie-path") or route.path or "/"
         target = route.pin
         lines.append(
@@ -131,18 +135,18 @@ def _location_body(route: Route) -> str:
         # Harness only: which pod answered, for clients that must know (the autoscaling load).
         "add_header X-E2E-Upstream $upstream_addr always;",
         f"proxy_pass http://{target};",
-        f"proxy_http_version {route.ann('proxy-http-version')};",
+        f"proxy_http_version {route.setting('proxy-http-version')};",
         f"proxy_set_header Host {route.annotations.get(ANN + 'upstream-vhost') or '$host'};",
         "proxy_set_header X-Forwarded-For $remote_addr;",
         "proxy_set_header X-Real-IP $remote_addr;",
         "proxy_set_header Upgrade $http_upgrade;",
         "proxy_set_header Connection $connection_upgrade;",
-        f"proxy_buffering {on_off[route.ann('proxy-buffering').lower()]};",
-        f"proxy_request_buffering {on_off[route.ann('proxy-request-buffering').lower()]};",
-        f"proxy_connect_timeout {_seconds(route.ann('proxy-connect-timeout'))};",
-        f"proxy_read_timeout {_seconds(route.ann('proxy-read-timeout'))};",
-        f"proxy_send_timeout {_seconds(route.ann('proxy-send-timeout'))};",
-        f"client_max_body_size {route.ann('proxy-body-size')};",
+        f"proxy_buffering {on_off[route.setting('proxy-buffering').lower()]};",
+        f"proxy_request_buffering {on_off[route.setting('proxy-request-buffering').lower()]};",
+        f"proxy_connect_timeout {_seconds(route.setting('proxy-connect-timeout'))};",
+        f"proxy_read_timeout {_seconds(route.setting('proxy-read-timeout'))};",
+        f"proxy_send_timeout {_seconds(route.setting('proxy-send-timeout'))};",
+        f"client_max_body_size {route.setting('proxy-body-size')};",
         "proxy_next_upstream error timeout;",
         "proxy_next_upstream_tries 3;",
     ]
@@ -164,7 +168,7 @@ def render(routes: list[Route], listen_port: int, prefix: Path) -> str:
             upstreams[r.upstream] = r.endpoints
             methods[r.upstream] = r.lb_directive
             if r.ann("affinity") == "cookie":
-                pins[r.upstream] = (r.ann("session-cookie-name"), r.pin)
+                pins[r.upstream] = (r.setting("session-cookie-name"), r.pin)
     http = []
     for name, eps in sorted(upstreams.items()):
         listed = " ".join(f"server {e};" for e in eps)
@@ -260,8 +264,8 @@ class IngressController:
             return False
         shutil.move(candidate, self.conf)
         self._text = text
-        assert self.process is not None and self.process.pid is not None
-        self.process.proc.send_signal(signal.SIGHUP)
+        assert self.process is not None, "sync() runs after start()"
+        self.process.started().send_signal(signal.SIGHUP)
         self.reloads.append(Reload(time.time(), {r.upstream: r.endpoints for r in routes},
                                    {r.upstream: r.lb_directive for r in routes}))  # fmt: skip
         return True

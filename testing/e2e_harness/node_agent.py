@@ -36,6 +36,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Protocol
 
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
@@ -55,6 +56,14 @@ def _rfc3339(t: dt.datetime) -> str:
     return t.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+class ContainerRuntime(Protocol):
+    """What runs a status-only node's pods (`runtime`; the module docstring says when each
+    is called): `operator_pods.OperatorPods`."""
+
+    def start(self, pod: client.V1Pod) -> None: ...
+    def stop(self, pod: client.V1Pod) -> None: ...
+
+
 class NodeAgent:
     def __init__(
         self,
@@ -68,7 +77,7 @@ class NodeAgent:
         heartbeat: float = 5.0,
         ready_after: float = 0.0,
         taint: dict[str, str] | None = None,
-        runtime: object | None = None,
+        runtime: ContainerRuntime | None = None,
         run_pods: bool = False,
         workdir: Path | None = None,
         cpus: set[int] | None = None,
@@ -391,7 +400,7 @@ class NodeAgent:
         if runtime is not None or (pod.status and pod.status.phase in ("Succeeded", "Failed")):
             return
         body = self.core.api_client.sanitize_for_serialization(pod)
-        runtime = PodRuntime(body, self._take_ip(body), self, self.workdir / "pods")
+        runtime = PodRuntime(body, self._take_ip(body), self, self._live_workdir() / "pods")
         with self._pods_lock:
             self.pods[meta.uid] = runtime
             self.started.append((meta.name, runtime.ip))
@@ -455,9 +464,15 @@ class NodeAgent:
             raise
         return object_data(kind, self.core.api_client.sanitize_for_serialization(obj))
 
+    def _live_workdir(self) -> Path:
+        """Where live mode keeps pods and claims (`run_pods=True` needs a workdir)."""
+        if self.workdir is None:
+            raise RuntimeError(f"node {self.name}: pods run only with run_pods=True and a workdir")
+        return self.workdir
+
     def pvc_dir(self, namespace: str, claim: str) -> Path:
         """One folder per claim: what a test puts there, the pod sees at its mount."""
-        path = self.workdir / "claims" / namespace / claim
+        path = self._live_workdir() / "claims" / namespace / claim
         path.mkdir(parents=True, exist_ok=True)
         return path
 

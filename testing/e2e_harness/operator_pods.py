@@ -117,10 +117,10 @@ class OperatorPods:
     def kill(self, name: str) -> float:
         """SIGKILL the pod's container (no restart, no shutdown handler); returns when."""
         container = self.by_pod(name)
-        assert container.process.pid is not None
+        proc = container.process.started()
         at = time.time()
-        os.killpg(container.process.pid, signal.SIGKILL)
-        container.process.proc.wait(10)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
         container.killed, container.stopped = True, at
         return at
 

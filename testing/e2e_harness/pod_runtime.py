@@ -310,10 +310,10 @@ class PodRuntime:
             return
         sc = c.spec.get("securityContext") or {}
         drop = [x.upper() for x in (sc.get("capabilities") or {}).get("drop") or []]
-        c.sandbox = sb.Sandbox(argv, uid, gid, mounts, c.spec.get("workingDir") or "/",
+        c.sandbox = sandbox = sb.Sandbox(argv, uid, gid, mounts, c.spec.get("workingDir") or "/",
                                read_only_root=bool(sc.get("readOnlyRootFilesystem")),
                                drop_all_caps="ALL" in drop, image_paths=image.paths)  # fmt: skip
-        for point in c.sandbox.mount_points():
+        for point in sandbox.mount_points():
             Path(point).mkdir(parents=True, exist_ok=True)  # on the host: see sandbox.py
         log = self.host.log_dir / f"{self.namespace}.{self.name}.{c.name}.log"
         cpus = self.host.cpus
@@ -324,7 +324,7 @@ class PodRuntime:
 
         def spawn() -> subprocess.Popen:
             with log.open("ab") as out:
-                return subprocess.Popen(c.sandbox.bwrap_argv(), stdin=subprocess.DEVNULL,
+                return subprocess.Popen(sandbox.bwrap_argv(), stdin=subprocess.DEVNULL,
                                         stdout=out, stderr=subprocess.STDOUT, env=c.env,
                                         start_new_session=True, preexec_fn=setup)  # fmt: skip
 
@@ -467,8 +467,10 @@ class PodRuntime:
             if c.last_state:
                 entry["lastState"] = c.last_state
             containers.append(entry)
-        ended = [c.state.get("terminated") for c in self.containers]
-        if all(ended) and (self.terminating.is_set() or self.policy != "Always"):
+        ended = [t for c in self.containers if (t := c.state.get("terminated"))]
+        if len(ended) == len(self.containers) and (
+            self.terminating.is_set() or self.policy != "Always"
+        ):
             phase = "Succeeded" if all(t["exitCode"] == 0 for t in ended) else "Failed"
         elif any("running" in c.state or c.restart_count for c in self.containers):
             phase = "Running"

@@ -72,9 +72,9 @@ class Traffic:
             raise AssertionError(f"traffic client: {line}\n{self.process.tail()}")
 
     def stop_arrivals(self) -> None:
-        assert self.process.proc is not None and self.process.proc.stdin is not None
-        self.process.proc.stdin.write(b"stop\n")
-        self.process.proc.stdin.flush()
+        stdin, _ = self.process.pipe_ends()
+        stdin.write(b"stop\n")
+        stdin.flush()
 
     def finish(self, timeout: float = 240.0) -> list[Outcome]:
         """Stop arrivals (if not yet), wait for every stream, return the outcomes."""
@@ -95,7 +95,7 @@ class Traffic:
     def _read_line(self, timeout: float) -> dict:
         import select
 
-        out = self.process.proc.stdout
+        _, out = self.process.pipe_ends()
         ready, _, _ = select.select([out], [], [], timeout)
         if not ready:
             raise TimeoutError(f"traffic client silent for {timeout:.0f}s\n{self.process.tail()}")
@@ -121,7 +121,11 @@ def server_outcomes(log_dir: Path) -> dict[str, str]:
 def verdict(outcomes: list[Outcome], servers: dict[str, str]) -> dict:
     """Counts a test asserts on, plus the first few failures to print."""
     failed = [o for o in outcomes if not o.served]
-    unconfirmed = [o for o in outcomes if o.served and servers.get(o.request_id) != "finished"]
+    unconfirmed = [
+        o
+        for o in outcomes
+        if o.served and (o.request_id is None or servers.get(o.request_id) != "finished")
+    ]
     return {
         "long": sum(o.kind == "long" for o in outcomes),
         "short": sum(o.kind == "short" for o in outcomes),

@@ -57,7 +57,7 @@ BEGIN, END = "<!-- bench:balance:begin -->", "<!-- bench:balance:end -->"
 ACTIVE_RE = re.compile(r"^sluice_active_streams\{[^}]*\} ([0-9.e+-]+)$", re.M)
 
 
-def annotations(balance: str) -> dict[str, str]:
+def lb_annotations(balance: str) -> dict[str, str]:
     """What the operator writes for this balance on the F5 controller."""
     from sluice_operator.builders.ingress import balance_annotations
     from sluice_operator.validation import load_model
@@ -230,11 +230,11 @@ def run_direct(a, tmp: Path) -> list[dict]:
 
         @contextlib.contextmanager
         def proxy(balance: str):
-            with NginxProxy(urls, "ingress", annotations=annotations(balance)) as p:
+            with NginxProxy(urls, "ingress", annotations=lb_annotations(balance)) as p:
                 yield p.url
 
         def method(balance: str) -> str:
-            return annotations(balance)["nginx.org/lb-method"]
+            return lb_annotations(balance)["nginx.org/lb-method"]
 
         return phases(a, method, urls, proxy)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 import yaml
 from e2e_harness.control_plane import ControlPlane, missing_prerequisites
-from e2e_harness.endpoints import ready_endpoints
+from e2e_harness.endpoints import Endpoint, ready_endpoints
 from e2e_harness.ingress import IngressController
 from e2e_harness.kube import CRD_FILE, Models, eventually, load_sample
 from e2e_harness.node_agent import NodeAgent
@@ -117,9 +117,12 @@ class LiveReplicas:
         eventually(lambda: core.read_namespaced_service_account("default", NAMESPACE),
                    timeout=60, message="the default ServiceAccount")  # fmt: skip
         self.models.create(model_body(self.sim, self.replicas, "round-robin"))
-        eps = eventually(lambda: (e := ready_endpoints(core, NAMESPACE, NAME))
-                         and len(e) == self.replicas and e,
-                         timeout=180, interval=0.5, message="the replicas Ready")  # fmt: skip
+
+        def all_ready() -> list[Endpoint]:
+            eps = ready_endpoints(core, NAMESPACE, NAME)
+            return eps if len(eps) == self.replicas else []
+
+        eps = eventually(all_ready, timeout=180, interval=0.5, message="the replicas Ready")
         self.servers = [f"http://{e.address}" for e in eps]
         self.set_balance("round-robin")
 

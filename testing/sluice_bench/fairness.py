@@ -47,6 +47,7 @@ import re
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -184,7 +185,7 @@ def summary(recs: list[Req], t0: float, t1: float) -> dict:
     tokens generated in the window."""
     sent = [r for r in recs if t0 <= r.sent <= t1]
     ok = [r for r in sent if r.status == 200 and r.error is None and r.first is not None]
-    ttfts = [r.ttft * 1000 for r in ok]
+    ttfts = [t * 1000 for r in ok if (t := r.ttft) is not None]
     tokens = sum(in_window(r, t0, t1) for r in recs)
     return {
         "requests": len(sent),
@@ -209,7 +210,7 @@ class Pods:
         self.current: Server | None = None
         self.layout: dict = {}
 
-    def start(self, name: str, keys: str, flags: list[str], engine_args: list[str] = ()) -> str:
+    def start(self, name: str, keys: str, flags: list[str], engine_args: Sequence[str] = ()) -> str:
         if self.current is not None:
             self.group.stop(self.current)
         key_file = self.scratch / f"keys-{name}"

@@ -78,7 +78,7 @@ async def closed_loop(concurrency: int, num_requests: int, one: OneRequest, time
 def summarise(records: list[Record], start: float, end: float, timed_out: int = 0) -> dict:
     ok = [r for r in records if r.error is None and r.ttft is not None]
     errors = [r.error for r in records if r.error is not None] + ["timeout"] * timed_out
-    ttfts = [r.ttft * 1000 for r in ok]
+    ttfts = [t * 1000 for r in ok if (t := r.ttft) is not None]
     itls = [
         (b - a) * 1000 for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)
     ]
@@ -105,7 +105,7 @@ def summarise(records: list[Record], start: float, end: float, timed_out: int = 
 def _sse_events(buffer: bytearray, chunk: bytes) -> list[bytes]:
     """Append `chunk`; return the data payloads of the complete events in the buffer."""
     buffer += chunk
-    out = []
+    out: list[bytes] = []
     while True:
         cut = buffer.find(b"\n\n")
         if cut < 0:

@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from testkit.lora import make_adapter, write_adapters
 from testkit.net import free_port
 from testkit.repo import ROOT
 
@@ -39,7 +40,6 @@ ADAPTER = "tiny-lora"
 
 def run_lora(group: ProcGroup, env: dict, logs: Path, scratch: Path, *, concurrency=(1, 8),
              repeats: int = 3, max_tokens: int = 64, prompts: list[str]) -> dict:  # fmt: skip
-    from lora_helpers import make_adapter, write_adapters
     from sluice_server.engine.tiny_model import ensure_tiny_model
 
     base_path = ensure_tiny_model()

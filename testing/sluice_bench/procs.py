@@ -50,10 +50,10 @@ def separate_engines(fronts: list[ManagedProcess]) -> dict:
     cores: list[int] = []
     engine_cpus: set[int] = set()
     for front in fronts:
-        found, cpus = engine_processes(front.pid)
+        found, cpus = engine_processes(front.started().pid)
         cores += found
         engine_cpus |= cpus
-    return separate(cores, engine_cpus, [front.pid for front in fronts])
+    return separate(cores, engine_cpus, [front.started().pid for front in fronts])
 
 
 class Server(ManagedProcess):
@@ -113,10 +113,11 @@ class Worker(ManagedProcess):
 
     def call(self, cmd: dict, timeout: float = 600.0) -> dict:
         with self._lock:
-            self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
-            self.proc.stdin.flush()
+            stdin, stdout = self.pipe_ends()
+            stdin.write((json.dumps(cmd) + "\n").encode())
+            stdin.flush()
             box: list[bytes] = []
-            reader = threading.Thread(target=lambda: box.append(self.proc.stdout.readline()))
+            reader = threading.Thread(target=lambda: box.append(stdout.readline()))
             reader.daemon = True
             reader.start()
             reader.join(timeout)

@@ -502,12 +502,12 @@ def target_rows(results: dict) -> list[tuple[str, str, bool | None]]:
             if "error" in v or "error" in o:
                 rows.append((goal, "vLLM's client failed: see the run's logs", False))
                 continue
-            r = _ratio(o["p99_ttft_ms"], v["p99_ttft_ms"])
-            ok = (r is not None and r <= TTFT_P99_MAX and not v["failed"] and not o["failed"]
+            ratio = _ratio(o["p99_ttft_ms"], v["p99_ttft_ms"])
+            ok = (ratio is not None and ratio <= TTFT_P99_MAX and not v["failed"] and not o["failed"]
                   and cc["concurrency"] == TTFT_P99_CONC)  # fmt: skip
             note = "" if cc["concurrency"] == TTFT_P99_CONC else f" (not c={TTFT_P99_CONC})"
             rows.append((goal, f"{_f(o['p99_ttft_ms'], 1)} ms vs {_f(v['p99_ttft_ms'], 1)} ms "
-                               f"= {_f(r, 2)}x{note}", ok))  # fmt: skip
+                               f"= {_f(ratio, 2)}x{note}", ok))  # fmt: skip
     return rows
 
 

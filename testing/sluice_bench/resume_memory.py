@@ -17,9 +17,10 @@ import httpx
 from sluice_server.engine.simulator import SimulatorEngine
 from testkit.repo import ROOT
 
-# The server suite's `serve_simulator`: the app on a free port, configured as the tests run it.
+# The server suite's `serve_simulator`: the app on a free port, configured as the tests run it
+# (tests/server is on sys.path from here on, not on mypy's path).
 sys.path.insert(0, str(ROOT / "tests" / "server"))
-from app_helpers import serve_simulator  # noqa: E402
+from app_helpers import serve_simulator  # type: ignore[import-not-found]  # noqa: E402
 
 N, TOKENS = 200, 200
 

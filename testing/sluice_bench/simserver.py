@@ -14,7 +14,7 @@ import functools
 from sluice_server.engine import simulator
 
 
-def _stamped(cls: type) -> type:
+def _stamped(cls: type[simulator.SimulatorEngine]) -> None:
     init = cls.__init__
 
     @functools.wraps(init)
@@ -22,8 +22,7 @@ def _stamped(cls: type) -> type:
         kwargs.setdefault("stamp_tokens", True)
         init(self, *args, **kwargs)
 
-    cls.__init__ = __init__
-    return cls
+    cls.__init__ = __init__  # type: ignore[method-assign]  # the patch this module exists for
 
 
 _stamped(simulator.SimulatorEngine)

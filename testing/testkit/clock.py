@@ -20,7 +20,7 @@ import functools
 import inspect
 import selectors
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -64,14 +64,14 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         return self.wall_epoch + self._now
 
 
-def run_in_virtual_time(main: Awaitable[T]) -> T:
+def run_in_virtual_time(main: Coroutine[Any, Any, T]) -> T:
     """Run `main` to completion on a fresh `VirtualTimeLoop` (leaves the current event
     loop, such as pytest-asyncio's, alone)."""
     with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
         return runner.run(main)
 
 
-def virtual_time(test: Callable[..., Awaitable[Any]]) -> Callable[..., Any]:
+def virtual_time(test: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., Any]:
     """Decorator for an `async def` test: run it on a `VirtualTimeLoop` of its own instead
     of pytest-asyncio's loop (fixtures are passed through unchanged)."""
     if not inspect.iscoroutinefunction(test):

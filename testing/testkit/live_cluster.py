@@ -7,6 +7,7 @@ collection), so `pytest tests -m e2e` (`make test-e2e`) runs all of them."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ def skip_without_control_plane(config: pytest.Config, items: list, live: list) -
     line instead of one per test."""
     if not live:
         return
+    reason: str | None
     try:
         from e2e_harness.control_plane import missing_prerequisites
     except ImportError:
@@ -60,7 +62,7 @@ def live_control_plane(workdir: Path, extra_crds: tuple[dict, ...] = ()) -> Iter
             return any(c.type == "Established" and c.status == "True" for c in conds)
 
         for name in (SLUICE_CRD, *(crd["metadata"]["name"] for crd in extra_crds)):
-            eventually(lambda n=name: established(n), timeout=30, message=name)
+            eventually(functools.partial(established, name), timeout=30, message=name)
         yield cp, admin
     finally:
         cp.stop()

@@ -1,9 +1,10 @@
 """LoRA adapters made at test time (PEFT's files written directly), for the server tests,
-the live-pod e2e test and the LoRA benchmark."""
+the live-pod e2e test and the LoRA benchmark, and the adapters file the server watches."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -43,3 +44,11 @@ def make_adapter(folder: Path, base: Path | None = None, rank: int = 8, scale: f
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * scale
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     return folder
+
+
+def write_adapters(path: Path, adapters: dict[str, Path | str]) -> None:
+    """The adapters file, replaced in one rename (as the kubelet swaps a ConfigMap)."""
+    doc = {"adapters": [{"name": n, "uri": str(p)} for n, p in adapters.items()]}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc))
+    os.replace(tmp, path)

@@ -14,6 +14,7 @@ import signal
 import subprocess
 from collections.abc import Collection
 from pathlib import Path
+from typing import IO
 
 from .wait import eventually
 
@@ -72,6 +73,20 @@ class ManagedProcess:
         # Belt and braces: if the run dies before its fixtures' teardown, stop it anyway.
         atexit.register(self.stop)
         return self
+
+    def started(self) -> subprocess.Popen:
+        """The child, for what only a started one has (its pid for sure, signals); a
+        RuntimeError before `start()`."""
+        if self.proc is None:
+            raise RuntimeError(f"{self.name}: not started")
+        return self.proc
+
+    def pipe_ends(self) -> tuple[IO[bytes], IO[bytes]]:
+        """The child's stdin and stdout (`pipes=True`)."""
+        proc = self.started()
+        if proc.stdin is None or proc.stdout is None:
+            raise RuntimeError(f"{self.name}: started without pipes=True")
+        return proc.stdin, proc.stdout
 
     @property
     def pid(self) -> int | None:

@@ -38,17 +38,17 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(
+        self.proc = proc = subprocess.Popen(
             [BINARY, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", str(self.workdir), "--protected-mode", "yes"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
-        eventually(self._answers, timeout=10, message="redis-server to answer PING")
+        eventually(lambda: self._answers(proc), timeout=10, message="redis-server to answer PING")
         return self
 
-    def _answers(self) -> bool:
-        if self.proc.poll() is not None:  # not retried: fails at once
-            raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
+    def _answers(self, proc: subprocess.Popen) -> bool:
+        if proc.poll() is not None:  # not retried: fails at once
+            raise RuntimeError(f"redis-server exited with {proc.returncode}")
         return self._ping()
 
     def _ping(self) -> bool:
