@@ -10,14 +10,14 @@ export SLUICE_CACHE ?= $(CURDIR)/.cache
 
 SAMPLE ?= samples/chat-small.yaml
 
-.PHONY: help venv tools demo run test test-e2e test-dashboard test-multinode lint docs crds golden chart render bench bench-balance bench-lora bench-ab bench-ab-engine clean
+.PHONY: help venv tools demo run test test-fast test-e2e test-dashboard test-multinode lint docs crds golden chart render bench bench-balance bench-lora bench-ab bench-ab-engine clean
 
 help:
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
 
 venv: $(VENV)/.installed ## Python venv with the server (vLLM CPU build), operator and test tools
 
-$(VENV)/.installed: server/pyproject.toml operator/pyproject.toml tests/requirements.txt
+$(VENV)/.installed: server/pyproject.toml operator/pyproject.toml testing/pyproject.toml tests/requirements.txt
 	bash tests/scripts/install-venv.sh $(VENV)
 	touch $@
 
@@ -36,6 +36,13 @@ run: venv ## Start just the server on the tiny local model (port 8000)
 test: lint ## Lint, then all tests (unit, real-engine, nginx, helm, schemathesis); e2e runs when K8S_ASSETS is set
 	$(PY) -m pytest tests --durations=25
 
+# The fast loop (docs/testing.md): no real engine, no server outside Python, no bench, no
+# e2e, no second mypy run; lint is `make lint`.
+FAST := not engine and not slow and not e2e and not external
+
+test-fast: venv ## Unit and simulator tests only, in under 3 minutes on 2 cores (no real engine, nginx, Redis, Prometheus, Chromium, bench, e2e); lint is make lint
+	$(PY) -m pytest tests -m "$(FAST)" -q
+
 test-e2e: venv tools ## Every test that needs a real control plane (marked e2e, anywhere in tests/; needs K8S_ASSETS)
 	$(PY) -m pytest tests -m e2e
 
@@ -46,8 +53,8 @@ test-multinode: venv ## The engine split over two processes (leader + headless w
 	SLUICE_TEST_MULTINODE=1 $(PY) -m pytest tests/server/test_multinode_engine.py
 
 lint: venv tools ## ruff (checks and formatting), import contracts and mypy (pyproject.toml), yamllint, hadolint, helm lint
-	$(PY) -m ruff check server operator tests
-	$(PY) -m ruff format --check server operator tests
+	$(PY) -m ruff check server operator tests testing
+	$(PY) -m ruff format --check server operator tests testing
 	PYTHONPATH=operator:server $(VENV)/bin/lint-imports --no-cache
 	$(PY) -m mypy
 	$(PY) -m yamllint -c tests/yamllint.yaml crds samples
@@ -68,24 +75,24 @@ chart: venv tools ## Lint and render the charts
 	for c in charts/*/; do $(TOOLS)/helm template sluice $$c > /dev/null || exit 1; done
 	$(PY) -m pytest tests/chart -q
 
-render: venv ## Print the manifests the operator would apply for SAMPLE=samples/x.yaml
-	$(PY) -m sluice_operator render -f $(SAMPLE)
+render: venv ## Print the manifests the operator would apply for SAMPLE=samples/x.yaml (MODEL_IMAGE=...: the operator's --model-image)
+	$(PY) -m sluice_operator render -f $(SAMPLE) $(if $(MODEL_IMAGE),--model-image $(MODEL_IMAGE))
 
 bench: venv ## Benchmarks: our server vs vLLM's server vs the bare engine; fan-out; balancing (writes docs/)
-	$(PY) tests/bench/run.py
-	$(PY) tests/bench/balance.py --write
+	$(PY) -m sluice_bench.run
+	$(PY) -m sluice_bench.balance --write
 
 bench-balance: venv ## Balancing only: least-loaded vs round-robin on live pods through the e2e ingress (needs K8S_ASSETS; the table in docs/benchmarks.md)
-	$(PY) tests/bench/balance.py --write
+	$(PY) -m sluice_bench.balance --write
 
 bench-lora: venv ## Benchmark only a LoRA adapter next to the base on one engine (docs/bench-lora.md, the LoRA table in docs/benchmarks.md)
-	$(PY) tests/bench/lora_ratio.py
+	$(PY) -m sluice_bench.lora_ratio
 
 bench-ab: venv ## CPU per token event, this checkout (B) vs BASE=<another checkout> (A), pinned pairs
-	$(PY) tests/bench/stack_cost.py ab --against $(BASE) --pairs 4 --cpu $${CPU:-0}
+	$(PY) -m sluice_bench.stack_cost ab --against $(BASE) --pairs 4 --cpu $${CPU:-0}
 
 bench-ab-engine: venv ## Front-end CPU per token on the real tiny engine, this checkout (B) vs BASE=<another checkout> (A), vLLM's server beside
-	$(PY) tests/bench/engine_ab.py --against $(BASE) --pairs 4
+	$(PY) -m sluice_bench.engine_ab --against $(BASE) --pairs 4
 
 clean:
 	rm -rf $(VENV) .tools .cache

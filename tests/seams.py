@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from operator_helpers import AbsentKind, FakeCluster
 from sluice_operator.cluster import Cluster, FencedCluster, KubeCluster
-from sluice_server.core.ratelimit import Limiter, MemoryLimiter, RedisLimiter
+from sluice_server.core.limits.ratelimit import Limiter, MemoryLimiter, RedisLimiter
 from sluice_server.engine.base import ApiServing, Engine
 from sluice_server.engine.builtin_api import BuiltinApi
 from sluice_server.engine.simulator import SimulatorEngine
-from sluice_server.engine.vllm_engine import VllmApi, VllmEngine
+from sluice_server.engine.vllm_api import VllmApi
+from sluice_server.engine.vllm_engine import VllmEngine
 
 
 def engines(simulator: SimulatorEngine, vllm: VllmEngine) -> list[Engine]:

@@ -29,8 +29,9 @@ from typing import Any
 
 from .builders.adapters import adapter_id, lora_args
 from .models.resource import StreamingModel
+from .models.status import ConditionType
 
-CONDITION = "AdaptersReady"
+CONDITION: ConditionType = "AdaptersReady"
 _SAMPLE = re.compile(r"^sluice_adapter_state\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)", re.M)
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
@@ -45,8 +46,10 @@ def adapter_states(text: str) -> dict[tuple[str, str], tuple[str, str]]:
                 continue
         except ValueError:
             continue
-        labels = {k: v.replace('\\"', '"').replace("\\\\", "\\")
-                  for k, v in _LABEL.findall(m.group("labels"))}  # fmt: skip
+        labels = {
+            k: v.replace('\\"', '"').replace("\\\\", "\\")
+            for k, v in _LABEL.findall(m.group("labels"))
+        }
         key = (labels.get("adapter", ""), labels.get("id", ""))
         state = (labels.get("state", ""), labels.get("reason", ""))
         if key not in out or rank.get(state[0], 0) > rank.get(out[key][0], 0):
@@ -101,8 +104,9 @@ def adapters_status(
         return None
     pods = list(pods)
     serving = [p for p in pods if ready(p)]
-    states = {_pod_name(p): adapter_states(t) if (t := pages.get(_pod_name(p))) else None
-              for p in serving}  # fmt: skip
+    states = {
+        _pod_name(p): adapter_states(t) if (t := pages.get(_pod_name(p))) else None for p in serving
+    }
     entries = []
     for a in model.spec.adapters:
         key = (a.name, adapter_id(a))
@@ -122,36 +126,60 @@ def adapters_status(
         if failed:
             entry.update(state="Failed", reason="LoadFailed", message="; ".join(failed)[:1024])
         elif loading:
-            entry.update(state="Loading", reason="Loading", message=(
-                f"not served yet by {', '.join(sorted(loading)[:5])} (loading, or the pod has "
-                "not seen the new adapter list yet)"))  # fmt: skip
+            entry.update(
+                state="Loading",
+                reason="Loading",
+                message=(
+                    f"not served yet by {', '.join(sorted(loading)[:5])} (loading, or the pod has "
+                    "not seen the new adapter list yet)"
+                ),
+            )
         elif ok:
             entry.update(state="Ready", reason="Served", message="")
         else:
             why = "no ready pod" if not serving else "no pod's /metrics could be read"
-            entry.update(state="Unknown", reason="NoReport", message=why + (
-                f" ({unread} unreachable: with spec.networkPolicy, list the operator's "
-                "namespace in monitoringNamespaces)" if unread else ""))  # fmt: skip
+            entry.update(
+                state="Unknown",
+                reason="NoReport",
+                message=why
+                + (
+                    f" ({unread} unreachable: with spec.networkPolicy, list the operator's "
+                    "namespace in monitoringNamespaces)"
+                    if unread
+                    else ""
+                ),
+            )
         entries.append(entry)
     return entries, _condition(model, pods, entries)
 
 
 def _condition(model: StreamingModel, pods: list, entries: list[dict]) -> dict[str, str]:
     if engine_restart(model, pods):
-        return {"type": CONDITION, "status": "False", "reason": "EngineRestart",
-                "message": "the LoRA engine settings changed (engine.lora, or LoRA turned on "
-                "or off): the pods are replaced to restart the engine (a rolling update); "
-                "adding or removing adapters alone never does this"}  # fmt: skip
+        return {
+            "type": CONDITION,
+            "status": "False",
+            "reason": "EngineRestart",
+            "message": "the LoRA engine settings changed (engine.lora, or LoRA turned on "
+            "or off): the pods are replaced to restart the engine (a rolling update); "
+            "adding or removing adapters alone never does this",
+        }
     failed = [e["name"] for e in entries if e["state"] == "Failed"]
     waiting = [e["name"] for e in entries if e["state"] in ("Loading", "Unknown")]
     if failed:
-        return {"type": CONDITION, "status": "False", "reason": "AdapterFailed",
-                "message": f"failed: {', '.join(failed)} (see status.adapters); the others "
-                "and the base serve"}  # fmt: skip
+        return {
+            "type": CONDITION,
+            "status": "False",
+            "reason": "AdapterFailed",
+            "message": f"failed: {', '.join(failed)} (see status.adapters); the others "
+            "and the base serve",
+        }
     if waiting:
-        return {"type": CONDITION, "status": "Unknown" if not any(
-            e["state"] == "Loading" for e in entries) else "False", "reason": "Loading",
-                "message": f"not served everywhere yet: {', '.join(waiting)}"}  # fmt: skip
+        return {
+            "type": CONDITION,
+            "status": "Unknown" if not any(e["state"] == "Loading" for e in entries) else "False",
+            "reason": "Loading",
+            "message": f"not served everywhere yet: {', '.join(waiting)}",
+        }
     return {
         "type": CONDITION,
         "status": "True",

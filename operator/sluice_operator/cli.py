@@ -12,6 +12,18 @@ import socket
 import sys
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .election import ElectionSettings
+    from .models.resource import OperatorDefaults
+    from .scaletozero_poller import ActivatorSettings
+
+# The image of models without spec.image (`run --model-image`); the operator chart sets it
+# from modelImage through its ConfigMap.
+MODEL_IMAGE_ENV = "SLUICE_OPERATOR_MODEL_IMAGE"
+# The same bound as spec.image's.
+MAX_IMAGE_LENGTH = 512
 
 
 def _repo_root() -> Path:
@@ -37,12 +49,30 @@ def _cmd_crds(args: argparse.Namespace) -> int:
     return 0
 
 
+def operator_defaults(args: argparse.Namespace) -> OperatorDefaults:
+    """`--model-image` as `models.resource.OperatorDefaults` (ValueError when unusable)."""
+    from .models.resource import OperatorDefaults
+
+    image = args.model_image.strip()
+    if not image or len(image) > MAX_IMAGE_LENGTH or any(c.isspace() for c in image):
+        raise ValueError(
+            f"--model-image must be an image reference of 1 to {MAX_IMAGE_LENGTH} characters "
+            f"without spaces (got {args.model_image!r})"
+        )
+    return OperatorDefaults(model_image=image)
+
+
 def _cmd_render(args: argparse.Namespace) -> int:
     from .render import render_file
     from .validation import SpecError
 
     try:
-        text = render_file(Path(args.file), namespace=args.namespace)
+        defaults = operator_defaults(args)
+    except ValueError as exc:
+        print(f"sluice-operator render: {exc}", file=sys.stderr)
+        return 2
+    try:
+        text = render_file(Path(args.file), namespace=args.namespace, defaults=defaults)
     except SpecError as exc:
         print(f"{args.file}: invalid StreamingModel: {exc}", file=sys.stderr)
         return 2
@@ -50,7 +80,7 @@ def _cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
-def election_settings(args: argparse.Namespace) -> object | None:
+def election_settings(args: argparse.Namespace) -> ElectionSettings | None:
     """The `--leader-elect*` flags as `election.ElectionSettings` (None without the flag).
     The Lease holder is the identity plus a random suffix (client-go's hostname_uuid): a
     restarted container in the same pod is a new candidate, never the old leader."""
@@ -68,11 +98,11 @@ def election_settings(args: argparse.Namespace) -> object | None:
     )
 
 
-def activator_settings(args: argparse.Namespace) -> object | None:
+def activator_settings(args: argparse.Namespace) -> ActivatorSettings | None:
     """The `--activator-*` flags as `scaler.ActivatorSettings` (None without the Service)."""
     if not args.activator_service:
         return None
-    from .scaler import ActivatorSettings
+    from .scaletozero_poller import ActivatorSettings
 
     return ActivatorSettings(
         service=args.activator_service,
@@ -83,31 +113,40 @@ def activator_settings(args: argparse.Namespace) -> object | None:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from .runner import run
+    from .wiring import Options
 
     try:
         election = election_settings(args)
+        defaults = operator_defaults(args)
     except ValueError as exc:
         print(f"sluice-operator run: {exc}", file=sys.stderr)
         return 2
+    options = Options(
+        resync_seconds=args.resync_seconds,
+        max_rollouts=args.max_concurrent_model_rollouts,
+        identity=args.identity,
+        election=election,
+        activator=activator_settings(args),
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        defaults=defaults,
+    )
     return run(
         namespaces=args.namespace,
         all_namespaces=args.all_namespaces,
         liveness=args.liveness,
+        options=options,
         verbose=args.verbose,
         standalone=args.standalone or not args.peering,
         peering=args.peering,
         log_format=args.log_format,
-        resync_seconds=args.resync_seconds,
-        identity=args.identity,
-        election=election,
-        max_rollouts=args.max_concurrent_model_rollouts,
-        activator=activator_settings(args),
-        metrics_port=args.metrics_port,
-        metrics_host=args.metrics_host,
     )
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .models.resource import DEFAULT_MODEL_IMAGE
+    from .models.spec import FORMER_DEFAULT_IMAGE
+
     parser = argparse.ArgumentParser(prog="sluice-operator", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -145,6 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--namespace",
         default=None,
         help="namespace when the file does not set one (default: default)",
+    )
+    render.add_argument(
+        "--model-image",
+        default=DEFAULT_MODEL_IMAGE,
+        metavar="IMAGE",
+        help="the image of models without spec.image, as `run --model-image` (default: "
+        "%(default)s)",
     )
     render.set_defaults(func=_cmd_render)
 
@@ -257,6 +303,15 @@ def build_parser() -> argparse.ArgumentParser:
         "activation time) on this port at /metrics; 0: off",
     )
     run.add_argument("--metrics-host", default="0.0.0.0", help="address for --metrics-port")
+    run.add_argument(
+        "--model-image",
+        default=os.environ.get(MODEL_IMAGE_ENV) or DEFAULT_MODEL_IMAGE,
+        metavar="IMAGE",
+        help=f"the image of every model that does not set spec.image (or still holds "
+        f"{FORMER_DEFAULT_IMAGE}, the default older CRDs stored); changing it rolls those "
+        f"models, paced by --max-concurrent-model-rollouts (default: ${MODEL_IMAGE_ENV}, "
+        f"else {DEFAULT_MODEL_IMAGE})",
+    )
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     run.set_defaults(func=_cmd_run)
     return parser

@@ -66,7 +66,7 @@ class Cluster(Protocol):
 class LiveReads:
     """A pass's reads straight from the API: one GET per child, a LIST for pods.
 
-    The operator reads from memory (`memory.Memory`, fed by its watches); this is what a
+    The operator reads from memory (`cluster_view.ClusterView`, fed by its watches); this is what a
     pass costs without them: `reconcile.converge` called on its own (one-off passes, tests).
     """
 
@@ -324,9 +324,12 @@ class KubeLeases:
 
         try:
             return self._cluster._call(
-                method, path, body=body, content_type="application/json" if body else None,
+                method,
+                path,
+                body=body,
+                content_type="application/json" if body else None,
                 timeout=self.timeout,
-            )  # fmt: skip
+            )
         except ApiException as exc:
             if exc.status == 409:
                 raise LeaseConflict(f"Lease {self.namespace}/{self.name} changed first") from None

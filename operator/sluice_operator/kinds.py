@@ -32,6 +32,7 @@ from .builders.routing import desired_inference_pool, pool_verdict
 from .builders.service import desired_service
 from .models import GROUP, KIND, PLURAL, VERSION
 from .models.resource import StreamingModel
+from .models.status import ConditionType
 
 Builder = Callable[[StreamingModel], dict[str, Any] | None]
 
@@ -86,9 +87,13 @@ SERVICE = Kind("v1", "Service", "services", desired_service)
 # The adapter list (spec.adapters), mounted in the pods; only while LoRA is on. Named
 # <model>-adapters: a user's own ConfigMap (a JWKS) may well carry the model's name.
 ADAPTER_CONFIG_MAP = Kind(
-    "v1", "ConfigMap", "configmaps", desired_adapter_config_map, optional=True,
+    "v1",
+    "ConfigMap",
+    "configmaps",
+    desired_adapter_config_map,
+    optional=True,
     name_suffix=ADAPTERS_SUFFIX,
-)  # fmt: skip
+)
 # Optional: a LeaderWorkerSet replaces it for models on several nodes per replica.
 DEPLOYMENT = Kind("apps/v1", "Deployment", "deployments", desired_deployment, optional=True)
 INGRESS = Kind("networking.k8s.io/v1", "Ingress", "ingresses", desired_ingress, optional=True)
@@ -112,9 +117,14 @@ NETWORK_POLICY = Kind(
 # minReplicas 0 has no Ready replica (builders/activator.py); only with minReplicas 0. The
 # same plural as SERVICE: one watch and one index serve both (`unique`).
 ACTIVATOR_SERVICE = Kind(
-    "v1", "Service", "services", desired_activator_service, optional=True,
-    name_suffix=ACTIVATOR_SUFFIX, role="ActivatorService",
-)  # fmt: skip
+    "v1",
+    "Service",
+    "services",
+    desired_activator_service,
+    optional=True,
+    name_suffix=ACTIVATOR_SUFFIX,
+    role="ActivatorService",
+)
 
 # Children applied on every pass, in apply order (the Services before the Deployment whose
 # pods one selects and the Ingress that names them, the adapter ConfigMap before the pods
@@ -190,7 +200,7 @@ class OptionalKind:
     event: str
     forbidden: str
     missing: str
-    condition: str | None = None
+    condition: ConditionType | None = None
     ready: Ready | None = None
     reasons: tuple[str, str] = ("Forbidden", "CRDMissing")
     excludes: Kind | None = None
@@ -302,7 +312,7 @@ def unique(kinds: tuple[Kind, ...]) -> tuple[Kind, ...]:
 
 # What the handlers watch (by the managed-by label) to converge the owner on any change.
 WATCHED_KINDS: tuple[Kind, ...] = (*CHILD_KINDS, POD)
-# What a pass reads from memory (`memory.Memory`, fed by one kopf index per kind), not the API.
+# What a pass reads from memory (`cluster_view.ClusterView`, fed by one kopf index per kind), not the API.
 INDEXED_KINDS: tuple[Kind, ...] = unique((*WATCHED_KINDS, STREAMING_MODEL))
 
 # Everything the cluster client may address.

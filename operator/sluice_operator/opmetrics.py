@@ -39,13 +39,16 @@ class OperatorMetrics:
         self.transitions = Counter(
             "sluice_operator_scale_to_zero_transitions",
             "Scale-to-zero steps the operator took, by target: zero (idle), one (activation).",
-            ("namespace", "model", "to"), registry=self.registry,
-        )  # fmt: skip
+            ("namespace", "model", "to"),
+            registry=self.registry,
+        )
         self.activation = Histogram(
             "sluice_operator_activation_seconds",
             "An activation's scale to 1 until a Ready replica took the route back.",
-            ("namespace", "model"), buckets=ACTIVATION_BUCKETS, registry=self.registry,
-        )  # fmt: skip
+            ("namespace", "model"),
+            buckets=ACTIVATION_BUCKETS,
+            registry=self.registry,
+        )
         self._guard = threading.Lock()
         self._since: dict[tuple[str, str], float] = {}  # activations under way
 

@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .status import deployment_settled
+from .status_from_cluster import deployment_settled
 
 TEMPLATE_HASH = "serving.sluice.dev/template-hash"
 PACED = "serving.sluice.dev/paced-rollout"
@@ -178,7 +178,7 @@ class RolloutPacer:
             return list(self._waiting)
 
     def _workloads(self) -> dict[Key, Mapping[str, Any] | None]:
-        """Memory's Deployments, and where memory has none, the workload a pass read."""
+        """The cluster view's Deployments, and where it has none, the workload a pass read."""
         seen = dict(self._deployments())
         if self._models is not None:
             known = set(self._models())

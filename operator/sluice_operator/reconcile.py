@@ -2,7 +2,7 @@
 
 Called by every handler (create, update, resume, child changed, resync). The model, its
 watched children and pods are read from `reads`: in the operator the memory its watches
-fill (`memory.Memory`), so a pass makes write calls only, and a pass over an object whose
+fill (`cluster_view.ClusterView`), so a pass makes write calls only, and a pass over an object whose
 children match and whose status is current makes no call at all. Every write's result is
 handed back to `reads`, so the next pass starts from what this one wrote. Children are compared by (a) a hash of the last applied manifest, kept in
 an annotation, which catches spec changes including removed fields, and (b) "every field we
@@ -34,6 +34,7 @@ from .builders.gateway import (
 )
 from .builders.keda import keda_hpa_name
 from .cluster import Cluster, LiveReads
+from .cluster_view import ClusterView
 from .kinds import (
     CHILD_KINDS,
     DEPLOYMENT,
@@ -47,8 +48,7 @@ from .kinds import (
     Unavailable,
     desired_children,
 )
-from .memory import Memory
-from .models.resource import StreamingModel
+from .models.resource import OperatorDefaults, StreamingModel
 from .pacing import (
     PACED,
     TEMPLATE_HASH,
@@ -59,7 +59,7 @@ from .pacing import (
     template_hash,
 )
 from .scaletozero import Signals, Step, ZeroContext, decide, with_replicas, zero_status
-from .status import (
+from .status_from_cluster import (
     compute_status,
     deployment_settled,
     invalid_status,
@@ -83,7 +83,7 @@ class Outcome:
     deleted: list[str] = field(default_factory=list)
     status_written: bool = False
     phase: str | None = None
-    # An adapter is still loading on some pod: look again soon (handlers.py retries).
+    # An adapter is still loading on some pod: look again soon (passes.py retries).
     adapters_settling: bool = False
     # The LeaderWorkerSet's groups are not all updated and Ready. Its status is not watched
     # (the LWS kind is optional), so nothing else would show the change: look again soon.
@@ -174,7 +174,7 @@ def report_invalid(
     message: str,
     post_event: PostEvent,
     now: str | None = None,
-    reads: Memory | LiveReads | None = None,
+    reads: ClusterView | LiveReads | None = None,
 ) -> bool:
     """SpecValid=False + one Event, once per distinct message (no storm on resync)."""
     meta = body["metadata"]
@@ -200,16 +200,17 @@ def converge(
     body: Mapping[str, Any],
     post_event: PostEvent,
     now: str | None = None,
-    reads: Memory | LiveReads | None = None,
+    reads: ClusterView | LiveReads | None = None,
     owner_exists: Callable[[], bool] | None = None,
     pacer: RolloutPacer | None = None,
     pod_metrics: PodMetrics | None = None,
     zero: ZeroContext | None = None,
+    defaults: OperatorDefaults | None = None,
 ) -> Outcome:
     """One pass (see `_converge`); a model found deleted before a create ends it quietly."""
     try:
         return _converge(
-            cluster, body, post_event, now, reads, owner_exists, pacer, pod_metrics, zero
+            cluster, body, post_event, now, reads, owner_exists, pacer, pod_metrics, zero, defaults
         )
     except _OwnerGone:
         return Outcome()
@@ -220,18 +221,19 @@ def _converge(
     body: Mapping[str, Any],
     post_event: PostEvent,
     now: str | None = None,
-    reads: Memory | LiveReads | None = None,
+    reads: ClusterView | LiveReads | None = None,
     owner_exists: Callable[[], bool] | None = None,
     pacer: RolloutPacer | None = None,
     pod_metrics: PodMetrics | None = None,
     zero: ZeroContext | None = None,
+    defaults: OperatorDefaults | None = None,
 ) -> Outcome:
     """Raises SpecError (after reporting it) for an invalid spec; API errors propagate.
 
     `reads`: where the watched children and pods come from (default: GETs through `cluster`).
     Kinds that are not watched (`kinds.OPTIONAL_KINDS`, KEDA's HPA) are read through
     `cluster`, and only by models that use them or, as their status says, last did.
-    `owner_exists`: asked once, before the pass creates a child: False ends the pass. Memory
+    `owner_exists`: asked once, before the pass creates a child: False ends the pass. ClusterView
     may still hold a model the API server has deleted (its DELETED event not yet processed)
     while the garbage collector removes the children; without this the pass would create
     them again.
@@ -241,17 +243,27 @@ def _converge(
     None: adapters are reported Unknown.
     `zero`: the activator's address and the poller's signals, for models with minReplicas 0
     (scaletozero.py); None: the default address and no signals (never idle, nothing held).
+    `defaults`: the operator's configuration the builders fall back to (the model image);
+    None: the built-in defaults.
     """
     reads = reads if reads is not None else LiveReads(cluster)
     try:
-        model = load_model(body)
+        model = load_model(body, defaults=defaults)
     except SpecError as exc:
         report_invalid(cluster, body, str(exc), post_event, now, reads)
         raise
     run = _Pass(
-        cluster, body, model, post_event, now or _now(), reads, owner_exists, pacer, pod_metrics,
+        cluster,
+        body,
+        model,
+        post_event,
+        now or _now(),
+        reads,
+        owner_exists,
+        pacer,
+        pod_metrics,
         zero,
-    )  # fmt: skip
+    )
     status = body.get("status") or {}
     touched = [row for row in OPTIONAL_KINDS if run.wants(row) or remembered(row, status)]
     # A kind no longer wanted goes before what it excludes is applied (never two HPAs).
@@ -267,7 +279,7 @@ def _converge(
     run.write_status()
     run.post_events()
     # A missing CRD or grant fails the pass after the rest converged: the handler retries
-    # with backoff (handlers.py), so the kind appears once it is installed.
+    # with backoff (passes.py), so the kind appears once it is installed.
     refused = [run.refused[row.name] for row in OPTIONAL_KINDS if row.name in run.refused]
     if refused:
         raise refused[0][1]
@@ -284,7 +296,7 @@ class _Pass:
         model: StreamingModel,
         post_event: PostEvent,
         now: str,
-        reads: Memory | LiveReads,
+        reads: ClusterView | LiveReads,
         owner_exists: Callable[[], bool] | None,
         pacer: RolloutPacer | None = None,
         pod_metrics: PodMetrics | None = None,
@@ -384,8 +396,11 @@ class _Pass:
                 raise
             message = _api_message(exc)
         kind = manifest["kind"]
-        self.post_event("Warning", "ChildRepaired",
-                        f"the API server refused the {kind} ({message}); its lists were replaced")  # fmt: skip
+        self.post_event(
+            "Warning",
+            "ChildRepaired",
+            f"the API server refused the {kind} ({message}); its lists were replaced",
+        )
         self.cluster.replace_lists(manifest)
         return self.cluster.apply(manifest)
 
@@ -468,8 +483,9 @@ class _Pass:
         )
         hpa = self.live.get(HPA.kind)
         if self.model.spec.autoscaling_backend == "keda":  # KEDA's HPA has the reading
-            hpa = self.cluster.get(HPA.api_version, HPA.kind, self.namespace,
-                                   keda_hpa_name(self.model))  # fmt: skip
+            hpa = self.cluster.get(
+                HPA.api_version, HPA.kind, self.namespace, keda_hpa_name(self.model)
+            )
         new = compute_status(
             self.model,
             self.body["metadata"].get("generation"),
@@ -489,8 +505,16 @@ class _Pass:
             if not was_waiting(self.status):
                 self.post_event("Normal", "RolloutWaiting", message)
         if lora:
-            new = _with_adapters(self.model, new, pods, self.status, self.pod_metrics,
-                                 self.post_event, self.now, generation)  # fmt: skip
+            new = _with_adapters(
+                self.model,
+                new,
+                pods,
+                self.status,
+                self.pod_metrics,
+                self.post_event,
+                self.now,
+                generation,
+            )
             self.outcome.adapters_settling = settling(new.get("adapters"))
         if self.model.spec.scale_to_zero is not None:
             new = self.zero_status(new, deployment, generation)
@@ -524,8 +548,11 @@ class _Pass:
             if before != phase:
                 self.post_event("Normal", phase, message or "")
         elif before in ("ScaledToZero", "Activating") and not self.model.via_activator:
-            self.post_event("Normal", "Activated", f"a replica is Ready: the route goes to "
-                            f"Service {self.name} again")  # fmt: skip
+            self.post_event(
+                "Normal",
+                "Activated",
+                f"a replica is Ready: the route goes to Service {self.name} again",
+            )
         if self.metrics is not None and not self.model.via_activator:
             self.metrics.serving((self.namespace, self.name))
         return new
@@ -568,7 +595,9 @@ def _with_adapters(
     for e in entries:
         old = before.get(e["name"]) or {}
         if e["state"] == "Failed" and (old.get("state"), old.get("message")) != (
-            "Failed", e["message"]):  # fmt: skip
+            "Failed",
+            e["message"],
+        ):
             post_event("Warning", "AdapterFailed", f"adapter {e['name']}: {e['message']}")
     status = with_condition(status, cond, previous, now, generation)
     status["adapters"] = entries

@@ -12,16 +12,21 @@ from typing import Any
 import yaml
 
 from .kinds import desired_children
+from .models.resource import OperatorDefaults
 from .validation import load_model
 from .yamldump import dump_yaml
 
 
-def render_objects(body: dict[str, Any], namespace: str | None = None) -> list[dict[str, Any]]:
-    model = load_model(body, namespace=namespace)
+def render_objects(
+    body: dict[str, Any], namespace: str | None = None, *, defaults: OperatorDefaults | None = None
+) -> list[dict[str, Any]]:
+    model = load_model(body, namespace=namespace, defaults=defaults)
     return [m for m in desired_children(model).values() if m is not None]
 
 
-def render_file(path: Path, namespace: str | None = None) -> str:
+def render_file(
+    path: Path, namespace: str | None = None, *, defaults: OperatorDefaults | None = None
+) -> str:
     """Render every StreamingModel in a file (`-` reads stdin); other documents are skipped."""
     import sys
 
@@ -31,6 +36,6 @@ def render_file(path: Path, namespace: str | None = None) -> str:
     for body in docs:
         if body.get("kind") != "StreamingModel":
             continue
-        for manifest in render_objects(body, namespace=namespace):
+        for manifest in render_objects(body, namespace=namespace, defaults=defaults):
             out.append(dump_yaml(manifest))
     return "---\n" + "---\n".join(out) if out else ""

@@ -4,26 +4,20 @@ from __future__ import annotations
 
 import logging
 
+from .wiring import Options
+
 
 def run(
     namespaces: list[str],
     all_namespaces: bool,
     liveness: str | None,
+    options: Options,
     verbose: bool = False,
     standalone: bool = True,
     peering: str | None = None,
     log_format: str = "json",
-    resync_seconds: float | None = None,
-    identity: str | None = None,
-    election: object | None = None,
-    max_rollouts: int | None = None,
-    activator: object | None = None,
-    metrics_port: int = 0,
-    metrics_host: str = "0.0.0.0",
 ) -> int:
-    """`election`: `election.ElectionSettings` for `--leader-elect`, or None (one replica).
-    `activator`: `scaler.ActivatorSettings` (`--activator-service`), or None: no model is
-    scaled to zero."""
+    """`options`: what the handlers' runtime is built from (`wiring.wire`, at kopf's startup)."""
     import kopf
 
     from . import handlers  # noqa: F401 - registers the handlers with kopf's default registry
@@ -39,14 +33,6 @@ def run(
         liveness_endpoint=liveness or None,
         standalone=standalone and not peering,
         peering_name=peering,
-        memo=kopf.Memo(
-            resync_seconds=resync_seconds,
-            identity=identity,
-            leader_election=election,
-            max_rollouts=max_rollouts,
-            activator=activator,
-            metrics_port=metrics_port,
-            metrics_host=metrics_host,
-        ),
+        memo=kopf.Memo(options=options),
     )
     return 0

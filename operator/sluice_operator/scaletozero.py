@@ -1,7 +1,7 @@
 """Scale to zero and back: what the operator reads from pages, and what a pass decides.
 
 Signals come from `/metrics` pages, read with no credential as for adapters
-(adapterstatus.py says why that is the way; `scaler.py` does the reading):
+(adapterstatus.py says why that is the way; `scaletozero_poller.py` does the reading):
 
 - every ready model pod: `sluice_last_request_timestamp_seconds` (unix time of the last
   request the pod admitted, set to the process start when it starts; the newest over its
@@ -39,6 +39,7 @@ from enum import StrEnum
 from typing import Any
 
 from .models.resource import StreamingModel
+from .models.status import ConditionType
 from .opmetrics import OperatorMetrics
 
 LAST_REQUEST = "sluice_last_request_timestamp_seconds"
@@ -50,8 +51,9 @@ DEMAND_PERIOD_SECONDS = 1.0
 # The longest wait between two idle checks of a model (shorter for a short idleSeconds).
 IDLE_PERIOD_SECONDS = 10.0
 
-_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)",
-                     re.M)  # fmt: skip
+_SAMPLE = re.compile(
+    r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)", re.M
+)
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
@@ -103,8 +105,7 @@ def idle_verdict(
         if seconds is None:
             return False, f"pod {pod}'s /metrics could not be read (or has no {LAST_REQUEST})"
         if seconds < zero.idle_seconds:
-            return False, (f"serving: a request within the last {zero.idle_seconds}s "
-                           "(idleSeconds)")  # fmt: skip
+            return False, (f"serving: a request within the last {zero.idle_seconds}s (idleSeconds)")
         quiet.append(seconds)
     return True, f"no request for {zero.idle_seconds}s or more (idleSeconds)"
 
@@ -132,7 +133,7 @@ def unaware(pages: Mapping[str, str | None], key: tuple[str, str]) -> list[str]:
 
 @dataclass(frozen=True)
 class Signals:
-    """What the poller last saw for one model (`scaler.py`); the pass decides on it."""
+    """What the poller last saw for one model (`scaletozero_poller.py`); the pass decides on it."""
 
     idle: bool = False  # every ready pod idle for idleSeconds, every activator pod knows it
     held: int = 0  # requests held by the activator pods now
@@ -196,7 +197,7 @@ def with_replicas(workload: Mapping[str, Any], replicas: int, resource_version: 
     return out
 
 
-ZERO_CONDITION = "ScaledToZero"
+ZERO_CONDITION: ConditionType = "ScaledToZero"
 
 
 def zero_status(

@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from .models.base import RULE_ERROR
-from .models.resource import ADAPTER_NAME_RULE, NAME_RULE, StreamingModel
+from .models.resource import ADAPTER_NAME_RULE, NAME_RULE, OperatorDefaults, StreamingModel
 from .models.spec import StreamingModelSpec
 
 
@@ -73,14 +73,21 @@ def parse_object(body: Mapping[str, Any]) -> StreamingModelSpec:
     return parse_spec(body.get("spec"), name=meta.get("name"))
 
 
-def load_model(body: Mapping[str, Any], namespace: str | None = None) -> StreamingModel:
+def load_model(
+    body: Mapping[str, Any],
+    namespace: str | None = None,
+    *,
+    defaults: OperatorDefaults | None = None,
+) -> StreamingModel:
     """A StreamingModel object (as the API server or a file holds it) -> what builders take.
 
     `namespace` is used when the object has none (a file rendered offline); else "default".
+    `defaults`: the operator's configuration (`run --model-image`); None: the built-in one.
     """
     meta = body.get("metadata") or {}
     return StreamingModel(
         name=meta["name"],
         namespace=meta.get("namespace") or namespace or "default",
         spec=parse_object(body),
+        defaults=defaults or OperatorDefaults(),
     )

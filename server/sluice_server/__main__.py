@@ -24,7 +24,10 @@ def main(argv: list[str] | None = None) -> int:
             settings = parse_settings(args)
     except ValidationError as e:
         problems = "; ".join(
+            # A check across fields (loc empty) names its flags in its message.
             f"--{'.'.join(str(x) for x in err['loc']).replace('_', '-')}: {err['msg']}"
+            if err["loc"]
+            else str(err["msg"]).removeprefix("Value error, ")
             for err in e.errors()
         )
         print(f"sluice-server: invalid settings: {problems}", file=sys.stderr)

@@ -2,7 +2,7 @@
 
 With no engine given, the lifespan opens one from settings and shuts it down in `finally`.
 Tests pass one shared engine to many apps; the app then never shuts it down. A worker of
-a pod with several (`--api-workers`) passes its seat (`core/pod.py`): admission and rate
+a pod with several (`--api-workers`) passes its seat (`core/limits/shared_memory.py`): admission and rate
 limits then count for the whole pod, and the worker's readiness flag follows its engine.
 """
 
@@ -20,20 +20,20 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .core.adapters import Adapters
-from .core.admission import Admission
-from .core.auth import KeyStore
-from .core.credentials import Credentials
+from .core.auth.apikeys import KeyStore
+from .core.auth.credentials import Credentials
+from .core.auth.identity import CallerRules, Plan, Priorities
+from .core.auth.jwks import JwtVerifier
+from .core.auth.reload import Reloader, Source
 from .core.errors import install_error_handlers
-from .core.gate import Gate
-from .core.identity import CallerRules, Plan, Priorities
-from .core.jwks import JwtVerifier
-from .core.metrics import Metrics
-from .core.pod import PodSeat, QueueShape
-from .core.ratelimit import Limiter, MemoryLimiter, RedisLimiter
-from .core.reload import Reloader, Source
+from .core.limits.queue import Admission
+from .core.limits.ratelimit import Limiter, MemoryLimiter, RedisLimiter
+from .core.limits.shared_memory import PodSeat, QueueShape
+from .core.limits.slots import Gate
 from .core.services import Services
-from .core.tracing import Tracing
-from .core.trail import Recorder, new_request_id
+from .core.telemetry.accesslog import Recorder, new_request_id
+from .core.telemetry.metrics import Metrics
+from .core.telemetry.tracing import Tracing
 from .engine import Engine, open_engine
 from .protocols import (
     anthropic,
@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 class Edge:
     """Where each request arrives: stamp its arrival time (TTFT and e2e start here), give it
     a request id, sent back as `X-Request-Id` on every response (HTTP, WebSocket handshake
-    and refused handshake), and open its trail (core/trail.py), which is closed here for a
+    and refused handshake), and open its trail (core/telemetry/accesslog.py), which is closed here for a
     request that no stream ended."""
 
     def __init__(self, app: ASGIApp, worker: int | None = None) -> None:

@@ -1,8 +1,8 @@
 """`python -m sluice_server.docgen --write` (or `--check`; `make docs`): the generated parts of
 the server's docs, so no table is written twice.
 
-- the flag table (server/README.md, docs/design.md) from the Settings fields' descriptions,
-  and the activator's (server/README.md) from ActivatorSettings';
+- the flag table (server/README.md; other docs link to it) from the Settings fields'
+  descriptions, and the activator's from ActivatorSettings';
 - the module map (server/README.md), one line per module from its docstring's first sentence.
 
 Each generated part sits between `<!-- generated:NAME -->` and `<!-- end:NAME -->`.
@@ -39,14 +39,12 @@ def module_map() -> str:
 
 
 def sections() -> dict[Path, dict[str, str]]:
-    flags = flag_table()
     return {
         REPO / "server" / "README.md": {
-            "flags": flags,
+            "flags": flag_table(),
             "activator-flags": flag_table(ActivatorSettings),
             "modules": module_map(),
         },
-        REPO / "docs" / "design.md": {"flags": flags},
     }
 
 

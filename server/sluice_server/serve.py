@@ -28,8 +28,8 @@ import uvicorn
 
 from .activator.app import Activator, build_activator
 from .app import build_app
-from .core.pod import PodSeat, PodState
-from .core.trail import ACCESS_LOGGER
+from .core.limits.shared_memory import PodSeat, PodState
+from .core.telemetry.accesslog import ACCESS_LOGGER
 from .settings import ActivatorSettings, Settings
 from .transport import handshake, redact
 

@@ -6,7 +6,8 @@ The flag names are a contract with the operator (docs/design.md); keep them stab
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -19,10 +20,32 @@ Protocol = Literal["sse", "websocket", "responses", "anthropic"]
 ALL_PROTOCOLS: tuple[Protocol, ...] = ("sse", "websocket", "responses", "anthropic")
 
 
-class Settings(BaseSettings):
+class HttpSettings(BaseSettings):
+    """The flags every Sluice process that serves HTTP has, the server's and the activator's:
+    where it listens, idle keep-alive, stalled readers, log level. Each subclass gives its own
+    environment prefix; these fields come first in its flag table."""
+
+    host: str = Field("0.0.0.0", description="Listen address.")
+    port: int = Field(8000, ge=0, le=65535, description="Listen port.")
+    keep_alive_seconds: float = Field(
+        75.0, gt=0, description="Idle HTTP keep-alive. Keep it above the proxy's upstream "
+        "keep-alive (ingress-nginx: 60 s), or the proxy can reuse a connection the server is "
+        "closing and answer a POST with 502.",
+    )  # fmt: skip
+    send_timeout_seconds: float = Field(
+        10.0, gt=0, description="A client that accepts no bytes for this long while bytes "
+        "wait for it (a stalled reader) is cut off and its request aborted; a reader that "
+        "keeps accepting bytes, however slowly, never is.",
+    )  # fmt: skip
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Log level."
+    )
+
+
+class Settings(HttpSettings):
     """Every field is a flag (`--max-model-len`) and an environment variable
     (`SLUICE_MAX_MODEL_LEN`); flags win. The descriptions are the documentation: `--help`
-    and the flag tables in server/README.md and docs/design.md are generated from them."""
+    and the flag table in server/README.md are generated from them."""
 
     model_config = SettingsConfigDict(env_prefix="SLUICE_", extra="forbid")
 
@@ -40,8 +63,6 @@ class Settings(BaseSettings):
     )  # fmt: skip
 
     # Where
-    host: str = Field("0.0.0.0", description="Listen address.")
-    port: int = Field(8000, ge=0, le=65535, description="Listen port.")
     api_workers: int = Field(
         1, ge=1, le=64, description="Front-end processes sharing the listening port and one "
         "engine (vLLM's multi-API-server mode: one engine core, N API processes). Each runs "
@@ -135,22 +156,12 @@ class Settings(BaseSettings):
         600.0, gt=0, description="Whole-stream limit; then an error event, and the engine "
         "request is aborted.",
     )  # fmt: skip
-    send_timeout_seconds: float = Field(
-        10.0, gt=0, description="A client that accepts no bytes for this long while bytes "
-        "wait for it (a stalled reader) is cut off and its request aborted; a reader that "
-        "keeps accepting bytes, however slowly, never is.",
-    )  # fmt: skip
     stream_buffer_tokens: int = Field(
         4096, ge=1, description="Per-stream cap of undelivered engine outputs; past it the "
         "request is aborted with an error event (stalled reader).",
     )  # fmt: skip
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Request body and WebSocket "
                                 "frame limit (413; 1009 on a WebSocket).")  # fmt: skip
-    keep_alive_seconds: float = Field(
-        75.0, gt=0, description="Idle HTTP keep-alive. Keep it above the proxy's upstream "
-        "keep-alive (ingress-nginx: 60 s), or the proxy can reuse a connection the server is "
-        "closing and answer a POST with 502.",
-    )  # fmt: skip
     drain_timeout_seconds: float = Field(
         30.0, ge=0, description="On SIGTERM: how long in-flight streams may continue before "
         "they end with an error event.",
@@ -264,12 +275,18 @@ class Settings(BaseSettings):
     rate_limit_backend: Literal["memory", "redis"] = Field(
         "memory", description="Where the buckets live: `memory` (each replica limits on its "
         "own, so N replicas allow N times the limit) or `redis` (one set of buckets for every "
-        "replica; needs `--redis-url`).",
+        "replica; needs `--redis-url-file` or `--redis-url`).",
     )  # fmt: skip
     redis_url: SecretStr | None = Field(
         None, description="Redis for `--rate-limit-backend redis`, e.g. "
-        "`redis://:password@redis:6379/0` or `rediss://...` (TLS). Pass it in the "
-        "environment from a Secret, not as a flag: it may hold a password.",
+        "`redis://:password@redis:6379/0` or `rediss://...` (TLS). It may hold a password: "
+        "prefer `--redis-url-file`; never pass it as a flag.",
+    )  # fmt: skip
+    redis_url_file: Path | None = Field(
+        None, description="File holding the Redis URL (surrounding whitespace ignored), read "
+        "at start; instead of `--redis-url`. On Kubernetes the operator mounts "
+        "`spec.auth.rateLimit.redisUrlSecretRef` there. A missing or empty file stops the "
+        "server at start.",
     )  # fmt: skip
     rate_limit_failure_mode: Literal["open", "closed"] = Field(
         "open", description="When Redis cannot be reached: `open` admits (counted in "
@@ -290,9 +307,6 @@ class Settings(BaseSettings):
                               "deviation of every TTFT and gap.")  # fmt: skip
 
     # Observability
-    log_level: Literal["debug", "info", "warning", "error"] = Field(
-        "info", description="Log level."
-    )
     access_log: bool = Field(
         True, description="One line per request when it ends (logger `sluice_server.access`): "
         "request id, key id (never the key), model, protocol, status, TTFT, tokens, outcome, "
@@ -375,8 +389,18 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _complete(self) -> Settings:
+        if self.redis_url_file is not None:
+            if self.redis_url is not None:
+                raise ValueError(
+                    "give --redis-url-file or --redis-url (SLUICE_REDIS_URL), not both"
+                )
+            self.redis_url = SecretStr(
+                read_secret_file(self.redis_url_file, "--redis-url-file", "the Redis URL")
+            )
         if self.rate_limit_backend == "redis" and self.redis_url is None:
-            raise ValueError("--rate-limit-backend redis needs --redis-url (or SLUICE_REDIS_URL)")
+            raise ValueError("--rate-limit-backend redis needs --redis-url-file or --redis-url "
+                             "(SLUICE_REDIS_URL)")  # fmt: skip
+        check_hf_token_path(os.environ)
         if self.jwt_jwks_file is not None and not (self.jwt_issuer and self.jwt_audience):
             raise ValueError("--jwt-jwks-file needs --jwt-issuer and --jwt-audience")
         if self.queue_timeout_seconds is not None and not self.queue_size:
@@ -441,7 +465,33 @@ class Settings(BaseSettings):
         return self.served_model_name or self.model
 
 
-class ActivatorSettings(BaseSettings):
+def read_secret_file(path: Path, flag: str, what: str) -> str:
+    """The secret a file holds, stripped (a Secret's key often ends in a newline); a
+    ValueError that names the flag, the file and what to fix when there is none."""
+    try:
+        value = path.read_text().strip()
+    except FileNotFoundError:
+        raise ValueError(f"{flag} {path}: no such file; it must hold {what} (on Kubernetes: "
+                         "mounted from the Secret key the StreamingModel names)") from None  # fmt: skip
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{flag} {path}: cannot read it ({e})") from None
+    if not value:
+        raise ValueError(f"{flag} {path} is empty; it must hold {what} (on Kubernetes: the "
+                         "Secret key the StreamingModel names is empty)")  # fmt: skip
+    return value
+
+
+def check_hf_token_path(environ: Mapping[str, str]) -> None:
+    """`HF_TOKEN_PATH`, when set, names the Hugging Face token file that `huggingface_hub`
+    reads in every process (on Kubernetes: `spec.model.hfTokenSecretRef`, mounted). Without
+    the file it would download anonymously and fail later on a gated model with an error that
+    names no file: refuse at start instead."""
+    path = environ.get("HF_TOKEN_PATH")
+    if path:
+        read_secret_file(Path(path), "HF_TOKEN_PATH", "a Hugging Face token")
+
+
+class ActivatorSettings(HttpSettings):
     """The activator (`sluice-server activator`): every field is a flag and a
     `SLUICE_ACTIVATOR_*` environment variable; flags win. What it holds and for how long is
     per model, in `--models-file`."""
@@ -458,8 +508,6 @@ class ActivatorSettings(BaseSettings):
     models_reload_seconds: float = Field(
         2.0, gt=0, description="How often `--models-file` is checked for changes (one `stat`).",
     )  # fmt: skip
-    host: str = Field("0.0.0.0", description="Listen address.")
-    port: int = Field(8000, ge=0, le=65535, description="Listen port.")
     ready_poll_seconds: float = Field(
         0.5, gt=0, description="Longest pause between two readiness checks (`GET /ready`) of "
         "a model that has held requests; the first checks come sooner (backoff from a tenth "
@@ -475,14 +523,6 @@ class ActivatorSettings(BaseSettings):
         64, ge=1, description="WebSocket frames a held connection may send before its model "
         "is up (they are relayed then); past it the connection is closed with 1013.",
     )  # fmt: skip
-    send_timeout_seconds: float = Field(
-        10.0, gt=0, description="A held stream's client that accepts no bytes for this long "
-        "is cut off.",
-    )  # fmt: skip
-    keep_alive_seconds: float = Field(
-        75.0, gt=0, description="Idle HTTP keep-alive (keep it above the proxy's upstream "
-        "keep-alive).",
-    )  # fmt: skip
     heartbeat_seconds: float = Field(15.0, gt=0, description="WebSocket ping interval.")
     drain_timeout_seconds: float = Field(
         30.0, ge=0, description="On SIGTERM: how much longer held requests wait for their "
@@ -490,9 +530,6 @@ class ActivatorSettings(BaseSettings):
         "stream's error event); forwarded ones get 5 s more to finish. New connections are "
         "refused at once (the Service sends them to the other activator pods).",
     )  # fmt: skip
-    log_level: Literal["debug", "info", "warning", "error"] = Field(
-        "info", description="Log level."
-    )
 
 
 def _flag(name: str) -> str:
@@ -512,7 +549,7 @@ def _default(name: str, model: type[BaseSettings] = Settings) -> str:
 
 
 def flag_table(model: type[BaseSettings] = Settings) -> str:
-    """The Markdown flag table of server/README.md and docs/design.md (`make docs`)."""
+    """The Markdown flag table of server/README.md (`make docs`)."""
     prefix = model.model_config.get("env_prefix", "")
     rows = ["| flag | env | default | meaning |", "|---|---|---|---|"]
     for name, info in model.model_fields.items():

@@ -4,8 +4,8 @@ listening socket and one engine, stopped together and failing together.
 What it does, in order:
 
 1. a fresh `PROMETHEUS_MULTIPROC_DIR` (every worker's metrics are files there; one scrape
-   of any worker sums them: `core/metrics.py`), and the pod's shared memory (stream slots,
-   rate-limit buckets, one readiness flag per worker: `core/pod.py`);
+   of any worker sums them: `core/telemetry/metrics.py`), and the pod's shared memory (stream slots,
+   rate-limit buckets, one readiness flag per worker: `core/limits/shared_memory.py`);
 2. the listening socket and the workers: on vLLM with vLLM's own multi-API-server
    machinery (`engine/vllm_pod.py`: one engine core, N front-end clients of it), on the
    simulator N spawned processes, each with its own simulator;
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from multiprocessing import connection
 
-from .core.pod import PodState, QueueShape
+from .core.limits.shared_memory import PodState, QueueShape
 from .serve import configure_logging, serve_worker
 from .settings import Settings
 

@@ -1,6 +1,7 @@
 """`make bench` end to end in its short form (`run.py --quick`): every phase (vLLM's server,
 our server and the bare engine on the tiny model, the matrix, the cross-check with vLLM's
-own benchmark client, both fan-out ramps with one and two front-end workers, a LoRA adapter
+own benchmark client, both fan-out ramps with one and two front-end workers and the fan-out
+search with server and client pinned apart, a LoRA adapter
 next to the base, fairness between tenants on the simulator) runs on a fresh machine and
 writes its outputs.
 No speed is asserted here (numbers live in docs/benchmarks.md); errors are, because a
@@ -21,7 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 def test_quick_bench_runs_end_to_end(tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests/bench/run.py"), "--quick", "--out", str(tmp_path)],
+        [sys.executable, "-m", "sluice_bench.run", "--quick", "--out", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -43,9 +44,16 @@ def test_quick_bench_runs_end_to_end(tmp_path):
             assert "error" not in theirs and theirs["failed"] == 0, theirs
         assert all(r["errors"] == 0 for r in target["ours"])
 
-    for ramp in results["fanout"]:
+    ramps = [r for r in results["fanout"] if not r.get("search")]
+    for ramp in ramps:
         assert ramp["stages"] and all(s["errors"] == 0 for s in ramp["stages"]), ramp
-    assert {r["workers"] for r in results["fanout"]} == {1, 2}  # one process, and a pod of 2
+    assert {r["workers"] for r in ramps} == {1, 2}  # one process, and a pod of 2
+    # The search pushes until a stage fails: only the load it reports must be clean.
+    searches = [r for r in results["fanout"] if r.get("search")]
+    assert {r["protocol"] for r in searches} == {"sse", "websocket"}
+    for search in searches:
+        best = [s for s in search["stages"] if s["streams"] == search["max_ok_streams"]]
+        assert best and best[0]["new_errors"] == 0, search
 
     for row in results["lora"]["rows"]:
         assert row["errors"] == 0 and row["ttft_ratio"] > 0 and row["tokens_per_s_ratio"] > 0
@@ -73,7 +81,7 @@ def test_quick_bench_runs_end_to_end(tmp_path):
 
 
 def test_quick_balance_bench_runs_and_reads_the_servers_counts():
-    """tests/bench/balance.py --direct in a short form: four runs through nginx, no request
+    """sluice_bench.balance --direct in a short form: four runs through nginx, no request
     fails, and every replica's own active-streams count was read (no speed asserted)."""
     if not any(
         Path(p).exists()
@@ -81,7 +89,7 @@ def test_quick_balance_bench_runs_and_reads_the_servers_counts():
     ):  # nginx_proxy's places
         pytest.skip("nginx not installed (apt-get install nginx)")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests/bench/balance.py"), "--direct", "--requests", "24",
+        [sys.executable, "-m", "sluice_bench.balance", "--direct", "--requests", "24",
          "--rate", "12"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -102,12 +110,12 @@ def _phases(stdout: str) -> list[dict]:
 
 @pytest.mark.e2e
 def test_live_balance_bench_runs_on_pods_through_the_ingress(tmp_path):
-    """tests/bench/balance.py on live pods (what `make bench-balance` runs) in a short form:
+    """sluice_bench.balance on live pods (what `make bench-balance` runs) in a short form:
     the operator's three pods behind the e2e ingress, the model patched between phases and
     each phase run on the method its annotation asks for, no request fails, every pod's own
     active-streams count was read (no speed asserted)."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests/bench/balance.py"), "--requests", "12", "--rate",
+        [sys.executable, "-m", "sluice_bench.balance", "--requests", "12", "--rate",
          "6", "--ttft-ms", "20", "--ttft-per-stream-ms", "20", "--itl-ms", "5",
          "--workdir", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,

@@ -7,7 +7,7 @@ import socket
 import sys
 
 import pytest
-from procs import ProcGroup, Server
+from sluice_bench.procs import ProcGroup, Server
 
 # Binds 127.0.0.1:<--port> (exits with "Address already in use" if taken), answers 200.
 SERVE = """

@@ -4,13 +4,7 @@ the rest, and only the section between the markers rewritten (synthetic results,
 
 from __future__ import annotations
 
-import importlib.util
-
-from testkit.repo import ROOT
-
-_spec = importlib.util.spec_from_file_location("bench_report", ROOT / "tests/bench/report.py")
-report = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(report)
+from sluice_bench import report
 
 LORA = {
     "adapter": {"rank": 8, "targets": "q,k,v,o,gate,up,down"},
@@ -21,7 +15,7 @@ LORA = {
               "adapter_tokens_per_s": 600.0, "tokens_per_s_ratio": 0.5, "load_1m": 2.5}],
 }  # fmt: skip
 RESULTS = {
-    "command": "python tests/bench/run.py",
+    "command": "python -m sluice_bench.run",
     "machine": {"cpu": "cpu", "cores": 2, "memory_gib": 24, "os": "linux"},
     "versions": {"vllm": "0.32.0"},
     "settings": {},
@@ -32,13 +26,13 @@ RESULTS = {
 def test_the_section_shows_the_ratio_and_who_measured_it(tmp_path):
     note = tmp_path / "benchmarks.md"
     note.write_text(f"# Benchmarks\n\nhand-written\n\n{report.BEGIN}\nold\n{report.END}\ntail\n")
-    report.write_section({**RESULTS, "lora": {**LORA, "command": "python tests/bench/"
-                                             "lora_ratio.py --repeats 2"}}, tmp_path)  # fmt: skip
+    report.write_section({**RESULTS, "lora": {**LORA, "command": "python -m sluice_bench."
+                                             "lora_ratio --repeats 2"}}, tmp_path)  # fmt: skip
     text = note.read_text()
     assert text.startswith("# Benchmarks\n\nhand-written\n\n") and text.endswith("\ntail\n")
     assert "old" not in text
     assert "### A LoRA adapter next to the base" in text
-    assert "Measured by `python tests/bench/lora_ratio.py --repeats 2`" in text
+    assert "Measured by `python -m sluice_bench.lora_ratio --repeats 2`" in text
     assert "| 8 | 30.0 | 45.0 | 1.50 | 1200 | 600 | 0.50 | 0 | 2.5 |" in text
 
 

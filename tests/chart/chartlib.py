@@ -2,7 +2,7 @@
 
 helm comes from `.tools/bin/helm` (installed by `make tools`) or PATH; without it the helm
 tests skip with one line. Other tests here (Dockerfile, adapter rules) need no helm.
-The repository root, tool lookup and Kubernetes versions come from tests/testkit.
+The repository root, tool lookup and Kubernetes versions come from testing/testkit.
 """
 
 from __future__ import annotations

@@ -208,6 +208,22 @@ def test_secure_defaults(h):
     assert vol["emptyDir"]["sizeLimit"]
 
 
+@pytest.mark.parametrize("values", [[], [ALL_ON]], ids=["defaults", "all-on"])
+def test_no_workload_takes_a_secret_through_env(h, values):
+    """The operator and the activator, like the model pods the operator renders
+    (tests/operator/test_operator_secrets.py): no secretKeyRef in env, no envFrom secretRef."""
+    workloads = [
+        d for d in h.template(OPERATOR_CHART, values=values) if "template" in d.get("spec", {})
+    ]
+    assert {d["kind"] for d in workloads} == {"Deployment"} and len(workloads) == 2
+    for d in workloads:
+        pod = d["spec"]["template"]["spec"]
+        for c in pod["containers"] + pod.get("initContainers", []):
+            env = [e["name"] for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})]
+            env_from = [e for e in c.get("envFrom", []) if "secretRef" in e]
+            assert not env and not env_from, f"{d['metadata']['name']}/{c['name']}"
+
+
 def test_config_checksum_rolls_pods_only_on_config_change(h):
     def checksum(set_):
         deploy, _ = _container(h.template(OPERATOR_CHART, set_=set_))
@@ -225,6 +241,50 @@ def test_config_map_carries_extra_env(h):
     assert cm["data"]["FOO"] == "bar"
     _, c = _container(docs)
     assert c["envFrom"] == [{"configMapRef": {"name": cm["metadata"]["name"]}}]
+
+
+def _model_defaults(docs, monkeypatch):
+    """What the operator run by the rendered Deployment makes of its ConfigMap's
+    environment and its arguments: its `--model-image`, as `OperatorDefaults`."""
+    cli = pytest.importorskip("sluice_operator.cli")
+    _, c = _container(docs)
+    for key, value in one(docs, "ConfigMap")["data"].items():
+        monkeypatch.setenv(key, value)
+    return cli.operator_defaults(cli.build_parser().parse_args([*c["command"][3:], *c["args"]]))
+
+
+def test_model_image_not_set_is_the_operators_built_in_default(h, monkeypatch):
+    """Not set: the Sluice server at the chart's appVersion, the operator's own default, so
+    installing or upgrading the chart with default values rolls no model."""
+    from sluice_operator.models.resource import DEFAULT_MODEL_IMAGE
+
+    docs = h.template(OPERATOR_CHART)
+    chart = yaml.safe_load((OPERATOR_CHART / "Chart.yaml").read_text())
+    want = f"ghcr.io/sluice-dev/sluice-server:{chart['appVersion']}"
+    assert one(docs, "ConfigMap")["data"]["SLUICE_OPERATOR_MODEL_IMAGE"] == want
+    _, c = _container(docs)
+    assert not [a for a in c["args"] if a.startswith("--model-image")]
+    monkeypatch.delenv("SLUICE_OPERATOR_MODEL_IMAGE", raising=False)
+    assert _model_defaults(docs, monkeypatch).model_image == want == DEFAULT_MODEL_IMAGE
+
+
+def test_model_image_set_reaches_the_operator_and_rolls_its_pod(h, monkeypatch):
+    """A private registry is one value; the tag defaults to appVersion; a changed model
+    image restarts the operator with it (the config checksum)."""
+    repo = "registry.example.com:5000/sluice/sluice-server"
+    base = h.template(OPERATOR_CHART)
+    docs = h.template(OPERATOR_CHART, set_=[f"modelImage.repository={repo}"])
+    assert _model_defaults(docs, monkeypatch).model_image == f"{repo}:0.1.0"
+    docs_tag = h.template(OPERATOR_CHART, set_=[f"modelImage.repository={repo}",
+                                                "modelImage.tag=1.2.3-rc.1"])  # fmt: skip
+    assert _model_defaults(docs_tag, monkeypatch).model_image == f"{repo}:1.2.3-rc.1"
+    sums = [
+        _container(d)[0]["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+        for d in (base, docs, docs_tag)
+    ]
+    assert len(set(sums)) == 3
+    err = h.template_error(OPERATOR_CHART, set_=["modelImage.repository="])
+    assert "modelImage" in err
 
 
 def test_scheduling_values_set_and_not_rendered(h):
@@ -986,7 +1046,7 @@ def test_activator_names_match_what_the_operator_builds():
     """The ExternalName target and the ConfigMap the operator writes are the chart's."""
     from sluice_operator.builders.activator import desired_models_config_map
     from sluice_operator.models.resource import DEFAULT_ACTIVATOR_HOST
-    from sluice_operator.scaler import ActivatorSettings
+    from sluice_operator.scaletozero_poller import ActivatorSettings
 
     settings = ActivatorSettings("sluice-activator", "sluice-system", "x=y")
     assert settings.host == DEFAULT_ACTIVATOR_HOST

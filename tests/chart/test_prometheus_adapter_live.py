@@ -79,7 +79,7 @@ def prometheus(tmp_path):
             "prometheus not found (Debian package `prometheus`): live adapter query test skipped"
         )
     metrics_mod = pytest.importorskip(
-        "sluice_server.core.metrics", reason="sluice_server not installed"
+        "sluice_server.core.telemetry.metrics", reason="sluice_server not installed"
     )
 
     busy_metrics = metrics_mod.Metrics("chat")
@@ -156,6 +156,7 @@ def _expand(query: str) -> str:
     ).replace("<<.GroupBy>>", "pod")
 
 
+@pytest.mark.external  # Prometheus
 def test_adapter_queries_on_live_prometheus(prometheus):
     rules = _by_name()
 

@@ -2,7 +2,7 @@
 
 Renders charts/sluice-operator with `watch.allNamespaces=false` for two namespaces, applies
 its ServiceAccount, Roles and bindings as rendered, and runs the real operator with a token
-of that ServiceAccount (the e2e harness in tests/e2e/harness). The operator must build the
+of that ServiceAccount (the e2e harness in testing/e2e_harness). The operator must build the
 children of a model in a watched namespace with no RBAC denial in the audit log, and leave a
 model in an unwatched namespace alone. Negative control: with the write verbs of
 `services` removed from one Role, the audit log shows the operator denied writing the
@@ -37,8 +37,8 @@ def _denials(cp, user: str, since: int = 0) -> list[tuple[str, str, str]]:
 
 
 def test_namespaced_rbac_on_a_real_api_server(live_cluster):
-    from e2e.harness.kube import Models, eventually, load_sample
-    from e2e.harness.operator_process import (
+    from e2e_harness.kube import Models, eventually, load_sample
+    from e2e_harness.operator_process import (
         OperatorProcess,
         RenderedChart,
         install_operator_identity,

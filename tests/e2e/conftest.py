@@ -17,15 +17,14 @@ from pathlib import Path
 
 import psutil
 import pytest
+from e2e_harness.control_plane import ControlPlane
+from e2e_harness.ingress import IngressController
+from e2e_harness.kube import CRD_FILE, Models, eventually
+from e2e_harness.node_agent import NodeAgent
+from e2e_harness.operator_process import OperatorProcess, RenderedChart, install_operator_identity
+from e2e_harness.sandbox import sandbox_problem
 from kubernetes import client, config, utils
 from testkit.live_cluster import skip_without_control_plane
-
-from .harness.control_plane import ControlPlane
-from .harness.ingress import IngressController
-from .harness.kube import CRD_FILE, Models, eventually
-from .harness.node_agent import NodeAgent
-from .harness.operator_process import OperatorProcess, RenderedChart, install_operator_identity
-from .harness.sandbox import sandbox_problem
 
 OPERATOR_NAMESPACE = "sluice-system"
 TIMINGS: dict[str, object] = {}

@@ -10,10 +10,9 @@ import json
 import re
 
 import httpx
+from e2e_harness.endpoints import ready_endpoints
+from e2e_harness.kube import eventually, load_sample
 from kubernetes import client
-
-from .harness.endpoints import ready_endpoints
-from .harness.kube import eventually, load_sample
 
 ITL_MS = 150
 LONG_TOKENS = 400  # 60 s per long stream: longer than a new pod's start plus the preStop

@@ -33,15 +33,13 @@ from pathlib import Path
 
 import psutil
 import pytest
-from kubernetes import client, config, utils
-
-from .autoscaling.adapter import USER as ADAPTER_USER
-from .autoscaling.adapter import CustomMetricsAdapter
-from .autoscaling.cluster import aggregating_control_plane
-from .autoscaling.loadgen import LoadGenerator
-from .autoscaling.pod_sd import PodDiscovery
-from .autoscaling.prometheus import USER as PROMETHEUS_USER
-from .autoscaling.prometheus import (
+from e2e_harness.autoscaling.adapter import USER as ADAPTER_USER
+from e2e_harness.autoscaling.adapter import CustomMetricsAdapter
+from e2e_harness.autoscaling.cluster import aggregating_control_plane
+from e2e_harness.autoscaling.loadgen import LoadGenerator
+from e2e_harness.autoscaling.pod_sd import PodDiscovery
+from e2e_harness.autoscaling.prometheus import USER as PROMETHEUS_USER
+from e2e_harness.autoscaling.prometheus import (
     Prometheus,
     grant_pod_discovery,
     has_kubernetes_sd,
@@ -50,11 +48,12 @@ from .autoscaling.prometheus import (
     prometheus_binary,
     scrape_config,
 )
-from .autoscaling.timeline import Timeline
-from .harness.ingress import IngressController
-from .harness.kube import CRD_FILE, Models, eventually, load_sample
-from .harness.node_agent import NodeAgent
-from .harness.operator_process import OperatorProcess, RenderedChart, install_operator_identity
+from e2e_harness.autoscaling.timeline import Timeline
+from e2e_harness.ingress import IngressController
+from e2e_harness.kube import CRD_FILE, Models, eventually, load_sample
+from e2e_harness.node_agent import NodeAgent
+from e2e_harness.operator_process import OperatorProcess, RenderedChart, install_operator_identity
+from kubernetes import client, config, utils
 
 pytestmark = pytest.mark.slow
 
@@ -538,8 +537,7 @@ def test_adapter_negative_control_plain_quantile_loses_idle_pods(
     chart's query without its idle-pod branches) the now idle pod gets NaN, i.e. no value,
     and the HPA could not scale an idle model down. The chart's rule gives it 0."""
     import yaml
-
-    from .autoscaling.adapter import RULES_FILE
+    from e2e_harness.autoscaling.adapter import RULES_FILE
 
     rules = yaml.safe_load(RULES_FILE.read_text())
     for r in rules["rules"]:

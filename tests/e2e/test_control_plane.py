@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from e2e_harness.kube import eventually
+from e2e_harness.node_agent import NodeAgent
 from kubernetes import client
-
-from .harness.kube import eventually
-from .harness.node_agent import NodeAgent
 
 
 def _pod(name: str, gpus: int) -> client.V1Pod:

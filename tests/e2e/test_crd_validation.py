@@ -13,9 +13,8 @@ import re
 
 import pytest
 import yaml
+from e2e_harness.kube import GROUP, PLURAL, SAMPLES, VERSION
 from kubernetes import client
-
-from .harness.kube import GROUP, PLURAL, SAMPLES, VERSION
 
 INVALID = sorted((SAMPLES / "invalid").glob("*.yaml"))
 VALID = sorted(SAMPLES.glob("*.yaml"))

@@ -17,10 +17,9 @@ import json
 import time
 
 import pytest
+from e2e_harness.kube import eventually, load_sample
 from kubernetes import client
 from testkit.repo import ROOT
-
-from .harness.kube import eventually, load_sample
 
 SCHEMA = ROOT / "tests" / "operator" / "schemas" / "gateway-httproute.schema.json"
 GATEWAY = {

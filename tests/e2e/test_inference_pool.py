@@ -18,10 +18,9 @@ import time
 
 import pytest
 import yaml
+from e2e_harness.kube import eventually, load_sample
 from kubernetes import client
 from testkit.repo import shared_crd
-
-from .harness.kube import eventually, load_sample
 
 POOL_CRD = shared_crd(
     "gateway-api-inference-extension/inference.networking.k8s.io_inferencepools.yaml"

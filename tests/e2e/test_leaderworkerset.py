@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import pytest
 import yaml
+from e2e_harness.kube import eventually, load_sample
 from kubernetes import client
 from testkit.repo import LWS_CRD, shared_crd
-
-from .harness.kube import eventually, load_sample
 
 GROUP, VERSION, PLURAL = "leaderworkerset.x-k8s.io", "v1", "leaderworkersets"
 CRD_NAME = f"{PLURAL}.{GROUP}"

@@ -40,16 +40,16 @@ from pathlib import Path
 
 import pytest
 import yaml
+from e2e_harness import pinned
+from e2e_harness.control_plane import ControlPlane, is_write
+from e2e_harness.kube import GROUP, PLURAL, VERSION, Models, eventually, model_body
+from e2e_harness.node_agent import NodeAgent
+from e2e_harness.operator_pods import OperatorPods, writer_of
+from e2e_harness.operator_process import find_helm
 from kubernetes import client, config
 from testkit.repo import ROOT
 
 from .conftest import TIMINGS
-from .harness import pinned
-from .harness.control_plane import ControlPlane, is_write
-from .harness.kube import GROUP, PLURAL, VERSION, Models, eventually, model_body
-from .harness.node_agent import NodeAgent
-from .harness.operator_pods import OperatorPods, writer_of
-from .harness.operator_process import find_helm
 
 NS = "sluice-system"
 RELEASE = "sluice"

@@ -29,10 +29,10 @@ import shutil
 
 import httpx
 import pytest
+from e2e_harness.kube import eventually, load_sample
 from kubernetes import client
 
 from .conftest import TIMINGS
-from .harness.kube import eventually, load_sample
 from .live_helpers import claim, live_pods, pod_ready, ready_model, routed, sse_tokens
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.usefixtures("footprint")]

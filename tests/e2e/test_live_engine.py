@@ -2,14 +2,14 @@
 
 The operator renders the Deployment; the live node agent runs it under bubblewrap with
 its weights on a PersistentVolumeClaim (a PV bound by the real PV controller, the claim's
-folder bind-mounted read-only), API keys from a Secret volume, HF_TOKEN from a
-`secretKeyRef`, and the ingress path prefix. Then:
+folder bind-mounted read-only), API keys and the HF token from Secret volumes, and the
+ingress path prefix. Then:
 - token SSE, WebSocket and OpenAI chat stream through the ingress URL, a request without a
   key is refused;
 - a wedged engine: the engine-core process inside the pod is killed; the pod goes unready,
   the container is restarted (by its liveness probe, or by its own exit when the server
-  notices first: the status and the agent's record say which), serves again, and the
-  model's status went from Ready to not Ready and back.
+  notices first: the status and the agent's record say which), the ingress routes it again
+  and it serves, and the model's status went from Ready to not Ready and back.
 The engine processes are pinned to CPU 0 (the node agent's `cpus`), apart from the
 ingress and this test's client, as the environment notes advise; the verdicts are the
 streams' content, not their timing.
@@ -24,10 +24,10 @@ import time
 import httpx
 import psutil
 import pytest
+from e2e_harness.kube import eventually, load_sample
 from kubernetes import client
 
 from .conftest import TIMINGS
-from .harness.kube import eventually, load_sample
 from .live_helpers import claim, live_pods, pod_ready, ready_model, routed, sse_tokens
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.usefixtures("footprint")]
@@ -117,5 +117,9 @@ def test_real_engine_pod_streams_through_the_ingress_and_recovers_from_a_wedged_
     assert why, node.exits
     last = p.status.container_statuses[0].last_state.terminated
     assert last is not None, p.status.container_statuses[0]
+    # Ready again is the pod's word; the ingress follows in its own time (it renders the
+    # endpoint back and reloads): wait until it routes the pod and the model answers there,
+    # as a client of a real controller would.
+    base = routed(ingress, core, namespace, "real", 1, path=f"/{namespace}/llm", headers=auth)
     r = httpx.post(f"{base}/v1/stream", json=chat, headers=auth, timeout=60)
     assert r.status_code == 200 and sse_tokens(r.text) == (24, "length", True), r.text[-300:]

@@ -19,12 +19,12 @@ import time
 
 import httpx
 import pytest
+from e2e_harness.endpoints import ready_endpoints
+from e2e_harness.kube import eventually
+from e2e_harness.traffic import Traffic, server_outcomes, verdict
 from kubernetes import client
 
 from .conftest import TIMINGS
-from .harness.endpoints import ready_endpoints
-from .harness.kube import eventually
-from .harness.traffic import Traffic, server_outcomes, verdict
 from .live_helpers import (
     LONG_TOKENS,
     STREAM_TIMEOUT,

@@ -10,14 +10,14 @@ import time
 
 import pytest
 import yaml
+from e2e_harness.control_plane import is_write
+from e2e_harness.expect import CHECKS, TTFT_METRIC, children_present, expected_kinds
+from e2e_harness.kube import GROUP, PLURAL, SAMPLES, VERSION, eventually, load_sample
+from e2e_harness.operator_process import find_kubectl
 from kubernetes import client
 from testkit.repo import ROOT
 
 from .conftest import TIMINGS
-from .harness.control_plane import is_write
-from .harness.expect import CHECKS, TTFT_METRIC, children_present, expected_kinds
-from .harness.kube import GROUP, PLURAL, SAMPLES, VERSION, eventually, load_sample
-from .harness.operator_process import find_kubectl
 
 SAMPLE_FILES = sorted(p.name for p in SAMPLES.glob("*.yaml"))
 _latencies: list[float] = []
@@ -337,7 +337,7 @@ def test_hpa_is_accepted_and_targets_the_server_metric(operator, models, namespa
     )
     (rule,) = [r for r in rules["rules"] if r["name"]["as"] == target.metric.name]
     source = re.match(r"\^?(\w+?)_(count|bucket|sum)\$?", rule["name"]["matches"]).group(1)
-    server_metrics = pytest.importorskip("sluice_server.core.metrics")
+    server_metrics = pytest.importorskip("sluice_server.core.telemetry.metrics")
     exported = {m.name for m in server_metrics.Metrics("probe").registry.collect()}
     assert source in exported, (source, sorted(exported))
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import copy
 import time
 
+from e2e_harness.control_plane import is_write
+from e2e_harness.expect import children_present
+from e2e_harness.kube import eventually, load_sample
+from e2e_harness.operator_process import OperatorProcess, RenderedChart, install_operator_identity
 from kubernetes import client
 
 from .conftest import OPERATOR_NAMESPACE, TIMINGS
-from .harness.control_plane import is_write
-from .harness.expect import children_present
-from .harness.kube import eventually, load_sample
-from .harness.operator_process import OperatorProcess, RenderedChart, install_operator_identity
 
 
 def test_model_larger_than_any_node_is_pending_with_the_schedulers_reason(

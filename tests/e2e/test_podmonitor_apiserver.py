@@ -14,9 +14,8 @@ import json
 from pathlib import Path
 
 import pytest
+from e2e_harness.kube import eventually
 from kubernetes import client, utils
-
-from .harness.kube import eventually
 
 SCHEMA = Path(__file__).parents[1] / "operator" / "schemas" / "podmonitor.schema.json"
 GROUP, VERSION, PLURAL = "monitoring.coreos.com", "v1", "podmonitors"

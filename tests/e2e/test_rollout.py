@@ -13,11 +13,11 @@ import time
 import uuid
 
 import pytest
+from e2e_harness.kube import eventually, load_sample
+from e2e_harness.node_agent import NodeAgent
 from kubernetes import client
 
 from .conftest import TIMINGS
-from .harness.kube import eventually, load_sample
-from .harness.node_agent import NodeAgent
 
 LOAD_SECONDS = 3.0
 

@@ -13,12 +13,12 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from e2e_harness.control_plane import is_write
+from e2e_harness.expect import expected_kinds
+from e2e_harness.kube import eventually, load_sample
+from e2e_harness.node_agent import NodeAgent
 
 from .conftest import TIMINGS
-from .harness.control_plane import is_write
-from .harness.expect import expected_kinds
-from .harness.kube import eventually, load_sample
-from .harness.node_agent import NodeAgent
 
 COUNT = 50
 CALL_BUDGET = 15  # operator API calls per model, reads and writes, from apply to all Ready

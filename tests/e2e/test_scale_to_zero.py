@@ -25,11 +25,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
+from e2e_harness.kube import eventually
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from .conftest import OPERATOR_NAMESPACE, TIMINGS
-from .harness.kube import eventually
 from .live_helpers import live_pods, pod_ready, ready_model, sim_model
 
 pytestmark = [pytest.mark.slow]

@@ -39,13 +39,13 @@ from datetime import datetime
 import httpx
 import openai
 import pytest
+from e2e_harness.endpoints import ready_endpoints
+from e2e_harness.kube import eventually
+from e2e_harness.service_proxy import ServiceProxy
 from kubernetes import client
 from websockets.asyncio.client import connect
 
 from .conftest import OPERATOR_NAMESPACE, TIMINGS
-from .harness.endpoints import ready_endpoints
-from .harness.kube import eventually
-from .harness.service_proxy import ServiceProxy
 from .live_helpers import live_pods, ready_model, sim_model
 
 pytestmark = [pytest.mark.slow]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from e2e.harness.ingress import ANN, Route, render
+from e2e_harness.ingress import ANN, Route, render
 from testkit.nginx import find_nginx
 
 OPERATOR = {  # what builders/ingress.py sets for a resumable model under /llm

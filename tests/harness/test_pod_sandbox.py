@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from e2e.harness import sandbox as sb
-from e2e.harness.pod_runtime import PodRuntime
+from e2e_harness import sandbox as sb
+from e2e_harness.pod_runtime import PodRuntime
 from testkit.wait import eventually
 
 
@@ -93,6 +93,29 @@ def test_bwrap_command_line_follows_the_pod_spec():
                   sb.resolve_image("e2e.local/host"))  # fmt: skip
 
 
+def test_a_checkout_under_tmp_is_bound_back_over_the_pods_tmp(monkeypatch):
+    # A clone under /tmp with its venv inside: the pod's /tmp volume (a tmpfs) would hide
+    # both, so the image's folders are bound read-only after the volumes.
+    monkeypatch.setattr(sb, "ROOT", Path("/tmp/clone"))
+    monkeypatch.setattr(sys, "prefix", "/tmp/clone/.venv")
+    image = sb.resolve_image("ghcr.io/sluice-dev/sluice-server:0.1.0")
+    assert image.paths == ("/tmp/clone",)
+    monkeypatch.setattr(sys, "prefix", "/opt/venv")
+    image = sb.resolve_image("ghcr.io/sluice-dev/sluice-server:0.1.0")
+    assert image.paths == ("/tmp/clone", "/opt/venv")
+    box = sb.Sandbox([sys.executable, "-m", "sluice_server"], 65532, 65532,
+                     [sb.Mount("/tmp", None, size=2**20), sb.Mount("/cache", Path("/v/cache"))],
+                     image_paths=image.paths)  # fmt: skip
+    argv = box.bwrap_argv()
+    tmpfs = argv.index("/tmp", argv.index("--tmpfs"))
+    clone = argv.index("/tmp/clone")
+    assert argv[clone - 1 : clone + 2] == ["--ro-bind", "/tmp/clone", "/tmp/clone"]
+    assert argv[clone + 2 : clone + 5] == ["--ro-bind", "/opt/venv", "/opt/venv"]
+    assert tmpfs < clone < argv.index("--")
+    assert box.mount_points() == ["/tmp", "/cache"]  # the image's folders exist already
+    assert sb.outermost(["/a/b", "/a", "/a", "/c/", "/c/d"]) == ("/a", "/c/")
+
+
 def test_projection_swaps_data_atomically_like_the_kubelet(tmp_path):
     p = sb.Projection(tmp_path / "vol", "secret", "keys", [{"key": "token", "path": "t"}], 0o440)
     assert p.write({"token": b"one"})
@@ -139,8 +162,9 @@ class FakeHost:
         self.exits.append((container, code, why))
 
 
-# How long a pod under bubblewrap may take to do what a test waits for.
-WAIT_S = 20.0
+# How long a pod under bubblewrap may take to do what a test waits for (generous: the
+# machine may be busy; a wait that succeeds returns at once).
+WAIT_S = 60.0
 
 
 HOST = "e2e.local/host"
@@ -225,29 +249,64 @@ def test_sigterm_ignored_means_sigkill_at_the_grace_period(tmp_path):
 @live
 def test_liveness_failure_restarts_and_exits_restart_per_policy(tmp_path):
     host = FakeHost(tmp_path)
-    # Alive while /mnt/e2e/work/alive exists (an emptyDir survives a container restart, as in a pod).
+    # Alive while /mnt/e2e/work/wedged is absent (an emptyDir survives a container restart,
+    # as in a pod): the container never touches that file, so the probe's verdict does not
+    # depend on how fast the shell starts. Each start appends a line to `starts`: the record
+    # the test waits on. The probe's timeout is generous: a slow nsenter under load is not a
+    # failed probe in this test.
     live_c = {"name": "wedges", "image": HOST, "command": ["/bin/sh", "-c",
-              "trap 'exit 0' TERM; [ -f /mnt/e2e/work/seen ] || { touch /mnt/e2e/work/seen /mnt/e2e/work/alive; };"
+              "trap 'exit 0' TERM; echo started >> /mnt/e2e/work/starts;"
               " while true; do sleep 0.1; done"],
               "volumeMounts": [{"name": "work", "mountPath": "/mnt/e2e/work"}],
-              "livenessProbe": {"exec": {"command": ["test", "-f", "/mnt/e2e/work/alive"]},
-                                "periodSeconds": 1, "failureThreshold": 2}}  # fmt: skip
+              "livenessProbe": {"exec": {"command": ["test", "!", "-f", "/mnt/e2e/work/wedged"]},
+                                "periodSeconds": 1, "failureThreshold": 2,
+                                "timeoutSeconds": 10}}  # fmt: skip
     crash = {"name": "crashes", "image": HOST, "command": ["/bin/sh", "-c", "exit 3"]}
     pod = PodRuntime(_pod([live_c, crash], [{"name": "work", "emptyDir": {}}]),
                      "127.1.250.3", host, tmp_path / "pods").start()  # fmt: skip
+    work = pod.dir / "volumes" / "work"
+
+    def starts() -> int:
+        path = work / "starts"
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
     try:
         wedges = pod.container("wedges")
-        eventually(wedges.pid1, timeout=WAIT_S, message="the container's PID 1")
-        (pod.dir / "volumes" / "work" / "alive").unlink()  # the process wedges
-        eventually(lambda: wedges.restart_count == 1 and wedges.pid1(), timeout=WAIT_S,
-                   message="the wedged container restarted once")  # fmt: skip
+        eventually(lambda: starts() == 1, timeout=WAIT_S, message="the container ran")
+        (work / "wedged").touch()  # the process wedges
+        eventually(lambda: wedges.restart_count >= 1 and starts() >= 2, timeout=WAIT_S,
+                   message="the wedged container restarted")  # fmt: skip
         # The crashing container: restarted at once, then held by the 10 s back-off.
         eventually(lambda: pod.container("crashes").state.get("waiting", {}).get("reason")
                    == "CrashLoopBackOff", timeout=WAIT_S, message="CrashLoopBackOff")  # fmt: skip
     finally:
         pod.kill_now()
-    assert ("wedges", 0, "LivenessProbeFailed") in host.exits
+    assert [e for e in host.exits if e[0] == "wedges"][0] == ("wedges", 0, "LivenessProbeFailed")
     assert [e for e in host.exits if e[0] == "crashes"][:2] == [("crashes", 3, "Error")] * 2
+
+
+@live
+def test_the_images_folders_show_through_a_tmpfs_tmp(tmp_path, monkeypatch):
+    # tmp_path is under /tmp: an "image" holding a folder there, a pod with a tmpfs /tmp.
+    held = tmp_path / "image"
+    held.mkdir()
+    (held / "code.txt").write_text("the code under test")
+    image = sb.Image(HOST, {}, {"PATH": "/usr/bin:/bin"}, paths=(str(held),))
+    monkeypatch.setattr(sb, "resolve_image", lambda name: image)
+    host = FakeHost(tmp_path / "host")
+    c = {"name": "reads", "image": HOST, "command": ["/bin/sh", "-c",
+         f"cat {held}/code.txt; touch /tmp/scratch && echo tmp-writable"],
+         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}]}  # fmt: skip
+    pod = PodRuntime(_pod([c], [{"name": "tmp", "emptyDir": {"medium": "Memory"}}],
+                          restartPolicy="Never"),
+                     "127.1.250.5", host, tmp_path / "pods").start()  # fmt: skip
+    try:
+        eventually(lambda: host.exits, timeout=WAIT_S, message="the container exited")
+    finally:
+        pod.kill_now()
+    log = (host.log_dir / "ns.p.reads.log").read_text()
+    assert host.exits == [("reads", 0, "Completed")], log
+    assert "the code under test" in log and "tmp-writable" in log
 
 
 @live

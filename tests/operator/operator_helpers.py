@@ -1,20 +1,22 @@
 """Helpers shared by the operator tests (a plain module: conftest.py names collide across test
-dirs). The repository root and Kubernetes versions come from tests/testkit."""
+dirs). The repository root and Kubernetes versions come from testing/testkit."""
 
 from __future__ import annotations
 
 import copy
 import itertools
 import json
+import logging
 from collections.abc import Mapping
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
+import kopf
 import yaml
 from kubernetes.client.exceptions import ApiException
+from sluice_operator.cluster_view import ClusterView, index_key
 from sluice_operator.kinds import INDEXED_KINDS
-from sluice_operator.memory import Memory, index_key
+from sluice_operator.wiring import Leadership, Options, Runtime, wire
 from testkit.repo import LWS_CRD, ROOT, shared_crd
 
 SAMPLES = sorted((ROOT / "samples").glob("*.yaml"))
@@ -225,8 +227,9 @@ class Watched(Mapping):
 class FakeCluster:
     """In-memory API server stand-in: stores applied objects, adds server-side defaults and a
     status like a real one would, and counts every call by verb. `memo` is what kopf hands the
-    handlers: this cluster and a `Memory` over `watched`, the fake's objects as the watches
-    would index them (reading them is no API call)."""
+    handlers: the runtime kopf's startup wires (`runtime_for`), around this cluster and
+    `memory`, a `Memory` over `watched`, the fake's objects as the watches would index them
+    (reading them is no API call). Assign `runtime` to hand the handlers another one."""
 
     def __init__(self) -> None:
         self.objects: dict[tuple[str, str, str], dict] = {}
@@ -240,7 +243,22 @@ class FakeCluster:
         self.scaled: list[tuple[str, str, str, int]] = []  # (kind, namespace, name, replicas)
         self._revisions = itertools.count(1)
         self.watched = Watched(self)
-        self.memo = SimpleNamespace(cluster=self, memory=Memory(self.watched))
+        self.memory = ClusterView(self.watched)
+        self._runtime: Runtime | None = None
+
+    @property
+    def runtime(self) -> Runtime:
+        if self._runtime is None:
+            self._runtime = runtime_for(self)
+        return self._runtime
+
+    @runtime.setter
+    def runtime(self, runtime: Runtime) -> None:
+        self._runtime = runtime
+
+    @property
+    def memo(self) -> kopf.Memo:
+        return kopf.Memo(runtime=self.runtime)
 
     def _bump(self, obj: dict) -> None:
         obj.setdefault("metadata", {})["resourceVersion"] = str(next(self._revisions))
@@ -354,6 +372,21 @@ class FakeCluster:
         dep = self.objects[(kind, namespace, name)]
         dep["status"] = {"observedGeneration": dep["metadata"]["generation"], **status}
         self._bump(dep)
+
+
+def runtime_for(
+    cluster: FakeCluster,
+    memory: ClusterView | None = None,
+    leadership: Leadership | None = None,
+    **options: Any,
+) -> Runtime:
+    """The operator's runtime as kopf's startup wires it (`wiring.wire`), around the fake
+    cluster and its memory (or `memory`), with `options` (`wiring.Options`); nothing started."""
+    return wire(
+        Options(**options), kopf.OperatorSettings(), logging.getLogger("test"),
+        cluster=cluster, memory=cluster.memory if memory is None else memory,
+        leadership=leadership,
+    )  # fmt: skip
 
 
 class AbsentKind(FakeCluster):

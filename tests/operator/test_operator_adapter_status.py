@@ -8,7 +8,7 @@ import logging
 import kopf
 import pytest
 from operator_helpers import Events, FakeCluster, body_of, minimal, with_status
-from sluice_operator import handlers
+from sluice_operator import handlers, passes
 from sluice_operator.adapterstatus import adapter_states, adapters_status
 from sluice_operator.builders.adapters import adapter_id
 from sluice_operator.builders.args import server_args
@@ -140,10 +140,10 @@ def test_a_loading_adapter_makes_the_handler_look_again_soon(cluster, monkeypatc
     kwargs = dict(body=body, namespace="default", name="m", memo=cluster.memo, retry=0,
                   logger=logging.getLogger("test"))  # fmt: skip
     loading = page([("support", ids(m)["support"], "Loading", "", 1)])
-    monkeypatch.setattr(handlers, "pod_metrics_page", lambda p: loading)
+    monkeypatch.setattr(passes, "pod_metrics_page", lambda p: loading)
     with pytest.raises(kopf.TemporaryError) as exc:
         handlers.reconcile(**kwargs)
-    assert exc.value.delay == handlers.ADAPTER_RECHECK_SECONDS
+    assert exc.value.delay == passes.ADAPTER_RECHECK_SECONDS
     ready = page([("support", ids(m)["support"], "Ready", "", 1)])
-    monkeypatch.setattr(handlers, "pod_metrics_page", lambda p: ready)
+    monkeypatch.setattr(passes, "pod_metrics_page", lambda p: ready)
     handlers.reconcile(**kwargs)  # settled: no retry

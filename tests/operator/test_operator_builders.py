@@ -256,21 +256,6 @@ def test_model_sources(uri, model_arg, revision, claim):
     assert flag(args, "--served-model-name") == (model_arg if uri.startswith("hf://") else "m")
 
 
-def test_hf_token_is_env_from_secret_never_an_argument():
-    m = model(
-        model={"uri": "hf://org/gated", "hfTokenSecretRef": {"name": "hf", "key": "tok"}},
-        engine={"env": [{"name": "HF_TOKEN", "value": "leak"}, {"name": "X", "value": "1"}]},
-    )
-    c = container(desired_deployment(m))
-    env = {e["name"]: e for e in c["env"]}
-    assert env["HF_TOKEN"] == {
-        "name": "HF_TOKEN",
-        "valueFrom": {"secretKeyRef": {"name": "hf", "key": "tok"}},
-    }
-    assert env["X"]["value"] == "1" and env["HF_HOME"]["value"] == "/cache/hf"
-    assert not any("HF_TOKEN" in a or "hf_" in a.lower() for a in c["args"])
-
-
 def test_cache_pvc_or_emptydir_and_shm():
     vols = {
         v["name"]: v for v in desired_deployment(model())["spec"]["template"]["spec"]["volumes"]
@@ -313,20 +298,6 @@ def test_jwt_jwks_mounted_whole_and_flags_rendered(source, kind):
     assert flag(args, "--jwt-issuer") == JWT["issuer"] and flag(args, "--jwt-audience") == "chat"
     assert flag(args, "--jwt-tenant-claim") == "org"
     assert flag(args, "--api-key-file") is None
-
-
-def test_redis_rate_limits_url_from_secret_never_an_argument():
-    m = model(auth={"apiKeySecretRef": {"name": "keys"}, "rateLimit": {
-        "requestsPerMinute": 60, "backend": "redis", "failureMode": "closed",
-        "redisUrlSecretRef": {"name": "redis"}}})  # fmt: skip
-    c = container(desired_deployment(m))
-    args = c["args"]
-    assert flag(args, "--rate-limit-backend") == "redis"
-    assert flag(args, "--rate-limit-failure-mode") == "closed"
-    assert not [a for a in args if "redis://" in a or a == "--redis-url"]
-    env = {e["name"]: e for e in c["env"]}
-    assert env["SLUICE_REDIS_URL"]["valueFrom"] == {"secretKeyRef": {"name": "redis", "key": "url"}}
-    assert c["env"][-1]["name"] == "SLUICE_REDIS_URL"  # after user env: cannot be shadowed
 
 
 def test_auth_defaults_render_nothing_new():

@@ -12,8 +12,8 @@ from operator_helpers import INVALID_SAMPLES, SAMPLES, expectations, load
 from sluice_operator.generate import chartdocs
 from sluice_operator.generate.crd import build_crd, render_crd
 from sluice_operator.generate.outputs import CRD_PATHS, stale_files
+from sluice_operator.models.engine import MODEL_URI_PATTERN
 from sluice_operator.models.flags import RESERVED_RE
-from sluice_operator.models.spec import MODEL_URI_PATTERN
 from sluice_operator.validation import SpecError, parse_object
 from testkit.k8s import K8S_VERSIONS
 from testkit.repo import ROOT

@@ -24,7 +24,7 @@ from sluice_operator.builders.gateway import desired_httproute, route_url
 from sluice_operator.builders.ingress import desired_ingress
 from sluice_operator.kinds import CHILD_KINDS, GATEWAY_API, HTTPROUTE, desired_children
 from sluice_operator.reconcile import converge
-from sluice_operator.status import optional_condition
+from sluice_operator.status_from_cluster import optional_condition
 from sluice_operator.validation import SpecError, load_model
 
 NOW = "2026-11-30T06:00:00Z"

@@ -25,6 +25,7 @@ import pytest
 import sluice_operator
 import yaml
 from operator_helpers import SAMPLES
+from sluice_operator.models.spec import FORMER_DEFAULT_IMAGE
 from sluice_operator.render import render_objects
 from sluice_operator.validation import load_model
 from sluice_operator.yamldump import dump_yaml
@@ -232,6 +233,21 @@ def test_pod_template_matches_its_golden_file(name):
             f"change (docs/helm.md, 'Upgrades').\n{diff}",
             pytrace=False,
         )
+
+
+UNSET_IMAGE = sorted(n for n, body in CASES.items() if "image" not in body["spec"])
+
+
+@pytest.mark.parametrize("name", UNSET_IMAGE)
+def test_a_stored_former_default_image_renders_the_golden_file(name):
+    """Objects created while the CRD defaulted spec.image hold FORMER_DEFAULT_IMAGE; each
+    model without spec.image, rendered with that value stored, gets exactly its golden pod
+    template: no model rolls when the operator stops the CRD default."""
+    if UPDATE:
+        return
+    body = copy.deepcopy(CASES[name])
+    body["spec"]["image"] = FORMER_DEFAULT_IMAGE
+    assert _golden_text(name, body) == (GOLDEN / f"{name}.yaml").read_text()
 
 
 def test_every_golden_file_belongs_to_a_case():

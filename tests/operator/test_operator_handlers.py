@@ -13,9 +13,10 @@ from operator_helpers import (
     body_of,
     merge_patch,
     minimal,
+    runtime_for,
     with_status,
 )
-from sluice_operator import handlers
+from sluice_operator import handlers, passes
 from sluice_operator.reconcile import HASH_ANNOTATION, contains, converge
 from sluice_operator.validation import SpecError
 from testkit.repo import ROOT
@@ -240,7 +241,7 @@ def test_handler_classifies_api_errors(cluster, monkeypatch, exc, kind, delay):
 
 
 def test_backoff_grows_and_is_capped():
-    assert [handlers.backoff(r) for r in range(8)] == [5, 10, 20, 40, 80, 160, 300, 300]
+    assert [passes.backoff(r) for r in range(8)] == [5, 10, 20, 40, 80, 160, 300, 300]
 
 
 def test_handler_converges_on_create_then_update(cluster, monkeypatch):
@@ -478,17 +479,17 @@ def _slow_passes(monkeypatch):
     import threading
 
     started, release = threading.Event(), threading.Event()
-    passes = []
-    real = handlers.converge
+    ran = []
+    real = passes.converge
 
     def slow(cluster, body, post, **kw):
-        passes.append(body["metadata"]["name"])
+        ran.append(body["metadata"]["name"])
         started.set()
         release.wait(60)  # a bound for a failing test; the test releases it
         return real(cluster, body, post, **kw)
 
-    monkeypatch.setattr(handlers, "converge", slow)
-    return started, release, passes
+    monkeypatch.setattr(passes, "converge", slow)
+    return started, release, ran
 
 
 def test_model_locks_collapse_bursts_and_forget_finished_models(cluster, monkeypatch):
@@ -500,7 +501,7 @@ def test_model_locks_collapse_bursts_and_forget_finished_models(cluster, monkeyp
     body = body_of(minimal())
     cluster.store(body)
     converge(cluster, body, Events(), now=NOW)
-    started, release, passes = _slow_passes(monkeypatch)
+    started, release, ran = _slow_passes(monkeypatch)
     child = cluster.objects[("Deployment", "default", "m")]
 
     def event():
@@ -515,16 +516,16 @@ def test_model_locks_collapse_bursts_and_forget_finished_models(cluster, monkeyp
     # Each returned while the first pass still runs (it waits for `release`): none waited
     # for it, the running pass was marked dirty instead.
     assert not burst.is_alive() and first.is_alive()
-    assert len(handlers._locks) == 1
+    assert len(cluster.runtime.passes.locks) == 1
     release.set()
     first.join(5)
-    assert len(passes) == 2  # the running pass and one more for the whole burst
-    assert len(handlers._locks) == 0
+    assert len(ran) == 2  # the running pass and one more for the whole burst
+    assert len(cluster.runtime.passes.locks) == 0
     # Negative control: the model's own handler is never collapsed.
-    passes.clear()
+    ran.clear()
     handlers.reconcile(**_kwargs(cluster, body))
     handlers.reconcile(**_kwargs(cluster, body))
-    assert len(passes) == 2 and len(handlers._locks) == 0
+    assert len(ran) == 2 and len(cluster.runtime.passes.locks) == 0
 
 
 def test_lock_table_stays_bounded_over_many_models_and_deletions(cluster, monkeypatch):
@@ -535,16 +536,17 @@ def test_lock_table_stays_bounded_over_many_models_and_deletions(cluster, monkey
         child = cluster.objects[("Deployment", "default", f"m{i}")]
         del cluster.objects[("StreamingModel", "default", f"m{i}")]  # the model is deleted
         handlers._owner_changed(child, "default", cluster.memo, LOG, "DELETED")
-        assert len(handlers._locks) == 0
-    cluster.memo.memory.prune()  # what the resync does: own writes of gone models are dropped
-    assert len(cluster.memo.memory) == 0
+        assert len(cluster.runtime.passes.locks) == 0
+    cluster.memory.prune()  # what the resync does: own writes of gone models are dropped
+    assert len(cluster.memory) == 0
 
 
 def _resync(cluster):
-    resync = handlers.Resync(cluster, cluster.memo.memory, 60, LOG)
+    resync = cluster.runtime.resync
+    before = resync.passes
     resync.adopt_context()  # what the first kopf handler call does
     resync.run_once()
-    assert resync.passes == len(cluster.memo.memory.models())
+    assert resync.passes - before == len(cluster.memory.models())
 
 
 def test_index_fed_passes_make_no_reads_and_a_settled_pass_no_call(cluster, monkeypatch):
@@ -614,23 +616,23 @@ def test_a_lagging_watch_neither_recreates_nor_redeletes(cluster, monkeypatch):
     assert cluster.calls == []
     # Caught up: the remembered writes are dropped as the index shows them.
     cluster.watched.catch_up()
-    cluster.memo.memory.forget("Ingress", "models", "llama-70b")  # the DELETED event
+    cluster.memory.forget("Ingress", "models", "llama-70b")  # the DELETED event
     _again(cluster, changed)
     _again(cluster, changed)  # reads what the one before wrote
-    assert len(cluster.memo.memory) == 0
+    assert len(cluster.memory) == 0
 
 
 def test_lagging_watch_without_remembered_writes_would_write_twice(cluster, monkeypatch):
     """Negative control for the test above: a memory that forgets its own writes applies
     every child again while the watch lags."""
-    from sluice_operator.memory import Memory
+    from sluice_operator.cluster_view import ClusterView
 
     monkeypatch.setattr(kopf, "event", lambda body, **kw: None)
     body = body_of(minimal())
     cluster.store(body)
     cluster.watched.lag()
     handlers.reconcile(**_kwargs(cluster, body))
-    cluster.memo.memory = Memory(cluster.watched)
+    cluster.runtime = runtime_for(cluster, memory=ClusterView(cluster.watched))
     cluster.calls.clear()
     _again(cluster, body)
     assert ("apply", "Deployment") in cluster.writes()
@@ -668,8 +670,8 @@ def test_children_of_a_model_memory_still_holds_are_not_recreated(
 
 
 def test_memory_prefers_the_newer_of_the_watch_and_its_own_write():
+    from sluice_operator.cluster_view import ClusterView
     from sluice_operator.kinds import SERVICE
-    from sluice_operator.memory import Memory
 
     def svc(rv, port):
         labels = {"app.kubernetes.io/instance": "m"}
@@ -677,7 +679,7 @@ def test_memory_prefers_the_newer_of_the_watch_and_its_own_write():
         return {"kind": "Service", "metadata": meta, "spec": {"port": port}}
 
     index: dict = {}
-    memory = Memory({SERVICE.index_id: index})
+    memory = ClusterView({SERVICE.index_id: index})
     memory.wrote(svc(10, 1))
     assert memory.get(SERVICE, "ns", "m")["spec"]["port"] == 1  # the watch has nothing yet
     index[("ns", "m")] = [svc(9, 0)]  # the watch shows the state before our write
@@ -692,6 +694,7 @@ def test_memory_prefers_the_newer_of_the_watch_and_its_own_write():
 
 def test_resync_thread_survives_a_failing_pass(cluster, monkeypatch):
     monkeypatch.setattr(kopf, "event", lambda body, **kw: None)
+    cluster.runtime = runtime_for(cluster, resync_seconds=0.01)
     handlers.reconcile(**_kwargs(cluster, body_of(minimal())))
     calls = []
 
@@ -699,20 +702,20 @@ def test_resync_thread_survives_a_failing_pass(cluster, monkeypatch):
         calls.append(1)
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(handlers, "converge", broken)
-    resync = handlers.Resync(cluster, cluster.memo.memory, 0.01, LOG)
+    monkeypatch.setattr(passes, "converge", broken)
+    resync = cluster.runtime.resync
     resync.adopt_context()
     resync.start()
     try:  # every round tried again after the failure
         eventually(lambda: len(calls) >= 3, timeout=5, interval=0.01, message="3 resync rounds")
     finally:
         resync.stop()
-    assert len(handlers._locks) == 0
+    assert len(cluster.runtime.passes.locks) == 0
 
 
 def test_memory_keeps_objects_without_managed_fields():
+    from sluice_operator.cluster_view import ClusterView, lean
     from sluice_operator.kinds import SERVICE
-    from sluice_operator.memory import Memory, lean
 
     obj = {
         "kind": "Service",
@@ -720,6 +723,6 @@ def test_memory_keeps_objects_without_managed_fields():
                      "managedFields": [{"manager": "sluice-operator"}]},
     }  # fmt: skip
     assert "managedFields" not in lean(obj)["metadata"] and "managedFields" in obj["metadata"]
-    memory = Memory({SERVICE.index_id: {}})
+    memory = ClusterView({SERVICE.index_id: {}})
     memory.wrote(obj)
     assert "managedFields" not in memory.get(SERVICE, "ns", "m")["metadata"]

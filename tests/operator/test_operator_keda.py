@@ -41,7 +41,7 @@ from sluice_operator.builders.metrics import (
 )
 from sluice_operator.kinds import ALL_KINDS, CHILD_KINDS, KEDA_KIND, desired_children
 from sluice_operator.models.resource import StreamingModel
-from sluice_operator.models.spec import AutoscalingSpec
+from sluice_operator.models.scaling import AutoscalingSpec
 from sluice_operator.reconcile import converge
 from sluice_operator.render import render_objects
 from sluice_operator.validation import load_model
@@ -400,9 +400,7 @@ def test_missing_keda_is_reported_the_rest_converges_and_the_pass_is_retried(sta
     import kopf
 
     with pytest.raises(kopf.TemporaryError):
-        handlers._converge(
-            cluster, cluster.memo.memory, "default", "m", 0, __import__("logging").getLogger("t")
-        )
+        cluster.runtime.passes.converge("default", "m", 0, __import__("logging").getLogger("t"))
     # KEDA installed (and granted) later: the next pass converges and clears the message.
     cluster.refuse = 0
     converge(cluster, body, Events(), now=NOW)

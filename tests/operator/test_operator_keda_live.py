@@ -52,8 +52,8 @@ def plane(tmp_path_factory):
 
 
 def test_keda_backend_on_a_real_api_server(plane):
-    from e2e.harness.kube import Models, eventually, model_body
-    from e2e.harness.operator_process import (
+    from e2e_harness.kube import Models, eventually, model_body
+    from e2e_harness.operator_process import (
         OperatorProcess,
         RenderedChart,
         install_operator_identity,

@@ -13,10 +13,11 @@ from types import SimpleNamespace
 
 import kopf
 import pytest
-from operator_helpers import FakeCluster, body_of, minimal
-from sluice_operator import handlers
+from operator_helpers import FakeCluster, body_of, minimal, runtime_for
+from sluice_operator import handlers, kopfwrites
 from sluice_operator.cluster import FencedCluster, KubeLeases, WriteFenced
 from sluice_operator.election import LeaseRecord
+from sluice_operator.wiring import Options
 
 LOG = logging.getLogger("test")
 
@@ -33,8 +34,7 @@ class Switch:
 def cluster(monkeypatch):
     monkeypatch.setattr(kopf, "event", lambda body, **kw: None)
     fake = FakeCluster()
-    fake.memo.leadership = Switch(False)
-    fake.memo.cluster = FencedCluster(fake, fake.memo.leadership.leading)
+    fake.runtime = runtime_for(fake, leadership=Switch(False), resync_seconds=3600)
     return fake
 
 
@@ -51,8 +51,7 @@ def test_a_standby_runs_no_model_handler_and_no_child_pass(cluster):
     assert handlers._leading(memo=cluster.memo) is False  # kopf's `when=` filter
     child = {"metadata": {"name": "m", "labels": {"app.kubernetes.io/instance": "m"}}}
     handlers._owner_changed(child, "default", cluster.memo, LOG, "MODIFIED")
-    resync = handlers.Resync(cluster.memo.cluster, cluster.memo.memory, 60, LOG,
-                             leading=cluster.memo.leadership.leading)  # fmt: skip
+    resync = cluster.runtime.resync
     resync.adopt_context()
     resync.run_once()
     assert cluster.calls == [] and resync.passes == 0
@@ -66,7 +65,8 @@ def test_model_handlers_are_filtered_on_leadership():
 
 
 def test_the_fence_refuses_every_write_and_lets_reads_through(cluster):
-    fenced = cluster.memo.cluster
+    fenced = cluster.runtime.cluster
+    assert isinstance(fenced, FencedCluster)
     assert fenced.get("apps/v1", "Deployment", "default", "m") is None
     for call in (
         lambda: fenced.apply({"kind": "Service"}),
@@ -82,18 +82,18 @@ def test_the_fence_refuses_every_write_and_lets_reads_through(cluster):
 def test_losing_the_lease_mid_pass_stops_the_pass_quietly(cluster, monkeypatch, caplog):
     """The fence closes after the first child: nothing more is sent (no status, no Event),
     and the handler neither raises (no kopf retry, no Warning Event) nor crashes."""
-    cluster.memo.leadership.on = True
+    cluster.runtime.leadership.on = True
     posted = []
     monkeypatch.setattr(kopf, "event", lambda body, **kw: posted.append(kw))
     real_apply = cluster.apply
 
     def apply_then_lose(manifest):
         out = real_apply(manifest)
-        cluster.memo.leadership.on = False
+        cluster.runtime.leadership.on = False
         return out
 
     monkeypatch.setattr(cluster, "apply", apply_then_lose)
-    with caplog.at_level(logging.INFO, logger="sluice_operator.handlers"):
+    with caplog.at_level(logging.INFO, logger="sluice_operator.passes"):
         handlers.reconcile(**_kwargs(cluster, body_of(minimal())))
     assert cluster.writes() == [("apply", "Service")]
     assert posted == [] and cluster.status_patches == []
@@ -104,8 +104,7 @@ def test_a_new_leader_converges_every_model_from_memory_at_once(cluster):
     """`kick()` (what becoming the leader calls) runs a round now, not at the next period."""
     for name in ("a", "b", "c"):
         cluster.store(body_of(minimal() | {"metadata": {"name": name, "namespace": "default"}}))
-    resync = handlers.Resync(cluster.memo.cluster, cluster.memo.memory, 3600, LOG,
-                             leading=cluster.memo.leadership.leading)  # fmt: skip
+    resync = cluster.runtime.resync
     resync.adopt_context()
     done = threading.Event()
     real = resync.run_once
@@ -117,7 +116,7 @@ def test_a_new_leader_converges_every_model_from_memory_at_once(cluster):
     resync.run_once = run_once
     resync.start()
     try:
-        cluster.memo.leadership.on = True
+        cluster.runtime.leadership.on = True
         resync.kick()
         assert done.wait(10), "the kicked round did not run"
     finally:
@@ -129,10 +128,10 @@ def test_a_new_leader_converges_every_model_from_memory_at_once(cluster):
 @pytest.mark.parametrize("leading", [False, True])
 def test_kopfs_annotations_are_written_by_the_leader_only(leading):
     switch = Switch(leading)
-    diffbase = handlers._LeaderOnlyDiffBase(
+    diffbase = kopfwrites.LeaderOnlyDiffBase(
         switch.leading, prefix="serving.sluice.dev", key="last-handled-configuration"
     )
-    progress = handlers._LeaderOnlyProgress(switch.leading, prefix="serving.sluice.dev")
+    progress = kopfwrites.LeaderOnlyProgress(switch.leading, prefix="serving.sluice.dev")
     body = kopf.Body({"metadata": {"name": "m", "namespace": "default"}, "spec": {}})
     patch = kopf.Patch()
     diffbase.store(body=body, patch=patch, essence={"spec": {"x": 1}})
@@ -141,15 +140,15 @@ def test_kopfs_annotations_are_written_by_the_leader_only(leading):
 
 
 def test_user_agent_names_the_replica():
-    assert handlers.user_agent("sluice-operator-7d9f-abcde") == (
-        f"sluice-operator/{handlers.__version__} (sluice-operator-7d9f-abcde)"
+    assert kopfwrites.user_agent("sluice-operator-7d9f-abcde") == (
+        f"sluice-operator/{kopfwrites.__version__} (sluice-operator-7d9f-abcde)"
     )
 
 
 def test_kopfs_session_carries_the_user_agent(monkeypatch):
     info = kopf.ConnectionInfo(server="https://127.0.0.1:6443", token="t0k3n")
     monkeypatch.setattr(kopf, "login_via_client", lambda **kw: info)
-    memo = kopf.Memo(identity="pod-a")
+    memo = kopf.Memo(options=Options(identity="pod-a"))
 
     async def main():
         creds = await handlers.login(memo=memo, logger=LOG, settings=None)
@@ -158,7 +157,7 @@ def test_kopfs_session_carries_the_user_agent(monkeypatch):
         return creds, headers
 
     creds, headers = asyncio.run(main())
-    assert headers["User-Agent"] == handlers.user_agent("pod-a")
+    assert headers["User-Agent"] == kopfwrites.user_agent("pod-a")
     assert headers["Authorization"] == "Bearer t0k3n"
     assert creds.server == info.server
 
@@ -208,9 +207,8 @@ def test_a_lease_won_during_start_up_converges_once_the_listings_are_complete(cl
     """The Lease can be won before kopf's first handler (its listings not complete): that
     round waits for the first handler's context instead of being lost."""
     cluster.store(body_of(minimal()))
-    cluster.memo.leadership.on = True
-    resync = handlers.Resync(cluster.memo.cluster, cluster.memo.memory, 3600, LOG,
-                             leading=cluster.memo.leadership.leading)  # fmt: skip
+    cluster.runtime.leadership.on = True
+    resync = cluster.runtime.resync
     resync.run_once()  # the kicked round, before any handler ran
     assert resync.passes == 0 and not resync._kicked.is_set()
     resync.adopt_context()  # kopf's first handler
@@ -226,7 +224,7 @@ def test_kopfs_own_requests_write_only_while_leading():
     from yarl import URL
 
     switch = Switch(False)
-    fence = handlers._kopf_write_fence(kopf.Memo(leadership=switch))
+    fence = kopfwrites.write_fence(switch.leading)
     sent = []
 
     async def handler(request):
@@ -246,3 +244,32 @@ def test_kopfs_own_requests_write_only_while_leading():
 
     asyncio.run(main())
     assert sent == ["GET", "PATCH"]
+
+
+def test_startup_wires_the_election_into_the_fence_kopfs_events_and_the_resync(monkeypatch):
+    """`--leader-elect`: the composition root hands the one Elector to every writer (the
+    pass's fence, kopf's storages and Events) and its start to the resync; without the flag
+    kopf posts Events from the start and writes are never fenced."""
+    from sluice_operator import wiring
+    from sluice_operator.election import ElectionSettings, Elector
+
+    api = SimpleNamespace()
+    monkeypatch.setattr(wiring, "_load_kube_config", lambda: api)
+    election = ElectionSettings(name="sluice-operator", namespace="ops", identity="pod-a_1")
+    settings = kopf.OperatorSettings()
+    options = Options(identity="pod-a", election=election)
+    runtime = wiring.wire(options, settings, LOG)
+    assert isinstance(runtime.elector, Elector) and runtime.leadership is runtime.elector
+    assert api.user_agent == kopfwrites.user_agent("pod-a")
+    fenced = runtime.cluster
+    assert isinstance(fenced, FencedCluster) and fenced.may_write == runtime.elector.leading
+    assert not runtime.leading() and settings.posting.enabled is False
+    assert isinstance(settings.persistence.progress_storage, kopfwrites.LeaderOnlyProgress)
+    runtime.elector._on_started()  # what winning the Lease calls, on kopf's loop
+    assert settings.posting.enabled is True and runtime.resync._kicked.is_set()
+    runtime.elector._on_stopped("lost")
+    assert settings.posting.enabled is False
+    # Negative control: one replica, no election.
+    single = kopf.OperatorSettings()
+    runtime = wiring.wire(Options(), single, LOG)
+    assert runtime.elector is None and runtime.leading() and single.posting.enabled is True

@@ -16,7 +16,7 @@ from sluice_operator.builders.keda import pod_matchers
 from sluice_operator.builders.leaderworkerset import desired_leaderworkerset
 from sluice_operator.reconcile import converge
 from sluice_operator.render import render_objects
-from sluice_operator.status import compute_status
+from sluice_operator.status_from_cluster import compute_status
 from sluice_operator.validation import load_model
 from testkit.k8s import K8S_VERSIONS
 from testkit.repo import LWS_CRD, shared_crd
@@ -237,7 +237,7 @@ def test_a_starting_lws_makes_the_handler_read_it_again_until_its_groups_are_rea
     import logging
 
     import kopf
-    from sluice_operator import handlers
+    from sluice_operator import handlers, passes
 
     monkeypatch.setattr(kopf, "event", lambda body, **kw: None)
     cluster = FakeCluster()
@@ -247,7 +247,7 @@ def test_a_starting_lws_makes_the_handler_read_it_again_until_its_groups_are_rea
                   logger=logging.getLogger("test"))  # fmt: skip
     with pytest.raises(kopf.TemporaryError) as exc:
         handlers.reconcile(**kwargs)  # created: the LWS controller has not reported yet
-    assert exc.value.delay == handlers.WORKLOAD_RECHECK_SECONDS
+    assert exc.value.delay == passes.WORKLOAD_RECHECK_SECONDS
     assert cluster.stored_status[("default", "m")]["ready"] == "0/1"
     cluster.set_deployment_status("default", "m", kind="LeaderWorkerSet", replicas=1,
                                   readyReplicas=1, updatedReplicas=1)  # fmt: skip

@@ -17,7 +17,7 @@ from sluice_operator.kinds import (
     OptionalKind,
 )
 from sluice_operator.reconcile import converge
-from sluice_operator.status import reported
+from sluice_operator.status_from_cluster import reported
 
 NOW = "2026-11-30T06:00:00Z"
 

@@ -276,21 +276,26 @@ def test_without_a_pacer_a_release_applies_everywhere(monkeypatch):
     )
 
 
-def test_the_operator_paces_with_its_flag_and_wakes_through_the_resync():
+def test_the_operator_paces_with_its_flag_and_wakes_through_the_resync(monkeypatch):
+    """kopf's startup (`handlers.configure`) wires the pacer from `run`'s options: its limit,
+    the passes pace with it, and a freed slot converges through the resync at once."""
+    import asyncio
     import logging
 
     import kopf
-    from sluice_operator import handlers
+    from sluice_operator import handlers, wiring
 
     cluster = FakeCluster()
-    memo = kopf.Memo(cluster=cluster, memory=cluster.memo.memory, max_rollouts=3,
-                     resync_seconds=0)  # fmt: skip
+    real = wiring.wire
+    monkeypatch.setattr(handlers, "wire", lambda *a: real(*a, cluster=cluster))  # no kubeconfig
+    memo = kopf.Memo(options=wiring.Options(max_rollouts=3, resync_seconds=0))
     handlers.configure(settings=kopf.OperatorSettings(), memo=memo, logger=logging.getLogger("t"))
+    runtime = wiring.runtime_of(memo)
     try:
-        assert memo.pacer.limit == 3 and memo.resync.pacer is memo.pacer
-        assert memo.pacer._wake == memo.resync.converge_soon  # a freed slot converges at once
+        assert runtime.pacer.limit == 3 and runtime.passes.pacer is runtime.pacer
+        assert runtime.pacer._wake == runtime.resync.converge_soon  # a freed slot converges at once
     finally:
-        memo.resync.stop()
+        asyncio.run(runtime.stop())
 
 
 # ---- LeaderWorkerSets (models on several nodes) ------------------------------------------

@@ -193,7 +193,7 @@ def test_missing_crd_is_a_condition_the_rest_converges_and_the_pass_is_retried(
     # The handler retries with backoff: no permanent failure, no crash loop.
     cluster.store(body)
     with pytest.raises(kopf.TemporaryError):
-        handlers._converge(cluster, cluster.memo.memory, "default", "m", 0, logging.getLogger("t"))
+        cluster.runtime.passes.converge("default", "m", 0, logging.getLogger("t"))
     # The CRD installed later: the next pass applies it and the condition turns True.
     cluster.refuse = 0
     converge(cluster, body, Events(), now=NOW)

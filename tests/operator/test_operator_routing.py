@@ -30,7 +30,7 @@ from sluice_operator.builders.routing import (
 from sluice_operator.builders.service import desired_service
 from sluice_operator.kinds import GATEWAY_API_INFERENCE_EXTENSION
 from sluice_operator.reconcile import converge
-from sluice_operator.status import reported
+from sluice_operator.status_from_cluster import reported
 from sluice_operator.validation import SpecError, load_model
 from testkit.repo import shared_crd
 

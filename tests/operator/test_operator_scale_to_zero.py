@@ -27,7 +27,6 @@ from sluice_operator.builders.activator import (
 )
 from sluice_operator.kinds import ACTIVATOR_SERVICE, CHILD_KINDS, SERVICE, desired_children
 from sluice_operator.reconcile import converge
-from sluice_operator.scaler import ActivatorSettings, ZeroScaler
 from sluice_operator.scaletozero import (
     Signals,
     Step,
@@ -38,6 +37,7 @@ from sluice_operator.scaletozero import (
     pod_idle_for,
     unaware,
 )
+from sluice_operator.scaletozero_poller import ActivatorSettings, ScaleToZeroPoller
 from sluice_operator.validation import SpecError, load_model
 from testkit.repo import ROOT, shared_crd
 
@@ -438,7 +438,7 @@ def test_poller_keeps_models_json_and_signals_idle_only_when_every_activator_kno
     pages = {"10.0.0.5": page(0.0), "10.0.1.1": activator_page({}, [("default", "m")]),
              "10.0.1.2": activator_page({}, [])}  # fmt: skip
     woken: list = []
-    scaler = ZeroScaler(cluster, cluster.memo.memory,
+    scaler = ScaleToZeroPoller(cluster, cluster.memory,
                         ActivatorSettings("sluice-activator", "sluice-system", "x=y"),
                         wake=woken.extend, page=lambda p: pages.get(p["status"]["podIP"]),
                         clock=lambda: 1000.0)  # fmt: skip
@@ -476,7 +476,7 @@ def test_poller_without_an_activator_never_signals_idle():
     cluster.store(body)
     converge(cluster, body, Events(), now=NOW)
     cluster.calls.clear()
-    scaler = ZeroScaler(cluster, cluster.memo.memory, None, wake=lambda k: None,
+    scaler = ScaleToZeroPoller(cluster, cluster.memory, None, wake=lambda k: None,
                         page=lambda p: page(0.0), clock=lambda: 1e9)  # fmt: skip
     scaler.run_once()
     assert scaler.signals(("default", "m")) == Signals()

@@ -4,6 +4,9 @@ server package is not installed."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 from operator_helpers import SAMPLES, load
 from sluice_operator.builders.deployment import desired_deployment
@@ -14,37 +17,66 @@ from sluice_operator.validation import load_model
 settings_mod = pytest.importorskip("sluice_server.settings")
 
 # What LWS puts into every container's environment and Kubernetes expands in its args.
+SECRET_VALUE = "value-from-secret"
 LWS_ENV = {"$(LWS_LEADER_ADDRESS)": "deepseek-r1-0.deepseek-r1.models", "$(LWS_WORKER_INDEX)": "1"}
 
 
-def server_container(model: StreamingModel, role: str = "leaderTemplate") -> dict:
-    """The server container: the Deployment's, or a LeaderWorkerSet's leader or worker."""
+def _pod(model: StreamingModel, role: str = "leaderTemplate") -> dict:
+    """The server's pod spec: the Deployment's, or a LeaderWorkerSet's leader or worker."""
     workload = desired_deployment(model) or desired_leaderworkerset(model)
     assert workload is not None
     spec = workload["spec"]
     template = (
         spec["leaderWorkerTemplate"][role] if "leaderWorkerTemplate" in spec else spec["template"]
     )
-    (c,) = template["spec"]["containers"]
+    return template["spec"]
+
+
+def server_container(model: StreamingModel, role: str = "leaderTemplate") -> dict:
+    """The server container: the Deployment's, or a LeaderWorkerSet's leader or worker."""
+    (c,) = _pod(model, role)["containers"]
     assert c["command"] == ["sluice-server"]
     return {**c, "args": [LWS_ENV.get(a, a) for a in c["args"]]}
 
 
-def container_args(body):
-    return server_container(load_model(body))["args"]
+def mount_secrets(model: StreamingModel, root: Path) -> dict:
+    """The server container as the kubelet would start it, under `root`: each Secret volume's
+    items written below `root` (a placeholder value per key), and the paths in its arguments
+    and environment moved there with them."""
+    c = server_container(model)
+    volumes = {v["name"]: v for v in _pod(model)["volumes"]}
+    moved = {}
+    for mount in c["volumeMounts"]:
+        secret = volumes[mount["name"]].get("secret")
+        if secret is None:
+            continue
+        here = root / mount["mountPath"].lstrip("/")
+        here.mkdir(parents=True)
+        for item in secret["items"]:
+            (here / item["path"]).write_text(f"{SECRET_VALUE}-{secret['secretName']}\n")
+        moved[mount["mountPath"] + "/"] = f"{here}/"
+
+    def move(value: str) -> str:
+        for old, new in moved.items():
+            if value.startswith(old):
+                return new + value.removeprefix(old)
+        return value
+
+    env = [{**e, "value": move(e["value"])} if "value" in e else e for e in c["env"]]
+    return {**c, "args": [move(a) for a in c["args"]], "env": env}
 
 
 @pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.stem)
-def test_server_parses_rendered_args(path, monkeypatch):
-    for key in [k for k in __import__("os").environ if k.startswith("SLUICE_")]:
+def test_server_parses_rendered_args(path, monkeypatch, tmp_path):
+    for key in [k for k in os.environ if k.startswith("SLUICE_") or k.startswith("HF_TOKEN")]:
         monkeypatch.delenv(key)
     body = load(path)
     model = load_model(body)
-    c = server_container(model)
-    for env in c["env"]:  # the Secret-fed environment the server reads (SLUICE_REDIS_URL)
-        if env["name"].startswith("SLUICE_") and "valueFrom" in env:
-            monkeypatch.setenv(env["name"], "redis://from-a-secret:6379/0")
-    s = settings_mod.parse_settings(container_args(body))
+    c = mount_secrets(model, tmp_path)
+    for env in c["env"]:  # the environment the server reads (HF_TOKEN_PATH, SLUICE_*)
+        if env["name"].startswith(("SLUICE_", "HF_TOKEN")):
+            monkeypatch.setenv(env["name"], env["value"])
+    s = settings_mod.parse_settings(c["args"])
     spec = model.spec
     assert s.port == 8000 and s.engine == spec.engine.backend
     assert s.model_label == model.served_name
@@ -60,7 +92,12 @@ def test_server_parses_rendered_args(path, monkeypatch):
                                                      limit.tokens_per_minute)  # fmt: skip
     if limit.backend == "redis":
         assert s.rate_limit_failure_mode == limit.failure_mode
-        assert s.redis_url.get_secret_value() == "redis://from-a-secret:6379/0"
+        ref = limit.redis_url_secret_ref
+        assert s.redis_url.get_secret_value() == f"{SECRET_VALUE}-{ref.name}"
+    token = spec.model.hf_token_secret_ref
+    if token:  # huggingface_hub reads it from there
+        path = dict((e["name"], e["value"]) for e in c["env"])["HF_TOKEN_PATH"]
+        assert Path(path).read_text().strip() == f"{SECRET_VALUE}-{token.name}"
     assert s.playground is spec.streaming.playground
     ing = spec.ingress
     assert s.root_path == (ing.path.rstrip("/") if ing.enabled else "")
@@ -87,7 +124,7 @@ MULTI_NODE = [p for p in SAMPLES if load_model(load(p)).multi_node]
 
 @pytest.mark.parametrize("path", MULTI_NODE, ids=lambda p: p.stem)
 def test_server_parses_a_workers_args_as_the_leaders_engine_on_another_rank(path, monkeypatch):
-    for key in [k for k in __import__("os").environ if k.startswith("SLUICE_")]:
+    for key in [k for k in os.environ if k.startswith("SLUICE_")]:
         monkeypatch.delenv(key)
     model = load_model(load(path))
     leader = settings_mod.parse_settings(server_container(model)["args"])

@@ -9,9 +9,11 @@ the parser's option strings, so an alias added in a vLLM release fails here.
 from __future__ import annotations
 
 import re
+import typing
 
 import pytest
 from operator_helpers import minimal
+from sluice_operator.models.engine import LoraRank
 from sluice_operator.models.flags import (
     RESERVED_LONG,
     RESERVED_NOT_VLLM,
@@ -69,6 +71,12 @@ def _refused(arg: str) -> bool:
     by_cel = re.match(RESERVED_RE, arg) is not None
     assert by_operator == by_cel, (arg, by_operator, by_cel)
     return by_operator
+
+
+def test_lora_rank_choices_are_vllms(parser):
+    """engine.lora.maxLoraRank accepts exactly the ranks vLLM's --max-lora-rank does."""
+    (action,) = [a for a in parser._actions if "--max-lora-rank" in a.option_strings]
+    assert set(typing.get_args(LoraRank)) == set(action.choices)
 
 
 def test_reserved_lists_are_every_option_string_of_the_reserved_destinations(parser):

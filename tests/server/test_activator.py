@@ -27,9 +27,9 @@ from activator_helpers import (
     scrape,
     tee,
 )
-from nginx_proxy import NginxProxy, find_nginx
 from sluice_server.engine.simulator import SimulatorEngine
 from testkit.net import free_port
+from testkit.nginx_proxy import NginxProxy, find_nginx
 from testkit.wait import eventually_async
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -447,6 +447,7 @@ async def _has(page, text: str) -> bool:
 
 
 @pytest.mark.skipif(find_nginx() is None, reason="nginx not installed")
+@pytest.mark.external
 async def test_keep_alives_carry_a_held_stream_through_a_proxy_that_cuts_silent_ones(tmp_path):
     """nginx in front (as the Ingress is; Host passed through names the model), its read
     timeout 1 s: the held stream hears a keep-alive every 0.3 s and outlives it; a held

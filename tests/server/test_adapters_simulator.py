@@ -15,7 +15,7 @@ import websockets
 from app_helpers import serve_simulator, sse_events, token_payloads, ws_url
 from lora_helpers import make_adapter, write_adapters
 from sluice_server.core.adapters import parse_adapters
-from sluice_server.core.trail import ACCESS_LOGGER
+from sluice_server.core.telemetry.accesslog import ACCESS_LOGGER
 from sluice_server.engine.simulator import SimulatorEngine
 from testkit.wait import eventually_async
 

@@ -24,8 +24,8 @@ import pytest
 from app_helpers import engine_settings, serving
 from browser import chrome, missing, page_eventually, static_site
 from held_sends import HeldSends
-from nginx_proxy import NginxProxy, find_nginx
 from testkit.net import free_port
+from testkit.nginx_proxy import NginxProxy, find_nginx
 from testkit.wait import eventually_async
 
 # The browser, nginx and the servers on cores of their own, apart from the engine's

@@ -67,7 +67,7 @@ def _prometheus_or_skip():
         pytest.skip(
             "prometheus not found (Debian package `prometheus`: tests/scripts/install-tools.sh)"
         )
-    from e2e.autoscaling.prometheus import Prometheus
+    from e2e_harness.autoscaling.prometheus import Prometheus
 
     return Prometheus
 

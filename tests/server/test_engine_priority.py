@@ -18,7 +18,7 @@ import pytest
 import pytest_asyncio
 import websockets
 from app_helpers import another_engine, engine_settings, serving, ws_url
-from sluice_server.core.trail import ACCESS_LOGGER
+from sluice_server.core.telemetry.accesslog import ACCESS_LOGGER
 from testkit.net import free_port
 from testkit.wait import eventually_async
 

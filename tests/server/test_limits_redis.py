@@ -16,20 +16,21 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 import pytest_asyncio
 from app_helpers import serve_simulator
+from sluice_server.core.auth.identity import Plan
 from sluice_server.core.errors import ApiError
-from sluice_server.core.identity import Plan
-from sluice_server.core.metrics import Metrics
-from sluice_server.core.ratelimit import RedisLimiter
+from sluice_server.core.limits.ratelimit import RedisLimiter
+from sluice_server.core.telemetry.metrics import Metrics
 from sluice_server.engine.simulator import SimulatorEngine
 from testkit.net import free_port
 from testkit.wait import eventually_async
 
-pytestmark = pytest.mark.asyncio(loop_scope="session")
+pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.external]  # Redis
 
 KEY = "sk-shared-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -83,7 +84,11 @@ def start_server(port: int, key_file, backend: str, redis_url: str, **limits) ->
             "--log-level", "warning"]  # fmt: skip
     for name, value in limits.items():
         argv += [f"--rate-limit-{name}", str(value)]
-    env = {**os.environ, "SLUICE_REDIS_URL": redis_url}
+    # As in a pod: the URL in a file (the operator mounts the Secret's key there).
+    url_file = Path(key_file).parent / "redis-url"
+    url_file.write_text(redis_url + "\n")
+    argv += ["--redis-url-file", str(url_file)]
+    env = {k: v for k, v in os.environ.items() if k != "SLUICE_REDIS_URL"}
     return subprocess.Popen(argv, env=env, start_new_session=True)
 
 
@@ -267,6 +272,8 @@ async def test_redis_outage_follows_the_failure_mode(sim, redis_server, key_file
     assert errors and float(errors[0].split()[-1]) >= 10, errors
     if mode == "closed":
         assert 'protocol="sse",reason="limiter_unavailable"} 10.0' in metrics
-    lines = [r.getMessage() for r in caplog.records if r.name == "sluice_server.core.ratelimit"]
+    lines = [
+        r.getMessage() for r in caplog.records if r.name == "sluice_server.core.limits.ratelimit"
+    ]
     assert len(lines) == 2, lines  # one line for the whole outage (rate limited), one after
     assert f"failing {mode}" in lines[0] and "reachable again" in lines[1]

@@ -19,7 +19,7 @@ import websockets
 from app_helpers import serving, ws_url
 from pod_helpers import metric
 from sluice_server.app import build_app
-from sluice_server.core.trail import ACCESS_LOGGER
+from sluice_server.core.telemetry.accesslog import ACCESS_LOGGER
 from sluice_server.engine.simulator import SimulatorEngine
 from sluice_server.serve import uvicorn_config
 from sluice_server.settings import Settings

@@ -28,7 +28,7 @@ import httpx
 import pytest
 import websockets
 from app_helpers import PROBE, engine_flushed
-from nginx_proxy import NginxProxy, find_nginx
+from testkit.nginx_proxy import NginxProxy, find_nginx
 from testkit.wait import eventually_async
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]

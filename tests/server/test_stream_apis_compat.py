@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 from app_helpers import ENGINE_KV_BYTES, serve_simulator
-from bench.procs import Server, engine_env
+from sluice_bench.procs import Server, engine_env
 from sluice_server.engine.simulator import SimulatorEngine
 from testkit.net import free_port
 from testkit.wait import eventually_async

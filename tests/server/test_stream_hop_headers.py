@@ -32,11 +32,11 @@ import subprocess
 import httpx
 import pytest
 from app_helpers import free_port, serving, sse_events
-from nginx_proxy import NginxProxy, find_nginx
 from sluice_server.app import build_app
 from sluice_server.engine.simulator import SimulatorEngine
 from sluice_server.serve import uvicorn_config
 from sluice_server.settings import Settings
+from testkit.nginx_proxy import NginxProxy, find_nginx
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -201,6 +201,7 @@ def _events(text: str) -> list[dict]:
 
 
 @pytest.mark.skipif(find_nginx() is None, reason="nginx not installed (apt-get install nginx)")
+@pytest.mark.external
 async def test_framing_end_to_end_over_http11_and_an_http2_hop():
     curl = _curl()
     if curl is None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 from httpx_sse import aconnect_sse
-from nginx_proxy import NginxProxy, find_nginx
+from testkit.nginx_proxy import NginxProxy, find_nginx
 
 pytestmark = [
     pytest.mark.engine,

@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 import websockets
-from nginx_proxy import NginxProxy, find_nginx
+from testkit.nginx_proxy import NginxProxy, find_nginx
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
 

@@ -75,6 +75,11 @@ app.kubernetes.io/component: operator
 {{- end -}}
 {{- end -}}
 
+{{/* The image of models without spec.image (--model-image); the tag defaults to appVersion. */}}
+{{- define "sluice-operator.modelImage" -}}
+{{- printf "%s:%s" (required "modelImage.repository is required" .Values.modelImage.repository) (.Values.modelImage.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+
 {{/*
 The namespaces the operator watches when watch.allNamespaces is false: the list given,
 else the release namespace. Returned as a JSON list (templates cannot return lists).
@@ -85,11 +90,13 @@ else the release namespace. Returned as a JSON list (templates cannot return lis
 {{- end -}}
 
 {{/*
-The operator's extra environment (the ConfigMap's data). Always holds one key, so the
-ConfigMap is never empty and the checksum always has something to hash.
+The operator's environment (the ConfigMap's data): the release name and the model image
+(--model-image's $SLUICE_OPERATOR_MODEL_IMAGE), then operator.env. Never empty, so the
+checksum always has something to hash.
 */}}
 {{- define "sluice-operator.configData" -}}
 SLUICE_OPERATOR_RELEASE: {{ .Release.Name | quote }}
+SLUICE_OPERATOR_MODEL_IMAGE: {{ include "sluice-operator.modelImage" . | quote }}
 {{- range $k, $v := .Values.operator.env }}
 {{ $k }}: {{ $v | quote }}
 {{- end }}

@@ -19,8 +19,8 @@ import hashlib
 import json
 from typing import Any
 
+from ..models.adapters import AdapterSpec
 from ..models.resource import ADAPTER_PVC_DIR, ADAPTERS_DIR, ADAPTERS_FILE, StreamingModel
-from ..models.spec import AdapterSpec
 from .common import fmt_number, metadata
 
 ADAPTERS_SUFFIX = "-adapters"

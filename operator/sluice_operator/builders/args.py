@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 import re
 
+from ..models.engine import SimulatorSpec
 from ..models.resource import API_KEYS_DIR, API_KEYS_FILE, JWKS_DIR, JWKS_FILE, StreamingModel
-from ..models.spec import SimulatorSpec
 from .adapters import lora_args
 from .common import PORT, fmt_number
+from .secrets import secret_args
 
 # SIGTERM to exit: the pod keeps serving in-flight streams for the stream timeout, after a
 # short preStop pause that lets endpoints and the ingress stop sending new requests.
@@ -151,8 +152,16 @@ def server_args(model: StreamingModel) -> list[str]:
     if auth.api_key_secret_ref:
         args += ["--api-key-file", f"{API_KEYS_DIR}/{API_KEYS_FILE}"]
     if auth.jwt:
-        args += ["--jwt-jwks-file", f"{JWKS_DIR}/{JWKS_FILE}", "--jwt-issuer", auth.jwt.issuer,
-                 "--jwt-audience", auth.jwt.audience, "--jwt-tenant-claim", auth.jwt.tenant_claim]  # fmt: skip
+        args += [
+            "--jwt-jwks-file",
+            f"{JWKS_DIR}/{JWKS_FILE}",
+            "--jwt-issuer",
+            auth.jwt.issuer,
+            "--jwt-audience",
+            auth.jwt.audience,
+            "--jwt-tenant-claim",
+            auth.jwt.tenant_claim,
+        ]
         if q is not None and q.priorities:  # the server reads the claim with classes only
             args += ["--jwt-priority-claim", auth.jwt.priority_claim]
     limit = auth.rate_limit
@@ -160,8 +169,9 @@ def server_args(model: StreamingModel) -> list[str]:
         args += ["--rate-limit-rpm", str(limit.requests_per_minute)]
     if limit.tokens_per_minute:
         args += ["--rate-limit-tpm", str(limit.tokens_per_minute)]
-    if limit.backend == "redis":  # the URL comes from the Secret, in SLUICE_REDIS_URL
+    if limit.backend == "redis":  # the URL comes from the Secret (builders/secrets.py)
         args += ["--rate-limit-backend", "redis", "--rate-limit-failure-mode", limit.failure_mode]
+        args += secret_args(model)
 
     tracing = spec.observability.tracing
     if tracing.endpoint:

@@ -16,6 +16,7 @@ from ..models.resource import (
 from .adapters import adapter_volumes
 from .args import PRESTOP_SECONDS, server_args, termination_grace_seconds
 from .common import PORT, PORT_NAME, endpoint_picker_labels, labels, metadata, selector_labels
+from .secrets import secret_env, secret_volumes
 
 # Loading a large model (download + weights into GPU memory + CUDA graphs) takes tens of
 # minutes; the startup probe holds liveness off for spec.startup.timeoutSeconds. The
@@ -69,17 +70,8 @@ def _env(model: StreamingModel) -> list[dict[str, Any]]:
     }
     for var in model.spec.engine.env:
         env[var.name] = var.model_dump(by_alias=True, exclude_none=True)
-    # Secrets last, so a user env entry cannot shadow them; never arguments.
-    secrets = {"HF_TOKEN": model.spec.model.hf_token_secret_ref}
-    limit = model.spec.auth.rate_limit
-    if limit.backend == "redis":
-        secrets["SLUICE_REDIS_URL"] = limit.redis_url_secret_ref
-    for name, ref in secrets.items():
-        if ref:
-            env[name] = {
-                "name": name,
-                "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
-            }
+    # After the user's entries, so none can shadow the Secrets; never arguments.
+    secret_env(model, env)
     return list(env.values())
 
 
@@ -133,9 +125,11 @@ def _volumes(model: StreamingModel) -> tuple[list[dict[str, Any]], list[dict[str
         else:
             volumes.append({"name": "jwks", "configMap": {"name": jwks_ref.name, **items}})
         mounts.append({"name": "jwks", "mountPath": JWKS_DIR, "readOnly": True})
+    # The HF token and the Redis URL, as files.
+    secret_vols, secret_mounts = secret_volumes(model)
     # The adapter list's ConfigMap (by name only: its content changes without a rollout).
     more_volumes, more_mounts = adapter_volumes(model)
-    return volumes + more_volumes, mounts + more_mounts
+    return volumes + secret_vols + more_volumes, mounts + secret_mounts + more_mounts
 
 
 def _probe(path: str, period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
@@ -163,7 +157,7 @@ def pod_template(model: StreamingModel) -> dict[str, Any]:
     volumes, mounts = _volumes(model)
     container: dict[str, Any] = {
         "name": "server",
-        "image": spec.image,
+        "image": model.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["sluice-server"],
         "args": server_args(model),

@@ -60,8 +60,9 @@ def session_persistence_dropped(desired: dict[str, Any], live: dict[str, Any] | 
     if len(rules) != len(desired["spec"]["rules"]):
         return False
     pairs = zip(desired["spec"]["rules"], rules, strict=True)
-    return any("sessionPersistence" in want and "sessionPersistence" not in have
-               for want, have in pairs)  # fmt: skip
+    return any(
+        "sessionPersistence" in want and "sessionPersistence" not in have for want, have in pairs
+    )
 
 
 def schema_lacks_session_persistence(exc: Exception) -> bool:
@@ -74,8 +75,9 @@ def schema_lacks_session_persistence(exc: Exception) -> bool:
 
 def without_session_persistence(desired: dict[str, Any]) -> dict[str, Any]:
     """The route as a Standard-channel CRD stores it."""
-    rules = [{k: v for k, v in r.items() if k != "sessionPersistence"}
-             for r in desired["spec"]["rules"]]  # fmt: skip
+    rules = [
+        {k: v for k, v in r.items() if k != "sessionPersistence"} for r in desired["spec"]["rules"]
+    ]
     return {**desired, "spec": {**desired["spec"], "rules": rules}}
 
 

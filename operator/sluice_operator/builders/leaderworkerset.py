@@ -29,12 +29,11 @@ from ..models.resource import StreamingModel
 from .args import PRESTOP_SECONDS, drain_seconds, worker_args
 from .common import endpoint_picker_labels, metadata
 from .deployment import pod_template
+from .secrets import REDIS_URL_ENV, REDIS_VOLUME
 
 API_VERSION = "leaderworkerset.x-k8s.io/v1"
 KIND = "LeaderWorkerSet"
 EXCLUSIVE_TOPOLOGY = "leaderworkerset.sigs.k8s.io/exclusive-topology"
-# Set by LWS on every pod of a group: "0" on the leader.
-WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
 ROLE_LABEL = "serving.sluice.dev/role"
 
 
@@ -58,6 +57,11 @@ def _worker_template(model: StreamingModel, leader: dict[str, Any]) -> dict[str,
     container["args"] = worker_args(model)
     for key in ("ports", "startupProbe", "readinessProbe", "livenessProbe"):
         container.pop(key)
+    # Nor rate limits: the Redis URL stays on the leader.
+    container["env"] = [e for e in container["env"] if e["name"] != REDIS_URL_ENV]
+    container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] != REDIS_VOLUME]
+    pod = worker["spec"]
+    pod["volumes"] = [v for v in pod["volumes"] if v["name"] != REDIS_VOLUME]
     wait = PRESTOP_SECONDS + drain_seconds(model)
     container["lifecycle"] = {"preStop": {"sleep": {"seconds": wait}}}
     return worker

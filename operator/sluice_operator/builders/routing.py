@@ -13,8 +13,8 @@ FQDN (HTTPRoute: a URLRewrite `hostname` filter; Ingress: ingress-nginx's upstre
 which is how the activator tells models apart and where it forwards.
 
 The InferencePool is written against `inference.networking.k8s.io/v1` as GAIE v1.6.0's CRD
-declares it (`../shared/crds`, GAIE tag v1.6.0; endpointPickerRef optional there since
-GAIE #2949):
+declares it (kubernetes-sigs/gateway-api-inference-extension, tag v1.6.0; endpointPickerRef
+optional there since GAIE #2949):
 
 - `selector.matchLabels`: the Service's selector, so the pool holds exactly the model's
   serving pods (a multi-node group's leaders, never its workers; the EPP watches them and

@@ -161,9 +161,17 @@ def parse_rbac_rules(text: str) -> list[Rule]:
         if not comment:
             raise ValueError(f"{RBAC_RULES}: rule without a comment saying why: {rule}")
         why = " ".join(line.lstrip("#").strip() for line in comment)
-        rules.append(Rule(tuple(rule["apiGroups"]), tuple(rule["resources"]),
-                          tuple(rule["verbs"]), tuple(w for w in when if w), why, define,
-                          tuple(rule.get("resourceNames") or ())))  # fmt: skip
+        rules.append(
+            Rule(
+                tuple(rule["apiGroups"]),
+                tuple(rule["resources"]),
+                tuple(rule["verbs"]),
+                tuple(w for w in when if w),
+                why,
+                define,
+                tuple(rule.get("resourceNames") or ()),
+            )
+        )
         comment.clear()
         body.clear()
 
@@ -209,8 +217,9 @@ def rbac_table(text: str) -> str:
         resources = ", ".join(f"`{res}`" for res in r.resources)
         if r.resource_names:
             resources += " (only " + ", ".join(f"`{n}`" for n in r.resource_names) + ")"
-        lines.append(f"| {groups} | {resources} | {', '.join(r.verbs)} | {_when(r.when)} | "
-                     f"{_cell(r.why)} |")  # fmt: skip
+        lines.append(
+            f"| {groups} | {resources} | {', '.join(r.verbs)} | {_when(r.when)} | {_cell(r.why)} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -63,8 +63,10 @@ def _activator(template: str) -> str:
     """An activator query for this model (scale to zero). Its series carry the model's
     namespace in their own `namespace` label, which a scrape config without honor_labels
     renames `exported_namespace` (the activator pod's namespace wins): either form."""
-    forms = [template.format(sel=f'{label}="$namespace",model="$model"')
-             for label in ("exported_namespace", "namespace")]  # fmt: skip
+    forms = [
+        template.format(sel=f'{label}="$namespace",model="$model"')
+        for label in ("exported_namespace", "namespace")
+    ]
     return f"({forms[0]}) or ({forms[1]})"
 
 

@@ -6,8 +6,9 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from .adapters import ADAPTER_NAME_IS_BASE
 from .base import Rule
-from .spec import ADAPTER_NAME_IS_BASE, StreamingModelSpec
+from .spec import FORMER_DEFAULT_IMAGE, StreamingModelSpec
 
 # The object's name becomes the Service's, so it must be a DNS-1035 label. On the CRD's root
 # (generate/crd.py): `self` is the whole object there, and the operator checks the name.
@@ -20,7 +21,7 @@ NAME_RULE = Rule(
     detail=lambda name: f"got {name!r}: rename the resource",
 )
 # The one adapter rule that needs the object's name (an unnamed non-hf base is served under
-# it); the others are on the spec (models/spec.py, ADAPTER_RULES). Also on the CRD's root;
+# it); the others are on the spec (models/adapters.py, ADAPTER_RULES). Also on the CRD's root;
 # the operator's `holds` takes (name, parsed spec).
 ADAPTER_NAME_RULE = Rule(
     "!has(self.spec.adapters) || has(self.spec.model.servedName) || "
@@ -49,6 +50,20 @@ JWKS_FILE = "jwks.json"
 ADAPTERS_DIR = "/etc/sluice/adapters"
 ADAPTERS_FILE = "adapters.json"
 ADAPTER_PVC_DIR = "/mnt/adapters"  # pvc:// adapters: each claim at ADAPTER_PVC_DIR/<claim>
+
+
+# The model image of an operator run without `--model-image` (and of `render`): the serving
+# image of this release, as the operator chart's modelImage defaults to (a chart test keeps
+# them equal).
+DEFAULT_MODEL_IMAGE = "ghcr.io/sluice-dev/sluice-server:0.1.0"
+
+
+@dataclass(frozen=True)
+class OperatorDefaults:
+    """What the operator's own configuration gives every model that does not choose for
+    itself (`run --model-image`, the operator chart's `modelImage`)."""
+
+    model_image: str = DEFAULT_MODEL_IMAGE
 
 
 @dataclass(frozen=True)
@@ -92,6 +107,18 @@ class StreamingModel:
     # zero on, and no Ready replica). Offline renders see the defaults.
     activator_host: str = DEFAULT_ACTIVATOR_HOST
     via_activator: bool = False
+    # Not the spec either: the operator's configuration (`run --model-image`), which
+    # `image` falls back to. Offline renders see the built-in default.
+    defaults: OperatorDefaults = OperatorDefaults()
+
+    @property
+    def image(self) -> str:
+        """The image the model's pods run: spec.image, or the operator's default when it is
+        unset or holds FORMER_DEFAULT_IMAGE (what older CRDs stored for unset)."""
+        chosen = self.spec.image
+        if chosen is None or chosen == FORMER_DEFAULT_IMAGE:
+            return self.defaults.model_image
+        return chosen
 
     @property
     def source(self) -> ModelSource:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import Field
 
@@ -11,15 +11,33 @@ from .base import ApiModel
 Phase = Literal[
     "Pending", "Progressing", "Ready", "Degraded", "Failed", "ScaledToZero", "Activating"
 ]
-CONDITION_TYPES = ("SpecValid", "Available", "Progressing", "Ready")
+# Every condition type the operator writes: status.py's own, the optional kinds' (kinds.py),
+# adapterstatus.py's and scaletozero.py's. Each of them is typed with it, so mypy refuses a
+# condition this list does not name, and test_operator_status.py checks the API reference
+# names each one (`StreamingModelStatus.conditions`).
+ConditionType = Literal[
+    "SpecValid",
+    "Available",
+    "Progressing",
+    "Ready",
+    "TemplateCurrent",
+    "GatewayRoute",
+    "RouteBackend",
+    "InferencePoolReady",
+    "PodMonitorReady",
+    "LeaderWorkerSetReady",
+    "AdaptersReady",
+    "ScaledToZero",
+]
+CONDITION_TYPES: tuple[ConditionType, ...] = get_args(ConditionType)
 
 
 class Condition(ApiModel):
     """One aspect of the StreamingModel's state (Kubernetes condition conventions)."""
 
     type: str = Field(
-        description="SpecValid, Available, Progressing, Ready; GatewayRoute with spec.gateway; "
-        "AdaptersReady with LoRA on."
+        description=f"One of {', '.join(CONDITION_TYPES)} (status.conditions says when each "
+        "is written)."
     )
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str = Field(default="", description="CamelCase reason for the last transition.")
@@ -117,12 +135,18 @@ class StreamingModelStatus(ApiModel):
     )
     conditions: list[Condition] = Field(
         default_factory=list,
-        description="SpecValid, Available, Progressing and Ready conditions; with spec.gateway "
+        description="SpecValid, Available, Progressing and Ready conditions; TemplateCurrent=False "
+        "while an operator upgrade's new pod template waits for a rollout slot; with spec.gateway "
         "also GatewayRoute (the HTTPRoute accepted by its Gateways, or why not: the Gateway API "
-        "CRDs missing, access forbidden, a Gateway refusing the route); TemplateCurrent=False "
-        "while an operator upgrade's new pod template waits for a rollout slot; with "
-        "autoscaling.minReplicas 0 also ScaledToZero (True at zero; False says why not, e.g. "
-        "how long since the last request).",
+        "CRDs missing, access forbidden, a Gateway refusing the route); with spec.gateway, or an "
+        "Ingress and autoscaling.minReplicas 0, also RouteBackend (the backend the route names: "
+        "Service, InferencePool or Activator; False when the InferencePool cannot be applied); "
+        "with routing.inferencePool.enabled also InferencePoolReady, with "
+        "observability.podMonitor.enabled PodMonitorReady, with parallelism.nodes above 1 "
+        "LeaderWorkerSetReady (each: the object applied and accepted, or why not: its CRD "
+        "missing, access forbidden); with LoRA on AdaptersReady (every adapter served by every "
+        "ready pod, or which are still loading or failed); with autoscaling.minReplicas 0 also "
+        "ScaledToZero (True at zero; False says why not, e.g. how long since the last request).",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     observed_generation: int | None = Field(

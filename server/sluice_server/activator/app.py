@@ -5,7 +5,7 @@ model.
 A request names its model by Host or `X-Sluice-Model` (models.py); one that names none in
 the models file gets 404 `model_not_found` (a WebSocket: its handshake refused with 404),
 except the activator's own three routes. The models file is watched the way the server
-watches its key file (core/reload.py): a changed file is loaded and swapped in, a bad one is
+watches its key file (core/auth/reload.py): a changed file is loaded and swapped in, a bad one is
 refused and the models loaded before stay. Requests already held keep the entry they were
 held under; each model's held count and readiness poll live in one `Upstream`.
 """
@@ -21,8 +21,8 @@ import httpx
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket
 
+from ..core.auth.reload import Reloader, Source
 from ..core.errors import error_body
-from ..core.reload import Reloader, Source
 from ..settings import ActivatorSettings
 from ..transport.sendwatch import transport_of
 from . import proxy, relay

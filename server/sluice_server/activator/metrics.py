@@ -16,11 +16,14 @@ this pod has loaded (what the operator reads before it scales a model to zero).
 
 from __future__ import annotations
 
+from typing import Literal
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from .models import Models
 
-OUTCOMES = ("forwarded", "timeout", "rejected", "disconnected")
+# What became of a held request: the `outcome` label of sluice_activator_requests_total.
+Outcome = Literal["forwarded", "timeout", "rejected", "disconnected"]
 # 10 ms .. 30 min: a warm replica answers at once, a cold GPU node takes minutes.
 HOLD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 45, 60, 90, 120, 180, 240,
                 300, 450, 600, 900, 1200, 1800)  # fmt: skip

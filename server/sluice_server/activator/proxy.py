@@ -8,7 +8,7 @@ then forward the request and stream the answer through unchanged.
   `--heartbeat-seconds`). Forwarded in that time, the upstream status and headers pass
   through as they are (401 and 429 from the model's server too).
 - Past that a stream commits: 200 `text/event-stream`, a keep-alive at once and one every
-  interval from the server core's one keep-alive writer (core/keepalive.py), in the
+  interval from the server core's one keep-alive writer (core/streaming/keepalive.py), in the
   protocol's own form (an SSE comment, which the SDKs ignore; with `X-Sluice-Status: 1` on
   token SSE also `event: status`). Forwarded then, an upstream 200's body follows the
   keep-alives; any other upstream answer becomes the protocol's error event with the
@@ -43,11 +43,11 @@ import httpx
 from starlette.types import Receive, Scope, Send
 
 from ..core.errors import error_body as openai_error_body
-from ..core.keepalive import KeepAlive
+from ..core.streaming.keepalive import KeepAlive
 from ..protocols import anthropic, responses, token_sse
 from ..protocols.engine_api import openai_error_event
 from ..transport.sse import QUEUED, SSEResponse
-from .metrics import ActivatorMetrics
+from .metrics import ActivatorMetrics, Outcome
 from .upstream import Upstream
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class Held:
         changed = self.up.closing.changed
         return () if changed.done() else (changed,)
 
-    def end(self, outcome: str) -> None:
+    def end(self, outcome: Outcome) -> None:
         if self.ended:
             return
         self.ended = True

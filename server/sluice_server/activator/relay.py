@@ -5,7 +5,7 @@ ways until either side closes.
 Frames the client sends while held (up to `--max-held-frames`) are kept and relayed first,
 in order, once the upstream socket is open. Each generation among them hears what a
 generation waiting in the server's admission queue hears, from the same keep-alive writer
-(core/keepalive.py): `{"id", "type": "queued", "waited_ms"}` at once and every
+(core/streaming/keepalive.py): `{"id", "type": "queued", "waited_ms"}` at once and every
 `keepaliveSeconds`. Past `maxHeld`: the handshake is refused with
 429 and `Retry-After`. Past the hold timeout: an error frame with code `model_starting`,
 then close 1013 (try again later). An upstream handshake the model's server refuses (401,
@@ -30,7 +30,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from ..core.errors import error_body
-from ..core.keepalive import KeepAlive
+from ..core.streaming.keepalive import KeepAlive
 from ..protocols.websocket import error_frame, queued_frame
 from ..transport import handshake
 from .metrics import ActivatorMetrics

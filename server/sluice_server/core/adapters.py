@@ -43,15 +43,14 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.base import Adapter, AdapterLoadError, Engine
+from .auth.identity import MODEL_NAME, Principal
+from .auth.reload import Stamp, stamp
 from .errors import ApiError
-from .identity import MODEL_NAME, Principal
-from .metrics import Metrics
-from .reload import Stamp, stamp
+from .telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
 LOADING, READY, FAILED = "Loading", "Ready", "Failed"
-STATES = (LOADING, READY, FAILED)
 NAME = MODEL_NAME
 HF = re.compile(r"hf://(?P<repo>[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?)"
                 r"(@(?P<rev>[A-Za-z0-9._/-]+))?")  # fmt: skip

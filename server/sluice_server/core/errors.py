@@ -2,7 +2,7 @@
 
 Before the 200 every failure is `{"error": {"message", "type", "param", "code"}}` with the
 right status, or the route's own API shape when it sets `request.state.error_body` (the
-Anthropic routes); after the 200 it becomes an error event (core/events.py, in each
+Anthropic routes); after the 200 it becomes an error event (core/streaming/events.py, in each
 protocol's shape).
 """
 
@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from .metrics import Metrics
+from .telemetry.metrics import Metrics
 
 _TYPES = {
     400: "invalid_request_error",

@@ -19,15 +19,15 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from ..engine.base import Delta
-from .admission import Ticket
-from .events import DISCONNECTED, STALLED, Meter
-from .events import FINISHED as DONE
-from .identity import Principal
-from .metrics import bind
-from .recent import ABORTED, DETACHED, FINISHED, LIVE
+from .auth.identity import Principal
+from .limits.queue import Ticket
 from .services import Services
-from .stream import Stream
-from .trail import Trail
+from .streaming.events import DISCONNECTED, STALLED, Meter
+from .streaming.events import FINISHED as DONE
+from .streaming.reconnects import ABORTED, DETACHED, FINISHED, LIVE
+from .streaming.stream import Stream
+from .telemetry.accesslog import Trail
+from .telemetry.metrics import bind
 
 # The cleanup takes `stalled`: the send timeout cut the reader off (transport/sendwatch.py).
 Handle = tuple[Stream[Delta], Meter, Callable[[bool], None]]

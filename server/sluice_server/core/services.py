@@ -14,17 +14,17 @@ from starlette.requests import HTTPConnection, Request
 from ..engine.base import Adapter, Engine
 from ..settings import Settings
 from .adapters import Adapters
-from .admission import Ticket
-from .auth import bearer
-from .credentials import Credentials
+from .auth.apikeys import bearer
+from .auth.credentials import Credentials
+from .auth.identity import Principal
 from .errors import ApiError
-from .gate import Gate
-from .identity import Principal
-from .metrics import Metrics
-from .pod import PodSeat
-from .ratelimit import Limiter
-from .recent import RecentStreams
-from .trail import REJECTED, Recorder, Trail, new_request_id
+from .limits.queue import Ticket
+from .limits.ratelimit import Limiter
+from .limits.shared_memory import PodSeat
+from .limits.slots import Gate
+from .streaming.reconnects import RecentStreams
+from .telemetry.accesslog import REJECTED, Recorder, Trail, new_request_id
+from .telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -22,14 +22,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from ..core.auth.identity import Principal
 from ..core.errors import ApiError, error_body
-from ..core.events import DISCONNECTED, FINISHED, Failed, Meter, Tokens, Waiting, events
-from ..core.identity import Principal
 from ..core.lifecycle import open_stream
-from ..core.metrics import bind
 from ..core.params import describe_validation_error
 from ..core.services import ClientGone, Services, read_json, received_at, services, trail_of
-from ..core.stream import Stream
+from ..core.streaming.events import DISCONNECTED, FINISHED, Failed, Meter, Tokens, Waiting, events
+from ..core.streaming.stream import Stream
+from ..core.telemetry.metrics import bind
 from ..engine.base import GENERATING, ApiKind, ApiRequestError, ApiStream
 from ..transport.sse import QUEUED, SSEResponse
 

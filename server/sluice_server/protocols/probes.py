@@ -6,8 +6,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..core.metrics import exposition
 from ..core.services import services
+from ..core.telemetry.metrics import exposition
 from ..engine.base import Engine
 from .openapi import METRICS
 
@@ -61,7 +61,7 @@ async def ready(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     """Our `sluice_*` metrics, then the process-wide default registry: process/GC metrics
     and, on vLLM, the engine's own `vllm:*` metrics (KV cache use, running/waiting); with
-    several workers, the pod's sums over all of them (`core/metrics.py`); the engine's
+    several workers, the pod's sums over all of them (`core/telemetry/metrics.py`); the engine's
     health is checked first, for `sluice_engine_group_up`."""
     await _engine_ok(request)
     return Response(exposition(services(request).metrics), media_type=CONTENT_TYPE_LATEST)

@@ -22,13 +22,13 @@ from json.encoder import encode_basestring_ascii
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from ..core.auth.identity import Principal
 from ..core.errors import ApiError
-from ..core.events import DISCONNECTED, Failed, Finished, Meter, Tokens, Waiting, events
-from ..core.identity import Principal
 from ..core.lifecycle import open_stream, resume_stream
 from ..core.params import to_stream_request
 from ..core.services import ClientGone, Services, read_json, received_at, services, trail_of
-from ..core.stream import Stream
+from ..core.streaming.events import DISCONNECTED, Failed, Finished, Meter, Tokens, Waiting, events
+from ..core.streaming.stream import Stream
 from ..transport.sse import QUEUED, SSEResponse
 from .openapi import stream_body, stream_query, streamed
 

@@ -24,14 +24,14 @@ from fastapi import APIRouter, WebSocket
 from fastapi.responses import JSONResponse
 from starlette.websockets import WebSocketDisconnect
 
+from ..core.auth.identity import Principal
 from ..core.errors import ApiError, error_body
-from ..core.events import Failed, Finished, Meter, Stopped, Tokens, Waiting, events
-from ..core.identity import Principal
 from ..core.lifecycle import open_stream
 from ..core.params import to_stream_request
 from ..core.services import Services, api_key_of, services, trail_of
-from ..core.stream import Stream
-from ..core.trail import Trail
+from ..core.streaming.events import Failed, Finished, Meter, Stopped, Tokens, Waiting, events
+from ..core.streaming.stream import Stream
+from ..core.telemetry.accesslog import Trail
 from ..transport.cors import websocket_origin_allowed
 from ..transport.sendwatch import SendWatchdog
 

@@ -6,7 +6,7 @@ and under uvicorn a send waits only while the transport is paused: once the tran
 own buffer (64 KiB by default) is full, and then until it drained to a quarter. Below it,
 the kernel's socket buffer (megabytes once autotuned) absorbs more. Judged by sends, a
 steady reader at 4 KB/s looks stalled (a send pending for 12 s while the transport drains
-48 KiB at its pace), and coalescing (core/stream.py: the consumer takes everything
+48 KiB at its pace), and coalescing (core/streaming/stream.py: the consumer takes everything
 buffered at once) starts only after tens of kilobytes of one-token events are queued in
 front of the reader. A watchdog re-armed by completed sends has the same blind spot, and
 ASGI has no extension that shows a connection's progress; the transport does.

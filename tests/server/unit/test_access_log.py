@@ -21,7 +21,7 @@ import pytest_asyncio
 import websockets
 from app_helpers import serve_simulator as serve
 from app_helpers import ws_url
-from sluice_server.core.trail import ACCESS_LOGGER
+from sluice_server.core.telemetry.accesslog import ACCESS_LOGGER
 from sluice_server.engine.simulator import SimulatorEngine
 from testkit.net import free_port
 from testkit.wait import eventually, eventually_async

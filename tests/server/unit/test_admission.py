@@ -1,4 +1,4 @@
-"""The admission queue's policy (core/admission.py) on its own, on a virtual clock: the
+"""The admission queue's policy (core/limits/queue.py) on its own, on a virtual clock: the
 bound, priority order and shedding, tenant shares by virtual time and by slots, timeouts,
 leaving and draining; and two workers' queues on one pod table, woken across by its pipes."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from sluice_server.core.admission import Admission
+from sluice_server.core.auth.identity import Plan, Principal, Priorities
 from sluice_server.core.errors import ApiError
-from sluice_server.core.identity import Plan, Principal, Priorities
-from sluice_server.core.pod import PodState, QueueShape
+from sluice_server.core.limits.queue import Admission
+from sluice_server.core.limits.shared_memory import PodState, QueueShape
 
 CLASSES = Priorities(("high", "low"))
 

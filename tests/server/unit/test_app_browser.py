@@ -275,16 +275,16 @@ async def test_buffer_cap_holds_while_detached(sim):
 
 
 async def test_recent_streams_are_bounded(monkeypatch):
-    from sluice_server.core import recent
+    from sluice_server.core.streaming import reconnects
 
     now = [100.0]
-    monkeypatch.setattr(recent.time, "monotonic", lambda: now[0])
-    reg = recent.RecentStreams(keep_seconds=10, max_ended=3)
+    monkeypatch.setattr(reconnects.time, "monotonic", lambda: now[0])
+    reg = reconnects.RecentStreams(keep_seconds=10, max_ended=3)
     for i in range(5):
         reg.add(f"s{i}", "k", None)
-        reg.end(f"s{i}", recent.FINISHED)
+        reg.end(f"s{i}", reconnects.FINISHED)
     assert list(reg.ended) == ["s2", "s3", "s4"] and not reg.live
-    assert reg.get("s0") is None and reg.get("s4").state == recent.FINISHED
+    assert reg.get("s0") is None and reg.get("s4").state == reconnects.FINISHED
     now[0] += 11
     assert reg.get("s4") is None and not reg.ended
 

@@ -29,3 +29,14 @@ def test_every_flag_has_a_description_shown_by_help():
 def test_missing_markers_are_an_error():
     with pytest.raises(ValueError, match="generated:flags"):
         docgen.render("no markers here", {"flags": "x"})
+
+
+def test_the_flag_table_is_written_once():
+    """Other docs link to server/README.md's table instead of carrying a copy of it."""
+    repo = docgen.REPO
+    docs = [*repo.glob("*.md"), *(repo / "docs").rglob("*.md"), *repo.glob("*/README.md")]
+    copies = [
+        p.relative_to(repo).as_posix() for p in docs if "| `--max-body-bytes` |" in p.read_text()
+    ]
+    assert copies == ["server/README.md"]
+    assert "../server/README.md#flags" in (repo / "docs" / "design.md").read_text()

@@ -7,10 +7,10 @@ import json
 
 import pytest
 from jwt_helpers import AUDIENCE, ISSUER, Issuer, bad_tokens, jwks
-from sluice_server.core.credentials import Credentials
+from sluice_server.core.auth.credentials import Credentials
+from sluice_server.core.auth.identity import Plan
+from sluice_server.core.auth.jwks import JwtVerifier
 from sluice_server.core.errors import ApiError
-from sluice_server.core.identity import Plan
-from sluice_server.core.jwks import JwtVerifier
 
 RSA, EC = Issuer("rsa-1", "rsa"), Issuer("ec-1", "ec")
 
@@ -79,7 +79,7 @@ def test_jwks_that_verifies_nothing_is_refused(tmp_path):
 
 
 def test_keys_and_tokens_side_by_side():
-    from sluice_server.core.auth import KeyStore
+    from sluice_server.core.auth.apikeys import KeyStore
 
     both = Credentials(KeyStore.parse("sk-key-1 tenant=keys\n"), verifier())
     assert both.authenticate("sk-key-1").tenant == "keys"

@@ -42,7 +42,7 @@ def test_consistent_arguments_parse_and_a_rank_above_zero_is_headless():
 
 
 def test_one_node_passes_no_multinode_flags():
-    from sluice_server.engine.vllm_engine import vllm_cli_args
+    from sluice_server.engine.vllm_argv import vllm_cli_args
 
     args = vllm_cli_args(parse_settings(["--model", "tiny"]), "/m", cpu_defaults=False)
     assert not {"--nnodes", "--node-rank", "--master-addr", "--headless"} & set(args)

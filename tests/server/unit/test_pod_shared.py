@@ -1,4 +1,4 @@
-"""The pod's shared memory (core/pod.py) under the gate and the memory rate limiter: two
+"""The pod's shared memory (core/limits/shared_memory.py) under the gate and the memory rate limiter: two
 workers' limiters and gates on one `PodState` limit together, exactly as one process does;
 without it (the control) each admits its own share again. One test crosses a real process
 boundary."""
@@ -8,11 +8,11 @@ from __future__ import annotations
 import multiprocessing
 
 import pytest
+from sluice_server.core.auth.identity import Plan
 from sluice_server.core.errors import ApiError
-from sluice_server.core.gate import Gate
-from sluice_server.core.identity import Plan
-from sluice_server.core.pod import PodSeat, PodState, SharedBuckets
-from sluice_server.core.ratelimit import MemoryLimiter
+from sluice_server.core.limits.ratelimit import MemoryLimiter
+from sluice_server.core.limits.shared_memory import PodSeat, PodState, SharedBuckets
+from sluice_server.core.limits.slots import Gate
 
 
 class Clock:

@@ -9,11 +9,11 @@ import pytest
 from jwt_helpers import AUDIENCE, ISSUER, Issuer, jwks
 from pydantic import ValidationError
 from sluice_server.app import caller_rules
-from sluice_server.core.auth import GRAMMAR, KeyStore
-from sluice_server.core.credentials import Credentials
+from sluice_server.core.auth.apikeys import GRAMMAR, KeyStore
+from sluice_server.core.auth.credentials import Credentials
+from sluice_server.core.auth.identity import CallerRules, Plan, Priorities
+from sluice_server.core.auth.jwks import JwtVerifier
 from sluice_server.core.errors import ApiError
-from sluice_server.core.identity import CallerRules, Plan, Priorities
-from sluice_server.core.jwks import JwtVerifier
 from sluice_server.settings import Settings, parse_settings
 
 RULES = CallerRules(Plan(60, 0), Priorities(("interactive", "batch")), {"acme": 3})
@@ -114,7 +114,7 @@ def test_bad_flags_fail_at_start_up(argv, says):
 
 
 def test_priority_classes_start_vllm_with_its_priority_policy():
-    from sluice_server.engine.vllm_engine import vllm_cli_args
+    from sluice_server.engine.vllm_argv import vllm_cli_args
 
     plain = vllm_cli_args(Settings(model="m"), "/m", cpu_defaults=False)
     assert "--scheduling-policy" not in plain  # vLLM's default: first come, first served
@@ -124,7 +124,7 @@ def test_priority_classes_start_vllm_with_its_priority_policy():
 
 
 def test_vllm_routes_see_the_callers_priority_never_the_clients():
-    from sluice_server.engine.vllm_engine import PRIORITY_HEADER, _at_priority
+    from sluice_server.engine.vllm_api import PRIORITY_HEADER, _at_priority
     from starlette.requests import Request
 
     async def receive():  # pragma: no cover - never called

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from sluice_server.core.auth import KeyStore, authenticate, bearer, key_id
+from sluice_server.core.auth.apikeys import KeyStore, authenticate, bearer, key_id
+from sluice_server.core.auth.identity import Plan
 from sluice_server.core.errors import ApiError
-from sluice_server.core.identity import Plan
-from sluice_server.core.ratelimit import MemoryLimiter
+from sluice_server.core.limits.ratelimit import MemoryLimiter
 from sluice_server.settings import parse_settings
 
 
@@ -49,7 +49,7 @@ def test_bad_flags_are_rejected():
 
 
 def test_vllm_args_from_settings():
-    from sluice_server.engine.vllm_engine import vllm_cli_args
+    from sluice_server.engine.vllm_argv import vllm_cli_args
 
     s = parse_settings(["--model", "m", "--max-model-len", "512", "--swap-space", "2",
                         "--", "--seed", "3"])  # fmt: skip
@@ -61,7 +61,7 @@ def test_vllm_args_from_settings():
 
 
 def test_tracing_endpoint_reaches_vllm():
-    from sluice_server.engine.vllm_engine import vllm_cli_args
+    from sluice_server.engine.vllm_argv import vllm_cli_args
 
     url = "http://collector:4318/v1/traces"
     s = parse_settings(["--model", "m", "--otlp-traces-endpoint", url,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from sluice_server.core.stream import Stream, StreamFailed
+from sluice_server.core.streaming.stream import Stream, StreamFailed
 from sluice_server.engine.base import Delta
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

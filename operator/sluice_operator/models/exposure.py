@@ -1,0 +1,225 @@
+"""How clients reach the model: an Ingress (`ingress`) or a Gateway API HTTPRoute
+(`gateway`), balancing over the replicas and the InferencePool (`routing`), and the
+NetworkPolicy that admits traffic to the pods (`networkPolicy`)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, StringConstraints
+
+from .base import ApiModel, Rule, sub
+from .refs import Name
+
+# nginx's size syntax (client_max_body_size): bytes, or k/m/g (binary multiples).
+NGINX_SIZE_PATTERN = r"^[0-9]{1,10}[kKmMgG]?$"
+
+
+def nginx_size_bytes(size: str) -> int:
+    factor = {"k": 2**10, "m": 2**20, "g": 2**30}.get(size[-1].lower(), 1)
+    return int(size.rstrip("kKmMgG")) * factor
+
+
+class IngressSpec(ApiModel):
+    """An Nginx Ingress with streaming-safe settings (buffering off, long timeouts)."""
+
+    RULES = (
+        Rule(
+            "!has(self.tlsSecretName) || has(self.host)",
+            "ingress.tlsSecretName needs ingress.host (the name on the certificate)",
+            holds=lambda i: not i.tls_secret_name or bool(i.host),
+            field=".tlsSecretName",
+        ),
+    )
+
+    enabled: bool = Field(default=False, description="Create an Ingress.")
+    class_name: Annotated[str, StringConstraints(max_length=253)] = Field(
+        default="nginx", description="IngressClass name (spec.ingressClassName of the Ingress)."
+    )
+    controller: Literal["auto", "ingress-nginx", "f5-nginx"] = Field(
+        default="auto",
+        description="Which controller serves className, which decides the annotation set: ingress-nginx "
+        "(community, nginx.ingress.kubernetes.io/*) or f5-nginx (F5 NGINX Ingress Controller, nginx.org/*). "
+        "auto: f5-nginx when className contains nginx-org, nginx-plus or f5, else ingress-nginx "
+        "(both controllers default to the class name nginx, so set this when you run F5's).",
+    )
+    host: (
+        Annotated[
+            str,
+            StringConstraints(max_length=253, pattern=r"^(\*\.)?[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"),
+        ]
+        | None
+    ) = Field(default=None, description="Host name; unset matches every host.")
+    path: Annotated[
+        str, StringConstraints(max_length=1024, pattern=r"^(/[A-Za-z0-9._~-]+)*/?$")
+    ] = Field(
+        default="/",
+        description="Path prefix (/mistral): the Ingress routes it unchanged and the server is "
+        "told (--root-path), so the model answers at <prefix>/v1/... with no rewrite annotations.",
+    )
+    tls_secret_name: Name | None = Field(
+        default=None, description="Secret with the TLS certificate for host; unset: plain HTTP."
+    )
+    max_body_size: (
+        Annotated[str, StringConstraints(max_length=32, pattern=NGINX_SIZE_PATTERN)] | None
+    ) = Field(
+        default=None,
+        description="Deprecated: set spec.limits.maxRequestBytes, which sets the server's limit "
+        "and the ingress's together. Still honoured (nginx size, e.g. 16m) when "
+        "limits.maxRequestBytes is unset.",
+    )
+    annotations: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra Ingress annotations, merged over the operator's (yours win).",
+    )
+
+
+Hostname = Annotated[
+    str, StringConstraints(max_length=253, pattern=r"^(\*\.)?[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+]
+
+
+class ParentReference(ApiModel):
+    """A Gateway (or one of its listeners) the route attaches to."""
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=253)] = Field(
+        description="Gateway name."
+    )
+    namespace: Name | None = Field(
+        default=None,
+        description="Gateway namespace; the StreamingModel's when unset (the Gateway's "
+        "listener must allow routes from it: allowedRoutes.namespaces).",
+    )
+    section_name: Name | None = Field(
+        default=None, description="Listener name on the Gateway; every listener when unset."
+    )
+    port: int | None = Field(default=None, ge=1, le=65535, description="Listener port.")
+
+
+class GatewaySpec(ApiModel):
+    """A Gateway API HTTPRoute (gateway.networking.k8s.io/v1) instead of an Ingress."""
+
+    parent_refs: Annotated[list[ParentReference], Field(min_length=1, max_length=32)] = Field(
+        description="Gateways the route attaches to (Gateway API parentRefs)."
+    )
+    hostnames: Annotated[list[Hostname], Field(max_length=16)] = Field(
+        default_factory=list,
+        description="Host names the route answers; every host the listener accepts when empty. "
+        "The first one is the status URL's host.",
+    )
+    path: Annotated[str, StringConstraints(max_length=1024, pattern=r"^/")] = Field(
+        default="/",
+        description="Path prefix (PathPrefix match, passed to the server unchanged, as with the Ingress).",
+    )
+    scheme: Literal["http", "https"] = Field(
+        default="http",
+        description="Protocol of the Gateway listener, for the status URL (TLS is the "
+        "Gateway's, not the route's).",
+    )
+    session_persistence: bool = Field(
+        default=False,
+        description="With streaming.resume.graceSeconds > 0, pin each client to its pod with a "
+        "session cookie (sluice-affinity) on the route's rule, so a resumed stream reaches "
+        "the pod that kept it (rules[].sessionPersistence). That field is in the "
+        "Experimental channel of Gateway API v1.x, not the Standard one: turn this on only "
+        "where the Experimental HTTPRoute CRD is installed and the implementation supports "
+        "cookie session persistence. With the Standard CRD the route is applied without it "
+        "and condition GatewayRoute is False (SessionPersistenceDropped).",
+    )
+
+
+class EndpointPickerPort(ApiModel):
+    """A port of the endpoint picker's Service."""
+
+    number: int = Field(
+        ge=1,
+        le=65535,
+        description="Port number (the EPP's ext-proc gRPC port, 9002 in GAIE's charts).",
+    )
+
+
+class EndpointPickerRef(ApiModel):
+    """The endpoint picker (EPP) the gateway asks which pod serves each request."""
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=253)] = Field(
+        description="Name of the endpoint picker's Service, in the model's namespace (the "
+        "platform team runs the EPP, e.g. llm-d-router's or GAIE's chart)."
+    )
+    port: EndpointPickerPort = Field(description="The EPP Service's ext-proc port.")
+    failure_mode: Literal["FailOpen", "FailClose"] = Field(
+        default="FailClose",
+        description="What the gateway does when the EPP does not answer: FailClose refuses "
+        "the request (503), FailOpen sends it to a pod of the pool its own way.",
+    )
+
+
+class InferencePoolSpec(ApiModel):
+    """A Gateway API Inference Extension InferencePool (inference.networking.k8s.io/v1)."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Create an InferencePool named like the model that selects its pods; "
+        "with spec.gateway, the HTTPRoute's backend is the pool instead of the Service, so "
+        "the gateway asks the endpoint picker which pod takes each request.",
+    )
+    app_protocol: Literal["http", "kubernetes.io/h2c"] = Field(
+        default="http",
+        description="Protocol the gateway speaks to the pods. The Sluice server speaks "
+        "HTTP/1.1 (uvicorn has no HTTP/2): keep http unless the image serves HTTP/2 in "
+        "cleartext (kubernetes.io/h2c).",
+    )
+    endpoint_picker: EndpointPickerRef | None = Field(
+        default=None,
+        description="The pool's endpointPickerRef. Unset: the pool carries none (optional "
+        "in GAIE v1.6.0's CRD) and the gateway implementation picks the endpoint its own way.",
+    )
+
+
+class RoutingSpec(ApiModel):
+    """How requests are spread over the model's replicas."""
+
+    balance: Literal["least-loaded", "round-robin"] = Field(
+        default="least-loaded",
+        description="How the Ingress picks a replica for a new request. least-loaded: the "
+        "controller's nearest load-aware method (F5 NGINX Ingress: nginx.org/lb-method "
+        "least_conn, the replica with the fewest open streams; ingress-nginx has none that "
+        "sees open streams, its ewma scores replicas by finished responses only, so it "
+        "keeps round_robin). round-robin: each replica in turn. With "
+        "streaming.resume.graceSeconds > 0 an affinity cookie still brings a client back "
+        "to its pod. A Gateway API route has no balancing field: use inferencePool for "
+        "load-aware routing behind a Gateway.",
+    )
+    inference_pool: InferencePoolSpec = sub(
+        InferencePoolSpec, "InferencePool for an endpoint picker (off by default)."
+    )
+
+
+class NetworkPolicySpec(ApiModel):
+    """A NetworkPolicy that admits traffic to the model pods only from where it should come."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Create a NetworkPolicy for the model pods: ingress to the server port only "
+        "from the model's namespace, proxyNamespaces and monitoringNamespaces (egress is not "
+        "restricted). Needs a CNI that enforces NetworkPolicy.",
+    )
+    proxy_namespaces: Annotated[list[Name], Field(max_length=16)] = Field(
+        default_factory=lambda: ["ingress-nginx"],
+        description="Namespaces of the ingress controller or Gateway data plane that proxies to "
+        "the model (e.g. ingress-nginx, nginx-gateway, envoy-gateway-system, istio-system).",
+    )
+    monitoring_namespaces: Annotated[list[Name], Field(max_length=16)] = Field(
+        default_factory=lambda: ["monitoring"],
+        description="Namespaces of the Prometheus that scrapes /metrics (prometheus-adapter "
+        "and KEDA read Prometheus, not the pods, so they need no entry).",
+    )
+
+
+# A rule on the whole spec (StreamingModelSpec.RULES): one way in.
+GATEWAY_OR_INGRESS = Rule(
+    "!has(self.gateway) || !self.ingress.enabled",
+    "spec.gateway and spec.ingress.enabled are exclusive: expose the model "
+    "through a Gateway (HTTPRoute) or an Ingress, not both",
+    holds=lambda s: s.gateway is None or not s.ingress.enabled,
+    field=".gateway",
+)
