@@ -26,7 +26,7 @@ import pytest
 from fake_connection import FakeConnection
 from slow_client import Pace, Refused, SimServer, open_ws, post_stream, read
 from sluice_server.app import build_app
-from sluice_server.core.trail import ACCESS_LOGGER
+from sluice_server.core.telemetry.accesslog import ACCESS_LOGGER
 from sluice_server.engine.simulator import SimulatorEngine
 from sluice_server.settings import Settings
 from testkit.wait import eventually_async
