@@ -9,6 +9,10 @@ tests of the send watchdog (server/sluice_server/transport/sendwatch.py) on virt
   connection is lost: HTTP sends return and `receive` says `http.disconnect`, WebSocket
   sends raise (uvicorn's `ClientDisconnected` is an OSError) and `receive` says
   `websocket.disconnect`;
+- a closed transport as uvloop's: its socket stand-in has no file descriptor any more
+  (`getsockopt` raises ValueError "negative file descriptor") and it refuses new write
+  limits (RuntimeError); `lose(told=False)` closes it before the server told the app
+  (`receive` keeps waiting), the moment a slot can reach a client that just left;
 - the reader: `read(n)` takes bytes; `reader(rate)` takes them at a steady pace; with
   `fast=True` it takes every byte as it is sent (nothing ever waits).
 `send` and `receive` are bound methods of the connection, which keeps `.transport`, as
@@ -27,7 +31,12 @@ class FakeSocket:
         self.conn = conn
         self.options: dict[tuple[int, int], object] = {}
 
+    def fileno(self) -> int:
+        return -1 if self.conn.lost else 3
+
     def getsockopt(self, level: int, option: int, buflen: int = 0):
+        if self.conn.lost:
+            raise ValueError("negative file descriptor")  # uvloop's PseudoSocket, closed
         if (level, option) == (socket.IPPROTO_TCP, socket.TCP_INFO):
             info = bytearray(max(buflen, 128))
             struct.pack_into("=Q", info, 120, self.conn.taken)  # tcpi_bytes_acked
@@ -35,6 +44,8 @@ class FakeSocket:
         return self.options.get((level, option), 0)
 
     def setsockopt(self, level: int, option: int, value) -> None:
+        if self.conn.lost:
+            raise ValueError("negative file descriptor")
         self.options[(level, option)] = value
 
 
@@ -51,6 +62,8 @@ class FakeTransport:
         return self.low, self.high
 
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        if self.conn.lost:
+            raise RuntimeError("unable to perform operation on a closed transport")
         if high is None:
             high = 65536 if low is None else 4 * low
         if low is None:
@@ -88,10 +101,12 @@ class FakeConnection:
         elif self.buffered <= self.transport.low:
             self._writable.set()
 
-    def lose(self) -> None:
+    def lose(self, told: bool = True) -> None:
+        """The connection is lost; `told`: the server says so to the app (`receive`)."""
         self.lost = True
         self._writable.set()
-        self._gone.set()
+        if told:
+            self._gone.set()
 
     async def send(self, message: dict) -> None:
         if not self._writable.is_set() and not self.lost:

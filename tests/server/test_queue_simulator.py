@@ -266,6 +266,66 @@ async def test_the_higher_class_goes_first_and_the_engine_sees_each_class(tmp_pa
         assert metric(text, "sluice_queue_depth") == 0
 
 
+@pytest.mark.parametrize("protocol", ["sse", "openai", "websocket"])
+async def test_active_streams_are_those_holding_a_slot_the_rest_wait(tmp_path, access,
+                                                                     protocol):  # fmt: skip
+    """N slots, M > N streams all answered (200 after a heartbeat of waiting, or a WebSocket
+    generation that waits in its stream): `sluice_active_streams` is N, the queue's depth
+    M - N, and every one of the M counts as accepted (`sluice_requests_total`, which the
+    alerts divide the disconnects and stream errors of queued streams by). As streams end,
+    the waiting ones take their slots and count as active; at the end nothing does."""
+    slots, streams = 2, 5
+    async with pod(tmp_path, max_concurrent_streams=slots, queue_size=8,
+                   heartbeat_seconds=0.1) as (c, _, eng):  # fmt: skip
+        answered: list[int] = []
+
+        async def sse(path: str, body: dict) -> None:
+            async with c.stream("POST", path, json=body, headers=AUTH["low"]) as r:
+                answered.append(r.status_code)
+                async for _ in r.aiter_lines():
+                    pass
+
+        async def ws(i: int) -> None:
+            url = ws_url(str(c.base_url)) + "?api_key=sk-low"
+            async with websockets.connect(url) as sock:
+                await sock.send(json.dumps({"id": i, "prompt": "q",
+                                            "params": {"max_tokens": 2000, "ignore_eos": True}}))  # fmt: skip
+                await sock.recv()
+                answered.append(200)
+                async for _ in sock:
+                    pass
+
+        long = {"max_tokens": 2000, "ignore_eos": True}
+        chat = {"messages": [{"role": "user", "content": "q"}], "stream": True, **long}
+        start = {"sse": lambda i: sse("/v1/stream", {"prompt": "q", **long}),
+                 "openai": lambda i: sse("/v1/chat/completions", chat),
+                 "websocket": ws}[protocol]  # fmt: skip
+        tasks = [asyncio.create_task(start(i)) for i in range(streams)]
+        try:
+            await eventually_async(lambda: len(answered) == streams, timeout=30,
+                                   message="every stream answered")  # fmt: skip
+            text = await scrape(c)
+            assert metric(text, "sluice_active_streams", protocol=protocol) == slots
+            assert metric(text, "sluice_queue_depth") == streams - slots
+            assert metric(text, "sluice_requests_total", protocol=protocol) == streams
+            assert eng.started == [1] * slots  # only the slot holders reached the engine
+            tasks.pop(0).cancel()  # one stream ends: a waiting one takes its slot
+            await eventually_async(lambda: _is(depth(c), streams - slots - 1), timeout=15,
+                                   message="a waiting stream admitted")  # fmt: skip
+            assert metric(await scrape(c), "sluice_active_streams", protocol=protocol) == slots
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        await eventually_async(lambda: _is(active(c, protocol), 0), timeout=15,
+                               message="no stream active")  # fmt: skip
+        assert metric(await scrape(c), "sluice_queue_depth") == 0
+
+
+async def active(c: httpx.AsyncClient, protocol: str) -> float:
+    return metric(await scrape(c), "sluice_active_streams", protocol=protocol)
+
+
 async def _is(value, n: int) -> bool:
     return (await value) == n
 

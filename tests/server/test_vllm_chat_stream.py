@@ -1,9 +1,17 @@
 """A plain streamed chat request is written by `engine/vllm_chat_stream.py`, every other
 by vLLM's own generator; on the real engine both give the same chunks, byte for byte but
-for the request id and the creation time, for the same requests (seeded sampling)."""
+for the request id and the creation time, for the same requests (seeded sampling).
+
+Both generators read the same engine outputs: the first run's, recorded as the engine
+gave them, are handed again to the second. Which outputs come out of a request is not
+fixed by its seed alone: vLLM merges a request's outputs when its reader falls behind the
+engine (one chunk with two steps' text), and with several choices (`n`) the engine's
+steps decide how one choice's chunks interleave with another's. Each choice's own chunks
+are compared too, so a difference says which choice it is in."""
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 
@@ -31,12 +39,47 @@ NOT_PLAIN = {
 }
 
 
+class Replay:
+    """The engine client's `generate`, recording what the engine gave for the first
+    request and giving exactly that (copies) for every later one."""
+
+    def __init__(self, client) -> None:
+        self.real, self.outputs, self.calls = client.generate, None, 0
+
+    def generate(self, *args, **kwargs):
+        self.calls += 1
+        if self.outputs is None:
+            self.outputs = []
+            return self._record(self.real(*args, **kwargs))
+        return self._replay()
+
+    async def _record(self, source):
+        async for out in source:
+            self.outputs.append(copy.deepcopy(out))
+            yield out
+
+    async def _replay(self):
+        for out in self.outputs:
+            yield copy.deepcopy(out)
+
+
 async def _chunks(serving, api, body: dict) -> list[str]:
     request = api.parse(body, "chat")
     out = []
     async for text in await serving.create_chat_completion(request, None):
         out.append(re.sub(r'"id":"[^"]*"|"created":\d+', '"id":"","created":0', text))
     return out
+
+
+def _by_choice(chunks: list[str]) -> dict[tuple[int, ...], list[str]]:
+    """The chunks of each choice index, in their order (the usage chunk and `[DONE]`, which
+    name no choice, under `()`)."""
+    groups: dict[tuple[int, ...], list[str]] = {}
+    for chunk in chunks:
+        data = chunk[6:] if chunk.startswith("data: {") else None
+        key = tuple(c["index"] for c in json.loads(data)["choices"]) if data else ()
+        groups.setdefault(key, []).append(chunk)
+    return groups
 
 
 def _body(extra: dict) -> dict:
@@ -51,10 +94,16 @@ async def test_the_same_chunks_as_vllms_generator(engine, case, monkeypatch):
     serving, api = engine.api.state.openai_serving_chat, engine.api
     body = _body(PLAIN[case] if case in PLAIN else NOT_PLAIN[case])
     assert is_plain(serving, api.parse(body, "chat")) is (case in PLAIN)
+    replay = Replay(serving.engine_client)
+    monkeypatch.setattr(serving.engine_client, "generate", replay.generate)
     ours = await _chunks(serving, api, body)
     monkeypatch.delattr(serving, "chat_completion_stream_generator")  # vLLM's, unchanged
     theirs = await _chunks(serving, api, body)
+    assert replay.calls == 2 and replay.outputs, replay.calls  # one engine request each
+    assert _by_choice(ours) == _by_choice(theirs)
     assert ours == theirs
+    if "n" in body:
+        assert set(_by_choice(ours)) == {(0,), (1,), ()}, ours  # one choice per chunk
     assert ours[-1] == "data: [DONE]\n\n" and len(ours) >= 3
     if case in NOT_PLAIN:
         return

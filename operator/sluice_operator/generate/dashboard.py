@@ -104,7 +104,7 @@ PANELS: tuple[Panel, ...] = (
         "Requests and rejections by reason",
         "reqps",
         (
-            Target(_rate("sluice_requests_total"), "admitted"),
+            Target(_rate("sluice_requests_total"), "accepted"),
             Target(_rate("sluice_rejections_total", "reason"), "rejected: {{reason}}"),
         ),
     ),

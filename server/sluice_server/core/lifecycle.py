@@ -57,9 +57,11 @@ def open_stream(
     meter = Meter(bind(svc.metrics, protocol, trail.model), t0, trail)
     s = svc.settings
     grace = s.resume_grace_seconds if rid is not None else 0.0
-    waiting = ticket is not None and ticket.waiting
+    seat = _Seat(ticket, meter) if ticket is not None and ticket.waiting else None
+    if seat is None:
+        meter.seated()
     stream = Stream(source, cap=s.stream_buffer_tokens, timeout=s.stream_timeout_seconds,
-                    replayable=grace > 0, admission=ticket if waiting else None,
+                    replayable=grace > 0, admission=seat,
                     keepalive=s.heartbeat_seconds)  # fmt: skip
     svc.gate.streams.add(stream)
     done = False
@@ -116,6 +118,24 @@ def open_stream(
     handle: Handle = (stream, meter, end_response)
     entry.handle = handle
     return handle
+
+
+class _Seat:
+    """The admission a stream that waits in the queue reads (stream.Admitting): its
+    ticket's wait, after which the stream holds a slot and counts as active."""
+
+    __slots__ = ("ticket", "meter")
+
+    def __init__(self, ticket: Ticket, meter: Meter) -> None:
+        self.ticket, self.meter = ticket, meter
+
+    @property
+    def waited(self) -> float:
+        return self.ticket.waited
+
+    async def wait(self) -> None:
+        await self.ticket.wait()
+        self.meter.seated()
 
 
 def _ended(stalled: bool = False) -> None:

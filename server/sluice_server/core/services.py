@@ -132,7 +132,9 @@ class Services:
         """Wait for a queued request's slot before its response starts: True once admitted;
         False when it still waits after `commit_after` seconds (a stream then commits to
         200 and waits in the stream core, with keep-alives). Refused: ApiError 429/503
-        with Retry-After (counted). The client leaving: ClientGone, out of the queue."""
+        with Retry-After (counted). The client leaving: ClientGone, out of the queue; also
+        when a slot reached it as it left (its connection already closed), so that slot
+        goes to the next request waiting instead of to a stream nobody reads."""
         if not ticket.waiting or ticket.future is None:
             await self._refused_if(protocol, ticket)
             return True
@@ -148,12 +150,12 @@ class Services:
             gone.cancel()
             if not admitted.done():
                 admitted.cancel()
+        if gone in done or _closed(request):
+            ticket.release()
+            raise ClientGone
         if admitted in done:
             await self._refused_if(protocol, ticket)
             return True
-        if gone in done:
-            ticket.release()
-            raise ClientGone
         return False
 
     async def _refused_if(self, protocol: str, ticket: Ticket) -> None:
@@ -206,6 +208,13 @@ class Services:
         self._counted(trail.protocol or "", e)
         trail.end(REJECTED, e.status)
         return e
+
+
+def _closed(conn: HTTPConnection) -> bool:
+    """The connection is closed: its client left (the ASGI server may not have said so to
+    the app yet). False where the server shows no transport (transport/sendwatch.py)."""
+    transport = conn.scope.get("sluice.transport")
+    return transport is not None and bool(transport.is_closing())
 
 
 async def _disconnect(request: Request) -> None:

@@ -111,8 +111,11 @@ class SendWatchdog:
         self._tcp = False  # TCP_INFO can be read from it
         self._restore: Callable[[], None] | None = None
 
-    def start(self, transport: Any | None) -> None:
-        """Arm on the running loop for `transport` (see the module docstring)."""
+    def start(self, transport: Any | None) -> bool:
+        """Arm on the running loop for `transport` (see the module docstring). False when
+        the transport is already closed: the client left before anything was sent (its
+        socket is gone too: uvloop's stand-in for it then has no file descriptor), so
+        nothing is armed and the caller ends as for a client that left."""
         global _warned
         self._loop = loop = asyncio.get_running_loop()
         self._time = loop.time
@@ -122,7 +125,9 @@ class SendWatchdog:
                 _warned = True
                 log.warning("the ASGI server shows no transport: slow readers are neither "
                             "coalesced early nor cut off by the send timeout")  # fmt: skip
-            return
+            return True
+        if transport.is_closing():
+            return False
         self._transport = transport
         self._shape(transport)
         if self.timeout is not None:
@@ -130,6 +135,7 @@ class SendWatchdog:
             self._interval = self.timeout / CHECKS
             self._checked_at = self._moved_at = now
             self._timer = loop.call_at(now + self._interval, self._check)
+        return True
 
     def stop(self) -> None:
         if self._timer is not None:

@@ -11,8 +11,9 @@ timeout and early coalescing are one `SendWatchdog` per response on the connecti
 transport (sendwatch.py), not a timeout scope per event: a reader it cuts off ends the
 response the way a client that left does; shutdown is the server's (serve.py drains
 streams before uvicorn is told to exit). `cleanup(stalled)` runs however the response ends,
-also when the client left before the first byte; `stalled` says the send timeout cut the
-reader off. asyncio only (uvicorn).
+also when the client left before the first byte (a connection already closed when the
+response starts sends nothing); `stalled` says the send timeout cut the reader off.
+asyncio only (uvicorn).
 """
 
 from __future__ import annotations
@@ -150,7 +151,9 @@ class SSEResponse(Response):
         loop = asyncio.get_running_loop()
         self._task = task = asyncio.current_task()
         assert task is not None  # a response is sent from a task
-        self.watchdog.start(transport)
+        if not self.watchdog.start(transport):
+            self.active = False  # the client left before the response started: nothing to
+            return  # send; the cleanup ends the stream as a disconnect
         heartbeat = Heartbeat.on(loop, self.ping_interval) if self.ping_interval > 0 else None
         if heartbeat is not None:
             heartbeat.add(self, send)

@@ -192,6 +192,20 @@ async def test_without_a_timeout_or_a_transport_no_timer():
     w.stop()
 
 
+@virtual_time
+async def test_a_closed_transport_is_a_client_gone_not_an_error():
+    """The client left before the response started: uvloop's transport is closed and its
+    socket has no file descriptor. `start` says so (False) without touching the socket, arms
+    nothing, and `stop` has nothing to undo."""
+    conn = FakeConnection()
+    conn.lose(told=False)
+    w = SendWatchdog(TIMEOUT)
+    assert w.start(conn.transport) is False
+    assert w._timer is None and w._transport is None and not w.stalled
+    w.stop()
+    assert SendWatchdog(TIMEOUT).start(FakeConnection().transport) is True
+
+
 def test_transport_of_finds_what_uvicorn_keeps_on_the_receive_callable():
     conn = FakeConnection()
     assert transport_of(conn.receive) is conn.transport

@@ -90,9 +90,13 @@ class Meter:
     children bound once per protocol and model (`metrics.bind`); tokens are summed here and
     counted with one `inc(n)` when the stream ends. The stream's end is recorded once
     (`finish`): metrics, then the request's trail (access log line, span) from the same
-    numbers."""
+    numbers. A request counts as accepted when its meter is made; its stream counts as
+    active (`sluice_active_streams`) only from `seated()`, while it holds a stream slot, so
+    a stream answered 200 that still waits in the admission queue is not one of them (the
+    queue's depth counts it)."""
 
-    __slots__ = ("m", "t0", "first_write", "last_write", "tokens", "outcome", "reason", "trail")
+    __slots__ = ("m", "t0", "first_write", "last_write", "tokens", "outcome", "reason",
+                 "trail", "active")  # fmt: skip
 
     def __init__(self, bound: Bound, t0: float, trail: Trail | None = None) -> None:
         self.m = bound
@@ -103,9 +107,15 @@ class Meter:
         self.outcome: str | None = None
         self.reason: str | None = None  # the engine's finish reason
         self.trail = trail
+        self.active = False  # counted in sluice_active_streams (holds a stream slot)
         bound.requests.inc()
-        bound.active.inc()
         bound.last_request.set_to_current_time()
+
+    def seated(self) -> None:
+        """The stream holds a stream slot: active until it ends (once)."""
+        if not self.active and self.outcome is None:
+            self.active = True
+            self.m.active.inc()
 
     def wrote(self, tokens: int) -> None:
         """Call right after a token event's bytes were handed to the socket. A write that
@@ -127,7 +137,8 @@ class Meter:
             return
         self.outcome = outcome
         m = self.m
-        m.active.dec()
+        if self.active:
+            m.active.dec()
         m.e2e.observe(time.perf_counter() - self.t0)
         if self.tokens:
             m.output_tokens.inc(self.tokens)

@@ -69,9 +69,12 @@ class Metrics:
         self.output_tokens = Counter(
             "sluice_output_tokens", "Tokens streamed to clients.", labels, registry=r
         )
+        # Accepted, not admitted to a slot: the alerts divide disconnects and stream errors
+        # by it, and a stream answered 200 can still leave or time out in the queue.
         self.requests = Counter(
-            "sluice_requests", "Generation requests accepted (streams started).", labels,
-            registry=r,
+            "sluice_requests",
+            "Generation requests accepted: answered 200 (a stream, also one that then waits "
+            "in the admission queue for a slot) or with a whole answer.", labels, registry=r,
         )  # fmt: skip
         self.disconnects = Counter(
             "sluice_client_disconnects",
@@ -100,7 +103,9 @@ class Metrics:
             registry=r,
         )  # fmt: skip
         self.active = Gauge(
-            "sluice_active_streams", "Streams in flight.", labels, registry=r,
+            "sluice_active_streams",
+            "Streams generating: each holds a stream slot (a stream that waits in the "
+            "admission queue is in sluice_queue_depth instead).", labels, registry=r,
             multiprocess_mode="livesum",
         )  # fmt: skip
         self.limiter_errors = Counter(
