@@ -47,7 +47,7 @@ class ScaleToZeroSpec(ApiModel):
         default=600,
         ge=30,
         le=604800,
-        description="Scale to zero once no request has been admitted for this long on any "
+        description="Scale to zero once no request has been accepted for this long on any "
         "pod and none is in flight (each pod's sluice_last_request_timestamp_seconds and "
         "sluice_active_streams, read from its /metrics). With backend keda this is the "
         "ScaledObject's cooldownPeriod.",
