@@ -223,7 +223,7 @@ def agreement(seed: int, replica_salt: bool) -> tuple[float, int]:
     n = 2000
     for i in range(n):
         for r, queue in zip(replicas, pending, strict=True):  # deliver what is due
-            for due, kind, pod, hashes in [e for e in queue if e[0] <= i]:
+            for _due, kind, pod, hashes in [e for e in queue if e[0] <= i]:
                 if kind == "stored":
                     r.stored(pod, hashes)
                 elif kind == "removed":
