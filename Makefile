@@ -10,7 +10,7 @@ export SLUICE_CACHE ?= $(CURDIR)/.cache
 
 SAMPLE ?= samples/chat-small.yaml
 
-.PHONY: help venv tools demo run test test-fast test-e2e test-dashboard test-multinode lint docs crds golden chart render bench bench-balance bench-lora bench-ab bench-ab-engine clean
+.PHONY: help venv tools demo run test test-fast test-e2e test-dashboard test-multinode lint docs crds golden chart render bench bench-balance bench-placement bench-lora bench-ab bench-ab-engine clean
 
 help:
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
@@ -84,6 +84,9 @@ bench: venv ## Benchmarks: our server vs vLLM's server vs the bare engine; fan-o
 
 bench-balance: venv ## Balancing only: least-loaded vs round-robin on live pods through the e2e ingress (needs K8S_ASSETS; the table in docs/benchmarks.md)
 	$(PY) -m sluice_bench.balance --write
+
+bench-placement: venv ## Placement on a model of a 4-replica fleet: prefix scoring vs least-loaded vs round robin (seconds, no servers)
+	$(PY) -m sluice_bench.placement
 
 bench-lora: venv ## Benchmark only a LoRA adapter next to the base on one engine (docs/bench-lora.md, the LoRA table in docs/benchmarks.md)
 	$(PY) -m sluice_bench.lora_ratio
