@@ -122,6 +122,9 @@ class StreamRequest:
     priority: int = 0
     # A LoRA adapter to generate with (None: the base model).
     adapter: Adapter | None = None
+    # vLLM's `cache_salt`: prompts with different salts share no cached prefix. The server
+    # sets it from the caller's tenant and the client's own (core/auth/cachesalt.py).
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True)
