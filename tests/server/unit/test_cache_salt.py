@@ -53,3 +53,12 @@ def test_every_salt_we_send_is_one_vllm_accepts():
     from vllm.entrypoints.generate.base.protocol import validate_cache_salt
 
     validate_cache_salt(cache_salt_for("a" * 63, "s" * 128, False))
+
+
+@pytest.mark.parametrize(
+    "argv, shared", [([], False), (["--share-prefix-cache-across-tenants", "true"], True)]
+)
+def test_the_flag_as_the_operator_renders_it(argv, shared):
+    from sluice_server.settings import parse_settings
+
+    assert parse_settings(["--model", "m", *argv]).share_prefix_cache_across_tenants is shared
