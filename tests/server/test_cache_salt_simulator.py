@@ -120,5 +120,5 @@ async def test_a_salt_vllm_would_refuse_is_a_400_naming_it(tmp_path, route):
                              headers={"Authorization": "Bearer sk-a1"})  # fmt: skip
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["param"] == "cache_salt" and "128 characters" in err["message"]
+    assert err["param"] == "cache_salt" and err["message"].startswith("cache_salt: ")
     assert eng.salts == []

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..engine.base import (
     Adapter,
+    ClientSalt,
     Engine,
     Flag,
     PromptOrMessages,
@@ -16,7 +17,6 @@ from ..engine.base import (
     StreamRequest,
     not_a_flag,
 )
-from .auth.cachesalt import check_client_salt
 from .errors import ApiError
 
 
@@ -28,13 +28,12 @@ class GenerationParams(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     ignore_eos: Flag = False
-    cache_salt: str | None = Field(
+    cache_salt: ClientSalt | None = Field(
         None,
         description="The client's own salt for the prefix cache: requests share "
         "cached prefixes only with requests of the same tenant and the same salt.",
     )
 
-    _salt = field_validator("cache_salt", mode="before")(check_client_salt)
     _numbers = field_validator("max_tokens", "temperature", "top_p", "seed",
                                mode="before")(not_a_flag)  # fmt: skip
 

@@ -19,7 +19,14 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Protocol, runtime_checkable
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    model_validator,
+)
 
 
 def _flag(value: object) -> object:
@@ -42,6 +49,13 @@ def not_a_flag(value: object) -> object:
 
 # Request fields that are switches: pydantic's lax bool would take 0, 1, "yes", "off".
 Flag = Annotated[bool, BeforeValidator(_flag)]
+
+# A client's own `cache_salt` as vLLM accepts one (`validate_cache_salt`): 1-128 characters,
+# none of `@`, `/`, `\`, NUL. The same rule as core/auth/cachesalt.py's `check_client_salt`,
+# which checks the bodies vLLM's own request models read.
+ClientSalt = Annotated[
+    str, StringConstraints(min_length=1, max_length=128, pattern=r"^[^@/\\\x00]*$")
+]
 
 
 class Message(BaseModel):

@@ -1,10 +1,13 @@
 """The prefix cache's salt for a caller's tenant (core/auth/cachesalt.py): pure, so a router
-computes what the pod sends the engine."""
+computes what the pod sends the engine. A client's own salt is checked as vLLM checks it,
+by the raw-body check and by the request models' field type alike."""
 
 from __future__ import annotations
 
 import pytest
+from pydantic import TypeAdapter
 from sluice_server.core.auth.cachesalt import PREFIX, cache_salt_for, check_client_salt
+from sluice_server.engine.base import ClientSalt
 
 
 def test_each_tenant_gets_its_own_salt():
@@ -41,12 +44,18 @@ def test_a_clients_salt_is_what_vllm_accepts(salt, ok):
         ours = True
     except ValueError:
         ours = False
+    typed = TypeAdapter(ClientSalt | None)  # the request models' field (and its schema)
+    try:
+        typed.validate_python(salt)
+        schema = True
+    except ValueError:
+        schema = False
     try:
         validate_cache_salt(salt)
         theirs = True
     except Exception:  # vLLM's VLLMValidationError
         theirs = False
-    assert ours == theirs == ok
+    assert ours == schema == theirs == ok
 
 
 def test_every_salt_we_send_is_one_vllm_accepts():
