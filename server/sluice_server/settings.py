@@ -261,6 +261,13 @@ class Settings(HttpSettings):
         "priority", description="The JWT claim that names the caller's priority class (with "
         "`--priority-classes`; absent: `--default-priority`; not a class: 401).",
     )  # fmt: skip
+    share_prefix_cache_across_tenants: bool = Field(
+        False, description="Let tenants reuse each other's cached prompt prefixes. Off: "
+        "vLLM's `cache_salt` is set from the caller's tenant (combined with a client's own "
+        "`cache_salt`), so no tenant can tell from its time to first token what another "
+        "sent. On: for tenants that trust each other (a client's own `cache_salt` still "
+        "applies). Without auth every caller is one tenant and nothing is salted.",
+    )  # fmt: skip
     credentials_reload_seconds: float = Field(
         2.0, ge=0, description="How often the key file and the JWKS file are checked for "
         "changes (one `stat` each); a changed file is reloaded without a restart, a bad one "

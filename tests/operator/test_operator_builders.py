@@ -309,6 +309,16 @@ def test_auth_defaults_render_nothing_new():
     assert "jwks" not in {v["name"] for v in c["volumeMounts"]}
 
 
+def test_tenants_share_the_prefix_cache_only_when_the_model_says_so():
+    """Off (the default) renders nothing: the server salts the cache by tenant."""
+    keys = {"apiKeySecretRef": {"name": "keys"}}
+    assert "--share-prefix-cache-across-tenants" not in server_args(model(auth=keys))
+    off = {**keys, "sharePrefixCacheAcrossTenants": False}
+    assert "--share-prefix-cache-across-tenants" not in server_args(model(auth=off))
+    on = server_args(model(auth={**keys, "sharePrefixCacheAcrossTenants": True}))
+    assert flag(on, "--share-prefix-cache-across-tenants") == "true"
+
+
 @pytest.mark.parametrize("auth, says", [
     ({"rateLimit": {"backend": "redis"}}, "needs rateLimit.redisUrlSecretRef"),
     ({"jwt": {**JWT, "jwks": {}}}, "exactly one of secretRef or configMapRef"),

@@ -164,6 +164,8 @@ def server_args(model: StreamingModel) -> list[str]:
         ]
         if q is not None and q.priorities:  # the server reads the claim with classes only
             args += ["--jwt-priority-claim", auth.jwt.priority_claim]
+    if auth.share_prefix_cache_across_tenants:  # the default (off) renders nothing
+        args += ["--share-prefix-cache-across-tenants", "true"]
     limit = auth.rate_limit
     if limit.requests_per_minute:
         args += ["--rate-limit-rpm", str(limit.requests_per_minute)]

@@ -144,3 +144,11 @@ class AuthSpec(ApiModel):
         RateLimitSpec,
         "Per API key rate limits (need apiKeySecretRef or jwt to tell callers apart).",
     )
+    share_prefix_cache_across_tenants: bool = Field(
+        default=False,
+        description="Let tenants reuse each other's cached prompt prefixes (faster first "
+        "tokens for prompts they have in common). Off: the server salts vLLM's prefix cache "
+        "with the caller's tenant, so no tenant can tell from its time to first token what "
+        "another sent. Turn on only for tenants that trust each other. Without "
+        "authentication every caller is one tenant and shares the cache.",
+    )

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..engine.base import (
     Adapter,
+    ClientSalt,
     Engine,
     Flag,
     PromptOrMessages,
@@ -27,6 +28,11 @@ class GenerationParams(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     ignore_eos: Flag = False
+    cache_salt: ClientSalt | None = Field(
+        None,
+        description="The client's own salt for the prefix cache: requests share "
+        "cached prefixes only with requests of the same tenant and the same salt.",
+    )
 
     _numbers = field_validator("max_tokens", "temperature", "top_p", "seed",
                                mode="before")(not_a_flag)  # fmt: skip
@@ -68,6 +74,7 @@ def to_stream_request(body: dict[str, Any], request_id: str, engine: Engine,
         messages=[m.model_dump(exclude_none=True) for m in b.messages] if b.messages else None,
         options=SamplingOptions(b.max_tokens, b.temperature, b.top_p, b.seed, stop, b.ignore_eos),
         adapter=adapter,
+        cache_salt=b.cache_salt,  # the client's; the route combines it with the tenant's
     )
     try:
         engine.prepare(req)

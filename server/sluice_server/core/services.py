@@ -15,6 +15,7 @@ from ..engine.base import Adapter, Engine
 from ..settings import Settings
 from .adapters import Adapters
 from .auth.apikeys import bearer
+from .auth.cachesalt import cache_salt_for
 from .auth.credentials import Credentials
 from .auth.identity import Principal
 from .errors import ApiError
@@ -67,6 +68,14 @@ class Services:
         0 without (the engine runs first come, first served)."""
         priorities = self.credentials.rules.priorities
         return priorities.rank(who.priority) if priorities.configured else 0
+
+    def cache_salt(self, who: Principal, client_salt: str | None) -> str | None:
+        """The `cache_salt` the engine hashes the caller's prompt with (auth/cachesalt.py):
+        its tenant's, combined with the client's own (`client_salt`, already checked);
+        with auth off there is one tenant and no salt of ours. Every generating route sets
+        it on the request it hands the engine, as it does the priority."""
+        tenant = who.tenant if self.credentials.enabled else None
+        return cache_salt_for(tenant, client_salt, self.settings.share_prefix_cache_across_tenants)
 
     def require_protocol(self, protocol: str, path: str) -> None:
         if protocol not in self.settings.protocols:

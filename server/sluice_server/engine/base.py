@@ -19,7 +19,14 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Protocol, runtime_checkable
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    model_validator,
+)
 
 
 def _flag(value: object) -> object:
@@ -42,6 +49,13 @@ def not_a_flag(value: object) -> object:
 
 # Request fields that are switches: pydantic's lax bool would take 0, 1, "yes", "off".
 Flag = Annotated[bool, BeforeValidator(_flag)]
+
+# A client's own `cache_salt` as vLLM accepts one (`validate_cache_salt`): 1-128 characters,
+# none of `@`, `/`, `\`, NUL. The same rule as core/auth/cachesalt.py's `check_client_salt`,
+# which checks the bodies vLLM's own request models read.
+ClientSalt = Annotated[
+    str, StringConstraints(min_length=1, max_length=128, pattern=r"^[^@/\\\x00]*$")
+]
 
 
 class Message(BaseModel):
@@ -122,6 +136,9 @@ class StreamRequest:
     priority: int = 0
     # A LoRA adapter to generate with (None: the base model).
     adapter: Adapter | None = None
+    # vLLM's `cache_salt`: prompts with different salts share no cached prefix. The server
+    # sets it from the caller's tenant and the client's own (core/auth/cachesalt.py).
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True)

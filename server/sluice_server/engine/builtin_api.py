@@ -23,6 +23,7 @@ from .base import (
     ApiReply,
     ApiRequestError,
     ApiStream,
+    ClientSalt,
     Delta,
     Engine,
     Flag,
@@ -62,6 +63,7 @@ class _Common(BaseModel):
     stream: Flag = False
     stream_options: StreamOptions | None = None
     ignore_eos: Flag = False
+    cache_salt: ClientSalt | None = None
 
     _numbers = field_validator("max_tokens", "max_completion_tokens", "temperature", "top_p",
                                "seed", "n", mode="before")(not_a_flag)  # fmt: skip
@@ -93,6 +95,7 @@ class ResponsesBody(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     stream: Flag = False
     ignore_eos: Flag = False
+    cache_salt: ClientSalt | None = None
 
     _numbers = field_validator("max_output_tokens", "temperature", "top_p",
                                mode="before")(not_a_flag)  # fmt: skip
@@ -118,6 +121,7 @@ class MessagesBody(CountTokensBody):
     top_p: float = Field(1.0, gt=0, le=1)
     stream: Flag = False
     ignore_eos: Flag = False
+    cache_salt: ClientSalt | None = None
 
     _numbers = field_validator("max_tokens", "temperature", "top_p", mode="before")(not_a_flag)
 
@@ -211,6 +215,7 @@ class BuiltinApi:
                              "tokens": ids, "token_strs": None})  # fmt: skip
         req, framer = self._request(b, kind)
         req.priority = priority
+        req.cache_salt = b.cache_salt  # what the routes set (core/auth/cachesalt.py)
         req.adapter = getattr(self._engine, "adapters", {}).get(getattr(b, "model", None))
         deltas = self._engine.generate(req)
         if b.stream:

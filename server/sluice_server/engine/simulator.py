@@ -66,6 +66,9 @@ class _Stream:
     aborted: bool = False
     waiter: asyncio.Future | None = None
     priority: int = 0
+    # The request's `cache_salt` (vLLM's): the cached prefixes it may reuse are those of
+    # requests with the same salt. Recorded as vLLM records it; the simulator caches nothing.
+    cache_salt: str | None = None
 
     def wake(self) -> None:
         if self.waiter is not None and not self.waiter.done():
@@ -214,7 +217,7 @@ class SimulatorEngine:
         in_flight = 0
         if self.ttft_per_stream_s:
             in_flight = sum(1 for s in self._streams.values() if s.priority <= priority)
-        stream = _Stream(priority=priority)
+        stream = _Stream(priority=priority, cache_salt=request.cache_salt)
         self._streams[rid] = stream
         due = loop.time() + (self.ttft_s + self.ttft_per_stream_s * in_flight) * self._factor(rng)
         text = ""  # everything generated so far (stop strings need the whole tail)

@@ -81,7 +81,10 @@ class VllmEngine:
         n_prompt = len(ids)
         # AsyncLLM.generate aborts the engine request when it is cancelled or closed; close
         # it explicitly so an abandoned outer generator never waits for GC to abort.
-        gen = self.llm.generate({"prompt_token_ids": ids}, params, request.request_id,
+        prompt: dict[str, Any] = {"prompt_token_ids": ids}
+        if request.cache_salt is not None:
+            prompt["cache_salt"] = request.cache_salt
+        gen = self.llm.generate(prompt, params, request.request_id,
                                 lora_request=_lora_request(request.adapter),
                                 trace_headers=request.trace_headers,
                                 priority=request.priority)  # fmt: skip

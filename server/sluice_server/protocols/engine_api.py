@@ -22,6 +22,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from ..core.auth.cachesalt import check_client_salt
 from ..core.auth.identity import Principal
 from ..core.errors import ApiError, error_body
 from ..core.lifecycle import open_stream
@@ -83,10 +84,27 @@ async def _parsed(request: Request, svc: Services, api: Api, kind: ApiKind, who:
     body = await read_json(request, svc, api.label)
     engine = await svc.require_engine()
     _precheck(request, svc, api, body, who)
+    if kind in GENERATING:
+        _salt(svc, api, body, who)
     try:
         return engine, engine.api.parse(body, kind)
     except ValidationError as e:
         raise svc.bad_input(api.label, *describe_validation_error(e)) from None
+
+
+def _salt(svc: Services, api: Api, body: dict, who: Principal) -> None:
+    """The body's `cache_salt` becomes the one the engine hashes the prompt with: the
+    caller's tenant's combined with the client's own (every API's request model carries
+    the field, vLLM's and the simulator's alike)."""
+    try:
+        client = check_client_salt(body.get("cache_salt"))
+    except ValueError as e:
+        raise svc.bad_input(api.label, f"cache_salt: {e}.", "cache_salt") from None
+    salt = svc.cache_salt(who, client)
+    if salt is None:
+        body.pop("cache_salt", None)
+    else:
+        body["cache_salt"] = salt
 
 
 def _refused(svc: Services, api: Api, e: ApiRequestError) -> ApiError:

@@ -89,6 +89,7 @@ async def _start(request: Request, svc: Services, who: Principal, body: dict) ->
         return Response(status_code=499)
     req.trace_headers = trail.carrier
     req.priority = svc.engine_priority(who)
+    req.cache_salt = svc.cache_salt(who, req.cache_salt)
     n_prompt = len(req.prompt_token_ids or ())
     handle = open_stream(svc, trail, who, engine.generate(req), received_at(request),
                          lambda: n_prompt, rid, ticket)  # fmt: skip

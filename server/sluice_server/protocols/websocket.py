@@ -152,6 +152,7 @@ class Connection:
             return await self.error(rid, e.status, e.message, e.code)
         req.trace_headers = trail.carrier
         req.priority = svc.engine_priority(self.who)
+        req.cache_salt = svc.cache_salt(self.who, req.cache_salt)
         n_prompt = len(req.prompt_token_ids or ())
         stream, meter, cleanup = open_stream(
             svc, trail, self.who, engine.generate(req), t0, lambda: n_prompt, ticket=ticket
