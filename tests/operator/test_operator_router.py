@@ -137,3 +137,32 @@ def test_poller_lists_router_models_in_the_models_file():
         cluster, cluster.memory, None, wake=lambda k: None, page=lambda p: None
     )
     assert none.context().router is False
+
+
+# ---- the KV events (builders/kvevents.py) -------------------------------------------------
+
+
+def test_network_policy_opens_the_event_ports_to_the_routers_pods_only():
+    spec = {"networkPolicy": {"enabled": True}}
+    policy = desired_children(load_model(body_of(minimal(routing=ROUTER, **spec))))
+    rules = policy["NetworkPolicy"]["spec"]["ingress"]
+    events = [r for r in rules if {p["port"] for p in r["ports"]} == {5557, 5558}]
+    assert len(events) == 1
+    (peer,) = events[0]["from"]
+    assert peer["podSelector"] == {
+        "matchLabels": {
+            "app.kubernetes.io/name": "sluice-activator",
+            "app.kubernetes.io/component": "activator",
+        }
+    }
+    assert peer["namespaceSelector"]["matchExpressions"][0]["values"] == ["sluice-system"]
+    # No other rule opens them: every other rule names the server port only.
+    assert all([p["port"] for p in r["ports"]] == [8000] for r in rules if r is not events[0])
+    # The router forwards to the pods: its namespace reaches the server port.
+    served = rules[0]["from"]
+    assert any(p.get("namespaceSelector", {}).get("matchExpressions", [{}])[0].get("values")
+               == ["sluice-system"] for p in served)  # fmt: skip
+    # Negative control: without the router, no events rule and no operator namespace.
+    plain = desired_children(load_model(body_of(minimal(**spec))))["NetworkPolicy"]["spec"]
+    assert [r for r in plain["ingress"] if r["ports"][0]["port"] != 8000] == []
+    assert "sluice-system" not in str(plain)
