@@ -113,8 +113,8 @@ NETWORK_POLICY = Kind(
     optional=True,
 )
 
-# The ExternalName Service `<name>-activator` the route names while a model with
-# minReplicas 0 has no Ready replica (builders/activator.py); only with minReplicas 0. The
+# The ExternalName Service `<name>-activator` the route names for a router model, or while
+# a model with minReplicas 0 has no Ready replica (builders/activator.py); only then. The
 # same plural as SERVICE: one watch and one index serve both (`unique`).
 ACTIVATOR_SERVICE = Kind(
     "v1",

@@ -314,10 +314,13 @@ class _Pass:
         # stored and the poller's signals, before the children are built.
         self.signals, self.step = Signals(), Step.NONE
         self.metrics = zero.metrics if zero is not None else None
+        if zero is not None:  # where the activator (the router) answers, and whether it runs
+            model = dataclasses.replace(
+                model, activator_host=zero.activator_host, router_available=zero.router
+            )
         if model.spec.scale_to_zero is not None:
             if zero is not None:
                 self.signals = zero.signals((self.namespace, self.name))
-                model = dataclasses.replace(model, activator_host=zero.activator_host)
             via, self.step = decide(model, self._workload(), self.signals)
             model = dataclasses.replace(model, via_activator=via)
         self.model = model

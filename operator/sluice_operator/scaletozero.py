@@ -142,11 +142,14 @@ class Signals:
 
 @dataclass(frozen=True)
 class ZeroContext:
-    """What a pass needs from the operator for scale to zero: where the activator answers
-    (the ExternalName's target), the poller's latest signals per (namespace, name), and the
-    operator's metrics (opmetrics.py), which count what the pass does."""
+    """What a pass needs from the operator for scale to zero and the router: where the
+    activator answers (the ExternalName's target), whether it runs at all (`router`: the
+    chart's activator.enabled, seen as `run --activator-service`), the poller's latest
+    signals per (namespace, name), and the operator's metrics (opmetrics.py), which count
+    what the pass does."""
 
     activator_host: str
+    router: bool = True
     signals: Callable[[tuple[str, str]], Signals] = lambda key: Signals()
     metrics: OperatorMetrics | None = None
 

@@ -1,11 +1,12 @@
 """The scale-to-zero poller: reads the pages the decision needs and keeps the activator's
 ConfigMap; a converging pass acts on what it found (scaletozero.py says what and why).
 
-One background thread (like the resync) of the leader, running only while some model has
-autoscaling.minReplicas 0:
+One background thread (like the resync) of the leader, acting only while some model has
+autoscaling.minReplicas 0 or the router:
 
 - keeps `<activator>-models` (key models.json) in the operator's namespace equal to the
-  models with minReplicas 0, applied when its content changes (the activator's allowlist);
+  models with minReplicas 0 or the router (spec.routing.router), applied when its content
+  changes (the activator's allowlist);
 - about every second while a model is at zero or activating, reads the ready activator
   pods' /metrics (found by label in the operator's namespace): held requests per model,
   and which models each pod has loaded;
@@ -28,7 +29,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from .adapterstatus import ready
-from .builders.activator import activator_host_of, desired_models_config_map, model_key
+from .builders.activator import (
+    activator_host_of,
+    desired_models_config_map,
+    in_activator,
+    model_key,
+)
 from .builders.leaderworkerset import leader_selector
 from .cluster import Cluster
 from .cluster_view import ClusterView
@@ -94,7 +100,12 @@ class ScaleToZeroPoller:
 
     def context(self) -> ZeroContext:
         host = self.activator.host if self.activator else DEFAULT_ACTIVATOR_HOST
-        return ZeroContext(activator_host=host, signals=self.signals, metrics=self.metrics)
+        return ZeroContext(
+            activator_host=host,
+            router=self.activator is not None,
+            signals=self.signals,
+            metrics=self.metrics,
+        )
 
     def signals(self, key: tuple[str, str]) -> Signals:
         with self._guard:
@@ -132,7 +143,7 @@ class ScaleToZeroPoller:
                     parsed = None
                 cached = self._parsed[key] = (meta.get("uid"), meta.get("generation"), parsed)
             model = cached[2]
-            if model is not None and model.spec.scale_to_zero is not None:
+            if model is not None and in_activator(model):
                 out.append(model)
         for key in [k for k in self._parsed if k not in seen]:
             del self._parsed[key]
@@ -152,7 +163,7 @@ class ScaleToZeroPoller:
         if data != self._written:
             self.cluster.apply(manifest)
             self._written = data
-            log.info(f"activator models: {len(models)} with minReplicas 0")
+            log.info(f"activator models: {len(models)} with minReplicas 0 or the router")
 
     def _activator_pages(self) -> dict[str, str | None]:
         assert self.activator is not None
@@ -171,9 +182,10 @@ class ScaleToZeroPoller:
     def run_once(self) -> float:
         """One round; returns the seconds until the next."""
         self.rounds += 1
-        models = self._models()
+        listed = self._models()
         if self.activator is not None:
-            self._keep_config_map(models)  # also when the last such model went: {}
+            self._keep_config_map(listed)  # also when the last such model went: {}
+        models = [m for m in listed if m.spec.scale_to_zero is not None]
         if self.activator is None or not models:
             with self._guard:
                 self._signals.clear()

@@ -16,7 +16,7 @@ from .builders.common import selector_string
 from .builders.gateway import route_url
 from .builders.hpa import ttft_metric_name
 from .builders.ingress import ingress_url
-from .builders.routing import backend_verdict
+from .builders.routing import backend_verdict, router_verdict
 from .builders.service import service_url
 from .kinds import GATEWAY_API_INFERENCE_EXTENSION, OPTIONAL_KINDS, OptionalKind, Unavailable
 from .models.resource import StreamingModel
@@ -332,12 +332,14 @@ def compute_status(
                 scaling["backend"] = "keda"  # a ScaledObject may still exist: keep cleaning up
             out["autoscaling"] = scaling
     routed = model.spec.gateway is not None or (
-        model.spec.ingress.enabled and model.spec.scale_to_zero is not None
+        model.spec.ingress.enabled and (model.spec.scale_to_zero is not None or model.routed)
     )
     if routed:  # the route's one backend (builders/routing.py)
         pool = unavailable.get(GATEWAY_API_INFERENCE_EXTENSION.name)
         verdict = backend_verdict(model, pool.message if pool else None)
         conditions.append(_cond("RouteBackend", *verdict))
+    if model.routed:
+        conditions.append(_cond("RouterReady", *router_verdict(model)))
     out["conditions"] += _stamp(conditions, previous.get("conditions") or [], now, generation)
     return out
 

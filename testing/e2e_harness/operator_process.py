@@ -83,7 +83,9 @@ class RenderedChart:
         return env
 
     def service_account(self) -> tuple[str, str]:
-        (sa,) = self.of_kind("ServiceAccount")
+        """The operator's (its Deployment's; the router has its own)."""
+        name = self.deployment()["spec"]["template"]["spec"]["serviceAccountName"]
+        (sa,) = [s for s in self.of_kind("ServiceAccount") if s["metadata"]["name"] == name]
         return sa["metadata"]["namespace"], sa["metadata"]["name"]
 
 

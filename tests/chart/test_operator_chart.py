@@ -4,6 +4,7 @@ not rendered."""
 
 from __future__ import annotations
 
+import base64
 import filecmp
 import json
 import tarfile
@@ -65,7 +66,8 @@ def test_default_objects(h):
     docs = h.template(OPERATOR_CHART)
     activator = activator_docs(docs)
     assert sorted(d["kind"] for d in activator) == [
-        "Deployment", "NetworkPolicy", "PodDisruptionBudget", "Service",
+        "ClusterRole", "ClusterRoleBinding", "Deployment", "NetworkPolicy",
+        "PodDisruptionBudget", "Secret", "Service", "ServiceAccount",
     ]  # fmt: skip
     docs = [d for d in docs if d not in activator]
     kinds = sorted(d["kind"] for d in docs)
@@ -332,7 +334,8 @@ def test_peering_set_and_not_rendered(h):
     } in rules
 
     docs = h.template(OPERATOR_CHART, set_=["peering.enabled=true", *NAMESPACED])
-    for role in by_kind(docs, "Role")[:-2]:  # the last are the activator's and the election's
+    # The last are the activator's and the election's (the router's own are apart).
+    for role in by_kind(_not_router(docs), "Role")[:-2]:
         assert {
             "apiGroups": ["kopf.dev"],
             "resources": ["kopfpeerings"],
@@ -611,7 +614,8 @@ def test_rbac_namespaced_mode(h):
     assert c["args"][:2] == ["--namespace=team-a", "--namespace=team-b"]
     # An empty list means the release namespace.
     docs = h.template(OPERATOR_CHART, set_=["watch.allNamespaces=false"], namespace="models")
-    assert [r["metadata"]["namespace"] for r in by_kind(docs, "Role")] == ["models"] * 3
+    roles = by_kind(_not_router(docs), "Role")
+    assert [r["metadata"]["namespace"] for r in roles] == ["models"] * 3
 
 
 def test_keda_set_and_not_rendered(h):
@@ -641,7 +645,7 @@ def test_aggregated_user_roles_set_and_not_rendered(h):
         "watch",
     }
     docs = h.template(OPERATOR_CHART, set_=["rbac.aggregateToDefaultRoles=false"])
-    assert len(by_kind(docs, "ClusterRole")) == 1
+    assert len(by_kind(_not_router(docs), "ClusterRole")) == 1
     docs = h.template(OPERATOR_CHART, set_=["rbac.create=false"])
     assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
 
@@ -1008,11 +1012,15 @@ def test_activator_set_and_not_rendered(h):
     assert pdb["spec"] == {"minAvailable": 1, "selector": {"matchLabels": selector}}
     assert svc["spec"]["selector"] == selector == policy["spec"]["podSelector"]["matchLabels"]
     assert svc["spec"]["ports"][0]["port"] == 8000
-    assert pod["automountServiceAccountToken"] is False and "serviceAccountName" not in pod
+    # Its own token (the router watches model Pods), never the operator's.
+    assert pod["automountServiceAccountToken"] is True
+    assert pod["serviceAccountName"] == "sluice-activator"
     (c,) = pod["containers"]
     assert c["image"] == "ghcr.io/sluice-dev/sluice-server:0.1.0"
     assert c["command"] == ["sluice-server", "activator"]
     assert c["args"] == ["--models-file=/etc/sluice/activator/models.json"]
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env["SLUICE_ACTIVATOR_PIN_KEY_FILE"] == "/etc/sluice/pin/pin-key"
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
@@ -1022,8 +1030,10 @@ def test_activator_set_and_not_rendered(h):
     assert "subPath" not in mount and mount["mountPath"] == "/etc/sluice/activator"
     # Ingress on 8000 from anywhere; egress to DNS and the model pods' port only.
     assert policy["spec"]["ingress"] == [{"ports": [{"port": 8000, "protocol": "TCP"}]}]
-    dns, models_egress = policy["spec"]["egress"]
+    dns, api, models_egress = policy["spec"]["egress"]
     assert {p["port"] for p in dns["ports"]} == {53}
+    assert {p["port"] for p in api["ports"]} == {443, 6443} and "to" not in api
+    assert {p["port"] for p in models_egress["ports"]} == {8000, 5557, 5558}
     assert models_egress["to"][0]["podSelector"]["matchLabels"] == {
         "app.kubernetes.io/managed-by": "sluice-operator",
         "app.kubernetes.io/component": "model-server",
@@ -1040,6 +1050,56 @@ def test_activator_set_and_not_rendered(h):
     assert not any(a.startswith("--activator") for a in op["args"])
     docs = h.template(OPERATOR_CHART, set_=["activator.networkPolicy=false"])
     assert not by_kind(activator_docs(docs), "NetworkPolicy")
+
+
+def _not_router(docs):
+    """All but the router's RBAC (test_router_rbac_pin_key_and_token_set_and_not_rendered)."""
+    router = _router_docs(docs)
+    return [d for d in docs if d not in router]
+
+
+def _router_docs(docs):
+    return [d for d in docs if d["metadata"]["name"].startswith("sluice-activator")
+            and d["kind"] in ("ServiceAccount", "Secret", "ClusterRole", "ClusterRoleBinding",
+                              "Role", "RoleBinding")]  # fmt: skip
+
+
+def test_router_rbac_pin_key_and_token_set_and_not_rendered(h):
+    """The router's own ServiceAccount, get/list/watch on Pods scoped as the operator's RBAC
+    (a ClusterRole, or a Role per watched namespace), its pin-key Secret mounted read-only;
+    the activator off: none of it."""
+    docs = h.template(OPERATOR_CHART)
+    router = _router_docs(docs)
+    (sa,) = by_kind(router, "ServiceAccount")
+    (role,) = by_kind(router, "ClusterRole")
+    (binding,) = by_kind(router, "ClusterRoleBinding")
+    (secret,) = by_kind(router, "Secret")
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    ]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": "sluice-system"}
+    ]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert len(base64.b64decode(secret["data"]["pin-key"])) == 48
+    (deploy,) = by_kind(activator_docs(docs), "Deployment")
+    pod = deploy["spec"]["template"]["spec"]
+    (vol,) = [v for v in pod["volumes"] if v["name"] == "pin-key"]
+    assert vol["secret"]["secretName"] == secret["metadata"]["name"]
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "pin-key"]
+    assert mount == {"name": "pin-key", "mountPath": "/etc/sluice/pin", "readOnly": True}
+    # Namespaced: a Role and RoleBinding in each watched namespace, no ClusterRole.
+    scoped = _router_docs(h.template(OPERATOR_CHART, set_=NAMESPACED))
+    assert not by_kind(scoped, "ClusterRole")
+    assert sorted(r["metadata"]["namespace"] for r in by_kind(scoped, "Role")) == [
+        "team-a", "team-b"]  # fmt: skip
+    assert all(r["rules"] == role["rules"] for r in by_kind(scoped, "Role"))
+    assert len(by_kind(scoped, "RoleBinding")) == 2
+    # rbac.create=false: the ServiceAccount and key stay, no grants.
+    bare = _router_docs(h.template(OPERATOR_CHART, set_=["rbac.create=false"]))
+    assert {d["kind"] for d in bare} == {"ServiceAccount", "Secret"}
+    # The activator off: no router either.
+    assert not _router_docs(h.template(OPERATOR_CHART, set_=["activator.enabled=false"]))
 
 
 def test_activator_names_match_what_the_operator_builds():

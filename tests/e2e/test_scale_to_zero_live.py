@@ -99,6 +99,13 @@ def activator_pod(admin, chart, live_nodes):
         # agent's pods share the host's network, and it binds a wildcard given in the
         # arguments to the pod's own address (a pod's network namespace, docs/e2e.md).
         pod["containers"][0]["args"].append("--host=0.0.0.0")
+        # Its pin key as the chart makes it (its ServiceAccount came with the chart's RBAC).
+        # The token stays out: the activator alone (no router model here) reads no API.
+        pod["automountServiceAccountToken"] = False
+        (key,) = [copy.deepcopy(s) for s in chart.of_kind("Secret")
+                  if s["metadata"]["name"] == f"{ACTIVATOR}-pin-key"]  # fmt: skip
+        core.create_namespaced_secret(OPERATOR_NAMESPACE, key)
+        made.append(("Secret", key["metadata"]["name"]))
         core.create_namespaced_service(OPERATOR_NAMESPACE, svc)
         made.append(("svc", ACTIVATOR))
         apps.create_namespaced_deployment(OPERATOR_NAMESPACE, dep)
@@ -111,6 +118,8 @@ def activator_pod(admin, chart, live_nodes):
     for kind, name in reversed(made):
         if kind == "dep":
             apps.delete_namespaced_deployment(name, OPERATOR_NAMESPACE)
+        elif kind == "Secret":
+            core.delete_namespaced_secret(name, OPERATOR_NAMESPACE)
         else:
             core.delete_namespaced_service(name, OPERATOR_NAMESPACE)
 

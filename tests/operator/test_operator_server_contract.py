@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from operator_helpers import SAMPLES, load
 from sluice_operator.builders.deployment import desired_deployment
+from sluice_operator.builders.kvevents import kv_event_args
 from sluice_operator.builders.leaderworkerset import desired_leaderworkerset
 from sluice_operator.models.resource import StreamingModel
 from sluice_operator.validation import load_model
@@ -112,7 +113,7 @@ def test_server_parses_rendered_args(path, monkeypatch, tmp_path):
         assert s.tensor_parallel_size == spec.parallelism.tensor
         assert s.pipeline_parallel_size == spec.parallelism.pipeline
         assert s.gpu_memory_utilization == spec.engine.gpu_memory_utilization
-        assert s.engine_args == list(spec.engine.extra_args)
+        assert s.engine_args == kv_event_args(model) + list(spec.engine.extra_args)
         assert (s.nnodes, s.node_rank, s.headless) == (spec.parallelism.nodes, 0, False)
     else:
         sim = spec.engine.simulator

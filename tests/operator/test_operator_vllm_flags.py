@@ -1,4 +1,5 @@
-"""Reserved `engine.extraArgs` flags against vLLM's own argument parser.
+"""Reserved `engine.extraArgs` flags against vLLM's own argument parser, and the engine flags
+the operator adds for the router (KV events).
 
 Every spelling vLLM's parser reads as a flag the operator sets (aliases, underscores,
 abbreviations, `=value`, a value glued to a short flag) must be refused by the operator and by
@@ -13,6 +14,7 @@ import typing
 
 import pytest
 from operator_helpers import minimal
+from sluice_operator.kinds import desired_children
 from sluice_operator.models.engine import LoraRank
 from sluice_operator.models.flags import (
     RESERVED_LONG,
@@ -158,3 +160,29 @@ def test_a_bare_word_vllm_reads_as_the_model_is_refused(parser, argv, tag):
     if tag is not None:
         with pytest.raises(SpecError, match="as the model to serve"):
             load_model(minimal(engine={"extraArgs": argv}))
+
+
+def engine_tail(m) -> list[str]:
+    """What the server hands vLLM: everything after `--` in the container's args."""
+    args = desired_children(m)["Deployment"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    return args[args.index("--") + 1 :] if "--" in args else []
+
+
+def test_router_models_publish_kv_events_as_vllms_parser_reads_them(parser):
+    """A router model's engine flags (builders/kvevents.py) as vLLM reads them."""
+    from vllm.config.kv_events import KVEventsConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    router = {"router": {"enabled": True}}
+    m = load_model(minimal(routing=router, engine={"extraArgs": ["--seed", "7"]}))
+    ns = parser.parse_args(engine_tail(m))
+    assert ns.enable_prefix_caching is True and ns.seed == 7  # the user's flags still pass
+    config = EngineArgs.from_cli_args(ns).kv_events_config
+    assert isinstance(config, KVEventsConfig)
+    assert (config.enable_kv_cache_events, config.publisher) == (True, "zmq")
+    # vLLM binds an endpoint with `*` and connects to any other: both must bind.
+    assert config.endpoint == "tcp://*:5557" and config.replay_endpoint == "tcp://*:5558"
+    # Negative controls: no events flags without the router, nor on the simulator.
+    assert engine_tail(load_model(minimal())) == []
+    sim = minimal(routing=router, engine={"backend": "simulator"})
+    assert engine_tail(load_model(sim)) == []

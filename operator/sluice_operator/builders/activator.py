@@ -1,20 +1,26 @@
-"""Scale to zero: how a model's route reaches the operator's activator, and what it knows.
+"""The router and scale to zero: how a model's route reaches the operator's activator, and
+what it knows.
 
-The activator (the server image in activator mode, shipped by the sluice-operator chart as
-Deployment and Service `<release>-activator` in the operator's namespace) holds a model's
-requests while the model has no Ready replica, and forwards them once one is.
+The activator (the server image in activator (router) mode, shipped by the sluice-operator
+chart as Deployment and Service `<release>-activator` in the operator's namespace) holds a
+model's requests while the model has no Ready replica, and forwards them once one is. For a
+model that opts into the router (spec.routing.router) it is the route's backend at every
+replica count: it watches the model's pods and places each request on a Ready one.
 
 - The route names a Service in the model's own namespace (an Ingress can name no other):
   `<name>-activator`, of type ExternalName, pointing at the activator Service's FQDN. An
   ExternalName Service is a DNS CNAME: no EndpointSlice to keep, no selector, and
   ingress-nginx accepts it as a backend. The same Service serves an HTTPRoute (a
-  ReferenceGrant would also do there; one path is simpler to keep right). It exists only
-  while autoscaling.minReplicas is 0.
+  ReferenceGrant would also do there; one path is simpler to keep right). It exists while
+  autoscaling.minReplicas is 0 or the model opts into the router (`in_activator`).
 - The activator tells models apart by the request's Host: the route rewrites it to the
   model Service's FQDN (`upstream_host`), which is also where the activator forwards.
 - The operator keeps ONE ConfigMap in its own namespace, `<activator>-models`, key
-  `models.json`: an entry per model with minReplicas 0 (`activator_entry`). It is the
-  activator's allowlist: a Host it does not list is answered 404, never proxied.
+  `models.json`: an entry per model with minReplicas 0 or the router (`activator_entry`). It
+  is the activator's allowlist: a Host it does not list is answered 404, never proxied. A
+  router model's entry also says which pods to watch (`pods`: namespace, the Service's
+  selector, so a multi-node group's leaders only, and the port); without `pods` the
+  activator forwards to the Service `host`.
 
 Pure: the model in, manifests out.
 """
@@ -26,7 +32,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..models.resource import StreamingModel
-from .common import MANAGED_BY_LABEL, MANAGER, PORT, PORT_NAME, metadata
+from ..models.scaling import ScaleToZeroSpec
+from .common import MANAGED_BY_LABEL, MANAGER, PORT, PORT_NAME, metadata, selector_labels
+from .leaderworkerset import leader_selector
 
 ACTIVATOR_SUFFIX = "-activator"
 MODELS_FILE = "models.json"
@@ -53,9 +61,14 @@ def model_key(model: StreamingModel) -> str:
     return f"{model.namespace}/{model.name}"
 
 
+def in_activator(model: StreamingModel) -> bool:
+    """The activator knows the model: minReplicas 0, or the model opts into the router."""
+    return model.spec.scale_to_zero is not None or model.routed
+
+
 def desired_activator_service(model: StreamingModel) -> dict[str, Any] | None:
-    """`<name>-activator`: ExternalName to the activator; only with minReplicas 0."""
-    if model.spec.scale_to_zero is None:
+    """`<name>-activator`: ExternalName to the activator; with minReplicas 0 or the router."""
+    if not in_activator(model):
         return None
     return {
         "apiVersion": "v1",
@@ -81,18 +94,32 @@ def desired_activator_service(model: StreamingModel) -> dict[str, Any] | None:
     }
 
 
-def activator_entry(model: StreamingModel) -> dict[str, Any] | None:
-    """The model's entry in models.json; None without scale to zero."""
-    if model.spec.scale_to_zero is None:
-        return None
-    zero = model.spec.scale_to_zero
+def router_pods(model: StreamingModel) -> dict[str, Any]:
+    """The pods the router watches for a model: the model Service's selector (a multi-node
+    group's leaders, which alone serve HTTP) in the model's namespace, and their port."""
     return {
+        "namespace": model.namespace,
+        "selector": {**selector_labels(model), **leader_selector(model)},
+        "port": PORT,
+    }
+
+
+def activator_entry(model: StreamingModel) -> dict[str, Any] | None:
+    """The model's entry in models.json; None without scale to zero or the router."""
+    if not in_activator(model):
+        return None
+    # A router model without scale to zero holds (no Ready pod) by the same defaults.
+    zero = model.spec.scale_to_zero or ScaleToZeroSpec()
+    entry: dict[str, Any] = {
         "host": upstream_host(model),
         "port": PORT,
         "holdTimeoutSeconds": model.spec.hold_timeout_seconds,
         "maxHeld": zero.max_held,
         "keepaliveSeconds": KEEPALIVE_SECONDS,
     }
+    if model.routed:
+        entry["pods"] = router_pods(model)
+    return entry
 
 
 def models_json(entries: Mapping[str, Mapping[str, Any]]) -> str:
@@ -103,7 +130,7 @@ def models_json(entries: Mapping[str, Mapping[str, Any]]) -> str:
 def desired_models_config_map(
     name: str, namespace: str, models: Iterable[StreamingModel]
 ) -> dict[str, Any]:
-    """The operator's one ConfigMap of every model with minReplicas 0 (`name`: the
+    """The operator's one ConfigMap of every model the activator knows (`name`: the
     activator's, plus `-models`). Owned by no model: the chart names it, the operator
     keeps its data."""
     entries = {model_key(m): e for m in models if (e := activator_entry(m)) is not None}

@@ -9,6 +9,7 @@ from ..models.engine import SimulatorSpec
 from ..models.resource import API_KEYS_DIR, API_KEYS_FILE, JWKS_DIR, JWKS_FILE, StreamingModel
 from .adapters import lora_args
 from .common import PORT, fmt_number
+from .kvevents import kv_event_args
 from .secrets import secret_args
 
 # SIGTERM to exit: the pod keeps serving in-flight streams for the stream timeout, after a
@@ -189,6 +190,8 @@ def server_args(model: StreamingModel) -> list[str]:
             "--sim-jitter",
             fmt_number(sim.jitter),
         ]
-    elif spec.engine.extra_args:
-        args += ["--", *spec.engine.extra_args]
+    else:  # after `--`: vLLM's own; the router's events first, the user's flags win
+        engine = [*kv_event_args(model), *spec.engine.extra_args]
+        if engine:
+            args += ["--", *engine]
     return args

@@ -16,6 +16,7 @@ from ..models.resource import (
 from .adapters import adapter_volumes
 from .args import PRESTOP_SECONDS, server_args, termination_grace_seconds
 from .common import PORT, PORT_NAME, endpoint_picker_labels, labels, metadata, selector_labels
+from .kvevents import kv_event_ports
 from .secrets import secret_env, secret_volumes
 
 # Loading a large model (download + weights into GPU memory + CUDA graphs) takes tens of
@@ -161,7 +162,10 @@ def pod_template(model: StreamingModel) -> dict[str, Any]:
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["sluice-server"],
         "args": server_args(model),
-        "ports": [{"name": PORT_NAME, "containerPort": PORT, "protocol": "TCP"}],
+        "ports": [
+            {"name": PORT_NAME, "containerPort": PORT, "protocol": "TCP"},
+            *kv_event_ports(model),
+        ],
         "env": _env(model),
         "resources": _resources(model),
         "volumeMounts": mounts,

@@ -31,7 +31,7 @@ from typing import Any
 from ..models.resource import StreamingModel
 from .activator import UPSTREAM_VHOST, activator_service_name, upstream_host
 from .common import PORT, PORT_NAME, metadata
-from .routing import Backend, route_backend
+from .routing import route_backend
 
 # The session-affinity cookie that brings a resumed stream back to its pod.
 AFFINITY_COOKIE = "sluice-affinity"
@@ -130,7 +130,7 @@ def desired_ingress(model: StreamingModel) -> dict[str, Any] | None:
         **balance_annotations(model),
         **ing.annotations,  # the user's win
     }
-    if route_backend(model) is Backend.ACTIVATOR:  # it tells models apart by Host
+    if route_backend(model).via_activator_service:  # it tells models apart by Host
         annotations[UPSTREAM_VHOST] = upstream_host(model)
     return {
         "apiVersion": "networking.k8s.io/v1",
@@ -142,9 +142,10 @@ def desired_ingress(model: StreamingModel) -> dict[str, Any] | None:
 
 def backend_service(model: StreamingModel) -> dict[str, Any]:
     """The Ingress path's backend (`routing.route_backend`): the model's Service, or its
-    activator Service while the model has no Ready replica (scale to zero; ExternalName has
-    no named port: by number). An Ingress cannot name an InferencePool: the Service."""
-    if route_backend(model) is Backend.ACTIVATOR:
+    activator Service for the router, or while the model has no Ready replica (scale to zero;
+    ExternalName has no named port: by number). An Ingress cannot name an InferencePool: the
+    Service."""
+    if route_backend(model).via_activator_service:
         return {"name": activator_service_name(model), "port": {"number": PORT}}
     return {"name": model.name, "port": {"name": PORT_NAME}}
 

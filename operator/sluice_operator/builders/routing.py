@@ -6,11 +6,16 @@ InferencePool (`spec.routing.inferencePool`) that is one of them.
 (builders/ingress.py) and the `RouteBackend` condition (`backend_verdict`) all read it, so
 the Service, the pool and the activator never both claim the route.
 
-The activator (scale to zero, builders/activator.py) wins while the pass found no Ready
-replica of a model with minReplicas 0 (`model.via_activator`): the route names the model's
-ExternalName Service `<name>-activator` and sets the upstream Host to the model Service's
-FQDN (HTTPRoute: a URLRewrite `hostname` filter; Ingress: ingress-nginx's upstream-vhost),
-which is how the activator tells models apart and where it forwards.
+The router (`spec.routing.router`, `model.via_router`) wins for a model that opts in, at
+any replica count: the router places each request on one of the model's Ready pods, and
+holds it while there is none. Otherwise the activator (scale to zero,
+builders/activator.py) wins while the pass found no Ready replica of a model with
+minReplicas 0 (`model.via_activator`). Both are the same pods (the operator chart's
+activator Deployment) reached the same way: the route names the model's ExternalName
+Service `<name>-activator` and sets the upstream Host to the model Service's FQDN
+(HTTPRoute: a URLRewrite `hostname` filter; Ingress: ingress-nginx's upstream-vhost), which
+is how the router tells models apart. A model that opts in while the chart runs no router
+keeps the Service (condition RouterReady says why: `router_verdict`).
 
 The InferencePool is written against `inference.networking.k8s.io/v1` as GAIE v1.6.0's CRD
 declares it (kubernetes-sigs/gateway-api-inference-extension, tag v1.6.0; endpointPickerRef
@@ -48,11 +53,20 @@ class Backend(StrEnum):
     SERVICE = "Service"
     INFERENCE_POOL = "InferencePool"
     ACTIVATOR = "Activator"
+    ROUTER = "Router"
+
+    @property
+    def via_activator_service(self) -> bool:
+        """The route names `<name>-activator` with the model's Host (the router's pods)."""
+        return self in (Backend.ACTIVATOR, Backend.ROUTER)
 
 
 def route_backend(model: StreamingModel) -> Backend:
-    """The one decision: the activator while a model with minReplicas 0 has no Ready
-    replica, else the pool when the model asks for one, else the Service."""
+    """The one decision: the router for a model that opts in (when the chart runs it), else
+    the activator while a model with minReplicas 0 has no Ready replica, else the pool when
+    the model asks for one, else the Service."""
+    if model.via_router:
+        return Backend.ROUTER
     if model.via_activator:
         return Backend.ACTIVATOR
     if model.spec.routing.inference_pool.enabled:
@@ -63,7 +77,7 @@ def route_backend(model: StreamingModel) -> Backend:
 def backend_ref(model: StreamingModel) -> dict[str, Any]:
     """The HTTPRoute rule's one backendRefs entry."""
     backend = route_backend(model)
-    if backend is Backend.ACTIVATOR:
+    if backend.via_activator_service:
         return {"name": activator_service_name(model), "port": PORT}
     if backend is Backend.INFERENCE_POOL:
         return {"group": POOL_GROUP, "kind": "InferencePool", "name": model.name}
@@ -71,8 +85,8 @@ def backend_ref(model: StreamingModel) -> dict[str, Any]:
 
 
 def route_filters(model: StreamingModel) -> list[dict[str, Any]]:
-    """The HTTPRoute rule's filters: the model's Host for the activator, else none."""
-    if route_backend(model) is Backend.ACTIVATOR:
+    """The HTTPRoute rule's filters: the model's Host for the router, else none."""
+    if route_backend(model).via_activator_service:
         return [{"type": "URLRewrite", "urlRewrite": {"hostname": upstream_host(model)}}]
     return []
 
@@ -94,6 +108,15 @@ def backend_verdict(
                 f"{activator_service_name(model)}), which holds them until one is Ready"
             ),
         )
+    if backend is Backend.ROUTER:
+        return (
+            True,
+            backend.value,
+            (
+                f"the {route} sends requests to the router (Service "
+                f"{activator_service_name(model)}), which places each on a Ready replica"
+            ),
+        )
     if backend is Backend.INFERENCE_POOL:
         if pool_unavailable is not None:
             return False, "InferencePoolUnavailable", pool_unavailable
@@ -109,6 +132,34 @@ def backend_verdict(
             f"the HTTPRoute sends requests to InferencePool {model.name} ({who})",
         )
     return True, backend.value, f"the {route} sends requests to Service {model.name}"
+
+
+# Where the operator chart turns the router on (it is the activator Deployment).
+ROUTER_CHART_VALUE = "activator.enabled"
+
+
+def router_verdict(model: StreamingModel) -> tuple[bool, str, str]:
+    """(status, reason, message) of the RouterReady condition of a model that opts into
+    the router."""
+    if not model.router_available:
+        return (
+            False,
+            "RouterDisabled",
+            (
+                "spec.routing.router.enabled, but the operator runs without the router (the "
+                f"sluice-operator chart's {ROUTER_CHART_VALUE} is false): the route goes to "
+                f"Service {model.name}; set {ROUTER_CHART_VALUE}=true, or turn "
+                "spec.routing.router off"
+            ),
+        )
+    return (
+        True,
+        "Listed",
+        (
+            f"the router lists {model.namespace}/{model.name} with its pods and places each "
+            "request on a Ready replica"
+        ),
+    )
 
 
 def desired_inference_pool(model: StreamingModel) -> dict[str, Any] | None:

@@ -1,6 +1,6 @@
 """How clients reach the model: an Ingress (`ingress`) or a Gateway API HTTPRoute
-(`gateway`), balancing over the replicas and the InferencePool (`routing`), and the
-NetworkPolicy that admits traffic to the pods (`networkPolicy`)."""
+(`gateway`), balancing over the replicas, the InferencePool and the Sluice router
+(`routing`), and the NetworkPolicy that admits traffic to the pods (`networkPolicy`)."""
 
 from __future__ import annotations
 
@@ -175,8 +175,40 @@ class InferencePoolSpec(ApiModel):
     )
 
 
+class RouterSpec(ApiModel):
+    """The Sluice router: the operator chart's router (activator) pods pick the replica for
+    each request."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Send every request through the Sluice router (the operator chart's "
+        "activator Deployment): the route names the router whatever the replica count, and "
+        "the router watches the model's Ready pods and forwards each request to one of "
+        "them (with no Ready pod it holds the request, as for scale to zero). The pods "
+        "publish their KV-cache events on port 5557 for it. An alternative to "
+        "inferencePool (an endpoint picker behind a Gateway); balance does not apply (the "
+        "route has one backend, the router). Needs the chart's activator.enabled: without "
+        "it the route goes to the Service and condition RouterReady says so.",
+    )
+
+
+# The router and the InferencePool both choose the pod for each request: one or the other.
+ROUTER_OR_POOL = Rule(
+    # has(): the API server checks the rule on the node's default `{}` as written too.
+    "!(has(self.router) && has(self.router.enabled) && self.router.enabled && "
+    "has(self.inferencePool) && has(self.inferencePool.enabled) && self.inferencePool.enabled)",
+    "routing.router.enabled and routing.inferencePool.enabled are exclusive: pick the pod "
+    "for each request with the Sluice router or with the InferencePool's endpoint picker, "
+    "not both (turn one of them off)",
+    holds=lambda r: not (r.router.enabled and r.inference_pool.enabled),
+    field=".router",
+)
+
+
 class RoutingSpec(ApiModel):
     """How requests are spread over the model's replicas."""
+
+    RULES = (ROUTER_OR_POOL,)
 
     balance: Literal["least-loaded", "round-robin"] = Field(
         default="least-loaded",
@@ -191,6 +223,9 @@ class RoutingSpec(ApiModel):
     )
     inference_pool: InferencePoolSpec = sub(
         InferencePoolSpec, "InferencePool for an endpoint picker (off by default)."
+    )
+    router: RouterSpec = sub(
+        RouterSpec, "The Sluice router, which places each request on a replica (off by default)."
     )
 
 

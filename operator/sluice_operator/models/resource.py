@@ -107,9 +107,23 @@ class StreamingModel:
     # zero on, and no Ready replica). Offline renders see the defaults.
     activator_host: str = DEFAULT_ACTIVATOR_HOST
     via_activator: bool = False
+    # Whether the operator chart runs the router (the activator: `run --activator-service`
+    # set). Offline renders assume it does.
+    router_available: bool = True
     # Not the spec either: the operator's configuration (`run --model-image`), which
     # `image` falls back to. Offline renders see the built-in default.
     defaults: OperatorDefaults = OperatorDefaults()
+
+    @property
+    def routed(self) -> bool:
+        """The model opted into the router (spec.routing.router): the activator's models file
+        lists it with its pods, and its `<name>-activator` Service exists."""
+        return self.spec.routing.router.enabled
+
+    @property
+    def via_router(self) -> bool:
+        """The route names the router: the model opted in and the operator chart runs it."""
+        return self.routed and self.router_available
 
     @property
     def image(self) -> str:

@@ -24,6 +24,7 @@ ConditionType = Literal[
     "GatewayRoute",
     "RouteBackend",
     "InferencePoolReady",
+    "RouterReady",
     "PodMonitorReady",
     "LeaderWorkerSetReady",
     "AdaptersReady",
@@ -139,9 +140,11 @@ class StreamingModelStatus(ApiModel):
         "while an operator upgrade's new pod template waits for a rollout slot; with spec.gateway "
         "also GatewayRoute (the HTTPRoute accepted by its Gateways, or why not: the Gateway API "
         "CRDs missing, access forbidden, a Gateway refusing the route); with spec.gateway, or an "
-        "Ingress and autoscaling.minReplicas 0, also RouteBackend (the backend the route names: "
-        "Service, InferencePool or Activator; False when the InferencePool cannot be applied); "
-        "with routing.inferencePool.enabled also InferencePoolReady, with "
+        "Ingress and autoscaling.minReplicas 0 or routing.router.enabled, also RouteBackend (the "
+        "backend the route names: Service, InferencePool, Activator or Router; False when the "
+        "InferencePool cannot be applied); with routing.inferencePool.enabled also "
+        "InferencePoolReady; with routing.router.enabled RouterReady (False, RouterDisabled, "
+        "when the operator chart runs no router: the route then goes to the Service); with "
         "observability.podMonitor.enabled PodMonitorReady, with parallelism.nodes above 1 "
         "LeaderWorkerSetReady (each: the object applied and accepted, or why not: its CRD "
         "missing, access forbidden); with LoRA on AdaptersReady (every adapter served by every "
