@@ -37,6 +37,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Protocol
+from urllib.parse import urlsplit
 
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
@@ -99,6 +100,12 @@ class NodeAgent:
         self.taint = taint  # {key, value, effect}: keeps other tests' pods off this node
         self.runtime = runtime
         self.host_ip = "127.0.0.1"
+        # Where in-cluster clients reach the API server (KUBERNETES_SERVICE_HOST/PORT): the
+        # address this agent itself talks to (the pods share the host's network).
+        url = urlsplit(api.configuration.host)
+        self.api_server: tuple[str, int] | None = (
+            (url.hostname, url.port or 443) if url.hostname else None
+        )
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.errors: list[str] = []
@@ -463,6 +470,29 @@ class NodeAgent:
                 return None
             raise
         return object_data(kind, self.core.api_client.sanitize_for_serialization(obj))
+
+    def service_account_token(self, pod: dict, audience: str | None,
+                              seconds: int) -> tuple[str, float]:  # fmt: skip
+        """A token of the pod's ServiceAccount bound to the pod (TokenRequest, as the
+        kubelet asks for a projected `serviceAccountToken`): (token, expiry in epoch s).
+        The API server authenticates it as `system:serviceaccount:<ns>:<sa>` with the
+        pod's name and uid in its extra fields, and refuses it once the pod is gone."""
+        meta = pod["metadata"]
+        sa = pod["spec"].get("serviceAccountName") or "default"
+        got = self.core.create_namespaced_service_account_token(
+            sa,
+            meta["namespace"],
+            client.AuthenticationV1TokenRequest(
+                spec=client.V1TokenRequestSpec(
+                    audiences=[audience] if audience else [],
+                    expiration_seconds=seconds,
+                    bound_object_ref=client.V1BoundObjectReference(
+                        api_version="v1", kind="Pod", name=meta["name"], uid=meta["uid"]
+                    ),
+                )
+            ),
+        )
+        return got.status.token, got.status.expiration_timestamp.timestamp()
 
     def _live_workdir(self) -> Path:
         """Where live mode keeps pods and claims (`run_pods=True` needs a workdir)."""
