@@ -17,9 +17,11 @@ control-plane side of the operator, cheaply.
 Live mode (`run_pods=True`): every container of a pod bound here runs in a bubblewrap
 sandbox built from the pod spec, with probes, restarts and graceful termination as the
 kubelet does them (pod_runtime.py, sandbox.py); each pod gets its own loopback address
-127.1.x.y as `podIP`/`podIPs` (all of 127.0.0.0/8 reaches `lo`, no setup). Secret and
-ConfigMap volumes are refreshed every `config_period` seconds (the kubelet: about a
-minute). A deleted pod's object goes once its containers have stopped: preStop, SIGTERM,
+127.1.x.y as `podIP`/`podIPs` (all of 127.0.0.0/8 reaches `lo`, no setup). Secret,
+ConfigMap and projected volumes are refreshed every `config_period` seconds (the kubelet:
+about a minute); a projected `serviceAccountToken` is a TokenRequest bound to the pod
+(`service_account_token`), and every container finds the API server this agent talks to
+in `KUBERNETES_SERVICE_HOST`/`KUBERNETES_SERVICE_PORT` (`api_server`). A deleted pod's object goes once its containers have stopped: preStop, SIGTERM,
 SIGKILL at its grace period. `crash()` is a node loss: the sandboxes are killed, the
 heartbeat stops, nothing more is reported, and the control plane must find out itself.
 

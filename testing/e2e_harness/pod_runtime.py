@@ -2,8 +2,12 @@
 
 `PodRuntime(pod, host)` owns one pod's life on the node (node_agent.py calls it):
 - volumes: emptyDir (`medium: Memory` a tmpfs of `sizeLimit`, otherwise a folder of the
-  pod's), Secret and ConfigMap volumes projected (sandbox.Projection) and refreshed by
-  `refresh_projections()`, PVCs bound from one host folder per claim (`host.pvc_dir`);
+  pod's), Secret and ConfigMap volumes projected (sandbox.Projection), `projected` and
+  `downwardAPI` volumes (sandbox.ProjectedVolume: the ServiceAccount token from
+  `host.service_account_token`, bound to the pod), all refreshed by
+  `refresh_projections()`, PVCs bound from one host folder per claim (`host.pvc_dir`); a
+  volume that cannot be made yet is tried again every second;
+- env: sandbox.container_env plus the API server's `KUBERNETES_SERVICE_*` (`host.api_server`);
 - each container: sandbox.py's argv, env and mounts, started under bwrap with its output in
   `<log_dir>/<namespace>.<pod>.<container>.log` (appended across restarts, as `kubectl logs
   --previous` would need);

@@ -19,7 +19,9 @@ Pure pieces (no API calls, no processes), unit-tested without a cluster
 - `container_argv`: command and args with `$(VAR)` expanded. The sandbox shares the host's
   network namespace (there is no pod network here), so a wildcard bind address (`0.0.0.0`,
   `::`) in the arguments becomes the pod's own loopback address: that is what "listens on
-  every interface of the pod" means when the pod's only interface is its address.
+  every interface of the pod" means when the pod's only interface is its address. vLLM's
+  `--kv-events-config` ZMQ endpoints likewise (`zmq_own_endpoint`).
+- `api_server_env`: the `kubernetes` Service's variables every container gets.
 - `bwrap_argv`: the sandbox (measured in the environment notes): read-only root, the pod's
   uid/gid through a user namespace, the command as PID 1 of its own PID namespace (so
   SIGTERM goes to it, as in a container), a private IPC namespace, each volume mount, then
@@ -28,6 +30,9 @@ Pure pieces (no API calls, no processes), unit-tested without a cluster
   does: files in a timestamped folder, `..data` a symlink to it, each key a symlink through
   `..data`; an update writes a new folder and renames a new `..data` over the old one, so a
   reader sees the old set or the new set, never a mix (credential reloads run for real).
+- `ProjectedVolume`: a `projected` (or `downwardAPI`) volume the same way, with the
+  ServiceAccount token the kubelet would mint for the pod, refreshed as its token manager
+  does.
 """
 
 from __future__ import annotations
@@ -395,7 +400,7 @@ class Sandbox:
                 and not (m.source is not None and m.source.is_file())]  # fmt: skip
 
 
-# --- projected Secret / ConfigMap volumes --------------------------------------------
+# --- Secret / ConfigMap volumes --------------------------------------------------------
 def object_data(kind: str, obj: Mapping[str, Any]) -> dict[str, bytes]:
     """A Secret's or ConfigMap's keys as bytes (Secret `data` is base64 in the API)."""
     if kind == "secret":
