@@ -17,9 +17,11 @@ control-plane side of the operator, cheaply.
 Live mode (`run_pods=True`): every container of a pod bound here runs in a bubblewrap
 sandbox built from the pod spec, with probes, restarts and graceful termination as the
 kubelet does them (pod_runtime.py, sandbox.py); each pod gets its own loopback address
-127.1.x.y as `podIP`/`podIPs` (all of 127.0.0.0/8 reaches `lo`, no setup). Secret and
-ConfigMap volumes are refreshed every `config_period` seconds (the kubelet: about a
-minute). A deleted pod's object goes once its containers have stopped: preStop, SIGTERM,
+127.1.x.y as `podIP`/`podIPs` (all of 127.0.0.0/8 reaches `lo`, no setup). Secret,
+ConfigMap and projected volumes are refreshed every `config_period` seconds (the kubelet:
+about a minute); a projected `serviceAccountToken` is a TokenRequest bound to the pod
+(`service_account_token`), and every container finds the API server this agent talks to
+in `KUBERNETES_SERVICE_HOST`/`KUBERNETES_SERVICE_PORT` (`api_server`). A deleted pod's object goes once its containers have stopped: preStop, SIGTERM,
 SIGKILL at its grace period. `crash()` is a node loss: the sandboxes are killed, the
 heartbeat stops, nothing more is reported, and the control plane must find out itself.
 
@@ -37,6 +39,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Protocol
+from urllib.parse import urlsplit
 
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
@@ -99,6 +102,12 @@ class NodeAgent:
         self.taint = taint  # {key, value, effect}: keeps other tests' pods off this node
         self.runtime = runtime
         self.host_ip = "127.0.0.1"
+        # Where in-cluster clients reach the API server (KUBERNETES_SERVICE_HOST/PORT): the
+        # address this agent itself talks to (the pods share the host's network).
+        url = urlsplit(api.configuration.host)
+        self.api_server: tuple[str, int] | None = (
+            (url.hostname, url.port or 443) if url.hostname else None
+        )
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.errors: list[str] = []
@@ -463,6 +472,29 @@ class NodeAgent:
                 return None
             raise
         return object_data(kind, self.core.api_client.sanitize_for_serialization(obj))
+
+    def service_account_token(self, pod: dict, audience: str | None,
+                              seconds: int) -> tuple[str, float]:  # fmt: skip
+        """A token of the pod's ServiceAccount bound to the pod (TokenRequest, as the
+        kubelet asks for a projected `serviceAccountToken`): (token, expiry in epoch s).
+        The API server authenticates it as `system:serviceaccount:<ns>:<sa>` with the
+        pod's name and uid in its extra fields, and refuses it once the pod is gone."""
+        meta = pod["metadata"]
+        sa = pod["spec"].get("serviceAccountName") or "default"
+        got = self.core.create_namespaced_service_account_token(
+            sa,
+            meta["namespace"],
+            client.AuthenticationV1TokenRequest(
+                spec=client.V1TokenRequestSpec(
+                    audiences=[audience] if audience else [],
+                    expiration_seconds=seconds,
+                    bound_object_ref=client.V1BoundObjectReference(
+                        api_version="v1", kind="Pod", name=meta["name"], uid=meta["uid"]
+                    ),
+                )
+            ),
+        )
+        return got.status.token, got.status.expiration_timestamp.timestamp()
 
     def _live_workdir(self) -> Path:
         """Where live mode keeps pods and claims (`run_pods=True` needs a workdir)."""

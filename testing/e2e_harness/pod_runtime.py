@@ -2,8 +2,12 @@
 
 `PodRuntime(pod, host)` owns one pod's life on the node (node_agent.py calls it):
 - volumes: emptyDir (`medium: Memory` a tmpfs of `sizeLimit`, otherwise a folder of the
-  pod's), Secret and ConfigMap volumes projected (sandbox.Projection) and refreshed by
-  `refresh_projections()`, PVCs bound from one host folder per claim (`host.pvc_dir`);
+  pod's), Secret and ConfigMap volumes projected (sandbox.Projection), `projected` and
+  `downwardAPI` volumes (sandbox.ProjectedVolume: the ServiceAccount token from
+  `host.service_account_token`, bound to the pod), all refreshed by
+  `refresh_projections()`, PVCs bound from one host folder per claim (`host.pvc_dir`); a
+  volume that cannot be made yet is tried again every second;
+- env: sandbox.container_env plus the API server's `KUBERNETES_SERVICE_*` (`host.api_server`);
 - each container: sandbox.py's argv, env and mounts, started under bwrap with its output in
   `<log_dir>/<namespace>.<pod>.<container>.log` (appended across restarts, as `kubectl logs
   --previous` would need);
@@ -60,8 +64,11 @@ class Host(Protocol):
     host_ip: str
     log_dir: Path
     cpus: set[int] | None
+    api_server: tuple[str, int] | None  # the API server's (host, port) for in-cluster clients
 
     def lookup(self, kind: str, namespace: str, name: str) -> dict[str, bytes] | None: ...
+    def service_account_token(self, pod: dict, audience: str | None,
+                              seconds: int) -> tuple[str, float]: ...  # fmt: skip
     def pvc_dir(self, namespace: str, claim: str) -> Path: ...
     def patch_status(self, pod: dict, status: dict) -> None: ...
     def record_exit(self, pod: dict, container: str, code: int, why: str) -> None: ...
@@ -108,6 +115,7 @@ class PodRuntime:
         self.containers = [ContainerState(c) for c in pod["spec"]["containers"]]
         self.policy = pod["spec"].get("restartPolicy", "Always")
         self.projections: list[sb.Projection] = []
+        self.projected: list[sb.ProjectedVolume] = []
         self.mounts: dict[str, sb.Mount] = {}  # volume name -> how it mounts (minus target)
         self.error: tuple[str, str] | None = None  # (reason, message) for every container
         self.start_time = time.time()
@@ -150,14 +158,23 @@ class PodRuntime:
         self.done.set()
 
     def refresh_projections(self) -> int:
-        """Re-read every Secret/ConfigMap volume's object; how many changed."""
+        """Re-read every Secret/ConfigMap volume's object and every projected volume's
+        sources (a token near its end is minted again); how many volumes changed."""
         changed = 0
         for p in self.projections:
             try:
                 changed += p.write(self.host.lookup(p.kind, self.namespace, p.name))
             except sb.ConfigError:
                 pass  # the kubelet keeps the last content when the object goes away
+        for v in self.projected:
+            try:
+                changed += v.refresh(self.host.lookup, self._token)
+            except sb.ConfigError:
+                pass
         return changed
+
+    def _token(self, audience: str | None, seconds: int) -> tuple[str, float]:
+        return self.host.service_account_token(self.pod, audience, seconds)
 
     def ready(self) -> bool:
         return not self.terminating.is_set() and all(c.ready for c in self.containers)
@@ -170,10 +187,18 @@ class PodRuntime:
 
     # --- the pod's loop --------------------------------------------------------------
     def _run(self) -> None:
-        try:
-            self._prepare_volumes()
-        except sb.ConfigError as e:
-            self.error = ("CreateContainerConfigError", str(e))
+        # Volumes first; a source that is not there yet (a ConfigMap the controller manager
+        # publishes a moment after the namespace exists) is tried again, as the kubelet does.
+        while True:
+            try:
+                self._prepare_volumes()
+                self.error = None
+                break
+            except sb.ConfigError as e:
+                self.error = ("CreateContainerConfigError", str(e))
+                self._report()
+                if self.terminating.wait(1.0):
+                    break
         for c in self.containers:
             if self.error is None:
                 self._start_container(c)
@@ -237,6 +262,7 @@ class PodRuntime:
 
     # --- volumes ---------------------------------------------------------------------
     def _prepare_volumes(self) -> None:
+        self.projections, self.projected, self.mounts = [], [], {}
         for vol in self.pod["spec"].get("volumes") or []:
             name = vol["name"]
             if "emptyDir" in vol:
@@ -257,6 +283,17 @@ class PodRuntime:
                 p.write(self.host.lookup(kind, self.namespace, obj))
                 self.projections.append(p)
                 self.mounts[name] = sb.Mount("", p.root, read_only=True)
+            elif "projected" in vol or "downwardAPI" in vol:
+                if "projected" in vol:
+                    src, sources = vol["projected"], vol["projected"].get("sources") or []
+                else:
+                    src, sources = vol["downwardAPI"], [{"downwardAPI": vol["downwardAPI"]}]
+                v = sb.ProjectedVolume(self.dir / "volumes" / name, sources,
+                                       src.get("defaultMode", 0o644), self.pod, self.ip,
+                                       self.host.host_ip)  # fmt: skip
+                v.refresh(self.host.lookup, self._token)
+                self.projected.append(v)
+                self.mounts[name] = sb.Mount("", v.root, read_only=True)
             elif "persistentVolumeClaim" in vol:
                 pvc = vol["persistentVolumeClaim"]
                 path = self.host.pvc_dir(self.namespace, pvc["claimName"])
@@ -275,7 +312,7 @@ class PodRuntime:
             if m.get("subPath") and source is not None:
                 source = source / m["subPath"]
             read_only = base.read_only or bool(m.get("readOnly"))
-            out.append(sb.Mount(m["mountPath"], source, read_only, base.size))
+            out.append(sb.Mount(_host_target(m["mountPath"]), source, read_only, base.size))
         return out
 
     def _hosts_file(self) -> list[sb.Mount]:
@@ -300,8 +337,10 @@ class PodRuntime:
             c.state = {"waiting": {"reason": "ErrImagePull", "message": str(e)}}
             return
         try:
+            api = self.host.api_server
             c.env = sb.container_env(c.spec, self.pod, image, self.host.lookup, self.ip,
-                                     self.host.host_ip)  # fmt: skip
+                                     self.host.host_ip,
+                                     sb.api_server_env(*api) if api else None)  # fmt: skip
             argv = sb.container_argv(c.spec, image, c.env, self.ip)
             uid, gid = sb.run_as(c.spec, self.pod, image)
             mounts = self._container_mounts(c) + self._hosts_file()
@@ -493,6 +532,15 @@ class PodRuntime:
         return {**status, "conditions": conds, "podIPs": [{"ip": self.ip}],
                 "hostIP": self.host.host_ip, "hostIPs": [{"ip": self.host.host_ip}],
                 "startTime": rfc3339(self.start_time)}  # fmt: skip
+
+
+def _host_target(path: str) -> str:
+    """A mount target with the host's symlinks resolved (`/var/run` -> `/run`): the pod's
+    root is the host's, and bwrap cannot make a mount point through an absolute symlink
+    (as runc resolves a target inside the container's root). /dev is the sandbox's own."""
+    if path == "/dev" or path.startswith("/dev/"):
+        return path
+    return os.path.realpath(path)
 
 
 def _http_ok(url: str, timeout: float) -> bool:

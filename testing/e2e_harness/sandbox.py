@@ -19,7 +19,9 @@ Pure pieces (no API calls, no processes), unit-tested without a cluster
 - `container_argv`: command and args with `$(VAR)` expanded. The sandbox shares the host's
   network namespace (there is no pod network here), so a wildcard bind address (`0.0.0.0`,
   `::`) in the arguments becomes the pod's own loopback address: that is what "listens on
-  every interface of the pod" means when the pod's only interface is its address.
+  every interface of the pod" means when the pod's only interface is its address. vLLM's
+  `--kv-events-config` ZMQ endpoints likewise (`zmq_own_endpoint`).
+- `api_server_env`: the `kubernetes` Service's variables every container gets.
 - `bwrap_argv`: the sandbox (measured in the environment notes): read-only root, the pod's
   uid/gid through a user namespace, the command as PID 1 of its own PID namespace (so
   SIGTERM goes to it, as in a container), a private IPC namespace, each volume mount, then
@@ -28,11 +30,15 @@ Pure pieces (no API calls, no processes), unit-tested without a cluster
   does: files in a timestamped folder, `..data` a symlink to it, each key a symlink through
   `..data`; an update writes a new folder and renames a new `..data` over the old one, so a
   reader sees the old set or the new set, never a mix (credential reloads run for real).
+- `ProjectedVolume`: a `projected` (or `downwardAPI`) volume the same way, with the
+  ServiceAccount token the kubelet would mint for the pod, refreshed as its token manager
+  does.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import os
 import re
 import shutil
@@ -175,12 +181,34 @@ def field_value(path: str, pod: Mapping[str, Any], pod_ip: str, host_ip: str) ->
     raise ConfigError(f"fieldRef {path} is not supported by the e2e node agent")
 
 
+def api_server_env(host: str, port: int) -> dict[str, str]:
+    """The variables the kubelet gives every container for the `kubernetes` Service (with
+    or without `enableServiceLinks`), pointing at the API server itself: there is no
+    Service IP here, and the pods share the host's network, so its loopback address
+    reaches it. In-cluster clients (client-go, the Python client, the router) read
+    `KUBERNETES_SERVICE_HOST`/`KUBERNETES_SERVICE_PORT`."""
+    url = f"tcp://{host}:{port}"
+    return {
+        "KUBERNETES_SERVICE_HOST": host,
+        "KUBERNETES_SERVICE_PORT": str(port),
+        "KUBERNETES_SERVICE_PORT_HTTPS": str(port),
+        "KUBERNETES_PORT": url,
+        f"KUBERNETES_PORT_{port}_TCP": url,
+        f"KUBERNETES_PORT_{port}_TCP_PROTO": "tcp",
+        f"KUBERNETES_PORT_{port}_TCP_PORT": str(port),
+        f"KUBERNETES_PORT_{port}_TCP_ADDR": host,
+    }
+
+
 def container_env(container: Mapping[str, Any], pod: Mapping[str, Any], image: Image,
-                  lookup: Lookup, pod_ip: str, host_ip: str) -> dict[str, str]:  # fmt: skip
-    """The process environment: the image's, then what the kubelet adds, then envFrom,
-    then env (later entries win, each `$(VAR)` resolved against what came before)."""
+                  lookup: Lookup, pod_ip: str, host_ip: str,
+                  service_env: Mapping[str, str] | None = None) -> dict[str, str]:  # fmt: skip
+    """The process environment: the image's, then what the kubelet adds (`HOSTNAME`, the
+    API server's `service_env`), then envFrom, then env (later entries win, each `$(VAR)`
+    resolved against what came before)."""
     ns = pod["metadata"]["namespace"]
-    env: dict[str, str] = {**image.env, "HOSTNAME": pod["metadata"]["name"]}
+    env: dict[str, str] = {**image.env, "HOSTNAME": pod["metadata"]["name"],
+                           **(service_env or {})}  # fmt: skip
     for src in container.get("envFrom") or []:
         prefix = src.get("prefix", "")
         for kind, key in (("secret", "secretRef"), ("configmap", "configMapRef")):
@@ -228,7 +256,8 @@ def container_argv(container: Mapping[str, Any], image: Image, env: Mapping[str,
     elif not command[0].startswith("/") and not shutil.which(command[0], path=image.env["PATH"]):
         raise ConfigError(f'container {container["name"]}: executable "{command[0]}" not '
                           f"found in image {image.name}")  # fmt: skip
-    return [_own_address(a, pod_ip) for a in command + args]
+    argv = [_own_address(a, pod_ip) for a in command + args]
+    return _own_kv_events(argv, pod_ip)
 
 
 def _own_address(arg: str, pod_ip: str) -> str:
@@ -238,6 +267,46 @@ def _own_address(arg: str, pod_ip: str) -> str:
         if arg.endswith("=" + w):
             return arg[: -len(w)] + pod_ip
     return arg
+
+
+KV_EVENTS_FLAG = "--kv-events-config"
+_ZMQ_WILDCARD = re.compile(r"tcp://(\*|\[::\]|::):(\d+)")
+
+
+def zmq_own_endpoint(endpoint: str, pod_ip: str) -> str:
+    """`tcp://*:PORT` (or `tcp://[::]:PORT`) -> `tcp://[::ffff:<pod IP>]:PORT`: the pod's
+    own address, written so that vLLM still binds it (vLLM binds an endpoint holding `*`
+    or `::` and connects to any other) and ZMQ binds the IPv4 address behind the mapped
+    form without IPv6 switched on. Anything else is kept."""
+    m = _ZMQ_WILDCARD.fullmatch(endpoint)
+    return f"tcp://[::ffff:{pod_ip}]:{m.group(2)}" if m else endpoint
+
+
+def _kv_events_config(value: str, pod_ip: str) -> str:
+    try:
+        config = json.loads(value)
+    except ValueError:
+        return value  # not ours to judge: vLLM refuses it
+    if not isinstance(config, dict):
+        return value
+    for key in ("endpoint", "replay_endpoint"):
+        if isinstance(config.get(key), str):
+            config[key] = zmq_own_endpoint(config[key], pod_ip)
+    return json.dumps(config, separators=(",", ":"))
+
+
+def _own_kv_events(argv: list[str], pod_ip: str) -> list[str]:
+    """vLLM's `--kv-events-config JSON` (or `=JSON`): its wildcard ZMQ endpoints (PUB and
+    replay) become the pod's own address (`zmq_own_endpoint`). On a cluster each pod has
+    its network namespace and `tcp://*:5557` is the pod's; here the pods share the host's,
+    and two pods on the same fixed ports would collide."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == KV_EVENTS_FLAG and i + 1 < len(out):
+            out[i + 1] = _kv_events_config(out[i + 1], pod_ip)
+        elif arg.startswith(KV_EVENTS_FLAG + "="):
+            out[i] = f"{KV_EVENTS_FLAG}={_kv_events_config(arg.split('=', 1)[1], pod_ip)}"
+    return out
 
 
 def sandbox_problem() -> str | None:
@@ -331,7 +400,7 @@ class Sandbox:
                 and not (m.source is not None and m.source.is_file())]  # fmt: skip
 
 
-# --- projected Secret / ConfigMap volumes --------------------------------------------
+# --- Secret / ConfigMap volumes --------------------------------------------------------
 def object_data(kind: str, obj: Mapping[str, Any]) -> dict[str, bytes]:
     """A Secret's or ConfigMap's keys as bytes (Secret `data` is base64 in the API)."""
     if kind == "secret":
@@ -343,38 +412,19 @@ def object_data(kind: str, obj: Mapping[str, Any]) -> dict[str, bytes]:
     return out
 
 
-class Projection:
-    """One Secret/ConfigMap volume folder, kept in step with its object (module docstring)."""
+class AtomicDir:
+    """A volume folder written the way the kubelet's atomic writer does (module docstring)."""
 
     DATA = "..data"
 
-    def __init__(self, root: Path, kind: str, name: str, items: list[dict] | None,
-                 default_mode: int, optional: bool = False) -> None:  # fmt: skip
-        self.root, self.kind, self.name = root, kind, name
-        self.items, self.default_mode, self.optional = items, default_mode, optional
+    def __init__(self, root: Path) -> None:
+        self.root = root
         self.current: dict[str, bytes] | None = None
         self.updates = 0
         root.mkdir(parents=True, exist_ok=True)
 
-    def files(self, data: Mapping[str, bytes] | None) -> dict[str, tuple[bytes, int]]:
-        if data is None:
-            if self.optional:
-                return {}
-            raise ConfigError(f'{self.kind} "{self.name}" not found')
-        if self.items is None:
-            return {k: (v, self.default_mode) for k, v in data.items()}
-        out = {}
-        for item in self.items:
-            if item["key"] not in data:
-                if self.optional:
-                    continue
-                raise ConfigError(f'key "{item["key"]}" not in {self.kind} "{self.name}"')
-            out[item["path"]] = (data[item["key"]], item.get("mode", self.default_mode))
-        return out
-
-    def write(self, data: Mapping[str, bytes] | None) -> bool:
-        """Project `data`; False when nothing changed."""
-        files = self.files(data)
+    def publish(self, files: Mapping[str, tuple[bytes, int]]) -> bool:
+        """Write `files` (path -> (content, mode)); False when nothing changed."""
         content = {path: body for path, (body, _) in files.items()}
         if content == self.current:
             return False
@@ -406,3 +456,126 @@ class Projection:
         self.updates += self.current is not None
         self.current = content
         return True
+
+
+def key_files(kind: str, name: str, items: list[dict] | None, default_mode: int,
+              optional: bool, data: Mapping[str, bytes] | None
+              ) -> dict[str, tuple[bytes, int]]:  # fmt: skip
+    """The files of a Secret or ConfigMap volume (or projected source): every key, or the
+    `items` (key -> path, mode); a missing object or key is a ConfigError unless optional."""
+    if data is None:
+        if optional:
+            return {}
+        raise ConfigError(f'{kind} "{name}" not found')
+    if items is None:
+        return {k: (v, default_mode) for k, v in data.items()}
+    out = {}
+    for item in items:
+        if item["key"] not in data:
+            if optional:
+                continue
+            raise ConfigError(f'key "{item["key"]}" not in {kind} "{name}"')
+        out[item["path"]] = (data[item["key"]], item.get("mode", default_mode))
+    return out
+
+
+class Projection(AtomicDir):
+    """One Secret/ConfigMap volume folder, kept in step with its object (module docstring)."""
+
+    def __init__(self, root: Path, kind: str, name: str, items: list[dict] | None,
+                 default_mode: int, optional: bool = False) -> None:  # fmt: skip
+        super().__init__(root)
+        self.kind, self.name = kind, name
+        self.items, self.default_mode, self.optional = items, default_mode, optional
+
+    def files(self, data: Mapping[str, bytes] | None) -> dict[str, tuple[bytes, int]]:
+        return key_files(self.kind, self.name, self.items, self.default_mode, self.optional,
+                         data)  # fmt: skip
+
+    def write(self, data: Mapping[str, bytes] | None) -> bool:
+        """Project `data`; False when nothing changed."""
+        return self.publish(self.files(data))
+
+
+# --- projected volumes: the ServiceAccount token, kube-root-ca.crt, the downward API ---
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+TOKEN_MAX_AGE = 24 * 3600.0  # the kubelet's token manager: refresh a day-old token anyway
+TOKEN_REFRESH_LEFT = 0.2  # ... and one within the last 20% of its lifetime
+# (audience or None for the API server's, expirationSeconds) -> (token, expiry, epoch s)
+TokenSource = Callable[[str | None, int], tuple[str, float]]
+
+
+def downward_file(path: str, pod: Mapping[str, Any], pod_ip: str, host_ip: str) -> str:
+    """A downwardAPI volume item's content: `metadata.labels`/`annotations` whole as the
+    kubelet formats them (`key="value"` lines, sorted), otherwise `field_value`."""
+    if path in ("metadata.labels", "metadata.annotations"):
+        pairs = sorted((pod["metadata"].get(path.split(".")[1]) or {}).items())
+        return "\n".join(f"{k}={json.dumps(v)}" for k, v in pairs)
+    return field_value(path, pod, pod_ip, host_ip)
+
+
+class ProjectedVolume(AtomicDir):
+    """A `projected` volume (the ServiceAccount admission's `kube-api-access-*` one, or a
+    chart's own), also a plain `downwardAPI` volume (one source). Sources: `secret` and
+    `configMap` (as their volumes: items, optional), `downwardAPI` (`fieldRef` items),
+    `serviceAccountToken` (a token of the pod's ServiceAccount bound to the pod, from
+    `token_source`, at `path`; minted again, as the kubelet's token manager does, once it
+    is a day old or in the last 20% of its lifetime). `clusterTrustBundle`, `podCertificate`
+    and `resourceFieldRef` are a ConfigError. `refresh()` re-reads every source (the agent
+    calls it every `config_period`) and swaps `..data` only when a file changed."""
+
+    def __init__(self, root: Path, sources: list[dict], default_mode: int,
+                 pod: Mapping[str, Any], pod_ip: str, host_ip: str,
+                 clock: Callable[[], float] = time.time) -> None:  # fmt: skip
+        super().__init__(root)
+        self.sources, self.default_mode = sources, default_mode
+        self.pod, self.pod_ip, self.host_ip, self.clock = pod, pod_ip, host_ip, clock
+        # (audience, expirationSeconds) -> (token, expires at): the kubelet's token cache
+        self.tokens: dict[tuple[str | None, int], tuple[str, float]] = {}
+        self.minted = 0
+
+    def _token(self, audience: str | None, seconds: int, source: TokenSource) -> str:
+        key = (audience, seconds)
+        now = self.clock()
+        if key in self.tokens:
+            token, expires = self.tokens[key]
+            issued = expires - seconds
+            due = min(issued + TOKEN_MAX_AGE, expires - TOKEN_REFRESH_LEFT * seconds)
+            if now < due:
+                return token
+        token, expires = source(audience, seconds)
+        self.minted += 1
+        self.tokens[key] = (token, expires)
+        return token
+
+    def files(self, lookup: Lookup, token_source: TokenSource) -> dict[str, tuple[bytes, int]]:
+        ns = self.pod["metadata"]["namespace"]
+        out: dict[str, tuple[bytes, int]] = {}
+        for src in self.sources:
+            if "secret" in src or "configMap" in src:
+                kind = "secret" if "secret" in src else "configmap"
+                ref = src["secret"] if "secret" in src else src["configMap"]
+                data = lookup(kind, ns, ref["name"])
+                out |= key_files(kind, ref["name"], ref.get("items"), self.default_mode,
+                                 bool(ref.get("optional")), data)  # fmt: skip
+            elif "downwardAPI" in src:
+                for item in src["downwardAPI"].get("items") or []:
+                    if "fieldRef" not in item:
+                        raise ConfigError(f"downwardAPI {item['path']}: only fieldRef is "
+                                          "supported by the e2e node agent")  # fmt: skip
+                    text = downward_file(item["fieldRef"]["fieldPath"], self.pod, self.pod_ip,
+                                         self.host_ip)  # fmt: skip
+                    out[item["path"]] = (text.encode(), item.get("mode", self.default_mode))
+            elif "serviceAccountToken" in src:
+                sat = src["serviceAccountToken"]
+                seconds = int(sat.get("expirationSeconds", 3600))
+                token = self._token(sat.get("audience") or None, seconds, token_source)
+                out[sat["path"]] = (token.encode(), self.default_mode)
+            else:
+                raise ConfigError(f"projected source {sorted(src)} is not supported by the "
+                                  "e2e node agent")  # fmt: skip
+        return out
+
+    def refresh(self, lookup: Lookup, token_source: TokenSource) -> bool:
+        """Project every source; False when no file changed."""
+        return self.publish(self.files(lookup, token_source))

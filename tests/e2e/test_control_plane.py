@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import sys
+
 from e2e_harness.kube import eventually
 from e2e_harness.node_agent import NodeAgent
 from kubernetes import client
@@ -106,3 +109,99 @@ def test_more_nodes_on_demand(admin, gpu_node):
         )
     finally:
         extra.stop()
+
+
+# Run in a live pod: what an in-cluster client does with the kubelet's ServiceAccount volume
+# and the KUBERNETES_SERVICE_* variables (the router's Pod watch does the same with httpx).
+IN_CLUSTER = r"""
+import json, os, ssl, urllib.error, urllib.request
+sa = "/var/run/secrets/kubernetes.io/serviceaccount"
+base = "https://%s:%s" % (os.environ["KUBERNETES_SERVICE_HOST"],
+                          os.environ["KUBERNETES_SERVICE_PORT"])
+ctx = ssl.create_default_context(cafile=sa + "/ca.crt")
+ns, token = open(sa + "/namespace").read(), open(sa + "/token").read()
+
+def call(path, token=None, body=None):
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = "Bearer " + token
+    data = json.dumps(body).encode() if body else None
+    req = urllib.request.Request(base + path, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(req, context=ctx, timeout=20) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+pods = "/api/v1/namespaces/%s/pods" % ns
+review = {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"}
+print("RESULT " + json.dumps({
+    "namespace": ns, "without": call(pods), "with": call(pods, token),
+    "whoami": call("/apis/authentication.k8s.io/v1/selfsubjectreviews", token, review)}))
+"""
+
+
+def test_a_live_pod_calls_the_api_server_with_its_projected_service_account_token(
+    admin, namespace, live_nodes
+):
+    """The kubelet's side of in-cluster config on the live node agent: the ServiceAccount
+    admission plugin adds the `kube-api-access-*` projected volume, the agent mints a token
+    bound to the pod (TokenRequest), writes it with kube-root-ca.crt's CA and the namespace
+    at /var/run/secrets/kubernetes.io/serviceaccount, and points KUBERNETES_SERVICE_HOST/
+    PORT at the API server. With RBAC allowing it the pod lists pods (200), without it the
+    API server names the pod's ServiceAccount in its 403, and without the token it is not
+    that ServiceAccount at all."""
+    core, rbac = client.CoreV1Api(admin), client.RbacAuthorizationV1Api(admin)
+    (node,), placement = live_nodes(1)
+    core.create_namespaced_service_account(
+        namespace, client.V1ServiceAccount(metadata=client.V1ObjectMeta(name="reader"))
+    )
+    rbac.create_namespaced_role(namespace, {
+        "metadata": {"name": "pod-reader"},
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]})  # fmt: skip
+    rbac.create_namespaced_role_binding(namespace, {
+        "metadata": {"name": "pod-reader"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pod-reader"},
+        "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": namespace}]})  # fmt: skip
+    for name, sa in (("reader", "reader"), ("plain", "default")):
+        core.create_namespaced_pod(namespace, {
+            "metadata": {"name": name},
+            "spec": {**placement, "serviceAccountName": sa, "restartPolicy": "Never",
+                     "containers": [{"name": "c", "image": "e2e.local/host",
+                                     "command": [sys.executable, "-c", IN_CLUSTER],
+                                     "securityContext": {"runAsUser": 65532}}]}})  # fmt: skip
+
+    def result(name: str) -> dict:
+        pod = core.read_namespaced_pod(name, namespace)
+        if pod.status.phase not in ("Succeeded", "Failed"):
+            return {}
+        log = (node.log_dir / f"{namespace}.{name}.c.log").read_text()
+        assert pod.status.phase == "Succeeded", log
+        (line,) = [x for x in log.splitlines() if x.startswith("RESULT ")]
+        return {"pod": pod, **json.loads(line.removeprefix("RESULT "))}
+
+    got = {n: eventually(lambda n=n: result(n), timeout=90, message=f"pod {n} to finish")
+           for n in ("reader", "plain")}  # fmt: skip
+    for name, sa in (("reader", "reader"), ("plain", "default")):
+        r, pod = got[name], got[name]["pod"]
+        # What the admission plugin added and the agent mounted.
+        (vol,) = [v for v in pod.spec.volumes if v.name.startswith("kube-api-access-")]
+        assert vol.projected.sources[0].service_account_token.path == "token"
+        assert r["namespace"] == namespace
+        user = f"system:serviceaccount:{namespace}:{sa}"
+        status, review = r["whoami"]
+        assert status == 201, review
+        info = review["status"]["userInfo"]
+        assert info["username"] == user
+        # Bound to this pod (the kubelet's TokenRequest: boundObjectRef kind Pod, name, uid).
+        assert info["extra"]["authentication.kubernetes.io/pod-name"] == [name]
+        assert info["extra"]["authentication.kubernetes.io/pod-uid"] == [pod.metadata.uid]
+        # Without the token: anonymous (401, or 403 to system:anonymous), never the SA.
+        status, body = r["without"]
+        assert status in (401, 403) and user not in body.get("message", ""), body
+    status, listing = got["reader"]["with"]
+    assert status == 200 and {"reader", "plain"} <= {
+        p["metadata"]["name"] for p in listing["items"]}, listing  # fmt: skip
+    status, denied = got["plain"]["with"]
+    assert status == 403 and f'User "system:serviceaccount:{namespace}:default"' in (
+        denied["message"]), denied  # fmt: skip

@@ -99,9 +99,8 @@ def activator_pod(admin, chart, live_nodes):
         # agent's pods share the host's network, and it binds a wildcard given in the
         # arguments to the pod's own address (a pod's network namespace, docs/e2e.md).
         pod["containers"][0]["args"].append("--host=0.0.0.0")
-        # Its pin key as the chart makes it (its ServiceAccount came with the chart's RBAC).
-        # The token stays out: the activator alone (no router model here) reads no API.
-        pod["automountServiceAccountToken"] = False
+        # Its pin key as the chart makes it; its ServiceAccount token as the chart asks for
+        # it (the node agent mounts the projected kube-api-access volume).
         (key,) = [copy.deepcopy(s) for s in chart.of_kind("Secret")
                   if s["metadata"]["name"] == f"{ACTIVATOR}-pin-key"]  # fmt: skip
         core.create_namespaced_secret(OPERATOR_NAMESPACE, key)
@@ -112,6 +111,11 @@ def activator_pod(admin, chart, live_nodes):
         made.append(("dep", ACTIVATOR))
         (ep,) = eventually(lambda: ready_endpoints(core, OPERATOR_NAMESPACE, ACTIVATOR),
                          timeout=90, interval=0.5, message="the activator pod Ready")  # fmt: skip
+        # Ready with the ServiceAccount volume the admission plugin added (mounted by the agent).
+        pods = core.list_namespaced_pod(OPERATOR_NAMESPACE, label_selector=",".join(
+            f"{k}={v}" for k, v in dep["spec"]["selector"]["matchLabels"].items())).items  # fmt: skip
+        assert all(any(v.name.startswith("kube-api-access-") for v in p.spec.volumes)
+                   for p in pods), [p.spec.volumes for p in pods]  # fmt: skip
         return ep
 
     yield setup

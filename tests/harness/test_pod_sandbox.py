@@ -5,6 +5,7 @@ grace period). The live half needs `bwrap` and user namespaces; it is skipped wi
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -131,6 +132,135 @@ def test_projection_swaps_data_atomically_like_the_kubelet(tmp_path):
         p.write({"other": b"x"})
 
 
+def test_kv_events_endpoints_bind_the_pod_address_and_stay_binds_for_vllm():
+    img = sb.resolve_image("ghcr.io/sluice-dev/sluice-server:0.1.0")
+    config = ('{"enable_kv_cache_events":true,"endpoint":"tcp://*:5557",'
+              '"publisher":"zmq","replay_endpoint":"tcp://*:5558"}')  # fmt: skip
+    c = {"name": "server", "command": ["sluice-server"],
+         "args": ["--", "--enable-prefix-caching", "--kv-events-config", config]}  # fmt: skip
+    argv = sb.container_argv(c, img, {}, "127.1.0.7")
+    got = json.loads(argv[-1])
+    assert got["endpoint"] == "tcp://[::ffff:127.1.0.7]:5557"
+    assert got["replay_endpoint"] == "tcp://[::ffff:127.1.0.7]:5558"
+    assert got["publisher"] == "zmq" and got["enable_kv_cache_events"] is True
+    # vLLM binds an endpoint holding `*` or `::` and connects to any other: still a bind.
+    assert "::" in got["endpoint"] and argv[-2] == "--kv-events-config"
+    # The `=` form, `[::]`, and an endpoint that names a host (a connect: left alone).
+    eq = '--kv-events-config={"endpoint":"tcp://[::]:6000","replay_endpoint":"tcp://10.0.0.1:1"}'
+    (out,) = sb.container_argv({"name": "c", "command": ["/bin/echo"], "args": [eq]},
+                               sb.resolve_image(HOST), {}, "127.1.0.8")[1:]  # fmt: skip
+    assert json.loads(out.split("=", 1)[1]) == {"endpoint": "tcp://[::ffff:127.1.0.8]:6000",
+                                                "replay_endpoint": "tcp://10.0.0.1:1"}  # fmt: skip
+    assert sb.zmq_own_endpoint("tcp://*:5557", "127.1.0.9") == "tcp://[::ffff:127.1.0.9]:5557"
+    assert sb.zmq_own_endpoint("ipc:///tmp/x", "127.1.0.9") == "ipc:///tmp/x"
+
+
+def test_zmq_binds_the_mapped_pod_address_so_two_pods_share_a_port():
+    zmq = pytest.importorskip("zmq")
+    ctx = zmq.Context()
+    socks = []
+    try:
+        for ip in ("127.1.251.1", "127.1.251.2"):  # two pods, one fixed port
+            pub = ctx.socket(zmq.PUB)
+            socks.append(pub)
+            pub.bind(sb.zmq_own_endpoint("tcp://*:0", ip))
+            assert pub.getsockopt_string(zmq.LAST_ENDPOINT).startswith(f"tcp://{ip}:")
+        port = socks[0].getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
+        other = ctx.socket(zmq.PUB)
+        socks.append(other)
+        other.bind(sb.zmq_own_endpoint(f"tcp://*:{port}", "127.1.251.3"))  # no collision
+    finally:
+        for sock in socks:
+            sock.close(linger=0)
+        ctx.term()
+
+
+def test_every_container_gets_the_api_servers_address():
+    c = {"name": "c", "env": [{"name": "URL",
+                               "value": "https://$(KUBERNETES_SERVICE_HOST):$(KUBERNETES_SERVICE_PORT)"}]}  # fmt: skip
+    env = sb.container_env(c, _pod([c]), sb.resolve_image(HOST), _lookup, "127.1.0.9",
+                           "127.0.0.1", sb.api_server_env("127.0.0.1", 6443))  # fmt: skip
+    assert env["KUBERNETES_SERVICE_HOST"] == "127.0.0.1"
+    assert env["KUBERNETES_SERVICE_PORT"] == env["KUBERNETES_SERVICE_PORT_HTTPS"] == "6443"
+    assert env["KUBERNETES_PORT_6443_TCP"] == "tcp://127.0.0.1:6443"
+    assert env["URL"] == "https://127.0.0.1:6443"  # defined before the container's own env
+    mine = {"name": "c", "env": [{"name": "KUBERNETES_SERVICE_HOST", "value": "elsewhere"}]}
+    env = sb.container_env(mine, _pod([mine]), sb.resolve_image(HOST), _lookup, "", "",
+                           sb.api_server_env("127.0.0.1", 6443))  # fmt: skip
+    assert env["KUBERNETES_SERVICE_HOST"] == "elsewhere"  # the container's env wins
+
+
+def test_downward_api_env_fields():
+    c = {"name": "c", "env": [
+        {"name": n, "valueFrom": {"fieldRef": {"fieldPath": f}}} for n, f in (
+            ("IP", "status.podIP"), ("NAME", "metadata.name"), ("NS", "metadata.namespace"),
+            ("SA", "spec.serviceAccountName"), ("NODE", "spec.nodeName"),
+            ("APP", "metadata.labels['app']"), ("HOST_IP", "status.hostIP"))]}  # fmt: skip
+    pod = _pod([c], serviceAccountName="router", nodeName="n1")
+    pod["metadata"]["labels"] = {"app": "sluice"}
+    env = sb.container_env(c, pod, sb.resolve_image(HOST), _lookup, "127.1.0.9", "127.0.0.1")
+    assert [env[k] for k in ("IP", "NAME", "NS", "SA", "NODE", "APP", "HOST_IP")] == [
+        "127.1.0.9", "p", "ns", "router", "n1", "sluice", "127.0.0.1"]  # fmt: skip
+
+
+# The volume the ServiceAccount admission plugin adds to a pod (kube-apiserver 1.33).
+KUBE_API_ACCESS = {"name": "kube-api-access-x7k2p", "projected": {"defaultMode": 420, "sources": [
+    {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}},
+    {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+    {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {
+        "apiVersion": "v1", "fieldPath": "metadata.namespace"}}]}}]}}  # fmt: skip
+SA_MOUNT = {"name": "kube-api-access-x7k2p", "readOnly": True,
+            "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"}  # fmt: skip
+CA = b"-----BEGIN CERTIFICATE-----\ntest CA\n-----END CERTIFICATE-----\n"
+
+
+class Tokens:
+    """A TokenRequest stand-in: token n, valid `seconds` from the clock."""
+
+    def __init__(self, clock) -> None:
+        self.clock, self.asked = clock, []
+
+    def __call__(self, audience, seconds):
+        self.asked.append((audience, seconds))
+        return f"token-{len(self.asked)}", self.clock() + seconds
+
+
+def test_projected_service_account_volume_is_token_ca_and_namespace(tmp_path):
+    now = [1000.0]
+    tokens = Tokens(lambda: now[0])
+    objects = {("configmap", "ns", "kube-root-ca.crt"): {"ca.crt": CA}}
+    v = sb.ProjectedVolume(tmp_path / "sa", KUBE_API_ACCESS["projected"]["sources"], 420,
+                           _pod([]), "127.1.0.9", "127.0.0.1", clock=lambda: now[0])  # fmt: skip
+    lookup = lambda kind, ns, name: objects.get((kind, ns, name))  # noqa: E731
+    assert v.refresh(lookup, tokens)
+    root = tmp_path / "sa"
+    assert (root / "token").read_text() == "token-1"
+    assert (root / "ca.crt").read_bytes() == CA
+    assert (root / "namespace").read_text() == "ns"
+    assert os.readlink(root / "token") == "..data/token"
+    assert oct((root / "token").stat().st_mode & 0o777) == oct(0o644)
+    assert tokens.asked == [(None, 3607)]  # the API server's audience, the projection's TTL
+    now[0] += 0.79 * 3607  # within 80% of its lifetime: the same token, no new folder
+    assert not v.refresh(lookup, tokens) and len(tokens.asked) == 1
+    now[0] += 0.02 * 3607  # past 80%: the kubelet's token manager mints a new one
+    assert v.refresh(lookup, tokens) and (root / "token").read_text() == "token-2"
+    # A day-long token is minted again after a day at most, not at 80% of a year.
+    year = {"serviceAccountToken": {"expirationSeconds": 365 * 86400, "path": "t",
+                                    "audience": "vault"}}  # fmt: skip
+    y = sb.ProjectedVolume(tmp_path / "y", [year], 420, _pod([]), "", "", clock=lambda: now[0])
+    y.refresh(lookup, tokens)
+    now[0] += 86400 + 1
+    y.refresh(lookup, tokens)
+    assert tokens.asked[-2:] == [("vault", 365 * 86400)] * 2
+    # kube-root-ca.crt not published yet: the volume cannot be made (the pod waits).
+    with pytest.raises(sb.ConfigError, match='configmap "kube-root-ca.crt" not found'):
+        sb.ProjectedVolume(tmp_path / "z", KUBE_API_ACCESS["projected"]["sources"], 420,
+                           _pod([]), "", "").refresh(lambda *a: None, tokens)  # fmt: skip
+    with pytest.raises(sb.ConfigError, match="not supported"):
+        sb.ProjectedVolume(tmp_path / "w", [{"clusterTrustBundle": {"path": "b"}}], 420,
+                           _pod([]), "", "").refresh(lookup, tokens)  # fmt: skip
+
+
 # --- live, under bubblewrap ----------------------------------------------------------
 live = pytest.mark.skipif(sb.sandbox_problem() is not None, reason=str(sb.sandbox_problem()))
 
@@ -138,6 +268,7 @@ live = pytest.mark.skipif(sb.sandbox_problem() is not None, reason=str(sb.sandbo
 class FakeHost:
     host_ip = "127.0.0.1"
     cpus = None
+    api_server = ("127.0.0.1", 6443)
 
     def __init__(self, root: Path) -> None:
         self.log_dir = root / "logs"
@@ -146,6 +277,7 @@ class FakeHost:
         self.statuses: list[dict] = []
         self.exits: list[tuple[str, int, str]] = []
         self.objects = dict(SECRETS)
+        self.tokens: list[tuple[str, str | None, int]] = []  # (pod uid, audience, seconds)
 
     def lookup(self, kind, ns, name):
         return self.objects.get((kind, ns, name))
@@ -160,6 +292,11 @@ class FakeHost:
 
     def record_exit(self, pod, container, code, why):
         self.exits.append((container, code, why))
+
+    def service_account_token(self, pod, audience, seconds):
+        self.tokens.append((pod["metadata"]["uid"], audience, seconds))
+        sa = pod["spec"].get("serviceAccountName", "default")
+        return f"jwt-of-{sa}-{len(self.tokens)}", time.time() + seconds
 
 
 # How long a pod under bubblewrap may take to do what a test waits for (generous: the
@@ -328,3 +465,34 @@ def test_unknown_image_and_missing_secret_are_reported_not_crashed(tmp_path):
     assert "has no local mapping" in states["a"]["waiting"]["message"]
     assert states["b"]["waiting"]["reason"] == "CreateContainerConfigError"
     assert 'secret "absent" not found' in states["b"]["waiting"]["message"]
+
+
+@live
+def test_a_pod_reads_its_service_account_volume_and_finds_the_api_server(tmp_path):
+    """What the router pod needs: the admission plugin's projected volume at its path
+    (through the host's /var/run -> /run symlink), read-only, and the API server's address."""
+    host = FakeHost(tmp_path)
+    host.objects[("configmap", "ns", "kube-root-ca.crt")] = {"ca.crt": CA}
+    sa = "/var/run/secrets/kubernetes.io/serviceaccount"
+    c = {"name": "reads", "image": HOST, "command": ["/bin/sh", "-c",
+         f"echo token=$(cat {sa}/token) ns=$(cat {sa}/namespace);"
+         f" grep -c 'test CA' {sa}/ca.crt; echo api=$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT;"
+         f" touch {sa}/x 2>/dev/null && echo writable || echo read-only"],
+         "volumeMounts": [SA_MOUNT]}  # fmt: skip
+    pod = PodRuntime(_pod([c], [KUBE_API_ACCESS], restartPolicy="Never",
+                          serviceAccountName="router"),
+                     "127.1.250.6", host, tmp_path / "pods").start()  # fmt: skip
+    try:
+        eventually(lambda: host.exits, timeout=WAIT_S, message="the container exited")
+    finally:
+        pod.kill_now()
+    log = (host.log_dir / "ns.p.reads.log").read_text()
+    assert host.exits == [("reads", 0, "Completed")], log
+    assert "token=jwt-of-router-1 ns=ns" in log and "\n1\n" in log, log
+    assert "api=127.0.0.1:6443" in log and "read-only" in log, log
+    assert host.tokens == [("0123456789abcdef", None, 3607)]
+    argv = pod.container("reads").sandbox.bwrap_argv()
+    target = os.path.realpath(sa)  # /run/... where /var/run is a link to /run
+    i = argv.index(target)
+    assert argv[i - 2] == "--ro-bind" and argv[i - 1] == str(pod.dir / "volumes" /
+                                                             KUBE_API_ACCESS["name"])  # fmt: skip
