@@ -329,13 +329,15 @@ def run_crosscheck(args, group, started, loadgen_run, model_path, env, scratch: 
     logs = scratch / "logs"
     out: dict = {"concurrency": conc, "num_requests": n, "rounds": args.crosscheck_rounds,
                  "targets": {}}  # fmt: skip
+    # The benchmark client's own arguments; the worker runs it in-process (vllm_bench.py).
+    bench_module = [PY, "-m", "sluice_bench.vllm_bench"]
     cmds = {}
     for system in ("vllm", "openai"):
         server = started.get(process_of(system))
         if server is None:
             continue
         cmds[system] = [
-            PY, "-m", "sluice_bench.vllm_bench", "--backend", "openai-chat",
+            "--backend", "openai-chat",
             "--base-url", server.base_url, "--endpoint", "/v1/chat/completions",
             "--model", MODEL_NAME, "--tokenizer", str(model_path),
             "--dataset-name", "custom", "--dataset-path", str(dataset), "--skip-chat-template",
@@ -346,21 +348,19 @@ def run_crosscheck(args, group, started, loadgen_run, model_path, env, scratch: 
         out["targets"][system] = {
             "vllm_bench": [],
             "ours": [],
-            "command": "python " + shlex.join(cmds[system][1:]),
+            "command": "python " + shlex.join([*bench_module[1:], *cmds[system]]),
         }
     if not cmds:
         return out
     # One worker: vLLM is imported once for every round.
-    bench = group.add(
-        Worker("vllm-bench", [PY, "-m", "sluice_bench.vllm_bench"], env, logs, cpus=cpus)
-    )
+    bench = group.add(Worker("vllm-bench", bench_module, env, logs, cpus=cpus))
     systems = list(cmds)
     for rnd in range(args.crosscheck_rounds):
         for system in systems if rnd % 2 == 0 else systems[::-1]:
             target = out["targets"][system]
             settle(args.settle_s)
             try:
-                target["vllm_bench"].append(bench.call({"argv": cmds[system][2:]}, timeout=300))
+                target["vllm_bench"].append(bench.call({"argv": cmds[system]}, timeout=300))
             except (RuntimeError, TimeoutError) as exc:
                 target["vllm_bench"].append({"error": str(exc)[-2000:]})
             target["ours"].append(loadgen_run(system, conc, n))
