@@ -1,4 +1,4 @@
-"""Helpers for the activator tests: an activator served in the test loop over a models file,
+"""Helpers for the router tests: a router served in the test loop over a models file,
 model servers (the simulator engine, or the session's real engine) that come up late on a
 port the models file already names, metrics read over HTTP, and an httpx transport that
 keeps every byte an SDK received (SDKs hide SSE comments; the tests assert on them)."""
@@ -26,7 +26,7 @@ def entry(port: int, **fields) -> dict:
 
 
 class Running:
-    """A served activator: its URL, its app (metrics, upstreams) and its models file."""
+    """A served router: its URL, its app (metrics, upstreams) and its models file."""
 
     def __init__(self, url: str, app, path: Path) -> None:
         self.url, self.app, self.path = url, app, path
@@ -44,21 +44,21 @@ class Running:
 
 
 @contextlib.asynccontextmanager
-async def activator(tmp_path: Path, models: dict, **overrides) -> AsyncIterator[Running]:
-    from sluice_server.activator.app import build_activator
-    from sluice_server.serve import activator_config
-    from sluice_server.settings import ActivatorSettings
+async def router(tmp_path: Path, models: dict, **overrides) -> AsyncIterator[Running]:
+    from sluice_server.router.app import build_router
+    from sluice_server.serve import router_config
+    from sluice_server.settings import RouterSettings
 
     path = tmp_path / "models.json"
     path.write_text(json.dumps(models))
     port = free_port()
     fast = {"ready_poll_seconds": 0.1, "models_reload_seconds": 0.05, "log_level": "warning"}
-    settings = ActivatorSettings(models_file=path, host="127.0.0.1", port=port,
+    settings = RouterSettings(models_file=path, host="127.0.0.1", port=port,
                                  **{**fast, **overrides})  # fmt: skip
-    app = build_activator(settings)
-    async with serving(activator_config(settings, app)):
+    app = build_router(settings)
+    async with serving(router_config(settings, app)):
         # Reached as `localhost`: the models' host is 127.0.0.1, and a Host naming a model
-        # is that model's request, never the activator's own (its /metrics, /ready).
+        # is that model's request, never the router's own (its /metrics, /ready).
         yield Running(f"http://localhost:{port}", app, path)
 
 

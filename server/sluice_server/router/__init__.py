@@ -1,2 +1,3 @@
-"""The activator (`sluice-server activator`): holds requests for models scaled to zero
-until a replica is ready, keeping their clients alive, then forwards them unchanged."""
+"""The router (`sluice-server router`, also `activator`): sends each request for a listed
+model to one of its Ready pods, holding it with keep-alives while none is ready, and relays
+the answer unchanged."""

@@ -23,10 +23,10 @@ from starlette.websockets import WebSocket
 
 from ..core.auth.reload import Reloader, Source
 from ..core.errors import error_body
-from ..settings import ActivatorSettings
+from ..settings import RouterSettings
 from ..transport.sendwatch import transport_of
 from . import proxy, relay
-from .metrics import ActivatorMetrics
+from .metrics import RouterMetrics
 from .models import MODEL_HEADER, Model, Models, load
 from .upstream import Closing, Upstream
 
@@ -34,10 +34,10 @@ log = logging.getLogger(__name__)
 OWN_ROUTES = ("/health", "/ready", "/metrics")
 
 
-class Activator:
-    def __init__(self, settings: ActivatorSettings) -> None:
+class Router:
+    def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
-        self.metrics = ActivatorMetrics()
+        self.metrics = RouterMetrics()
         self.upstreams: dict[str, Upstream] = {}
         self.client: httpx.AsyncClient | None = None
         self.closing = Closing()
@@ -155,5 +155,5 @@ def _describe(models: Models) -> str:
     return f"{len(models)} models: {', '.join(sorted(models.by_key)) or 'none'}"
 
 
-def build_activator(settings: ActivatorSettings) -> Activator:
-    return Activator(settings)
+def build_router(settings: RouterSettings) -> Router:
+    return Router(settings)

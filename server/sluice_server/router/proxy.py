@@ -47,7 +47,7 @@ from ..core.streaming.keepalive import KeepAlive
 from ..protocols import anthropic, responses, token_sse
 from ..protocols.engine_api import openai_error_event
 from ..transport.sse import QUEUED, SSEResponse
-from .metrics import ActivatorMetrics, Outcome
+from .metrics import Outcome, RouterMetrics
 from .upstream import Upstream
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ def classify(path: str, body: bytes) -> Kind:
 class Held:
     """One request from its arrival to forwarded or given up; the outcome counted once."""
 
-    def __init__(self, up: Upstream, metrics: ActivatorMetrics) -> None:
+    def __init__(self, up: Upstream, metrics: RouterMetrics) -> None:
         self.up, self.metrics = up, metrics
         self.t0 = time.monotonic()
         self.ended = False
@@ -229,7 +229,7 @@ class Request:
 
 
 async def handle(
-    scope: Scope, receive: Receive, send: Send, up: Upstream, metrics: ActivatorMetrics,
+    scope: Scope, receive: Receive, send: Send, up: Upstream, metrics: RouterMetrics,
     client: httpx.AsyncClient, max_body: int, send_timeout: float,
 ) -> None:  # fmt: skip
     """One HTTP request for a known model (see the module docstring)."""

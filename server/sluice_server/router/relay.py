@@ -33,7 +33,7 @@ from ..core.errors import error_body
 from ..core.streaming.keepalive import KeepAlive
 from ..protocols.websocket import error_frame, queued_frame
 from ..transport import handshake
-from .metrics import ActivatorMetrics
+from .metrics import RouterMetrics
 from .proxy import HOP_BY_HOP, MODEL_STARTING, Held, retry_after, starting_message
 from .upstream import Upstream
 
@@ -61,7 +61,7 @@ def _origin(scope: Scope):
 
 
 async def relay(
-    scope: Scope, receive: Receive, send: Send, up: Upstream, metrics: ActivatorMetrics,
+    scope: Scope, receive: Receive, send: Send, up: Upstream, metrics: RouterMetrics,
     max_frames: int, connect_timeout: float, max_size: int,
 ) -> None:  # fmt: skip
     ws = WebSocket(scope, receive, send)

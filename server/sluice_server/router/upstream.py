@@ -22,7 +22,7 @@ import time
 
 import httpx
 
-from .metrics import ActivatorMetrics
+from .metrics import RouterMetrics
 from .models import Model
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class Closing:
 
 
 class Upstream:
-    def __init__(self, model: Model, client: httpx.AsyncClient, metrics: ActivatorMetrics,
+    def __init__(self, model: Model, client: httpx.AsyncClient, metrics: RouterMetrics,
                  poll: float, timeout: float, closing: Closing) -> None:  # fmt: skip
         self.model, self.client, self.poll, self.timeout = model, client, poll, timeout
         self.closing = closing

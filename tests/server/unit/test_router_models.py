@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from sluice_server.activator.models import load, parse
-from sluice_server.settings import ActivatorSettings, build_parser, parse_activator_settings
+from sluice_server.router.models import load, parse
+from sluice_server.settings import RouterSettings, build_parser, parse_router_settings
 
 FILE = {
     "team-a/chat": {"host": "chat.team-a.svc.cluster.local", "port": 8000,
@@ -57,28 +57,29 @@ def test_unknown_fields_are_ignored_and_bad_entries_named(tmp_path):
 
 
 def test_the_command_line_and_environment(monkeypatch):
-    s = parse_activator_settings(["--models-file", "/etc/m.json", "--port", "9000"])
+    s = parse_router_settings(["--models-file", "/etc/m.json", "--port", "9000"])
     assert (str(s.models_file), s.port, s.ready_poll_seconds) == ("/etc/m.json", 9000, 0.5)
-    chart = parse_activator_settings(["--models-file=/etc/sluice/activator/models.json"])
+    chart = parse_router_settings(["--models-file=/etc/sluice/activator/models.json"])
     assert (str(chart.models_file), chart.port) == ("/etc/sluice/activator/models.json", 8000)
     monkeypatch.setenv("SLUICE_ACTIVATOR_READY_POLL_SECONDS", "0.25")
-    assert parse_activator_settings(["--models-file", "m"]).ready_poll_seconds == 0.25
+    assert parse_router_settings(["--models-file", "m"]).ready_poll_seconds == 0.25
     with pytest.raises(ValueError, match="models_file"):
-        parse_activator_settings([])
-    help_text = "".join(build_parser(ActivatorSettings).format_help().split())
-    for name, info in ActivatorSettings.model_fields.items():
+        parse_router_settings([])
+    help_text = "".join(build_parser(RouterSettings).format_help().split())
+    for name, info in RouterSettings.model_fields.items():
         assert info.description and "".join(info.description.split()) in help_text, name
 
 
-def test_sluice_server_activator_is_the_entry_point(tmp_path, capsys):
+def test_sluice_server_router_is_the_entry_point_also_as_activator(tmp_path, capsys):
     from sluice_server.__main__ import main
 
-    assert main(["activator", "--models-file", str(tmp_path / "m"), "--port", "-1"]) == 2
-    assert "--port: Input should be greater than or equal to 0" in capsys.readouterr().err
+    for mode in ("router", "activator"):
+        assert main([mode, "--models-file", str(tmp_path / "m"), "--port", "-1"]) == 2
+        assert "--port: Input should be greater than or equal to 0" in capsys.readouterr().err
 
 
 def test_hop_by_hop_headers_stay_behind():
-    from sluice_server.activator.proxy import forward_headers
+    from sluice_server.router.proxy import forward_headers
 
     scope = {"headers": [(b"host", b"chat.team-a"), (b"connection", b"keep-alive, x-hop"),
                          (b"x-hop", b"1"), (b"keep-alive", b"timeout=5"), (b"te", b"trailers"),
