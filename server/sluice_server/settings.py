@@ -501,9 +501,12 @@ class RouterSettings(HttpSettings):
 
     models_file: Path = Field(
         description="JSON file of the models the router serves, `{\"<namespace>/<name>\": "
-        "{\"host\", \"port\", \"holdTimeoutSeconds\", \"maxHeld\", \"keepaliveSeconds\"}}` "
-        "(on Kubernetes the operator's `<release>-activator-models` ConfigMap); watched, and "
-        "reloaded without a restart when it changes. A request for any other model gets 404.",
+        "{\"host\", \"port\", \"holdTimeoutSeconds\", \"maxHeld\", \"keepaliveSeconds\", "
+        "\"pods\"}}` (on Kubernetes the operator's `<release>-activator-models` ConfigMap); "
+        "watched, and reloaded without a restart when it changes. An entry with `pods` "
+        "(`{\"namespace\", \"selector\", \"port\"}`) has its Pods watched and each request "
+        "sent to one Ready pod; one without is forwarded to its Service `host`. A request "
+        "for any other model gets 404.",
     )  # fmt: skip
     models_reload_seconds: float = Field(
         2.0, gt=0, description="How often `--models-file` is checked for changes (one `stat`).",
@@ -514,8 +517,8 @@ class RouterSettings(HttpSettings):
         "of it).",
     )  # fmt: skip
     connect_timeout_seconds: float = Field(
-        5.0, gt=0, description="Connecting to a model's Service (a readiness check or a "
-        "forwarded request).",
+        5.0, gt=0, description="Connecting to a model's Service or pod (a readiness check or "
+        "a forwarded request), or to the API server.",
     )  # fmt: skip
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Request body limit (413): "
                                 "a held request's body waits in memory.")  # fmt: skip
@@ -529,6 +532,16 @@ class RouterSettings(HttpSettings):
         "model (then they give up as at the hold timeout: 503 `model_starting`, or the "
         "stream's error event); forwarded ones get 5 s more to finish. New connections are "
         "refused at once (the Service sends them to the other router pods).",
+    )  # fmt: skip
+    kube_api_url: str | None = Field(
+        None, description="The Kubernetes API server the Pods of models with `pods` are "
+        "watched through (default: in-cluster, `https://$KUBERNETES_SERVICE_HOST:"
+        "$KUBERNETES_SERVICE_PORT`).",
+    )  # fmt: skip
+    service_account_dir: Path = Field(
+        Path("/var/run/secrets/kubernetes.io/serviceaccount"),
+        description="The ServiceAccount's `token` (re-read as the kubelet rotates it) and "
+        "`ca.crt` for the API server.",
     )  # fmt: skip
 
 

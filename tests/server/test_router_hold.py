@@ -16,11 +16,13 @@ import httpx
 import pytest
 import websockets
 from router_helpers import (
+    CHAT,
     HEADERS,
     MODEL,
     NAME,
     NS,
     RawSSE,
+    direct_answers,
     entry,
     model_server,
     router,
@@ -34,9 +36,6 @@ from testkit.wait import eventually_async
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
-CHAT = {"model": "sim", "messages": [{"role": "user", "content": "hello river"}],
-        "max_tokens": 8}  # fmt: skip
-
 
 class _Collect(logging.Handler):
     """Keeps the messages of the records that start with `prefix` (a client's frame log)."""
@@ -49,21 +48,6 @@ class _Collect(logging.Handler):
         message = record.getMessage()
         if message.startswith(self.prefix):
             self.into.append(message)
-
-
-async def direct_answers(url: str) -> dict:
-    """What the model server answers without the router (the simulator is deterministic)."""
-    async with httpx.AsyncClient(base_url=url) as c:
-        chat = (await c.post("/v1/chat/completions", json=CHAT)).json()
-        message = (await c.post("/v1/messages", json=CHAT)).json()
-        response = await c.post("/v1/responses", json={"model": "sim", "input": "hello river",
-                                                       "max_output_tokens": 8})  # fmt: skip
-        tokens = RawSSE(c, "POST", "/v1/stream", json={"prompt": "hello river", "max_tokens": 8})
-        await tokens.run()
-    return {"chat": chat["choices"][0]["message"]["content"],
-            "anthropic": message["content"][0]["text"],
-            "responses": response.json()["output"][0]["content"][0]["text"],
-            "tokens": "".join(d.get("token", "") for d in tokens.data())}  # fmt: skip
 
 
 async def test_held_requests_of_every_kind_get_their_whole_answer(tmp_path):
@@ -491,7 +475,7 @@ async def test_a_replica_that_went_away_again_means_holding_again(tmp_path, monk
             assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
         again = asyncio.ensure_future(client.post("/v1/chat/completions", json=CHAT))
         await eventually_async(
-            lambda: "connect failed (ConnectError); holding again" in caplog.text,
+            lambda: "failed (ConnectError); holding again" in caplog.text,
             timeout=15,
             message="the stale ready answer found out",
         )

@@ -1,5 +1,6 @@
-"""One held HTTP request: wait for a ready replica, keep a streaming client alive meanwhile,
-then forward the request and stream the answer through unchanged.
+"""One HTTP request for a known model: wait for a ready replica (at once when its model has
+one), keep a streaming client alive meanwhile, then forward the request to the pod (or
+Service) `Upstream.pick` names and stream the answer through unchanged.
 
 - Before anything is sent, the client only waits: a non-streamed request until a replica
   is ready or the hold timeout; a streamed one (token SSE, and OpenAI, Responses and
@@ -23,9 +24,11 @@ then forward the request and stream the answer through unchanged.
   server's abort on disconnect stops its engine. A forwarded request that cannot even
   connect (the replica went away again) is held again: it never reached the server.
 
-The request goes to `http://<host>:<port>` with its method, path, query, body and headers
-(hop-by-hop ones and Host removed). Upstream connections are not pooled: each forwarded
-request has its own, so closing it reaches the server and no stale one is ever reused.
+The request goes to `http://<podIP>:<port>` (a model with `pods`) or `http://<host>:<port>`
+with its method, path, query, body and headers (hop-by-hop ones and Host removed); the
+bytes of the answer are relayed as they come, never parsed. Upstream connections are not
+pooled: each forwarded request has its own, so closing it reaches the server and no stale
+one is ever reused.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from ..protocols import anthropic, responses, token_sse
 from ..protocols.engine_api import openai_error_event
 from ..transport.sse import QUEUED, SSEResponse
 from .metrics import Outcome, RouterMetrics
-from .upstream import Upstream
+from .upstream import Target, Upstream
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +113,18 @@ class Held:
         self.up, self.metrics = up, metrics
         self.t0 = time.monotonic()
         self.ended = False
+        self.target: Target | None = None  # where it goes (counted there until released)
+
+    def pick(self, key: bytes, pin: str | None = None) -> Target | None:
+        """Choose where it goes now (releasing an earlier choice); None: nowhere yet."""
+        self.release()
+        self.target = self.up.pick(key, pin)
+        return self.target
+
+    def release(self) -> None:
+        """It no longer runs where it went (its answer ended, or it could not connect)."""
+        if self.target is not None:
+            self.target.release()
 
     @property
     def waited(self) -> float:
@@ -117,7 +132,7 @@ class Held:
 
     @property
     def deadline(self) -> float:
-        """When it gives up: its hold timeout, or sooner when the activator shuts down."""
+        """When it gives up: its hold timeout, or sooner when the router shuts down."""
         return min(self.t0 + self.up.model.hold_timeout, self.up.closing.at)
 
     def wakers(self) -> tuple[asyncio.Future[None], ...]:
@@ -155,7 +170,7 @@ def retry_after(seconds: float) -> dict[str, str]:
 def starting_message(held: Held) -> str:
     model = held.up.model
     if held.up.closing.at < held.t0 + model.hold_timeout:
-        return (f"Model {model.key} is starting and this activator is shutting down "
+        return (f"Model {model.key} is starting and this router is shutting down "
                 f"({MODEL_STARTING}). Retry.")  # fmt: skip
     return (f"Model {model.key} is starting: no replica was ready within "
             f"{model.hold_timeout:g} s ({MODEL_STARTING}). Retry later.")  # fmt: skip
@@ -197,17 +212,20 @@ async def _disconnected(receive: Receive) -> None:
 class Request:
     """A held request's forwarding: its upstream request, and the moment it went out."""
 
-    def __init__(self, client: httpx.AsyncClient, held: Held, scope: Scope, body: bytes) -> None:
-        self.client, self.held, self.scope, self.body = client, held, scope, body
+    def __init__(self, client: httpx.AsyncClient, held: Held, scope: Scope, body: bytes,
+                 pin: str | None = None) -> None:  # fmt: skip
+        self.client, self.held, self.scope, self.body, self.pin = client, held, scope, body, pin
+        # What the pod tie-break hashes: equal requests go to the same pod.
+        self.key = body or (scope["path"].encode() + b"?" + scope.get("query_string", b""))
 
-    def build(self) -> httpx.Request:
+    def build(self, target: Target) -> httpx.Request:
         scope, held = self.scope, self.held
 
         async def trace(event: str, info: dict) -> None:
             if event == "http11.send_request_headers.started":
                 held.end("forwarded")  # connected: from here on the server has it
 
-        url = held.up.model.url + scope["path"]
+        url = target.url + scope["path"]
         query = scope.get("query_string", b"")
         return self.client.build_request(
             scope["method"], httpx.URL(url, query=query), headers=forward_headers(scope),
@@ -215,16 +233,21 @@ class Request:
         )  # fmt: skip
 
     async def send(self) -> httpx.Response | None:
-        """The upstream response (headers read, body not); None when it could not connect
-        (the replica went away: marked down, the request is held again)."""
+        """The upstream response (headers read, body not); None when no pod is a candidate
+        any more or it could not connect (the replica went away: marked down, the request is
+        held again)."""
+        target = self.held.pick(self.key, self.pin)
+        if target is None:
+            return None
         try:
-            return await self.client.send(self.build(), stream=True)
+            return await self.client.send(self.build(target), stream=True)
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
             if self.held.ended:
                 raise
-            log.info("%s: connect failed (%s); holding again", self.held.up.model.key,
-                     type(e).__name__)  # fmt: skip
-            self.held.up.down()
+            log.info("%s: connect to %s failed (%s); holding again", self.held.up.model.key,
+                     target.pod or target.url, type(e).__name__)  # fmt: skip
+            self.held.up.down(target)
+            self.held.release()
             return None
 
 
@@ -234,14 +257,26 @@ async def handle(
 ) -> None:  # fmt: skip
     """One HTTP request for a known model (see the module docstring)."""
     model = up.model
-    kind = classify(scope["path"], b"")
     if not up.hold():
+        kind = classify(scope["path"], b"")
         m = f"Model {model.key} has {model.max_held} requests waiting for a replica already."
         metrics.requests.labels(model.namespace, model.name, "rejected").inc()
         await json_response(429, kind.error_body(429, m, "too_many_held"),
                             retry_after(model.keepalive))(send)  # fmt: skip
         return
     held = Held(up, metrics)
+    try:
+        await _held(held, scope, receive, send, client, max_body, send_timeout)
+    finally:
+        held.release()  # its pod's in-flight count: the answer ended, or never began
+
+
+async def _held(
+    held: Held, scope: Scope, receive: Receive, send: Send, client: httpx.AsyncClient,
+    max_body: int, send_timeout: float,
+) -> None:  # fmt: skip
+    up, model = held.up, held.up.model
+    kind = classify(scope["path"], b"")
     try:
         body = await read_body(receive, max_body)
     except ClientLeft:
@@ -349,7 +384,7 @@ def broke_off(kind: Kind, e: Exception) -> bytes:
     """The protocol's error event for an upstream stream cut off midway; the blank line
     first ends an event the cut left open."""
     message = f"The model's server broke off the stream ({type(e).__name__})."
-    return b"\n\n" + kind.error_event(f"activator-{uuid.uuid4().hex}", message,
+    return b"\n\n" + kind.error_event(f"router-{uuid.uuid4().hex}", message,
                                         "upstream_error", 502)  # fmt: skip
 
 
@@ -360,7 +395,7 @@ class HeldStream:
     def __init__(self, request: Request, kind: Kind, status_events: bool) -> None:
         self.request, self.kind, self.status_events = request, kind, status_events
         self.held = request.held
-        self.rid = f"activator-{uuid.uuid4().hex}"
+        self.rid = f"router-{uuid.uuid4().hex}"
         self._due: asyncio.Future[None] | None = None
 
     def cleanup(self, stalled: bool) -> None:

@@ -1,6 +1,7 @@
-"""One held WebSocket: accept it at once, keep it open while the model starts (uvicorn's
-pings, every `--heartbeat-seconds`), then open the upstream WebSocket and relay frames both
-ways until either side closes.
+"""One WebSocket for a known model: accept it at once, keep it open while the model starts
+(uvicorn's pings, every `--heartbeat-seconds`), then open the upstream WebSocket to the pod
+(or Service) `Upstream.pick` names and relay frames both ways until either side closes. The
+pod counts the connection in flight until it closes.
 
 Frames the client sends while held (up to `--max-held-frames`) are kept and relayed first,
 in order, once the upstream socket is open. Each generation among them hears what a
@@ -87,6 +88,7 @@ async def relay(
     finally:
         if not held.ended:
             held.end("disconnected")
+        held.release()
         if upstream is not None:
             await upstream.close()
 
@@ -143,7 +145,11 @@ async def _hold(
                 frame = asyncio.ensure_future(receive())
                 continue
             if ready in done:
-                url = model.url.replace("http://", "ws://", 1) + scope["path"]
+                target = held.pick(scope["path"].encode() + b"?" + scope.get("query_string", b""))
+                if target is None:  # its last candidate left meanwhile
+                    ready = asyncio.ensure_future(up.wait_ready())
+                    continue
+                url = target.url.replace("http://", "ws://", 1) + scope["path"]
                 if scope.get("query_string"):
                     url += "?" + scope["query_string"].decode("latin-1")
                 try:
@@ -157,9 +163,10 @@ async def _hold(
                     await ws.close(POLICY_VIOLATION)
                     return None
                 except (OSError, TimeoutError) as e:  # nobody there (any more): hold again
-                    log.info("%s: WebSocket connect failed (%s); holding again", model.key,
-                             type(e).__name__)  # fmt: skip
-                    up.down()
+                    log.info("%s: WebSocket connect to %s failed (%s); holding again", model.key,
+                             target.pod or target.url, type(e).__name__)  # fmt: skip
+                    up.down(target)
+                    held.release()
                     ready = asyncio.ensure_future(up.wait_ready())
                     continue
                 held.end("forwarded")
@@ -172,6 +179,8 @@ async def _hold(
             return None
     finally:
         unbeat()
+        if frame.done() and not frame.cancelled() and frame.exception() is None:
+            kept.append(frame.result())  # it arrived while the upstream socket opened
         frame.cancel()
         ready.cancel()
 
@@ -205,6 +214,8 @@ async def _relay(ws: WebSocket, receive: Receive, upstream: ClientConnection,
                  kept: list[Message]) -> None:  # fmt: skip
     async def to_upstream() -> None:
         for message in kept:
+            if message["type"] == "websocket.disconnect":
+                return
             await _send_up(upstream, message)
         while True:
             message = await receive()

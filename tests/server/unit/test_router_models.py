@@ -1,5 +1,6 @@
-"""The activator's models file (activator/models.py) and its command line: what maps a
-request to a model, and what a file or a flag the activator cannot use is told."""
+"""The router's models file (router/models.py), its command line and what makes a pod a
+candidate (router/pods.py): what maps a request to a model and its pods, and what a file or
+a flag the router cannot use is told."""
 
 from __future__ import annotations
 
@@ -87,3 +88,36 @@ def test_hop_by_hop_headers_stay_behind():
                          (b"x-sluice-model", b"team-a/chat")]}  # fmt: skip
     assert forward_headers(scope) == [(b"authorization", b"Bearer k"),
                                       (b"x-sluice-model", b"team-a/chat")]  # fmt: skip
+
+
+def test_an_entry_with_pods_names_their_namespace_selector_and_port():
+    models = parse({"team-a/chat": {"host": "chat.team-a.svc.cluster.local", "pods": {
+        "namespace": "team-a", "selector": {"b": "2", "a": "1"}, "port": 8001}}})  # fmt: skip
+    pods = models.by_key["team-a/chat"].pods
+    assert pods is not None and (pods.namespace, pods.port) == ("team-a", 8001)
+    assert pods.label_selector == "a=1,b=2"
+    assert parse(FILE).by_key["team-a/chat"].pods is None  # scale to zero only: the Service
+    for bad in ({"namespace": "team-a", "selector": {}}, {"selector": {"a": "1"}}):
+        with pytest.raises(ValueError, match="pods"):
+            parse({"a/b": {"host": "h", "pods": bad}})
+
+
+def test_a_pod_is_a_candidate_while_ready_with_an_ip_and_not_deleted():
+    from sluice_server.router.pods import parse_pod
+
+    def pod(ready="True", ip="10.0.0.7", deleting=False, restarts=0, cid="c://1", uid="u1"):
+        meta = {"name": "p", "uid": uid}
+        if deleting:
+            meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+        return parse_pod({"metadata": meta, "status": {
+            "podIP": ip, "conditions": [{"type": "Ready", "status": ready}],
+            "containerStatuses": [{"restartCount": restarts, "containerID": cid}]}})  # fmt: skip
+
+    assert pod().candidate
+    assert not pod(ready="False").candidate and not pod(ip="").candidate
+    assert not pod(deleting=True).candidate
+    assert not pod().restarted_since(pod())
+    assert not pod().restarted_since(pod(cid=""))  # the first start is no restart
+    assert pod(restarts=1).restarted_since(pod())
+    assert pod(cid="c://2").restarted_since(pod())
+    assert pod(uid="u2").restarted_since(pod())  # the same name, another pod
