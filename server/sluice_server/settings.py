@@ -543,6 +543,15 @@ class RouterSettings(HttpSettings):
         description="The ServiceAccount's `token` (re-read as the kubelet rotates it) and "
         "`ca.crt` for the API server.",
     )  # fmt: skip
+    pin_key_file: Path | None = Field(
+        None, description="Key (a file, at least 32 bytes) that signs the `sluice-pin` cookie "
+        "with which a resumed token SSE stream returns to the pod that holds it, through any "
+        "router pod sharing the key. Without it no cookie is set or honoured.",
+    )  # fmt: skip
+    pin_seconds: float = Field(
+        3600.0, gt=0, description="How long a `sluice-pin` cookie is honoured after it is set "
+        "(cover the longest resume window of the models served).",
+    )  # fmt: skip
 
 
 def _flag(name: str) -> str:

@@ -274,3 +274,85 @@ async def test_no_ready_pod_holds_then_forwards_when_one_turns_ready(tmp_path):
         assert len(stream.data()) >= 2 and stream.lines[-1] in ("", "data: [DONE]")
         assert (engines["pod-a"].started, engines["pod-b"].started) == (0, 2)
         assert act.outcome("forwarded") == 2 and act.held() == 0
+
+
+async def test_the_pin_cookie_brings_a_resume_back_to_its_pod_and_a_forged_one_does_not(
+    tmp_path,
+):
+    from sluice_server.router.pin import COOKIE, Pins
+    from sluice_server.router.upstream import tie_break
+
+    key_file = tmp_path / "pin.key"
+    key_file.write_bytes(b"k" * 32)
+    port = free_port()
+    engines = {name: Recording(itl_ms=40) for name in IPS}
+    async with contextlib.AsyncExitStack() as stack:
+        api, api_url = await stack.enter_async_context(pods_api())
+        for name, ip in IPS.items():
+            api.put(name, ip, LABELS)
+            await stack.enter_async_context(
+                model_server(port, engines[name], host=ip, resume_grace_seconds=30)
+            )
+        act = await stack.enter_async_context(
+            router(
+                tmp_path,
+                {MODEL: pods_entry(port)},
+                kube_api_url=api_url,
+                service_account_dir=sa_dir(tmp_path),
+                pin_key_file=key_file,
+            )  # fmt: skip
+        )
+        await wait_candidates(act, ["pod-a", "pod-b"])
+        # The pod a resume without a pin goes to (nothing in flight: the tie-break's pick);
+        # the stream starts on the other one while that one is not Ready.
+        resume_key = b"/v1/stream?"
+        natural = min(IPS, key=lambda n: tie_break(resume_key, n))
+        holder = next(n for n in IPS if n != natural)
+        api.ready(natural, False)
+        await wait_candidates(act, [holder])
+        client = httpx.AsyncClient(base_url=act.url, headers=HEADERS, timeout=30)
+        last_id = None
+        async with client.stream("POST", "/v1/stream",
+                                 json={"prompt": "long", "max_tokens": 200}) as r:  # fmt: skip
+            assert r.status_code == 200
+            cookie = r.cookies.get(COOKIE)
+            async for line in r.aiter_lines():
+                if line.startswith("id: "):
+                    last_id = line[4:]
+                if last_id and last_id.endswith(":2"):
+                    break  # the client drops; the pod keeps the stream for 30 s
+        assert cookie and cookie.startswith(holder + ".") and last_id
+        api.ready(natural, True)
+        await wait_candidates(act, ["pod-a", "pod-b"])
+
+        async def resume(pin: str | None) -> tuple[int, list[str]]:
+            headers = {"Last-Event-ID": last_id}
+            client.cookies.clear()  # only the cookie each case sends
+            if pin is not None:
+                headers["Cookie"] = f"{COOKIE}={pin}"
+            seen: list[str] = []
+            async with client.stream("GET", "/v1/stream", headers=headers) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("id: "):
+                        seen.append(line[4:])
+                        if len(seen) == 2:
+                            break
+                return r.status_code, seen
+
+        pod, expiry, mac = cookie.rsplit(".", 2)
+        forged = [
+            f"{natural}.{expiry}.{mac}",  # another pod under the holder's MAC
+            f"{pod}.{int(expiry) + 10}.{mac}",  # a later expiry
+            Pins(b"x" * 32, 60).sign(MODEL, holder),  # another key
+            Pins(b"k" * 32, 60).sign("team-a/other", holder),  # another model
+            Pins(b"k" * 32, 60).sign(MODEL, holder, now=0),  # expired long ago
+            "not-a-pin",
+        ]
+        for pin in (None, *forged):
+            status, _ = await resume(pin)
+            assert status == 404, pin  # placed as any request: the natural pod has no stream
+        status, seen = await resume(cookie)
+        assert status == 200 and seen[0] == last_id.rsplit(":", 1)[0] + ":3", seen
+        await client.aclose()
+    # The resumes never started a generation: one stream, on the holder.
+    assert (engines[holder].started, engines[natural].started) == (1, 0)

@@ -30,6 +30,7 @@ from ..transport.sendwatch import transport_of
 from . import proxy, relay
 from .metrics import RouterMetrics
 from .models import MODEL_HEADER, Model, Models, load
+from .pin import Pins
 from .pods import ApiServer, PodWatches
 from .upstream import Closing, Upstream
 
@@ -46,6 +47,8 @@ class Router:
         self.closing = Closing()
         api = ApiServer.find(settings.kube_api_url, settings.service_account_dir)
         self.pods = PodWatches(api, settings.connect_timeout_seconds)
+        self.pins = (None if settings.pin_key_file is None
+                     else Pins.load(settings.pin_key_file, settings.pin_seconds))  # fmt: skip
         self.started = False
         try:
             models = load(settings.models_file)
@@ -115,7 +118,7 @@ class Router:
         # What the send watchdog of a held stream watches (transport/sendwatch.py).
         scope["sluice.transport"] = transport_of(receive)
         await proxy.handle(scope, receive, send, up, self.metrics, self.client,
-                           s.max_body_bytes, s.send_timeout_seconds)  # fmt: skip
+                           s.max_body_bytes, s.send_timeout_seconds, self.pins)  # fmt: skip
 
     async def _own(self, scope: Scope, send: Send) -> None:
         path = scope["path"]

@@ -51,6 +51,7 @@ from ..protocols import anthropic, responses, token_sse
 from ..protocols.engine_api import openai_error_event
 from ..transport.sse import QUEUED, SSEResponse
 from .metrics import Outcome, RouterMetrics
+from .pin import Pins
 from .upstream import Target, Upstream
 
 log = logging.getLogger(__name__)
@@ -213,8 +214,11 @@ class Request:
     """A held request's forwarding: its upstream request, and the moment it went out."""
 
     def __init__(self, client: httpx.AsyncClient, held: Held, scope: Scope, body: bytes,
-                 pin: str | None = None) -> None:  # fmt: skip
-        self.client, self.held, self.scope, self.body, self.pin = client, held, scope, body, pin
+                 pins: Pins | None = None) -> None:  # fmt: skip
+        self.client, self.held, self.scope, self.body, self.pins = client, held, scope, body, pins
+        # A resume (`Last-Event-ID`) with a valid `sluice-pin` goes back to its pod (pin.py).
+        resume = any(k == b"last-event-id" for k, _ in scope["headers"])
+        self.pin = pins.pinned(scope["headers"], held.up.model.key) if pins and resume else None
         # What the pod tie-break hashes: equal requests go to the same pod.
         self.key = body or (scope["path"].encode() + b"?" + scope.get("query_string", b""))
 
@@ -253,7 +257,7 @@ class Request:
 
 async def handle(
     scope: Scope, receive: Receive, send: Send, up: Upstream, metrics: RouterMetrics,
-    client: httpx.AsyncClient, max_body: int, send_timeout: float,
+    client: httpx.AsyncClient, max_body: int, send_timeout: float, pins: Pins | None = None,
 ) -> None:  # fmt: skip
     """One HTTP request for a known model (see the module docstring)."""
     model = up.model
@@ -266,14 +270,14 @@ async def handle(
         return
     held = Held(up, metrics)
     try:
-        await _held(held, scope, receive, send, client, max_body, send_timeout)
+        await _held(held, scope, receive, send, client, max_body, send_timeout, pins)
     finally:
         held.release()  # its pod's in-flight count: the answer ended, or never began
 
 
 async def _held(
     held: Held, scope: Scope, receive: Receive, send: Send, client: httpx.AsyncClient,
-    max_body: int, send_timeout: float,
+    max_body: int, send_timeout: float, pins: Pins | None,
 ) -> None:  # fmt: skip
     up, model = held.up, held.up.model
     kind = classify(scope["path"], b"")
@@ -288,7 +292,7 @@ async def _held(
         await json_response(413, kind.error_body(413, m, "body_too_large"))(send)
         return
     kind = classify(scope["path"], body)
-    request = Request(client, held, scope, body)
+    request = Request(client, held, scope, body, pins)
     gone = asyncio.ensure_future(_disconnected(receive))
     forwarded: asyncio.Future[bool] | None = None
     try:
@@ -358,6 +362,15 @@ async def _pass_through(request: Request, kind: Kind, send: Send) -> bool:
         dropped = HOP_BY_HOP - {"content-length"}  # raw bytes: their length stands
         headers = [(k, v) for k, v in response.headers.raw
                    if k.decode("latin-1").lower() not in dropped]  # fmt: skip
+        target, pins = request.held.target, request.pins
+        if (
+            pins
+            and target
+            and target.pod
+            and kind.protocol == "sse"
+            and response.status_code == 200
+        ):
+            headers.append(pins.set_cookie(request.held.up.model.key, target.pod))
         await send({"type": "http.response.start", "status": response.status_code,
                     "headers": headers})  # fmt: skip
         try:

@@ -121,3 +121,21 @@ def test_a_pod_is_a_candidate_while_ready_with_an_ip_and_not_deleted():
     assert pod(restarts=1).restarted_since(pod())
     assert pod(cid="c://2").restarted_since(pod())
     assert pod(uid="u2").restarted_since(pod())  # the same name, another pod
+
+
+def test_a_pin_is_valid_only_for_its_model_pod_key_and_time():
+    from sluice_server.router.pin import Pins
+
+    pins = Pins(b"k" * 32, 60)
+    value = pins.sign("team-a/chat", "chat-7d9f.x", now=1000)  # a dot in the name
+    assert pins.verify(value, "team-a/chat", now=1059) == "chat-7d9f.x"
+    assert pins.verify(value, "team-a/chat", now=1060) is None  # expired
+    assert pins.verify(value, "team-a/code", now=1000) is None
+    assert Pins(b"j" * 32, 60).verify(value, "team-a/chat", now=1000) is None
+    for bad in ("", "x", "a.b", "a.b.c", value + "0", value.replace("1060", "1061")):
+        assert pins.verify(bad, "team-a/chat", now=1000) is None, bad
+    cookie = [(b"cookie", b"a=1; sluice-pin=" + pins.sign("m/n", "p").encode())]
+    assert pins.pinned(cookie, "m/n") == "p" and pins.pinned(cookie, "m/o") is None
+    assert pins.pinned([(b"cookie", b'sluice-pin="broken')], "m/n") is None
+    with pytest.raises(ValueError, match="32 bytes"):
+        Pins(b"short", 60)
