@@ -113,6 +113,17 @@ VIOLATIONS = [
         {f"{SRV}/engine/_probe.py": '"""An engine module without a layer."""\n'},
         {},
     ),
+    ("server-router", {}, {f"{SRV}/router/models.py": "def f():\n    from . import app\n"}),
+    (
+        "server-router-without-vllm",
+        {},
+        {f"{SRV}/router/upstream.py": "def f():\n    import torch\n"},
+    ),
+    (
+        "server-router-without-vllm",
+        {},
+        {f"{SRV}/router/proxy.py": "def f():\n    from ..engine import vllm_engine\n"},
+    ),
     (
         "server-simulator-without-vllm",
         {},

@@ -1,7 +1,7 @@
 """`sluice-server` / `python -m sluice_server`: parse flags + env, serve, drain on SIGTERM
 (one process, or a supervisor of `--api-workers` front-end processes); with `--node-rank`
-above 0 a multi-node worker, vLLM's headless workers only; `sluice-server activator ...`
-the activator (activator/)."""
+above 0 a multi-node worker, vLLM's headless workers only; `sluice-server router ...` the
+router (router/; `activator` is the same mode under its older name, which charts call)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     from pydantic import ValidationError
 
-    from .serve import serve, serve_activator
-    from .settings import parse_activator_settings, parse_settings
+    from .serve import serve, serve_router
+    from .settings import parse_router_settings, parse_settings
     from .supervisor import run_pod
 
     args = list(sys.argv[1:] if argv is None else argv)
-    activator = args[:1] == ["activator"]
+    router = args[:1] in (["router"], ["activator"])
     try:
-        if activator:
-            activator_settings = parse_activator_settings(args[1:])
+        if router:
+            router_settings = parse_router_settings(args[1:])
         else:
             settings = parse_settings(args)
     except ValidationError as e:
@@ -32,8 +32,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"sluice-server: invalid settings: {problems}", file=sys.stderr)
         return 2
-    if activator:
-        return serve_activator(activator_settings)
+    if router:
+        return serve_router(router_settings)
     if settings.headless:
         from .engine import run_engine_worker
 

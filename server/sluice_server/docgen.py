@@ -2,7 +2,7 @@
 the server's docs, so no table is written twice.
 
 - the flag table (server/README.md; other docs link to it) from the Settings fields'
-  descriptions, and the activator's from ActivatorSettings';
+  descriptions, and the router's from RouterSettings';
 - the module map (server/README.md), one line per module from its docstring's first sentence.
 
 Each generated part sits between `<!-- generated:NAME -->` and `<!-- end:NAME -->`.
@@ -17,7 +17,7 @@ import re
 import sys
 from pathlib import Path
 
-from .settings import ActivatorSettings, flag_table
+from .settings import RouterSettings, flag_table
 
 PACKAGE = Path(__file__).resolve().parent
 REPO = PACKAGE.parents[1]
@@ -42,7 +42,7 @@ def sections() -> dict[Path, dict[str, str]]:
     return {
         REPO / "server" / "README.md": {
             "flags": flag_table(),
-            "activator-flags": flag_table(ActivatorSettings),
+            "router-flags": flag_table(RouterSettings),
             "modules": module_map(),
         },
     }

@@ -26,11 +26,11 @@ from multiprocessing import connection
 
 import uvicorn
 
-from .activator.app import Activator, build_activator
 from .app import build_app
 from .core.limits.shared_memory import PodSeat, PodState
 from .core.telemetry.accesslog import ACCESS_LOGGER
-from .settings import ActivatorSettings, Settings
+from .router.app import Router, build_router
+from .settings import RouterSettings, Settings
 from .transport import handshake, redact
 
 log = logging.getLogger("sluice_server")
@@ -65,9 +65,9 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def uvicorn_config(settings: Settings | ActivatorSettings, app, **overrides) -> uvicorn.Config:
-    """uvicorn's Config from the flags both processes share (the server and the activator);
-    `overrides` for what the activator sets otherwise."""
+def uvicorn_config(settings: Settings | RouterSettings, app, **overrides) -> uvicorn.Config:
+    """uvicorn's Config from the flags both processes share (the server and the router);
+    `overrides` for what the router sets otherwise."""
     options = dict(
         host=settings.host,
         port=settings.port,
@@ -123,7 +123,7 @@ def serve(
     return 0 if server.started else 1
 
 
-def activator_config(settings: ActivatorSettings, app) -> uvicorn.Config:
+def router_config(settings: RouterSettings, app) -> uvicorn.Config:
     return uvicorn_config(
         settings,
         app,
@@ -135,24 +135,24 @@ def activator_config(settings: ActivatorSettings, app) -> uvicorn.Config:
     )
 
 
-def serve_activator(settings: ActivatorSettings) -> int:
-    """The activator: one process (it only waits and relays). SIGTERM: new connections are
+def serve_router(settings: RouterSettings) -> int:
+    """The router: one process (it only waits and relays). SIGTERM: new connections are
     refused, held requests wait at most `--drain-timeout-seconds` more, then uvicorn exits."""
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
-    app = build_activator(settings)
-    server = ActivatorServer(activator_config(settings, app), app)
+    app = build_router(settings)
+    server = RouterServer(router_config(settings, app), app)
     server.run()
     return 0 if server.started else 1
 
 
-class ActivatorServer(uvicorn.Server):
+class RouterServer(uvicorn.Server):
     """uvicorn's shutdown (stop listening, wait for open connections), with the held
-    requests told first how long they may still wait (`Activator.drain`); exit 0 after it,
+    requests told first how long they may still wait (`Router.drain`); exit 0 after it,
     as the server's drain does. A second signal exits at once."""
 
-    def __init__(self, config: uvicorn.Config, app: Activator) -> None:
+    def __init__(self, config: uvicorn.Config, app: Router) -> None:
         super().__init__(config)
         self.app = app
 

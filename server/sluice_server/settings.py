@@ -21,7 +21,7 @@ ALL_PROTOCOLS: tuple[Protocol, ...] = ("sse", "websocket", "responses", "anthrop
 
 
 class HttpSettings(BaseSettings):
-    """The flags every Sluice process that serves HTTP has, the server's and the activator's:
+    """The flags every Sluice process that serves HTTP has, the server's and the router's:
     where it listens, idle keep-alive, stalled readers, log level. Each subclass gives its own
     environment prefix; these fields come first in its flag table."""
 
@@ -498,19 +498,22 @@ def check_hf_token_path(environ: Mapping[str, str]) -> None:
         read_secret_file(Path(path), "HF_TOKEN_PATH", "a Hugging Face token")
 
 
-class ActivatorSettings(HttpSettings):
-    """The activator (`sluice-server activator`): every field is a flag and a
-    `SLUICE_ACTIVATOR_*` environment variable; flags win. What it holds and for how long is
-    per model, in `--models-file`."""
+class RouterSettings(HttpSettings):
+    """The router (`sluice-server router`, also called as `sluice-server activator`): every
+    field is a flag and a `SLUICE_ACTIVATOR_*` environment variable (the prefix deployed
+    charts set); flags win. Which models it serves, how it holds their requests and where
+    their pods are is per model, in `--models-file`."""
 
     model_config = SettingsConfigDict(env_prefix="SLUICE_ACTIVATOR_", extra="forbid")
 
     models_file: Path = Field(
-        description="JSON file of the models the activator may hold requests for, "
-        "`{\"<namespace>/<name>\": {\"host\", \"port\", \"holdTimeoutSeconds\", \"maxHeld\", "
-        "\"keepaliveSeconds\"}}` (on Kubernetes the operator's `<release>-activator-models` "
-        "ConfigMap); watched, and reloaded without a restart when it changes. A request for "
-        "any other model gets 404.",
+        description="JSON file of the models the router serves, `{\"<namespace>/<name>\": "
+        "{\"host\", \"port\", \"holdTimeoutSeconds\", \"maxHeld\", \"keepaliveSeconds\", "
+        "\"pods\"}}` (on Kubernetes the operator's `<release>-activator-models` ConfigMap); "
+        "watched, and reloaded without a restart when it changes. An entry with `pods` "
+        "(`{\"namespace\", \"selector\", \"port\"}`) has its Pods watched and each request "
+        "sent to one Ready pod; one without is forwarded to its Service `host`. A request "
+        "for any other model gets 404.",
     )  # fmt: skip
     models_reload_seconds: float = Field(
         2.0, gt=0, description="How often `--models-file` is checked for changes (one `stat`).",
@@ -521,8 +524,8 @@ class ActivatorSettings(HttpSettings):
         "of it).",
     )  # fmt: skip
     connect_timeout_seconds: float = Field(
-        5.0, gt=0, description="Connecting to a model's Service (a readiness check or a "
-        "forwarded request).",
+        5.0, gt=0, description="Connecting to a model's Service or pod (a readiness check or "
+        "a forwarded request), or to the API server.",
     )  # fmt: skip
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Request body limit (413): "
                                 "a held request's body waits in memory.")  # fmt: skip
@@ -535,7 +538,26 @@ class ActivatorSettings(HttpSettings):
         30.0, ge=0, description="On SIGTERM: how much longer held requests wait for their "
         "model (then they give up as at the hold timeout: 503 `model_starting`, or the "
         "stream's error event); forwarded ones get 5 s more to finish. New connections are "
-        "refused at once (the Service sends them to the other activator pods).",
+        "refused at once (the Service sends them to the other router pods).",
+    )  # fmt: skip
+    kube_api_url: str | None = Field(
+        None, description="The Kubernetes API server the Pods of models with `pods` are "
+        "watched through (default: in-cluster, `https://$KUBERNETES_SERVICE_HOST:"
+        "$KUBERNETES_SERVICE_PORT`).",
+    )  # fmt: skip
+    service_account_dir: Path = Field(
+        Path("/var/run/secrets/kubernetes.io/serviceaccount"),
+        description="The ServiceAccount's `token` (re-read as the kubelet rotates it) and "
+        "`ca.crt` for the API server.",
+    )  # fmt: skip
+    pin_key_file: Path | None = Field(
+        None, description="Key (a file, at least 32 bytes) that signs the `sluice-pin` cookie "
+        "with which a resumed token SSE stream returns to the pod that holds it, through any "
+        "router pod sharing the key. Without it no cookie is set or honoured.",
+    )  # fmt: skip
+    pin_seconds: float = Field(
+        3600.0, gt=0, description="How long a `sluice-pin` cookie is honoured after it is set "
+        "(cover the longest resume window of the models served).",
     )  # fmt: skip
 
 
@@ -573,8 +595,9 @@ def build_parser(model: type[BaseSettings] = Settings) -> argparse.ArgumentParse
                                         "vLLM's engine parser.")  # fmt: skip
     else:
         prog, about = (
-            "sluice-server activator",
-            ("Holds requests for models at zero replicas until one is ready, then forwards them."),
+            "sluice-server router",
+            "Sends each request for a listed model to one of its Ready pods (or its Service), "
+            "holding it while none is ready.",
         )
     parser = argparse.ArgumentParser(prog=prog, description=about,
                                      argument_default=argparse.SUPPRESS)  # fmt: skip
@@ -601,6 +624,6 @@ def parse_settings(argv: Sequence[str] | None = None) -> Settings:
     return Settings(**given)
 
 
-def parse_activator_settings(argv: Sequence[str]) -> ActivatorSettings:
-    """`sluice-server activator ARGS`: the arguments after the word `activator`."""
-    return ActivatorSettings(**vars(build_parser(ActivatorSettings).parse_args(list(argv))))
+def parse_router_settings(argv: Sequence[str]) -> RouterSettings:
+    """`sluice-server router ARGS` (or `activator ARGS`): the arguments after the mode."""
+    return RouterSettings(**vars(build_parser(RouterSettings).parse_args(list(argv))))

@@ -1,13 +1,15 @@
-"""The activator's ASGI app: find the model a request is for, then hold and forward it
+"""The router's ASGI app: find the model a request is for, then hold and forward it
 (proxy.py, relay.py); its own `/health`, `/ready` and `/metrics` for requests that name no
 model.
 
 A request names its model by Host or `X-Sluice-Model` (models.py); one that names none in
 the models file gets 404 `model_not_found` (a WebSocket: its handshake refused with 404),
-except the activator's own three routes. The models file is watched the way the server
-watches its key file (core/auth/reload.py): a changed file is loaded and swapped in, a bad one is
-refused and the models loaded before stay. Requests already held keep the entry they were
-held under; each model's held count and readiness poll live in one `Upstream`.
+except the router's own three routes. The models file is watched the way the server
+watches its key file (core/auth/reload.py): a changed file is loaded and swapped in, a bad
+one is refused and the models loaded before stay. Requests already held keep the entry
+they were held under; each model's held count, readiness and in-flight requests per pod
+live in one `Upstream`. The Pods of the models with `pods` are watched from start-up (and
+from the reload that adds them) until no model names them (pods.py).
 """
 
 from __future__ import annotations
@@ -23,24 +25,31 @@ from starlette.websockets import WebSocket
 
 from ..core.auth.reload import Reloader, Source
 from ..core.errors import error_body
-from ..settings import ActivatorSettings
+from ..settings import RouterSettings
 from ..transport.sendwatch import transport_of
 from . import proxy, relay
-from .metrics import ActivatorMetrics
+from .metrics import RouterMetrics
 from .models import MODEL_HEADER, Model, Models, load
+from .pin import Pins
+from .pods import ApiServer, PodWatches
 from .upstream import Closing, Upstream
 
 log = logging.getLogger(__name__)
 OWN_ROUTES = ("/health", "/ready", "/metrics")
 
 
-class Activator:
-    def __init__(self, settings: ActivatorSettings) -> None:
+class Router:
+    def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
-        self.metrics = ActivatorMetrics()
+        self.metrics = RouterMetrics()
         self.upstreams: dict[str, Upstream] = {}
         self.client: httpx.AsyncClient | None = None
         self.closing = Closing()
+        api = ApiServer.find(settings.kube_api_url, settings.service_account_dir)
+        self.pods = PodWatches(api, settings.connect_timeout_seconds)
+        self.pins = (None if settings.pin_key_file is None
+                     else Pins.load(settings.pin_key_file, settings.pin_seconds))  # fmt: skip
+        self.started = False
         try:
             models = load(settings.models_file)
         except (OSError, ValueError) as e:
@@ -58,6 +67,15 @@ class Activator:
     def apply(self, models: Models) -> None:
         self.models = models
         self.metrics.loaded(models)
+        if self.started:
+            self._watch()
+
+    def _watch(self) -> None:
+        """Watch the Pods the models name now, and only those."""
+        selectors = {m.pods for m in self.models.by_key.values() if m.pods is not None}
+        self.pods.retain(selectors)
+        for selector in selectors:
+            self.pods.podset(selector)
 
     def drain(self) -> None:
         """SIGTERM: held requests wait at most `--drain-timeout-seconds` more."""
@@ -70,10 +88,11 @@ class Activator:
         if up is None or (up.held == 0 and up.model != model):
             assert self.client is not None  # made in the lifespan
             s = self.settings
+            pods = None if model.pods is None else self.pods.podset(model.pods)
             up = self.upstreams[model.key] = Upstream(model, self.client, self.metrics,
                                                       s.ready_poll_seconds,
                                                       s.connect_timeout_seconds,
-                                                      self.closing)  # fmt: skip
+                                                      self.closing, pods)  # fmt: skip
         return up
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -99,7 +118,7 @@ class Activator:
         # What the send watchdog of a held stream watches (transport/sendwatch.py).
         scope["sluice.transport"] = transport_of(receive)
         await proxy.handle(scope, receive, send, up, self.metrics, self.client,
-                           s.max_body_bytes, s.send_timeout_seconds)  # fmt: skip
+                           s.max_body_bytes, s.send_timeout_seconds, self.pins)  # fmt: skip
 
     async def _own(self, scope: Scope, send: Send) -> None:
         path = scope["path"]
@@ -118,8 +137,8 @@ class Activator:
         said = (f"X-Sluice-Model `{named.decode('latin-1')}`" if named is not None
                 else f"Host `{host}`")  # fmt: skip
         message = (
-            f"No model for {said}: the activator forwards only to the models in its "
-            "models file (a StreamingModel with autoscaling.minReplicas 0)."
+            f"No model for {said}: the router forwards only to the models in its "
+            "models file (a StreamingModel at autoscaling.minReplicas 0 or routed by it)."
         )
         body = error_body(404, message, code="model_not_found")
         if scope["type"] == "websocket":
@@ -139,12 +158,15 @@ class Activator:
                     limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
                 )  # fmt: skip
                 watcher = asyncio.create_task(self.reloader.run())
+                self.started = True
+                self._watch()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 if watcher is not None:
                     watcher.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await watcher
+                await self.pods.aclose()
                 if self.client is not None:
                     await self.client.aclose()
                 await send({"type": "lifespan.shutdown.complete"})
@@ -155,5 +177,5 @@ def _describe(models: Models) -> str:
     return f"{len(models)} models: {', '.join(sorted(models.by_key)) or 'none'}"
 
 
-def build_activator(settings: ActivatorSettings) -> Activator:
-    return Activator(settings)
+def build_router(settings: RouterSettings) -> Router:
+    return Router(settings)

@@ -29,7 +29,7 @@ HOLD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 45, 60, 90, 1
                 300, 450, 600, 900, 1200, 1800)  # fmt: skip
 
 
-class ActivatorMetrics:
+class RouterMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         labels = ("namespace", "model")

@@ -1,7 +1,7 @@
-"""The activator as it runs in its pod (`python -m sluice_server activator`, a process of
+"""The router as it runs in its pod (`python -m sluice_server router`, a process of
 its own) in front of model servers that come up late: a real server process on the
 simulator, and the real vLLM engine on the tiny model. The held requests get the whole
-answer the server gives without the activator."""
+answer the server gives without the router."""
 
 from __future__ import annotations
 
@@ -12,16 +12,16 @@ import sys
 import httpx
 import pytest
 import websockets
-from activator_helpers import (
+from router_helpers import (
     HEADERS,
     MODEL,
     NAME,
     NS,
     RawSSE,
-    activator,
     entry,
     metric,
     model_server,
+    router,
     tee,
 )
 from testkit.net import free_port, wait_http
@@ -91,9 +91,9 @@ async def test_the_activator_process_holds_until_a_server_process_is_up(tmp_path
 @pytest.mark.engine
 async def test_held_requests_reach_the_real_engine_once_its_server_is_up(tmp_path, engine):
     """The session's vLLM engine (tiny model) behind a server that starts listening only
-    after the activator holds the requests: streamed, WebSocket and plain answers whole."""
+    after the router holds the requests: streamed, WebSocket and plain answers whole."""
     port = free_port()
-    async with activator(tmp_path, {MODEL: entry(port)}) as act:
+    async with router(tmp_path, {MODEL: entry(port)}) as act:
         client = httpx.AsyncClient(base_url=act.url, headers=HEADERS, timeout=60)
         body = {"model": "tiny", **CHAT, "ignore_eos": True, "temperature": 0}
         stream = RawSSE(client, "POST", "/v1/chat/completions", json={**body, "stream": True})
@@ -139,9 +139,10 @@ async def test_on_sigterm_held_requests_give_up_cleanly_and_the_process_exits_0(
     port, aport = free_port(), free_port()  # no model server ever listens on `port`
     models = tmp_path / "models.json"
     models.write_text(json.dumps({MODEL: entry(port, keepaliveSeconds=0.3)}))
-    act = ManagedProcess("activator", [sys.executable, "-m", "sluice_server", "activator",
-                                       "--models-file", str(models), "--host", "127.0.0.1",
-                                       "--port", str(aport), "--drain-timeout-seconds", "0.5"],
+    # `router` is the mode's name; the other test starts it as `activator` (what charts call).
+    act = ManagedProcess("router", [sys.executable, "-m", "sluice_server", "router",
+                                    "--models-file", str(models), "--host", "127.0.0.1",
+                                    "--port", str(aport), "--drain-timeout-seconds", "0.5"],
                          tmp_path).start()  # fmt: skip
     try:
         url = f"http://localhost:{aport}"

@@ -1,13 +1,18 @@
-"""The models file: which models the activator may hold requests for, and how (pure).
+"""The models file: which models the router serves, and how (pure).
 
 `{"<namespace>/<name>": {"host": "<name>.<namespace>.svc.cluster.local", "port": 8000,
-"holdTimeoutSeconds": N, "maxHeld": M, "keepaliveSeconds": K}, ...}`, written by the
-operator (its `<release>-activator-models` ConfigMap, one entry per model at
-`autoscaling.minReplicas: 0`). A request names its model by its Host header (the route
-rewrites it to the model Service's name; a port is ignored) or by `X-Sluice-Model:
-<namespace>/<name>`; anything else is not the activator's to forward (404), so it is never
-an open proxy. Fields the activator does not know are ignored (an operator newer than the
-activator); a file that cannot be used raises ValueError naming the entry.
+"holdTimeoutSeconds": N, "maxHeld": M, "keepaliveSeconds": K, "pods": {...}}, ...}`,
+written by the operator (its `<release>-activator-models` ConfigMap: one entry per model
+at `autoscaling.minReplicas: 0` or routed by the router). A request names its model by its
+Host header (the route rewrites it to the model Service's name; a port is ignored) or by
+`X-Sluice-Model: <namespace>/<name>`; anything else is not the router's to forward (404),
+so it is never an open proxy.
+
+`pods`, `{"namespace": "<ns>", "selector": {<matchLabels of the model's serving pods>},
+"port": 8000}`, makes the router watch those Pods (pods.py) and send each request to one of
+them, `http://<podIP>:<port>`; without it a request goes to the Service `host`, as for a
+model that is only scaled to zero. Fields the router does not know are ignored (an operator
+newer than the router); a file that cannot be used raises ValueError naming the entry.
 """
 
 from __future__ import annotations
@@ -21,6 +26,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 MODEL_HEADER = "x-sluice-model"
 
 
+class _Pods(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    namespace: str = Field(min_length=1)
+    selector: dict[str, str] = Field(min_length=1)  # never empty: that would be every pod
+    port: int = Field(8000, ge=1, le=65535)
+
+
 class _Entry(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
@@ -29,6 +42,22 @@ class _Entry(BaseModel):
     hold_timeout: float = Field(600.0, gt=0, alias="holdTimeoutSeconds")
     max_held: int = Field(100, ge=1, alias="maxHeld")
     keepalive: float = Field(15.0, gt=0, alias="keepaliveSeconds")
+    pods: _Pods | None = None
+
+
+@dataclass(frozen=True)
+class PodSelector:
+    """Which Pods serve a model: its namespace and label selector (matchLabels), and the
+    port its pods listen on."""
+
+    namespace: str
+    labels: tuple[tuple[str, str], ...]  # sorted (key, value) pairs
+    port: int = 8000
+
+    @property
+    def label_selector(self) -> str:
+        """The `labelSelector` query parameter of a Pod list or watch."""
+        return ",".join(f"{k}={v}" for k, v in self.labels)
 
 
 @dataclass(frozen=True)
@@ -40,6 +69,7 @@ class Model:
     hold_timeout: float  # seconds a request may wait for a ready replica
     max_held: int  # requests held at once; past it 429
     keepalive: float  # seconds between keep-alives on a held stream (and its commit point)
+    pods: PodSelector | None = None  # None: forward to the Service `host`
 
     @property
     def key(self) -> str:
@@ -86,8 +116,11 @@ def parse(data: object) -> Models:
             problems = "; ".join(f"{'.'.join(str(x) for x in err['loc']) or 'entry'}: "
                                  f"{err['msg']}" for err in e.errors())  # fmt: skip
             raise ValueError(f"entry {key!r}: {problems}") from None
+        pods = entry.pods
+        selector = None if pods is None else PodSelector(
+            pods.namespace, tuple(sorted(pods.selector.items())), pods.port)  # fmt: skip
         models.append(Model(namespace, name, entry.host, entry.port, entry.hold_timeout,
-                            entry.max_held, entry.keepalive))  # fmt: skip
+                            entry.max_held, entry.keepalive, selector))  # fmt: skip
     return Models(models)
 
 

@@ -1,9 +1,9 @@
-"""The activator in front of a real model server that comes up late: every kind of held
+"""The router in front of a model without `pods` whose server comes up late: every kind of held
 request gets its whole answer, held streams hear keep-alives while they wait, and the
 give-up paths (client gone, hold timeout, too many held, unknown model) answer as
-documented (activator/proxy.py, activator/relay.py). The model servers are the simulator
+documented (router/proxy.py, router/relay.py). The model servers are the simulator
 engine on the server's own app and uvicorn configuration, started on the port the models
-file names only after the activator holds the requests."""
+file names only after the router holds the requests."""
 
 from __future__ import annotations
 
@@ -15,15 +15,17 @@ import logging
 import httpx
 import pytest
 import websockets
-from activator_helpers import (
+from router_helpers import (
+    CHAT,
     HEADERS,
     MODEL,
     NAME,
     NS,
     RawSSE,
-    activator,
+    direct_answers,
     entry,
     model_server,
+    router,
     scrape,
     tee,
 )
@@ -33,9 +35,6 @@ from testkit.nginx_proxy import NginxProxy, find_nginx
 from testkit.wait import eventually_async
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
-
-CHAT = {"model": "sim", "messages": [{"role": "user", "content": "hello river"}],
-        "max_tokens": 8}  # fmt: skip
 
 
 class _Collect(logging.Handler):
@@ -51,27 +50,12 @@ class _Collect(logging.Handler):
             self.into.append(message)
 
 
-async def direct_answers(url: str) -> dict:
-    """What the model server answers without the activator (the simulator is deterministic)."""
-    async with httpx.AsyncClient(base_url=url) as c:
-        chat = (await c.post("/v1/chat/completions", json=CHAT)).json()
-        message = (await c.post("/v1/messages", json=CHAT)).json()
-        response = await c.post("/v1/responses", json={"model": "sim", "input": "hello river",
-                                                       "max_output_tokens": 8})  # fmt: skip
-        tokens = RawSSE(c, "POST", "/v1/stream", json={"prompt": "hello river", "max_tokens": 8})
-        await tokens.run()
-    return {"chat": chat["choices"][0]["message"]["content"],
-            "anthropic": message["content"][0]["text"],
-            "responses": response.json()["output"][0]["content"][0]["text"],
-            "tokens": "".join(d.get("token", "") for d in tokens.data())}  # fmt: skip
-
-
 async def test_held_requests_of_every_kind_get_their_whole_answer(tmp_path):
     from anthropic import AsyncAnthropic
     from openai import AsyncOpenAI
 
     port = free_port()
-    async with activator(tmp_path, {MODEL: entry(port)}, heartbeat_seconds=0.2) as act:
+    async with router(tmp_path, {MODEL: entry(port)}, heartbeat_seconds=0.2) as act:
         import httpx2
 
         oa_tee, re_tee, an_tee = tee(), tee(), tee(httpx2)
@@ -165,7 +149,7 @@ async def test_held_requests_of_every_kind_get_their_whole_answer(tmp_path):
 
 async def test_a_held_client_that_leaves_is_dropped_and_never_forwarded(tmp_path):
     port = free_port()
-    async with activator(tmp_path, {MODEL: entry(port)}) as act:
+    async with router(tmp_path, {MODEL: entry(port)}) as act:
         client = httpx.AsyncClient(base_url=act.url, headers=HEADERS, timeout=30)
         # A committed stream (it heard a keep-alive) and a plain request, both held.
         stream = RawSSE(client, "POST", "/v1/stream", json={"prompt": "a", "max_tokens": 4})
@@ -203,7 +187,7 @@ async def test_past_the_hold_timeout_each_protocol_gives_up_in_its_own_shape(tmp
         MODEL: entry(port, holdTimeoutSeconds=0.8, keepaliveSeconds=0.2),
         "team-a/slow-commit": entry(port, holdTimeoutSeconds=0.5, keepaliveSeconds=5),
     }
-    async with activator(tmp_path, models) as act:
+    async with router(tmp_path, models) as act:
         client = httpx.AsyncClient(base_url=act.url, headers=HEADERS, timeout=30)
         plain = asyncio.ensure_future(client.post("/v1/chat/completions", json=CHAT))
         streams = {
@@ -255,7 +239,7 @@ async def test_past_the_hold_timeout_each_protocol_gives_up_in_its_own_shape(tmp
 
 async def test_past_max_held_is_429_with_retry_after_at_once(tmp_path):
     port = free_port()
-    async with activator(tmp_path, {MODEL: entry(port, maxHeld=2)}) as act:
+    async with router(tmp_path, {MODEL: entry(port, maxHeld=2)}) as act:
         client = httpx.AsyncClient(base_url=act.url, headers=HEADERS, timeout=30)
         held = [asyncio.ensure_future(client.post("/v1/chat/completions", json=CHAT))
                 for _ in range(2)]  # fmt: skip
@@ -278,15 +262,15 @@ async def test_past_max_held_is_429_with_retry_after_at_once(tmp_path):
 async def test_only_the_models_in_the_file_are_forwarded(tmp_path):
     port = free_port()
     # The route sets Host to the model Service's name; here its address (the FQDN look-up
-    # itself: tests/server/unit/test_activator_models.py).
+    # itself: tests/server/unit/test_router_models.py).
     models = {MODEL: entry(port)}
-    async with model_server(port), activator(tmp_path, models, max_body_bytes=2048) as act:
+    async with model_server(port), router(tmp_path, models, max_body_bytes=2048) as act:
         async with httpx.AsyncClient(base_url=act.url, timeout=30) as c:
             by_host = await c.post("/v1/chat/completions", json=CHAT,
                                    headers={"Host": "127.0.0.1:8000"})  # fmt: skip
             assert by_host.status_code == 200  # the port is ignored
             # A replica is ready: streamed straight through, the server's own headers, and
-            # no keep-alive of the activator's (negative control for the held streams').
+            # no keep-alive of the router's (negative control for the held streams').
             up = RawSSE(c, "POST", "/v1/stream", json={"prompt": "a", "max_tokens": 4},
                         headers=HEADERS)  # fmt: skip
             await up.run()
@@ -320,7 +304,7 @@ async def test_refusals_of_the_model_server_pass_through_or_become_error_events(
     keys = tmp_path / "keys"
     keys.write_text("sk-right\n")
     port = free_port()
-    async with activator(tmp_path, {MODEL: entry(port)}) as act:
+    async with router(tmp_path, {MODEL: entry(port)}) as act:
         client = httpx.AsyncClient(base_url=act.url, headers=HEADERS, timeout=30)
         wrong = {"Authorization": "Bearer sk-wrong"}
         plain = asyncio.ensure_future(client.post("/v1/chat/completions", json=CHAT,
@@ -369,7 +353,7 @@ async def test_refusals_of_the_model_server_pass_through_or_become_error_events(
 
 async def test_a_client_leaving_after_forwarding_aborts_the_server_request(tmp_path):
     port = free_port()
-    async with activator(tmp_path, {MODEL: entry(port)}) as act:
+    async with router(tmp_path, {MODEL: entry(port)}) as act:
         client = httpx.AsyncClient(base_url=act.url, headers=HEADERS, timeout=30)
         long = {"prompt": "a", "max_tokens": 2000}
         # Held (committed) first, then forwarded: leave after the first token.
@@ -417,7 +401,7 @@ async def test_a_client_leaving_after_forwarding_aborts_the_server_request(tmp_p
 
 async def test_the_models_file_is_reloaded_and_a_bad_one_refused(tmp_path):
     port = free_port()
-    async with model_server(port), activator(tmp_path, {MODEL: entry(port)}) as act:
+    async with model_server(port), router(tmp_path, {MODEL: entry(port)}) as act:
         async with httpx.AsyncClient(base_url=act.url) as c:
 
             async def known() -> str:
@@ -453,7 +437,7 @@ async def test_keep_alives_carry_a_held_stream_through_a_proxy_that_cuts_silent_
     timeout 1 s: the held stream hears a keep-alive every 0.3 s and outlives it; a held
     non-streamed request, which hears nothing, is cut by nginx (the negative control)."""
     port = free_port()
-    async with activator(tmp_path, {MODEL: entry(port, keepaliveSeconds=0.3)}) as act:
+    async with router(tmp_path, {MODEL: entry(port, keepaliveSeconds=0.3)}) as act:
         with NginxProxy(act.url.replace("localhost", "127.0.0.1"), timeout_seconds=1) as proxy:
             client = httpx.AsyncClient(base_url=proxy.url, timeout=30)
             stream = RawSSE(client, "POST", "/v1/stream", json={"prompt": "a", "max_tokens": 8})
@@ -480,18 +464,18 @@ async def test_a_replica_that_went_away_again_means_holding_again(tmp_path, monk
     """A ready answer stands for new requests a while (`FRESH`, here stretched so that the
     second request surely trusts it): one that then cannot connect never reached a server,
     so it is held again, not failed, and forwarded once a server is back."""
-    from sluice_server.activator import upstream
+    from sluice_server.router import upstream
 
     monkeypatch.setattr(upstream, "FRESH", 3600.0)
-    caplog.set_level(logging.INFO, "sluice_server.activator")
+    caplog.set_level(logging.INFO, "sluice_server.router")
     port = free_port()
-    async with activator(tmp_path, {MODEL: entry(port)}) as act:
+    async with router(tmp_path, {MODEL: entry(port)}) as act:
         client = httpx.AsyncClient(base_url=act.url, headers=HEADERS, timeout=30)
         async with model_server(port):
             assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
         again = asyncio.ensure_future(client.post("/v1/chat/completions", json=CHAT))
         await eventually_async(
-            lambda: "connect failed (ConnectError); holding again" in caplog.text,
+            lambda: "failed (ConnectError); holding again" in caplog.text,
             timeout=15,
             message="the stale ready answer found out",
         )
@@ -527,7 +511,7 @@ async def breaking_server(port: int, content_type: str):
 
 async def test_an_upstream_stream_that_breaks_off_ends_with_the_protocols_error_event(tmp_path):
     port = free_port()
-    async with activator(tmp_path, {MODEL: entry(port)}) as act:
+    async with router(tmp_path, {MODEL: entry(port)}) as act:
         client = httpx.AsyncClient(base_url=act.url, headers=HEADERS, timeout=30)
         body = {**CHAT, "stream": True}
         committed = RawSSE(client, "POST", "/v1/chat/completions", json=body)

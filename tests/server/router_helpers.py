@@ -1,4 +1,4 @@
-"""Helpers for the activator tests: an activator served in the test loop over a models file,
+"""Helpers for the router tests: a router served in the test loop over a models file,
 model servers (the simulator engine, or the session's real engine) that come up late on a
 port the models file already names, metrics read over HTTP, and an httpx transport that
 keeps every byte an SDK received (SDKs hide SSE comments; the tests assert on them)."""
@@ -13,11 +13,15 @@ from pathlib import Path
 import httpx
 from app_helpers import serving
 from prometheus_client.parser import text_string_to_metric_families
+from testkit.fake_pods_api import FakePodsApi
 from testkit.net import free_port
 
 MODEL = "team-a/chat"  # the models file key every test uses (namespace/name)
 NS, NAME = MODEL.split("/")
 HEADERS = {"X-Sluice-Model": MODEL}
+LABELS = {"app.kubernetes.io/name": "chat", "sluice.dev/role": "leader"}
+CHAT = {"model": "sim", "messages": [{"role": "user", "content": "hello river"}],
+        "max_tokens": 8}  # fmt: skip
 
 
 def entry(port: int, **fields) -> dict:
@@ -26,7 +30,7 @@ def entry(port: int, **fields) -> dict:
 
 
 class Running:
-    """A served activator: its URL, its app (metrics, upstreams) and its models file."""
+    """A served router: its URL, its app (metrics, upstreams) and its models file."""
 
     def __init__(self, url: str, app, path: Path) -> None:
         self.url, self.app, self.path = url, app, path
@@ -43,29 +47,50 @@ class Running:
         return self.app.metrics.requests.labels(NS, NAME, outcome)._value.get()
 
 
+def pods_entry(port: int, **fields) -> dict:
+    """An entry for a model whose pods the router watches (its Service `host` unreachable:
+    nothing may go there)."""
+    return entry(8000, host="chat.team-a.invalid", **fields,
+                 pods={"namespace": NS, "selector": LABELS, "port": port})  # fmt: skip
+
+
 @contextlib.asynccontextmanager
-async def activator(tmp_path: Path, models: dict, **overrides) -> AsyncIterator[Running]:
-    from sluice_server.activator.app import build_activator
-    from sluice_server.serve import activator_config
-    from sluice_server.settings import ActivatorSettings
+async def pods_api() -> AsyncIterator[tuple[FakePodsApi, str]]:
+    """The fake API server (Pods only) on a free loopback port: it and its URL."""
+    import uvicorn
+
+    api = FakePodsApi()
+    port = free_port()
+    config = uvicorn.Config(api.app, host="127.0.0.1", port=port, log_level="warning",
+                            lifespan="off")  # fmt: skip
+    async with serving(config):
+        yield api, f"http://127.0.0.1:{port}"
+
+
+@contextlib.asynccontextmanager
+async def router(tmp_path: Path, models: dict, **overrides) -> AsyncIterator[Running]:
+    from sluice_server.router.app import build_router
+    from sluice_server.serve import router_config
+    from sluice_server.settings import RouterSettings
 
     path = tmp_path / "models.json"
     path.write_text(json.dumps(models))
     port = free_port()
     fast = {"ready_poll_seconds": 0.1, "models_reload_seconds": 0.05, "log_level": "warning"}
-    settings = ActivatorSettings(models_file=path, host="127.0.0.1", port=port,
+    settings = RouterSettings(models_file=path, host="127.0.0.1", port=port,
                                  **{**fast, **overrides})  # fmt: skip
-    app = build_activator(settings)
-    async with serving(activator_config(settings, app)):
+    app = build_router(settings)
+    async with serving(router_config(settings, app)):
         # Reached as `localhost`: the models' host is 127.0.0.1, and a Host naming a model
-        # is that model's request, never the activator's own (its /metrics, /ready).
+        # is that model's request, never the router's own (its /metrics, /ready).
         yield Running(f"http://localhost:{port}", app, path)
 
 
 @contextlib.asynccontextmanager
-async def model_server(port: int, engine=None, **overrides) -> AsyncIterator[str]:
-    """A model server on `port`, from now on: on `engine` (a simulator by default, or the
-    session's real vLLM engine)."""
+async def model_server(port: int, engine=None, host: str = "127.0.0.1",
+                       **overrides) -> AsyncIterator[str]:  # fmt: skip
+    """A model server on `host:port`, from now on: on `engine` (a simulator by default, or
+    the session's real vLLM engine)."""
     from sluice_server.app import build_app
     from sluice_server.engine.simulator import SimulatorEngine
     from sluice_server.serve import uvicorn_config
@@ -77,11 +102,11 @@ async def model_server(port: int, engine=None, **overrides) -> AsyncIterator[str
         base = {"model": "sim", "engine": "simulator"}
     else:
         base = {"model": "tiny", "served_model_name": "tiny"}
-    settings = Settings(**{**base, "host": "127.0.0.1", "port": port, "log_level": "warning",
+    settings = Settings(**{**base, "host": host, "port": port, "log_level": "warning",
                            "heartbeat_seconds": 0.5, **overrides})  # fmt: skip
     app = build_app(settings, engine)
     async with serving(uvicorn_config(settings, app)):
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://{host}:{port}"
 
 
 def metric(text: str, name: str, **labels: str) -> float:
@@ -155,3 +180,18 @@ class RawSSE:
     def data(self) -> list[dict]:
         return [json.loads(line[6:]) for line in self.lines
                 if line.startswith("data: ") and line != "data: [DONE]"]  # fmt: skip
+
+
+async def direct_answers(url: str) -> dict:
+    """What a model server answers without the router (the simulator is deterministic)."""
+    async with httpx.AsyncClient(base_url=url) as c:
+        chat = (await c.post("/v1/chat/completions", json=CHAT)).json()
+        message = (await c.post("/v1/messages", json=CHAT)).json()
+        response = await c.post("/v1/responses", json={"model": "sim", "input": "hello river",
+                                                       "max_output_tokens": 8})  # fmt: skip
+        tokens = RawSSE(c, "POST", "/v1/stream", json={"prompt": "hello river", "max_tokens": 8})
+        await tokens.run()
+    return {"chat": chat["choices"][0]["message"]["content"],
+            "anthropic": message["content"][0]["text"],
+            "responses": response.json()["output"][0]["content"][0]["text"],
+            "tokens": "".join(d.get("token", "") for d in tokens.data())}  # fmt: skip

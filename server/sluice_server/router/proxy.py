@@ -1,5 +1,6 @@
-"""One held HTTP request: wait for a ready replica, keep a streaming client alive meanwhile,
-then forward the request and stream the answer through unchanged.
+"""One HTTP request for a known model: wait for a ready replica (at once when its model has
+one), keep a streaming client alive meanwhile, then forward the request to the pod (or
+Service) `Upstream.pick` names and stream the answer through unchanged.
 
 - Before anything is sent, the client only waits: a non-streamed request until a replica
   is ready or the hold timeout; a streamed one (token SSE, and OpenAI, Responses and
@@ -23,9 +24,11 @@ then forward the request and stream the answer through unchanged.
   server's abort on disconnect stops its engine. A forwarded request that cannot even
   connect (the replica went away again) is held again: it never reached the server.
 
-The request goes to `http://<host>:<port>` with its method, path, query, body and headers
-(hop-by-hop ones and Host removed). Upstream connections are not pooled: each forwarded
-request has its own, so closing it reaches the server and no stale one is ever reused.
+The request goes to `http://<podIP>:<port>` (a model with `pods`) or `http://<host>:<port>`
+with its method, path, query, body and headers (hop-by-hop ones and Host removed); the
+bytes of the answer are relayed as they come, never parsed. Upstream connections are not
+pooled: each forwarded request has its own, so closing it reaches the server and no stale
+one is ever reused.
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 from starlette.types import Receive, Scope, Send
@@ -47,8 +51,9 @@ from ..core.streaming.keepalive import KeepAlive
 from ..protocols import anthropic, responses, token_sse
 from ..protocols.engine_api import openai_error_event
 from ..transport.sse import QUEUED, SSEResponse
-from .metrics import ActivatorMetrics, Outcome
-from .upstream import Upstream
+from .metrics import Outcome, RouterMetrics
+from .pin import Pins
+from .upstream import Target, Upstream
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +77,7 @@ class Kind:
     protocol: str  # openai, responses, anthropic, sse, or other
     streaming: bool
 
-    def error_body(self, status: int, message: str, code: str) -> dict:
+    def error_body(self, status: int, message: str, code: str) -> dict[str, Any]:
         if self.protocol == "anthropic":
             return anthropic.error_body(status, message)
         return openai_error_body(status, message, code=code)
@@ -106,10 +111,22 @@ def classify(path: str, body: bytes) -> Kind:
 class Held:
     """One request from its arrival to forwarded or given up; the outcome counted once."""
 
-    def __init__(self, up: Upstream, metrics: ActivatorMetrics) -> None:
+    def __init__(self, up: Upstream, metrics: RouterMetrics) -> None:
         self.up, self.metrics = up, metrics
         self.t0 = time.monotonic()
         self.ended = False
+        self.target: Target | None = None  # where it goes (counted there until released)
+
+    def pick(self, key: bytes, pin: str | None = None) -> Target | None:
+        """Choose where it goes now (releasing an earlier choice); None: nowhere yet."""
+        self.release()
+        self.target = self.up.pick(key, pin)
+        return self.target
+
+    def release(self) -> None:
+        """It no longer runs where it went (its answer ended, or it could not connect)."""
+        if self.target is not None:
+            self.target.release()
 
     @property
     def waited(self) -> float:
@@ -117,7 +134,7 @@ class Held:
 
     @property
     def deadline(self) -> float:
-        """When it gives up: its hold timeout, or sooner when the activator shuts down."""
+        """When it gives up: its hold timeout, or sooner when the router shuts down."""
         return min(self.t0 + self.up.model.hold_timeout, self.up.closing.at)
 
     def wakers(self) -> tuple[asyncio.Future[None], ...]:
@@ -136,7 +153,9 @@ class Held:
         log.info("%s %s after %.3f s held", model.key, outcome, self.waited)
 
 
-def json_response(status: int, body: dict, headers: dict[str, str] | None = None):
+def json_response(
+    status: int, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> Callable[[Send], Awaitable[None]]:
     raw = json.dumps(body).encode()
     head = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
     head += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
@@ -155,7 +174,7 @@ def retry_after(seconds: float) -> dict[str, str]:
 def starting_message(held: Held) -> str:
     model = held.up.model
     if held.up.closing.at < held.t0 + model.hold_timeout:
-        return (f"Model {model.key} is starting and this activator is shutting down "
+        return (f"Model {model.key} is starting and this router is shutting down "
                 f"({MODEL_STARTING}). Retry.")  # fmt: skip
     return (f"Model {model.key} is starting: no replica was ready within "
             f"{model.hold_timeout:g} s ({MODEL_STARTING}). Retry later.")  # fmt: skip
@@ -197,17 +216,23 @@ async def _disconnected(receive: Receive) -> None:
 class Request:
     """A held request's forwarding: its upstream request, and the moment it went out."""
 
-    def __init__(self, client: httpx.AsyncClient, held: Held, scope: Scope, body: bytes) -> None:
-        self.client, self.held, self.scope, self.body = client, held, scope, body
+    def __init__(self, client: httpx.AsyncClient, held: Held, scope: Scope, body: bytes,
+                 pins: Pins | None = None) -> None:  # fmt: skip
+        self.client, self.held, self.scope, self.body, self.pins = client, held, scope, body, pins
+        # A resume (`Last-Event-ID`) with a valid `sluice-pin` goes back to its pod (pin.py).
+        resume = any(k == b"last-event-id" for k, _ in scope["headers"])
+        self.pin = pins.pinned(scope["headers"], held.up.model.key) if pins and resume else None
+        # What the pod tie-break hashes: equal requests go to the same pod.
+        self.key = body or (scope["path"].encode() + b"?" + scope.get("query_string", b""))
 
-    def build(self) -> httpx.Request:
+    def build(self, target: Target) -> httpx.Request:
         scope, held = self.scope, self.held
 
-        async def trace(event: str, info: dict) -> None:
+        async def trace(event: str, info: dict[str, Any]) -> None:
             if event == "http11.send_request_headers.started":
                 held.end("forwarded")  # connected: from here on the server has it
 
-        url = held.up.model.url + scope["path"]
+        url = target.url + scope["path"]
         query = scope.get("query_string", b"")
         return self.client.build_request(
             scope["method"], httpx.URL(url, query=query), headers=forward_headers(scope),
@@ -215,33 +240,50 @@ class Request:
         )  # fmt: skip
 
     async def send(self) -> httpx.Response | None:
-        """The upstream response (headers read, body not); None when it could not connect
-        (the replica went away: marked down, the request is held again)."""
+        """The upstream response (headers read, body not); None when no pod is a candidate
+        any more or it could not connect (the replica went away: marked down, the request is
+        held again)."""
+        target = self.held.pick(self.key, self.pin)
+        if target is None:
+            return None
         try:
-            return await self.client.send(self.build(), stream=True)
+            return await self.client.send(self.build(target), stream=True)
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
             if self.held.ended:
                 raise
-            log.info("%s: connect failed (%s); holding again", self.held.up.model.key,
-                     type(e).__name__)  # fmt: skip
-            self.held.up.down()
+            log.info("%s: connect to %s failed (%s); holding again", self.held.up.model.key,
+                     target.pod or target.url, type(e).__name__)  # fmt: skip
+            self.held.up.down(target)
+            self.held.release()
             return None
 
 
 async def handle(
-    scope: Scope, receive: Receive, send: Send, up: Upstream, metrics: ActivatorMetrics,
-    client: httpx.AsyncClient, max_body: int, send_timeout: float,
+    scope: Scope, receive: Receive, send: Send, up: Upstream, metrics: RouterMetrics,
+    client: httpx.AsyncClient, max_body: int, send_timeout: float, pins: Pins | None = None,
 ) -> None:  # fmt: skip
     """One HTTP request for a known model (see the module docstring)."""
     model = up.model
-    kind = classify(scope["path"], b"")
     if not up.hold():
+        kind = classify(scope["path"], b"")
         m = f"Model {model.key} has {model.max_held} requests waiting for a replica already."
         metrics.requests.labels(model.namespace, model.name, "rejected").inc()
         await json_response(429, kind.error_body(429, m, "too_many_held"),
                             retry_after(model.keepalive))(send)  # fmt: skip
         return
     held = Held(up, metrics)
+    try:
+        await _held(held, scope, receive, send, client, max_body, send_timeout, pins)
+    finally:
+        held.release()  # its pod's in-flight count: the answer ended, or never began
+
+
+async def _held(
+    held: Held, scope: Scope, receive: Receive, send: Send, client: httpx.AsyncClient,
+    max_body: int, send_timeout: float, pins: Pins | None,
+) -> None:  # fmt: skip
+    up, model = held.up, held.up.model
+    kind = classify(scope["path"], b"")
     try:
         body = await read_body(receive, max_body)
     except ClientLeft:
@@ -253,7 +295,7 @@ async def handle(
         await json_response(413, kind.error_body(413, m, "body_too_large"))(send)
         return
     kind = classify(scope["path"], body)
-    request = Request(client, held, scope, body)
+    request = Request(client, held, scope, body, pins)
     gone = asyncio.ensure_future(_disconnected(receive))
     forwarded: asyncio.Future[bool] | None = None
     try:
@@ -323,6 +365,15 @@ async def _pass_through(request: Request, kind: Kind, send: Send) -> bool:
         dropped = HOP_BY_HOP - {"content-length"}  # raw bytes: their length stands
         headers = [(k, v) for k, v in response.headers.raw
                    if k.decode("latin-1").lower() not in dropped]  # fmt: skip
+        target, pins = request.held.target, request.pins
+        if (
+            pins
+            and target
+            and target.pod
+            and kind.protocol == "sse"
+            and response.status_code == 200
+        ):
+            headers.append(pins.set_cookie(request.held.up.model.key, target.pod))
         await send({"type": "http.response.start", "status": response.status_code,
                     "headers": headers})  # fmt: skip
         try:
@@ -342,14 +393,15 @@ async def _pass_through(request: Request, kind: Kind, send: Send) -> bool:
 
 
 def _is_event_stream(response: httpx.Response) -> bool:
-    return response.headers.get("content-type", "").startswith("text/event-stream")
+    content_type: str = response.headers.get("content-type", "")
+    return content_type.startswith("text/event-stream")
 
 
 def broke_off(kind: Kind, e: Exception) -> bytes:
     """The protocol's error event for an upstream stream cut off midway; the blank line
     first ends an event the cut left open."""
     message = f"The model's server broke off the stream ({type(e).__name__})."
-    return b"\n\n" + kind.error_event(f"activator-{uuid.uuid4().hex}", message,
+    return b"\n\n" + kind.error_event(f"router-{uuid.uuid4().hex}", message,
                                         "upstream_error", 502)  # fmt: skip
 
 
@@ -360,7 +412,7 @@ class HeldStream:
     def __init__(self, request: Request, kind: Kind, status_events: bool) -> None:
         self.request, self.kind, self.status_events = request, kind, status_events
         self.held = request.held
-        self.rid = f"activator-{uuid.uuid4().hex}"
+        self.rid = f"router-{uuid.uuid4().hex}"
         self._due: asyncio.Future[None] | None = None
 
     def cleanup(self, stalled: bool) -> None:

@@ -1,6 +1,7 @@
-"""One held WebSocket: accept it at once, keep it open while the model starts (uvicorn's
-pings, every `--heartbeat-seconds`), then open the upstream WebSocket and relay frames both
-ways until either side closes.
+"""One WebSocket for a known model: accept it at once, keep it open while the model starts
+(uvicorn's pings, every `--heartbeat-seconds`), then open the upstream WebSocket to the pod
+(or Service) `Upstream.pick` names and relay frames both ways until either side closes. The
+pod counts the connection in flight until it closes.
 
 Frames the client sends while held (up to `--max-held-frames`) are kept and relayed first,
 in order, once the upstream socket is open. Each generation among them hears what a
@@ -28,12 +29,13 @@ from starlette.types import Message, Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.typing import Origin
 
 from ..core.errors import error_body
 from ..core.streaming.keepalive import KeepAlive
 from ..protocols.websocket import error_frame, queued_frame
 from ..transport import handshake
-from .metrics import ActivatorMetrics
+from .metrics import RouterMetrics
 from .proxy import HOP_BY_HOP, MODEL_STARTING, Held, retry_after, starting_message
 from .upstream import Upstream
 
@@ -42,7 +44,7 @@ TRY_AGAIN_LATER, POLICY_VIOLATION = 1013, 1008
 _NOT_FORWARDED = HOP_BY_HOP | {"origin"}
 
 
-async def refuse(ws: WebSocket, status: int, body: dict,
+async def refuse(ws: WebSocket, status: int, body: dict[str, Any],
                  headers: dict[str, str] | None = None) -> None:  # fmt: skip
     """Refuse the handshake with a real status and JSON body (an outcome: uvicorn's error
     record for it is filtered, transport/handshake.py)."""
@@ -56,12 +58,12 @@ def _upstream_headers(scope: Scope) -> list[tuple[str, str]]:
             and k.decode("latin-1") not in _NOT_FORWARDED]  # fmt: skip
 
 
-def _origin(scope: Scope):
-    return next((v.decode("latin-1") for k, v in scope["headers"] if k == b"origin"), None)
+def _origin(scope: Scope) -> Origin | None:
+    return next((Origin(v.decode("latin-1")) for k, v in scope["headers"] if k == b"origin"), None)
 
 
 async def relay(
-    scope: Scope, receive: Receive, send: Send, up: Upstream, metrics: ActivatorMetrics,
+    scope: Scope, receive: Receive, send: Send, up: Upstream, metrics: RouterMetrics,
     max_frames: int, connect_timeout: float, max_size: int,
 ) -> None:  # fmt: skip
     ws = WebSocket(scope, receive, send)
@@ -87,13 +89,14 @@ async def relay(
     finally:
         if not held.ended:
             held.end("disconnected")
+        held.release()
         if upstream is not None:
             await upstream.close()
 
 
 async def _hold(
     ws: WebSocket, held: Held, receive: Receive, kept: list[Message], max_frames: int,
-    connect_timeout: float, max_size: int, headers: list[tuple[str, str]], origin,
+    connect_timeout: float, max_size: int, headers: list[tuple[str, str]], origin: Origin | None,
 ) -> ClientConnection | None:  # fmt: skip
     """Wait for a replica, keeping the client's frames; the open upstream socket, or None
     when the hold ended (the client was told why, or left)."""
@@ -143,7 +146,11 @@ async def _hold(
                 frame = asyncio.ensure_future(receive())
                 continue
             if ready in done:
-                url = model.url.replace("http://", "ws://", 1) + scope["path"]
+                target = held.pick(scope["path"].encode() + b"?" + scope.get("query_string", b""))
+                if target is None:  # its last candidate left meanwhile
+                    ready = asyncio.ensure_future(up.wait_ready())
+                    continue
+                url = target.url.replace("http://", "ws://", 1) + scope["path"]
                 if scope.get("query_string"):
                     url += "?" + scope["query_string"].decode("latin-1")
                 try:
@@ -157,9 +164,10 @@ async def _hold(
                     await ws.close(POLICY_VIOLATION)
                     return None
                 except (OSError, TimeoutError) as e:  # nobody there (any more): hold again
-                    log.info("%s: WebSocket connect failed (%s); holding again", model.key,
-                             type(e).__name__)  # fmt: skip
-                    up.down()
+                    log.info("%s: WebSocket connect to %s failed (%s); holding again", model.key,
+                             target.pod or target.url, type(e).__name__)  # fmt: skip
+                    up.down(target)
+                    held.release()
                     ready = asyncio.ensure_future(up.wait_ready())
                     continue
                 held.end("forwarded")
@@ -172,6 +180,8 @@ async def _hold(
             return None
     finally:
         unbeat()
+        if frame.done() and not frame.cancelled() and frame.exception() is None:
+            kept.append(frame.result())  # it arrived while the upstream socket opened
         frame.cancel()
         ready.cancel()
 
@@ -205,6 +215,8 @@ async def _relay(ws: WebSocket, receive: Receive, upstream: ClientConnection,
                  kept: list[Message]) -> None:  # fmt: skip
     async def to_upstream() -> None:
         for message in kept:
+            if message["type"] == "websocket.disconnect":
+                return
             await _send_up(upstream, message)
         while True:
             message = await receive()

@@ -1,0 +1,177 @@
+"""One model's side of the router: how many of its requests are held (bounded), whether a
+replica is ready, and where a request goes (`pick`).
+
+A model with `pods` is ready while its `PodSet` (pods.py) has a candidate: a Ready pod with
+an IP and no deletion. `pick` sends a request to the candidate with the fewest requests
+this router has in flight there, ties broken by a stable hash of (request key, pod name),
+so equal requests go to the same pod and two router replicas tie-break alike; a pod a
+request could not connect to is left out for `FRESH` seconds. A model without `pods` is
+ready as `GET /ready` through its Service says, and every request goes to the Service.
+
+For a model without `pods`, readiness is checked by one poll per model, shared by every request held for it, and only
+while one is held: the first check at once, then with backoff from a tenth of
+`--ready-poll-seconds` up to it. A 200 counts for a second (`FRESH`): requests arriving
+just after it are forwarded without a check of their own; past that, or when a forwarded
+request could not even connect (`down`: the replica went away again), the next request
+checks again. Holding ends when the last held request is gone: the poll stops with it.
+
+`Closing` is the router's shutdown as held requests see it: after SIGTERM each waits at
+most `--drain-timeout-seconds` more (its model may still come up), then gives up as at its
+hold timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import time
+
+import httpx
+
+from .metrics import RouterMetrics
+from .models import Model
+from .pods import Pod, PodSet
+
+log = logging.getLogger(__name__)
+FRESH = 1.0  # seconds a ready answer stands for new requests
+
+
+class Closing:
+    def __init__(self) -> None:
+        self.at = math.inf  # time.monotonic() when held requests give up; inf: not closing
+        self._changed: asyncio.Future[None] | None = None
+
+    @property
+    def changed(self) -> asyncio.Future[None]:
+        """Resolved when the shutdown begins: waiters then recompute their deadline."""
+        if self._changed is None:
+            self._changed = asyncio.get_running_loop().create_future()
+        return self._changed
+
+    def begin(self, seconds: float) -> None:
+        if self.at == math.inf:
+            self.at = time.monotonic() + seconds
+            if not self.changed.done():
+                self.changed.set_result(None)
+
+
+class Target:
+    """Where one request goes: a URL, and the pod it names (None: the Service). Counted in
+    its pod's in-flight requests until released (once)."""
+
+    __slots__ = ("url", "pod", "_counts", "_released")
+
+    def __init__(self, url: str, pod: str | None, counts: dict[str, int]) -> None:
+        self.url, self.pod, self._counts, self._released = url, pod, counts, False
+        if pod is not None:
+            counts[pod] = counts.get(pod, 0) + 1
+
+    def release(self) -> None:
+        if self._released or self.pod is None:
+            return
+        self._released = True
+        left = self._counts[self.pod] - 1
+        if left:
+            self._counts[self.pod] = left
+        else:
+            del self._counts[self.pod]
+
+
+def tie_break(key: bytes, pod: str) -> bytes:
+    """A stable order of the pods for one request: the same on every router replica."""
+    return hashlib.blake2b(key + b"\0" + pod.encode(), digest_size=8).digest()
+
+
+class Upstream:
+    def __init__(self, model: Model, client: httpx.AsyncClient, metrics: RouterMetrics,
+                 poll: float, timeout: float, closing: Closing,
+                 pods: PodSet | None = None) -> None:  # fmt: skip
+        self.model, self.client, self.poll, self.timeout = model, client, poll, timeout
+        self.closing, self.pods = closing, pods
+        self.held = 0
+        self.in_flight: dict[str, int] = {}  # pod name -> this router's requests there
+        self._gauge = metrics.held.labels(model.namespace, model.name)
+        self._ready_at: float | None = None
+        self._round: asyncio.Task[None] | None = None
+        self._down: dict[str, float] = {}  # pod name -> loop time it may be picked again
+
+    def candidates(self) -> list[Pod]:
+        """The pods a request may go to now (a model with `pods`)."""
+        if self.pods is None:
+            return []
+        now = asyncio.get_running_loop().time()
+        return [p for p in self.pods.candidates() if self._down.get(p.name, 0) <= now]
+
+    def pick(self, key: bytes, pin: str | None = None) -> Target | None:
+        """Where a request goes now; None when no pod is a candidate any more. `pin`: a pod
+        name the request asks for (a verified cookie), honoured while it is a candidate."""
+        if self.pods is None:
+            return Target(self.model.url, None, self.in_flight)
+        pods = self.candidates()
+        if not pods:
+            return None
+        pod = next((p for p in pods if p.name == pin), None) if pin else None
+        if pod is None:
+            pod = min(pods, key=lambda p: (self.in_flight.get(p.name, 0), tie_break(key, p.name)))
+        port = self.model.pods.port if self.model.pods is not None else self.model.port
+        host = f"[{pod.ip}]" if ":" in pod.ip else pod.ip
+        return Target(f"http://{host}:{port}", pod.name, self.in_flight)
+
+    def hold(self) -> bool:
+        """Count one more held request; False (and nothing counted) past `maxHeld`."""
+        if self.held >= self.model.max_held:
+            return False
+        self.held += 1
+        self._gauge.inc()
+        return True
+
+    def release(self) -> None:
+        self.held -= 1
+        self._gauge.dec()
+        if self.held == 0 and self._round is not None and not self._round.done():
+            self._round.cancel()  # nobody waits: no more checks
+
+    def down(self, target: Target | None = None) -> None:
+        """A forwarded request could not connect: the next waiters check again (a pod: it is
+        left out for `FRESH` seconds)."""
+        self._ready_at = None
+        if target is not None and target.pod is not None:
+            self._down[target.pod] = asyncio.get_running_loop().time() + FRESH
+
+    async def wait_ready(self) -> None:
+        """Return once a replica is ready: a pod is a candidate, or (without `pods`) the
+        Service answered `/ready` with 200 (within `FRESH`)."""
+        loop = asyncio.get_running_loop()
+        if self.pods is not None:
+            while not self.candidates():
+                now = loop.time()
+                self._down = {k: v for k, v in self._down.items() if v > now}
+                back = min(self._down.values(), default=None)
+                changed = self.pods.changed()
+                await asyncio.wait((changed,), timeout=None if back is None else back - now)
+            return
+        if self._ready_at is not None and loop.time() - self._ready_at < FRESH:
+            return
+        if self._round is None or self._round.done():
+            self._round = loop.create_task(self._check_until_ready())
+        await asyncio.shield(self._round)
+
+    async def _check_until_ready(self) -> None:
+        delay = self.poll / 10
+        loop = asyncio.get_running_loop()
+        while True:
+            url = f"{self.model.url}/ready"
+            try:
+                r = await self.client.get(url, timeout=self.timeout)
+                if r.status_code == 200:
+                    self._ready_at = loop.time()
+                    log.info("%s: ready (%s)", self.model.key, url)
+                    return
+                log.debug("%s: not ready yet (%s answered %d)", self.model.key, url,
+                          r.status_code)  # fmt: skip
+            except httpx.HTTPError as e:
+                log.debug("%s: not ready yet (%s: %s)", self.model.key, url, type(e).__name__)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.poll)
