@@ -118,6 +118,16 @@ VIOLATIONS = [
         {},
         {f"{SRV}/engine/builtin_api.py": "def f():\n    from vllm import SamplingParams\n"},
     ),
+    (
+        "server-router-without-vllm",
+        {},
+        {f"{SRV}/router/blockhash.py": "def f():\n    import torch\n"},
+    ),
+    (
+        "server-layers",
+        {},
+        {f"{SRV}/router/kvevents.py": "def f():\n    from ..engine import base\n"},
+    ),
 ]
 
 
