@@ -154,7 +154,7 @@ class Subscriber:
     from sequence 0 the same way, so a router that starts late learns the cache the pod
     already has (as far as the publisher's buffer reaches). A sequence that goes back means
     the publisher restarted: `Reset`. The queue is bounded: a consumer that falls
-    `queue_size` updates behind loses them and gets one `Reset` instead.
+    `queue_size` updates behind loses them and gets a `Reset` first.
     """
 
     def __init__(
@@ -174,8 +174,9 @@ class Subscriber:
         self.last_seq: int | None = None
         self.resets = 0  # Resets queued so far (lost events)
         self._ctx = context or zmq.asyncio.Context.instance()
+        if queue_size < 2:
+            raise ValueError("queue_size must leave room for a Reset and an update")
         self._queue: asyncio.Queue[Update] = asyncio.Queue(maxsize=queue_size)
-        self._overflowed = False
 
     async def updates(self) -> AsyncIterator[Update]:
         while True:
@@ -253,18 +254,11 @@ class Subscriber:
         self._put(Reset(self.pod, reason))
 
     def _put(self, update: Update) -> None:
-        if self._overflowed:
-            if self._queue.full():
-                return
-            self._overflowed = False
-            self.resets += 1
-            self._queue.put_nowait(Reset(self.pod, "consumer fell behind"))
-        try:
-            self._queue.put_nowait(update)
-        except asyncio.QueueFull:
-            # Drop what is queued: the consumer will clear the index and rebuild.
+        if self._queue.full():
+            # The consumer fell behind: drop what is queued; it clears the index and rebuilds.
             with contextlib.suppress(asyncio.QueueEmpty):
                 while True:
                     self._queue.get_nowait()
-            self._overflowed = True
-            self._put(update)
+            self.resets += 1
+            self._queue.put_nowait(Reset(self.pod, "consumer fell behind"))
+        self._queue.put_nowait(update)
