@@ -1,8 +1,10 @@
 """vLLM's KV-cache events: the wire format, and an asyncio subscriber per replica.
 
 An engine started with prefix caching and `--kv-events-config '{"enable_kv_cache_events":
-true, "publisher": "zmq", "endpoint": "tcp://IP:PORT", "replay_endpoint": ...}'` publishes
-on a ZMQ PUB socket one multipart message per engine step with cache changes:
+true, "publisher": "zmq", "endpoint": "tcp://*:PORT", "replay_endpoint": ...}'` publishes
+on a ZMQ PUB socket one multipart message per engine step with cache changes (vLLM binds
+the PUB socket only when the endpoint has `*` or `::`, and otherwise connects it to that
+address; the replay socket always binds):
 
     [topic, sequence (8 bytes, big-endian, from 0 per publisher), msgpack KVEventBatch]
 
