@@ -129,6 +129,16 @@ VIOLATIONS = [
         {},
         {f"{SRV}/engine/builtin_api.py": "def f():\n    from vllm import SamplingParams\n"},
     ),
+    (
+        "server-router-without-vllm",
+        {},
+        {f"{SRV}/kvcache/blockhash.py": "def f():\n    import torch\n"},
+    ),
+    (
+        "server-layers",
+        {},
+        {f"{SRV}/kvcache/kvevents.py": "def f():\n    from ..engine import base\n"},
+    ),
 ]
 
 

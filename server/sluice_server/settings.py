@@ -6,6 +6,7 @@ The flag names are a contract with the operator (docs/design.md); keep them stab
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -312,6 +313,23 @@ class Settings(HttpSettings):
                                           "per stream already in flight (queueing).")  # fmt: skip
     sim_jitter: float = Field(0.0, ge=0, description="Simulator: relative standard "
                               "deviation of every TTFT and gap.")  # fmt: skip
+    sim_prefix_cache_blocks: int = Field(
+        0, ge=0, description="Simulator: prefix-cache capacity in blocks (an LRU keyed by vLLM's "
+        "block hashes; 0: no cache, no cached tokens).")  # fmt: skip
+    sim_block_size: int = Field(16, ge=1, description="Simulator: tokens per cache block "
+                                "(vLLM's `--block-size`).")  # fmt: skip
+    sim_prefill_us_per_token: float = Field(
+        0.0, ge=0, description="Simulator: extra TTFT per prompt token not served from the "
+        "prefix cache, in microseconds.")  # fmt: skip
+    sim_prefix_caching_hash_algo: Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"] = (
+        Field("sha256", description="Simulator: the block hash (vLLM's "
+              "`--prefix-caching-hash-algo`; its seed is PYTHONHASHSEED as in vLLM)."))  # fmt: skip
+    sim_kv_events_config: str | None = Field(
+        None, description="Simulator: publish the prefix cache's KV events, in vLLM's "
+        "`--kv-events-config` JSON (`{\"enable_kv_cache_events\": true, \"publisher\": "
+        "\"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": ...}`; an endpoint "
+        "with `*` binds, as in vLLM). Needs --sim-prefix-cache-blocks. The events carry prompt "
+        "token ids in clear and the port takes no credentials: let only the router reach it.")  # fmt: skip
 
     # Observability
     access_log: bool = Field(
@@ -377,6 +395,13 @@ class Settings(HttpSettings):
             return [p.strip() for p in value.split(",") if p.strip()]
         return value
 
+    @field_validator("sim_kv_events_config")
+    @classmethod
+    def _kv_events_json(cls, value: str | None) -> str | None:
+        if value is not None and not isinstance(json.loads(value), dict):
+            raise ValueError("--sim-kv-events-config must be a JSON object")
+        return value
+
     @field_validator("root_path")
     @classmethod
     def _root_path(cls, value: str) -> str:
@@ -419,6 +444,11 @@ class Settings(HttpSettings):
             raise ValueError(f"--default-priority {self.default_priority} is not one of "
                              f"--priority-classes ({','.join(self.priority_classes)})")  # fmt: skip
         self._check_nodes()
+        if self.sim_kv_events_config is not None and not self.sim_prefix_cache_blocks:
+            raise ValueError("--sim-kv-events-config needs --sim-prefix-cache-blocks N (N > 0)")
+        if self.sim_kv_events_config is not None and self.api_workers > 1:
+            raise ValueError("--sim-kv-events-config needs --api-workers 1: each worker runs its "
+                             "own simulator, and they cannot share one events port")  # fmt: skip
         if self.api_workers > 1 and self.resume_grace_seconds > 0:
             raise ValueError(
                 "--resume-grace-seconds needs --api-workers 1: a resumable stream lives in one "

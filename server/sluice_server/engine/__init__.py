@@ -40,14 +40,21 @@ async def open_engine(
     connection to an engine core the supervisor started (vLLM's multi-API-server
     handshake); the simulator ignores it (each worker runs its own)."""
     if settings.engine == "simulator":
+        from .simcache import KvEventsConfig
         from .simulator import SimulatorEngine
 
+        events = settings.sim_kv_events_config
         sim = SimulatorEngine(
             model_name=settings.model_label,
             ttft_ms=settings.sim_ttft_ms,
             itl_ms=settings.sim_itl_ms,
             ttft_per_stream_ms=settings.sim_ttft_per_stream_ms,
             jitter=settings.sim_jitter,
+            prefix_cache_blocks=settings.sim_prefix_cache_blocks,
+            block_size=settings.sim_block_size,
+            prefill_us_per_token=settings.sim_prefill_us_per_token,
+            hash_algo=settings.sim_prefix_caching_hash_algo,
+            kv_events=KvEventsConfig.from_json(events) if events is not None else None,
         )
         try:
             yield sim

@@ -151,6 +151,9 @@ class Delta:
     finish_reason: str | None = None  # "stop", "length", "abort" when finished
     prompt_tokens: int = 0
     completion_tokens: int = 0  # cumulative
+    # Prompt tokens served from the prefix cache (vLLM's num_cached_tokens); None: the
+    # engine does not report it.
+    cached_tokens: int | None = None
 
 
 ApiKind = Literal[

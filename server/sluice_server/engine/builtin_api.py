@@ -39,6 +39,7 @@ from .builtin_events import (
     MessagesFramer,
     ResponsesFramer,
     message_item,
+    openai_usage,
     response_object,
     response_status,
     responses_usage,
@@ -261,7 +262,7 @@ class BuiltinApi:
             body = response_object(rid, self.model, int(time.time()), b.model_dump(),
                                    response_status(reason), [message_item("msg_" + uuid.uuid4().hex, text,
                                                               "completed")],
-                                   responses_usage(p, c))  # fmt: skip
+                                   responses_usage(p, c, last.cached_tokens if last else None))  # fmt: skip
         elif kind == "messages":
             body = {"id": rid, "type": "message", "role": "assistant", "model": self.model,
                     "content": [{"type": "text", "text": text}],
@@ -274,8 +275,7 @@ class BuiltinApi:
                       {"index": 0, "text": text, "finish_reason": reason, "logprobs": None})  # fmt: skip
             body = {"id": rid, "object": "chat.completion" if chat else "text_completion",
                     "created": int(time.time()), "model": self.model, "choices": [choice],
-                    "usage": {"prompt_tokens": p, "completion_tokens": c,
-                              "total_tokens": p + c}}  # fmt: skip
+                    "usage": openai_usage(last)}  # fmt: skip
         return ApiReply(body, 200, p, c)
 
 
@@ -290,7 +290,8 @@ async def _chunks(deltas: AsyncGenerator[Delta, None], framer: Any) -> AsyncGene
     try:
         async for d in deltas:
             if d.finished and d.finish_reason == "abort":
-                yield Delta("", d.num_tokens, True, "abort", d.prompt_tokens, d.completion_tokens)
+                yield Delta("", d.num_tokens, True, "abort", d.prompt_tokens, d.completion_tokens,
+                            d.cached_tokens)  # fmt: skip
                 return
             text = ""
             if d.text or d.finished:
@@ -298,6 +299,6 @@ async def _chunks(deltas: AsyncGenerator[Delta, None], framer: Any) -> AsyncGene
                     text, started = framer.start(d), True
                 text += framer.end(d) if d.finished else framer.text(d.text)
             yield Delta(text, d.num_tokens, d.finished, d.finish_reason, d.prompt_tokens,
-                        d.completion_tokens)  # fmt: skip
+                        d.completion_tokens, d.cached_tokens)  # fmt: skip
     finally:
         await deltas.aclose()

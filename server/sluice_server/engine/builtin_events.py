@@ -25,6 +25,16 @@ def usage_of(d: Delta | None) -> tuple[int, int]:
     return (d.prompt_tokens, d.completion_tokens) if d is not None else (0, 0)
 
 
+def openai_usage(d: Delta | None) -> dict:
+    """OpenAI chat and completions `usage`; `prompt_tokens_details.cached_tokens` when the
+    engine reports its prefix-cache hits (as vLLM does with prompt token details on)."""
+    p, c = usage_of(d)
+    usage: dict = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    if d is not None and d.cached_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": d.cached_tokens}
+    return usage
+
+
 class ChatFramer:
     """OpenAI chat (`chat.completion.chunk`) or completions (`text_completion`) chunks,
     then the optional usage chunk and `data: [DONE]`."""
@@ -55,14 +65,12 @@ class ChatFramer:
     def end(self, d: Delta) -> str:
         out = self._piece(d.text, d.finish_reason)
         if self.include_usage:
-            p, c = usage_of(d)
-            usage = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-            out += f'{self.head}],"usage":{_dumps(usage)}}}\n\n'
+            out += f'{self.head}],"usage":{_dumps(openai_usage(d))}}}\n\n'
         return out + "data: [DONE]\n\n"
 
 
-def responses_usage(p: int, c: int) -> dict:
-    return {"input_tokens": p, "input_tokens_details": {"cached_tokens": 0},
+def responses_usage(p: int, c: int, cached: int | None = None) -> dict:
+    return {"input_tokens": p, "input_tokens_details": {"cached_tokens": cached or 0},
             "output_tokens": c, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": p + c}  # fmt: skip
 
@@ -130,7 +138,7 @@ class ResponsesFramer:
         out = self.text(d.text) if d.text else ""
         text = "".join(self.parts)
         item = message_item(self.item, text, "completed")
-        usage = responses_usage(*usage_of(d))
+        usage = responses_usage(*usage_of(d), d.cached_tokens)
         final = response_object(self.rid, self.model, self.created, self.req,
                                 response_status(d.finish_reason), [item], usage)  # fmt: skip
         return out + (

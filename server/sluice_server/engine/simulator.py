@@ -20,6 +20,17 @@ Timing model (all on the event loop's monotonic clock, one timer per stream, no 
   multiplied by ``1 + jitter * N(0, 1)``, clipped to ``[max(0, 1 - 3 * jitter), 1 + 3 * jitter]``.
   The random stream is seeded per request, so a run is reproducible.
 
+Prefix cache (off unless ``prefix_cache_blocks`` is set; `simcache.PrefixCache`): each
+engine is one replica with an LRU of full blocks (``block_size`` tokens) keyed by vLLM's
+block-hash chain of the prompt's token ids, its ``cache_salt`` and its adapter. A prompt's
+leading cached blocks are its cached tokens (never its last token, as in vLLM), reported
+in each Delta's ``cached_tokens`` (the OpenAI usage's ``prompt_tokens_details``); the
+prompt's blocks enter the cache when its first token is due (prefill done), and prompt +
+output blocks when it ends. TTFT gains ``prefill_us_per_token`` per uncached prompt token:
+``ttft = (ttft_ms + ttft_per_stream_ms * in_flight + uncached * prefill_us_per_token)``
+(times the jitter factor). With ``kv_events`` the cache's changes are published in vLLM's
+KV-event format. Each request's prefill numbers are kept in ``prefills`` (the last 1,024).
+
 Tokens are words from a fixed list, cycled from an offset derived from the request's seed
 (``options.seed``, else a CRC of the prompt): the same request gives the same text.
 With ``stamp_tokens=True`` every token's text carries the wall-clock time it was due
@@ -38,15 +49,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import time
 import zlib
+from collections import deque
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..kvcache import blockhash
 from .base import Adapter, AdapterLoadError, Delta, StreamRequest
 from .builtin_api import BuiltinApi
+from .simcache import EventPublisher, KvEventsConfig, PrefixCache
 
 DEFAULT_WORDS: tuple[str, ...] = (
     "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while",
@@ -75,6 +90,21 @@ class _Stream:
             self.waiter.set_result(None)
 
 
+@dataclass(frozen=True, slots=True)
+class Prefill:
+    """What the simulator decided for one request when it arrived."""
+
+    request_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float  # before jitter
+
+
+def _word_id(word: str) -> int:
+    """A word's token id (the prompt's and the output's words alike)."""
+    return zlib.crc32(word.encode()) & 0x7FFF
+
+
 def _release(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -95,8 +125,13 @@ class SimulatorEngine:
         eos_after_tokens: int | None = None,
         stamp_tokens: bool = False,
         words: Sequence[str] = DEFAULT_WORDS,
+        prefix_cache_blocks: int = 0,
+        block_size: int = blockhash.DEFAULT_BLOCK_SIZE,
+        prefill_us_per_token: float = 0.0,
+        hash_algo: blockhash.HashAlgo = "sha256",
+        kv_events: KvEventsConfig | None = None,
     ) -> None:
-        if min(ttft_ms, itl_ms, ttft_per_stream_ms, jitter) < 0:
+        if min(ttft_ms, itl_ms, ttft_per_stream_ms, jitter, prefill_us_per_token) < 0:
             raise ValueError("simulator timings and jitter must be >= 0")
         if not words:
             raise ValueError("the simulator needs at least one word")
@@ -114,6 +149,18 @@ class SimulatorEngine:
         self._dead = False
         self.adapters: dict[str, Adapter] = {}
         self.api = BuiltinApi(model_name, self)
+        self.prefill_s_per_token = prefill_us_per_token / 1e6
+        self.prefills: deque[Prefill] = deque(maxlen=1024)
+        self.cache: PrefixCache | None = None
+        if kv_events is not None and not prefix_cache_blocks:
+            raise ValueError("simulator KV events need a prefix cache (prefix_cache_blocks)")
+        if prefix_cache_blocks:
+            # The engine's NONE_HASH seed rule (PYTHONHASHSEED, else vLLM's default).
+            hasher = blockhash.BlockHasher(
+                hash_algo, blockhash.none_hash_seed(hash_algo, os.environ), block_size
+            )
+            publisher = EventPublisher(kv_events) if kv_events is not None else None
+            self.cache = PrefixCache(prefix_cache_blocks, hasher, publisher)
 
     # -- Engine protocol -------------------------------------------------------------
 
@@ -127,7 +174,7 @@ class SimulatorEngine:
                 f"This model's maximum context length is {self.max_model_len} tokens; "
                 f"the prompt has {len(words)} tokens."
             )
-        request.prompt_token_ids = [zlib.crc32(w.encode()) & 0x7FFF for w in words]
+        request.prompt_token_ids = [_word_id(w) for w in words]
         return len(words)
 
     def generate(self, request: StreamRequest) -> AsyncGenerator[Delta, None]:
@@ -167,6 +214,8 @@ class SimulatorEngine:
         for stream in list(self._streams.values()):
             stream.aborted = True
             stream.wake()
+        if self.cache is not None and self.cache.publisher is not None:
+            self.cache.publisher.close()
 
     # -- internals -------------------------------------------------------------------
 
@@ -197,8 +246,10 @@ class SimulatorEngine:
             raise ValueError(f"request id {rid!r} is already running")
         opts = request.options
         prompt = self._prompt_text(request)
-        ids = request.prompt_token_ids
-        prompt_tokens = self.prepare(request) if ids is None else len(ids)
+        if request.prompt_token_ids is None:
+            self.prepare(request)
+        ids = request.prompt_token_ids or []
+        prompt_tokens = len(ids)
         max_tokens = min(opts.max_tokens, self.max_model_len - prompt_tokens)
         eos_at = None if opts.ignore_eos else self.eos_after_tokens
         seed = opts.seed if opts.seed is not None else zlib.crc32(prompt.encode())
@@ -217,9 +268,21 @@ class SimulatorEngine:
         in_flight = 0
         if self.ttft_per_stream_s:
             in_flight = sum(1 for s in self._streams.values() if s.priority <= priority)
-        stream = _Stream(priority=priority, cache_salt=request.cache_salt)
+        cache, hit, out_ids = self.cache, None, []
+        salt = request.cache_salt
+        adapter = request.adapter
+        lora = blockhash.Lora(adapter.name, str(adapter.path)) if adapter is not None else None
+        cached = None
+        if cache is not None:
+            hit = cache.lookup(ids, salt, lora)
+            cached = hit.cached_blocks * cache.hasher.block_size
+        ttft = (self.ttft_s + self.ttft_per_stream_s * in_flight
+                + (prompt_tokens - (cached or 0)) * self.prefill_s_per_token)  # fmt: skip
+        self.prefills.append(Prefill(rid, prompt_tokens, cached or 0, ttft))
+        stream = _Stream(priority=priority, cache_salt=salt)
         self._streams[rid] = stream
-        due = loop.time() + (self.ttft_s + self.ttft_per_stream_s * in_flight) * self._factor(rng)
+        due = loop.time() + ttft * self._factor(rng)
+        prefilled = False
         text = ""  # everything generated so far (stop strings need the whole tail)
         sent = 0  # characters of `text` already emitted
         produced = 0
@@ -239,14 +302,21 @@ class SimulatorEngine:
                     yield Delta(
                         text="", num_tokens=0, finished=True, finish_reason="abort",
                         prompt_tokens=prompt_tokens, completion_tokens=produced,
+                        cached_tokens=cached,
                     )  # fmt: skip
                     return
+                if not prefilled:
+                    prefilled = True
+                    if cache is not None and hit is not None:
+                        cache.store(ids, hit.hashes, salt, lora)
                 # Emit every token that is due by now (coalescing when we woke up late).
                 now = loop.time()
                 count = 0
                 reason = None
                 while True:
                     word = words[(offset + produced) % nwords]
+                    if cache is not None:
+                        out_ids.append(_word_id(word[1:]))
                     if self.stamp_tokens:
                         word = f"{word}@{due + wall_offset:.6f}"
                     text += word
@@ -276,6 +346,7 @@ class SimulatorEngine:
                 yield Delta(
                     text=chunk, num_tokens=count, finished=finished, finish_reason=reason,
                     prompt_tokens=prompt_tokens, completion_tokens=produced,
+                    cached_tokens=cached,
                 )  # fmt: skip
                 if finished:
                     return
@@ -284,3 +355,20 @@ class SimulatorEngine:
         finally:
             # Normal end, abort, or the consumer closed/cancelled the iterator.
             self._streams.pop(rid, None)
+            if prefilled and out_ids and cache is not None and hit is not None:
+                # The output's full blocks are computed too (as vLLM caches them).
+                self._store_output(cache, ids, hit.hashes, out_ids, salt, lora)
+
+    @staticmethod
+    def _store_output(cache: PrefixCache, ids: list[int], hashes: list[bytes],
+                      out_ids: list[int], salt: str | None,
+                      lora: blockhash.Lora | None) -> None:  # fmt: skip
+        bs = cache.hasher.block_size
+        seq = ids + out_ids
+        if len(seq) // bs <= len(hashes):
+            return
+        start = len(hashes) * bs
+        more = cache.hasher.block_hashes(seq[start:], cache_salt=salt, lora=lora,
+                                         parent=hashes[-1] if hashes else None,
+                                         start_block=len(hashes))  # fmt: skip
+        cache.store(seq, hashes + more, salt, lora)

@@ -184,7 +184,7 @@ def pick(
 class Placement:
     """One router replica's placement state: its prefix index, fed by the pods' KV events
     and by its own sends, and its scoring. The event methods are the ones
-    `router/kvevents.py` calls per decoded event."""
+    `kvcache/kvevents.py` calls per decoded event."""
 
     def __init__(self, scoring: Scoring | None = None, index: PrefixIndex | None = None) -> None:
         self.scoring = scoring or Scoring()

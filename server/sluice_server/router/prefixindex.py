@@ -1,6 +1,6 @@
 """Which prompt blocks each pod's KV cache holds: the prefix half of placement.
 
-Two indexes per pod, both keyed by block hash (opaque: `router/blockhash.py` computes the
+Two indexes per pod, both keyed by block hash (opaque: `kvcache/blockhash.py` computes the
 ints vLLM computes; this module only compares them):
 
 - *precise*: the blocks the pod's engine says it holds, fed by its KV events
@@ -78,7 +78,7 @@ class PrefixIndex:
             entry = self._pods[pod] = _Pod()
         return entry
 
-    # -- the event feed (router/kvevents.py calls these) --------------------------------
+    # -- the event feed (kvcache/kvevents.py calls these) --------------------------------
     def feed(self, pod: str, *, live: bool) -> None:
         """The pod's event feed came up (precise scoring from now) or went down (the
         precise set is emptied: events were missed, so it cannot be trusted)."""
