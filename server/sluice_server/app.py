@@ -118,8 +118,11 @@ def freeze_startup_heap() -> None:
     started = time.perf_counter()
     gc.collect()
     gc.freeze()
-    log.info("start-up heap frozen: %d objects, collected in %.0f ms", gc.get_freeze_count(),
-             (time.perf_counter() - started) * 1e3)  # fmt: skip
+    log.info(
+        "start-up heap frozen: %d objects, collected in %.0f ms",
+        gc.get_freeze_count(),
+        (time.perf_counter() - started) * 1e3,
+    )
 
 
 def _request_id(trail) -> tuple[bytes, bytes]:
@@ -132,9 +135,12 @@ def build_limiter(settings: Settings, metrics: Metrics, pod: PodSeat | None = No
     if settings.rate_limit_backend == "redis":
         assert settings.redis_url is not None  # Settings refuses redis without a URL
         return RedisLimiter(
-            settings.redis_url.get_secret_value(), settings.model_label, metrics,
-            settings.rate_limit_failure_mode, settings.redis_timeout_seconds,
-        )  # fmt: skip
+            settings.redis_url.get_secret_value(),
+            settings.model_label,
+            metrics,
+            settings.rate_limit_failure_mode,
+            settings.redis_timeout_seconds,
+        )
     return MemoryLimiter(pod=pod.state if pod is not None and pod.limits else None)
 
 
@@ -142,9 +148,11 @@ def caller_rules(settings: Settings) -> CallerRules:
     """What key lines and JWTs are read against: the flags' plan, the priority classes
     (ValueError for a default that is no class) and --tenant-weights."""
     s = settings
-    return CallerRules(Plan(s.rate_limit_rpm, s.rate_limit_tpm),
-                       Priorities(tuple(s.priority_classes), s.default_priority),
-                       dict(s.tenant_weights))  # fmt: skip
+    return CallerRules(
+        Plan(s.rate_limit_rpm, s.rate_limit_tpm),
+        Priorities(tuple(s.priority_classes), s.default_priority),
+        dict(s.tenant_weights),
+    )
 
 
 def load_credentials(settings: Settings) -> Credentials:
@@ -155,8 +163,14 @@ def load_credentials(settings: Settings) -> Credentials:
     verifier = None
     if s.jwt_jwks_file is not None:
         assert s.jwt_issuer and s.jwt_audience  # Settings refuses a JWKS without them
-        verifier = JwtVerifier.from_file(s.jwt_jwks_file, s.jwt_issuer, s.jwt_audience,
-                                         s.jwt_tenant_claim, rules, s.jwt_priority_claim)  # fmt: skip
+        verifier = JwtVerifier.from_file(
+            s.jwt_jwks_file,
+            s.jwt_issuer,
+            s.jwt_audience,
+            s.jwt_tenant_claim,
+            rules,
+            s.jwt_priority_claim,
+        )
     return Credentials(keys, verifier, rules)
 
 
@@ -168,24 +182,39 @@ def build_reloader(settings: Settings, svc: Services) -> Reloader | None:
     sources: list[Source[Any]] = []
     if s.api_key_file is not None:
         path = s.api_key_file
-        sources.append(Source(
-            "api_keys", path, lambda: KeyStore.from_file(path, creds.rules),
-            lambda keys: setattr(creds, "keys", keys),
-            lambda keys: f"{len(keys)} keys, tenants {', '.join(sorted(keys.tenants))}",
-        ))  # fmt: skip
+        sources.append(
+            Source(
+                "api_keys",
+                path,
+                lambda: KeyStore.from_file(path, creds.rules),
+                lambda keys: setattr(creds, "keys", keys),
+                lambda keys: f"{len(keys)} keys, tenants {', '.join(sorted(keys.tenants))}",
+            )
+        )
     if s.jwt_jwks_file is not None:
         jwks = s.jwt_jwks_file
-        sources.append(Source(
-            "jwks", jwks,
-            lambda: JwtVerifier.from_file(jwks, s.jwt_issuer or "", s.jwt_audience or "",
-                                          s.jwt_tenant_claim, creds.rules,
-                                          s.jwt_priority_claim),
-            lambda verifier: setattr(creds, "jwt", verifier),
-            lambda verifier: f"{len(verifier.keys)} signing keys",
-        ))  # fmt: skip
+        sources.append(
+            Source(
+                "jwks",
+                jwks,
+                lambda: JwtVerifier.from_file(
+                    jwks,
+                    s.jwt_issuer or "",
+                    s.jwt_audience or "",
+                    s.jwt_tenant_claim,
+                    creds.rules,
+                    s.jwt_priority_claim,
+                ),
+                lambda verifier: setattr(creds, "jwt", verifier),
+                lambda verifier: f"{len(verifier.keys)} signing keys",
+            )
+        )
     reloads, model = svc.metrics.credential_reloads, svc.metrics.model
-    return Reloader(sources, lambda name, result: reloads.labels(model, name, result).inc(),
-                    s.credentials_reload_seconds)  # fmt: skip
+    return Reloader(
+        sources,
+        lambda name, result: reloads.labels(model, name, result).inc(),
+        s.credentials_reload_seconds,
+    )
 
 
 def build_queue(settings: Settings, metrics: Metrics, pod: PodSeat | None) -> Admission | None:
@@ -196,9 +225,13 @@ def build_queue(settings: Settings, metrics: Metrics, pod: PodSeat | None) -> Ad
         return None
     priorities = caller_rules(settings).priorities
     metrics.queue_classes(priorities.names)
-    kw: dict[str, Any] = dict(timeout=settings.queue_timeout, priorities=priorities,
-                              metrics=metrics, sharing=settings.queue_slot_sharing,
-                              window=settings.fair_share_window_seconds)  # fmt: skip
+    kw: dict[str, Any] = dict(
+        timeout=settings.queue_timeout,
+        priorities=priorities,
+        metrics=metrics,
+        sharing=settings.queue_slot_sharing,
+        window=settings.fair_share_window_seconds,
+    )
     queue = pod.state.queue if pod is not None else None
     if pod is not None and queue is not None:
         return Admission(queue, pod.state.lock, pod.index, wake=pod.state.wake, **kw)
@@ -212,8 +245,9 @@ def build_services(
     metrics.engine_group(settings.nnodes, settings.node_rank)
     tracing = None
     if settings.otlp_traces_endpoint:
-        tracing = Tracing(settings.otlp_traces_endpoint, settings.trace_sample_ratio,
-                          settings.model_label)  # fmt: skip
+        tracing = Tracing(
+            settings.otlp_traces_endpoint, settings.trace_sample_ratio, settings.model_label
+        )
     return Services(
         settings=settings,
         metrics=metrics,
@@ -226,10 +260,10 @@ def build_services(
             settings.access_log_format,
             tracing,
             priorities=bool(settings.priority_classes),
-        ),  # fmt: skip
+        ),
         adapters=Adapters(
             settings.model_label, metrics, settings.adapters_file, settings.adapters_reload_seconds
-        ),  # fmt: skip
+        ),
         engine=engine,
         pod=pod,
     )
@@ -292,8 +326,16 @@ def build_app(
     app = FastAPI(title="Sluice streaming server", version="0.1.0", lifespan=lifespan)
     app.state.services = svc
     install_error_handlers(app, svc.metrics)
-    for protocol in (probes, openai, responses, anthropic, utility, token_sse, websocket,
-                     playground):  # fmt: skip
+    for protocol in (
+        probes,
+        openai,
+        responses,
+        anthropic,
+        utility,
+        token_sse,
+        websocket,
+        playground,
+    ):
         app.include_router(protocol.router)
     openapi.install(app, settings.model_label)
     install_cors(app, settings)

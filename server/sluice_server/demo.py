@@ -39,8 +39,10 @@ class Result:
     def line(self) -> str:
         decode = self.total - self.ttft
         rate = (self.tokens - 1) / decode if self.tokens > 1 and decode > 0 else float("nan")
-        return (f"TTFT {self.ttft * 1e3:.0f} ms, {self.tokens} tokens in {self.total:.2f} s, "
-                f"{rate:.0f} tokens/s after the first")  # fmt: skip
+        return (
+            f"TTFT {self.ttft * 1e3:.0f} ms, {self.tokens} tokens in {self.total:.2f} s, "
+            f"{rate:.0f} tokens/s after the first"
+        )
 
 
 def free_port() -> int:
@@ -55,9 +57,23 @@ def start_server(port: int, scratch: Path, log_path: Path, max_tokens: int) -> s
     env.setdefault("VLLM_HOST_IP", "127.0.0.1")
     env.setdefault("VLLM_CACHE_ROOT", str(scratch / "vllm-cache"))
     env["TMPDIR"] = str(scratch)
-    cmd = [sys.executable, "-m", "sluice_server", "--model", "tiny", "--served-model-name",
-           "tiny", "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", str(max(512, max_tokens + 128)), "--log-level", "warning"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "sluice_server",
+        "--model",
+        "tiny",
+        "--served-model-name",
+        "tiny",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(max(512, max_tokens + 128)),
+        "--log-level",
+        "warning",
+    ]
     log = log_path.open("wb")
     try:
         # Own process group: a forced stop also takes vLLM's engine-core and worker children.
@@ -118,8 +134,9 @@ async def stream_sse(base: str, body: dict) -> Result:
                     break
                 msg = json.loads(data)
                 if msg["finished"]:
-                    return Result(first or 0.0, time.perf_counter() - t0,
-                                  msg["usage"]["completion_tokens"])  # fmt: skip
+                    return Result(
+                        first or 0.0, time.perf_counter() - t0, msg["usage"]["completion_tokens"]
+                    )
                 _emit(msg["token"])
                 first = first or time.perf_counter() - t0
     raise RuntimeError("SSE stream ended without a final event")
@@ -138,8 +155,9 @@ async def stream_ws(base: str, body: dict) -> Result:
             if msg.get("type") == "error":
                 raise RuntimeError(f"stream error: {msg}")
             if msg["finished"]:
-                return Result(first or 0.0, time.perf_counter() - t0,
-                              msg["usage"]["completion_tokens"])  # fmt: skip
+                return Result(
+                    first or 0.0, time.perf_counter() - t0, msg["usage"]["completion_tokens"]
+                )
             _emit(msg["token"])
             first = first or time.perf_counter() - t0
 
@@ -160,8 +178,11 @@ def stop_server(proc: subprocess.Popen, timeout_s: float) -> int:
 async def run(args: argparse.Namespace, base: str, proc: subprocess.Popen) -> None:
     took = await wait_ready(base, proc, args.ready_timeout)
     print(f"server ready in {took:.1f} s at {base}")
-    body = {"messages": [{"role": "user", "content": args.prompt}],
-            "max_tokens": args.max_tokens, "seed": args.seed}  # fmt: skip
+    body = {
+        "messages": [{"role": "user", "content": args.prompt}],
+        "max_tokens": args.max_tokens,
+        "seed": args.seed,
+    }
     print(f"\nuser> {args.prompt}\n\n--- SSE (POST /v1/stream) ---")
     sse = await stream_sse(base, body)
     print(f"\n[SSE] {sse.line()}\n\n--- WebSocket (/ws/stream) ---")
@@ -208,8 +229,10 @@ def main(argv: list[str] | None = None) -> int:
             except KeyboardInterrupt:
                 pass
     except (Exception, KeyboardInterrupt) as e:
-        print(f"\ndemo failed: {type(e).__name__}: {e}\n--- server log (tail) ---\n{tail(log_path)}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"\ndemo failed: {type(e).__name__}: {e}\n--- server log (tail) ---\n{tail(log_path)}",
+            file=sys.stderr,
+        )
     finally:
         code = stop_server(proc, timeout_s=60 if ok else 15)
         print(f"server stopped (SIGTERM, graceful drain), exit code {code}")

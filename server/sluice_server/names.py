@@ -20,8 +20,9 @@ def check_priority_classes(classes: tuple[str, ...] | list[str]) -> None:
     """ValueError unless `classes` are distinct plain names, at most 16."""
     bad = [c for c in classes if PRIORITY_NAME.fullmatch(c) is None]
     if bad:
-        raise ValueError(f"priority class names must match {PRIORITY_NAME.pattern}: "
-                         f"{', '.join(map(repr, bad))}")  # fmt: skip
+        raise ValueError(
+            f"priority class names must match {PRIORITY_NAME.pattern}: {', '.join(map(repr, bad))}"
+        )
     if len(set(classes)) != len(classes):
         raise ValueError("priority classes must not repeat a name")
     if len(classes) > MAX_PRIORITY_CLASSES:

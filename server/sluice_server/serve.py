@@ -58,8 +58,12 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain(self, sig: int) -> None:
         gate = self.config.app.state.services.gate  # type: ignore[union-attr]
-        log.info("signal %s: draining (up to %gs for %d streams)",
-                 sig, self.settings.drain_timeout_seconds, gate.active)  # fmt: skip
+        log.info(
+            "signal %s: draining (up to %gs for %d streams)",
+            sig,
+            self.settings.drain_timeout_seconds,
+            gate.active,
+        )
         cut = await gate.drain(self.settings.drain_timeout_seconds)
         log.info("drain done (%d streams cut off); shutting down", cut)
         self.should_exit = True
@@ -166,9 +170,13 @@ class RouterServer(uvicorn.Server):
 
 
 def serve_worker(
-    settings: Settings, state: PodState, listen_address: str, sock: socket.socket,
-    engine_args: object | None, client_config: dict,
-) -> None:  # fmt: skip
+    settings: Settings,
+    state: PodState,
+    listen_address: str,
+    sock: socket.socket,
+    engine_args: object | None,
+    client_config: dict,
+) -> None:
     """One front-end worker process of a pod: the signature of vLLM's API-server target
     (`APIServerProcessManager(target_server_fn=...)`), with our settings and the pod's
     shared state bound in front. `engine_args` is vLLM's parsed arguments (None on the
@@ -177,8 +185,7 @@ def serve_worker(
     index = client_config["client_index"]
     _exit_with_supervisor()
     options = {"client_config": client_config} if engine_args is not None else None
-    log.info("worker %d of %d (pid %d) on %s", index, state.workers, os.getpid(),
-             listen_address)  # fmt: skip
+    log.info("worker %d of %d (pid %d) on %s", index, state.workers, os.getpid(), listen_address)
     sys.exit(serve(settings, _own_listener(sock), PodSeat(state, index), options))
 
 

@@ -29,15 +29,19 @@ class HttpSettings(BaseSettings):
     host: str = Field("0.0.0.0", description="Listen address.")
     port: int = Field(8000, ge=0, le=65535, description="Listen port.")
     keep_alive_seconds: float = Field(
-        75.0, gt=0, description="Idle HTTP keep-alive. Keep it above the proxy's upstream "
+        75.0,
+        gt=0,
+        description="Idle HTTP keep-alive. Keep it above the proxy's upstream "
         "keep-alive (ingress-nginx: 60 s), or the proxy can reuse a connection the server is "
         "closing and answer a POST with 502.",
-    )  # fmt: skip
+    )
     send_timeout_seconds: float = Field(
-        10.0, gt=0, description="A client that accepts no bytes for this long while bytes "
+        10.0,
+        gt=0,
+        description="A client that accepts no bytes for this long while bytes "
         "wait for it (a stalled reader) is cut off and its request aborted; a reader that "
         "keeps accepting bytes, however slowly, never is.",
-    )  # fmt: skip
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level."
     )
@@ -51,89 +55,119 @@ class Settings(HttpSettings):
     model_config = SettingsConfigDict(env_prefix="SLUICE_", extra="forbid")
 
     # What to serve
-    model: str = Field(description="HF repo id, local path, or `tiny` (a tiny random Llama "
-                       "made locally, for CPU tests and the demo).")  # fmt: skip
+    model: str = Field(
+        description="HF repo id, local path, or `tiny` (a tiny random Llama "
+        "made locally, for CPU tests and the demo)."
+    )
     revision: str | None = Field(None, description="HF revision (branch, tag or commit).")
     served_model_name: str | None = Field(
-        None, description="The name clients send as `model`; also the `model` metric label "
+        None,
+        description="The name clients send as `model`; also the `model` metric label "
         "(default: `--model`).",
-    )  # fmt: skip
+    )
     engine: Literal["vllm", "simulator"] = Field(
-        "vllm", description="`vllm`, or `simulator` (no model: deterministic tokens on a "
+        "vllm",
+        description="`vllm`, or `simulator` (no model: deterministic tokens on a "
         "configurable clock, for load tests and rehearsals).",
-    )  # fmt: skip
+    )
 
     # Where
     api_workers: int = Field(
-        1, ge=1, le=64, description="Front-end processes sharing the listening port and one "
+        1,
+        ge=1,
+        le=64,
+        description="Front-end processes sharing the listening port and one "
         "engine (vLLM's multi-API-server mode: one engine core, N API processes). Each runs "
         "the whole app; stream slots, rate limits, `/metrics` and `/ready` stay the pod's. "
         "1: one process, as without the flag. On Kubernetes the operator derives it from "
         "the pod's CPU request (`spec.server.apiWorkers`).",
-    )  # fmt: skip
+    )
 
     # vLLM engine (None = vLLM's own default)
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism (GPUs).")
     pipeline_parallel_size: int = Field(1, ge=1, description="vLLM pipeline parallelism.")
     nnodes: int = Field(
-        1, ge=1, le=64, description="Nodes the engine spans (vLLM's multiprocessing "
+        1,
+        ge=1,
+        le=64,
+        description="Nodes the engine spans (vLLM's multiprocessing "
         "multi-node backend); tensor x pipeline parallel size is split evenly over them. "
         "Above 1 needs `--engine vllm`, `--master-addr` and `--api-workers 1`. On "
         "Kubernetes `spec.parallelism.nodes` sets it (a LeaderWorkerSet group).",
-    )  # fmt: skip
+    )
     node_rank: int = Field(
-        0, ge=0, description="This node's rank, 0 to `--nnodes` - 1. 0: the leader, which "
+        0,
+        ge=0,
+        description="This node's rank, 0 to `--nnodes` - 1. 0: the leader, which "
         "serves the API with the engine's rank-0 node; above 0: a worker, which runs only "
         "vLLM's headless workers for the leader's engine (no HTTP port).",
-    )  # fmt: skip
+    )
     master_addr: str | None = Field(
-        None, description="With `--nnodes` above 1: the leader's address (host name or IP), "
+        None,
+        description="With `--nnodes` above 1: the leader's address (host name or IP), "
         "where vLLM's torch.distributed rendezvous listens; the same on every node.",
-    )  # fmt: skip
+    )
     master_port: int = Field(
-        29501, ge=1, le=65535, description="With `--nnodes` above 1: the port of that "
-        "rendezvous on the leader.",
-    )  # fmt: skip
-    gpu_memory_utilization: float = Field(0.92, gt=0, le=1, description="vLLM: share of "
-                                          "GPU memory for weights and KV cache.")  # fmt: skip
-    max_model_len: int | None = Field(None, ge=1, description="vLLM: context length "
-                                      "(default: the model's).")  # fmt: skip
+        29501,
+        ge=1,
+        le=65535,
+        description="With `--nnodes` above 1: the port of that rendezvous on the leader.",
+    )
+    gpu_memory_utilization: float = Field(
+        0.92, gt=0, le=1, description="vLLM: share of GPU memory for weights and KV cache."
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="vLLM: context length (default: the model's)."
+    )
     max_num_seqs: int | None = Field(None, ge=1, description="vLLM: sequences per batch.")
-    max_num_batched_tokens: int | None = Field(None, ge=1, description="vLLM: tokens per "
-                                               "scheduler step.")  # fmt: skip
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, description="vLLM: tokens per scheduler step."
+    )
     swap_space: float | None = Field(
-        None, ge=0, description="GiB of CPU memory for KV cache; vLLM 0.32 has no "
+        None,
+        ge=0,
+        description="GiB of CPU memory for KV cache; vLLM 0.32 has no "
         "`--swap-space`, so this maps to `--kv-offloading-size`.",
-    )  # fmt: skip
+    )
     dtype: str = Field("auto", description="vLLM: weight and activation dtype.")
     quantization: str | None = Field(None, description="vLLM: quantization method.")
     # Everything after `--` on the command line, handed to vLLM's argument parser unchanged.
     engine_args: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="Everything after `--`: vLLM's own engine "
+        default_factory=list,
+        description="Everything after `--`: vLLM's own engine "
         "arguments, unchanged (they win over what the flags above derive).",
-    )  # fmt: skip
+    )
 
     # LoRA adapters
     adapters_file: Path | None = Field(
-        None, description="JSON file listing the LoRA adapters to serve next to the base, "
-        "`{\"adapters\": [{\"name\", \"uri\", \"rank\"?, \"id\"?}]}` (`uri`: a local folder or "
+        None,
+        description="JSON file listing the LoRA adapters to serve next to the base, "
+        '`{"adapters": [{"name", "uri", "rank"?, "id"?}]}` (`uri`: a local folder or '
         "`hf://org/name[@revision]`); watched, and adapters are loaded and unloaded in the "
         "running engine when it changes (on Kubernetes: the `<name>-adapters` ConfigMap). "
         "Turns LoRA on.",
-    )  # fmt: skip
+    )
     adapters_reload_seconds: float = Field(
-        2.0, gt=0, description="How often `--adapters-file` is checked for changes (one "
-        "`stat`).",
-    )  # fmt: skip
+        2.0,
+        gt=0,
+        description="How often `--adapters-file` is checked for changes (one `stat`).",
+    )
     max_loras: int | None = Field(
-        None, ge=1, description="vLLM: adapters in one batch (`--max-loras`); turns LoRA on. "
+        None,
+        ge=1,
+        description="vLLM: adapters in one batch (`--max-loras`); turns LoRA on. "
         "Fixed at engine start.",
-    )  # fmt: skip
-    max_lora_rank: int | None = Field(None, ge=1, description="vLLM: largest adapter rank "
-                                      "(`--max-lora-rank`). Fixed at engine start.")  # fmt: skip
-    max_cpu_loras: int | None = Field(None, ge=1, description="vLLM: adapters kept in CPU "
-                                      "memory (`--max-cpu-loras`). Fixed at engine "
-                                      "start.")  # fmt: skip
+    )
+    max_lora_rank: int | None = Field(
+        None,
+        ge=1,
+        description="vLLM: largest adapter rank (`--max-lora-rank`). Fixed at engine start.",
+    )
+    max_cpu_loras: int | None = Field(
+        None,
+        ge=1,
+        description="vLLM: adapters kept in CPU memory (`--max-cpu-loras`). Fixed at engine start.",
+    )
 
     # Streaming behaviour
     protocols: Annotated[list[Protocol], NoDecode] = Field(
@@ -143,212 +177,289 @@ class Settings(HttpSettings):
         "`/version`; `websocket` `/ws/stream`; `responses` OpenAI's `/v1/responses`; "
         "`anthropic` `/v1/messages` and `/v1/messages/count_tokens`. The others answer 404 "
         "with a message naming this flag.",
-    )  # fmt: skip
+    )
     heartbeat_seconds: float = Field(
-        15.0, gt=0, description="Longest silence on a stream: an SSE comment (`: ping`) "
+        15.0,
+        gt=0,
+        description="Longest silence on a stream: an SSE comment (`: ping`) "
         "goes to a stream that sent nothing for that long (one app-wide timer; none while "
         "tokens flow), and the WebSocket ping interval.",
-    )  # fmt: skip
+    )
     max_concurrent_streams: int = Field(
-        256, ge=1, description="Streams per pod (shared by every `--api-workers` process); "
+        256,
+        ge=1,
+        description="Streams per pod (shared by every `--api-workers` process); "
         "over it: 429 + `Retry-After: 1` at once, or with `--queue-size` a wait in the queue.",
-    )  # fmt: skip
+    )
     stream_timeout_seconds: float = Field(
-        600.0, gt=0, description="Whole-stream limit; then an error event, and the engine "
-        "request is aborted.",
-    )  # fmt: skip
+        600.0,
+        gt=0,
+        description="Whole-stream limit; then an error event, and the engine request is aborted.",
+    )
     stream_buffer_tokens: int = Field(
-        4096, ge=1, description="Per-stream cap of undelivered engine outputs; past it the "
+        4096,
+        ge=1,
+        description="Per-stream cap of undelivered engine outputs; past it the "
         "request is aborted with an error event (stalled reader).",
-    )  # fmt: skip
-    max_body_bytes: int = Field(1 << 20, ge=1024, description="Request body and WebSocket "
-                                "frame limit (413; 1009 on a WebSocket).")  # fmt: skip
+    )
+    max_body_bytes: int = Field(
+        1 << 20,
+        ge=1024,
+        description="Request body and WebSocket frame limit (413; 1009 on a WebSocket).",
+    )
     drain_timeout_seconds: float = Field(
-        30.0, ge=0, description="On SIGTERM: how long in-flight streams may continue before "
+        30.0,
+        ge=0,
+        description="On SIGTERM: how long in-flight streams may continue before "
         "they end with an error event.",
-    )  # fmt: skip
+    )
 
     # Admission queue, priorities and fair shares (server/README.md, "Sharing a model")
     queue_size: int = Field(
-        0, ge=0, le=100000, description="Requests per pod that may wait for a stream slot "
+        0,
+        ge=0,
+        le=100000,
+        description="Requests per pod that may wait for a stream slot "
         "when every slot is taken (shared by every `--api-workers` process), served by "
         "priority, then by tenant weight. Past it: 429 with a `Retry-After` from the "
         "queue's measured drain rate, at once (the lowest priority is shed first). 0: no "
         "queue, a full pod answers 429 at once.",
-    )  # fmt: skip
+    )
     queue_timeout_seconds: float | None = Field(
-        None, gt=0, le=3600, description="Longest wait in the queue (default 30 with "
+        None,
+        gt=0,
+        le=3600,
+        description="Longest wait in the queue (default 30 with "
         "`--queue-size`); then 429 + `Retry-After`, or, for a stream already committed to "
         "200 by keep-alives (after `--heartbeat-seconds` of waiting), its protocol's error "
         "event with code `queue_timeout`. Needs `--queue-size`.",
-    )  # fmt: skip
+    )
     queue_slot_sharing: bool = Field(
-        True, description="With a queue: a tenant takes more than its weighted share of the "
+        True,
+        description="With a queue: a tenant takes more than its weighted share of the "
         "slots only while slots stay free for every other active tenant (queued, streaming "
         "or seen within `--fair-share-window-seconds`) below its share: as many as it held "
         "at once lately, at least one, at most a quarter of the slots in all; free slots are "
         "lent when nobody else needs them. `false`: every free slot goes to the next request "
         "in the queue's order.",
-    )  # fmt: skip
+    )
     fair_share_window_seconds: float = Field(
-        30.0, ge=0, le=3600, description="How long a tenant counts as active after its last "
+        30.0,
+        ge=0,
+        le=3600,
+        description="How long a tenant counts as active after its last "
         "request, for the slot shares (`--queue-slot-sharing`).",
-    )  # fmt: skip
+    )
     priority_classes: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="Priority classes, highest first, comma-separated "
+        default_factory=list,
+        description="Priority classes, highest first, comma-separated "
         "(`interactive,batch`). A caller's class comes from its key line (`priority=`) or "
         "its JWT (`--jwt-priority-claim`), else `--default-priority`. The queue serves "
         "higher classes first and sheds lower ones first, and vLLM runs with "
         "`--scheduling-policy priority` and each request's class as its priority. Fixed "
         "for the process (the engine's policy is); key files reload, classes do not.",
-    )  # fmt: skip
+    )
     default_priority: str | None = Field(
-        None, description="The class of a caller that names none (default: the lowest of "
+        None,
+        description="The class of a caller that names none (default: the lowest of "
         "`--priority-classes`).",
-    )  # fmt: skip
+    )
     tenant_weights: Annotated[dict[str, int], NoDecode] = Field(
-        default_factory=dict, description="Tenants' weights, `acme=3,free=1` (1-1000; "
+        default_factory=dict,
+        description="Tenants' weights, `acme=3,free=1` (1-1000; "
         "unnamed tenants: 1, or the key file's `weight=`): a tenant's share of the pod "
         "against the other active tenants', in generated tokens and in slots.",
-    )  # fmt: skip
+    )
 
     # Browsers
     cors_allowed_origins: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="Origins (`https://app.example.com`, or `*`) whose "
+        default_factory=list,
+        description="Origins (`https://app.example.com`, or `*`) whose "
         "pages may call every route cross-origin, comma-separated; WebSocket upgrades from "
         "any other origin get 403. Empty: CORS off (same origin only).",
-    )  # fmt: skip
+    )
     cors_allowed_headers: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: ["Authorization", "Content-Type", "X-API-Key", "Last-Event-ID"],
         description="Request headers a cross-origin page may send, comma-separated.",
-    )  # fmt: skip
-    cors_max_age_seconds: int = Field(600, ge=0, description="How long browsers may cache "
-                                      "a CORS preflight answer.")  # fmt: skip
-    playground: bool = Field(True, description="Serve the browser playground at "
-                             "`/playground` (one self-contained page; `false`: 404).")  # fmt: skip
+    )
+    cors_max_age_seconds: int = Field(
+        600, ge=0, description="How long browsers may cache a CORS preflight answer."
+    )
+    playground: bool = Field(
+        True,
+        description="Serve the browser playground at "
+        "`/playground` (one self-contained page; `false`: 404).",
+    )
     root_path: str = Field(
-        "", description="Path prefix the Ingress publishes the server under (`/mistral`): "
+        "",
+        description="Path prefix the Ingress publishes the server under (`/mistral`): "
         "routes answer both with and without it, and links the server makes include it.",
-    )  # fmt: skip
+    )
     resume_grace_seconds: float = Field(
-        0.0, ge=0, le=600, description="How long a token-SSE stream whose client dropped "
+        0.0,
+        ge=0,
+        le=600,
+        description="How long a token-SSE stream whose client dropped "
         "keeps generating into its buffer, waiting for a reconnect with `Last-Event-ID` "
         "(same process only). 0: its request is aborted at once.",
-    )  # fmt: skip
+    )
 
     # Security
     api_key_file: Path | None = Field(
-        None, description="File with one API key per line (`#` comments and blank lines "
+        None,
+        description="File with one API key per line (`#` comments and blank lines "
         "ignored), each optionally followed by `tenant=NAME rpm=N tpm=N models=A,B` (that "
         "key's tenant, limits and the served names it may use; the defaults are tenant "
         "`default`, the `--rate-limit-*` flags and every name); auth is off when unset.",
-    )  # fmt: skip
+    )
     jwt_jwks_file: Path | None = Field(
-        None, description="JWKS file (JSON `{\"keys\": [...]}`, public RSA or EC P-256 keys) "
+        None,
+        description='JWKS file (JSON `{"keys": [...]}`, public RSA or EC P-256 keys) '
         "that Bearer JWTs are verified against: RS256/ES256 only; `exp`, `iss`, `aud` and `sub` "
         "required, `nbf` honoured. JWTs are off when unset; with `--api-key-file` too, both "
         "are accepted.",
-    )  # fmt: skip
-    jwt_issuer: str | None = Field(None, description="The `iss` every JWT must carry "
-                                   "(required with `--jwt-jwks-file`).")  # fmt: skip
-    jwt_audience: str | None = Field(None, description="The `aud` every JWT must carry "
-                                     "(required with `--jwt-jwks-file`).")  # fmt: skip
+    )
+    jwt_issuer: str | None = Field(
+        None, description="The `iss` every JWT must carry (required with `--jwt-jwks-file`)."
+    )
+    jwt_audience: str | None = Field(
+        None, description="The `aud` every JWT must carry (required with `--jwt-jwks-file`)."
+    )
     jwt_tenant_claim: str = Field(
-        "tenant", description="The JWT claim that names the tenant (absent: `default`). The "
+        "tenant",
+        description="The JWT claim that names the tenant (absent: `default`). The "
         "claims `rpm` and `tpm` give the token's limits (absent: the `--rate-limit-*` flags); "
         "limits apply per subject (`iss` + `sub`).",
-    )  # fmt: skip
+    )
     jwt_priority_claim: str = Field(
-        "priority", description="The JWT claim that names the caller's priority class (with "
+        "priority",
+        description="The JWT claim that names the caller's priority class (with "
         "`--priority-classes`; absent: `--default-priority`; not a class: 401).",
-    )  # fmt: skip
+    )
     share_prefix_cache_across_tenants: bool = Field(
-        False, description="Let tenants reuse each other's cached prompt prefixes. Off: "
+        False,
+        description="Let tenants reuse each other's cached prompt prefixes. Off: "
         "vLLM's `cache_salt` is set from the caller's tenant (combined with a client's own "
         "`cache_salt`), so no tenant can tell from its time to first token what another "
         "sent. On: for tenants that trust each other (a client's own `cache_salt` still "
         "applies). Without auth every caller is one tenant and nothing is salted.",
-    )  # fmt: skip
+    )
     credentials_reload_seconds: float = Field(
-        2.0, ge=0, description="How often the key file and the JWKS file are checked for "
+        2.0,
+        ge=0,
+        description="How often the key file and the JWKS file are checked for "
         "changes (one `stat` each); a changed file is reloaded without a restart, a bad one "
         "is refused and the credentials before it stay. 0: read once at start.",
-    )  # fmt: skip
-    rate_limit_rpm: int = Field(0, ge=0, description="Requests per minute per API key "
-                                "(token bucket; 0: off), unless the key file gives the key "
-                                "its own.")  # fmt: skip
-    rate_limit_tpm: int = Field(0, ge=0, description="Prompt + completion tokens per "
-                                "minute per API key (charged when a stream ends; 0: off), "
-                                "unless the key file gives the key its own.")  # fmt: skip
+    )
+    rate_limit_rpm: int = Field(
+        0,
+        ge=0,
+        description="Requests per minute per API key "
+        "(token bucket; 0: off), unless the key file gives the key "
+        "its own.",
+    )
+    rate_limit_tpm: int = Field(
+        0,
+        ge=0,
+        description="Prompt + completion tokens per "
+        "minute per API key (charged when a stream ends; 0: off), "
+        "unless the key file gives the key its own.",
+    )
     rate_limit_backend: Literal["memory", "redis"] = Field(
-        "memory", description="Where the buckets live: `memory` (each replica limits on its "
+        "memory",
+        description="Where the buckets live: `memory` (each replica limits on its "
         "own, so N replicas allow N times the limit) or `redis` (one set of buckets for every "
         "replica; needs `--redis-url-file` or `--redis-url`).",
-    )  # fmt: skip
+    )
     redis_url: SecretStr | None = Field(
-        None, description="Redis for `--rate-limit-backend redis`, e.g. "
+        None,
+        description="Redis for `--rate-limit-backend redis`, e.g. "
         "`redis://:password@redis:6379/0` or `rediss://...` (TLS). It may hold a password: "
         "prefer `--redis-url-file`; never pass it as a flag.",
-    )  # fmt: skip
+    )
     redis_url_file: Path | None = Field(
-        None, description="File holding the Redis URL (surrounding whitespace ignored), read "
+        None,
+        description="File holding the Redis URL (surrounding whitespace ignored), read "
         "at start; instead of `--redis-url`. On Kubernetes the operator mounts "
         "`spec.auth.rateLimit.redisUrlSecretRef` there. A missing or empty file stops the "
         "server at start.",
-    )  # fmt: skip
+    )
     rate_limit_failure_mode: Literal["open", "closed"] = Field(
-        "open", description="When Redis cannot be reached: `open` admits (counted in "
+        "open",
+        description="When Redis cannot be reached: `open` admits (counted in "
         "`sluice_rate_limit_backend_errors_total`, logged at most every 30 s), `closed` refuses "
         "with 503 and `Retry-After`. Redis is retried a second after a failure.",
-    )  # fmt: skip
+    )
     redis_timeout_seconds: float = Field(
-        0.25, gt=0, le=10, description="Redis connect and read timeout: the most a request "
+        0.25,
+        gt=0,
+        le=10,
+        description="Redis connect and read timeout: the most a request "
         "waits on the rate-limit store before the failure mode applies.",
-    )  # fmt: skip
+    )
 
     # Simulator engine timing
     sim_ttft_ms: float = Field(50.0, ge=0, description="Simulator: time to first token.")
     sim_itl_ms: float = Field(20.0, ge=0, description="Simulator: time between tokens.")
-    sim_ttft_per_stream_ms: float = Field(0.0, ge=0, description="Simulator: extra TTFT "
-                                          "per stream already in flight (queueing).")  # fmt: skip
-    sim_jitter: float = Field(0.0, ge=0, description="Simulator: relative standard "
-                              "deviation of every TTFT and gap.")  # fmt: skip
+    sim_ttft_per_stream_ms: float = Field(
+        0.0, ge=0, description="Simulator: extra TTFT per stream already in flight (queueing)."
+    )
+    sim_jitter: float = Field(
+        0.0, ge=0, description="Simulator: relative standard deviation of every TTFT and gap."
+    )
     sim_prefix_cache_blocks: int = Field(
-        0, ge=0, description="Simulator: prefix-cache capacity in blocks (an LRU keyed by vLLM's "
-        "block hashes; 0: no cache, no cached tokens).")  # fmt: skip
-    sim_block_size: int = Field(16, ge=1, description="Simulator: tokens per cache block "
-                                "(vLLM's `--block-size`).")  # fmt: skip
+        0,
+        ge=0,
+        description="Simulator: prefix-cache capacity in blocks (an LRU keyed by vLLM's "
+        "block hashes; 0: no cache, no cached tokens).",
+    )
+    sim_block_size: int = Field(
+        16, ge=1, description="Simulator: tokens per cache block (vLLM's `--block-size`)."
+    )
     sim_prefill_us_per_token: float = Field(
-        0.0, ge=0, description="Simulator: extra TTFT per prompt token not served from the "
-        "prefix cache, in microseconds.")  # fmt: skip
-    sim_prefix_caching_hash_algo: Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"] = (
-        Field("sha256", description="Simulator: the block hash (vLLM's "
-              "`--prefix-caching-hash-algo`; its seed is PYTHONHASHSEED as in vLLM)."))  # fmt: skip
+        0.0,
+        ge=0,
+        description="Simulator: extra TTFT per prompt token not served from the "
+        "prefix cache, in microseconds.",
+    )
+    sim_prefix_caching_hash_algo: Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"] = Field(
+        "sha256",
+        description="Simulator: the block hash (vLLM's "
+        "`--prefix-caching-hash-algo`; its seed is PYTHONHASHSEED as in vLLM).",
+    )
     sim_kv_events_config: str | None = Field(
-        None, description="Simulator: publish the prefix cache's KV events, in vLLM's "
-        "`--kv-events-config` JSON (`{\"enable_kv_cache_events\": true, \"publisher\": "
-        "\"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": ...}`; an endpoint "
+        None,
+        description="Simulator: publish the prefix cache's KV events, in vLLM's "
+        '`--kv-events-config` JSON (`{"enable_kv_cache_events": true, "publisher": '
+        '"zmq", "endpoint": "tcp://*:5557", "replay_endpoint": ...}`; an endpoint '
         "with `*` binds, as in vLLM). Needs --sim-prefix-cache-blocks. The events carry prompt "
-        "token ids in clear and the port takes no credentials: let only the router reach it.")  # fmt: skip
+        "token ids in clear and the port takes no credentials: let only the router reach it.",
+    )
 
     # Observability
     access_log: bool = Field(
-        True, description="One line per request when it ends (logger `sluice_server.access`): "
+        True,
+        description="One line per request when it ends (logger `sluice_server.access`): "
         "request id, key id (never the key), model, protocol, status, TTFT, tokens, outcome, "
         "duration. Probes are not logged; query strings never are.",
-    )  # fmt: skip
+    )
     access_log_format: Literal["text", "json"] = Field(
-        "text", description="Access log lines as `key=value` text or as one JSON object per line.",
-    )  # fmt: skip
+        "text",
+        description="Access log lines as `key=value` text or as one JSON object per line.",
+    )
     otlp_traces_endpoint: str | None = Field(
-        None, description="OTLP/HTTP traces endpoint (e.g. `http://collector:4318/v1/traces`): "
+        None,
+        description="OTLP/HTTP traces endpoint (e.g. `http://collector:4318/v1/traces`): "
         "one span per request, joining the caller's W3C `traceparent`; also passed to vLLM. "
         "Tracing is off when unset.",
-    )  # fmt: skip
+    )
     trace_sample_ratio: float = Field(
-        1.0, ge=0, le=1, description="Share of new traces sampled (a sampled caller's "
+        1.0,
+        ge=0,
+        le=1,
+        description="Share of new traces sampled (a sampled caller's "
         "`traceparent` is always followed).",
-    )  # fmt: skip
+    )
 
     @field_validator("protocols", mode="before")
     @classmethod
@@ -387,8 +498,9 @@ class Settings(HttpSettings):
         check_priority_classes(value)
         return value
 
-    @field_validator("priority_classes", "cors_allowed_origins", "cors_allowed_headers",
-                     mode="before")  # fmt: skip
+    @field_validator(
+        "priority_classes", "cors_allowed_origins", "cors_allowed_headers", mode="before"
+    )
     @classmethod
     def _split_list(cls, value: object) -> object:
         if isinstance(value, str):
@@ -430,25 +542,32 @@ class Settings(HttpSettings):
                 read_secret_file(self.redis_url_file, "--redis-url-file", "the Redis URL")
             )
         if self.rate_limit_backend == "redis" and self.redis_url is None:
-            raise ValueError("--rate-limit-backend redis needs --redis-url-file or --redis-url "
-                             "(SLUICE_REDIS_URL)")  # fmt: skip
+            raise ValueError(
+                "--rate-limit-backend redis needs --redis-url-file or --redis-url "
+                "(SLUICE_REDIS_URL)"
+            )
         check_hf_token_path(os.environ)
         if self.jwt_jwks_file is not None and not (self.jwt_issuer and self.jwt_audience):
             raise ValueError("--jwt-jwks-file needs --jwt-issuer and --jwt-audience")
         if self.queue_timeout_seconds is not None and not self.queue_size:
-            raise ValueError("--queue-timeout-seconds needs --queue-size N (N > 0): a queue "
-                             "always has a bound")  # fmt: skip
+            raise ValueError(
+                "--queue-timeout-seconds needs --queue-size N (N > 0): a queue always has a bound"
+            )
         if self.default_priority is not None and not self.priority_classes:
             raise ValueError("--default-priority needs --priority-classes")
         if self.default_priority is not None and self.default_priority not in self.priority_classes:
-            raise ValueError(f"--default-priority {self.default_priority} is not one of "
-                             f"--priority-classes ({','.join(self.priority_classes)})")  # fmt: skip
+            raise ValueError(
+                f"--default-priority {self.default_priority} is not one of "
+                f"--priority-classes ({','.join(self.priority_classes)})"
+            )
         self._check_nodes()
         if self.sim_kv_events_config is not None and not self.sim_prefix_cache_blocks:
             raise ValueError("--sim-kv-events-config needs --sim-prefix-cache-blocks N (N > 0)")
         if self.sim_kv_events_config is not None and self.api_workers > 1:
-            raise ValueError("--sim-kv-events-config needs --api-workers 1: each worker runs its "
-                             "own simulator, and they cannot share one events port")  # fmt: skip
+            raise ValueError(
+                "--sim-kv-events-config needs --api-workers 1: each worker runs its "
+                "own simulator, and they cannot share one events port"
+            )
         if self.api_workers > 1 and self.resume_grace_seconds > 0:
             raise ValueError(
                 "--resume-grace-seconds needs --api-workers 1: a resumable stream lives in one "
@@ -508,13 +627,17 @@ def read_secret_file(path: Path, flag: str, what: str) -> str:
     try:
         value = path.read_text().strip()
     except FileNotFoundError:
-        raise ValueError(f"{flag} {path}: no such file; it must hold {what} (on Kubernetes: "
-                         "mounted from the Secret key the StreamingModel names)") from None  # fmt: skip
+        raise ValueError(
+            f"{flag} {path}: no such file; it must hold {what} (on Kubernetes: "
+            "mounted from the Secret key the StreamingModel names)"
+        ) from None
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"{flag} {path}: cannot read it ({e})") from None
     if not value:
-        raise ValueError(f"{flag} {path} is empty; it must hold {what} (on Kubernetes: the "
-                         "Secret key the StreamingModel names is empty)")  # fmt: skip
+        raise ValueError(
+            f"{flag} {path} is empty; it must hold {what} (on Kubernetes: the "
+            "Secret key the StreamingModel names is empty)"
+        )
     return value
 
 
@@ -537,58 +660,75 @@ class RouterSettings(HttpSettings):
     model_config = SettingsConfigDict(env_prefix="SLUICE_ACTIVATOR_", extra="forbid")
 
     models_file: Path = Field(
-        description="JSON file of the models the router serves, `{\"<namespace>/<name>\": "
-        "{\"host\", \"port\", \"holdTimeoutSeconds\", \"maxHeld\", \"keepaliveSeconds\", "
-        "\"pods\"}}` (on Kubernetes the operator's `<release>-activator-models` ConfigMap); "
+        description='JSON file of the models the router serves, `{"<namespace>/<name>": '
+        '{"host", "port", "holdTimeoutSeconds", "maxHeld", "keepaliveSeconds", '
+        '"pods"}}` (on Kubernetes the operator\'s `<release>-activator-models` ConfigMap); '
         "watched, and reloaded without a restart when it changes. An entry with `pods` "
-        "(`{\"namespace\", \"selector\", \"port\"}`) has its Pods watched and each request "
+        '(`{"namespace", "selector", "port"}`) has its Pods watched and each request '
         "sent to one Ready pod; one without is forwarded to its Service `host`. A request "
         "for any other model gets 404.",
-    )  # fmt: skip
+    )
     models_reload_seconds: float = Field(
-        2.0, gt=0, description="How often `--models-file` is checked for changes (one `stat`).",
-    )  # fmt: skip
+        2.0,
+        gt=0,
+        description="How often `--models-file` is checked for changes (one `stat`).",
+    )
     ready_poll_seconds: float = Field(
-        0.5, gt=0, description="Longest pause between two readiness checks (`GET /ready`) of "
+        0.5,
+        gt=0,
+        description="Longest pause between two readiness checks (`GET /ready`) of "
         "a model that has held requests; the first checks come sooner (backoff from a tenth "
         "of it).",
-    )  # fmt: skip
+    )
     connect_timeout_seconds: float = Field(
-        5.0, gt=0, description="Connecting to a model's Service or pod (a readiness check or "
+        5.0,
+        gt=0,
+        description="Connecting to a model's Service or pod (a readiness check or "
         "a forwarded request), or to the API server.",
-    )  # fmt: skip
-    max_body_bytes: int = Field(1 << 20, ge=1024, description="Request body limit (413): "
-                                "a held request's body waits in memory.")  # fmt: skip
+    )
+    max_body_bytes: int = Field(
+        1 << 20,
+        ge=1024,
+        description="Request body limit (413): a held request's body waits in memory.",
+    )
     max_held_frames: int = Field(
-        64, ge=1, description="WebSocket frames a held connection may send before its model "
+        64,
+        ge=1,
+        description="WebSocket frames a held connection may send before its model "
         "is up (they are relayed then); past it the connection is closed with 1013.",
-    )  # fmt: skip
+    )
     heartbeat_seconds: float = Field(15.0, gt=0, description="WebSocket ping interval.")
     drain_timeout_seconds: float = Field(
-        30.0, ge=0, description="On SIGTERM: how much longer held requests wait for their "
+        30.0,
+        ge=0,
+        description="On SIGTERM: how much longer held requests wait for their "
         "model (then they give up as at the hold timeout: 503 `model_starting`, or the "
         "stream's error event); forwarded ones get 5 s more to finish. New connections are "
         "refused at once (the Service sends them to the other router pods).",
-    )  # fmt: skip
+    )
     kube_api_url: str | None = Field(
-        None, description="The Kubernetes API server the Pods of models with `pods` are "
+        None,
+        description="The Kubernetes API server the Pods of models with `pods` are "
         "watched through (default: in-cluster, `https://$KUBERNETES_SERVICE_HOST:"
         "$KUBERNETES_SERVICE_PORT`).",
-    )  # fmt: skip
+    )
     service_account_dir: Path = Field(
         Path("/var/run/secrets/kubernetes.io/serviceaccount"),
         description="The ServiceAccount's `token` (re-read as the kubelet rotates it) and "
         "`ca.crt` for the API server.",
-    )  # fmt: skip
+    )
     pin_key_file: Path | None = Field(
-        None, description="Key (a file, at least 32 bytes) that signs the `sluice-pin` cookie "
+        None,
+        description="Key (a file, at least 32 bytes) that signs the `sluice-pin` cookie "
         "with which a resumed token SSE stream returns to the pod that holds it, through any "
         "router pod sharing the key. Without it no cookie is set or honoured.",
-    )  # fmt: skip
+    )
     pin_seconds: float = Field(
-        3600.0, gt=0, description="How long a `sluice-pin` cookie is honoured after it is set "
+        3600.0,
+        gt=0,
+        description="How long a `sluice-pin` cookie is honoured after it is set "
         "(cover the longest resume window of the models served).",
-    )  # fmt: skip
+    )
 
 
 def _flag(name: str) -> str:
@@ -621,21 +761,28 @@ def flag_table(model: type[BaseSettings] = Settings) -> str:
 def build_parser(model: type[BaseSettings] = Settings) -> argparse.ArgumentParser:
     """Flags mirror the Settings fields; unset flags stay absent so the environment applies."""
     if model is Settings:
-        prog, about = "sluice-server", ("Streaming LLM server. Arguments after `--` go to "
-                                        "vLLM's engine parser.")  # fmt: skip
+        prog, about = (
+            "sluice-server",
+            ("Streaming LLM server. Arguments after `--` go to vLLM's engine parser."),
+        )
     else:
         prog, about = (
             "sluice-server router",
             "Sends each request for a listed model to one of its Ready pods (or its Service), "
             "holding it while none is ready.",
         )
-    parser = argparse.ArgumentParser(prog=prog, description=about,
-                                     argument_default=argparse.SUPPRESS)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog=prog, description=about, argument_default=argparse.SUPPRESS
+    )
     for name, info in model.model_fields.items():
         if name == "engine_args":
             continue
-        parser.add_argument(_flag(name), dest=name, metavar=name.upper(),
-                            help=f"{info.description} [default: {_default(name, model)}]")  # fmt: skip
+        parser.add_argument(
+            _flag(name),
+            dest=name,
+            metavar=name.upper(),
+            help=f"{info.description} [default: {_default(name, model)}]",
+        )
     return parser
 
 

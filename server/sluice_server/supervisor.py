@@ -64,8 +64,7 @@ class _Signals:
     def handle(self, signum: int, frame) -> None:
         if not self.stopping:
             self.stopping = True
-            log.info("signal %d: stopping %d workers (each drains)", signum,
-                     len(self.processes))  # fmt: skip
+            log.info("signal %d: stopping %d workers (each drains)", signum, len(self.processes))
             raise SystemExit  # leaves the wait; the shutdown forwards SIGTERM
         if not self.forced:
             self.forced = True
@@ -82,8 +81,7 @@ def run_pod(settings: Settings, share_limits: bool = True) -> int:
     signals = _Signals()
     signal.signal(signal.SIGTERM, signals.handle)
     signal.signal(signal.SIGINT, signals.handle)
-    state = PodState(settings.api_workers, share_limits=share_limits,
-                     queue=QueueShape.of(settings))  # fmt: skip
+    state = PodState(settings.api_workers, share_limits=share_limits, queue=QueueShape.of(settings))
     target = partial(serve_worker, settings, state)
     failed = False
     with _metrics_dir() as metrics_dir:
@@ -170,8 +168,9 @@ def simulator_workers(settings: Settings, target: Callable) -> Iterator[Workers]
     try:
         for i in range(n):
             config = {"client_index": i, "client_count": n}
-            p = ctx.Process(target=target, name=f"ApiServer_{i}",
-                            args=(address, sock, None, config))  # fmt: skip
+            p = ctx.Process(
+                target=target, name=f"ApiServer_{i}", args=(address, sock, None, config)
+            )
             p.start()
             procs.append(p)
         log.info("started %d simulator workers on %s", n, address)
@@ -190,8 +189,9 @@ def _wait_for_failure(procs: list) -> None:
             p = pending.pop(sentinel)
             p.join()
             if p.exitcode != 0:
-                raise RuntimeError(f"Worker {p.name} (pid {p.pid}) died with exit code "
-                                   f"{p.exitcode}")  # fmt: skip
+                raise RuntimeError(
+                    f"Worker {p.name} (pid {p.pid}) died with exit code {p.exitcode}"
+                )
 
 
 def _stop(procs: list, timeout: float) -> None:

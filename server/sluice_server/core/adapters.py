@@ -52,8 +52,10 @@ log = logging.getLogger(__name__)
 
 LOADING, READY, FAILED = "Loading", "Ready", "Failed"
 NAME = MODEL_NAME
-HF = re.compile(r"hf://(?P<repo>[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?)"
-                r"(@(?P<rev>[A-Za-z0-9._/-]+))?")  # fmt: skip
+HF = re.compile(
+    r"hf://(?P<repo>[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?)"
+    r"(@(?P<rev>[A-Za-z0-9._/-]+))?"
+)
 
 
 @dataclass(frozen=True)
@@ -90,8 +92,9 @@ def parse_adapters(text: str, base: str) -> list[Entry]:
         if name == base:
             raise ValueError(f"adapters[{i}]: {name!r} is the base model's name")
         if not isinstance(uri, str) or not (uri.startswith("/") or HF.fullmatch(uri)):
-            raise ValueError(f"adapters[{i}] ({name}): uri must be an absolute path or "
-                             "hf://org/name[@revision]")  # fmt: skip
+            raise ValueError(
+                f"adapters[{i}] ({name}): uri must be an absolute path or hf://org/name[@revision]"
+            )
         rank = item.get("rank")
         if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 1):
             raise ValueError(f"adapters[{i}] ({name}): rank must be a positive integer")
@@ -134,9 +137,11 @@ def fetch(uri: str) -> str:
         try:
             with contextlib.suppress(Exception):
                 return snapshot_download(repo, revision=revision, local_files_only=True)
-            return snapshot_download(repo, revision=revision,
-                                     allow_patterns=["adapter_config.json", "*.safetensors",
-                                                     "*.bin", "*.json"])  # fmt: skip
+            return snapshot_download(
+                repo,
+                revision=revision,
+                allow_patterns=["adapter_config.json", "*.safetensors", "*.bin", "*.json"],
+            )
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
@@ -152,8 +157,9 @@ class Served:
 class Adapters:
     """The adapters this process serves and how its engine stands with each."""
 
-    def __init__(self, base: str, metrics: Metrics, path: Path | None = None,
-                 interval: float = 2.0) -> None:  # fmt: skip
+    def __init__(
+        self, base: str, metrics: Metrics, path: Path | None = None, interval: float = 2.0
+    ) -> None:
         self.base, self.metrics, self.path, self.interval = base, metrics, path, interval
         self.served: dict[str, Served] = {}
         self.engine: Engine | None = None
@@ -170,21 +176,36 @@ class Adapters:
         """The adapter to generate with (None: the base), or ApiError (see the module)."""
         target = self.base if name is None else name
         if who is not None and not who.may_use(target):
-            raise ApiError(403, f"This key may not use the model `{target}`; it may use: "
-                           f"{', '.join(sorted(who.models or ()))}.", reason="auth",
-                           param="model", code="model_not_allowed")  # fmt: skip
+            raise ApiError(
+                403,
+                f"This key may not use the model `{target}`; it may use: "
+                f"{', '.join(sorted(who.models or ()))}.",
+                reason="auth",
+                param="model",
+                code="model_not_allowed",
+            )
         if target == self.base:
             return None
         served = self.served.get(target)
         if served is not None and served.state == READY:
             return served.adapter
         if served is not None and served.state == LOADING:
-            raise ApiError(503, f"The adapter `{target}` is still loading; retry shortly.",
-                           param="model", code="model_loading", headers={"Retry-After": "2"})  # fmt: skip
+            raise ApiError(
+                503,
+                f"The adapter `{target}` is still loading; retry shortly.",
+                param="model",
+                code="model_loading",
+                headers={"Retry-After": "2"},
+            )
         names = [n for n in self.names() if who is None or who.may_use(n)]
-        raise ApiError(404, f"The model `{target}` does not exist; this server serves: "
-                       f"{', '.join(f'`{n}`' for n in names)}.", reason="bad_input",
-                       param="model", code="model_not_found")  # fmt: skip
+        raise ApiError(
+            404,
+            f"The model `{target}` does not exist; this server serves: "
+            f"{', '.join(f'`{n}`' for n in names)}.",
+            reason="bad_input",
+            param="model",
+            code="model_not_found",
+        )
 
     @staticmethod
     def visible(listing: dict[str, Any], who: Principal) -> dict[str, Any]:
@@ -201,8 +222,12 @@ class Adapters:
             return parse_adapters(self.path.read_text(), self.base)
         except (OSError, ValueError) as e:
             self.metrics.adapter_loads.labels(self.metrics.model, "file_error").inc()
-            log.warning("adapters: %s cannot be used (%s: %s); keeping the adapters loaded "
-                        "before", self.path, type(e).__name__, e)  # fmt: skip
+            log.warning(
+                "adapters: %s cannot be used (%s: %s); keeping the adapters loaded before",
+                self.path,
+                type(e).__name__,
+                e,
+            )
             return None
 
     async def start(self, engine: Engine) -> None:
@@ -264,8 +289,9 @@ class Adapters:
             adapter = Adapter(e.name, path, e.lora_id)
             await engine.load_adapter(adapter)
         except Exception as exc:
-            reason = str(exc) if isinstance(exc, AdapterLoadError) else (
-                f"{type(exc).__name__}: {exc}")  # fmt: skip
+            reason = (
+                str(exc) if isinstance(exc, AdapterLoadError) else (f"{type(exc).__name__}: {exc}")
+            )
             self._set(Served(e, FAILED, reason[:300]))
             self.metrics.adapter_loads.labels(self.metrics.model, "failed").inc()
             log.warning("adapters: %s (%s) failed to load: %s", e.name, e.uri, reason)
@@ -292,5 +318,7 @@ class Adapters:
         self._exported[name] = labels
 
     def status(self) -> list[dict[str, Any]]:
-        return [{"name": n, "id": s.entry.id, "state": s.state, "reason": s.reason}
-                for n, s in self.served.items()]  # fmt: skip
+        return [
+            {"name": n, "id": s.entry.id, "state": s.state, "reason": s.reason}
+            for n, s in self.served.items()
+        ]

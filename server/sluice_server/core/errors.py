@@ -113,8 +113,11 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         count(request, exc.reason)
-        return JSONResponse(shaped(request, exc.status, exc.message, exc.param, exc.code),
-                            status_code=exc.status, headers=exc.headers)  # fmt: skip
+        return JSONResponse(
+            shaped(request, exc.status, exc.message, exc.param, exc.code),
+            status_code=exc.status,
+            headers=exc.headers,
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -35,10 +35,15 @@ ATTACH_WAIT_SECONDS = 2.0  # a reconnect may overtake the server noticing the di
 
 
 def open_stream(
-    svc: Services, trail: Trail, who: Principal, source: AsyncIterator[Delta], t0: float,
-    prompt_tokens: Callable[[], int] = lambda: 0, rid: str | None = None,
+    svc: Services,
+    trail: Trail,
+    who: Principal,
+    source: AsyncIterator[Delta],
+    t0: float,
+    prompt_tokens: Callable[[], int] = lambda: 0,
+    rid: str | None = None,
     ticket: Ticket | None = None,
-) -> Handle:  # fmt: skip
+) -> Handle:
     """Start producing at once (the engine works while headers go out), or, with a `ticket`
     still waiting in the admission queue, once it is admitted (keep-alives meanwhile: the
     stream core's `Waiting` events). The returned cleanup(stalled) is idempotent and must
@@ -60,9 +65,14 @@ def open_stream(
     seat = _Seat(ticket, meter) if ticket is not None and ticket.waiting else None
     if seat is None:
         meter.seated()
-    stream = Stream(source, cap=s.stream_buffer_tokens, timeout=s.stream_timeout_seconds,
-                    replayable=grace > 0, admission=seat,
-                    keepalive=s.heartbeat_seconds)  # fmt: skip
+    stream = Stream(
+        source,
+        cap=s.stream_buffer_tokens,
+        timeout=s.stream_timeout_seconds,
+        replayable=grace > 0,
+        admission=seat,
+        keepalive=s.heartbeat_seconds,
+    )
     svc.gate.streams.add(stream)
     done = False
 
@@ -151,16 +161,25 @@ async def resume_stream(
     generation."""
     entry = svc.recent.get(rid)
     if entry is None or entry.kid != kid:
-        raise svc.bad_input(protocol, f"No stream {rid} on this server (unknown, expired, or "
-                            "served by another replica); send the request again without "
-                            "Last-Event-ID.", "Last-Event-ID", status=404,
-                            code="stream_not_found")  # fmt: skip
+        raise svc.bad_input(
+            protocol,
+            f"No stream {rid} on this server (unknown, expired, or "
+            "served by another replica); send the request again without "
+            "Last-Event-ID.",
+            "Last-Event-ID",
+            status=404,
+            code="stream_not_found",
+        )
     deadline = time.monotonic() + ATTACH_WAIT_SECONDS
     while entry.state == LIVE:  # still attached: its response has not seen the drop yet
         if time.monotonic() > deadline:
-            raise svc.bad_input(protocol, f"Stream {rid} is still being read by another "
-                                "connection.", "Last-Event-ID", status=409,
-                                code="stream_attached")  # fmt: skip
+            raise svc.bad_input(
+                protocol,
+                f"Stream {rid} is still being read by another connection.",
+                "Last-Event-ID",
+                status=409,
+                code="stream_attached",
+            )
         await asyncio.sleep(0.01)
     if entry.state == FINISHED:
         handle: Handle | None = entry.handle  # replayable for the grace window after its end
@@ -169,16 +188,24 @@ async def resume_stream(
         svc.metrics.resumes.labels(protocol, svc.metrics.model).inc()
         return handle
     if entry.state == ABORTED:
-        raise svc.bad_input(protocol, f"Stream {rid} was aborted when its client went away "
-                            "(resume is off, or its grace window passed); send the request "
-                            "again without Last-Event-ID.", "Last-Event-ID", status=410,
-                            code="stream_aborted")  # fmt: skip
+        raise svc.bad_input(
+            protocol,
+            f"Stream {rid} was aborted when its client went away "
+            "(resume is off, or its grace window passed); send the request "
+            "again without Last-Event-ID.",
+            "Last-Event-ID",
+            status=410,
+            code="stream_aborted",
+        )
     detached: Handle = entry.handle
     stream, meter, end_response = detached
     if start > stream.n_events:
         if stream.ended is None:
-            raise svc.bad_input(protocol, f"Last-Event-ID: stream {rid} has sent only "
-                                f"{stream.n_events} events.", "Last-Event-ID")  # fmt: skip
+            raise svc.bad_input(
+                protocol,
+                f"Last-Event-ID: stream {rid} has sent only {stream.n_events} events.",
+                "Last-Event-ID",
+            )
         meter.finish(DONE, stream)  # the client saw the final event
         entry.timer.cancel()
         end_response(False)

@@ -34,8 +34,9 @@ class GenerationParams(BaseModel):
         "cached prefixes only with requests of the same tenant and the same salt.",
     )
 
-    _numbers = field_validator("max_tokens", "temperature", "top_p", "seed",
-                               mode="before")(not_a_flag)  # fmt: skip
+    _numbers = field_validator("max_tokens", "temperature", "top_p", "seed", mode="before")(
+        not_a_flag
+    )
 
 
 class GenerationBody(GenerationParams, PromptOrMessages):
@@ -56,8 +57,12 @@ def describe_validation_error(e: ValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "Invalid request", param
 
 
-def to_stream_request(body: dict[str, Any], request_id: str, engine: Engine,
-                      route: Callable[[str | None], Adapter | None]) -> StreamRequest:  # fmt: skip
+def to_stream_request(
+    body: dict[str, Any],
+    request_id: str,
+    engine: Engine,
+    route: Callable[[str | None], Adapter | None],
+) -> StreamRequest:
     """Validated StreamRequest (prompt rendered and length-checked when the engine can),
     or ApiError 400 saying what is wrong (`reason` bad_input). `route` turns the body's
     `model` into the adapter to generate with (None: the base), or raises its ApiError."""
@@ -79,9 +84,14 @@ def to_stream_request(body: dict[str, Any], request_id: str, engine: Engine,
     try:
         engine.prepare(req)
     except ValueError as e:
-        raise ApiError(400, str(e), reason="bad_input", param="prompt",
-                       code="context_length_exceeded") from None  # fmt: skip
+        raise ApiError(
+            400, str(e), reason="bad_input", param="prompt", code="context_length_exceeded"
+        ) from None
     except Exception as e:  # chat template rejected the messages
-        raise ApiError(400, f"Cannot render the prompt: {type(e).__name__}: {e}",
-                       reason="bad_input", param="messages") from None  # fmt: skip
+        raise ApiError(
+            400,
+            f"Cannot render the prompt: {type(e).__name__}: {e}",
+            reason="bad_input",
+            param="messages",
+        ) from None
     return req

@@ -54,13 +54,21 @@ class Services:
         and Kubernetes takes the pod out of rotation and restarts it via /health)."""
         engine = self.engine
         if engine is None:
-            raise ApiError(503, self.engine_error or "Engine is not ready.",
-                           code="engine_unavailable", headers={"Retry-After": "5"})  # fmt: skip
+            raise ApiError(
+                503,
+                self.engine_error or "Engine is not ready.",
+                code="engine_unavailable",
+                headers={"Retry-After": "5"},
+            )
         try:
             await engine.check_health()
         except Exception as e:
-            raise ApiError(503, f"Engine failed: {type(e).__name__}: {e}",
-                           code="engine_unavailable", headers={"Retry-After": "5"}) from None  # fmt: skip
+            raise ApiError(
+                503,
+                f"Engine failed: {type(e).__name__}: {e}",
+                code="engine_unavailable",
+                headers={"Retry-After": "5"},
+            ) from None
         return engine
 
     def engine_priority(self, who: Principal) -> int:
@@ -136,8 +144,9 @@ class Services:
             raise
         return ticket
 
-    async def wait_admitted(self, request: Request, protocol: str, ticket: Ticket,
-                            commit_after: float | None) -> bool:  # fmt: skip
+    async def wait_admitted(
+        self, request: Request, protocol: str, ticket: Ticket, commit_after: float | None
+    ) -> bool:
         """Wait for a queued request's slot before its response starts: True once admitted;
         False when it still waits after `commit_after` seconds (a stream then commits to
         200 and waits in the stream core, with keep-alives). Refused: ApiError 429/503
@@ -150,8 +159,9 @@ class Services:
         admitted = asyncio.shield(ticket.future)  # resolved when admitted or refused
         gone = asyncio.ensure_future(_disconnect(request))
         try:
-            done, _ = await asyncio.wait((admitted, gone), timeout=commit_after,
-                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            done, _ = await asyncio.wait(
+                (admitted, gone), timeout=commit_after, return_when=asyncio.FIRST_COMPLETED
+            )
         except asyncio.CancelledError:
             ticket.release()
             raise
@@ -180,8 +190,13 @@ class Services:
                 await self.limiter.admit(who.id, who.plan)
             except ApiError as e:
                 self.metrics.count_tenant_request(who.tenant, e.reason or "refused")
-                log.info("refused: tenant=%s protocol=%s reason=%s retry_after=%s", who.tenant,
-                         protocol, e.reason, e.headers.get("Retry-After"))  # fmt: skip
+                log.info(
+                    "refused: tenant=%s protocol=%s reason=%s retry_after=%s",
+                    who.tenant,
+                    protocol,
+                    e.reason,
+                    e.headers.get("Retry-After"),
+                )
                 raise self._counted(protocol, e) from None
         self.metrics.count_tenant_request(who.tenant, "admitted")
 
@@ -203,10 +218,17 @@ class Services:
             e.reason = None  # counted here; the exception handler must not count again
         return e
 
-    def bad_input(self, protocol: str, message: str, param: str | None = None,
-                  status: int = 400, code: str | None = None) -> ApiError:  # fmt: skip
-        return self._counted(protocol, ApiError(status, message, reason="bad_input",
-                                                param=param, code=code))  # fmt: skip
+    def bad_input(
+        self,
+        protocol: str,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        code: str | None = None,
+    ) -> ApiError:
+        return self._counted(
+            protocol, ApiError(status, message, reason="bad_input", param=param, code=code)
+        )
 
     def count(self, protocol: str, e: ApiError) -> ApiError:
         return self._counted(protocol, e)
@@ -256,14 +278,22 @@ async def read_json(request: Request, svc: Services, protocol: str) -> dict[str,
     limit = svc.settings.max_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise svc.bad_input(protocol, f"Request body too large (limit {limit} bytes).",
-                            status=413, code="body_too_large")  # fmt: skip
+        raise svc.bad_input(
+            protocol,
+            f"Request body too large (limit {limit} bytes).",
+            status=413,
+            code="body_too_large",
+        )
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise svc.bad_input(protocol, f"Request body too large (limit {limit} bytes).",
-                                status=413, code="body_too_large")  # fmt: skip
+            raise svc.bad_input(
+                protocol,
+                f"Request body too large (limit {limit} bytes).",
+                status=413,
+                code="body_too_large",
+            )
         chunks.append(chunk)
     try:
         body = json.loads(b"".join(chunks))

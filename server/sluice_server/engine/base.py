@@ -71,8 +71,12 @@ def _prompt_or_messages_schema(schema: dict[str, Any]) -> None:
     non-empty `messages` array, exactly one of them, never null."""
     props = schema["properties"]
     props["prompt"] = {"type": "string", "title": "Prompt"}
-    props["messages"] = {"type": "array", "items": props["messages"]["anyOf"][0]["items"],
-                         "minItems": 1, "title": "Messages"}  # fmt: skip
+    props["messages"] = {
+        "type": "array",
+        "items": props["messages"]["anyOf"][0]["items"],
+        "minItems": 1,
+        "title": "Messages",
+    }
     schema["oneOf"] = [{"required": ["prompt"]}, {"required": ["messages"]}]
 
 
@@ -224,8 +228,9 @@ class ApiServing(Protocol):
     def parse(self, body: dict[str, Any], kind: ApiKind) -> Any:
         """The engine's request object; raises pydantic's ValidationError (a 400)."""
 
-    async def respond(self, request: Any, kind: ApiKind, http_request: Any,
-                      priority: int = 0) -> ApiReply | ApiStream:  # fmt: skip
+    async def respond(
+        self, request: Any, kind: ApiKind, http_request: Any, priority: int = 0
+    ) -> ApiReply | ApiStream:
         """Start the request at the engine's `priority` (the caller's, never one the body
         or a header names): a reply, or a stream (when the request asked for one);
         ApiRequestError when the serving layer refuses it. Cancelling it aborts any

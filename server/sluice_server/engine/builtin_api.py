@@ -66,8 +66,9 @@ class _Common(BaseModel):
     ignore_eos: Flag = False
     cache_salt: ClientSalt | None = None
 
-    _numbers = field_validator("max_tokens", "max_completion_tokens", "temperature", "top_p",
-                               "seed", "n", mode="before")(not_a_flag)  # fmt: skip
+    _numbers = field_validator(
+        "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "n", mode="before"
+    )(not_a_flag)
 
 
 class ChatBody(_Common):
@@ -98,8 +99,9 @@ class ResponsesBody(BaseModel):
     ignore_eos: Flag = False
     cache_salt: ClientSalt | None = None
 
-    _numbers = field_validator("max_output_tokens", "temperature", "top_p",
-                               mode="before")(not_a_flag)  # fmt: skip
+    _numbers = field_validator("max_output_tokens", "temperature", "top_p", mode="before")(
+        not_a_flag
+    )
 
 
 class AnthropicMessage(BaseModel):
@@ -180,8 +182,16 @@ class BuiltinApi:
             {"id": self.model, "object": "model", "created": 0, "owned_by": "sluice"}
         ]
         for a in getattr(self._engine, "adapters", {}).values():
-            data.append({"id": a.name, "object": "model", "created": 0, "owned_by": "sluice",
-                         "root": a.path, "parent": self.model})  # fmt: skip
+            data.append(
+                {
+                    "id": a.name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "sluice",
+                    "root": a.path,
+                    "parent": self.model,
+                }
+            )
         return {"object": "list", "data": data}
 
     def version(self) -> dict[str, Any]:
@@ -197,23 +207,34 @@ class BuiltinApi:
             raise ApiRequestError(400, str(e)) from None
         return req
 
-    async def respond(self, b: Any, kind: ApiKind, http_request: Any,
-                      priority: int = 0) -> ApiReply | ApiStream:  # fmt: skip
+    async def respond(
+        self, b: Any, kind: ApiKind, http_request: Any, priority: int = 0
+    ) -> ApiReply | ApiStream:
         if kind == "detokenize":
-            raise ApiRequestError(501, "The simulator has no vocabulary to detokenize with; "
-                                  "/detokenize needs a model (--engine vllm).")  # fmt: skip
+            raise ApiRequestError(
+                501,
+                "The simulator has no vocabulary to detokenize with; "
+                "/detokenize needs a model (--engine vllm).",
+            )
         if kind in ("tokenize", "count_tokens"):
             if kind == "tokenize":
                 msgs = b.messages and [m.model_dump(exclude_none=True) for m in b.messages]
             else:
                 msgs = _anthropic_messages(b)
-            req = self._prepared(StreamRequest("tok", prompt=getattr(b, "prompt", None),
-                                               messages=msgs))  # fmt: skip
+            req = self._prepared(
+                StreamRequest("tok", prompt=getattr(b, "prompt", None), messages=msgs)
+            )
             ids = req.prompt_token_ids or []
             if kind == "count_tokens":
                 return ApiReply({"input_tokens": len(ids)})
-            return ApiReply({"count": len(ids), "max_model_len": self._engine.max_model_len,
-                             "tokens": ids, "token_strs": None})  # fmt: skip
+            return ApiReply(
+                {
+                    "count": len(ids),
+                    "max_model_len": self._engine.max_model_len,
+                    "tokens": ids,
+                    "token_strs": None,
+                }
+            )
         req, framer = self._request(b, kind)
         req.priority = priority
         req.cache_salt = b.cache_salt  # what the routes set (core/auth/cachesalt.py)
@@ -224,32 +245,50 @@ class BuiltinApi:
         return await self._collect(deltas, req, kind, b)
 
     def _request(self, b: Any, kind: ApiKind) -> tuple[StreamRequest, Any]:
-        prefix = {"chat": "chatcmpl-", "completion": "cmpl-", "responses": "resp_",
-                  "messages": "msg_"}[kind]  # fmt: skip
+        prefix = {
+            "chat": "chatcmpl-",
+            "completion": "cmpl-",
+            "responses": "resp_",
+            "messages": "msg_",
+        }[kind]
         rid = prefix + uuid.uuid4().hex
         if kind in ("chat", "completion"):
             chat = kind == "chat"
             stop = [b.stop] if isinstance(b.stop, str) else list(b.stop or [])
-            opts = SamplingOptions(b.max_completion_tokens or b.max_tokens or 16, b.temperature,
-                                   b.top_p, b.seed, stop, b.ignore_eos)  # fmt: skip
+            opts = SamplingOptions(
+                b.max_completion_tokens or b.max_tokens or 16,
+                b.temperature,
+                b.top_p,
+                b.seed,
+                stop,
+                b.ignore_eos,
+            )
             usage = bool(b.stream_options and b.stream_options.include_usage)
             req = StreamRequest(
-                rid, prompt=None if chat else b.prompt, options=opts,
+                rid,
+                prompt=None if chat else b.prompt,
+                options=opts,
                 messages=[m.model_dump(exclude_none=True) for m in b.messages] if chat else None,
-            )  # fmt: skip
+            )
             return req, ChatFramer(rid, self.model, chat, usage)
         if kind == "responses":
-            opts = SamplingOptions(b.max_output_tokens or 16, 1.0 if b.temperature is None
-                                   else b.temperature, b.top_p or 1.0, ignore_eos=b.ignore_eos)  # fmt: skip
+            opts = SamplingOptions(
+                b.max_output_tokens or 16,
+                1.0 if b.temperature is None else b.temperature,
+                b.top_p or 1.0,
+                ignore_eos=b.ignore_eos,
+            )
             req = StreamRequest(rid, messages=_responses_messages(b), options=opts)
             return self._prepared(req), ResponsesFramer(rid, self.model, b.model_dump())
-        opts = SamplingOptions(b.max_tokens, b.temperature, b.top_p, None,
-                               list(b.stop_sequences or []), b.ignore_eos)  # fmt: skip
+        opts = SamplingOptions(
+            b.max_tokens, b.temperature, b.top_p, None, list(b.stop_sequences or []), b.ignore_eos
+        )
         req = StreamRequest(rid, messages=_anthropic_messages(b), options=opts)
         return self._prepared(req), MessagesFramer(rid, self.model)
 
-    async def _collect(self, deltas: AsyncIterator[Delta], req: StreamRequest, kind: ApiKind,
-                       b: Any) -> ApiReply:  # fmt: skip
+    async def _collect(
+        self, deltas: AsyncIterator[Delta], req: StreamRequest, kind: ApiKind, b: Any
+    ) -> ApiReply:
         parts, last = [], None
         async for d in deltas:
             parts.append(d.text)
@@ -259,23 +298,45 @@ class BuiltinApi:
         reason = last.finish_reason if last else "abort"
         rid = req.request_id
         if kind == "responses":
-            body = response_object(rid, self.model, int(time.time()), b.model_dump(),
-                                   response_status(reason), [message_item("msg_" + uuid.uuid4().hex, text,
-                                                              "completed")],
-                                   responses_usage(p, c, last.cached_tokens if last else None))  # fmt: skip
+            body = response_object(
+                rid,
+                self.model,
+                int(time.time()),
+                b.model_dump(),
+                response_status(reason),
+                [message_item("msg_" + uuid.uuid4().hex, text, "completed")],
+                responses_usage(p, c, last.cached_tokens if last else None),
+            )
         elif kind == "messages":
-            body = {"id": rid, "type": "message", "role": "assistant", "model": self.model,
-                    "content": [{"type": "text", "text": text}],
-                    "stop_reason": STOP_REASONS.get(reason or "stop", "end_turn"),
-                    "stop_sequence": None, "usage": {"input_tokens": p, "output_tokens": c}}  # fmt: skip
+            body = {
+                "id": rid,
+                "type": "message",
+                "role": "assistant",
+                "model": self.model,
+                "content": [{"type": "text", "text": text}],
+                "stop_reason": STOP_REASONS.get(reason or "stop", "end_turn"),
+                "stop_sequence": None,
+                "usage": {"input_tokens": p, "output_tokens": c},
+            }
         else:
             chat = kind == "chat"
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text},
-                       "finish_reason": reason} if chat else
-                      {"index": 0, "text": text, "finish_reason": reason, "logprobs": None})  # fmt: skip
-            body = {"id": rid, "object": "chat.completion" if chat else "text_completion",
-                    "created": int(time.time()), "model": self.model, "choices": [choice],
-                    "usage": openai_usage(last)}  # fmt: skip
+            choice = (
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": reason,
+                }
+                if chat
+                else {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+            )
+            body = {
+                "id": rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": self.model,
+                "choices": [choice],
+                "usage": openai_usage(last),
+            }
         return ApiReply(body, 200, p, c)
 
 
@@ -290,15 +351,29 @@ async def _chunks(deltas: AsyncGenerator[Delta, None], framer: Any) -> AsyncGene
     try:
         async for d in deltas:
             if d.finished and d.finish_reason == "abort":
-                yield Delta("", d.num_tokens, True, "abort", d.prompt_tokens, d.completion_tokens,
-                            d.cached_tokens)  # fmt: skip
+                yield Delta(
+                    "",
+                    d.num_tokens,
+                    True,
+                    "abort",
+                    d.prompt_tokens,
+                    d.completion_tokens,
+                    d.cached_tokens,
+                )
                 return
             text = ""
             if d.text or d.finished:
                 if not started:
                     text, started = framer.start(d), True
                 text += framer.end(d) if d.finished else framer.text(d.text)
-            yield Delta(text, d.num_tokens, d.finished, d.finish_reason, d.prompt_tokens,
-                        d.completion_tokens, d.cached_tokens)  # fmt: skip
+            yield Delta(
+                text,
+                d.num_tokens,
+                d.finished,
+                d.finish_reason,
+                d.prompt_tokens,
+                d.completion_tokens,
+                d.cached_tokens,
+            )
     finally:
         await deltas.aclose()

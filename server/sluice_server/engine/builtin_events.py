@@ -42,8 +42,10 @@ class ChatFramer:
     def __init__(self, rid: str, model: str, chat: bool, include_usage: bool) -> None:
         self.chat, self.include_usage, self.rid = chat, include_usage, rid
         self.obj = "chat.completion.chunk" if chat else "text_completion"
-        self.head = (f'data: {{"id":"{rid}","object":"{self.obj}","created":{int(time.time())},'
-                     f'"model":{_dumps(model)},"choices":[')  # fmt: skip
+        self.head = (
+            f'data: {{"id":"{rid}","object":"{self.obj}","created":{int(time.time())},'
+            f'"model":{_dumps(model)},"choices":['
+        )
 
     def _piece(self, text: str, reason: str | None) -> str:
         r = "null" if reason is None else _dumps(reason)
@@ -70,23 +72,40 @@ class ChatFramer:
 
 
 def responses_usage(p: int, c: int, cached: int | None = None) -> dict:
-    return {"input_tokens": p, "input_tokens_details": {"cached_tokens": cached or 0},
-            "output_tokens": c, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": p + c}  # fmt: skip
+    return {
+        "input_tokens": p,
+        "input_tokens_details": {"cached_tokens": cached or 0},
+        "output_tokens": c,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": p + c,
+    }
 
 
-def response_object(rid: str, model: str, created: int, req: dict, status: str,
-                    output: list, usage: dict | None) -> dict:  # fmt: skip
+def response_object(
+    rid: str, model: str, created: int, req: dict, status: str, output: list, usage: dict | None
+) -> dict:
     """OpenAI's `response` object with the fields the SDK reads."""
-    return {"id": rid, "object": "response", "created_at": created, "model": model,
-            "status": status, "output": output, "usage": usage, "error": None,
-            "instructions": req.get("instructions"),
-            "metadata": {}, "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
-            "temperature": req.get("temperature"), "top_p": req.get("top_p"),
-            "max_output_tokens": req.get("max_output_tokens"), "text": {"format": {"type": "text"}},
-            "truncation": "disabled",
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete"
-            else None}  # fmt: skip
+    return {
+        "id": rid,
+        "object": "response",
+        "created_at": created,
+        "model": model,
+        "status": status,
+        "output": output,
+        "usage": usage,
+        "error": None,
+        "instructions": req.get("instructions"),
+        "metadata": {},
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
+        "temperature": req.get("temperature"),
+        "top_p": req.get("top_p"),
+        "max_output_tokens": req.get("max_output_tokens"),
+        "text": {"format": {"type": "text"}},
+        "truncation": "disabled",
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+    }
 
 
 def response_status(finish_reason: str | None) -> str:
@@ -96,8 +115,13 @@ def response_status(finish_reason: str | None) -> str:
 
 def message_item(item_id: str, text: str, status: str) -> dict:
     content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
-    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
-            "content": content if status == "completed" else []}  # fmt: skip
+    return {
+        "id": item_id,
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": content if status == "completed" else [],
+    }
 
 
 class ResponsesFramer:
@@ -121,14 +145,17 @@ class ResponsesFramer:
     def opening(self) -> str:
         """`response.created` and `response.in_progress`, sent before the first token."""
         r = response_object(self.rid, self.model, self.created, self.req, "in_progress", [], None)
-        return self._ev("response.created", response=r) + self._ev("response.in_progress",
-                                                                  response=r)  # fmt: skip
+        return self._ev("response.created", response=r) + self._ev(
+            "response.in_progress", response=r
+        )
 
     def start(self, d: Delta) -> str:
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        return (self._ev("response.output_item.added", output_index=0,
-                         item=message_item(self.item, "", "in_progress"))
-                + self._ev("response.content_part.added", **self._where(), part=part))  # fmt: skip
+        return self._ev(
+            "response.output_item.added",
+            output_index=0,
+            item=message_item(self.item, "", "in_progress"),
+        ) + self._ev("response.content_part.added", **self._where(), part=part)
 
     def text(self, text: str) -> str:
         self.parts.append(text)
@@ -139,8 +166,15 @@ class ResponsesFramer:
         text = "".join(self.parts)
         item = message_item(self.item, text, "completed")
         usage = responses_usage(*usage_of(d), d.cached_tokens)
-        final = response_object(self.rid, self.model, self.created, self.req,
-                                response_status(d.finish_reason), [item], usage)  # fmt: skip
+        final = response_object(
+            self.rid,
+            self.model,
+            self.created,
+            self.req,
+            response_status(d.finish_reason),
+            [item],
+            usage,
+        )
         return out + (
             self._ev("response.output_text.done", **self._where(), text=text, logprobs=[])
             + self._ev("response.content_part.done", **self._where(), part=item["content"][0])
@@ -168,10 +202,15 @@ class MessagesFramer:
 
     def start(self, d: Delta) -> str:
         msg: dict[str, Any] = {
-            "id": self.rid, "type": "message", "role": "assistant", "content": [],
-            "model": self.model, "stop_reason": None, "stop_sequence": None,
+            "id": self.rid,
+            "type": "message",
+            "role": "assistant",
+            "content": [],
+            "model": self.model,
+            "stop_reason": None,
+            "stop_sequence": None,
             "usage": {"input_tokens": d.prompt_tokens, "output_tokens": 0},
-        }  # fmt: skip
+        }
         return self._ev("message_start", message=msg) + self._ev(
             "content_block_start", index=0, content_block={"type": "text", "text": ""}
         )
@@ -182,12 +221,12 @@ class MessagesFramer:
     def end(self, d: Delta) -> str:
         p, c = usage_of(d)
         out = self.text(d.text) if d.text else ""
-        delta = {"stop_reason": STOP_REASONS.get(d.finish_reason or "stop", "end_turn"),
-                 "stop_sequence": None}  # fmt: skip
+        delta = {
+            "stop_reason": STOP_REASONS.get(d.finish_reason or "stop", "end_turn"),
+            "stop_sequence": None,
+        }
         return out + (
             self._ev("content_block_stop", index=0)
-            + self._ev(
-                "message_delta", delta=delta, usage={"input_tokens": p, "output_tokens": c}
-            )  # fmt: skip
+            + self._ev("message_delta", delta=delta, usage={"input_tokens": p, "output_tokens": c})
             + self._ev("message_stop")
         )

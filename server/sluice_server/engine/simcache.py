@@ -54,8 +54,11 @@ class KvEventsConfig:
             return None
         if raw.get("publisher", "zmq") != "zmq":
             raise ValueError(f"unknown KV events publisher {raw['publisher']!r} (zmq or null)")
-        fields = {k: raw[k] for k in ("endpoint", "replay_endpoint", "buffer_steps", "hwm",
-                                      "topic") if k in raw}  # fmt: skip
+        fields = {
+            k: raw[k]
+            for k in ("endpoint", "replay_endpoint", "buffer_steps", "hwm", "topic")
+            if k in raw
+        }
         return cls(**fields)
 
 
@@ -105,8 +108,9 @@ class EventPublisher:
             first = int.from_bytes(start, "big")
             for seq, payload in list(self._buffer):
                 if seq >= first:
-                    await sock.send_multipart([client, b"", self._topic, kvevents.seq_bytes(seq),
-                                               payload])  # fmt: skip
+                    await sock.send_multipart(
+                        [client, b"", self._topic, kvevents.seq_bytes(seq), payload]
+                    )
             await sock.send_multipart([client, b"", b"", kvevents.END_SEQ, b""])
 
     def close(self) -> None:
@@ -193,9 +197,13 @@ class PrefixCache:
                 evicted, _ = self._blocks.popitem(last=False)
                 if self.publisher is not None:
                     flush()
-                    events.append(kvevents.BlockRemoved(
-                        block_hashes=[blockhash.external(evicted)], medium=kvevents.MEDIUM_GPU,
-                        group_idx=0))  # fmt: skip
+                    events.append(
+                        kvevents.BlockRemoved(
+                            block_hashes=[blockhash.external(evicted)],
+                            medium=kvevents.MEDIUM_GPU,
+                            group_idx=0,
+                        )
+                    )
         flush()
         if self.publisher is not None:
             self.publisher.publish(events)

@@ -193,8 +193,9 @@ class SimulatorEngine:
         try:
             rank = json.loads(config.read_text()).get("r")
         except (OSError, ValueError) as e:
-            raise AdapterLoadError(f"no usable adapter_config.json in {adapter.path}: "
-                                   f"{type(e).__name__}: {e}") from None  # fmt: skip
+            raise AdapterLoadError(
+                f"no usable adapter_config.json in {adapter.path}: {type(e).__name__}: {e}"
+            ) from None
         if not isinstance(rank, int) or rank < 1:
             raise AdapterLoadError(f"{config}: `r` (the rank) must be a positive integer")
         self.adapters[adapter.name] = adapter
@@ -276,8 +277,11 @@ class SimulatorEngine:
         if cache is not None:
             hit = cache.lookup(ids, salt, lora)
             cached = hit.cached_blocks * cache.hasher.block_size
-        ttft = (self.ttft_s + self.ttft_per_stream_s * in_flight
-                + (prompt_tokens - (cached or 0)) * self.prefill_s_per_token)  # fmt: skip
+        ttft = (
+            self.ttft_s
+            + self.ttft_per_stream_s * in_flight
+            + (prompt_tokens - (cached or 0)) * self.prefill_s_per_token
+        )
         self.prefills.append(Prefill(rid, prompt_tokens, cached or 0, ttft))
         stream = _Stream(priority=priority, cache_salt=salt)
         self._streams[rid] = stream
@@ -300,10 +304,14 @@ class SimulatorEngine:
                         stream.waiter = None
                 if stream.aborted:
                     yield Delta(
-                        text="", num_tokens=0, finished=True, finish_reason="abort",
-                        prompt_tokens=prompt_tokens, completion_tokens=produced,
+                        text="",
+                        num_tokens=0,
+                        finished=True,
+                        finish_reason="abort",
+                        prompt_tokens=prompt_tokens,
+                        completion_tokens=produced,
                         cached_tokens=cached,
-                    )  # fmt: skip
+                    )
                     return
                 if not prefilled:
                     prefilled = True
@@ -344,10 +352,14 @@ class SimulatorEngine:
                 chunk = text[sent:end]
                 sent = end
                 yield Delta(
-                    text=chunk, num_tokens=count, finished=finished, finish_reason=reason,
-                    prompt_tokens=prompt_tokens, completion_tokens=produced,
+                    text=chunk,
+                    num_tokens=count,
+                    finished=finished,
+                    finish_reason=reason,
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=produced,
                     cached_tokens=cached,
-                )  # fmt: skip
+                )
                 if finished:
                     return
                 if not stops:
@@ -360,15 +372,24 @@ class SimulatorEngine:
                 self._store_output(cache, ids, hit.hashes, out_ids, salt, lora)
 
     @staticmethod
-    def _store_output(cache: PrefixCache, ids: list[int], hashes: list[bytes],
-                      out_ids: list[int], salt: str | None,
-                      lora: blockhash.Lora | None) -> None:  # fmt: skip
+    def _store_output(
+        cache: PrefixCache,
+        ids: list[int],
+        hashes: list[bytes],
+        out_ids: list[int],
+        salt: str | None,
+        lora: blockhash.Lora | None,
+    ) -> None:
         bs = cache.hasher.block_size
         seq = ids + out_ids
         if len(seq) // bs <= len(hashes):
             return
         start = len(hashes) * bs
-        more = cache.hasher.block_hashes(seq[start:], cache_salt=salt, lora=lora,
-                                         parent=hashes[-1] if hashes else None,
-                                         start_block=len(hashes))  # fmt: skip
+        more = cache.hasher.block_hashes(
+            seq[start:],
+            cache_salt=salt,
+            lora=lora,
+            parent=hashes[-1] if hashes else None,
+            start_block=len(hashes),
+        )
         cache.store(seq, hashes + more, salt, lora)

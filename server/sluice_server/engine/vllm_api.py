@@ -126,8 +126,9 @@ class VllmApi:
             return cls.validate_python(body)
         return cls.model_validate(body)
 
-    async def respond(self, request: Any, kind: ApiKind, http_request: Any,
-                      priority: int = 0) -> ApiReply | ApiStream:  # fmt: skip
+    async def respond(
+        self, request: Any, kind: ApiKind, http_request: Any, priority: int = 0
+    ) -> ApiReply | ApiStream:
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.entrypoints.serve.exception_handling.error_response import (
             create_error_response,
@@ -186,8 +187,9 @@ async def _chunks(sse: AsyncIterator[str], tap: UsageTap) -> AsyncGenerator[Delt
             n = tap.completion_tokens - seen
             seen += n
             yield Delta(chunk, n, False, None, tap.prompt_tokens, seen)
-        yield Delta("", tap.completion_tokens - seen, True, "stop", tap.prompt_tokens,
-                    tap.completion_tokens)  # fmt: skip
+        yield Delta(
+            "", tap.completion_tokens - seen, True, "stop", tap.prompt_tokens, tap.completion_tokens
+        )
     finally:
         aclose = getattr(sse, "aclose", None)
         if aclose is not None:

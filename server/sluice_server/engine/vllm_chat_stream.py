@@ -34,8 +34,7 @@ def is_plain(serving: Any, request: Any) -> bool:
     """A request whose stream `plain_stream` writes exactly as vLLM would."""
     from vllm.entrypoints.serve.utils.api_utils import should_include_usage
 
-    _, continuous = should_include_usage(request.stream_options,
-                                         serving.enable_force_include_usage)  # fmt: skip
+    _, continuous = should_include_usage(request.stream_options, serving.enable_force_include_usage)
     return not (
         serving.parser_cls is not None
         or serving._include_reasoning_tokens_details
@@ -55,16 +54,38 @@ def route(serving: Any) -> Callable[..., AsyncGenerator[str, None]]:
     `plain_stream` (installed on the instance by `VllmApi`)."""
     vllm_stream = serving.chat_completion_stream_generator
 
-    def stream(request: Any, result_generator: Any, request_id: str, model_name: str,
-               conversation: Any, tokenizer: Any, request_metadata: Any,
-               chat_template_kwargs: Any = None,
-               mm_token_counts: dict[str, int] | None = None) -> AsyncGenerator[str, None]:  # fmt: skip
+    def stream(
+        request: Any,
+        result_generator: Any,
+        request_id: str,
+        model_name: str,
+        conversation: Any,
+        tokenizer: Any,
+        request_metadata: Any,
+        chat_template_kwargs: Any = None,
+        mm_token_counts: dict[str, int] | None = None,
+    ) -> AsyncGenerator[str, None]:
         if is_plain(serving, request):
-            return plain_stream(serving, request, result_generator, request_id, model_name,
-                                request_metadata, mm_token_counts)  # fmt: skip
-        return vllm_stream(request, result_generator, request_id, model_name, conversation,
-                           tokenizer, request_metadata, chat_template_kwargs=chat_template_kwargs,
-                           mm_token_counts=mm_token_counts)  # fmt: skip
+            return plain_stream(
+                serving,
+                request,
+                result_generator,
+                request_id,
+                model_name,
+                request_metadata,
+                mm_token_counts,
+            )
+        return vllm_stream(
+            request,
+            result_generator,
+            request_id,
+            model_name,
+            conversation,
+            tokenizer,
+            request_metadata,
+            chat_template_kwargs=chat_template_kwargs,
+            mm_token_counts=mm_token_counts,
+        )
 
     return stream
 
@@ -83,16 +104,26 @@ def text_chunk(chunk: Callable[..., Any]) -> Callable[[str], str]:
         ChatCompletionResponseStreamChoice,
     )
 
-    choice = ChatCompletionResponseStreamChoice(index=0, delta=DeltaMessage(content=_MARK),
-                                                logprobs=None, finish_reason=None,
-                                                token_ids=None)  # fmt: skip
+    choice = ChatCompletionResponseStreamChoice(
+        index=0,
+        delta=DeltaMessage(content=_MARK),
+        logprobs=None,
+        finish_reason=None,
+        token_ids=None,
+    )
     head, tail = framed(chunk(choices=[choice])).split(_text(_MARK))
     return lambda text: f"{head}{_text(text)}{tail}"
 
 
-async def plain_stream(serving: Any, request: Any, result_generator: AsyncIterator[Any],
-                       request_id: str, model_name: str, request_metadata: Any,
-                       mm_token_counts: dict[str, int] | None = None) -> AsyncGenerator[str, None]:  # fmt: skip
+async def plain_stream(
+    serving: Any,
+    request: Any,
+    result_generator: AsyncIterator[Any],
+    request_id: str,
+    model_name: str,
+    request_metadata: Any,
+    mm_token_counts: dict[str, int] | None = None,
+) -> AsyncGenerator[str, None]:
     from vllm.entrypoints.generate.base.protocol import DeltaMessage
     from vllm.entrypoints.generate.base.serving import build_spec_decoding_metrics
     from vllm.entrypoints.openai.chat_completion.protocol import (
@@ -112,8 +143,9 @@ async def plain_stream(serving: Any, request: Any, result_generator: AsyncIterat
         return Chunk(id=request_id, object=CHUNK, created=created, model=model_name, **fields)
 
     between = text_chunk(chunk)
-    include_usage, _ = should_include_usage(request.stream_options,
-                                            serving.enable_force_include_usage)  # fmt: skip
+    include_usage, _ = should_include_usage(
+        request.stream_options, serving.enable_force_include_usage
+    )
     prompt_tokens = tokens = 0
     cached = cache_creation = None
     first, finished = True, False
@@ -127,10 +159,20 @@ async def plain_stream(serving: Any, request: Any, result_generator: AsyncIterat
                 first = False
                 cached, cache_creation = res.num_cached_tokens, res.num_cache_creation_tokens
                 role = serving.get_chat_request_role(request)
-                yield framed(chunk(choices=[Choice(index=0, delta=DeltaMessage(role=role,
-                                                                               content=""),
-                                                   logprobs=None, finish_reason=None)],
-                                   prompt_token_ids=None, prompt_text=None))  # fmt: skip
+                yield framed(
+                    chunk(
+                        choices=[
+                            Choice(
+                                index=0,
+                                delta=DeltaMessage(role=role, content=""),
+                                logprobs=None,
+                                finish_reason=None,
+                            )
+                        ],
+                        prompt_token_ids=None,
+                        prompt_text=None,
+                    )
+                )
             for output in res.outputs:
                 if finished:
                     continue
@@ -143,15 +185,28 @@ async def plain_stream(serving: Any, request: Any, result_generator: AsyncIterat
                     yield between(text)
                     continue
                 finished = True
-                last = chunk(choices=[Choice(index=0, delta=DeltaMessage(content=text),
-                                             logprobs=None, finish_reason=output.finish_reason,
-                                             stop_reason=output.stop_reason, token_ids=None)])  # fmt: skip
+                last = chunk(
+                    choices=[
+                        Choice(
+                            index=0,
+                            delta=DeltaMessage(content=text),
+                            logprobs=None,
+                            finish_reason=output.finish_reason,
+                            stop_reason=output.stop_reason,
+                            token_ids=None,
+                        )
+                    ]
+                )
                 if not include_usage and serving.system_fingerprint is not None:
                     last.system_fingerprint = serving.system_fingerprint
                 yield framed(last)
         if include_usage:
-            usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=tokens,
-                              total_tokens=prompt_tokens + tokens, completion_tokens_details=None)  # fmt: skip
+            usage = UsageInfo(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=tokens,
+                total_tokens=prompt_tokens + tokens,
+                completion_tokens_details=None,
+            )
             usage.prompt_tokens_details = _make_prompt_tokens_details(
                 serving.enable_prompt_tokens_details, cached, cache_creation, mm_token_counts
             )
@@ -170,12 +225,21 @@ async def plain_stream(serving: Any, request: Any, result_generator: AsyncIterat
 
                 metrics = metrics or PerRequestMetrics()
                 metrics.speculative_decoding = spec
-            yield framed(chunk(choices=[], usage=usage, system_fingerprint=serving.system_fingerprint,
-                               metrics=metrics), exclude_none=True)  # fmt: skip
+            yield framed(
+                chunk(
+                    choices=[],
+                    usage=usage,
+                    system_fingerprint=serving.system_fingerprint,
+                    metrics=metrics,
+                ),
+                exclude_none=True,
+            )
         request_metadata.final_usage_info = UsageInfo(
-            prompt_tokens=prompt_tokens, completion_tokens=tokens,
-            total_tokens=prompt_tokens + tokens, completion_tokens_details=None,
-        )  # fmt: skip
+            prompt_tokens=prompt_tokens,
+            completion_tokens=tokens,
+            total_tokens=prompt_tokens + tokens,
+            completion_tokens_details=None,
+        )
     except GenerationError as e:
         yield f"data: {serving._convert_generation_error_to_streaming_response(e)}\n\n"
     except Exception as e:

@@ -84,10 +84,14 @@ class VllmEngine:
         prompt: dict[str, Any] = {"prompt_token_ids": ids}
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
-        gen = self.llm.generate(prompt, params, request.request_id,
-                                lora_request=_lora_request(request.adapter),
-                                trace_headers=request.trace_headers,
-                                priority=request.priority)  # fmt: skip
+        gen = self.llm.generate(
+            prompt,
+            params,
+            request.request_id,
+            lora_request=_lora_request(request.adapter),
+            trace_headers=request.trace_headers,
+            priority=request.priority,
+        )
         try:
             async for out in gen:
                 o = out.outputs[0]

@@ -73,11 +73,16 @@ def vllm_workers(settings: Settings, model_path: str, target: Callable) -> Itera
             engine_manager, coordinator = launch.engine_manager, launch.coordinator
             stats = coordinator.get_stats_publish_address() if coordinator else None
             manager = APIServerProcessManager(
-                listen_address=listen_address, sock=sock, args=args, num_servers=n,
-                input_listeners=listeners.inputs, output_listeners=listeners.outputs,
-                target_server_fn=target, stats_update_address=stats,
+                listen_address=listen_address,
+                sock=sock,
+                args=args,
+                num_servers=n,
+                input_listeners=listeners.inputs,
+                output_listeners=listeners.outputs,
+                target_server_fn=target,
+                stats_update_address=stats,
                 tensor_queue=launch.tensor_queue,
-            )  # fmt: skip
+            )
             # A front end that exits before the engine is up aborts the start-up.
             launch.watched_frontend_processes = manager.processes
         log.info("engine core up; %d front ends on %s", n, listen_address)
@@ -87,7 +92,7 @@ def vllm_workers(settings: Settings, model_path: str, target: Callable) -> Itera
                 api_server_manager=manager,
                 engine_manager=engine_manager,
                 coordinator=coordinator,
-            ),  # fmt: skip
+            ),
             manager.shutdown,
         )
     finally:

@@ -21,15 +21,20 @@ from .openapi import api_body, streamed
 
 router = APIRouter(tags=["anthropic"])
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-          503: "overloaded_error"}  # fmt: skip
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 
 
 def error_body(status: int, message: str, param: str | None = None, code=None) -> dict:
     """Anthropic's error object (`api_error` for any other status)."""
-    return {"type": "error", "error": {"type": _TYPES.get(status, "api_error"),
-                                       "message": message}}  # fmt: skip
+    return {"type": "error", "error": {"type": _TYPES.get(status, "api_error"), "message": message}}
 
 
 def error_event(message: str, code: str = "stream_error", sent: int = 0, status: int = 500) -> str:
@@ -45,8 +50,11 @@ async def create_message(request: Request) -> Response:
     return await generate(request, API, "/v1/messages", "messages")
 
 
-@router.post("/v1/messages/count_tokens", openapi_extra=api_body("count_tokens"),
-             responses=streamed(stream=False))  # fmt: skip
+@router.post(
+    "/v1/messages/count_tokens",
+    openapi_extra=api_body("count_tokens"),
+    responses=streamed(stream=False),
+)
 async def count_tokens(request: Request) -> Response:
     """Anthropic's token count of a Messages request (the rendered prompt's tokens)."""
     return await answer(request, API, "/v1/messages/count_tokens", "count_tokens")

@@ -35,8 +35,9 @@ from ..engine.base import GENERATING, ApiKind, ApiRequestError, ApiStream
 from ..transport.sse import QUEUED, SSEResponse
 
 
-def openai_error_event(message: str, code: str = "stream_error", sent: int = 0,
-                       status: int = 500) -> str:  # fmt: skip
+def openai_error_event(
+    message: str, code: str = "stream_error", sent: int = 0, status: int = 500
+) -> str:
     """OpenAI's error after the 200: the same object as before it, as `event: error`, then
     `data: [DONE]` (the official SDK raises `APIError` on it)."""
     payload = json.dumps(error_body(status, message, code=code))
@@ -76,8 +77,7 @@ def _precheck(request: Request, svc: Services, api: Api, body: dict, who: Princi
         v = body.get(name)
         integral = isinstance(v, int) or (isinstance(v, float) and v.is_integer())
         if v is not None and (not integral or isinstance(v, bool) or v < 1):
-            raise svc.bad_input(api.label, f"{name}: must be a positive integer, got {v!r}.",
-                                name)  # fmt: skip
+            raise svc.bad_input(api.label, f"{name}: must be a positive integer, got {v!r}.", name)
 
 
 async def _parsed(request: Request, svc: Services, api: Api, kind: ApiKind, who: Principal):
@@ -148,8 +148,9 @@ async def generate(request: Request, api: Api, path: str, kind: ApiKind) -> Resp
             return Response(status_code=499)
         if not admitted:  # committed: the engine request starts once a slot is free
             later = _Later(engine, parsed, kind, request, priority)
-            handle = open_stream(svc, trail, who, later.chunks(), t0, later.prompt_tokens,
-                                 ticket=ticket)  # fmt: skip
+            handle = open_stream(
+                svc, trail, who, later.chunks(), t0, later.prompt_tokens, ticket=ticket
+            )
             held = False
             return _sse(svc, api, *handle)
         try:
@@ -169,8 +170,9 @@ async def generate(request: Request, api: Api, path: str, kind: ApiKind) -> Resp
             ticket.charge(result.completion_tokens)
             svc.bill(who, result.prompt_tokens + result.completion_tokens)
             return JSONResponse(result.body, result.status)
-        handle = open_stream(svc, trail, who, result.chunks, t0, result.prompt_tokens,
-                             ticket=ticket)  # fmt: skip
+        handle = open_stream(
+            svc, trail, who, result.chunks, t0, result.prompt_tokens, ticket=ticket
+        )
         held = False  # the stream owns the slot now
         return _sse(svc, api, *handle)
     finally:
@@ -200,8 +202,7 @@ class _Later:
         return self.result.prompt_tokens() if self.result is not None else 0
 
     async def chunks(self) -> AsyncIterator:
-        result = await self.engine.api.respond(self.parsed, self.kind, self.request,
-                                               self.priority)  # fmt: skip
+        result = await self.engine.api.respond(self.parsed, self.kind, self.request, self.priority)
         if not isinstance(result, ApiStream):  # pragma: no cover - stream was asked for
             raise RuntimeError("the engine answered a streamed request as a whole")
         self.result = result

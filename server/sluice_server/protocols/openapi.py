@@ -40,12 +40,22 @@ def schema_of(model: type[BaseModel]) -> dict[str, Any]:
 
 
 _ERROR = {"application/json": {"schema": schema_of(ErrorBody)}}
-_RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.",
-                                "schema": {"type": "integer"}}}  # fmt: skip
+_RETRY_AFTER = {
+    "Retry-After": {
+        "description": "Seconds to wait before retrying.",
+        "schema": {"type": "integer"},
+    }
+}
 # One server-sent event (schemathesis and other tools check each event against it).
-_EVENT = {"type": "object", "properties": {"data": {"type": "string"},
-          "event": {"type": "string"}, "id": {"type": "string"},
-          "retry": {"type": "integer"}}}  # fmt: skip
+_EVENT = {
+    "type": "object",
+    "properties": {
+        "data": {"type": "string"},
+        "event": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+}
 _EVENT_STREAM = {"text/event-stream": {"schema": _EVENT}}
 
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -88,9 +98,15 @@ def stream_query() -> dict[str, Any]:
     say "prompt or messages", so `prompt` is the documented one and `messages` (a JSON
     array, instead of `prompt`) is described in the operation."""
     props = schema_of(GenerationBody)["properties"]
-    params = [{"name": "prompt", "in": "query", "required": True, "schema": props["prompt"]},
-              {"name": "api_key", "in": "query", "description": "For EventSource, which "
-               "cannot send headers.", "schema": {"type": "string"}}]  # fmt: skip
+    params = [
+        {"name": "prompt", "in": "query", "required": True, "schema": props["prompt"]},
+        {
+            "name": "api_key",
+            "in": "query",
+            "description": "For EventSource, which cannot send headers.",
+            "schema": {"type": "string"},
+        },
+    ]
     for name, schema in props.items():
         if name not in ("prompt", "messages"):
             params.append({"name": name, "in": "query", "schema": schema})
@@ -134,8 +150,9 @@ def install(app, served_model: str) -> None:
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
-                              description=app.description)  # fmt: skip
+            doc = get_openapi(
+                title=app.title, version=app.version, routes=app.routes, description=app.description
+            )
             doc.setdefault("components", {}).setdefault("schemas", {}).update(COMPONENTS)
             _served_model_only(doc, served_model)
             app.openapi_schema = doc

@@ -18,8 +18,10 @@ from ..core.services import services
 
 router = APIRouter(tags=["playground"])
 # Scripts and styles are inline; the page may talk to its own origin only.
-CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
-       "connect-src 'self'; base-uri 'none'; form-action 'none'")  # fmt: skip
+CSP = (
+    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+    "connect-src 'self'; base-uri 'none'; form-action 'none'"
+)
 
 
 @cache
@@ -31,5 +33,6 @@ def page() -> str:
 async def playground(request: Request) -> Response:
     if not services(request).settings.playground:
         raise ApiError(404, "The playground is off (--playground false).", code="not_found")
-    return HTMLResponse(page(), headers={"Content-Security-Policy": CSP,
-                                         "Cache-Control": "no-cache"})  # fmt: skip
+    return HTMLResponse(
+        page(), headers={"Content-Security-Policy": CSP, "Cache-Control": "no-cache"}
+    )

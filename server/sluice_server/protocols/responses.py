@@ -26,8 +26,13 @@ router = APIRouter(tags=["openai responses"])
 
 
 def error_event(message: str, code: str = "stream_error", sent: int = 0, status: int = 500) -> str:
-    data = {"type": "error", "code": code, "message": message, "param": None,
-            "sequence_number": sent}  # fmt: skip
+    data = {
+        "type": "error",
+        "code": code,
+        "message": message,
+        "param": None,
+        "sequence_number": sent,
+    }
     return f"event: error\ndata: {json.dumps(data)}\n\n"
 
 

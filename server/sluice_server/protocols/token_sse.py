@@ -91,8 +91,9 @@ async def _start(request: Request, svc: Services, who: Principal, body: dict) ->
     req.priority = svc.engine_priority(who)
     req.cache_salt = svc.cache_salt(who, req.cache_salt)
     n_prompt = len(req.prompt_token_ids or ())
-    handle = open_stream(svc, trail, who, engine.generate(req), received_at(request),
-                         lambda: n_prompt, rid, ticket)  # fmt: skip
+    handle = open_stream(
+        svc, trail, who, engine.generate(req), received_at(request), lambda: n_prompt, rid, ticket
+    )
     return _respond(svc, handle, rid, None)
 
 
@@ -100,8 +101,12 @@ async def _resume(request: Request, svc: Services, who: Principal) -> Response:
     last = request.headers["last-event-id"]
     rid, _, index = last.rpartition(":")
     if not rid or not index.isdigit():
-        raise svc.bad_input(PROTOCOL, f"Last-Event-ID must be <stream id>:<index> as sent in "
-                            f"the stream's `id:` fields, got {last!r}.", "Last-Event-ID")  # fmt: skip
+        raise svc.bad_input(
+            PROTOCOL,
+            f"Last-Event-ID must be <stream id>:<index> as sent in "
+            f"the stream's `id:` fields, got {last!r}.",
+            "Last-Event-ID",
+        )
     start = int(index) + 1
     handle = await resume_stream(svc, PROTOCOL, rid, who.id, start)
     trail_of(request).rid = rid  # this request continues that stream (X-Request-Id, log)
@@ -157,12 +162,24 @@ async def token_events(
         if type(ev) is Tokens:
             i = ev.index
             yield b'%s%s%d%s%d,"token":%s,"finished":false}\n\n' % (
-                prefix, event_id, i, head, i, _json_str(ev.text).encode())  # fmt: skip
+                prefix,
+                event_id,
+                i,
+                head,
+                i,
+                _json_str(ev.text).encode(),
+            )
         else:
             i = stream.n_events
             if type(ev) is Finished:
-                final = {"id": rid, "index": i, "token": "", "finished": True,
-                         "finish_reason": ev.reason, "usage": ev.usage}  # fmt: skip
+                final = {
+                    "id": rid,
+                    "index": i,
+                    "token": "",
+                    "finished": True,
+                    "finish_reason": ev.reason,
+                    "usage": ev.usage,
+                }
                 event = f"data: {_dumps(final)}"
             elif type(ev) is Failed:
                 event = f"event: error\ndata: {error_payload(rid, ev.message, ev.code)}"

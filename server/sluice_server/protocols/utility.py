@@ -22,8 +22,7 @@ async def tokenize(request: Request) -> Response:
     return await answer(request, API, "/tokenize", "tokenize")
 
 
-@router.post("/detokenize", openapi_extra=api_body("detokenize"),
-             responses=streamed(stream=False))  # fmt: skip
+@router.post("/detokenize", openapi_extra=api_body("detokenize"), responses=streamed(stream=False))
 async def detokenize(request: Request) -> Response:
     """The text of token ids."""
     return await answer(request, API, "/detokenize", "detokenize")

@@ -47,14 +47,24 @@ async def ws_stream(ws: WebSocket) -> None:
         svc.require_protocol(PROTOCOL, "/ws/stream")
         origin = ws.headers.get("origin")
         if not websocket_origin_allowed(svc.settings, origin, ws.headers.get("host")):
-            raise svc.count(PROTOCOL, ApiError(
-                403, f"Origin {origin} is not allowed (--cors-allowed-origins).",
-                reason="origin", code="origin_not_allowed"))  # fmt: skip
+            raise svc.count(
+                PROTOCOL,
+                ApiError(
+                    403,
+                    f"Origin {origin} is not allowed (--cors-allowed-origins).",
+                    reason="origin",
+                    code="origin_not_allowed",
+                ),
+            )
         who = svc.authorize(ws, PROTOCOL, allow_query=True)
         await svc.require_engine()
         if svc.gate.draining:
-            raise svc.count(PROTOCOL, ApiError(503, "Server is shutting down.", reason="draining",
-                                               headers={"Retry-After": "1"}))  # fmt: skip
+            raise svc.count(
+                PROTOCOL,
+                ApiError(
+                    503, "Server is shutting down.", reason="draining", headers={"Retry-After": "1"}
+                ),
+            )
     except ApiError as e:
         await _deny(ws, e)
         return
@@ -75,8 +85,9 @@ class Connection:
     (each task's own cleanup then aborts its engine request). Each generation has its own
     trail (the handshake's request id, the client's `id` as `stream`)."""
 
-    def __init__(self, ws: WebSocket, svc: Services, trail: Trail, who: Principal,
-                 credential: str | None) -> None:  # fmt: skip
+    def __init__(
+        self, ws: WebSocket, svc: Services, trail: Trail, who: Principal, credential: str | None
+    ) -> None:
         self.ws, self.svc, self.trail, self.who = ws, svc, trail, who
         self.credential = credential
         self.tasks: dict[str | int, asyncio.Task] = {}  # by the frame's id (string or number)
@@ -122,8 +133,9 @@ class Connection:
             return await self.error(None, 400, "A frame must be a JSON object.", "bad_frame")
         rid = frame.get("id")
         if not isinstance(rid, (str, int)) or isinstance(rid, bool) or rid == "":
-            return await self.error(None, 400, "Every frame needs an `id` (string or number).",
-                                    "bad_frame")  # fmt: skip
+            return await self.error(
+                None, 400, "Every frame needs an `id` (string or number).", "bad_frame"
+            )
         kind = frame.get("type", "generate")
         if kind == "stop":
             return self.stop(rid)
@@ -144,8 +156,9 @@ class Connection:
             self.who = svc.authenticate(PROTOCOL, self.credential)
             trail.kid, trail.tenant = self.who.id, self.who.tenant
             engine = await svc.require_engine()
-            req = to_stream_request(body, f"ws-{uuid.uuid4().hex}", engine,
-                                    lambda m: svc.route(trail, self.who, m))  # fmt: skip
+            req = to_stream_request(
+                body, f"ws-{uuid.uuid4().hex}", engine, lambda m: svc.route(trail, self.who, m)
+            )
             ticket = await svc.admit(PROTOCOL, self.who, trail)  # may wait: in the stream
         except ApiError as e:
             svc.refuse(trail, e)
@@ -191,12 +204,24 @@ class Connection:
                     await send(f'{head}{seq},"token":{token},"finished":false}}')
                     seq += 1
                 elif type(ev) is Finished:
-                    final = {"id": rid, "index": seq, "token": "", "finished": True,
-                             "finish_reason": ev.reason, "usage": ev.usage}  # fmt: skip
+                    final = {
+                        "id": rid,
+                        "index": seq,
+                        "token": "",
+                        "finished": True,
+                        "finish_reason": ev.reason,
+                        "usage": ev.usage,
+                    }
                     await self.send(_dumps(final))
                 elif type(ev) is Stopped:
-                    final = {"id": rid, "index": seq, "token": "", "finished": True,
-                             "finish_reason": "abort", "usage": None}  # fmt: skip
+                    final = {
+                        "id": rid,
+                        "index": seq,
+                        "token": "",
+                        "finished": True,
+                        "finish_reason": "abort",
+                        "usage": None,
+                    }
                     await self.send(_dumps(final))
                 elif type(ev) is Failed:
                     await self.error(rid, ev.status, ev.message, ev.code)

@@ -47,14 +47,21 @@ class Router:
         self.closing = Closing()
         api = ApiServer.find(settings.kube_api_url, settings.service_account_dir)
         self.pods = PodWatches(api, settings.connect_timeout_seconds)
-        self.pins = (None if settings.pin_key_file is None
-                     else Pins.load(settings.pin_key_file, settings.pin_seconds))  # fmt: skip
+        self.pins = (
+            None
+            if settings.pin_key_file is None
+            else Pins.load(settings.pin_key_file, settings.pin_seconds)
+        )
         self.started = False
         try:
             models = load(settings.models_file)
         except (OSError, ValueError) as e:
-            log.warning("models: %s cannot be used (%s: %s); no models until it can",
-                        settings.models_file, type(e).__name__, e)  # fmt: skip
+            log.warning(
+                "models: %s cannot be used (%s: %s); no models until it can",
+                settings.models_file,
+                type(e).__name__,
+                e,
+            )
             models = Models([])
         self.apply(models)
         path = settings.models_file
@@ -62,7 +69,7 @@ class Router:
             [Source("models", path, lambda: load(path), self.apply, _describe)],
             lambda name, result: self.metrics.reloads.labels(result).inc(),
             settings.models_reload_seconds,
-        )  # fmt: skip
+        )
 
     def apply(self, models: Models) -> None:
         self.models = models
@@ -89,10 +96,15 @@ class Router:
             assert self.client is not None  # made in the lifespan
             s = self.settings
             pods = None if model.pods is None else self.pods.podset(model.pods)
-            up = self.upstreams[model.key] = Upstream(model, self.client, self.metrics,
-                                                      s.ready_poll_seconds,
-                                                      s.connect_timeout_seconds,
-                                                      self.closing, pods)  # fmt: skip
+            up = self.upstreams[model.key] = Upstream(
+                model,
+                self.client,
+                self.metrics,
+                s.ready_poll_seconds,
+                s.connect_timeout_seconds,
+                self.closing,
+                pods,
+            )
         return up
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -112,30 +124,52 @@ class Router:
             return await self._unknown(scope, receive, send, host, named)
         up = self.upstream(model)
         if kind == "websocket":
-            return await relay.relay(scope, receive, send, up, self.metrics, s.max_held_frames,
-                                     s.connect_timeout_seconds, s.max_body_bytes)  # fmt: skip
+            return await relay.relay(
+                scope,
+                receive,
+                send,
+                up,
+                self.metrics,
+                s.max_held_frames,
+                s.connect_timeout_seconds,
+                s.max_body_bytes,
+            )
         assert self.client is not None
         # What the send watchdog of a held stream watches (transport/sendwatch.py).
         scope["sluice.transport"] = transport_of(receive)
-        await proxy.handle(scope, receive, send, up, self.metrics, self.client,
-                           s.max_body_bytes, s.send_timeout_seconds, self.pins)  # fmt: skip
+        await proxy.handle(
+            scope,
+            receive,
+            send,
+            up,
+            self.metrics,
+            self.client,
+            s.max_body_bytes,
+            s.send_timeout_seconds,
+            self.pins,
+        )
 
     async def _own(self, scope: Scope, send: Send) -> None:
         path = scope["path"]
         if path == "/metrics":
             body, ctype = self.metrics.scrape(), b"text/plain; version=0.0.4; charset=utf-8"
         else:
-            body, ctype = json.dumps({"status": "ok", "models": len(self.models)}).encode(), \
-                b"application/json"  # fmt: skip
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", ctype)]})  # fmt: skip
+            body, ctype = (
+                json.dumps({"status": "ok", "models": len(self.models)}).encode(),
+                b"application/json",
+            )
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-type", ctype)]}
+        )
         await send({"type": "http.response.body", "body": body})
 
-    async def _unknown(self, scope: Scope, receive: Receive, send: Send, host: str,
-                       named: bytes | None) -> None:  # fmt: skip
+    async def _unknown(
+        self, scope: Scope, receive: Receive, send: Send, host: str, named: bytes | None
+    ) -> None:
         self.metrics.unknown.inc()
-        said = (f"X-Sluice-Model `{named.decode('latin-1')}`" if named is not None
-                else f"Host `{host}`")  # fmt: skip
+        said = (
+            f"X-Sluice-Model `{named.decode('latin-1')}`" if named is not None else f"Host `{host}`"
+        )
         message = (
             f"No model for {said}: the router forwards only to the models in its "
             "models file (a StreamingModel at autoscaling.minReplicas 0 or routed by it)."
@@ -156,7 +190,7 @@ class Router:
                     trust_env=False,  # a Service address: never through an HTTP proxy
                     timeout=httpx.Timeout(None, connect=s.connect_timeout_seconds),
                     limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
-                )  # fmt: skip
+                )
                 watcher = asyncio.create_task(self.reloader.run())
                 self.started = True
                 self._watch()

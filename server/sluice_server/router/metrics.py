@@ -33,26 +33,42 @@ class RouterMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         labels = ("namespace", "model")
-        self.known = Gauge("sluice_activator_models_known",
-                           "1 for each model in the models file this activator has loaded.",
-                           labels, registry=r)  # fmt: skip
-        self.held = Gauge("sluice_activator_held_requests",
-                          "Requests waiting for a ready replica of their model now.",
-                          labels, registry=r)  # fmt: skip
-        self.requests = Counter("sluice_activator_requests",
-                                "Requests for a known model, by how their hold ended.",
-                                (*labels, "outcome"), registry=r)  # fmt: skip
-        self.hold = Histogram("sluice_activator_hold_seconds",
-                              "Arrival to forwarded (or given up) of held requests.",
-                              labels, buckets=HOLD_BUCKETS, registry=r)  # fmt: skip
+        self.known = Gauge(
+            "sluice_activator_models_known",
+            "1 for each model in the models file this activator has loaded.",
+            labels,
+            registry=r,
+        )
+        self.held = Gauge(
+            "sluice_activator_held_requests",
+            "Requests waiting for a ready replica of their model now.",
+            labels,
+            registry=r,
+        )
+        self.requests = Counter(
+            "sluice_activator_requests",
+            "Requests for a known model, by how their hold ended.",
+            (*labels, "outcome"),
+            registry=r,
+        )
+        self.hold = Histogram(
+            "sluice_activator_hold_seconds",
+            "Arrival to forwarded (or given up) of held requests.",
+            labels,
+            buckets=HOLD_BUCKETS,
+            registry=r,
+        )
         self.unknown = Counter(
             "sluice_activator_unknown_model",
             "Requests naming no model in the models file (404).",
             registry=r,
         )
-        self.reloads = Counter("sluice_activator_models_reloads",
-                               "Models-file reloads by result (ok, error).", ("result",),
-                               registry=r)  # fmt: skip
+        self.reloads = Counter(
+            "sluice_activator_models_reloads",
+            "Models-file reloads by result (ok, error).",
+            ("result",),
+            registry=r,
+        )
         self._known: set[tuple[str, str]] = set()
 
     def loaded(self, models: Models) -> None:

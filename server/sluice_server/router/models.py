@@ -113,14 +113,29 @@ def parse(data: object) -> Models:
         try:
             entry = _Entry.model_validate(value)
         except ValidationError as e:
-            problems = "; ".join(f"{'.'.join(str(x) for x in err['loc']) or 'entry'}: "
-                                 f"{err['msg']}" for err in e.errors())  # fmt: skip
+            problems = "; ".join(
+                f"{'.'.join(str(x) for x in err['loc']) or 'entry'}: {err['msg']}"
+                for err in e.errors()
+            )
             raise ValueError(f"entry {key!r}: {problems}") from None
         pods = entry.pods
-        selector = None if pods is None else PodSelector(
-            pods.namespace, tuple(sorted(pods.selector.items())), pods.port)  # fmt: skip
-        models.append(Model(namespace, name, entry.host, entry.port, entry.hold_timeout,
-                            entry.max_held, entry.keepalive, selector))  # fmt: skip
+        selector = (
+            None
+            if pods is None
+            else PodSelector(pods.namespace, tuple(sorted(pods.selector.items())), pods.port)
+        )
+        models.append(
+            Model(
+                namespace,
+                name,
+                entry.host,
+                entry.port,
+                entry.hold_timeout,
+                entry.max_held,
+                entry.keepalive,
+                selector,
+            )
+        )
     return Models(models)
 
 

@@ -71,6 +71,8 @@ class Pins:
 
     def set_cookie(self, model: str, pod: str) -> tuple[bytes, bytes]:
         """The `Set-Cookie` header that pins the client to `pod`."""
-        value = (f"{COOKIE}={self.sign(model, pod)}; Max-Age={int(self.seconds)}; Path=/; "
-                 "HttpOnly; SameSite=Lax")  # fmt: skip
+        value = (
+            f"{COOKIE}={self.sign(model, pod)}; Max-Age={int(self.seconds)}; Path=/; "
+            "HttpOnly; SameSite=Lax"
+        )
         return b"set-cookie", value.encode("latin-1")

@@ -61,8 +61,10 @@ class Pod:
 
 def parse_pod(obj: dict[str, Any]) -> Pod:
     meta, status = obj.get("metadata") or {}, obj.get("status") or {}
-    ready = any(c.get("type") == "Ready" and c.get("status") == "True"
-                for c in status.get("conditions") or ())  # fmt: skip
+    ready = any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in status.get("conditions") or ()
+    )
     containers = status.get("containerStatuses") or ()
     return Pod(
         name=str(meta.get("name", "")),
@@ -156,17 +158,18 @@ class ApiServer:
             port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
             url = f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
         token, ca = service_account / "token", service_account / "ca.crt"
-        return cls(url.rstrip("/"), token if token.exists() else None,
-                   ca if ca.exists() else None)  # fmt: skip
+        return cls(url.rstrip("/"), token if token.exists() else None, ca if ca.exists() else None)
 
     def client(self, connect_timeout: float) -> httpx.AsyncClient:
         verify: ssl.SSLContext | bool = True
         if self.ca_file is not None:
             verify = ssl.create_default_context(cafile=str(self.ca_file))
         return httpx.AsyncClient(
-            base_url=self.url, verify=verify, trust_env=False,
+            base_url=self.url,
+            verify=verify,
+            trust_env=False,
             timeout=httpx.Timeout(connect_timeout, read=WATCH_SECONDS + 30),
-        )  # fmt: skip
+        )
 
     def headers(self) -> dict[str, str]:
         if self.token_file is None:
@@ -198,8 +201,13 @@ class PodWatch:
             except Gone:
                 log.info("%s: watch expired (410); listing again", self._what())
             except (httpx.HTTPError, OSError, ValueError, KeyError) as e:
-                log.warning("%s: %s: %s; listing again in %.1f s", self._what(),
-                            type(e).__name__, e, backoff)  # fmt: skip
+                log.warning(
+                    "%s: %s: %s; listing again in %.1f s",
+                    self._what(),
+                    type(e).__name__,
+                    e,
+                    backoff,
+                )
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF)
 
@@ -218,10 +226,16 @@ class PodWatch:
 
     async def _watch(self, version: str) -> str:
         """One watch request; the resourceVersion to resume from when it ends."""
-        params = {**self.params, "watch": "1", "resourceVersion": version,
-                  "allowWatchBookmarks": "true", "timeoutSeconds": str(WATCH_SECONDS)}  # fmt: skip
-        async with self.client.stream("GET", self.path, params=params,
-                                      headers=self.api.headers()) as r:  # fmt: skip
+        params = {
+            **self.params,
+            "watch": "1",
+            "resourceVersion": version,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(WATCH_SECONDS),
+        }
+        async with self.client.stream(
+            "GET", self.path, params=params, headers=self.api.headers()
+        ) as r:
             if r.status_code == 410:
                 raise Gone
             r.raise_for_status()
@@ -263,8 +277,10 @@ class PodWatches:
     def _start(self, key: tuple[str, tuple[tuple[str, str], ...]], podset: PodSet) -> None:
         if self.api is None:
             if not self._warned:
-                log.error("models with `pods` need the API server (in-cluster, or "
-                          "--kube-api-url): their requests are held until it is given")  # fmt: skip
+                log.error(
+                    "models with `pods` need the API server (in-cluster, or "
+                    "--kube-api-url): their requests are held until it is given"
+                )
                 self._warned = True
             return
         if self._client is None:

@@ -174,18 +174,29 @@ def retry_after(seconds: float) -> dict[str, str]:
 def starting_message(held: Held) -> str:
     model = held.up.model
     if held.up.closing.at < held.t0 + model.hold_timeout:
-        return (f"Model {model.key} is starting and this router is shutting down "
-                f"({MODEL_STARTING}). Retry.")  # fmt: skip
-    return (f"Model {model.key} is starting: no replica was ready within "
-            f"{model.hold_timeout:g} s ({MODEL_STARTING}). Retry later.")  # fmt: skip
+        return (
+            f"Model {model.key} is starting and this router is shutting down "
+            f"({MODEL_STARTING}). Retry."
+        )
+    return (
+        f"Model {model.key} is starting: no replica was ready within "
+        f"{model.hold_timeout:g} s ({MODEL_STARTING}). Retry later."
+    )
 
 
 def forward_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
     """The request's headers less the hop-by-hop ones (also those its Connection names)."""
-    named = {t.strip().lower() for k, v in scope["headers"] if k == b"connection"
-             for t in v.decode("latin-1").split(",")}  # fmt: skip
-    return [(k, v) for k, v in scope["headers"]
-            if (name := k.decode("latin-1")) not in HOP_BY_HOP and name not in named]  # fmt: skip
+    named = {
+        t.strip().lower()
+        for k, v in scope["headers"]
+        if k == b"connection"
+        for t in v.decode("latin-1").split(",")
+    }
+    return [
+        (k, v)
+        for k, v in scope["headers"]
+        if (name := k.decode("latin-1")) not in HOP_BY_HOP and name not in named
+    ]
 
 
 async def read_body(receive: Receive, limit: int) -> bytes | None:
@@ -216,8 +227,14 @@ async def _disconnected(receive: Receive) -> None:
 class Request:
     """A held request's forwarding: its upstream request, and the moment it went out."""
 
-    def __init__(self, client: httpx.AsyncClient, held: Held, scope: Scope, body: bytes,
-                 pins: Pins | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        held: Held,
+        scope: Scope,
+        body: bytes,
+        pins: Pins | None = None,
+    ) -> None:
         self.client, self.held, self.scope, self.body, self.pins = client, held, scope, body, pins
         # A resume (`Last-Event-ID`) with a valid `sluice-pin` goes back to its pod (pin.py).
         resume = any(k == b"last-event-id" for k, _ in scope["headers"])
@@ -235,9 +252,12 @@ class Request:
         url = target.url + scope["path"]
         query = scope.get("query_string", b"")
         return self.client.build_request(
-            scope["method"], httpx.URL(url, query=query), headers=forward_headers(scope),
-            content=self.body, extensions={"trace": trace},
-        )  # fmt: skip
+            scope["method"],
+            httpx.URL(url, query=query),
+            headers=forward_headers(scope),
+            content=self.body,
+            extensions={"trace": trace},
+        )
 
     async def send(self) -> httpx.Response | None:
         """The upstream response (headers read, body not); None when no pod is a candidate
@@ -251,25 +271,37 @@ class Request:
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
             if self.held.ended:
                 raise
-            log.info("%s: connect to %s failed (%s); holding again", self.held.up.model.key,
-                     target.pod or target.url, type(e).__name__)  # fmt: skip
+            log.info(
+                "%s: connect to %s failed (%s); holding again",
+                self.held.up.model.key,
+                target.pod or target.url,
+                type(e).__name__,
+            )
             self.held.up.down(target)
             self.held.release()
             return None
 
 
 async def handle(
-    scope: Scope, receive: Receive, send: Send, up: Upstream, metrics: RouterMetrics,
-    client: httpx.AsyncClient, max_body: int, send_timeout: float, pins: Pins | None = None,
-) -> None:  # fmt: skip
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    up: Upstream,
+    metrics: RouterMetrics,
+    client: httpx.AsyncClient,
+    max_body: int,
+    send_timeout: float,
+    pins: Pins | None = None,
+) -> None:
     """One HTTP request for a known model (see the module docstring)."""
     model = up.model
     if not up.hold():
         kind = classify(scope["path"], b"")
         m = f"Model {model.key} has {model.max_held} requests waiting for a replica already."
         metrics.requests.labels(model.namespace, model.name, "rejected").inc()
-        await json_response(429, kind.error_body(429, m, "too_many_held"),
-                            retry_after(model.keepalive))(send)  # fmt: skip
+        await json_response(
+            429, kind.error_body(429, m, "too_many_held"), retry_after(model.keepalive)
+        )(send)
         return
     held = Held(up, metrics)
     try:
@@ -279,9 +311,15 @@ async def handle(
 
 
 async def _held(
-    held: Held, scope: Scope, receive: Receive, send: Send, client: httpx.AsyncClient,
-    max_body: int, send_timeout: float, pins: Pins | None,
-) -> None:  # fmt: skip
+    held: Held,
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    client: httpx.AsyncClient,
+    max_body: int,
+    send_timeout: float,
+    pins: Pins | None,
+) -> None:
     up, model = held.up, held.up.model
     kind = classify(scope["path"], b"")
     try:
@@ -303,8 +341,11 @@ async def _held(
         while True:
             ready = asyncio.ensure_future(up.wait_ready())
             left = min(held.deadline, commit_at) - time.monotonic()
-            done, _ = await asyncio.wait((ready, gone, *held.wakers()), timeout=max(left, 0),
-                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            done, _ = await asyncio.wait(
+                (ready, gone, *held.wakers()),
+                timeout=max(left, 0),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
             if gone in done:
                 ready.cancel()
                 held.end("disconnected")
@@ -324,8 +365,9 @@ async def _held(
             if time.monotonic() >= held.deadline:
                 held.end("timeout")
                 m = starting_message(held)
-                await json_response(503, kind.error_body(503, m, MODEL_STARTING),
-                                    retry_after(model.keepalive))(send)  # fmt: skip
+                await json_response(
+                    503, kind.error_body(503, m, MODEL_STARTING), retry_after(model.keepalive)
+                )(send)
                 return
             if time.monotonic() >= commit_at:
                 break  # a stream that waited one keep-alive interval: commit to 200
@@ -346,8 +388,9 @@ async def _held(
 
 
 def _asked_status(scope: Scope) -> bool:
-    return any(k == STATUS_HEADER.encode() and v.strip() in (b"1", b"true")
-               for k, v in scope["headers"])  # fmt: skip
+    return any(
+        k == STATUS_HEADER.encode() and v.strip() in (b"1", b"true") for k, v in scope["headers"]
+    )
 
 
 async def _pass_through(request: Request, kind: Kind, send: Send) -> bool:
@@ -363,8 +406,9 @@ async def _pass_through(request: Request, kind: Kind, send: Send) -> bool:
         return False
     try:
         dropped = HOP_BY_HOP - {"content-length"}  # raw bytes: their length stands
-        headers = [(k, v) for k, v in response.headers.raw
-                   if k.decode("latin-1").lower() not in dropped]  # fmt: skip
+        headers = [
+            (k, v) for k, v in response.headers.raw if k.decode("latin-1").lower() not in dropped
+        ]
         target, pins = request.held.target, request.pins
         if (
             pins
@@ -374,18 +418,21 @@ async def _pass_through(request: Request, kind: Kind, send: Send) -> bool:
             and response.status_code == 200
         ):
             headers.append(pins.set_cookie(request.held.up.model.key, target.pod))
-        await send({"type": "http.response.start", "status": response.status_code,
-                    "headers": headers})  # fmt: skip
+        await send(
+            {"type": "http.response.start", "status": response.status_code, "headers": headers}
+        )
         try:
             async for chunk in response.aiter_raw():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except httpx.HTTPError as e:  # the upstream broke off mid-answer
-            log.info("%s: upstream answer broke off (%s)", request.held.up.model.key,
-                     type(e).__name__)  # fmt: skip
+            log.info(
+                "%s: upstream answer broke off (%s)", request.held.up.model.key, type(e).__name__
+            )
             if not _is_event_stream(response):
                 raise  # cut the client's answer too: uvicorn drops the connection
-            await send({"type": "http.response.body", "body": broke_off(kind, e),
-                        "more_body": True})  # fmt: skip
+            await send(
+                {"type": "http.response.body", "body": broke_off(kind, e), "more_body": True}
+            )
         await send({"type": "http.response.body", "body": b"", "more_body": False})
     finally:
         await response.aclose()
@@ -401,8 +448,7 @@ def broke_off(kind: Kind, e: Exception) -> bytes:
     """The protocol's error event for an upstream stream cut off midway; the blank line
     first ends an event the cut left open."""
     message = f"The model's server broke off the stream ({type(e).__name__})."
-    return b"\n\n" + kind.error_event(f"router-{uuid.uuid4().hex}", message,
-                                        "upstream_error", 502)  # fmt: skip
+    return b"\n\n" + kind.error_event(f"router-{uuid.uuid4().hex}", message, "upstream_error", 502)
 
 
 class HeldStream:
@@ -442,7 +488,7 @@ class HeldStream:
                     (ready, self._due, *held.wakers()),
                     timeout=max(held.deadline - time.monotonic(), 0),
                     return_when=asyncio.FIRST_COMPLETED,
-                )  # fmt: skip
+                )
                 if ready in done:
                     try:
                         response = await self.request.send()
@@ -473,8 +519,7 @@ class HeldStream:
                 async for chunk in response.aiter_bytes():
                     yield chunk
             except httpx.HTTPError as e:  # the upstream broke off mid-stream
-                log.info("%s: upstream stream broke off (%s)", held.up.model.key,
-                         type(e).__name__)  # fmt: skip
+                log.info("%s: upstream stream broke off (%s)", held.up.model.key, type(e).__name__)
                 yield broke_off(self.kind, e)
         finally:
             await response.aclose()

@@ -44,8 +44,9 @@ TRY_AGAIN_LATER, POLICY_VIOLATION = 1013, 1008
 _NOT_FORWARDED = HOP_BY_HOP | {"origin"}
 
 
-async def refuse(ws: WebSocket, status: int, body: dict[str, Any],
-                 headers: dict[str, str] | None = None) -> None:  # fmt: skip
+async def refuse(
+    ws: WebSocket, status: int, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> None:
     """Refuse the handshake with a real status and JSON body (an outcome: uvicorn's error
     record for it is filtered, transport/handshake.py)."""
     await ws.send_denial_response(JSONResponse(body, status, headers=headers))
@@ -53,9 +54,11 @@ async def refuse(ws: WebSocket, status: int, body: dict[str, Any],
 
 
 def _upstream_headers(scope: Scope) -> list[tuple[str, str]]:
-    return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
-            if not k.startswith(b"sec-websocket-")
-            and k.decode("latin-1") not in _NOT_FORWARDED]  # fmt: skip
+    return [
+        (k.decode("latin-1"), v.decode("latin-1"))
+        for k, v in scope["headers"]
+        if not k.startswith(b"sec-websocket-") and k.decode("latin-1") not in _NOT_FORWARDED
+    ]
 
 
 def _origin(scope: Scope) -> Origin | None:
@@ -63,9 +66,15 @@ def _origin(scope: Scope) -> Origin | None:
 
 
 async def relay(
-    scope: Scope, receive: Receive, send: Send, up: Upstream, metrics: RouterMetrics,
-    max_frames: int, connect_timeout: float, max_size: int,
-) -> None:  # fmt: skip
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    up: Upstream,
+    metrics: RouterMetrics,
+    max_frames: int,
+    connect_timeout: float,
+    max_size: int,
+) -> None:
     ws = WebSocket(scope, receive, send)
     model = up.model
     if not up.hold():
@@ -80,8 +89,17 @@ async def relay(
     try:
         await ws.accept()
         kept: list[Message] = []
-        upstream = await _hold(ws, held, receive, kept, max_frames, connect_timeout, max_size,
-                               _upstream_headers(scope), _origin(scope))  # fmt: skip
+        upstream = await _hold(
+            ws,
+            held,
+            receive,
+            kept,
+            max_frames,
+            connect_timeout,
+            max_size,
+            _upstream_headers(scope),
+            _origin(scope),
+        )
         if upstream is not None:
             await _relay(ws, receive, upstream, kept)
     except (WebSocketDisconnect, RuntimeError, OSError):
@@ -95,9 +113,16 @@ async def relay(
 
 
 async def _hold(
-    ws: WebSocket, held: Held, receive: Receive, kept: list[Message], max_frames: int,
-    connect_timeout: float, max_size: int, headers: list[tuple[str, str]], origin: Origin | None,
-) -> ClientConnection | None:  # fmt: skip
+    ws: WebSocket,
+    held: Held,
+    receive: Receive,
+    kept: list[Message],
+    max_frames: int,
+    connect_timeout: float,
+    max_size: int,
+    headers: list[tuple[str, str]],
+    origin: Origin | None,
+) -> ClientConnection | None:
     """Wait for a replica, keeping the client's frames; the open upstream socket, or None
     when the hold ended (the client was told why, or left)."""
     up, model, scope = held.up, held.up.model, ws.scope
@@ -115,8 +140,11 @@ async def _hold(
     try:
         while True:
             waits: tuple[asyncio.Future[Any], ...] = (ready, frame, due, *held.wakers())
-            done, _ = await asyncio.wait(waits, timeout=max(held.deadline - time.monotonic(), 0),
-                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            done, _ = await asyncio.wait(
+                waits,
+                timeout=max(held.deadline - time.monotonic(), 0),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
             if due in done:
                 due = loop.create_future()
                 for rid in waiting:
@@ -154,9 +182,15 @@ async def _hold(
                 if scope.get("query_string"):
                     url += "?" + scope["query_string"].decode("latin-1")
                 try:
-                    upstream = await connect(url, additional_headers=headers, origin=origin,
-                                             open_timeout=connect_timeout, proxy=None,
-                                             max_size=max_size, compression=None)  # fmt: skip
+                    upstream = await connect(
+                        url,
+                        additional_headers=headers,
+                        origin=origin,
+                        open_timeout=connect_timeout,
+                        proxy=None,
+                        max_size=max_size,
+                        compression=None,
+                    )
                 except InvalidStatus as e:  # the server refused the handshake
                     held.end("forwarded")
                     status = e.response.status_code
@@ -164,8 +198,12 @@ async def _hold(
                     await ws.close(POLICY_VIOLATION)
                     return None
                 except (OSError, TimeoutError) as e:  # nobody there (any more): hold again
-                    log.info("%s: WebSocket connect to %s failed (%s); holding again", model.key,
-                             target.pod or target.url, type(e).__name__)  # fmt: skip
+                    log.info(
+                        "%s: WebSocket connect to %s failed (%s); holding again",
+                        model.key,
+                        target.pod or target.url,
+                        type(e).__name__,
+                    )
                     up.down(target)
                     held.release()
                     ready = asyncio.ensure_future(up.wait_ready())
@@ -211,8 +249,9 @@ def _refusal(e: InvalidStatus) -> str:
     return f"The model's server refused the WebSocket ({e.response.status_code})."
 
 
-async def _relay(ws: WebSocket, receive: Receive, upstream: ClientConnection,
-                 kept: list[Message]) -> None:  # fmt: skip
+async def _relay(
+    ws: WebSocket, receive: Receive, upstream: ClientConnection, kept: list[Message]
+) -> None:
     async def to_upstream() -> None:
         for message in kept:
             if message["type"] == "websocket.disconnect":

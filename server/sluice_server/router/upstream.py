@@ -85,9 +85,16 @@ def tie_break(key: bytes, pod: str) -> bytes:
 
 
 class Upstream:
-    def __init__(self, model: Model, client: httpx.AsyncClient, metrics: RouterMetrics,
-                 poll: float, timeout: float, closing: Closing,
-                 pods: PodSet | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: Model,
+        client: httpx.AsyncClient,
+        metrics: RouterMetrics,
+        poll: float,
+        timeout: float,
+        closing: Closing,
+        pods: PodSet | None = None,
+    ) -> None:
         self.model, self.client, self.poll, self.timeout = model, client, poll, timeout
         self.closing, self.pods = closing, pods
         self.held = 0
@@ -169,8 +176,7 @@ class Upstream:
                     self._ready_at = loop.time()
                     log.info("%s: ready (%s)", self.model.key, url)
                     return
-                log.debug("%s: not ready yet (%s answered %d)", self.model.key, url,
-                          r.status_code)  # fmt: skip
+                log.debug("%s: not ready yet (%s answered %d)", self.model.key, url, r.status_code)
             except httpx.HTTPError as e:
                 log.debug("%s: not ready yet (%s: %s)", self.model.key, url, type(e).__name__)
             await asyncio.sleep(delay)

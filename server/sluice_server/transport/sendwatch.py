@@ -123,8 +123,10 @@ class SendWatchdog:
         if transport is None:
             if self.timeout is not None and not _warned:
                 _warned = True
-                log.warning("the ASGI server shows no transport: slow readers are neither "
-                            "coalesced early nor cut off by the send timeout")  # fmt: skip
+                log.warning(
+                    "the ASGI server shows no transport: slow readers are neither "
+                    "coalesced early nor cut off by the send timeout"
+                )
             return True
         if transport.is_closing():
             return False

@@ -131,8 +131,9 @@ class SSEResponse(Response):
                 await self._start(send)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return
-            await self._stream(receive, send, scope.get("sluice.send", send),
-                               scope.get("sluice.transport"))  # fmt: skip
+            await self._stream(
+                receive, send, scope.get("sluice.send", send), scope.get("sluice.transport")
+            )
         finally:
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
@@ -142,8 +143,9 @@ class SSEResponse(Response):
             await self.background()
 
     async def _start(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code,
-                    "headers": self.raw_headers})  # fmt: skip
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
 
     async def _stream(
         self, receive: Receive, send: Send, raw_send: Send, transport: object | None
@@ -181,11 +183,18 @@ class SSEResponse(Response):
         through the middlewares (`send`); body messages skip them (`raw_send`, the send
         app.py's Edge received: the middlewares inside it only look at the start)."""
         watched = self.watchdog.send
-        await watched(send, {"type": "http.response.start", "status": self.status_code,
-                             "headers": self.raw_headers})  # fmt: skip
+        await watched(
+            send,
+            {
+                "type": "http.response.start",
+                "status": self.status_code,
+                "headers": self.raw_headers,
+            },
+        )
         async for chunk in self.body_iterator:
-            await watched(raw_send, {"type": "http.response.body", "body": chunk,
-                                     "more_body": True})  # fmt: skip
+            await watched(
+                raw_send, {"type": "http.response.body", "body": chunk, "more_body": True}
+            )
         self.active = False
         await watched(raw_send, {"type": "http.response.body", "body": b"", "more_body": False})
 

@@ -119,8 +119,10 @@ def _tenant_weights(lines: list[tuple[int, dict[str, Any]]], rules: CallerRules)
         tenant, weight = attrs.get("tenant", DEFAULT_TENANT), attrs["weight"]
         if tenant in given and given[tenant][0] != weight:
             w, where = given[tenant]
-            raise ValueError(f"line {number}: tenant {tenant} gets weight {weight} here and "
-                             f"{w} on {where}: one tenant has one weight")  # fmt: skip
+            raise ValueError(
+                f"line {number}: tenant {tenant} gets weight {weight} here and "
+                f"{w} on {where}: one tenant has one weight"
+            )
         given.setdefault(tenant, (weight, f"line {number}"))
         weights[tenant] = weight
     return weights
@@ -154,8 +156,9 @@ class KeyStore:
             tenant = attrs.get("tenant", DEFAULT_TENANT)
             plan = Plan(attrs.get("rpm", rules.plan.rpm), attrs.get("tpm", rules.plan.tpm))
             priority = rules.priorities.resolve(attrs.get("priority"))
-            keys[key] = Principal(key_id(key), tenant, plan, priority, weights.get(tenant, 1),
-                                  attrs.get("models"))  # fmt: skip
+            keys[key] = Principal(
+                key_id(key), tenant, plan, priority, weights.get(tenant, 1), attrs.get("models")
+            )
         store = cls(keys)
         store.weights = weights
         return store

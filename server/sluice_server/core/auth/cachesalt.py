@@ -43,8 +43,9 @@ def check_client_salt(salt: object) -> str | None:
     if not isinstance(salt, str) or not salt:
         raise ValueError("must be a non-empty string")
     if len(salt) > MAX_CLIENT_SALT or not FORBIDDEN.isdisjoint(salt):
-        raise ValueError(f"must be at most {MAX_CLIENT_SALT} characters without '@', '/', "
-                         "'\\' or NUL")  # fmt: skip
+        raise ValueError(
+            f"must be at most {MAX_CLIENT_SALT} characters without '@', '/', '\\' or NUL"
+        )
     return salt
 
 

@@ -41,8 +41,10 @@ class Priorities:
     def __post_init__(self) -> None:
         check_priority_classes(self.classes)
         if self.default_class is not None and self.default_class not in self.classes:
-            raise ValueError(f"default priority {self.default_class!r} is not one of the "
-                             f"priority classes ({self.spelled})")  # fmt: skip
+            raise ValueError(
+                f"default priority {self.default_class!r} is not one of the "
+                f"priority classes ({self.spelled})"
+            )
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -67,8 +69,9 @@ class Priorities:
         if name is None:
             return self.default
         if name not in self.classes:
-            raise ValueError(f"priority {name!r} is not one of the priority classes "
-                             f"({self.spelled})")  # fmt: skip
+            raise ValueError(
+                f"priority {name!r} is not one of the priority classes ({self.spelled})"
+            )
         return name
 
     def rank(self, name: str) -> int:

@@ -55,9 +55,15 @@ def looks_like_jwt(credential: str) -> bool:
 
 
 class JwtVerifier:
-    def __init__(self, jwks: dict[str, Any], issuer: str, audience: str,
-                 tenant_claim: str = "tenant", rules: CallerRules | Plan | None = None,
-                 priority_claim: str = "priority") -> None:  # fmt: skip
+    def __init__(
+        self,
+        jwks: dict[str, Any],
+        issuer: str,
+        audience: str,
+        tenant_claim: str = "tenant",
+        rules: CallerRules | Plan | None = None,
+        priority_claim: str = "priority",
+    ) -> None:
         self.issuer, self.audience = issuer, audience
         if isinstance(rules, Plan):
             rules = CallerRules(plan=rules)
@@ -74,8 +80,9 @@ class JwtVerifier:
             if alg is None or entry.get("alg", alg) != alg:
                 continue  # not a key type we verify with (HMAC secrets never are)
             if "d" in entry:
-                raise ValueError(f"key {n} is a private key: a JWKS for verifying holds public "
-                                 "keys only")  # fmt: skip
+                raise ValueError(
+                    f"key {n} is a private key: a JWKS for verifying holds public keys only"
+                )
             try:
                 key = jwt.PyJWK(entry, algorithm=alg).key
             except jwt.PyJWKError as e:
@@ -85,9 +92,15 @@ class JwtVerifier:
             raise ValueError("the JWKS holds no RS256 or ES256 signing keys")
 
     @classmethod
-    def from_file(cls, path: Path, issuer: str, audience: str, tenant_claim: str = "tenant",
-                  rules: CallerRules | Plan | None = None,
-                  priority_claim: str = "priority") -> JwtVerifier:  # fmt: skip
+    def from_file(
+        cls,
+        path: Path,
+        issuer: str,
+        audience: str,
+        tenant_claim: str = "tenant",
+        rules: CallerRules | Plan | None = None,
+        priority_claim: str = "priority",
+    ) -> JwtVerifier:
         try:
             jwks = json.loads(path.read_text())
         except ValueError as e:
@@ -109,10 +122,14 @@ class JwtVerifier:
         for _, _, key in candidates:
             try:
                 claims = jwt.decode(
-                    token, key, algorithms=[alg], audience=self.audience, issuer=self.issuer,
+                    token,
+                    key,
+                    algorithms=[alg],
+                    audience=self.audience,
+                    issuer=self.issuer,
                     leeway=LEEWAY_SECONDS,
                     options={"require": ["exp", "iss", "aud", "sub"], "verify_nbf": True},
-                )  # fmt: skip
+                )
                 break
             except jwt.InvalidSignatureError:
                 continue
@@ -147,8 +164,10 @@ class JwtVerifier:
         if rules.priorities.configured and self.priority_claim in claims:
             named = claims[self.priority_claim]
             if not isinstance(named, str) or named not in rules.priorities.classes:
-                raise invalid_token(f"`{self.priority_claim}` must be one of the priority "
-                                    f"classes ({rules.priorities.spelled})")  # fmt: skip
+                raise invalid_token(
+                    f"`{self.priority_claim}` must be one of the priority "
+                    f"classes ({rules.priorities.spelled})"
+                )
             priority = named
         models = claims.get("models")
         if models is not None:  # a list of served names, or one comma-separated string
@@ -161,5 +180,11 @@ class JwtVerifier:
             if models is None:
                 raise invalid_token("`models` must list served model names")
         subject = f"{claims['iss']}\n{claims['sub']}".encode()
-        return Principal("jwt-" + hashlib.sha256(subject).hexdigest()[:16], tenant, Plan(**limits),
-                         priority, rules.weights.get(tenant, 1), models)  # fmt: skip
+        return Principal(
+            "jwt-" + hashlib.sha256(subject).hexdigest()[:16],
+            tenant,
+            Plan(**limits),
+            priority,
+            rules.weights.get(tenant, 1),
+            models,
+        )

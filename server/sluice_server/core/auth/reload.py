@@ -46,8 +46,9 @@ class Source(Generic[T]):
 
 
 class Reloader:
-    def __init__(self, sources: list[Source[Any]], record: Callable[[str, str], None],
-                 interval: float) -> None:  # fmt: skip
+    def __init__(
+        self, sources: list[Source[Any]], record: Callable[[str, str], None], interval: float
+    ) -> None:
         """`record(source name, "ok" | "error")` counts each reload (a metric)."""
         self.sources, self.record, self.interval = sources, record, interval
         for source in sources:
@@ -64,9 +65,13 @@ class Reloader:
             except (OSError, ValueError) as e:
                 # The messages name line numbers and key indices, never a key or token.
                 self.record(source.name, "error")
-                log.warning("%s: %s changed but cannot be used (%s: %s); keeping what was "
-                            "loaded before", source.name, source.path,
-                            type(e).__name__, e)  # fmt: skip
+                log.warning(
+                    "%s: %s changed but cannot be used (%s: %s); keeping what was loaded before",
+                    source.name,
+                    source.path,
+                    type(e).__name__,
+                    e,
+                )
                 continue
             source.apply(value)
             self.record(source.name, "ok")

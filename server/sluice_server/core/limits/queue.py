@@ -67,8 +67,12 @@ SWEEP_SECONDS = 1.0  # a worker with waiters re-decides this often (activity win
 
 # Why the queue refused a request (an entry's `e_reason`), and its shed metric label.
 QUEUE_FULL, DISPLACED, TIMEOUT, DRAINING = 1, 2, 3, 4
-REASONS = {QUEUE_FULL: "queue_full", DISPLACED: "displaced", TIMEOUT: "timeout",
-           DRAINING: "draining"}  # fmt: skip
+REASONS = {
+    QUEUE_FULL: "queue_full",
+    DISPLACED: "displaced",
+    TIMEOUT: "timeout",
+    DRAINING: "draining",
+}
 
 # Ticket states.
 ADMITTED, QUEUED, REFUSED_T, RELEASED = "admitted", "queued", "refused", "released"
@@ -161,10 +165,20 @@ class Ticket:
 class Admission:
     """One worker's side of the pod's queue."""
 
-    def __init__(self, table: QueueTable, lock: Any, worker: int, *, timeout: float,
-                 priorities: Priorities, sharing: bool = True, window: float = 30.0,
-                 wake: WakeLines | None = None, metrics: Metrics | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self,
+        table: QueueTable,
+        lock: Any,
+        worker: int,
+        *,
+        timeout: float,
+        priorities: Priorities,
+        sharing: bool = True,
+        window: float = 30.0,
+        wake: WakeLines | None = None,
+        metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.t, self.lock, self.worker = table, lock, worker
         self.slots, self.size = table.shape.slots, table.shape.size
         self.timeout, self.priorities = timeout, priorities
@@ -429,9 +443,14 @@ class Admission:
     def _full(self, rank: int, now: float) -> ApiError:
         ahead = sum(self.t.depth[r] for r in range(rank + 1))
         retry = self._retry_after(ahead, now)
-        return ApiError(429, f"Server at capacity and its queue is full ({self.size} "
-                        f"waiting); retry after {retry} s.", reason="capacity",
-                        code="queue_full", headers={"Retry-After": str(retry)})  # fmt: skip
+        return ApiError(
+            429,
+            f"Server at capacity and its queue is full ({self.size} "
+            f"waiting); retry after {retry} s.",
+            reason="capacity",
+            code="queue_full",
+            headers={"Retry-After": str(retry)},
+        )
 
     def _retry_after(self, ahead: int, now: float) -> int:
         """Seconds until `ahead` + 1 requests will have left the queue at the rate slots
@@ -554,20 +573,31 @@ class Admission:
 
     def _refusal(self, reason: int, rank: int) -> ApiError:
         if reason == DRAINING:
-            return ApiError(503, "Server is shutting down; retry on another replica.",
-                            reason="draining", code="draining",
-                            headers={"Retry-After": "1", "Connection": "close"})  # fmt: skip
+            return ApiError(
+                503,
+                "Server is shutting down; retry on another replica.",
+                reason="draining",
+                code="draining",
+                headers={"Retry-After": "1", "Connection": "close"},
+            )
         now = self.clock()
         retry = self._retry_after(sum(self.t.depth[r] for r in range(rank + 1)), now)
         if reason == DISPLACED:
-            why = "made room in the full queue for a request of higher priority or of a " \
-                  "tenant below its share"  # fmt: skip
+            why = (
+                "made room in the full queue for a request of higher priority or of a "
+                "tenant below its share"
+            )
             code = "queue_full"
         else:
             why = f"waited {self.timeout:g} s in the queue for a stream slot"
             code = "queue_timeout"
-        return ApiError(429, f"Server at capacity: {why}; retry after {retry} s.",
-                        reason="capacity", code=code, headers={"Retry-After": str(retry)})  # fmt: skip
+        return ApiError(
+            429,
+            f"Server at capacity: {why}; retry after {retry} s.",
+            reason="capacity",
+            code=code,
+            headers={"Retry-After": str(retry)},
+        )
 
     def _shed(self, priority: str, reason: int) -> None:
         if self.metrics is not None:
@@ -575,8 +605,9 @@ class Admission:
 
     def _observe(self, ticket: Ticket) -> None:
         if self.metrics is not None:
-            self.metrics.queue_wait.labels(self.metrics.model, ticket.tenant,
-                                           ticket.priority).observe(ticket.waited)  # fmt: skip
+            self.metrics.queue_wait.labels(
+                self.metrics.model, ticket.tenant, ticket.priority
+            ).observe(ticket.waited)
 
     def _gauge(self, priority: str, delta: int) -> None:
         if self.metrics is not None:

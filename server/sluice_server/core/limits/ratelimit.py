@@ -187,8 +187,15 @@ return {admitted, math.ceil(wait_r * 1000), math.ceil(wait_t * 1000)}
 class RedisLimiter:
     """The buckets in Redis, shared by every replica that names the same Redis and model."""
 
-    def __init__(self, url: str, model: str, metrics: Metrics, failure_mode: FailureMode,
-                 timeout: float, clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        metrics: Metrics,
+        failure_mode: FailureMode,
+        timeout: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         import redis.asyncio as aioredis
         from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
@@ -197,9 +204,12 @@ class RedisLimiter:
         # No retries inside the client: a request must not wait on Redis more than once;
         # the backoff below decides when to try again.
         self.client = aioredis.Redis.from_url(
-            url, socket_timeout=timeout, socket_connect_timeout=timeout,
-            retry=Retry(NoBackoff(), 0), health_check_interval=0,
-        )  # fmt: skip
+            url,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+        )
         self.script = self.client.register_script(BUCKET_SCRIPT)
         self.prefix = f"sluice:rl:{model}:"
         self.metrics, self.failure_mode = metrics, failure_mode
@@ -241,10 +251,12 @@ class RedisLimiter:
             return
         what = f"{type(e).__name__}: {e}" if e is not None else "still backing off"
         log.warning(
-            "rate limit store unreachable (%s); failing %s for %s%s", what,
-            self.failure_mode, op,
+            "rate limit store unreachable (%s); failing %s for %s%s",
+            what,
+            self.failure_mode,
+            op,
             f" ({self._unlogged} more since the last line)" if self._unlogged else "",
-        )  # fmt: skip
+        )
         self._last_log, self._unlogged = now, 0
 
     async def admit(self, principal: str, plan: Plan) -> None:

@@ -49,8 +49,9 @@ class SharedBuckets:
 
     @staticmethod
     def _hash(key: str) -> int:
-        h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little",
-                           signed=True)  # fmt: skip
+        h = int.from_bytes(
+            hashlib.blake2b(key.encode(), digest_size=8).digest(), "little", signed=True
+        )
         return h or 1
 
     def _find(self, key: str, now: float) -> tuple[int, bool]:
@@ -104,8 +105,11 @@ class QueueShape:
         """The queue `settings` ask for; None without `--queue-size`."""
         if not settings.queue_size:
             return None
-        return cls(settings.max_concurrent_streams, settings.queue_size,
-                   max(1, len(settings.priority_classes)))  # fmt: skip
+        return cls(
+            settings.max_concurrent_streams,
+            settings.queue_size,
+            max(1, len(settings.priority_classes)),
+        )
 
 
 class QueueTable:
@@ -167,8 +171,12 @@ class QueueTable:
                 return row
             if k == 0:
                 break
-            if reuse < 0 and not self.t_active[row] and not self.t_held[row] \
-                    and not self.t_queued[row]:  # fmt: skip
+            if (
+                reuse < 0
+                and not self.t_active[row]
+                and not self.t_held[row]
+                and not self.t_queued[row]
+            ):
                 reuse = row
         else:  # pragma: no cover - four rows per pinned row: never full
             if reuse < 0:
@@ -213,8 +221,13 @@ class PodState:
     """Created once by the supervisor (`PodState(workers)`), pickled into every worker as
     a spawn argument (shared memory and locks travel that way only)."""
 
-    def __init__(self, workers: int, share_limits: bool = True, ctx: Any | None = None,
-                 queue: QueueShape | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        workers: int,
+        share_limits: bool = True,
+        ctx: Any | None = None,
+        queue: QueueShape | None = None,
+    ) -> None:
         ctx = ctx or multiprocessing.get_context("spawn")
         self.workers = workers
         # False only for the tests' negative control: each worker then limits on its own.

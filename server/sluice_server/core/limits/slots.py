@@ -26,8 +26,9 @@ class Abortable(Protocol):
 
 
 class Gate:
-    def __init__(self, max_streams: int, pod: PodSeat | None = None,
-                 queue: Admission | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, max_streams: int, pod: PodSeat | None = None, queue: Admission | None = None
+    ) -> None:
         self.max_streams = max_streams
         self.pod = pod
         self.slots = pod.limits if pod is not None else None  # the pod's shared slot count

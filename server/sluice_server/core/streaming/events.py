@@ -95,8 +95,17 @@ class Meter:
     a stream answered 200 that still waits in the admission queue is not one of them (the
     queue's depth counts it)."""
 
-    __slots__ = ("m", "t0", "first_write", "last_write", "tokens", "outcome", "reason",
-                 "trail", "active")  # fmt: skip
+    __slots__ = (
+        "m",
+        "t0",
+        "first_write",
+        "last_write",
+        "tokens",
+        "outcome",
+        "reason",
+        "trail",
+        "active",
+    )
 
     def __init__(self, bound: Bound, t0: float, trail: Trail | None = None) -> None:
         self.m = bound

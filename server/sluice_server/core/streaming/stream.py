@@ -87,8 +87,11 @@ class Stream(Generic[T]):
         # waits), then one per beat of the keep-alive writer.
         self.admission = admission
         self._beat_due = admission is not None
-        self._unbeat = (KeepAlive.on(loop, keepalive).add(self._beat)
-                        if admission is not None and keepalive > 0 else None)  # fmt: skip
+        self._unbeat = (
+            KeepAlive.on(loop, keepalive).add(self._beat)
+            if admission is not None and keepalive > 0
+            else None
+        )
         self._task = loop.create_task(self._produce())
         self._timer = loop.call_later(
             timeout, self.fail, f"Stream exceeded the server's time limit ({timeout:g} s)."

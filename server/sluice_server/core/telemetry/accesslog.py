@@ -73,8 +73,14 @@ class Recorder:
     """The app's sink for ended trails: the access log (text or JSON) and, when tracing is
     on, the tracer."""
 
-    def __init__(self, model: str, access_log: bool = True, fmt: str = "text",
-                 tracing: Tracing | None = None, priorities: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: str,
+        access_log: bool = True,
+        fmt: str = "text",
+        tracing: Tracing | None = None,
+        priorities: bool = False,
+    ) -> None:
         self.model = model
         self.priorities = priorities  # priority classes are configured: log each one
         self.enabled = access_log
@@ -82,12 +88,19 @@ class Recorder:
         self.log = logging.getLogger(ACCESS_LOGGER)
         self.tracing = tracing
 
-    def open(self, rid: str, t0: float, path: str = "", method: str = "",
-             headers: list[tuple[bytes, bytes]] | None = None) -> Trail:  # fmt: skip
+    def open(
+        self,
+        rid: str,
+        t0: float,
+        path: str = "",
+        method: str = "",
+        headers: list[tuple[bytes, bytes]] | None = None,
+    ) -> Trail:
         trail = Trail(self, rid, t0, path, method)
         if self.tracing is not None and headers:
-            trail.carrier = {k.decode(): v.decode("latin-1") for k, v in headers
-                             if k in TRACE_HEADERS}  # fmt: skip
+            trail.carrier = {
+                k.decode(): v.decode("latin-1") for k, v in headers if k in TRACE_HEADERS
+            }
         return trail
 
     def write(self, record: dict[str, Any]) -> None:
@@ -138,8 +151,13 @@ class Trail:
         t.carrier = self.carrier
         return t
 
-    def end(self, outcome: str, status: int | None = None, meter: Measured | None = None,
-            first_output: float | None = None) -> None:  # fmt: skip
+    def end(
+        self,
+        outcome: str,
+        status: int | None = None,
+        meter: Measured | None = None,
+        first_output: float | None = None,
+    ) -> None:
         """Write the access-log line and export the span, once."""
         if self.ended:
             return
@@ -184,8 +202,13 @@ class Trail:
             first_byte = meter.first_write if meter is not None else None
             self._span(record, now, first_output, first_byte)
 
-    def _span(self, record: dict[str, Any], now: float, first_output: float | None,
-              first_byte: float | None) -> None:  # fmt: skip
+    def _span(
+        self,
+        record: dict[str, Any],
+        now: float,
+        first_output: float | None,
+        first_byte: float | None,
+    ) -> None:
         # perf_counter times -> epoch nanoseconds, anchored at `now`.
         wall = time.time_ns()
 
@@ -212,18 +235,26 @@ class Trail:
             "http.response.status_code": record["status"],
             "http.route": self.path,
         }
-        for key, name in (("finish_reason", "sluice.finish_reason"), ("stream", "sluice.stream"),
-                          ("key_id", "sluice.key_id"), ("priority", "sluice.priority"),
-                          ("queue_ms", "sluice.queue_wait_ms")):  # fmt: skip
+        for key, name in (
+            ("finish_reason", "sluice.finish_reason"),
+            ("stream", "sluice.stream"),
+            ("key_id", "sluice.key_id"),
+            ("priority", "sluice.priority"),
+            ("queue_ms", "sluice.queue_wait_ms"),
+        ):
             if record.get(key) is not None:
                 attrs[name] = record[key]
         span.set_attributes(attrs)
         ticket = self.ticket
         queued = ticket.queued_at if ticket is not None and ticket.waited > 0 else None
         admitted = ticket.admitted_at if ticket is not None else self.admitted_at
-        for name, t in (("queued", queued), ("admitted", admitted),
-                        ("first_output", first_output), ("first_byte", first_byte),
-                        ("end", now)):  # fmt: skip
+        for name, t in (
+            ("queued", queued),
+            ("admitted", admitted),
+            ("first_output", first_output),
+            ("first_byte", first_byte),
+            ("end", now),
+        ):
             if t is not None:
                 span.add_event(name, timestamp=ns(t))
         if record["outcome"] in ("failed", REJECTED):

@@ -46,26 +46,34 @@ class Metrics:
         self.ttft = Histogram(
             "sluice_ttft_seconds",
             "Request received to the first token's bytes written to the socket.",
-            labels, buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.itl = Histogram(
             "sluice_inter_token_latency_seconds",
             "Time between consecutive token-event writes to the socket: one observation "
             "per delivered chunk, however many tokens it carries (vLLM's benchmark counts "
             "inter-token latency the same way).",
-            labels, buckets=ITL_BUCKETS, registry=r,
-        )  # fmt: skip
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
         self.e2e = Histogram(
             "sluice_e2e_latency_seconds",
             "Request received to the end of the stream (any outcome).",
-            labels, buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.first_output = Histogram(
             "sluice_first_output_seconds",
             "Request received to the engine's first output (admission queue, the engine's "
             "own queue and prefill).",
-            labels, buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.output_tokens = Counter(
             "sluice_output_tokens", "Tokens streamed to clients.", labels, registry=r
         )
@@ -74,137 +82,184 @@ class Metrics:
         self.requests = Counter(
             "sluice_requests",
             "Generation requests accepted: answered 200 (a stream, also one that then waits "
-            "in the admission queue for a slot) or with a whole answer.", labels, registry=r,
-        )  # fmt: skip
+            "in the admission queue for a slot) or with a whole answer.",
+            labels,
+            registry=r,
+        )
         self.disconnects = Counter(
             "sluice_client_disconnects",
-            "Clients that went away mid-stream, or stopped reading and were cut off.", labels,
+            "Clients that went away mid-stream, or stopped reading and were cut off.",
+            labels,
             registry=r,
-        )  # fmt: skip
+        )
         self.aborts = Counter(
-            "sluice_aborts", "Engine requests aborted before they finished (any cause).",
-            labels, registry=r,
-        )  # fmt: skip
-        self.stream_errors = Counter(
-            "sluice_stream_errors", "Streams ended by an error event after the 200.", labels,
+            "sluice_aborts",
+            "Engine requests aborted before they finished (any cause).",
+            labels,
             registry=r,
-        )  # fmt: skip
+        )
+        self.stream_errors = Counter(
+            "sluice_stream_errors",
+            "Streams ended by an error event after the 200.",
+            labels,
+            registry=r,
+        )
         self.rejections = Counter(
-            "sluice_rejections", "Requests refused before streaming, by reason.",
-            (*labels, "reason"), registry=r,
-        )  # fmt: skip
+            "sluice_rejections",
+            "Requests refused before streaming, by reason.",
+            (*labels, "reason"),
+            registry=r,
+        )
         self.resumes = Counter(
-            "sluice_stream_resumes", "Dropped token streams resumed with Last-Event-ID.",
-            labels, registry=r,
-        )  # fmt: skip
+            "sluice_stream_resumes",
+            "Dropped token streams resumed with Last-Event-ID.",
+            labels,
+            registry=r,
+        )
         self.resumes_expired = Counter(
             "sluice_stream_resumes_expired",
-            "Dropped token streams whose resume window passed (then aborted).", labels,
+            "Dropped token streams whose resume window passed (then aborted).",
+            labels,
             registry=r,
-        )  # fmt: skip
+        )
         self.active = Gauge(
             "sluice_active_streams",
             "Streams generating: each holds a stream slot (a stream that waits in the "
-            "admission queue is in sluice_queue_depth instead).", labels, registry=r,
+            "admission queue is in sluice_queue_depth instead).",
+            labels,
+            registry=r,
             multiprocess_mode="livesum",
-        )  # fmt: skip
+        )
         self.limiter_errors = Counter(
             "sluice_rate_limit_backend_errors",
             "Rate-limit store (Redis) calls that failed or were skipped while it was down; "
             "the request then followed --rate-limit-failure-mode.",
-            ("model", "op"), registry=r,
-        )  # fmt: skip
+            ("model", "op"),
+            registry=r,
+        )
         # Per tenant (never per key): admissions and token use, for quotas and billing.
         self.tenant_requests = Counter(
             "sluice_tenant_requests",
-            "Generation requests by tenant and result: admitted, rate_limit, "
-            "limiter_unavailable.",
-            ("model", "tenant", "result"), registry=r,
-        )  # fmt: skip
+            "Generation requests by tenant and result: admitted, rate_limit, limiter_unavailable.",
+            ("model", "tenant", "result"),
+            registry=r,
+        )
         self.tenant_tokens = Counter(
             "sluice_tenant_tokens",
             "Prompt + completion tokens by tenant (what the tokens-per-minute limit charges).",
-            ("model", "tenant"), registry=r,
-        )  # fmt: skip
+            ("model", "tenant"),
+            registry=r,
+        )
         self.credential_reloads = Counter(
             "sluice_credential_reloads",
             "Reloads of the key file or JWKS file after it changed, by file and result (ok, "
             "error: the file was refused and the credentials loaded before stay).",
-            ("model", "file", "result"), registry=r,
-        )  # fmt: skip
+            ("model", "file", "result"),
+            registry=r,
+        )
         # The admission queue (--queue-size), by priority class and tenant.
         self.queue_wait = Histogram(
             "sluice_queue_wait_seconds",
             "Time an admitted request waited in the admission queue for a stream slot (0 "
             "when one was free), by tenant and priority class.",
-            ("model", "tenant", "priority"), buckets=(0.0,) + LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            ("model", "tenant", "priority"),
+            buckets=(0.0,) + LATENCY_BUCKETS,
+            registry=r,
+        )
         self.queue_depth = Gauge(
-            "sluice_queue_depth", "Requests waiting in the admission queue, by priority class.",
-            ("model", "priority"), registry=r, multiprocess_mode="livesum",
-        )  # fmt: skip
+            "sluice_queue_depth",
+            "Requests waiting in the admission queue, by priority class.",
+            ("model", "priority"),
+            registry=r,
+            multiprocess_mode="livesum",
+        )
         self.queue_sheds = Counter(
             "sluice_queue_sheds",
             "Requests the admission queue refused, by priority class and reason: queue_full "
             "(no place, at once), displaced (shed for a better newcomer), timeout, draining.",
-            ("model", "priority", "reason"), registry=r,
-        )  # fmt: skip
+            ("model", "priority", "reason"),
+            registry=r,
+        )
         # LoRA adapters (core/adapters.py): the operator reads the state for the status.
         self.adapter_state = Gauge(
             "sluice_adapter_state",
             "LoRA adapters of --adapters-file: 1 for each adapter's current state (Loading, "
             "Ready, Failed with its reason), 0 for states it left; the maximum over the pod's "
-            "workers.", ("model", "adapter", "id", "state", "reason"), registry=r,
+            "workers.",
+            ("model", "adapter", "id", "state", "reason"),
+            registry=r,
             multiprocess_mode="livemax",
-        )  # fmt: skip
+        )
         self.adapter_loads = Counter(
             "sluice_adapter_loads",
             "Adapter loads by result: ok, failed (the adapter is Failed, the others serve), "
             "file_error (the adapters file was refused; nothing changed).",
-            ("model", "result"), registry=r,
-        )  # fmt: skip
+            ("model", "result"),
+            registry=r,
+        )
         self.adapter_load_seconds = Histogram(
             "sluice_adapter_load_seconds",
             "From an adapter appearing in the file to it serving (download included).",
-            ("model",), buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            ("model",),
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         # Scale to zero: the operator reads it from each pod (with sluice_active_streams)
         # to tell an idle model; the process start counts as the last request, so a new
         # pod is never idle before it has served for idleSeconds.
         self.last_request = Gauge(
             "sluice_last_request_timestamp_seconds",
             "Unix time of the last generation request admitted (the process start before "
-            "the first); the newest over the pod's workers.", ("model",), registry=r,
+            "the first); the newest over the pod's workers.",
+            ("model",),
+            registry=r,
             multiprocess_mode="livemax",
-        )  # fmt: skip
+        )
         self.last_request.labels(model).set(time.time())
         # The engine's node group (`--nnodes`): only the leader (rank 0) serves HTTP, so its
         # page speaks for the group.
         self.engine_nodes = Gauge(
             "sluice_engine_nodes",
-            "Nodes the engine runs on (--nnodes; 1: one node).", ("model",), registry=r,
+            "Nodes the engine runs on (--nnodes; 1: one node).",
+            ("model",),
+            registry=r,
             multiprocess_mode="livemax",
-        )  # fmt: skip
+        )
         self.engine_node_rank = Gauge(
             "sluice_engine_node_rank",
             "This server's node rank in the engine's group (0: the leader, which serves the "
-            "API; the workers serve no /metrics).", ("model",), registry=r,
+            "API; the workers serve no /metrics).",
+            ("model",),
+            registry=r,
             multiprocess_mode="livemax",
-        )  # fmt: skip
+        )
         self.engine_group_up = Gauge(
             "sluice_engine_group_up",
             "1 while the engine is loaded and passes its health check, which on several "
             "nodes means every node's workers joined it (a lost worker node is noticed at "
             "the engine's next step); 0 while loading or failed. Set by each /ready, /health "
-            "and /metrics request.", ("model",), registry=r,
+            "and /metrics request.",
+            ("model",),
+            registry=r,
             multiprocess_mode="livemostrecent",
-        )  # fmt: skip
+        )
         self.engine_group_up.labels(model)
         # Pre-create the label sets so dashboards and the autoscaler see zeros, not gaps.
         for p in PROTOCOLS:
-            for m in (self.ttft, self.itl, self.e2e, self.first_output, self.output_tokens,
-                      self.requests, self.disconnects, self.aborts, self.stream_errors,
-                      self.resumes, self.resumes_expired, self.active):  # fmt: skip
+            for m in (
+                self.ttft,
+                self.itl,
+                self.e2e,
+                self.first_output,
+                self.output_tokens,
+                self.requests,
+                self.disconnects,
+                self.aborts,
+                self.stream_errors,
+                self.resumes,
+                self.resumes_expired,
+                self.active,
+            ):
                 m.labels(p, model)
             for reason in REJECTION_REASONS:
                 self.rejections.labels(p, model, reason)

@@ -30,7 +30,7 @@ class Tracing:
         self.provider.add_span_processor(
             BatchSpanProcessor(
                 OTLPSpanExporter(endpoint=endpoint, timeout=5), schedule_delay_millis=500
-            )  # fmt: skip
+            )
         )
         self.tracer: Tracer = self.provider.get_tracer("sluice_server")
 
