@@ -33,6 +33,7 @@ import httpx
 import pytest
 import websockets
 from app_helpers import ws_url
+from test_stream_backpressure import read_all, stalled_request
 from testkit.wait import eventually_async
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
@@ -41,6 +42,8 @@ NAMESPACE, MODEL = "team-a", "chat"
 POD = f"{MODEL}-5d8f7c9b6-x2k4p"
 CAP = 8  # concurrent streams: above one round of the load, below its bursts
 QUEUE = 4  # admission queue places: the bursts overflow it too
+STREAM_TIMEOUT = 1.0  # seconds: the server's time limit on a stream
+TOO_LONG = json.dumps({"prompt": "long", "max_tokens": 480, "ignore_eos": True}).encode()
 # Series this load may leave flat at zero: nothing queues in the engine, the admission queue
 # holds the bursts for well under a scrape interval, and the median queue wait is 0 (most
 # requests find a free slot, and 0 is its own bucket; the same panel's p99 must move).
@@ -191,11 +194,19 @@ async def load(url: str) -> None:
                     if line.startswith("data:"):
                         break
 
-        async def too_long():  # stream_timeout_seconds cuts it: an error after the 200
-            body = {"prompt": "long", "max_tokens": 480, "ignore_eos": True}
-            async with c.stream("POST", "/v1/stream", json=body) as r:
-                async for _ in r.aiter_raw():
-                    await asyncio.sleep(0.01)
+        async def too_long():
+            """Cut by the time limit: an error after the 200. The reader (a 1 KiB receive
+            buffer) reads nothing for three time limits, so the server still holds
+            undelivered tokens when the limit passes however fast the engine is; then it
+            reads the rest, which ends with the error event."""
+            port = int(url.rsplit(":", 1)[1])
+            s, _ = await stalled_request(port, body=TOO_LONG)
+            try:
+                await asyncio.sleep(3 * STREAM_TIMEOUT)
+                data = await read_all(s, limit_s=30)
+            finally:
+                s.close()
+            assert b"event: error" in data and b"time limit" in data, data[-300:]
 
         async def stop() -> bool:
             """True once stopped; False when refused at capacity (slots of the round
@@ -246,7 +257,7 @@ async def test_every_panel_query_returns_data_from_a_real_server(make_server, tm
     Prometheus = _prometheus_or_skip()
     from sluice_operator.generate import dashboard
 
-    url = await make_server(max_concurrent_streams=CAP, stream_timeout_seconds=1.0,
+    url = await make_server(max_concurrent_streams=CAP, stream_timeout_seconds=STREAM_TIMEOUT,
                             queue_size=QUEUE, queue_timeout_seconds=5)  # fmt: skip
     with kube_state_metrics() as ksm, kube_state_metrics(activator_page) as activator:
         config = prometheus_config(url.removeprefix("http://"), ksm, activator)
