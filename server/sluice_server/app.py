@@ -15,12 +15,14 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import quote
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .core.adapters import Adapters
 from .core.auth.apikeys import KeyStore
+from .core.auth.cachesalt import CACHE_TENANT_HEADER, ROUTER_HEADER
 from .core.auth.credentials import Credentials
 from .core.auth.identity import CallerRules, Plan, Priorities
 from .core.auth.jwks import JwtVerifier
@@ -53,6 +55,8 @@ from .transport.prefix import PathPrefix
 from .transport.sendwatch import transport_of
 
 log = logging.getLogger(__name__)
+_ROUTER_HEADER = ROUTER_HEADER.encode()
+_TENANT_HEADER = CACHE_TENANT_HEADER.encode()
 
 
 class Edge:
@@ -87,15 +91,23 @@ class Edge:
         scope["sluice.transport"] = transport_of(receive)
 
         extra = self.extra
+        via_router = any(k == _ROUTER_HEADER for k, _ in scope["headers"])
+
+        def stamps() -> list[tuple[bytes, bytes]]:
+            if via_router:  # the tenant the caller's prompts are salted with, for placement
+                tenant = scope["app"].state.services.salting_tenant(trail.tenant)
+                if tenant is not None:
+                    return [_request_id(trail), *extra, (_TENANT_HEADER, quote(tenant).encode())]
+            return [_request_id(trail), *extra]
 
         async def stamped(message: Message) -> None:
             t = message["type"]
             if t in ("http.response.start", "websocket.http.response.start"):
                 trail.status = message["status"]
-                message["headers"] = [*message.get("headers", ()), _request_id(trail), *extra]
+                message["headers"] = [*message.get("headers", ()), *stamps()]
             elif t == "websocket.accept":
                 trail.status = 101
-                message["headers"] = [*message.get("headers", ()), _request_id(trail), *extra]
+                message["headers"] = [*message.get("headers", ()), *stamps()]
             elif t == "websocket.http.response.body" and not message.get("more_body"):
                 handshake.refused()  # a refusal is an outcome (transport/handshake.py)
             await send(message)

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import websockets
 from app_helpers import serve_simulator, ws_url
-from sluice_server.core.auth.cachesalt import cache_salt_for
+from sluice_server.core.auth.cachesalt import CACHE_TENANT_HEADER, ROUTER_HEADER, cache_salt_for
 from sluice_server.engine.simulator import SimulatorEngine
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -122,3 +122,32 @@ async def test_a_salt_vllm_would_refuse_is_a_400_naming_it(tmp_path, route):
     err = r.json()["error"]
     assert err["param"] == "cache_salt" and err["message"].startswith("cache_salt: ")
     assert eng.salts == []
+
+
+async def test_a_router_learns_the_tenant_it_must_salt_with_and_nobody_else_does(tmp_path):
+    """Asked by the router (`ROUTER_HEADER`), the pod names the tenant whose salt it applies
+    (`CACHE_TENANT_HEADER`); a request without it, sharing on, or auth off
+    gets no such header."""
+    keys = tmp_path / "keys"
+    keys.write_text(KEYS)
+    body = {"prompt": "x", "max_tokens": 2}
+    via = {ROUTER_HEADER: "1"}
+
+    async def tenant_header(url: str, key: str, headers: dict[str, str]) -> str | None:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+            r = await c.post("/v1/stream", json=body,
+                             headers={"Authorization": f"Bearer {key}", **headers})  # fmt: skip
+            assert r.status_code == 200, r.text
+            return r.headers.get(CACHE_TENANT_HEADER)
+
+    async with serve_simulator(Recording(), api_key_file=keys, protocols=PROTOCOLS) as url:
+        assert await tenant_header(url, "sk-a1", via) == "acme"
+        assert await tenant_header(url, "sk-a1", {}) is None  # not asked: not told
+        async with websockets.connect(ws_url(url) + "?api_key=sk-b",
+                                      additional_headers=via) as ws:  # fmt: skip
+            assert ws.response.headers.get(CACHE_TENANT_HEADER) == "globex"
+    async with serve_simulator(Recording(), api_key_file=keys, protocols=PROTOCOLS,
+                               share_prefix_cache_across_tenants=True) as url:  # fmt: skip
+        assert await tenant_header(url, "sk-a1", via) is None  # sharing on: no tenant salt
+    async with serve_simulator(Recording(), protocols=PROTOCOLS) as url:
+        assert await tenant_header(url, "any", via) is None  # auth off: no tenant salt

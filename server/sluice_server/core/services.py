@@ -82,8 +82,14 @@ class Services:
         its tenant's, combined with the client's own (`client_salt`, already checked);
         with auth off there is one tenant and no salt of ours. Every generating route sets
         it on the request it hands the engine, as it does the priority."""
-        tenant = who.tenant if self.credentials.enabled else None
-        return cache_salt_for(tenant, client_salt, self.settings.share_prefix_cache_across_tenants)
+        return cache_salt_for(self.salting_tenant(who.tenant), client_salt, shared=False)
+
+    def salting_tenant(self, tenant: str | None) -> str | None:
+        """The tenant whose salt a caller's prompts get: None with auth off (one anonymous
+        tenant) or with sharing across tenants on."""
+        if not self.credentials.enabled or self.settings.share_prefix_cache_across_tenants:
+            return None
+        return tenant
 
     def require_protocol(self, protocol: str, path: str) -> None:
         if protocol not in self.settings.protocols:

@@ -22,6 +22,12 @@ metrics name the tenant, never a key and never this salt.
 Pure (hashlib only, so a router may import it without the server's dependencies): the
 server applies it to every generating request (`Services.cache_salt`), and a router that
 scores pods by their cached prefixes computes the same salt with the same function.
+
+The caller's identity is established on the pod (it holds the keys and JWT settings; the
+router is given no Secret). A router learns each credential's tenant from the pod's first
+answer to it: a request carrying `ROUTER_HEADER` is answered with `CACHE_TENANT_HEADER`,
+the tenant whose salt the pod applies (percent-encoded; absent when no tenant salt applies:
+auth off, or sharing on). The router strips it before the client sees the answer.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ import hashlib
 MAX_CLIENT_SALT = 128
 FORBIDDEN = frozenset("@/\\\x00")
 PREFIX = "sluice-tenant-"  # then 32 hex digits (128 bits of SHA-256)
+ROUTER_HEADER = "x-sluice-router"  # set by the Sluice router on what it forwards
+CACHE_TENANT_HEADER = "x-sluice-cache-tenant"  # the pod's answer to it (see above)
 
 
 def check_client_salt(salt: object) -> str | None:
