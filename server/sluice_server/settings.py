@@ -664,8 +664,10 @@ class RouterSettings(HttpSettings):
         '{"host", "port", "holdTimeoutSeconds", "maxHeld", "keepaliveSeconds", '
         '"pods"}}` (on Kubernetes the operator\'s `<release>-activator-models` ConfigMap); '
         "watched, and reloaded without a restart when it changes. An entry with `pods` "
-        '(`{"namespace", "selector", "port"}`) has its Pods watched and each request '
-        "sent to one Ready pod; one without is forwarded to its Service `host`. A request "
+        '(`{"namespace", "selector", "port", "kvEvents"}`) has its Pods watched and each '
+        'request placed on one Ready pod (`kvEvents`, `{"port", "replayPort"}`: where '
+        "the pods publish their KV-cache events, followed for the prefix index); one "
+        "without is forwarded to its Service `host`. A request "
         "for any other model gets 404.",
     )
     models_reload_seconds: float = Field(
@@ -728,6 +730,61 @@ class RouterSettings(HttpSettings):
         gt=0,
         description="How long a `sluice-pin` cookie is honoured after it is set "
         "(cover the longest resume window of the models served).",
+    )
+    # Placement among a model's pods (router/placement.py): a weighted sum of scores in
+    # [0, 1], under a saturation guard. The defaults are placement.Scoring's.
+    prefix_weight: float = Field(
+        2.0,
+        ge=0,
+        description="Placement: weight of the prefix score (the share of the request's "
+        "prompt blocks a pod's KV cache holds, from its KV events or from what this router "
+        "sent it). 0: placement by load alone.",
+    )
+    queue_weight: float = Field(
+        1.0,
+        ge=0,
+        description="Placement: weight of the queue score (the pod's waiting requests, "
+        "scraped from its /metrics, against the other pods').",
+    )
+    kv_use_weight: float = Field(
+        1.0,
+        ge=0,
+        description="Placement: weight of the KV-cache score (1 - the pod's scraped KV-cache use).",
+    )
+    in_flight_weight: float = Field(
+        1.0,
+        ge=0,
+        description="Placement: weight of the in-flight score (this router's requests on "
+        "the pod now, against the busiest pod's).",
+    )
+    saturation_guard: bool = Field(
+        True,
+        description="Placement: a pod past `--saturation-waiting` or `--saturation-kv-use` "
+        "gets no request while another pod is under both, whatever its prefix score.",
+    )
+    saturation_waiting: int = Field(
+        4,
+        ge=0,
+        description="Placement: waiting requests past which a pod is saturated.",
+    )
+    saturation_kv_use: float = Field(
+        0.9,
+        ge=0,
+        le=1,
+        description="Placement: KV-cache use (0..1) past which a pod is saturated.",
+    )
+    load_scrape_seconds: float = Field(
+        1.0,
+        gt=0,
+        description="Placement: how often each Ready pod's /metrics is read for its load "
+        "(requests waiting, KV-cache use); one read waits at most this long (and at most "
+        "`--connect-timeout-seconds`).",
+    )
+    load_stale_seconds: float = Field(
+        3.0,
+        gt=0,
+        description="Placement: a pod's load reading older than this is not believed (the "
+        "pod is scored as loaded as the busiest pod with a fresh one).",
     )
 
 

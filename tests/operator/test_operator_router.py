@@ -12,6 +12,7 @@ from sluice_operator.builders.activator import (
     activator_entry,
     desired_activator_service,
 )
+from sluice_operator.builders.kvevents import KV_EVENTS_PORT, KV_REPLAY_PORT
 from sluice_operator.builders.routing import Backend, route_backend
 from sluice_operator.builders.service import desired_service
 from sluice_operator.kinds import desired_children
@@ -100,7 +101,12 @@ def test_models_file_entry_lists_the_pods_the_router_watches():
         "namespace": "default",
         "selector": desired_service(m)["spec"]["selector"],
         "port": 8000,
+        # Where its vLLM pods publish their KV events (builders/kvevents.py's ports).
+        "kvEvents": {"port": KV_EVENTS_PORT, "replayPort": KV_REPLAY_PORT},
     }
+    # The simulator publishes no events: its entry names none.
+    sim = load_model(routed_body(engine={"backend": "simulator"}))
+    assert "kvEvents" not in (activator_entry(sim) or {})["pods"]
     assert entry["host"] == "m.default.svc.cluster.local" and entry["maxHeld"] == 100
     assert desired_activator_service(m) is not None
     # Multi-node: leaders only (workers serve no HTTP).

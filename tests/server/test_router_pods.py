@@ -280,7 +280,7 @@ async def test_the_pin_cookie_brings_a_resume_back_to_its_pod_and_a_forged_one_d
     tmp_path,
 ):
     from sluice_server.router.pin import COOKIE, Pins
-    from sluice_server.router.upstream import tie_break
+    from sluice_server.router.placement import tie_hash
 
     key_file = tmp_path / "pin.key"
     key_file.write_bytes(b"k" * 32)
@@ -306,7 +306,7 @@ async def test_the_pin_cookie_brings_a_resume_back_to_its_pod_and_a_forged_one_d
         # The pod a resume without a pin goes to (nothing in flight: the tie-break's pick);
         # the stream starts on the other one while that one is not Ready.
         resume_key = b"/v1/stream?"
-        natural = min(IPS, key=lambda n: tie_break(resume_key, n))
+        natural = max(IPS, key=lambda n: tie_hash(resume_key, n))
         holder = next(n for n in IPS if n != natural)
         api.ready(natural, False)
         await wait_candidates(act, [holder])

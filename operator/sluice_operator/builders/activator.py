@@ -34,6 +34,7 @@ from typing import Any
 from ..models.resource import StreamingModel
 from ..models.scaling import ScaleToZeroSpec
 from .common import MANAGED_BY_LABEL, MANAGER, PORT, PORT_NAME, metadata, selector_labels
+from .kvevents import KV_EVENTS_PORT, KV_REPLAY_PORT, kv_event_args
 from .leaderworkerset import leader_selector
 
 ACTIVATOR_SUFFIX = "-activator"
@@ -96,12 +97,17 @@ def desired_activator_service(model: StreamingModel) -> dict[str, Any] | None:
 
 def router_pods(model: StreamingModel) -> dict[str, Any]:
     """The pods the router watches for a model: the model Service's selector (a multi-node
-    group's leaders, which alone serve HTTP) in the model's namespace, and their port."""
-    return {
+    group's leaders, which alone serve HTTP) in the model's namespace, their port, and
+    where they publish their KV-cache events when they do (builders/kvevents.py: a router
+    model on vLLM; the simulator publishes none)."""
+    pods: dict[str, Any] = {
         "namespace": model.namespace,
         "selector": {**selector_labels(model), **leader_selector(model)},
         "port": PORT,
     }
+    if kv_event_args(model):
+        pods["kvEvents"] = {"port": KV_EVENTS_PORT, "replayPort": KV_REPLAY_PORT}
+    return pods
 
 
 def activator_entry(model: StreamingModel) -> dict[str, Any] | None:

@@ -9,7 +9,9 @@ watches its key file (core/auth/reload.py): a changed file is loaded and swapped
 one is refused and the models loaded before stay. Requests already held keep the entry
 they were held under; each model's held count, readiness and in-flight requests per pod
 live in one `Upstream`. The Pods of the models with `pods` are watched from start-up (and
-from the reload that adds them) until no model names them (pods.py).
+from the reload that adds them) until no model names them (pods.py), and each such model
+has one `PodView` (podview.py: its prefix index, KV-event feeds and scraped loads) from
+then until its entry's `pods` changes or it leaves the file.
 """
 
 from __future__ import annotations
@@ -28,21 +30,39 @@ from ..core.errors import error_body
 from ..settings import RouterSettings
 from ..transport.sendwatch import transport_of
 from . import proxy, relay
+from .hashes import HashesFor
 from .metrics import RouterMetrics
 from .models import MODEL_HEADER, Model, Models, load
 from .pin import Pins
+from .placement import Scoring
 from .pods import ApiServer, PodWatches
+from .podview import PodView
 from .upstream import Closing, Upstream
 
 log = logging.getLogger(__name__)
 OWN_ROUTES = ("/health", "/ready", "/metrics")
 
 
+def scoring(s: RouterSettings) -> Scoring:
+    return Scoring(
+        prefix_weight=s.prefix_weight,
+        queue_weight=s.queue_weight,
+        kv_weight=s.kv_use_weight,
+        in_flight_weight=s.in_flight_weight,
+        waiting_max=s.saturation_waiting,
+        kv_use_max=s.saturation_kv_use,
+        guard=s.saturation_guard,
+        stale_after_s=s.load_stale_seconds,
+    )
+
+
 class Router:
-    def __init__(self, settings: RouterSettings) -> None:
+    def __init__(self, settings: RouterSettings, hashes: HashesFor | None = None) -> None:
         self.settings = settings
+        self.hashes = hashes  # each model's prompt-hash provider (hashes.py); None: none
         self.metrics = RouterMetrics()
         self.upstreams: dict[str, Upstream] = {}
+        self.views: dict[str, PodView] = {}
         self.client: httpx.AsyncClient | None = None
         self.closing = Closing()
         api = ApiServer.find(settings.kube_api_url, settings.service_account_dir)
@@ -83,6 +103,28 @@ class Router:
         self.pods.retain(selectors)
         for selector in selectors:
             self.pods.podset(selector)
+        for key, view in list(self.views.items()):
+            model = self.models.by_key.get(key)
+            if model is None or model.pods != view.model.pods:
+                view.stop()
+                del self.views[key]
+        for model in self.models.by_key.values():
+            if model.pods is not None and model.key not in self.views:
+                self.views[model.key] = view = self._view(model)
+                view.start()
+
+    def _view(self, model: Model) -> PodView:
+        assert model.pods is not None and self.client is not None
+        s = self.settings
+        return PodView(
+            model,
+            self.pods.podset(model.pods),
+            self.metrics,
+            scoring(s),
+            client=self.client,
+            scrape_interval=s.load_scrape_seconds,
+            scrape_timeout=min(s.load_scrape_seconds, s.connect_timeout_seconds),
+        )
 
     def drain(self) -> None:
         """SIGTERM: held requests wait at most `--drain-timeout-seconds` more."""
@@ -96,6 +138,9 @@ class Router:
             assert self.client is not None  # made in the lifespan
             s = self.settings
             pods = None if model.pods is None else self.pods.podset(model.pods)
+            view = self.views.get(model.key)
+            if view is not None and view.model.pods != model.pods:
+                view = None  # the reload that changed it has not reached the view yet
             up = self.upstreams[model.key] = Upstream(
                 model,
                 self.client,
@@ -104,6 +149,8 @@ class Router:
                 s.connect_timeout_seconds,
                 self.closing,
                 pods,
+                view,
+                None if self.hashes is None or pods is None else self.hashes(model),
             )
         return up
 
@@ -200,6 +247,8 @@ class Router:
                     watcher.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await watcher
+                for view in self.views.values():
+                    await view.aclose()
                 await self.pods.aclose()
                 if self.client is not None:
                     await self.client.aclose()
@@ -211,5 +260,5 @@ def _describe(models: Models) -> str:
     return f"{len(models)} models: {', '.join(sorted(models.by_key)) or 'none'}"
 
 
-def build_router(settings: RouterSettings) -> Router:
-    return Router(settings)
+def build_router(settings: RouterSettings, hashes: HashesFor | None = None) -> Router:
+    return Router(settings, hashes)

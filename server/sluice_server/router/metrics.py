@@ -12,6 +12,18 @@ this pod has loaded (what the operator reads before it scales a model to zero).
 - `sluice_activator_hold_seconds{namespace,model}`: arrival to forwarded or given up;
 - `sluice_activator_unknown_model_total`: requests for no model in the file (404);
 - `sluice_activator_models_reloads_total{result}`: models-file reloads, `ok` or `error`.
+
+Placement, for the models with `pods` (podview.py):
+
+- `sluice_router_picks_total{namespace,model,by}`: requests sent to a pod, by what decided
+  the pod: `prefix` (it holds some of the request's leading blocks), `load` (no pod held
+  any, or the prompt's blocks were unknown) or `pin` (a `sluice-pin` cookie);
+- `sluice_router_kv_feeds_live{namespace,model}`: pods whose KV-event feed is live now
+  (their precise index in use);
+- `sluice_router_load_scrapes_total{namespace,model,result}`: reads of the pods' /metrics:
+  `ok`, `missing` (no load metric on the page) or `error` (no answer in time, not 200).
+
+No series has a pod label: pods come and go with every rollout, the series would not.
 """
 
 from __future__ import annotations
@@ -69,6 +81,24 @@ class RouterMetrics:
             ("result",),
             registry=r,
         )
+        self.picks = Counter(
+            "sluice_router_picks",
+            "Requests sent to a pod, by what decided the pod (prefix, load, pin).",
+            (*labels, "by"),
+            registry=r,
+        )
+        self.kv_feeds = Gauge(
+            "sluice_router_kv_feeds_live",
+            "Pods of the model whose KV-event feed is live now.",
+            labels,
+            registry=r,
+        )
+        self.scrapes = Counter(
+            "sluice_router_load_scrapes",
+            "Reads of the pods' /metrics for their load, by result (ok, missing, error).",
+            (*labels, "result"),
+            registry=r,
+        )
         self._known: set[tuple[str, str]] = set()
 
     def loaded(self, models: Models) -> None:
@@ -76,6 +106,7 @@ class RouterMetrics:
         now = {(m.namespace, m.name) for m in models.by_key.values()}
         for gone in self._known - now:
             self.known.remove(*gone)
+            self.kv_feeds.remove(*gone)  # a no-op for a model without `pods`
         for labels in now:
             self.known.labels(*labels).set(1)
             self.held.labels(*labels)  # a 0 series from the start: demand reads as 0, not absent

@@ -9,9 +9,11 @@ Host header (the route rewrites it to the model Service's name; a port is ignore
 so it is never an open proxy.
 
 `pods`, `{"namespace": "<ns>", "selector": {<matchLabels of the model's serving pods>},
-"port": 8000}`, makes the router watch those Pods (pods.py) and send each request to one of
-them, `http://<podIP>:<port>`; without it a request goes to the Service `host`, as for a
-model that is only scaled to zero. Fields the router does not know are ignored (an operator
+"port": 8000, "kvEvents": {"port": 5557, "replayPort": 5558}}`, makes the router watch those
+Pods (pods.py) and send each request to one of them, `http://<podIP>:<port>`, placed by
+podview.py; `kvEvents` (optional) says the pods publish their KV-cache events there, which
+the router follows per pod (kvfeed.py). Without `pods` a request goes to the Service `host`,
+as for a model that is only scaled to zero. Fields the router does not know are ignored (an operator
 newer than the router); a file that cannot be used raises ValueError naming the entry.
 """
 
@@ -26,12 +28,20 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 MODEL_HEADER = "x-sluice-model"
 
 
+class _KvEvents(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    port: int = Field(ge=1, le=65535)
+    replay_port: int | None = Field(None, ge=1, le=65535, alias="replayPort")
+
+
 class _Pods(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
     namespace: str = Field(min_length=1)
     selector: dict[str, str] = Field(min_length=1)  # never empty: that would be every pod
     port: int = Field(8000, ge=1, le=65535)
+    kv_events: _KvEvents | None = Field(None, alias="kvEvents")
 
 
 class _Entry(BaseModel):
@@ -46,13 +56,23 @@ class _Entry(BaseModel):
 
 
 @dataclass(frozen=True)
+class KvEventPorts:
+    """Where a model's pods publish their KV-cache events (vLLM's `--kv-events-config`):
+    the PUB port, and the replay (ROUTER) port when they keep one."""
+
+    port: int
+    replay_port: int | None = None
+
+
+@dataclass(frozen=True)
 class PodSelector:
-    """Which Pods serve a model: its namespace and label selector (matchLabels), and the
-    port its pods listen on."""
+    """Which Pods serve a model: its namespace and label selector (matchLabels), the port
+    its pods listen on, and their KV-event ports (None: they publish none)."""
 
     namespace: str
     labels: tuple[tuple[str, str], ...]  # sorted (key, value) pairs
     port: int = 8000
+    kv_events: KvEventPorts | None = None
 
     @property
     def label_selector(self) -> str:
@@ -119,11 +139,15 @@ def parse(data: object) -> Models:
             )
             raise ValueError(f"entry {key!r}: {problems}") from None
         pods = entry.pods
-        selector = (
-            None
-            if pods is None
-            else PodSelector(pods.namespace, tuple(sorted(pods.selector.items())), pods.port)
-        )
+        selector = None
+        if pods is not None:
+            kv = pods.kv_events
+            selector = PodSelector(
+                pods.namespace,
+                tuple(sorted(pods.selector.items())),
+                pods.port,
+                None if kv is None else KvEventPorts(kv.port, kv.replay_port),
+            )
         models.append(
             Model(
                 namespace,

@@ -24,9 +24,11 @@ Service) `Upstream.pick` names and stream the answer through unchanged.
   server's abort on disconnect stops its engine. A forwarded request that cannot even
   connect (the replica went away again) is held again: it never reached the server.
 
-The request goes to `http://<podIP>:<port>` (a model with `pods`) or `http://<host>:<port>`
-with its method, path, query, body and headers (hop-by-hop ones and Host removed); the
-bytes of the answer are relayed as they come, never parsed. Upstream connections are not
+The request goes to `http://<podIP>:<port>` (a model with `pods`: the pod placed by its
+prompt's block hashes, which the model's provider computes from the body once, and the
+pods' loads) or `http://<host>:<port>` with its method, path, query, body and headers
+(hop-by-hop ones and Host removed); the bytes of the answer are relayed as they come,
+never parsed. Upstream connections are not
 pooled: each forwarded request has its own, so closing it reaches the server and no stale
 one is ever reused.
 """
@@ -39,7 +41,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +55,7 @@ from ..protocols.engine_api import openai_error_event
 from ..transport.sse import QUEUED, SSEResponse
 from .metrics import Outcome, RouterMetrics
 from .pin import Pins
+from .prefixindex import BlockHash
 from .upstream import Target, Upstream
 
 log = logging.getLogger(__name__)
@@ -117,10 +120,12 @@ class Held:
         self.ended = False
         self.target: Target | None = None  # where it goes (counted there until released)
 
-    def pick(self, key: bytes, pin: str | None = None) -> Target | None:
+    def pick(
+        self, key: bytes, pin: str | None = None, hashes: Sequence[BlockHash] | None = None
+    ) -> Target | None:
         """Choose where it goes now (releasing an earlier choice); None: nowhere yet."""
         self.release()
-        self.target = self.up.pick(key, pin)
+        self.target = self.up.pick(key, pin, hashes)
         return self.target
 
     def release(self) -> None:
@@ -241,6 +246,8 @@ class Request:
         self.pin = pins.pinned(scope["headers"], held.up.model.key) if pins and resume else None
         # What the pod tie-break hashes: equal requests go to the same pod.
         self.key = body or (scope["path"].encode() + b"?" + scope.get("query_string", b""))
+        # Its prompt's block hashes (the model's provider reads the body; None: unknown).
+        self.hashes = held.up.prompt_hashes(scope["path"], body, scope["headers"])
 
     def build(self, target: Target) -> httpx.Request:
         scope, held = self.scope, self.held
@@ -263,7 +270,7 @@ class Request:
         """The upstream response (headers read, body not); None when no pod is a candidate
         any more or it could not connect (the replica went away: marked down, the request is
         held again)."""
-        target = self.held.pick(self.key, self.pin)
+        target = self.held.pick(self.key, self.pin, self.hashes)
         if target is None:
             return None
         try:

@@ -1,6 +1,7 @@
 """One WebSocket for a known model: accept it at once, keep it open while the model starts
 (uvicorn's pings, every `--heartbeat-seconds`), then open the upstream WebSocket to the pod
-(or Service) `Upstream.pick` names and relay frames both ways until either side closes. The
+(or Service) `Upstream.pick` names (placed by load: a connection's prompts come later, in its
+frames) and relay frames both ways until either side closes. The
 pod counts the connection in flight until it closes.
 
 Frames the client sends while held (up to `--max-held-frames`) are kept and relayed first,

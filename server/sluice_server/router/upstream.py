@@ -2,11 +2,15 @@
 replica is ready, and where a request goes (`pick`).
 
 A model with `pods` is ready while its `PodSet` (pods.py) has a candidate: a Ready pod with
-an IP and no deletion. `pick` sends a request to the candidate with the fewest requests
-this router has in flight there, ties broken by a stable hash of (request key, pod name),
-so equal requests go to the same pod and two router replicas tie-break alike; a pod a
-request could not connect to is left out for `FRESH` seconds. A model without `pods` is
-ready as `GET /ready` through its Service says, and every request goes to the Service.
+an IP and no deletion. `pick` sends a request to the pod its pin cookie names while that is
+a candidate, else to the pod its model's `PodView` places it on (podview.py, placement.py:
+the prefix of the request's prompt blocks each pod holds, its scraped queue and KV use, the
+requests this router has in flight there; ties broken by a stable hash every router
+replica computes alike). The prompt's block hashes come from the model's `PromptHashes`
+provider (hashes.py); without one, or when it does not know a request's blocks, the
+request is placed by load alone. A pod a request could not connect to is left out for
+`FRESH` seconds. A model without `pods` is ready as `GET /ready` through its Service says,
+and every request goes to the Service.
 
 For a model without `pods`, readiness is checked by one poll per model, shared by every request held for it, and only
 while one is held: the first check at once, then with backoff from a tenth of
@@ -23,16 +27,19 @@ hold timeout.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import math
 import time
+from collections.abc import Sequence
 
 import httpx
 
+from .hashes import Headers, PromptHashes
 from .metrics import RouterMetrics
 from .models import Model
 from .pods import Pod, PodSet
+from .podview import PodView
+from .prefixindex import BlockHash
 
 log = logging.getLogger(__name__)
 FRESH = 1.0  # seconds a ready answer stands for new requests
@@ -79,11 +86,6 @@ class Target:
             del self._counts[self.pod]
 
 
-def tie_break(key: bytes, pod: str) -> bytes:
-    """A stable order of the pods for one request: the same on every router replica."""
-    return hashlib.blake2b(key + b"\0" + pod.encode(), digest_size=8).digest()
-
-
 class Upstream:
     def __init__(
         self,
@@ -94,9 +96,16 @@ class Upstream:
         timeout: float,
         closing: Closing,
         pods: PodSet | None = None,
+        view: PodView | None = None,
+        hashes: PromptHashes | None = None,
     ) -> None:
         self.model, self.client, self.poll, self.timeout = model, client, poll, timeout
         self.closing, self.pods = closing, pods
+        # The router's running view of the pods, or one of our own (load and sends only).
+        if view is None and pods is not None:
+            view = PodView(model, pods, metrics)
+        self.view, self.hashes = view, hashes
+        self._hashes_failed = False
         self.held = 0
         self.in_flight: dict[str, int] = {}  # pod name -> this router's requests there
         self._gauge = metrics.held.labels(model.namespace, model.name)
@@ -111,17 +120,37 @@ class Upstream:
         now = asyncio.get_running_loop().time()
         return [p for p in self.pods.candidates() if self._down.get(p.name, 0) <= now]
 
-    def pick(self, key: bytes, pin: str | None = None) -> Target | None:
+    def prompt_hashes(self, path: str, body: bytes, headers: Headers) -> Sequence[BlockHash] | None:
+        """The request's prompt block hashes from the model's provider; None: unknown (no
+        provider, no pods to place among, or the provider failed)."""
+        if self.hashes is None or self.view is None:
+            return None
+        try:
+            return self.hashes(path, body, headers)
+        except Exception as e:
+            if not self._hashes_failed:  # once: it is the same fault for every request
+                log.warning("%s: prompt hashes failed (%s: %s); placing by load",
+                            self.model.key, type(e).__name__, e)  # fmt: skip
+                self._hashes_failed = True
+            return None
+
+    def pick(
+        self, key: bytes, pin: str | None = None, hashes: Sequence[BlockHash] | None = None
+    ) -> Target | None:
         """Where a request goes now; None when no pod is a candidate any more. `pin`: a pod
-        name the request asks for (a verified cookie), honoured while it is a candidate."""
-        if self.pods is None:
+        name the request asks for (a verified cookie), honoured while it is a candidate.
+        `hashes`: its prompt's block hashes (None: unknown); `key`: its tie-break."""
+        if self.pods is None or self.view is None:
             return Target(self.model.url, None, self.in_flight)
         pods = self.candidates()
         if not pods:
             return None
         pod = next((p for p in pods if p.name == pin), None) if pin else None
-        if pod is None:
-            pod = min(pods, key=lambda p: (self.in_flight.get(p.name, 0), tie_break(key, p.name)))
+        if pod is not None:
+            self.view.count("pin")
+        else:
+            name = self.view.place(pods, self.in_flight, hashes, key)
+            pod = next(p for p in pods if p.name == name)
         port = self.model.pods.port if self.model.pods is not None else self.model.port
         host = f"[{pod.ip}]" if ":" in pod.ip else pod.ip
         return Target(f"http://{host}:{port}", pod.name, self.in_flight)

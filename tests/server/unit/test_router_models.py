@@ -97,9 +97,23 @@ def test_an_entry_with_pods_names_their_namespace_selector_and_port():
     assert pods is not None and (pods.namespace, pods.port) == ("team-a", 8001)
     assert pods.label_selector == "a=1,b=2"
     assert parse(FILE).by_key["team-a/chat"].pods is None  # scale to zero only: the Service
-    for bad in ({"namespace": "team-a", "selector": {}}, {"selector": {"a": "1"}}):
+    assert pods.kv_events is None  # no `kvEvents`: the pods publish none
+    for bad in ({"namespace": "team-a", "selector": {}}, {"selector": {"a": "1"}},
+                {"namespace": "n", "selector": {"a": "1"}, "kvEvents": {"port": 0}}):  # fmt: skip
         with pytest.raises(ValueError, match="pods"):
             parse({"a/b": {"host": "h", "pods": bad}})
+
+
+def test_kv_events_ports_are_read_and_unknown_fields_ignored():
+    from sluice_server.router.models import KvEventPorts
+
+    pods = {"namespace": "n", "selector": {"a": "1"}, "future": 1,
+            "kvEvents": {"port": 5557, "replayPort": 5558, "topic": "kv"}}  # fmt: skip
+    got = parse({"n/m": {"host": "h", "pods": pods}}).by_key["n/m"].pods
+    assert got is not None and got.kv_events == KvEventPorts(5557, 5558)
+    pods["kvEvents"] = {"port": 5557}
+    got = parse({"n/m": {"host": "h", "pods": pods}}).by_key["n/m"].pods
+    assert got is not None and got.kv_events == KvEventPorts(5557, None)
 
 
 def test_a_pod_is_a_candidate_while_ready_with_an_ip_and_not_deleted():
