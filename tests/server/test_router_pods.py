@@ -356,3 +356,46 @@ async def test_the_pin_cookie_brings_a_resume_back_to_its_pod_and_a_forged_one_d
         await client.aclose()
     # The resumes never started a generation: one stream, on the holder.
     assert (engines[holder].started, engines[natural].started) == (1, 0)
+
+
+async def test_the_router_learns_each_callers_tenant_from_the_pod_and_hides_it(tmp_path):
+    """The pod is the one that knows callers (its keys file); the router learns the tenant
+    a pod salts a credential's prompts with from the pod's answer (router/tenants.py),
+    keeps it under the credential's hash only, and the client never sees the header."""
+    from sluice_server.core.auth.cachesalt import CACHE_TENANT_HEADER
+    from sluice_server.router.tenants import UNKNOWN, credential
+
+    keys = tmp_path / "keys"
+    keys.write_text("sk-a tenant=acme\nsk-b tenant=globex\n")
+    port = free_port()
+    async with contextlib.AsyncExitStack() as stack:
+        api, api_url = await stack.enter_async_context(pods_api())
+        api.put("pod-a", IPS["pod-a"], LABELS)
+        await stack.enter_async_context(model_server(port, api_key_file=keys))
+        act = await stack.enter_async_context(
+            router(
+                tmp_path,
+                {MODEL: pods_entry(port)},
+                kube_api_url=api_url,
+                service_account_dir=sa_dir(tmp_path),
+            )  # fmt: skip
+        )
+        await eventually_async(lambda: candidates(act) == ["pod-a"], timeout=15,
+                               message="pod-a a candidate")  # fmt: skip
+        seen = {}
+        async with httpx.AsyncClient(base_url=act.url, headers=HEADERS, timeout=30) as c:
+            for key in ("sk-a", "sk-b", "sk-wrong"):
+                r = await c.post("/v1/chat/completions", json=CHAT,
+                                 headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+                seen[key] = (r.status_code, r.headers.get(CACHE_TENANT_HEADER))
+            async with websockets.connect(
+                act.url.replace("http", "ws") + "/v1/ws?api_key=sk-a",
+                additional_headers=HEADERS,
+            ) as ws:
+                assert ws.response.headers.get(CACHE_TENANT_HEADER) is None
+        tenants = act.app.upstreams[MODEL].tenants
+    assert seen == {"sk-a": (200, None), "sk-b": (200, None), "sk-wrong": (401, None)}
+    assert tenants.of(credential([(b"authorization", b"Bearer sk-a")])) == "acme"
+    assert tenants.of(credential([(b"x-api-key", b"sk-b")])) == "globex"
+    assert tenants.of(credential([(b"x-api-key", b"sk-wrong")])) is UNKNOWN
+    assert len(tenants) == 2  # hashes of the two accepted credentials, nothing else

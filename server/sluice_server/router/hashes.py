@@ -1,6 +1,8 @@
 """The hook through which the router learns a request's prompt blocks: `PromptHashes`.
 
-A provider is given a request as the router received it (path, raw body, headers) and
+A provider is given a request as the router received it (path, raw body) and the tenant
+whose `cache_salt` the pod applies to its caller (tenants.py: None for no tenant salt; a
+caller whose tenant the router has not learned yet is placed by load without asking), and
 returns the block hashes of its prompt, in order, as the model's engine computes them and
 its KV events carry them (`kvcache.blockhash.external` of vLLM's chained hashes: the block
 size, hash algorithm and seed of the model's engine). None says the prompt's blocks are
@@ -20,11 +22,9 @@ from typing import Protocol, TypeAlias
 from .models import Model
 from .prefixindex import BlockHash
 
-Headers: TypeAlias = Sequence[tuple[bytes, bytes]]  # ASGI: lower-case names, raw values
-
 
 class PromptHashes(Protocol):
-    def __call__(self, path: str, body: bytes, headers: Headers) -> Sequence[BlockHash] | None:
+    def __call__(self, path: str, body: bytes, tenant: str | None) -> Sequence[BlockHash] | None:
         """The prompt's block hashes, first block first; None: unknown."""
         ...
 

@@ -56,6 +56,7 @@ from ..transport.sse import QUEUED, SSEResponse
 from .metrics import Outcome, RouterMetrics
 from .pin import Pins
 from .prefixindex import BlockHash
+from .tenants import ROUTER_MARK, TENANT_HEADER, credential
 from .upstream import Target, Upstream
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,9 @@ HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
     "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
 })  # fmt: skip
+# Not relayed to the client: hop-by-hop (the raw body's length stands) and the pod's answer
+# to the router about the caller's tenant (tenants.py).
+_NOT_RELAYED = (HOP_BY_HOP - {"content-length"}) | {TENANT_HEADER.decode()}
 STATUS_HEADER = "x-sluice-status"  # token SSE: also `event: status` while held
 MODEL_STARTING = "model_starting"
 ROUTES = (
@@ -198,9 +202,14 @@ def forward_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
         for t in v.decode("latin-1").split(",")
     }
     return [
-        (k, v)
-        for k, v in scope["headers"]
-        if (name := k.decode("latin-1")) not in HOP_BY_HOP and name not in named
+        *(
+            (k, v)
+            for k, v in scope["headers"]
+            if (name := k.decode("latin-1")) not in HOP_BY_HOP
+            and name not in named
+            and k != ROUTER_MARK[0]
+        ),
+        ROUTER_MARK,  # the pod names the caller's tenant in its answer (tenants.py)
     ]
 
 
@@ -247,7 +256,8 @@ class Request:
         # What the pod tie-break hashes: equal requests go to the same pod.
         self.key = body or (scope["path"].encode() + b"?" + scope.get("query_string", b""))
         # Its prompt's block hashes (the model's provider reads the body; None: unknown).
-        self.hashes = held.up.prompt_hashes(scope["path"], body, scope["headers"])
+        self.cred = credential(scope["headers"], scope.get("query_string", b""))
+        self.hashes = held.up.prompt_hashes(scope["path"], body, self.cred)
 
     def build(self, target: Target) -> httpx.Request:
         scope, held = self.scope, self.held
@@ -274,7 +284,9 @@ class Request:
         if target is None:
             return None
         try:
-            return await self.client.send(self.build(target), stream=True)
+            response = await self.client.send(self.build(target), stream=True)
+            self.held.up.tenants.learn(self.cred, response.status_code, response.headers.raw)
+            return response
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
             if self.held.ended:
                 raise
@@ -412,7 +424,7 @@ async def _pass_through(request: Request, kind: Kind, send: Send) -> bool:
     if response is None:
         return False
     try:
-        dropped = HOP_BY_HOP - {"content-length"}  # raw bytes: their length stands
+        dropped = _NOT_RELAYED  # raw bytes: their length stands
         headers = [
             (k, v) for k, v in response.headers.raw if k.decode("latin-1").lower() not in dropped
         ]

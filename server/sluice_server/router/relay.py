@@ -38,6 +38,7 @@ from ..protocols.websocket import error_frame, queued_frame
 from ..transport import handshake
 from .metrics import RouterMetrics
 from .proxy import HOP_BY_HOP, MODEL_STARTING, Held, retry_after, starting_message
+from .tenants import ROUTER_MARK, credential
 from .upstream import Upstream
 
 log = logging.getLogger(__name__)
@@ -56,9 +57,14 @@ async def refuse(
 
 def _upstream_headers(scope: Scope) -> list[tuple[str, str]]:
     return [
-        (k.decode("latin-1"), v.decode("latin-1"))
-        for k, v in scope["headers"]
-        if not k.startswith(b"sec-websocket-") and k.decode("latin-1") not in _NOT_FORWARDED
+        *(
+            (k.decode("latin-1"), v.decode("latin-1"))
+            for k, v in scope["headers"]
+            if not k.startswith(b"sec-websocket-")
+            and k.decode("latin-1") not in _NOT_FORWARDED
+            and k != ROUTER_MARK[0]
+        ),
+        (ROUTER_MARK[0].decode(), ROUTER_MARK[1].decode()),  # the pod names the tenant
     ]
 
 
@@ -210,6 +216,11 @@ async def _hold(
                     ready = asyncio.ensure_future(up.wait_ready())
                     continue
                 held.end("forwarded")
+                said = upstream.response.headers.raw_items() if upstream.response else ()
+                answer = [(k.encode(), v.encode()) for k, v in said]
+                up.tenants.learn(
+                    credential(scope["headers"], scope.get("query_string", b"")), 101, answer
+                )
                 return upstream
             if time.monotonic() < held.deadline:
                 continue  # the shutdown began: wait again, up to the new deadline

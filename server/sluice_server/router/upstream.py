@@ -34,12 +34,13 @@ from collections.abc import Sequence
 
 import httpx
 
-from .hashes import Headers, PromptHashes
+from .hashes import PromptHashes
 from .metrics import RouterMetrics
 from .models import Model
 from .pods import Pod, PodSet
 from .podview import PodView
 from .prefixindex import BlockHash
+from .tenants import UNKNOWN, Tenants
 
 log = logging.getLogger(__name__)
 FRESH = 1.0  # seconds a ready answer stands for new requests
@@ -105,6 +106,7 @@ class Upstream:
         if view is None and pods is not None:
             view = PodView(model, pods, metrics)
         self.view, self.hashes = view, hashes
+        self.tenants = Tenants()  # the tenant each caller's prompts are salted with
         self._hashes_failed = False
         self.held = 0
         self.in_flight: dict[str, int] = {}  # pod name -> this router's requests there
@@ -120,13 +122,18 @@ class Upstream:
         now = asyncio.get_running_loop().time()
         return [p for p in self.pods.candidates() if self._down.get(p.name, 0) <= now]
 
-    def prompt_hashes(self, path: str, body: bytes, headers: Headers) -> Sequence[BlockHash] | None:
+    def prompt_hashes(
+        self, path: str, body: bytes, cred: bytes | None
+    ) -> Sequence[BlockHash] | None:
         """The request's prompt block hashes from the model's provider; None: unknown (no
-        provider, no pods to place among, or the provider failed)."""
-        if self.hashes is None or self.view is None:
+        provider, no pods to place among, a caller whose tenant is not learned yet, or the
+        provider failed). `cred`: the caller's hashed credential (tenants.py)."""
+        tenant = self.tenants.of(cred)
+        if self.hashes is None or self.view is None or tenant is UNKNOWN:
             return None
+        assert tenant is None or isinstance(tenant, str)
         try:
-            return self.hashes(path, body, headers)
+            return self.hashes(path, body, tenant)
         except Exception as e:
             if not self._hashes_failed:  # once: it is the same fault for every request
                 log.warning("%s: prompt hashes failed (%s: %s); placing by load",

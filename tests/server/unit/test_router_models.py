@@ -85,9 +85,11 @@ def test_hop_by_hop_headers_stay_behind():
     scope = {"headers": [(b"host", b"chat.team-a"), (b"connection", b"keep-alive, x-hop"),
                          (b"x-hop", b"1"), (b"keep-alive", b"timeout=5"), (b"te", b"trailers"),
                          (b"authorization", b"Bearer k"), (b"content-length", b"2"),
-                         (b"x-sluice-model", b"team-a/chat")]}  # fmt: skip
+                         (b"x-sluice-model", b"team-a/chat"), (b"x-sluice-router", b"forged")]}  # fmt: skip
+    # the router's own mark replaces a client's (the pod answers the router alone)
     assert forward_headers(scope) == [(b"authorization", b"Bearer k"),
-                                      (b"x-sluice-model", b"team-a/chat")]  # fmt: skip
+                                      (b"x-sluice-model", b"team-a/chat"),
+                                      (b"x-sluice-router", b"1")]  # fmt: skip
 
 
 def test_an_entry_with_pods_names_their_namespace_selector_and_port():
