@@ -42,6 +42,7 @@ from .protocols import (
     openai,
     openapi,
     playground,
+    prefix_cache,
     probes,
     responses,
     token_sse,
@@ -340,6 +341,7 @@ def build_app(
     install_error_handlers(app, svc.metrics)
     for protocol in (
         probes,
+        prefix_cache,
         openai,
         responses,
         anthropic,

@@ -57,6 +57,7 @@ from collections import deque
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..kvcache import blockhash
 from .base import Adapter, AdapterLoadError, Delta, StreamRequest
@@ -209,6 +210,20 @@ class SimulatorEngine:
 
     def num_unfinished_requests(self) -> int:
         return len(self._streams)
+
+    def prefix_cache(self) -> tuple[dict[str, Any], Path | None]:
+        """How a router hashes this engine's prompts (`kvcache/describe.py`): the prompt's
+        whitespace words (`prepare`), the cache's block size, hash and seed."""
+        hasher = self.cache.hasher if self.cache is not None else None
+        algo = hasher.algo if hasher is not None else "sha256"
+        return {
+            "enabled": hasher is not None,
+            "block_size": hasher.block_size if hasher is not None else blockhash.DEFAULT_BLOCK_SIZE,
+            "hash_algo": algo,
+            "none_hash_seed": hasher.seed if hasher is not None else None,
+            "loras": {a.name: str(a.path) for a in self.adapters.values()},
+            "tokenizer": {"kind": "words"},
+        }, None
 
     async def shutdown(self) -> None:
         self._dead = True

@@ -10,8 +10,10 @@ import os
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..kvcache import blockhash, describe
 from .base import Adapter, AdapterLoadError, Delta, StreamRequest
 from .vllm_api import MeteredClient, VllmApi
 from .vllm_argv import vllm_cli_args
@@ -36,6 +38,7 @@ class VllmEngine:
         self.model_name = model_name
         self.max_model_len: int = llm.model_config.max_model_len
         self._tokenizer = llm.get_tokenizer()
+        self._tokenizer_described: tuple[dict[str, Any], Path | None] | None = None
 
     # -- Engine protocol -------------------------------------------------------------
     def prepare(self, request: StreamRequest) -> int:
@@ -128,6 +131,57 @@ class VllmEngine:
 
     async def check_health(self) -> None:
         await self.llm.check_health()
+
+    def prefix_cache(self) -> tuple[dict[str, Any], Path | None]:
+        """How a router hashes this engine's prompts (`kvcache/describe.py`) and the folder
+        the tokenizer files are read from: vLLM's cache config, the NONE_HASH seed of this
+        process's environment (the engine core's: it inherits it), the adapters vLLM's
+        serving layer routes to, and the tokenizer with the chat template and content
+        format vLLM's chat rendering resolves for a request without tools."""
+        cache = self.llm.vllm_config.cache_config
+        algo = cache.prefix_caching_hash_algo
+        try:
+            seed: str | None = blockhash.none_hash_seed(algo, os.environ)
+        except ValueError:
+            seed = None
+        loras = self.api.state.openai_serving_models.lora_requests
+        desc: dict[str, Any] = {
+            "enabled": bool(cache.enable_prefix_caching),
+            "block_size": cache.block_size,
+            "hash_algo": algo,
+            "none_hash_seed": seed,
+            "loras": {name: r.lora_path for name, r in loras.items()},
+        }
+        if self._tokenizer_described is None:  # the files and template never change
+            self._tokenizer_described = self._describe_tokenizer()
+        desc["tokenizer"], folder = self._tokenizer_described
+        return desc, folder
+
+    def _describe_tokenizer(self) -> tuple[dict[str, Any], Path | None]:
+        from vllm.renderers.hf import resolve_chat_template, resolve_chat_template_content_format
+
+        folder = Path(self.llm.model_config.tokenizer)
+        try:
+            files = describe.tokenizer_files(folder)
+        except (OSError, ValueError) as e:
+            return {"kind": "unavailable", "reason": str(e)}, None
+        tok = self._tokenizer
+        chat = getattr(self.api.state, "openai_serving_chat", None)
+        given = chat.chat_template if chat is not None else None
+        mc = self.llm.model_config
+        template = resolve_chat_template(tok, given, None, model_config=mc)
+        fmt = chat.chat_template_content_format if chat is not None else "auto"
+        cls = next(c for c in type(tok).__mro__ if c.__module__.startswith("transformers"))
+        return {
+            "kind": "hf",
+            "class": cls.__name__,
+            "chat_template": template,
+            "content_format": resolve_chat_template_content_format(
+                template, None, fmt, tok, model_config=mc
+            ),
+            "sha256": describe.files_digest({n: (folder / n).read_bytes() for n in files}),
+            "files": files,
+        }, folder
 
     def num_unfinished_requests(self) -> int:
         return self.llm.get_num_unfinished_requests()

@@ -1,0 +1,112 @@
+"""The router's prompt hashes equal the real engine's: a router-side `PromptHasher`, built
+from what the pod serves at `GET /internal/prefix-cache` (block size, hash, seed and the
+tokenizer files with vLLM's resolved chat template), predicts the `BlockStored` hashes vLLM
+publishes for a chat, a completions and a token-stream request sent to our server, and for
+a request salted with its caller's tenant. Controls: another block size, or the chat's
+text without the template, predicts none of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+
+import httpx
+import pytest
+from app_helpers import engine_settings, serving
+from sluice_server.kvcache import blockhash, kvevents
+from sluice_server.router.prompts import PromptHasher, fetch_hasher
+from test_router_kv_engine import SEED, kv_engine, stored  # noqa: F401 (the fixture)
+from testkit.net import free_port
+from testkit.wait import eventually_async
+
+pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
+
+
+def text() -> str:
+    """About 300 tokens (two of the CPU build's 128-token blocks), new to the cache."""
+    return uuid.uuid4().hex + " " + " ".join(f"word{i} and" for i in range(50))
+
+
+@contextlib.asynccontextmanager
+async def server(engine, tiny_model_path, **overrides):
+    from sluice_server.app import build_app
+    from sluice_server.serve import uvicorn_config
+
+    port = free_port()
+    settings = engine_settings(tiny_model_path, port=port, **overrides)
+    async with serving(uvicorn_config(settings, build_app(settings, engine))):
+        yield f"http://127.0.0.1:{port}"
+
+
+async def test_router_hashes_equal_the_engines(kv_engine, tiny_model_path, tmp_path, monkeypatch):  # noqa: F811
+    engine, events, replay = kv_engine
+    # The pod's environment as its engine core has it (the fixture restores the test's).
+    monkeypatch.setenv("PYTHONHASHSEED", SEED)
+    sub = kvevents.Subscriber("tiny-0", events, replay_endpoint=replay)
+    task = asyncio.create_task(sub.run())
+    keys = tmp_path / "keys"
+    keys.write_text("sk-a tenant=acme\n")
+    chat = {"model": "tiny", "max_tokens": 1,
+            "messages": [{"role": "system", "content": "You are terse."},
+                         {"role": "user", "content": text()}]}  # fmt: skip
+    requests = [
+        ("open", "/v1/chat/completions", chat, None),
+        ("open", "/v1/completions", {"model": "tiny", "max_tokens": 1, "prompt": text()}, None),
+        ("open", "/v1/stream", {"max_tokens": 1, "messages": [{"role": "user", "content": text()}]}, None),
+        ("keyed", "/v1/chat/completions", {**chat, "cache_salt": "mine"}, "acme"),
+    ]  # fmt: skip
+    try:
+        async with (
+            server(engine, tiny_model_path) as open_url,
+            server(engine, tiny_model_path, api_key_file=keys) as keyed_url,
+            httpx.AsyncClient(timeout=120) as client,
+        ):
+            desc = (await client.get(open_url + "/internal/prefix-cache")).json()
+            bs = engine.llm.vllm_config.cache_config.block_size
+            assert desc["block_size"] == bs and desc["none_hash_seed"] == SEED, desc
+            assert desc["tokenizer"]["kind"] == "hf" and desc["enabled"]
+            hasher = await fetch_hasher(client, open_url, tmp_path / "tokenizers")
+            assert hasher is not None
+            urls = {"open": open_url, "keyed": keyed_url}
+            wants = []
+            for where, path, body, tenant in requests:
+                raw = json.dumps(body).encode()
+                want = hasher.hashes(path, raw, tenant)
+                assert want is not None and len(want) >= 2, (path, want)
+                wants.append(want)
+                headers = {"content-type": "application/json", "authorization": "Bearer sk-a"}
+                r = await client.post(urls[where] + path, content=raw, headers=headers)
+                assert r.status_code == 200, (path, r.text)
+            # The chat salted by its tenant is stored under other hashes than unsalted.
+            assert not set(wants[0]) & set(wants[3])
+
+            got: list[kvevents.Update] = []
+
+            async def all_seen() -> bool:
+                while (u := sub.get_nowait()) is not None:
+                    got.append(u)
+                return all(set(w) <= set(stored(got)) for w in wants)
+
+            await eventually_async(all_seen, timeout=30, interval=0.05, message="KV events")
+            seen = set(stored(got))
+            # Controls: another block size; the chat's text without its template.
+            wrong = PromptHasher.from_description({**desc, "block_size": 16}, hasher_dir(tmp_path))
+            assert wrong is not None
+            assert not set(wrong.hashes(requests[0][1], json.dumps(chat).encode(), None)) & seen
+            tok = hasher.tokens.tok  # type: ignore[union-attr]
+            plain = tok.encode("\n".join(m["content"] for m in chat["messages"]))
+            plain_hashes = hasher.hasher.block_hashes(plain)
+            assert len(plain_hashes) >= 2
+            assert not set(map(blockhash.external, plain_hashes)) & seen
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def hasher_dir(tmp_path):
+    (folder,) = [p for p in (tmp_path / "tokenizers").iterdir() if p.is_dir()]
+    return folder

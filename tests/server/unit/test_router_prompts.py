@@ -1,0 +1,105 @@
+"""The router's prompt hashes (`router/prompts.py`) for the simulator: from the pod's own
+`GET /internal/prefix-cache`, a request's hashes are the blocks the simulator's prefix
+cache stored for it, on every route; what the router cannot parse is None."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+from app_helpers import serve_simulator
+from sluice_server.core.auth.cachesalt import cache_salt_for
+from sluice_server.engine.simulator import SimulatorEngine
+from sluice_server.kvcache import blockhash
+from sluice_server.router.prompts import PromptHasher, fetch_hasher
+
+BS = 4
+
+
+def words(tag: str, n: int) -> str:
+    return " ".join(f"{tag}{i}" for i in range(n))
+
+
+REQUESTS = {
+    "/v1/chat/completions": {"messages": [{"role": "system", "content": words("s", 5)},
+                                          {"role": "user", "content": [
+                                              {"type": "text", "text": words("c", 9)}]}]},
+    "/v1/completions": {"prompt": words("p", 11)},
+    "/v1/responses": {"instructions": words("i", 3), "input": words("r", 10)},
+    "/v1/messages": {"system": words("a", 4), "max_tokens": 2,
+                     "messages": [{"role": "user", "content": words("m", 9)}]},
+    "/v1/stream": {"prompt": words("t", 13)},
+}  # fmt: skip
+
+
+def stored(engine: SimulatorEngine) -> set[int]:
+    assert engine.cache is not None
+    return {blockhash.external(h) for h in engine.cache._blocks}
+
+
+async def test_simulator_hashes_equal_its_prefix_caches(tmp_path):
+    engine = SimulatorEngine(ttft_ms=1, itl_ms=1, prefix_cache_blocks=1000, block_size=BS)
+    async with serve_simulator(engine) as url, httpx.AsyncClient(timeout=10) as client:
+        r = await client.get(url + "/internal/prefix-cache")
+        assert r.status_code == 200
+        desc = r.json()
+        assert desc["tokenizer"] == {"kind": "words"} and desc["block_size"] == BS
+        assert desc["enabled"] and desc["hash_algo"] == "sha256"
+        hasher = await fetch_hasher(client, url, tmp_path)
+        assert hasher is not None
+        for path, body in REQUESTS.items():
+            body = {"model": "sim", "max_tokens": 1, **body}
+            for salt in (None, "own"):
+                b = body if salt is None else {**body, "cache_salt": salt}
+                raw = json.dumps(b).encode()
+                want = hasher.hashes(path, raw, None)
+                assert want and len(want) >= 2, (path, want)
+                before = stored(engine)
+                assert not set(want) & before, path  # new blocks each time
+                r = await client.post(url + path, content=raw,
+                                      headers={"content-type": "application/json"})  # fmt: skip
+                assert r.status_code == 200, (path, r.text)
+                assert set(want) <= stored(engine), path
+        # Control: another block size predicts none of what the simulator stored.
+        wrong = PromptHasher.from_description({**desc, "block_size": BS + 1})
+        assert wrong is not None
+        raw = json.dumps(REQUESTS["/v1/completions"]).encode()
+        assert not set(wrong.hashes("/v1/completions", raw, None) or []) & stored(engine)
+
+
+def test_tenant_salt_and_lora_enter_the_hashes():
+    desc = {"enabled": True, "block_size": BS, "hash_algo": "sha256",
+            "none_hash_seed": "vllm-none-hash", "loras": {"ad": "/a/ad"},
+            "tokenizer": {"kind": "words"}}  # fmt: skip
+    h = PromptHasher.from_description(desc)
+    assert h is not None
+    raw = json.dumps({"prompt": words("x", 8), "cache_salt": "c"}).encode()
+    ids = h.tokens.prompt_ids("completion", json.loads(raw))
+    salted = h.hashes("/v1/completions", raw, "tenant-a")
+    salt = cache_salt_for("tenant-a", "c", shared=False)
+    assert salted == [blockhash.external(x) for x in h.hasher.block_hashes(ids, cache_salt=salt)]
+    lora_raw = json.dumps({"prompt": words("x", 8), "model": "ad"}).encode()
+    lora = blockhash.Lora("ad", "/a/ad")
+    assert h.hashes("/v1/completions", lora_raw, None) == [
+        blockhash.external(x) for x in h.hasher.block_hashes(ids, lora=lora)
+    ]
+
+
+def test_what_the_router_cannot_reproduce_is_none():
+    desc = {"enabled": True, "block_size": BS, "hash_algo": "sha256",
+            "none_hash_seed": "vllm-none-hash", "loras": {}, "tokenizer": {"kind": "words"}}  # fmt: skip
+    h = PromptHasher.from_description(desc)
+    assert h is not None
+    for path, body in [
+        ("/v1/completions", b"{not json"),
+        ("/v1/completions", b"[1, 2]"),
+        ("/v1/completions", json.dumps({"prompt": [1, 2, 3]}).encode()),
+        ("/v1/chat/completions", json.dumps({"messages": "hi"}).encode()),
+        ("/v1/completions", json.dumps({"prompt": "a b", "cache_salt": "x/y"}).encode()),
+        ("/v1/embeddings", json.dumps({"input": "a b c d e"}).encode()),
+        ("/v1/stream", b""),
+    ]:
+        assert h.hashes(path, body, None) is None, (path, body)
+    # Off, or a seed the router cannot know: no hasher at all.
+    assert PromptHasher.from_description({**desc, "enabled": False}) is None
+    assert PromptHasher.from_description({**desc, "none_hash_seed": None}) is None
