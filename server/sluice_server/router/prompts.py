@@ -57,6 +57,18 @@ ROUTES: dict[str, Route] = {
     "/v1/messages": "messages",
     "/v1/stream": "stream",
 }
+
+
+def route_of(path: str) -> Route | None:
+    """The generating route a request path names; a model served under a path prefix
+    (`spec.exposure` ingress path, e.g. `/mistral/v1/chat/completions`) reaches the
+    router with the prefix, which its pod strips (transport/prefix.py)."""
+    route = ROUTES.get(path)
+    if route is None:
+        route = next((r for suffix, r in ROUTES.items() if path.endswith(suffix)), None)
+    return route
+
+
 # vLLM drops a system message's first line when it is Claude Code's changing billing header.
 _BILLING_HEADER = "x-anthropic-billing-header"
 _CHAT_ROLES = frozenset({"system", "user", "assistant"})
@@ -290,7 +302,7 @@ class PromptHasher:
 
     def token_ids(self, path: str, body: bytes) -> tuple[list[int], dict[str, Any]] | None:
         """The prompt's token ids as the pod's route will make them, and the parsed body."""
-        route = ROUTES.get(path)
+        route = route_of(path)
         if route is None:
             return None
         try:

@@ -103,3 +103,19 @@ def test_what_the_router_cannot_reproduce_is_none():
     # Off, or a seed the router cannot know: no hasher at all.
     assert PromptHasher.from_description({**desc, "enabled": False}) is None
     assert PromptHasher.from_description({**desc, "none_hash_seed": None}) is None
+
+
+def test_a_model_under_a_path_prefix_is_hashed_as_its_pod_serves_it():
+    """The route's path prefix reaches the router and the pod strips it: the same hashes."""
+    desc = {"enabled": True, "block_size": BS, "hash_algo": "sha256",
+            "none_hash_seed": "vllm-none-hash", "loras": {}, "tokenizer": {"kind": "words"}}  # fmt: skip
+    h = PromptHasher.from_description(desc)
+    assert h is not None
+    body = json.dumps({"messages": [{"role": "user", "content": "w " * (3 * BS)}]}).encode()
+    plain = h.hashes("/v1/chat/completions", body, None)
+    assert plain and h.hashes("/mistral/v1/chat/completions", body, None) == plain
+    completion = json.dumps({"prompt": "w " * (3 * BS)}).encode()
+    assert h.hashes("/mistral/v1/completions", completion, None) == h.hashes(
+        "/v1/completions", completion, None
+    )
+    assert h.hashes("/mistral/v1/chat/completions/x", body, None) is None
