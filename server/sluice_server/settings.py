@@ -344,6 +344,13 @@ class Settings(HttpSettings):
         "sent. On: for tenants that trust each other (a client's own `cache_salt` still "
         "applies). Without auth every caller is one tenant and nothing is salted.",
     )
+    describe_prefix_cache: bool = Field(
+        False,
+        description="Serve `GET /internal/prefix-cache`: the engine's block size, hash "
+        "algorithm and seed, adapter paths and tokenizer files, which the Sluice router "
+        "reads to hash prompts as this engine does. Off: 404. The operator turns it on for "
+        "models the router places (`spec.routing.router.enabled`).",
+    )
     credentials_reload_seconds: float = Field(
         2.0,
         ge=0,

@@ -60,7 +60,7 @@ async def test_router_hashes_equal_the_engines(kv_engine, tiny_model_path, tmp_p
     ]  # fmt: skip
     try:
         async with (
-            server(engine, tiny_model_path) as open_url,
+            server(engine, tiny_model_path, describe_prefix_cache=True) as open_url,
             server(engine, tiny_model_path, api_key_file=keys) as keyed_url,
             httpx.AsyncClient(timeout=120) as client,
         ):

@@ -167,6 +167,8 @@ def server_args(model: StreamingModel) -> list[str]:
             args += ["--jwt-priority-claim", auth.jwt.priority_claim]
     if auth.share_prefix_cache_across_tenants:  # the default (off) renders nothing
         args += ["--share-prefix-cache-across-tenants", "true"]
+    if model.routed:  # the router hashes prompts as this engine does (protocols/prefix_cache)
+        args += ["--describe-prefix-cache", "true"]
     limit = auth.rate_limit
     if limit.requests_per_minute:
         args += ["--rate-limit-rpm", str(limit.requests_per_minute)]

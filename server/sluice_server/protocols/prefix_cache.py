@@ -7,7 +7,9 @@ engine's block size, hash algorithm, NONE_HASH seed, loaded adapters and tokeniz
 shape is in `kvcache/describe.py`). No API key, as for the probes: nothing here is secret
 (tokenizer files, a chat template and hashing parameters are what a model's public
 repository ships; adapter paths are folders inside the pod), and a router has no key. Not
-in the OpenAPI document: it is for routers, not clients.
+in the OpenAPI document: it is for routers, not clients. Served only with
+`--describe-prefix-cache` (the operator sets it on models the router places, whose public
+route goes to the router, which forwards no `/internal/` path): elsewhere a 404 says so.
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ router = APIRouter(tags=["internal"], include_in_schema=False)
 PATH = "/internal/prefix-cache"
 
 
+OFF = (
+    f"{PATH} is not served here: start the server with --describe-prefix-cache (the "
+    "operator sets it on models routed by the Sluice router: spec.routing.router.enabled)."
+)
+
+
 def _described(request: Request) -> tuple[dict[str, Any], Any] | None:
     engine = services(request).engine
     describe = getattr(engine, "prefix_cache", None)
@@ -33,6 +41,8 @@ def _described(request: Request) -> tuple[dict[str, Any], Any] | None:
 @router.get(PATH)
 async def prefix_cache(request: Request) -> Response:
     """The engine's prefix-cache hashing parameters and tokenizer (503 while loading)."""
+    if not services(request).settings.describe_prefix_cache:
+        return JSONResponse({"error": OFF}, status_code=404)
     described = _described(request)
     if described is None:
         return JSONResponse({"error": "the engine is not loaded"}, status_code=503)
@@ -42,6 +52,8 @@ async def prefix_cache(request: Request) -> Response:
 @router.get(PATH + "/files/{name}")
 async def tokenizer_file(request: Request, name: str) -> Response:
     """One of the tokenizer files the description lists (only those names)."""
+    if not services(request).settings.describe_prefix_cache:
+        return JSONResponse({"error": OFF}, status_code=404)
     described = _described(request)
     if described is None:
         return JSONResponse({"error": "the engine is not loaded"}, status_code=503)

@@ -39,7 +39,16 @@ def stored(engine: SimulatorEngine) -> set[int]:
 
 async def test_simulator_hashes_equal_its_prefix_caches(tmp_path):
     engine = SimulatorEngine(ttft_ms=1, itl_ms=1, prefix_cache_blocks=1000, block_size=BS)
-    async with serve_simulator(engine) as url, httpx.AsyncClient(timeout=10) as client:
+    async with serve_simulator(engine) as off, httpx.AsyncClient(timeout=10) as client:
+        r = await client.get(off + "/internal/prefix-cache")  # not a router model's pod
+        assert r.status_code == 404 and "--describe-prefix-cache" in r.json()["error"]
+        assert (
+            await client.get(off + "/internal/prefix-cache/files/tokenizer.json")
+        ).status_code == 404
+    async with (
+        serve_simulator(engine, describe_prefix_cache=True) as url,
+        httpx.AsyncClient(timeout=10) as client,
+    ):
         r = await client.get(url + "/internal/prefix-cache")
         assert r.status_code == 200
         desc = r.json()
