@@ -787,6 +787,21 @@ class RouterSettings(HttpSettings):
         "(requests waiting, KV-cache use); one read waits at most this long (and at most "
         "`--connect-timeout-seconds`).",
     )
+    prefix_hasher_refresh_seconds: float = Field(
+        60.0,
+        gt=0,
+        description="Placement: how often the router reads a model's prefix-cache "
+        "description (`GET /internal/prefix-cache`) again from its first Ready pod, for a "
+        "change no pod restart announces (an adapter loaded at run time). A pod that turns "
+        "Ready, restarts or moves is read at once; the prompt hasher is rebuilt only when "
+        "the description changed.",
+    )
+    prefix_hasher_cache_dir: Path | None = Field(
+        None,
+        description="Placement: where the tokenizer files the pods serve are kept, one "
+        "folder per content hash (up to 64 MiB each). Default: a temporary folder made at "
+        "start-up and removed at exit.",
+    )
     load_stale_seconds: float = Field(
         3.0,
         gt=0,

@@ -10,8 +10,10 @@ one is refused and the models loaded before stay. Requests already held keep the
 they were held under; each model's held count, readiness and in-flight requests per pod
 live in one `Upstream`. The Pods of the models with `pods` are watched from start-up (and
 from the reload that adds them) until no model names them (pods.py), and each such model
-has one `PodView` (podview.py: its prefix index, KV-event feeds and scraped loads) from
-then until its entry's `pods` changes or it leaves the file.
+has one `PodView` (podview.py: its prefix index, KV-event feeds and scraped loads) and one
+`ModelHasher` (hashers.py: its prompt hasher, fetched from its pods) from then until its
+entry's `pods` changes or it leaves the file. Prompts are hashed on one thread of the
+router's own (upstream.py); a router built with another `HashesFor` uses that instead.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import shutil
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 from starlette.types import Receive, Scope, Send
@@ -30,7 +36,8 @@ from ..core.errors import error_body
 from ..settings import RouterSettings
 from ..transport.sendwatch import transport_of
 from . import proxy, relay
-from .hashes import HashesFor
+from .hashers import ModelHasher
+from .hashes import HashesFor, PromptHashes
 from .metrics import RouterMetrics
 from .models import MODEL_HEADER, Model, Models, load
 from .pin import Pins
@@ -59,10 +66,15 @@ def scoring(s: RouterSettings) -> Scoring:
 class Router:
     def __init__(self, settings: RouterSettings, hashes: HashesFor | None = None) -> None:
         self.settings = settings
-        self.hashes = hashes  # each model's prompt-hash provider (hashes.py); None: none
+        # Each model's prompt-hash provider (hashes.py); by default its pods' (hashers.py).
+        self.hashes: HashesFor = self.hasher if hashes is None else hashes
         self.metrics = RouterMetrics()
         self.upstreams: dict[str, Upstream] = {}
         self.views: dict[str, PodView] = {}
+        self.hashers: dict[str, ModelHasher] = {}
+        self.hashing = ThreadPoolExecutor(1, thread_name_prefix="sluice-prompt-hashes")
+        self.cache_dir: Path | None = settings.prefix_hasher_cache_dir
+        self._own_cache_dir = False
         self.client: httpx.AsyncClient | None = None
         self.closing = Closing()
         api = ApiServer.find(settings.kube_api_url, settings.service_account_dir)
@@ -112,6 +124,29 @@ class Router:
             if model.pods is not None and model.key not in self.views:
                 self.views[model.key] = view = self._view(model)
                 view.start()
+        for key, hasher in list(self.hashers.items()):
+            model = self.models.by_key.get(key)
+            if model is None or model.pods != hasher.model.pods:
+                hasher.stop()
+                del self.hashers[key]
+        for model in self.models.by_key.values():
+            if model.pods is not None and model.key not in self.hashers:
+                assert self.client is not None and self.cache_dir is not None
+                self.hashers[model.key] = hasher = ModelHasher(
+                    model,
+                    self.pods.podset(model.pods),
+                    self.client,
+                    self.cache_dir,
+                    self.settings.prefix_hasher_refresh_seconds,
+                    timeout=self.settings.connect_timeout_seconds * 2,
+                )
+                hasher.start()
+
+    def hasher(self, model: Model) -> PromptHashes | None:
+        """The default `HashesFor`: the model's `ModelHasher` (None before the router
+        started, or while a reload that changed its `pods` has not reached it)."""
+        hasher = self.hashers.get(model.key)
+        return hasher if hasher is not None and hasher.model.pods == model.pods else None
 
     def _view(self, model: Model) -> PodView:
         assert model.pods is not None and self.client is not None
@@ -150,7 +185,8 @@ class Router:
                 self.closing,
                 pods,
                 view,
-                None if self.hashes is None or pods is None else self.hashes(model),
+                None if pods is None else self.hashes(model),
+                self.hashing,
             )
         return up
 
@@ -238,6 +274,9 @@ class Router:
                     timeout=httpx.Timeout(None, connect=s.connect_timeout_seconds),
                     limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
                 )
+                if self.cache_dir is None:
+                    self.cache_dir = Path(tempfile.mkdtemp(prefix="sluice-tokenizers-"))
+                    self._own_cache_dir = True
                 watcher = asyncio.create_task(self.reloader.run())
                 self.started = True
                 self._watch()
@@ -249,6 +288,11 @@ class Router:
                         await watcher
                 for view in self.views.values():
                     await view.aclose()
+                for hasher in self.hashers.values():
+                    await hasher.aclose()
+                self.hashing.shutdown(wait=False, cancel_futures=True)
+                if self._own_cache_dir and self.cache_dir is not None:
+                    shutil.rmtree(self.cache_dir, ignore_errors=True)
                 await self.pods.aclose()
                 if self.client is not None:
                     await self.client.aclose()

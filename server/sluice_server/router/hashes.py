@@ -9,9 +9,11 @@ size, hash algorithm and seed of the model's engine). None says the prompt's blo
 unknown (a route the provider does not read, a body it cannot parse): that request is
 placed by load alone. A provider that raises counts as None (the request is still served).
 
-The router calls it once per HTTP request, on the event loop, before the request waits for
-a pod; WebSocket connections are placed without hashes. The router itself never parses
-tokens: the provider is the one place that reads a prompt.
+The router calls it once per HTTP request, before the request waits for a pod, on a thread
+of its own (one: calls never overlap, and the event loop keeps relaying meanwhile);
+WebSocket connections are placed without hashes. The router itself never parses tokens:
+the provider is the one place that reads a prompt. The router's own provider is
+hashers.py's `ModelHasher` (the hasher a model's pods describe); tests hand it others.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ through the tokenizer class's own module: `transformers.AutoTokenizer` imports t
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import importlib
 import json
 import zlib
@@ -335,15 +336,31 @@ class PromptHasher:
         return [blockhash.external(h) for h in hashes]
 
 
-async def fetch_hasher(
-    client: httpx.AsyncClient, base_url: str, cache_dir: Path
-) -> PromptHasher | None:
-    """A pod's description (`base_url`: the pod's, e.g. `http://10.0.0.7:8000`) and, for a
-    vLLM model, its tokenizer files, saved under `cache_dir/<sha256>/` once per content
-    hash. None when the pod's hashes cannot be reproduced; httpx errors propagate."""
+async def fetch_description(client: httpx.AsyncClient, base_url: str) -> dict[str, Any]:
+    """A pod's `GET /internal/prefix-cache` (`base_url`: the pod's, e.g.
+    `http://10.0.0.7:8000`); httpx errors propagate, a body that is not an object raises
+    ValueError."""
     r = await client.get(base_url + DESCRIPTION_PATH)
     r.raise_for_status()
     desc = r.json()
+    if not isinstance(desc, dict):
+        raise ValueError("the prefix-cache description is not a JSON object")
+    return cast(dict[str, Any], desc)
+
+
+def description_digest(desc: Mapping[str, Any]) -> str:
+    """What tells two descriptions apart: the SHA-256 of its canonical JSON (the tokenizer
+    files are in it by their content hash)."""
+    raw = json.dumps(desc, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
+async def hasher_from(
+    client: httpx.AsyncClient, base_url: str, desc: Mapping[str, Any], cache_dir: Path
+) -> PromptHasher | None:
+    """The `PromptHasher` of a pod's description; for a vLLM model its tokenizer files are
+    fetched from the pod and saved under `cache_dir/<sha256>/` once per content hash. None
+    when the pod's hashes cannot be reproduced; httpx errors propagate."""
     tok = desc.get("tokenizer") or {}
     folder = None
     if tok.get("kind") == "hf":
@@ -363,6 +380,13 @@ async def fetch_hasher(
                 raise ValueError("the tokenizer files do not match their content hash")
             await asyncio.to_thread(_save, folder, files)
     return await asyncio.to_thread(PromptHasher.from_description, desc, folder)
+
+
+async def fetch_hasher(
+    client: httpx.AsyncClient, base_url: str, cache_dir: Path
+) -> PromptHasher | None:
+    """A pod's description and, for a vLLM model, its tokenizer files (`hasher_from`)."""
+    return await hasher_from(client, base_url, await fetch_description(client, base_url), cache_dir)
 
 
 def _save(folder: Path, files: dict[str, bytes]) -> None:

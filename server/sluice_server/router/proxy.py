@@ -255,9 +255,13 @@ class Request:
         self.pin = pins.pinned(scope["headers"], held.up.model.key) if pins and resume else None
         # What the pod tie-break hashes: equal requests go to the same pod.
         self.key = body or (scope["path"].encode() + b"?" + scope.get("query_string", b""))
-        # Its prompt's block hashes (the model's provider reads the body; None: unknown).
         self.cred = credential(scope["headers"], scope.get("query_string", b""))
-        self.hashes = held.up.prompt_hashes(scope["path"], body, self.cred)
+        # Its prompt's block hashes (`prepare`: the model's provider reads the body).
+        self.hashes: Sequence[BlockHash] | None = None
+
+    async def prepare(self) -> None:
+        """Its prompt's block hashes, once, before it waits (None: unknown)."""
+        self.hashes = await self.held.up.prompt_hashes(self.scope["path"], self.body, self.cred)
 
     def build(self, target: Target) -> httpx.Request:
         scope, held = self.scope, self.held
@@ -353,6 +357,7 @@ async def _held(
         return
     kind = classify(scope["path"], body)
     request = Request(client, held, scope, body, pins)
+    await request.prepare()
     gone = asyncio.ensure_future(_disconnected(receive))
     forwarded: asyncio.Future[bool] | None = None
     try:

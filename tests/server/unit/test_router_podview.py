@@ -65,7 +65,7 @@ async def test_a_request_goes_to_the_pod_whose_events_hold_its_prefix_even_when_
     up.view.index.stored("pod-b", HASHES)
     busy = up.pick(b"other", pin="pod-b")  # a stream runs on pod-b: it is the busier
     assert busy is not None and up.in_flight == {"pod-b": 1}
-    hashes = up.prompt_hashes("/v1/completions", b"101 102 103 104", None)
+    hashes = await up.prompt_hashes("/v1/completions", b"101 102 103 104", None)
     assert hashes == HASHES
     target = up.pick(b"k", hashes=hashes)
     assert target is not None and target.pod == "pod-b"
@@ -100,7 +100,7 @@ async def test_a_failing_provider_places_by_load_and_pins_are_counted():
         raise RuntimeError("no tokenizer")
 
     up = upstream(podset(pod("pod-a", "10.0.0.1"), pod("pod-b", "10.0.0.2")), hashes=broken)
-    assert up.prompt_hashes("/v1/completions", b"x", None) is None
+    assert await up.prompt_hashes("/v1/completions", b"x", None) is None
     pinned = up.pick(b"k", pin="pod-a")
     assert pinned is not None and pinned.pod == "pod-a" and picks(up, "pin") == 1
     # Without pods (a Service): no provider call, no view.
@@ -113,7 +113,7 @@ async def test_a_failing_provider_places_by_load_and_pins_are_counted():
         Closing(),
         hashes=provider,
     )
-    assert plain.prompt_hashes("/v1/completions", b"1", None) is None
+    assert await plain.prompt_hashes("/v1/completions", b"1", None) is None
     target = plain.pick(b"k")
     assert target is not None and target.pod is None
 
