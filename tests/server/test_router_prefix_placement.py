@@ -79,7 +79,9 @@ async def cached_pods(tmp_path, **router_settings):
         api, api_url = await stack.enter_async_context(pods_api())
         for name, ip in IPS.items():
             api.put(name, ip, LABELS)
-            await stack.enter_async_context(model_server(port, engines[name], host=ip))
+            await stack.enter_async_context(
+                model_server(port, engines[name], host=ip, describe_prefix_cache=True)
+            )
             stack.push_async_callback(engines[name].shutdown)
         act = await stack.enter_async_context(
             router(
