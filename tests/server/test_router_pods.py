@@ -399,3 +399,23 @@ async def test_the_router_learns_each_callers_tenant_from_the_pod_and_hides_it(t
     assert tenants.of(credential([(b"x-api-key", b"sk-b")])) == "globex"
     assert tenants.of(credential([(b"x-api-key", b"sk-wrong")])) is UNKNOWN
     assert len(tenants) == 2  # hashes of the two accepted credentials, nothing else
+
+
+async def test_the_pods_internal_endpoints_are_never_relayed(tmp_path):
+    """A pod's /internal/ endpoints (its prefix-cache description) are the router's to read,
+    not a client's: 404 through the router, any path prefix, any method, WebSocket too."""
+    async with two_pods(tmp_path) as (act, api, engines):
+        await eventually_async(lambda: len(candidates(act)) == 2, timeout=15,
+                               message="both pods candidates")  # fmt: skip
+        async with httpx.AsyncClient(base_url=act.url, headers=HEADERS, timeout=30) as c:
+            for method, path in (("GET", "/internal/prefix-cache"),
+                                 ("GET", "/mistral/internal/prefix-cache/files/tokenizer.json"),
+                                 ("POST", "/internal/prefix-cache")):  # fmt: skip
+                r = await c.request(method, path)
+                assert r.status_code == 404 and r.json()["error"]["code"] == "not_forwarded", r.text
+            assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200  # control
+        with pytest.raises(websockets.InvalidStatus) as refused:
+            async with websockets.connect(act.url.replace("http", "ws") + "/internal/x",
+                                          additional_headers=HEADERS):  # fmt: skip
+                pass
+        assert refused.value.response.status_code == 404

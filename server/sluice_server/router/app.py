@@ -205,6 +205,8 @@ class Router:
             if kind == "http" and named is None and scope["path"] in OWN_ROUTES:
                 return await self._own(scope, send)
             return await self._unknown(scope, receive, send, host, named)
+        if "/internal/" in scope["path"]:  # the pods' router-only endpoints: never relayed
+            return await self._internal(scope, receive, send, model)
         up = self.upstream(model)
         if kind == "websocket":
             return await relay.relay(
@@ -258,6 +260,17 @@ class Router:
             "models file (a StreamingModel at autoscaling.minReplicas 0 or routed by it)."
         )
         body = error_body(404, message, code="model_not_found")
+        if scope["type"] == "websocket":
+            await relay.refuse(WebSocket(scope, receive, send), 404, body)
+            return
+        await proxy.json_response(404, body)(send)
+
+    async def _internal(self, scope: Scope, receive: Receive, send: Send, model: Model) -> None:
+        message = (
+            f"{scope['path']} is not forwarded: a model pod's /internal/ endpoints are for "
+            f"the router, which reads them from {model.key}'s pods itself."
+        )
+        body = error_body(404, message, code="not_forwarded")
         if scope["type"] == "websocket":
             await relay.refuse(WebSocket(scope, receive, send), 404, body)
             return
