@@ -16,9 +16,9 @@ wildcard to the pod's own address as it does for the server's `--host 0.0.0.0`).
 `--enable-prefix-caching` (vLLM's default, stated so that the model's flags say it) comes
 first after `--`, before `engine.extraArgs`, which win as everywhere. The block hash is
 vLLM's default (`sha256`, seeded with the fixed `vllm-none-hash` while PYTHONHASHSEED is
-unset): the router computes the same hashes without knowing anything of the pod, so the
-operator sets no PYTHONHASHSEED (which would also turn off Python's hash randomization in
-the server).
+unset). The router reads the engine's block size, hash and seed from the pod itself
+(`--describe-prefix-cache`, builders/args.py), so the operator sets no PYTHONHASHSEED (which
+would also turn off Python's hash randomization in the server).
 
 The events carry prompt token ids in clear and the ports take no credentials: the model's
 NetworkPolicy (builders/networkpolicy.py) opens them to the router's pods only.

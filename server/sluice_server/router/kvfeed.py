@@ -11,12 +11,17 @@ endpoint) and applies what it hands over to the `PrefixIndex`, in order:
 
 The feed is not live until the pod's first batch arrives (the subscriber then catches up
 from the replay buffer): until then, the approximate index places its requests.
+
+A subscriber that fails (an error in its socket loop, a message it cannot decode past what
+`Subscriber` already absorbs) takes the feed down, not the router: the pod is scored from
+the approximate index, one WARNING is logged, and a fresh subscriber follows the pod after
+`RETRY_FIRST` seconds, doubling up to `RETRY_MAX` while failures repeat (a batch applied
+resets the wait).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 
@@ -26,6 +31,7 @@ from .prefixindex import PrefixIndex
 log = logging.getLogger(__name__)
 
 SubscriberFactory = Callable[[str, str, str | None], kvevents.Subscriber]
+RETRY_FIRST, RETRY_MAX = 1.0, 30.0
 
 
 def subscriber(pod: str, endpoint: str, replay: str | None) -> kvevents.Subscriber:
@@ -66,9 +72,15 @@ class KvFeed:
         make: SubscriberFactory = subscriber,
     ) -> None:
         self.pod, self.ip, self.index = pod, ip, index
-        replay = None if replay_port is None else endpoint(ip, replay_port)
-        self.subscriber = make(pod, endpoint(ip, port), replay)
+        self._endpoint = endpoint(ip, port)
+        self._replay = None if replay_port is None else endpoint(ip, replay_port)
+        self._make = make
+        self.subscriber = make(pod, self._endpoint, self._replay)
         self._tasks: list[asyncio.Task[None]] = []
+        self._stopped = False
+        self._retry = RETRY_FIRST
+        self._retry_at: asyncio.TimerHandle | None = None
+        self.restarts = 0  # fresh subscribers after a failure
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -77,21 +89,37 @@ class KvFeed:
             task.add_done_callback(self._ended)
 
     def _ended(self, task: asyncio.Task[None]) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            e = task.exception()
-            log.warning("kv events of %s stopped: %s: %s", self.pod, type(e).__name__, e)
-            self.index.feed(self.pod, live=False)
+        if task.cancelled() or task.exception() is None or self._stopped:
+            return
+        e = task.exception()
+        log.warning("kv events of %s stopped: %s: %s; following it again in %g s",
+                    self.pod, type(e).__name__, e, self._retry)  # fmt: skip
+        self.index.feed(self.pod, live=False)
+        for other in self._tasks:
+            other.cancel()
+        self._retry_at = asyncio.get_running_loop().call_later(self._retry, self._restart)
+        self._retry = min(self._retry * 2, RETRY_MAX)
+
+    def _restart(self) -> None:
+        self._retry_at = None
+        if self._stopped:
+            return
+        self.restarts += 1
+        self.subscriber = self._make(self.pod, self._endpoint, self._replay)
+        self.start()
 
     async def _apply(self) -> None:
         async for update in self.subscriber.updates():
             apply(self.index, update)
+            self._retry = RETRY_FIRST
 
     def stop(self) -> None:
+        self._stopped = True
+        if self._retry_at is not None:
+            self._retry_at.cancel()
         for task in self._tasks:
             task.cancel()
 
     async def aclose(self) -> None:
         self.stop()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await asyncio.gather(*self._tasks, return_exceptions=True)  # a failed one's too

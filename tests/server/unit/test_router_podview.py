@@ -18,6 +18,7 @@ from sluice_server.router.models import KvEventPorts, Model, PodSelector
 from sluice_server.router.placement import Scoring
 from sluice_server.router.pods import Pod, PodSet
 from sluice_server.router.podview import PodView
+from sluice_server.router.prefixindex import PrefixIndex
 from sluice_server.router.upstream import Closing, Upstream
 from testkit.wait import eventually_async
 
@@ -267,3 +268,33 @@ def test_the_router_flags_default_to_placements_scoring(field):
 
     assert scoring(RouterSettings(models_file=Path("m.json"))) == Scoring()
     assert getattr(scoring(RouterSettings(models_file=Path("m.json"), **{field: 0})), field) == 0
+
+
+async def test_a_failed_subscriber_takes_its_feed_down_and_a_fresh_one_follows_the_pod(
+    monkeypatch,
+):
+    """A subscriber whose socket loop raises: the pod is scored without its feed, and a new
+    subscriber follows it after the retry wait; a batch on it makes the feed live again."""
+    from sluice_server.router import kvfeed
+
+    monkeypatch.setattr(kvfeed, "RETRY_FIRST", 0.05)
+
+    class Failing(FakeSubscriber):
+        async def run(self) -> None:
+            if len(FakeSubscriber.made) == 1:  # the first one fails
+                raise OSError("zmq socket closed")
+            await super().run()
+
+    FakeSubscriber.made.clear()
+    index = PrefixIndex()
+    feed = kvfeed.KvFeed("pod-a", "10.0.0.1", 5557, 5558, index, make=Failing)
+    feed.start()
+    try:
+        await eventually_async(lambda: feed.restarts == 1, timeout=5, message="a fresh one")
+        assert len(FakeSubscriber.made) == 2 and not index.is_live("pod-a")
+        FakeSubscriber.made[1].stored(0, HASHES)
+        await eventually_async(lambda: index.longest_prefix("pod-a", HASHES) == 4, timeout=5)
+        assert index.is_live("pod-a")
+    finally:
+        await feed.aclose()
+    assert FakeSubscriber.made[1].stopped and feed.restarts == 1
