@@ -31,6 +31,7 @@ from ..settings import RouterSettings
 from ..transport.sendwatch import transport_of
 from . import proxy, relay
 from .hashes import HashesFor
+from .hop import hop_client
 from .metrics import RouterMetrics
 from .models import MODEL_HEADER, Model, Models, load
 from .pin import Pins
@@ -63,7 +64,8 @@ class Router:
         self.metrics = RouterMetrics()
         self.upstreams: dict[str, Upstream] = {}
         self.views: dict[str, PodView] = {}
-        self.client: httpx.AsyncClient | None = None
+        self.client: httpx.AsyncClient | None = None  # polls and scrapes
+        self.relay: httpx.AsyncClient | None = None  # forwarded requests (hop.py)
         self.closing = Closing()
         api = ApiServer.find(settings.kube_api_url, settings.service_account_dir)
         self.pods = PodWatches(api, settings.connect_timeout_seconds)
@@ -181,7 +183,7 @@ class Router:
                 s.connect_timeout_seconds,
                 s.max_body_bytes,
             )
-        assert self.client is not None
+        assert self.relay is not None
         # What the send watchdog of a held stream watches (transport/sendwatch.py).
         scope["sluice.transport"] = transport_of(receive)
         await proxy.handle(
@@ -190,7 +192,7 @@ class Router:
             send,
             up,
             self.metrics,
-            self.client,
+            self.relay,
             s.max_body_bytes,
             s.send_timeout_seconds,
             self.pins,
@@ -238,6 +240,7 @@ class Router:
                     timeout=httpx.Timeout(None, connect=s.connect_timeout_seconds),
                     limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
                 )
+                self.relay = hop_client(s.connect_timeout_seconds)
                 watcher = asyncio.create_task(self.reloader.run())
                 self.started = True
                 self._watch()
@@ -250,8 +253,9 @@ class Router:
                 for view in self.views.values():
                     await view.aclose()
                 await self.pods.aclose()
-                if self.client is not None:
-                    await self.client.aclose()
+                for client in (self.client, self.relay):
+                    if client is not None:
+                        await client.aclose()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
