@@ -38,6 +38,7 @@ from ..transport.sendwatch import transport_of
 from . import proxy, relay
 from .hashers import ModelHasher
 from .hashes import HashesFor, PromptHashes
+from .hop import hop_client
 from .metrics import RouterMetrics
 from .models import MODEL_HEADER, Model, Models, load
 from .pin import Pins
@@ -75,7 +76,8 @@ class Router:
         self.hashing = ThreadPoolExecutor(1, thread_name_prefix="sluice-prompt-hashes")
         self.cache_dir: Path | None = settings.prefix_hasher_cache_dir
         self._own_cache_dir = False
-        self.client: httpx.AsyncClient | None = None
+        self.client: httpx.AsyncClient | None = None  # polls, scrapes, descriptions
+        self.relay: httpx.AsyncClient | None = None  # forwarded requests (hop.py)
         self.closing = Closing()
         api = ApiServer.find(settings.kube_api_url, settings.service_account_dir)
         self.pods = PodWatches(api, settings.connect_timeout_seconds)
@@ -219,7 +221,7 @@ class Router:
                 s.connect_timeout_seconds,
                 s.max_body_bytes,
             )
-        assert self.client is not None
+        assert self.relay is not None
         # What the send watchdog of a held stream watches (transport/sendwatch.py).
         scope["sluice.transport"] = transport_of(receive)
         await proxy.handle(
@@ -228,7 +230,7 @@ class Router:
             send,
             up,
             self.metrics,
-            self.client,
+            self.relay,
             s.max_body_bytes,
             s.send_timeout_seconds,
             self.pins,
@@ -287,6 +289,7 @@ class Router:
                     timeout=httpx.Timeout(None, connect=s.connect_timeout_seconds),
                     limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
                 )
+                self.relay = hop_client(s.connect_timeout_seconds)
                 if self.cache_dir is None:
                     self.cache_dir = Path(tempfile.mkdtemp(prefix="sluice-tokenizers-"))
                     self._own_cache_dir = True
@@ -307,8 +310,9 @@ class Router:
                 if self._own_cache_dir and self.cache_dir is not None:
                     shutil.rmtree(self.cache_dir, ignore_errors=True)
                 await self.pods.aclose()
-                if self.client is not None:
-                    await self.client.aclose()
+                for client in (self.client, self.relay):
+                    if client is not None:
+                        await client.aclose()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 

@@ -235,6 +235,10 @@ def test_the_load_is_read_from_vllms_page_and_the_servers_queue():
     # Negative control: a page without a waiting measure is no reading.
     assert parse_load(SERVER_PAGE.split("# HELP sluice_active")[0].replace("queue", "x")) is None
     assert parse_load("") is None
+    # Only those metrics' lines are parsed: the rest of a page is not read at all.
+    assert parse_load("other{ not prometheus\n" + SERVER_PAGE) == Load(3, 0.0)
+    with pytest.raises(ValueError):
+        parse_load('sluice_queue_depth{priority="high" 3\n')
 
 
 async def test_a_scrape_records_the_load_and_a_page_without_it_reads_as_never_scraped():

@@ -1,0 +1,253 @@
+"""The relay's HTTP/1.1 to the pods: an httpx transport on an asyncio protocol and
+httptools' parser (C), one connection per request, closed when the answer is closed.
+
+Why not httpx's own transport: a streamed answer is relayed chunk by chunk, and there each
+chunk of the upstream's chunked body went through h11's pure-Python reader and httpcore's
+and anyio's layers: measured with `python -m sluice_bench.router_hop` and py-spy, that was
+most of the router's CPU per relayed token, more than the model server spent making the
+token. Here a read from the socket is parsed in C, and what one read brought (several
+chunks when the relay fell behind) comes out as one piece: one ASGI send instead of one per
+upstream chunk, so a busy router writes less often, not later.
+
+What it keeps of httpx's: the same request bytes (the httpx request's headers, which carry
+Host and Content-Length, and its body), the connect timeout and read timeout of the
+request's `timeout` extension, the `trace` extension's `http11.send_request_headers.started`
+(sent once connected, before the request: the proxy's "forwarded"), and httpx's
+exceptions: `ConnectError`/`ConnectTimeout` when it cannot connect, `RemoteProtocolError`
+for an answer that breaks off or is no HTTP, `ReadTimeout`. Reading pauses while more than
+`HIGH_WATER` bytes wait unread (the client reads slowly), as httpcore reads only when asked.
+A 1xx interim answer is skipped; a HEAD answer ends after its headers. Other schemes than
+plain http go to httpx's own transport.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httptools
+import httpx
+
+HIGH_WATER = 256 * 1024
+_NO_BODY = (204, 304)
+
+
+class _Answer(asyncio.Protocol):
+    """One upstream connection: the answer's head, then its body as it arrives."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, head_only: bool) -> None:
+        self.loop, self.head_only = loop, head_only
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.has_head = False  # the final (non-1xx) answer's head is complete
+        self.complete = False  # its body too
+        self.closed = False  # the connection is gone
+        self.error: httpx.HTTPError | None = None
+        self.body: list[bytes] = []
+        self.buffered = 0
+        self.paused = False
+        self._waiter: asyncio.Future[None] | None = None
+
+    # -- asyncio.Protocol --
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if self.complete or self.error is not None:
+            return
+        try:
+            self.parser.feed_data(data)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as e:
+            self.error = httpx.RemoteProtocolError(f"The model's server sent no HTTP: {e}")
+        if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool | None:
+        return None  # close
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if not self.complete and self.error is None:
+            if self.has_head and self._ends_at_close():
+                self.complete = True
+            elif self.has_head:
+                self.error = httpx.RemoteProtocolError(
+                    "peer closed connection without sending complete message body"
+                )
+            else:
+                self.error = httpx.RemoteProtocolError(
+                    "Server disconnected without sending a response."
+                )
+        self._wake()
+
+    # -- httptools callbacks --
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        if self.status < 200:
+            return  # an interim answer: its end (on_message_complete) resets
+        self.has_head = True
+        if self.head_only or self.status in _NO_BODY:
+            self.complete = True
+
+    def on_body(self, body: bytes) -> None:
+        if not self.complete:
+            self.body.append(body)
+            self.buffered += len(body)
+
+    def on_message_complete(self) -> None:
+        if self.status < 200:
+            self.headers, self.status = [], 0  # skip the 1xx; the final answer follows
+            return
+        self.complete = True
+
+    # -- for the transport and the stream --
+    def _ends_at_close(self) -> bool:
+        """An answer with neither a length nor chunked framing ends with its connection."""
+        for name, value in self.headers:
+            lower = name.lower()
+            if lower == b"content-length" or (
+                lower == b"transfer-encoding" and b"chunked" in value.lower()
+            ):
+                return False
+        return True
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait(self) -> None:
+        """Until something new arrives (data, the end, an error)."""
+        self._waiter = self.loop.create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def take(self) -> bytes:
+        body = self.body
+        chunk = body[0] if len(body) == 1 else b"".join(body)
+        body.clear()
+        self.buffered = 0
+        if self.paused and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
+        return chunk
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+async def _arrival(answer: _Answer, seconds: float | None) -> None:
+    """`answer.wait()`, at most `seconds` (None: no limit; past it httpx's ReadTimeout)."""
+    if seconds is None:
+        await answer.wait()
+        return
+    try:
+        async with asyncio.timeout(seconds):
+            await answer.wait()
+    except TimeoutError:
+        raise httpx.ReadTimeout("No data from the model's server in time.") from None
+
+
+class _Body(httpx.AsyncByteStream):
+    def __init__(self, answer: _Answer, read_timeout: float | None) -> None:
+        self.answer, self.read_timeout = answer, read_timeout
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        answer = self.answer
+        while True:
+            if answer.body:
+                yield answer.take()
+            elif answer.complete:
+                return
+            elif answer.error is not None:
+                raise answer.error
+            else:
+                await _arrival(answer, self.read_timeout)
+
+    async def aclose(self) -> None:
+        self.answer.close()
+
+
+class HopTransport(httpx.AsyncBaseTransport):
+    """httpx's transport for plain-http requests, as the module docstring says."""
+
+    def __init__(self) -> None:
+        self._other = httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        url = request.url
+        if url.scheme != "http":
+            return await self._other.handle_async_request(request)
+        timeouts: dict[str, float | None] = request.extensions.get("timeout", {})
+        loop = asyncio.get_running_loop()
+        answer = _Answer(loop, request.method == "HEAD")
+        try:
+            async with asyncio.timeout(timeouts.get("connect")):
+                await loop.create_connection(lambda: answer, url.host, url.port or 80)
+        except TimeoutError:
+            raise httpx.ConnectTimeout("Connecting to the model's server timed out.") from None
+        except OSError as e:
+            raise httpx.ConnectError(str(e)) from e
+        try:
+            trace = request.extensions.get("trace")
+            if trace is not None:
+                await trace("http11.send_request_headers.started", {"request": request})
+            await self._write(answer, request)
+            read_timeout = timeouts.get("read")
+            while not answer.has_head:
+                if answer.error is not None:
+                    raise answer.error
+                await _arrival(answer, read_timeout)
+        except BaseException:
+            answer.close()
+            raise
+        return httpx.Response(
+            answer.status,
+            headers=answer.headers,
+            stream=_Body(answer, read_timeout),
+            extensions={"http_version": b"HTTP/1.1"},
+        )
+
+    @staticmethod
+    async def _write(answer: _Answer, request: httpx.Request) -> None:
+        assert answer.transport is not None
+        head = [b"%s %s HTTP/1.1\r\n" % (request.method.encode("ascii"), request.url.raw_path)]
+        head += [b"%s: %s\r\n" % (k, v) for k, v in request.headers.raw]
+        head.append(b"\r\n")
+        chunked = "content-length" not in request.headers and "transfer-encoding" in (
+            request.headers
+        )
+        out = answer.transport
+        out.write(b"".join(head))
+        async for part in request.stream:  # type: ignore[union-attr]
+            if chunked and part:
+                out.write(b"%x\r\n%s\r\n" % (len(part), part))
+            elif part:
+                out.write(part)
+        if chunked:
+            out.write(b"0\r\n\r\n")
+
+    async def aclose(self) -> None:
+        await self._other.aclose()
+
+
+def hop_client(connect_timeout: float, **options: Any) -> httpx.AsyncClient:
+    """The client the relay forwards with: no proxy from the environment, no timeout but
+    the connect timeout, and this module's transport."""
+    return httpx.AsyncClient(
+        trust_env=False,  # a Service address: never through an HTTP proxy
+        timeout=httpx.Timeout(None, connect=connect_timeout),
+        transport=HopTransport(),
+        **options,
+    )

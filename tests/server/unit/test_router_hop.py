@@ -1,0 +1,147 @@
+"""router/hop.py against a raw socket server that writes exactly the bytes each case needs:
+the request as sent, chunks that arrived together relayed as one piece, each way an answer
+can end (length, chunked, connection close, HEAD, 204, a 1xx before it) and each way it
+can fail (refused, broken off midway, no HTTP)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import httpx
+import pytest
+from sluice_server.router.hop import hop_client
+
+Answer = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@asynccontextmanager
+async def upstream(answer: Answer) -> AsyncIterator[tuple[str, list[bytes]]]:
+    """A server on 127.0.0.1 that records each request's head and answers with `answer`."""
+    heads: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        heads.append(await reader.readuntil(b"\r\n\r\n"))
+        try:
+            await answer(reader, writer)
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        yield f"http://127.0.0.1:{port}", heads
+
+
+def writes(*parts: bytes, pause: float = 0.0) -> Answer:
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for part in parts:
+            writer.write(part)
+            await writer.drain()
+            await asyncio.sleep(pause)
+
+    return answer
+
+
+async def relay(url: str, method: str = "POST", **kw) -> tuple[httpx.Response, list[bytes]]:
+    async with hop_client(5.0) as client:
+        response = await client.send(client.build_request(method, url + "/v1/x?a=1", **kw),
+                                     stream=True)  # fmt: skip
+        try:
+            return response, [chunk async for chunk in response.aiter_raw()]
+        finally:
+            await response.aclose()
+
+
+CHUNKED = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+)
+
+
+async def test_request_bytes_and_a_chunked_answer_relayed_as_it_came():
+    async with upstream(writes(CHUNKED, b"3\r\nabc\r\n", b"2\r\nde\r\n0\r\n\r\n", pause=0.05)) as (
+        url,
+        heads,
+    ):
+        traced: list[str] = []
+
+        async def trace(event: str, info: dict) -> None:
+            traced.append(event)
+
+        r, chunks = await relay(url, content=b'{"x":1}', headers={"x-sluice-tenant-of": "1"},
+                                extensions={"trace": trace})  # fmt: skip
+    assert r.status_code == 200 and r.headers["content-type"] == "text/event-stream"
+    assert chunks == [b"abc", b"de"]  # apart in time: apart for the client
+    assert traced == ["http11.send_request_headers.started"]
+    head = heads[0].decode()
+    assert head.startswith("POST /v1/x?a=1 HTTP/1.1\r\n")
+    assert "content-length: 7\r\n" in head.lower() and "host: 127.0.0.1:" in head.lower()
+
+
+async def test_chunks_that_arrived_together_are_one_piece():
+    body = b"".join(b"1\r\n%s\r\n" % bytes([c]) for c in b"abcdef") + b"0\r\n\r\n"
+    async with upstream(writes(CHUNKED + body)) as (url, _):
+        _, chunks = await relay(url)
+    assert b"".join(chunks) == b"abcdef" and len(chunks) < 6
+
+
+@pytest.mark.parametrize(
+    "answer, method, body",
+    [
+        (b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello", "GET", b"hello"),
+        (b"HTTP/1.1 200 OK\r\n\r\nuntil close", "GET", b"until close"),
+        (b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n", "HEAD", b""),
+        (b"HTTP/1.1 204 No Content\r\n\r\n", "DELETE", b""),
+        (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\nok",
+         "POST", b"ok"),
+    ],
+)  # fmt: skip
+async def test_each_way_an_answer_ends(answer, method, body):
+    async with upstream(writes(answer)) as (url, _):
+        r, chunks = await relay(url, method)
+    assert b"".join(chunks) == body and r.status_code in (200, 201, 204)
+
+
+async def test_broken_off_midway_is_a_protocol_error_after_what_came():
+    seen: list[bytes] = []
+    async with upstream(writes(CHUNKED, b"3\r\nabc\r\n", pause=0.05)) as (url, _):
+        async with hop_client(5.0) as client:
+            r = await client.send(client.build_request("GET", url), stream=True)
+            with pytest.raises(httpx.RemoteProtocolError):
+                async for chunk in r.aiter_raw():
+                    seen.append(chunk)
+            await r.aclose()
+    assert seen == [b"abc"]
+
+
+@pytest.mark.parametrize("answer", [b"", b"not http at all\r\n\r\n"])
+async def test_no_answer_or_no_http_is_a_protocol_error(answer):
+    async with upstream(writes(answer)) as (url, _):
+        with pytest.raises(httpx.RemoteProtocolError):
+            await relay(url, "GET")
+
+
+async def test_refused_is_a_connect_error():
+    async with upstream(writes(b"")) as (url, _):
+        pass  # closed: nothing listens there now
+    with pytest.raises(httpx.ConnectError):
+        await relay(url, "GET")
+
+
+async def test_closing_the_answer_closes_the_connection_at_once():
+    closed = asyncio.Event()
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(CHUNKED + b"3\r\nabc\r\n")
+        await writer.drain()
+        await reader.read()  # returns at the client's close
+        closed.set()
+
+    async with upstream(answer) as (url, _):
+        async with hop_client(5.0) as client:
+            r = await client.send(client.build_request("GET", url), stream=True)
+            async for _chunk in r.aiter_raw():
+                break
+            await r.aclose()
+            await asyncio.wait_for(closed.wait(), 5)
