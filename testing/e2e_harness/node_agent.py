@@ -34,6 +34,7 @@ from __future__ import annotations
 import datetime as dt
 import itertools
 import logging
+import random
 import socket
 import threading
 import time
@@ -48,7 +49,11 @@ from .pod_runtime import PodRuntime
 
 log = logging.getLogger(__name__)
 _pod_ips = itertools.count(2)  # unique pod IPs across all status-only nodes
-_live_ips = itertools.count(2)  # and across all live ones (127.1.x.y), never reused
+# And across all live ones (127.1.x.y), never reused. Each run starts at a random /24 of
+# 127.1.0.0/16: the port check in `_take_ip` sees only servers already listening, and a real
+# engine binds its port minutes after its address was chosen, so two runs on one machine
+# that counted from the same start handed the same address to two pods.
+_live_ips = itertools.count(250 * random.randrange(200) + 2)
 
 
 def _now() -> dt.datetime:
