@@ -20,12 +20,13 @@ summed) give each run's hit rate:
 
 The table (in the e2e timings and printed) says whether the issue's targets are met: the
 fleet's hit rate with prefix placement at least 0.9 x the one pod's, and above
-least-loaded's. The test asserts what does not depend on placement quality: every request
-answered through the router, the router following all 3 pods' KV events
-(`sluice_router_kv_feeds_live`), every pod served in the fleet phases, the router picking
-by load alone with prefix weight 0, and hits counted by the engines. The ratio is the
-benchmark's, not a verdict here: the router places by prefix only once it has a prompt-hash
-provider (router/hashes.py); without one both fleet phases place by load.
+least-loaded's. The test asserts: every request answered through the router, the router
+following all 3 pods' KV events (`sluice_router_kv_feeds_live`), every pod served in the
+fleet phases, the router hashing the prompts (the tokenizer read from the pods) and picking
+most requests by prefix, by load alone with prefix weight 0 (the negative control), and
+the fleet's hit rate with prefix placement above least-loaded's, as the engines counted it
+(0.63 against 0.31 in a run here: a margin no tie-break noise covers). The 0.9 x one pod
+ratio is the benchmark's, printed, not asserted.
 """
 
 from __future__ import annotations
@@ -238,6 +239,9 @@ def test_three_real_pods_behind_the_router_count_prefix_cache_hits_by_placement(
     least = phase("least-loaded (prefix weight 0)", ep.ip, fleet, work("bravo"))
     assert least.pods_served == 3, least.per_pod
     assert least.picks["prefix"] == 0, least.picks
+    # The engines' own counts: prefix placement kept the groups' prefixes cached.
+    assert prefix.picks["prefix"] >= len(w.requests) // 2, prefix.picks
+    assert prefix.hit_rate > least.hit_rate, (prefix.per_pod, least.per_pod)
     eventually(lambda: feeds(ep.ip) == 3, timeout=60, interval=0.5,
                message="the new router following the 3 pods' KV events")  # fmt: skip
 
