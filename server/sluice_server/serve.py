@@ -31,6 +31,7 @@ from .core.limits.shared_memory import PodSeat, PodState
 from .core.telemetry.accesslog import ACCESS_LOGGER
 from .router.app import Router, build_router
 from .settings import RouterSettings, Settings
+from .startup import phases
 from .transport import handshake, redact
 
 log = logging.getLogger("sluice_server")
@@ -42,6 +43,14 @@ class DrainingServer(uvicorn.Server):
         self.settings = settings
         self.escalate = escalate  # a second signal exits at once (one process per pod)
         self._drain_task: asyncio.Task | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:  # the lifespan opened the engine and the listener accepts
+            phases.mark("serving")
+            metrics = self.config.app.state.services.metrics  # type: ignore[union-attr]
+            metrics.startup_phases(phases.ordered())
+            log.info("start-up phases (seconds since the process started): %s", phases.summary())
 
     def handle_exit(self, sig: int, frame) -> None:  # called from the signal handler
         if self._drain_task is not None and not self.escalate:
@@ -118,6 +127,7 @@ def serve(
 ) -> int:
     """Serve until drained. A pod's worker passes the supervisor's listening socket, its
     seat and how to reach the pod's engine."""
+    phases.mark("imports_done")
     configure_logging(settings)
     app = build_app(settings, pod=pod, engine_options=engine_options)
     server = DrainingServer(uvicorn_config(settings, app), settings, escalate=pod is None)

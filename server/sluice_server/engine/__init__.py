@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..startup import phases
 from .base import Delta, Engine, SamplingOptions, StreamRequest
 
 if TYPE_CHECKING:
@@ -23,11 +25,14 @@ __all__ = [
 
 
 def resolve_model(model: str) -> str:
-    """`tiny` means the tiny random model made locally (CPU tests, demo)."""
+    """`tiny` means the tiny random model made locally (CPU tests, demo). A local folder
+    marks the `weights_located` phase; a hub name is vLLM's to download, later."""
     if model == "tiny":
         from .tiny_model import ensure_tiny_model
 
-        return str(ensure_tiny_model())
+        model = str(ensure_tiny_model())
+    if Path(model).is_dir():
+        phases.mark("weights_located")
     return model
 
 
@@ -56,6 +61,7 @@ async def open_engine(
             hash_algo=settings.sim_prefix_caching_hash_algo,
             kv_events=KvEventsConfig.from_json(events) if events is not None else None,
         )
+        phases.mark("engine_ready")
         try:
             yield sim
         finally:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..kvcache import blockhash, describe
+from ..startup import phases
 from .base import Adapter, AdapterLoadError, Delta, StreamRequest
 from .vllm_api import MeteredClient, VllmApi
 from .vllm_argv import vllm_cli_args
@@ -258,6 +259,7 @@ async def open_vllm_engine(
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
 
     args = parse_vllm_args(settings, model_path)
+    phases.mark("engine_imported")
     if client_config is None:
         client = _own_engine(args)
     else:
@@ -266,6 +268,7 @@ async def open_vllm_engine(
         config.pop("api_server_loads", None)
         client = build_async_engine_client(args, client_config=config)
     async with client as llm:
+        phases.mark("engine_ready")
         state = State()
         tasks = await llm.get_supported_tasks()
         await init_app_state(MeteredClient(llm), state, args, tasks)

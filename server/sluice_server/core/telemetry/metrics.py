@@ -244,6 +244,16 @@ class Metrics:
             multiprocess_mode="livemostrecent",
         )
         self.engine_group_up.labels(model)
+        # Set once, when the server starts serving (`sluice_server/startup.py`).
+        self.startup_phase = Gauge(
+            "sluice_startup_phase_seconds",
+            "Seconds from the process's start (a worker's: its supervisor's) to each start-up "
+            "phase it passed: process_started, imports_done, weights_located, engine_imported, "
+            "engine_ready, serving; the slowest over the pod's workers.",
+            ("model", "phase"),
+            registry=r,
+            multiprocess_mode="livemax",
+        )
         # Pre-create the label sets so dashboards and the autoscaler see zeros, not gaps.
         for p in PROTOCOLS:
             for m in (
@@ -276,6 +286,10 @@ class Metrics:
     def engine_group(self, nodes: int, rank: int) -> None:
         self.engine_nodes.labels(self.model).set(nodes)
         self.engine_node_rank.labels(self.model).set(rank)
+
+    def startup_phases(self, phases: list[tuple[str, float]]) -> None:
+        for phase, seconds in phases:
+            self.startup_phase.labels(self.model, phase).set(seconds)
 
     def engine_up(self, up: bool) -> None:
         self.engine_group_up.labels(self.model).set(1 if up else 0)
