@@ -71,6 +71,14 @@ def metric(text: str, name: str, **labels: str) -> float:
     return total
 
 
+def startup_phases(text: str) -> dict[str, float]:
+    """`sluice_startup_phase_seconds` by phase, in start-up order (`startup.PHASES`)."""
+    from sluice_server.startup import PHASES
+
+    return {p: metric(text, "sluice_startup_phase_seconds", phase=p)
+            for p in PHASES if f'phase="{p}"' in text}  # fmt: skip
+
+
 async def scrape(client: httpx.AsyncClient) -> str:
     r = await client.get("/metrics")
     assert r.status_code == 200

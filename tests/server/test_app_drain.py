@@ -1,5 +1,6 @@
 """SIGTERM drain with a real `sluice-server --model tiny` process: /ready turns 503 at once,
-a new request is refused, the in-flight stream completes, and the process exits 0."""
+a new request is refused, the in-flight stream completes, and the process exits 0. Its
+start-up phases on vLLM come first: every one exported, in order."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from pod_helpers import startup_phases
+from sluice_server.startup import PHASES
 from testkit.net import free_port
 from testkit.wait import eventually_async
 
@@ -47,6 +50,10 @@ async def test_sigterm_drains_then_exits_zero(tiny_model_path):
             # engine start: ~30 s alone, minutes on a busy box
             await eventually_async(ready, timeout=420, interval=0.5, retry_on=(httpx.TransportError,),
                                    message=lambda: "the server ready\n" + _tail(log))  # fmt: skip
+
+            phases = startup_phases((await c.get("/metrics")).text)
+            assert list(phases) == list(PHASES), phases  # the tiny model is a local folder
+            assert list(phases.values()) == sorted(phases.values()), phases
 
             events: list[str] = []
             first = asyncio.Event()
