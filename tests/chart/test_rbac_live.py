@@ -64,7 +64,7 @@ def test_namespaced_rbac_on_a_real_api_server(live_cluster):
         assert {r["metadata"]["namespace"] for r in watched_roles} == set(WATCHED)
         assert not chart.of_kind("ClusterRoleBinding")  # nothing cluster-scoped for the operator
         # Negative control: team-b's Role may read services but not write them.
-        (role_b,) = [r for r in chart.of_kind("Role") if r["metadata"]["namespace"] == "team-b"]
+        (role_b,) = [r for r in watched_roles if r["metadata"]["namespace"] == "team-b"]
         (services,) = [r for r in role_b["rules"] if r["resources"] == ["services"]]
         services["verbs"] = ["get", "list", "watch"]
         kubeconfig = install_operator_identity(admin, cp, chart)
