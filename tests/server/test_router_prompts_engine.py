@@ -1,9 +1,11 @@
 """The router's prompt hashes equal the real engine's: a router-side `PromptHasher`, built
 from what the pod serves at `GET /internal/prefix-cache` (block size, hash, seed and the
 tokenizer files with vLLM's resolved chat template), predicts the `BlockStored` hashes vLLM
-publishes for a chat, a completions and a token-stream request sent to our server, and for
-a request salted with its caller's tenant. Controls: another block size, or the chat's
-text without the template, predicts none of them.
+publishes for a chat, a completions, an OpenAI Responses, an Anthropic Messages and a
+token-stream request sent to our server, and for a request salted with its caller's tenant.
+Controls: another block size, or the chat's text without the template, predicts none of
+them, and a Responses or Messages request's text hashed as a plain completion differs from
+its hashes (the chat template is in them).
 """
 
 from __future__ import annotations
@@ -57,6 +59,13 @@ async def test_router_hashes_equal_the_engines(kv_engine, tiny_model_path, tmp_p
         ("open", "/v1/completions", {"model": "tiny", "max_tokens": 1, "prompt": text()}, None),
         ("open", "/v1/stream", {"max_tokens": 1, "messages": [{"role": "user", "content": text()}]}, None),
         ("keyed", "/v1/chat/completions", {**chat, "cache_salt": "mine"}, "acme"),
+        ("open", "/v1/responses", {"model": "tiny", "max_output_tokens": 1,
+                                   "instructions": "You are terse.", "input": [
+                                       {"role": "user", "content": [
+                                           {"type": "input_text", "text": text()}]}]}, None),
+        ("open", "/v1/messages", {"model": "tiny", "max_tokens": 1,
+                                  "system": [{"type": "text", "text": "You are terse."}],
+                                  "messages": [{"role": "user", "content": text()}]}, None),
     ]  # fmt: skip
     try:
         async with (
@@ -101,6 +110,16 @@ async def test_router_hashes_equal_the_engines(kv_engine, tiny_model_path, tmp_p
             plain_hashes = hasher.hasher.block_hashes(plain)
             assert len(plain_hashes) >= 2
             assert not set(map(blockhash.external, plain_hashes)) & seen
+            # The Responses and Messages requests' text as a plain completion: other hashes.
+            responses, messages = requests[4][2], requests[5][2]
+            for body, prompt, want in [
+                (responses, responses["input"][0]["content"][0]["text"], wants[4]),
+                (messages, messages["messages"][0]["content"], wants[5]),
+            ]:
+                completion = json.dumps({"model": "tiny", "prompt": prompt}).encode()
+                as_completion = hasher.hashes("/v1/completions", completion, None)
+                assert as_completion and len(as_completion) >= 2
+                assert not set(as_completion) & set(want), body
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

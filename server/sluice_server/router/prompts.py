@@ -18,6 +18,14 @@ What the pod does, mirrored:
   reasoning_effort=None)`;
 * vLLM's completions: the prompt text encoded with `add_special_tokens` (default true), or
   the prompt's token ids as sent;
+* vLLM's Responses (`responses/utils.py: construct_input_messages`): `instructions` (when
+  not empty) as a system message, then `input` as one user message, or its message items
+  (`input_text` parts are text parts), rendered as a chat and, unlike a chat, encoded with
+  the tokenizer's special tokens (its `TokenizeParams` keep `add_special_tokens` true);
+* vLLM's Anthropic Messages (`anthropic/serving.py: to_chat_completion_request`): the
+  `system` text (its non-empty text blocks joined with "", Claude Code's billing-header
+  block dropped) as a system message, then each message's text (one non-empty text block
+  as a string, several as text parts), rendered as a chat;
 * our `/v1/stream` on vLLM (`engine/vllm_engine.py: prepare`): a prompt encoded with special
   tokens, messages rendered with the tokenizer's own template and encoded without;
 * the simulator: the prompt's (or the messages' joined) whitespace words, each
@@ -25,9 +33,12 @@ What the pod does, mirrored:
 
 `hashes` returns None for what it cannot reproduce exactly, and the caller then places the
 request without the cache: an unknown route, a body that does not parse, several prompts,
-multimodal or non-text content, tools, a request's own chat template or template
-arguments, messages with tool calls or reasoning, and (on vLLM) the Responses and Anthropic
-routes, whose conversion into a chat vLLM does with its own request models.
+multimodal or non-text content, tools or a tool choice, a request's own chat template or
+template arguments, reasoning or thinking options, messages with tool calls or reasoning,
+Responses items other than plain messages (or an assistant item with parts, a partial
+one), `previous_response_id`, truncation, Anthropic system messages inside `messages`
+(vLLM may merge them into the leading one, by what the template accepts), and
+`kv_transfer_params`.
 
 `transformers` is imported only for a vLLM model's tokenizer (not for the simulator), and
 through the tokenizer class's own module: `transformers.AutoTokenizer` imports torch.
@@ -78,8 +89,15 @@ _MESSAGE_KEYS = frozenset({"role", "content", "name"})
 # reproduced (None).
 _CHAT_UNSURE = ("tools", "chat_template", "chat_template_kwargs", "documents",
                 "reasoning_effort", "mm_processor_kwargs", "media_io_kwargs",
-                "truncate_prompt_tokens", "prompt_embeds")  # fmt: skip
-_COMPLETION_UNSURE = ("suffix", "echo", "truncate_prompt_tokens", "prompt_embeds")
+                "truncate_prompt_tokens", "prompt_embeds", "kv_transfer_params")  # fmt: skip
+_COMPLETION_UNSURE = ("suffix", "echo", "truncate_prompt_tokens", "prompt_embeds",
+                      "kv_transfer_params")  # fmt: skip
+_RESPONSES_UNSURE = ("reasoning", "previous_response_id", "previous_input_messages", "prompt",
+                     "chat_template_kwargs", "mm_processor_kwargs", "media_io_kwargs",
+                     "kv_transfer_params")  # fmt: skip
+_MESSAGES_UNSURE = ("tools", "tool_choice", "thinking", "output_config", "chat_template_kwargs",
+                    "kv_transfer_params")  # fmt: skip
+_TEXT_BLOCK_KEYS = frozenset({"type", "text", "cache_control"})
 
 
 class Unsupported(ValueError):
@@ -144,30 +162,49 @@ class _HfTokens:
             return self._completion(body)
         if route == "stream":
             return self._stream(body)
-        raise Unsupported(f"the {route} route's conversion is vLLM's own")
+        if route == "responses":  # its TokenizeParams keep add_special_tokens' default, true
+            return self._render(_responses_messages(body), special=True)
+        return self._render(_anthropic_messages(body))
 
     def _chat(self, body: dict[str, Any]) -> list[int]:
-        if any(body.get(k) is not None for k in _CHAT_UNSURE) or self.chat_template is None:
+        if any(body.get(k) is not None for k in _CHAT_UNSURE):
             raise Unsupported("chat rendering depends on the request")
-        conversation = [self._message(m) for m in _list(body.get("messages"))]
-        if not conversation:
-            raise Unsupported("no messages")
         add_generation_prompt = body.get("add_generation_prompt", True)
         continue_final = body.get("continue_final_message", False)
-        if not isinstance(add_generation_prompt, bool) or not isinstance(continue_final, bool):
+        special = body.get("add_special_tokens", False)
+        if not all(isinstance(b, bool) for b in (add_generation_prompt, continue_final, special)):
             raise Unsupported("not a boolean")
-        ids = self.tok.apply_chat_template(
-            conversation,
+        return self._render(
+            _list(body.get("messages")), add_generation_prompt, continue_final, special
+        )
+
+    def _render(
+        self,
+        messages: list[Any],
+        add_generation_prompt: bool = True,
+        continue_final: bool = False,
+        special: bool = False,
+    ) -> list[int]:
+        """vLLM's chat rendering of OpenAI chat messages (`renderers/chat_utils.py`): the
+        template's text, encoded with or without the tokenizer's special tokens."""
+        if self.chat_template is None:
+            raise Unsupported("no chat template")
+        conversation = [self._message(m) for m in messages]
+        if not conversation:
+            raise Unsupported("no messages")
+        kwargs = dict(
             tools=None,
             chat_template=self.chat_template,
-            tokenize=True,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final,
             documents=None,
             reasoning_effort=None,
-            return_dict=False,
         )
-        return list(ids)
+        if not special:
+            return list(self.tok.apply_chat_template(conversation, tokenize=True,
+                                                     return_dict=False, **kwargs))  # fmt: skip
+        text = self.tok.apply_chat_template(conversation, tokenize=False, **kwargs)
+        return list(self.tok.encode(text, add_special_tokens=True))
 
     def _message(self, message: Any) -> dict[str, Any]:
         m = _dict(message)
@@ -226,6 +263,85 @@ class _HfTokens:
             raise Unsupported("no prompt")
         text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return list(self.tok.encode(text, add_special_tokens=False))
+
+
+def _responses_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chat messages vLLM makes of a Responses request (`construct_input_messages`),
+    for its plain text messages; anything else is Unsupported."""
+    if any(body.get(k) is not None for k in _RESPONSES_UNSURE):
+        raise Unsupported("Responses options change the prompt")
+    if body.get("tools") or body.get("tool_choice") not in (None, "auto", "none"):
+        raise Unsupported("tools")
+    if body.get("truncation") not in (None, "disabled"):
+        raise Unsupported("truncation")
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if instructions is not None and _str(instructions):
+        messages.append({"role": "system", "content": instructions})
+    inp = body.get("input")
+    if isinstance(inp, str):
+        return [*messages, {"role": "user", "content": inp}]
+    for item in _list(inp):
+        i = _dict(item)
+        if not {"type", "role", "content"}.issuperset(i) or i.get("type", "message") != "message":
+            raise Unsupported("not a plain message item")
+        content = i.get("content")
+        if i.get("role") == "assistant":
+            if not isinstance(content, str):  # vLLM keeps only the first part's text
+                raise Unsupported("an assistant item with parts")
+        elif not isinstance(content, str):
+            parts = []
+            for part in _list(content):
+                p = _dict(part)
+                if p.get("type") != "input_text" or set(p) != {"type", "text"}:
+                    raise Unsupported("non-text content")
+                parts.append({"type": "text", "text": _str(p["text"])})
+            content = parts
+        messages.append({"role": i.get("role"), "content": content})
+    return messages
+
+
+def _anthropic_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chat messages vLLM makes of an Anthropic Messages request
+    (`AnthropicServingMessages.to_chat_completion_request`), for text; anything else is
+    Unsupported."""
+    if any(body.get(k) is not None for k in _MESSAGES_UNSURE):
+        raise Unsupported("Messages options change the prompt")
+    system = body.get("system")
+    parts: list[str] = []
+    if isinstance(system, str):
+        parts = [system] if system else []
+    elif system is not None:
+        for text in _anthropic_texts(system):
+            if not text.startswith(_BILLING_HEADER):  # vLLM drops Claude Code's block
+                parts.append(text)
+    messages: list[dict[str, Any]] = []
+    if parts:
+        messages.append({"role": "system", "content": "".join(parts)})
+    for message in _list(body.get("messages")):
+        m = _dict(message)
+        if m.get("role") not in ("user", "assistant") or set(m) != {"role", "content"}:
+            raise Unsupported("a message the router does not render")
+        content = m["content"]
+        if not isinstance(content, str):
+            texts = _anthropic_texts(content)
+            if not texts:
+                raise Unsupported("no text")
+            content = texts[0] if len(texts) == 1 else [{"type": "text", "text": t} for t in texts]
+        messages.append({"role": m["role"], "content": content})
+    return messages
+
+
+def _anthropic_texts(blocks: Any) -> list[str]:
+    """The non-empty texts of Anthropic text blocks (vLLM skips empty ones)."""
+    texts = []
+    for block in _list(blocks):
+        b = _dict(block)
+        if b.get("type") != "text" or not _TEXT_BLOCK_KEYS.issuperset(b):
+            raise Unsupported("a block other than text")
+        if _str(b.get("text")):
+            texts.append(b["text"])
+    return texts
 
 
 def _dict(x: Any) -> dict[str, Any]:

@@ -5,6 +5,7 @@ cache stored for it, on every route; what the router cannot parse is None."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 from app_helpers import serve_simulator
@@ -128,3 +129,149 @@ def test_a_model_under_a_path_prefix_is_hashed_as_its_pod_serves_it():
         "/v1/completions", completion, None
     )
     assert h.hashes("/mistral/v1/chat/completions/x", body, None) is None
+
+
+class _Template:
+    """A tokenizer whose chat template records the conversation vLLM's renderer would get."""
+
+    def __init__(self) -> None:
+        self.conversations: list[list[dict]] = []
+
+    def apply_chat_template(self, conversation, **kwargs):
+        assert kwargs["add_generation_prompt"] and not kwargs["continue_final_message"]
+        self.conversations.append(conversation)
+        if not kwargs["tokenize"]:
+            return json.dumps(conversation)
+        return [len(self.conversations)] * (2 * BS)
+
+    def encode(self, text, add_special_tokens):
+        return [0] * add_special_tokens + [len(self.conversations)] * (2 * BS)
+
+
+def hf_hasher(content_format: str = "string") -> tuple[PromptHasher, _Template]:
+    from sluice_server.router.prompts import _HfTokens
+
+    desc = {"enabled": True, "block_size": BS, "hash_algo": "sha256",
+            "none_hash_seed": "vllm-none-hash", "loras": {}}  # fmt: skip
+    tok = _Template()
+    hasher = PromptHasher.from_description(
+        {**desc, "tokenizer": {"kind": "hf", "class": "X", "chat_template": "t",
+                               "content_format": content_format}},
+        files_dir=Path("."), load_tokenizer=lambda cls, folder: tok,
+    )  # fmt: skip
+    assert hasher is not None and isinstance(hasher.tokens, _HfTokens)
+    return hasher, tok
+
+
+def rendered(path: str, body: dict, content_format: str = "string") -> list[dict] | None:
+    """The conversation the router renders for a vLLM model (None: not hashed)."""
+    hasher, tok = hf_hasher(content_format)
+    if hasher.hashes(path, json.dumps(body).encode(), None) is None:
+        return None
+    (conversation,) = tok.conversations
+    return conversation
+
+
+def test_responses_are_rendered_as_vllms_chat():
+    """`construct_input_messages`: instructions as the system message, a string input as
+    one user message, message items with `input_text` parts as text parts."""
+    sys_ = {"role": "system", "content": "Be terse."}
+    assert rendered("/v1/responses", {"instructions": "Be terse.", "input": "Hi there"}) == [
+        sys_, {"role": "user", "content": "Hi there"}]  # fmt: skip
+    assert rendered("/v1/responses", {"instructions": "", "input": "Hi"}) == [
+        {"role": "user", "content": "Hi"}]  # fmt: skip
+    items = {"input": [
+        {"role": "user", "content": "one"},
+        {"role": "assistant", "content": "two"},
+        {"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
+    ]}  # fmt: skip
+    assert rendered("/v1/responses", items) == [
+        {"role": "user", "content": "one"}, {"role": "assistant", "content": "two"},
+        {"role": "user", "content": "a\nb"}]  # fmt: skip
+    assert rendered("/v1/responses", items, "openai")[2] == {
+        "role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}  # fmt: skip
+
+
+def test_anthropic_messages_are_rendered_as_vllms_chat():
+    """`to_chat_completion_request`: the system blocks' texts joined with "" (Claude Code's
+    billing header block dropped), one text block as a string, several as text parts."""
+    body = {"max_tokens": 4,
+            "system": [{"type": "text", "text": "x-anthropic-billing-header: cc=1;"},
+                       {"type": "text", "text": "You are "},
+                       {"type": "text", "text": "terse.", "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": "Hi"},
+                         {"role": "assistant", "content": [{"type": "text", "text": "Yes"}]},
+                         {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                      {"type": "text", "text": ""},
+                                                      {"type": "text", "text": "b"}]}]}  # fmt: skip
+    assert rendered("/v1/messages", body) == [
+        {"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Yes"}, {"role": "user", "content": "a\nb"}]  # fmt: skip
+    plain = {"max_tokens": 4, "system": "S", "messages": [{"role": "user", "content": "Hi"}]}
+    assert rendered("/v1/messages", plain) == [
+        {"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}]  # fmt: skip
+
+
+def test_what_the_router_cannot_render_for_a_vllm_model_is_none():
+    """Tools, images, reasoning, stored history, options that change the prompt."""
+    text = {"type": "input_text", "text": "a"}
+    image = {"type": "input_image", "image_url": "https://x/y.png", "detail": "auto"}
+    for body in [
+        {"input": "Hi", "tools": [{"type": "function", "name": "f", "parameters": {}}]},
+        {"input": "Hi", "tool_choice": "required"},
+        {"input": "Hi", "previous_response_id": "resp_1"},
+        {"input": "Hi", "reasoning": {"effort": "low"}},
+        {"input": "Hi", "chat_template_kwargs": {"enable_thinking": False}},
+        {"input": "Hi", "truncation": "auto"},
+        {"input": "Hi", "kv_transfer_params": {"do_remote_prefill": True}},
+        {"input": [{"role": "user", "content": [text, image]}]},
+        {"input": [{"role": "developer", "content": "d"}]},
+        {"input": [{"role": "assistant", "content": [{"type": "output_text", "text": "x"}]}]},
+        {"input": [{"role": "assistant", "content": "x", "status": "in_progress"}]},
+        {"input": [{"type": "reasoning", "id": "r", "summary": []}]},
+        {"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]},
+        {"input": []},
+        {"instructions": 3, "input": "Hi"},
+    ]:
+        assert rendered("/v1/responses", body) is None, body
+    hi = [{"role": "user", "content": "Hi"}]
+    for body in [
+        {"messages": hi, "tools": [{"name": "f", "input_schema": {}}]},
+        {"messages": hi, "tool_choice": {"type": "auto"}},
+        {"messages": hi, "thinking": {"type": "enabled", "budget_tokens": 1024}},
+        {"messages": hi, "output_config": {"effort": "low"}},
+        {"messages": hi, "chat_template_kwargs": {"x": 1}},
+        {"messages": [*hi, {"role": "system", "content": "inline"}]},
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "source": {"type": "url", "url": "https://x/y.png"}}
+                    ],
+                }
+            ]
+        },
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "content": [{"type": "thinking", "thinking": "hm", "signature": "s"}],
+                }
+            ]
+        },
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}],
+                }
+            ]
+        },
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]},
+        {"system": [{"type": "image", "source": {}}], "messages": hi},
+        {"system": "x-anthropic-billing-header: cc=1;\nS", "messages": hi},
+        {"messages": []},
+    ]:
+        assert rendered("/v1/messages", {"max_tokens": 4, **body}) is None, body

@@ -7,6 +7,8 @@
   real `vllm.v1.request.Request`) on random prompts, with and without a cache salt and a
   LoRA adapter, for every hash algorithm vLLM offers that is installed, under a fixed
   PYTHONHASHSEED and without one.
+* `router.prompts` turns Responses and Anthropic Messages requests into the chat messages
+  vLLM's own conversions make.
 """
 
 from __future__ import annotations
@@ -193,3 +195,56 @@ def test_chained_hashes_continue_a_chain():
 def test_external_hash_is_vllms_int_form():
     digest = blockhash.BlockHasher().block_hashes(list(range(16)))[0]
     assert blockhash.external(digest) == kv_cache_utils.maybe_convert_block_hash(digest)
+
+
+RESPONSES = [
+    {"instructions": "Be terse.", "input": "Hi there"},
+    {"instructions": "", "input": [
+        {"role": "system", "content": "S"}, {"role": "user", "content": "one"},
+        {"type": "message", "role": "assistant", "content": "two"},
+        {"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]}]},
+]  # fmt: skip
+ANTHROPIC = [
+    {"system": "S", "messages": [{"role": "user", "content": "Hi"}]},
+    {"system": [{"type": "text", "text": "x-anthropic-billing-header: cc=1;"},
+                {"type": "text", "text": "You are "},
+                {"type": "text", "text": "terse.", "cache_control": {"type": "ephemeral"}}],
+     "messages": [{"role": "user", "content": "Hi"},
+                  {"role": "assistant", "content": [{"type": "text", "text": "Yes"}]},
+                  {"role": "user", "content": [{"type": "text", "text": "a"},
+                                               {"type": "text", "text": ""},
+                                               {"type": "text", "text": "b"}]}]},
+]  # fmt: skip
+
+
+def test_responses_and_anthropic_become_vllms_chat_messages():
+    """`router.prompts` turns a Responses or Anthropic request into the chat messages vLLM's
+    own conversion makes (`construct_input_messages`, `to_chat_completion_request`); the
+    chat rendering after it is the chat route's (checked against the engine)."""
+    from sluice_server.router import prompts
+    from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+    from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+    from vllm.entrypoints.openai.responses.utils import construct_input_messages
+
+    def chat_form(message: dict) -> dict:
+        """What vLLM's chat parsing reads of a Responses message: role and content, with
+        `input_text` parts as text parts (`chat_utils.MM_PARSER_MAP`)."""
+        content = message["content"]
+        if isinstance(content, list):
+            content = [{"type": "text", "text": p["text"]} for p in content]
+        return {"role": message["role"], "content": content}
+
+    for body in RESPONSES:
+        req = ResponsesRequest.model_validate({"model": "m", **body})
+        theirs = construct_input_messages(request_instructions=req.instructions,
+                                          request_input=req.input)  # fmt: skip
+        assert prompts._responses_messages(body) == [chat_form(m) for m in theirs], body
+    for body in ANTHROPIC:
+        body = {"model": "m", "max_tokens": 4, **body}
+        req = AnthropicServingMessages.to_chat_completion_request(
+            AnthropicMessagesRequest.model_validate(body)
+        )
+        assert req.add_generation_prompt and not req.continue_final_message
+        assert prompts._anthropic_messages(body) == req.messages, body
