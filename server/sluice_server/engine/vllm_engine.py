@@ -173,9 +173,14 @@ class VllmEngine:
         template = resolve_chat_template(tok, given, None, model_config=mc)
         fmt = chat.chat_template_content_format if chat is not None else "auto"
         cls = next(c for c in type(tok).__mro__ if c.__module__.startswith("transformers"))
+        harmony = getattr(mc.hf_config, "model_type", None) == "gpt_oss"
         return {
             "kind": "hf",
             "class": cls.__name__,
+            # How vLLM renders a chat: gpt-oss models through Harmony, not the template;
+            # server-wide template arguments change every rendering.
+            "chat_rendering": "harmony" if harmony else "template",
+            "default_chat_template_kwargs": getattr(chat, "default_chat_template_kwargs", {}) or {},
             "chat_template": template,
             "content_format": resolve_chat_template_content_format(
                 template, None, fmt, tok, model_config=mc

@@ -9,6 +9,8 @@ builds its `router.prompts.PromptHasher` from it. The JSON object:
      "loras": {name: path},               # the adapters as the engine loaded them
      "tokenizer": {"kind": "words"}       # the simulator: whitespace words
                | {"kind": "hf", "class": str, "chat_template": str | null,
+                  "chat_rendering": "template" | "harmony",  # harmony: gpt-oss
+                  "default_chat_template_kwargs": {...},     # the server's, for every chat
                   "content_format": "string" | "openai", "sha256": str,
                   "files": {name: size}}  # each at GET /internal/prefix-cache/files/{name}
                | {"kind": "unavailable", "reason": str}}

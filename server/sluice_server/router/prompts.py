@@ -394,7 +394,8 @@ class PromptHasher:
     ) -> PromptHasher | None:
         """From a pod's `GET /internal/prefix-cache` (and, for a vLLM model, the folder its
         tokenizer files were saved in). None when the pod's hashes cannot be reproduced
-        (prefix caching off, a random seed, no tokenizer)."""
+        (prefix caching off, a random seed, no tokenizer, a chat rendered through Harmony
+        (gpt-oss) or with server-wide template arguments)."""
         if not desc.get("enabled") or desc.get("none_hash_seed") is None:
             return None
         algo = desc["hash_algo"]
@@ -408,6 +409,10 @@ class PromptHasher:
         if tok.get("kind") == "words":
             tokens = _Words()
         elif tok.get("kind") == "hf" and files_dir is not None:
+            if tok.get("chat_rendering", "template") != "template" or tok.get(
+                "default_chat_template_kwargs"
+            ):
+                return None  # rendered otherwise than by the template alone: not reproduced
             tokens = _HfTokens(
                 load_tokenizer(tok["class"], files_dir),
                 tok.get("chat_template"),

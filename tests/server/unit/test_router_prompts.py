@@ -275,3 +275,22 @@ def test_what_the_router_cannot_render_for_a_vllm_model_is_none():
         {"messages": []},
     ]:
         assert rendered("/v1/messages", {"max_tokens": 4, **body}) is None, body
+
+
+def test_a_chat_vllm_renders_otherwise_than_by_its_template_gets_no_hasher(tmp_path):
+    """gpt-oss chats go through Harmony, and server-wide template arguments change every
+    rendering: the pod says so and the router places such a model by load."""
+    desc = {"enabled": True, "block_size": BS, "hash_algo": "sha256",
+            "none_hash_seed": "vllm-none-hash", "loras": {},
+            "tokenizer": {"kind": "hf", "class": "Any", "chat_template": "{{ x }}",
+                          "content_format": "string", "chat_rendering": "template",
+                          "default_chat_template_kwargs": {}}}  # fmt: skip
+
+    def loaded(cls: str, folder):
+        return object()  # a stand-in tokenizer: only whether a hasher is made matters
+
+    assert PromptHasher.from_description(desc, tmp_path, loaded) is not None  # control
+    for change in ({"chat_rendering": "harmony"},
+                   {"default_chat_template_kwargs": {"enable_thinking": False}}):  # fmt: skip
+        other = {**desc, "tokenizer": {**desc["tokenizer"], **change}}
+        assert PromptHasher.from_description(other, tmp_path, loaded) is None, change
