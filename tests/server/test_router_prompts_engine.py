@@ -78,7 +78,7 @@ async def test_router_hashes_equal_the_engines(kv_engine, tiny_model_path, tmp_p
             assert desc["block_size"] == bs and desc["none_hash_seed"] == SEED, desc
             assert desc["tokenizer"]["kind"] == "hf" and desc["enabled"]
             hasher = await fetch_hasher(client, open_url, tmp_path / "tokenizers")
-            assert hasher is not None
+            assert hasher is not None, desc["tokenizer"].get("default_chat_template_kwargs")
             urls = {"open": open_url, "keyed": keyed_url}
             wants = []
             for where, path, body, tenant in requests:

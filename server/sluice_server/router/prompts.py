@@ -150,10 +150,17 @@ class _HfTokens:
     """A Hugging Face tokenizer loaded from the pod's files, and the chat template and
     content format vLLM resolved."""
 
-    def __init__(self, tokenizer: Any, chat_template: str | None, content_format: str) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        chat_template: str | None,
+        content_format: str,
+        defaults: dict[str, Any] | None = None,
+    ) -> None:
         self.tok = tokenizer
         self.chat_template = chat_template
         self.content_format = content_format
+        self.defaults = defaults or {}  # the server's default template arguments
 
     def prompt_ids(self, route: Route, body: dict[str, Any]) -> list[int]:
         if route == "chat":
@@ -193,6 +200,7 @@ class _HfTokens:
         if not conversation:
             raise Unsupported("no messages")
         kwargs = dict(
+            self.defaults,  # the server's defaults, under what the request decides
             tools=None,
             chat_template=self.chat_template,
             add_generation_prompt=add_generation_prompt,
@@ -394,8 +402,8 @@ class PromptHasher:
     ) -> PromptHasher | None:
         """From a pod's `GET /internal/prefix-cache` (and, for a vLLM model, the folder its
         tokenizer files were saved in). None when the pod's hashes cannot be reproduced
-        (prefix caching off, a random seed, no tokenizer, a chat rendered through Harmony
-        (gpt-oss) or with server-wide template arguments)."""
+        (prefix caching off, a random seed, no tokenizer, chats rendered through Harmony:
+        gpt-oss). The server's default template arguments are applied as vLLM applies them."""
         if not desc.get("enabled") or desc.get("none_hash_seed") is None:
             return None
         algo = desc["hash_algo"]
@@ -409,14 +417,13 @@ class PromptHasher:
         if tok.get("kind") == "words":
             tokens = _Words()
         elif tok.get("kind") == "hf" and files_dir is not None:
-            if tok.get("chat_rendering", "template") != "template" or tok.get(
-                "default_chat_template_kwargs"
-            ):
-                return None  # rendered otherwise than by the template alone: not reproduced
+            if tok.get("chat_rendering", "template") != "template":
+                return None  # rendered otherwise than by the template (Harmony): not reproduced
             tokens = _HfTokens(
                 load_tokenizer(tok["class"], files_dir),
                 tok.get("chat_template"),
                 tok.get("content_format", "string"),
+                tok.get("default_chat_template_kwargs"),
             )
         else:
             return None

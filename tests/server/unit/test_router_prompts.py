@@ -278,8 +278,8 @@ def test_what_the_router_cannot_render_for_a_vllm_model_is_none():
 
 
 def test_a_chat_vllm_renders_otherwise_than_by_its_template_gets_no_hasher(tmp_path):
-    """gpt-oss chats go through Harmony, and server-wide template arguments change every
-    rendering: the pod says so and the router places such a model by load."""
+    """gpt-oss chats go through Harmony, not the template: the pod says so and the router
+    places such a model by load."""
     desc = {"enabled": True, "block_size": BS, "hash_algo": "sha256",
             "none_hash_seed": "vllm-none-hash", "loras": {},
             "tokenizer": {"kind": "hf", "class": "Any", "chat_template": "{{ x }}",
@@ -290,7 +290,29 @@ def test_a_chat_vllm_renders_otherwise_than_by_its_template_gets_no_hasher(tmp_p
         return object()  # a stand-in tokenizer: only whether a hasher is made matters
 
     assert PromptHasher.from_description(desc, tmp_path, loaded) is not None  # control
-    for change in ({"chat_rendering": "harmony"},
-                   {"default_chat_template_kwargs": {"enable_thinking": False}}):  # fmt: skip
-        other = {**desc, "tokenizer": {**desc["tokenizer"], **change}}
-        assert PromptHasher.from_description(other, tmp_path, loaded) is None, change
+    harmony = {**desc, "tokenizer": {**desc["tokenizer"], "chat_rendering": "harmony"}}
+    assert PromptHasher.from_description(harmony, tmp_path, loaded) is None
+
+
+def test_the_servers_default_template_arguments_reach_the_template(tmp_path):
+    """vLLM renders every chat with the server's default template arguments (under the
+    request's own): the router renders with them too."""
+    seen: list[dict] = []
+
+    class Recording:
+        def apply_chat_template(self, conversation, **kwargs):
+            seen.append(kwargs)
+            return [7] * (2 * BS)
+
+    desc = {"enabled": True, "block_size": BS, "hash_algo": "sha256",
+            "none_hash_seed": "vllm-none-hash", "loras": {},
+            "tokenizer": {"kind": "hf", "class": "Any", "chat_template": "{{ x }}",
+                          "content_format": "string", "chat_rendering": "template",
+                          "default_chat_template_kwargs": {"enable_thinking": False,
+                                                           "add_generation_prompt": False}}}  # fmt: skip
+    h = PromptHasher.from_description(desc, tmp_path, lambda cls, folder: Recording())
+    assert h is not None
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
+    assert h.hashes("/v1/chat/completions", body, None)
+    assert seen[-1]["enable_thinking"] is False
+    assert seen[-1]["add_generation_prompt"] is True  # the request's (default) decides
