@@ -127,7 +127,9 @@ def freeze_startup_heap() -> None:
     (`vllm.utils.gc_utils.freeze_gc_heap`). Otherwise, every so often while serving, a
     full collection walks all of them: measured 0.9 s on one core of our machines, a stall
     of every stream on the loop (the TTFT p99 tail at concurrency 64, docs/benchmarks.md).
-    Objects created later are collected as usual."""
+    The router freezes its own (about 90,000 objects): unfrozen, a full collection while it
+    relayed took 110-160 ms, frozen 14 ms (`python -m sluice_bench.router_hop`). Objects
+    created later are collected as usual."""
     started = time.perf_counter()
     gc.collect()
     gc.freeze()

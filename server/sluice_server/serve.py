@@ -26,7 +26,7 @@ from multiprocessing import connection
 
 import uvicorn
 
-from .app import build_app
+from .app import build_app, freeze_startup_heap
 from .core.limits.shared_memory import PodSeat, PodState
 from .core.telemetry.accesslog import ACCESS_LOGGER
 from .router.app import Router, build_router
@@ -169,6 +169,10 @@ class RouterServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, app: Router) -> None:
         super().__init__(config)
         self.app = app
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        freeze_startup_heap()  # what the imports and the lifespan made
 
     def handle_exit(self, sig: int, frame) -> None:  # called from the signal handler
         if self.started and not self.should_exit:

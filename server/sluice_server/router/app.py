@@ -38,7 +38,7 @@ from ..transport.sendwatch import transport_of
 from . import proxy, relay
 from .hashers import ModelHasher
 from .hashes import HashesFor, PromptHashes
-from .hop import hop_client
+from .hop import Relay
 from .metrics import RouterMetrics
 from .models import MODEL_HEADER, Model, Models, load
 from .pin import Pins
@@ -77,7 +77,7 @@ class Router:
         self.cache_dir: Path | None = settings.prefix_hasher_cache_dir
         self._own_cache_dir = False
         self.client: httpx.AsyncClient | None = None  # polls, scrapes, descriptions
-        self.relay: httpx.AsyncClient | None = None  # forwarded requests (hop.py)
+        self.relay: Relay | None = None  # forwarded requests (hop.py)
         self.closing = Closing()
         api = ApiServer.find(settings.kube_api_url, settings.service_account_dir)
         self.pods = PodWatches(api, settings.connect_timeout_seconds)
@@ -289,7 +289,7 @@ class Router:
                     timeout=httpx.Timeout(None, connect=s.connect_timeout_seconds),
                     limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
                 )
-                self.relay = hop_client(s.connect_timeout_seconds)
+                self.relay = Relay(s.connect_timeout_seconds)
                 if self.cache_dir is None:
                     self.cache_dir = Path(tempfile.mkdtemp(prefix="sluice-tokenizers-"))
                     self._own_cache_dir = True

@@ -164,7 +164,7 @@ class _Body(httpx.AsyncByteStream):
         self.answer, self.read_timeout = answer, read_timeout
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        answer = self.answer
+        answer, read_timeout = self.answer, self.read_timeout
         while True:
             if answer.body:
                 yield answer.take()
@@ -172,8 +172,10 @@ class _Body(httpx.AsyncByteStream):
                 return
             elif answer.error is not None:
                 raise answer.error
+            elif read_timeout is None:
+                await answer.wait()
             else:
-                await _arrival(answer, self.read_timeout)
+                await _arrival(answer, read_timeout)
 
     async def aclose(self) -> None:
         self.answer.close()
@@ -242,12 +244,40 @@ class HopTransport(httpx.AsyncBaseTransport):
         await self._other.aclose()
 
 
+def pieces(response: httpx.Response) -> AsyncIterator[bytes]:
+    """The raw body of an answer `Relay.send` gave, as the pieces the socket reads brought:
+    this module's stream itself, without httpx's per-chunk layers (`Response.aiter_raw`'s
+    chunker, byte count and error context) when the answer came from this transport."""
+    stream = response.stream
+    if isinstance(stream, _Body):
+        return stream.__aiter__()
+    return response.aiter_raw()
+
+
+class Relay:
+    """What the proxy forwards with: the request built by `hop_client`'s client (its default
+    headers and timeouts), sent straight to its transport. No redirects, auth or cookie jar
+    per request: the model's server answers the router's own request, and its Set-Cookie
+    goes to the client, never into a jar shared by all clients."""
+
+    def __init__(self, connect_timeout: float) -> None:
+        self.transport = HopTransport()
+        self.client = hop_client(connect_timeout, transport=self.transport)
+        self.build_request = self.client.build_request
+
+    async def send(self, request: httpx.Request) -> httpx.Response:
+        """The answer, its head read and its body not (`pieces`, `aread`, `aclose`)."""
+        return await self.transport.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
 def hop_client(connect_timeout: float, **options: Any) -> httpx.AsyncClient:
     """The client the relay forwards with: no proxy from the environment, no timeout but
     the connect timeout, and this module's transport."""
     return httpx.AsyncClient(
         trust_env=False,  # a Service address: never through an HTTP proxy
         timeout=httpx.Timeout(None, connect=connect_timeout),
-        transport=HopTransport(),
-        **options,
+        **{"transport": HopTransport(), **options},
     )

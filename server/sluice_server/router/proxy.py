@@ -53,6 +53,7 @@ from ..core.streaming.keepalive import KeepAlive
 from ..protocols import anthropic, responses, token_sse
 from ..protocols.engine_api import openai_error_event
 from ..transport.sse import QUEUED, SSEResponse
+from .hop import Relay, pieces
 from .metrics import Outcome, RouterMetrics
 from .pin import Pins
 from .prefixindex import BlockHash
@@ -243,7 +244,7 @@ class Request:
 
     def __init__(
         self,
-        client: httpx.AsyncClient,
+        client: Relay,
         held: Held,
         scope: Scope,
         body: bytes,
@@ -288,7 +289,7 @@ class Request:
         if target is None:
             return None
         try:
-            response = await self.client.send(self.build(target), stream=True)
+            response = await self.client.send(self.build(target))
             self.held.up.tenants.learn(self.cred, response.status_code, response.headers.raw)
             return response
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
@@ -311,7 +312,7 @@ async def handle(
     send: Send,
     up: Upstream,
     metrics: RouterMetrics,
-    client: httpx.AsyncClient,
+    client: Relay,
     max_body: int,
     send_timeout: float,
     pins: Pins | None = None,
@@ -338,7 +339,7 @@ async def _held(
     scope: Scope,
     receive: Receive,
     send: Send,
-    client: httpx.AsyncClient,
+    client: Relay,
     max_body: int,
     send_timeout: float,
     pins: Pins | None,
@@ -446,7 +447,7 @@ async def _pass_through(request: Request, kind: Kind, send: Send) -> bool:
             {"type": "http.response.start", "status": response.status_code, "headers": headers}
         )
         try:
-            async for chunk in response.aiter_raw():
+            async for chunk in pieces(response):
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except httpx.HTTPError as e:  # the upstream broke off mid-answer
             log.info(
