@@ -88,11 +88,13 @@ class SimServer:
 
 def send_queues(port: int) -> list[int]:
     """Bytes in the kernel's send queue (unsent or unacknowledged) of each established
-    IPv4 connection whose local port is `port` (/proc/net/tcp: the server's sockets)."""
+    IPv4 connection whose local address is 127.0.0.1:`port` (/proc/net/tcp: the server's
+    sockets; another loopback address may serve the same port, as e2e pods do)."""
+    local = f"0100007F:{port:04X}"  # 127.0.0.1, as /proc/net/tcp writes it (little-endian)
     queues = []
     for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
         fields = line.split()
-        if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01":
+        if fields[1] == local and fields[3] == "01":
             queues.append(int(fields[4].split(":")[0], 16))
     return queues
 

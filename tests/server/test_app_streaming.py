@@ -98,7 +98,10 @@ async def test_sse_heartbeat_only_when_idle(make_server):
     stream that is sending tokens needs none, so the real engine's stream carries none
     (the idle case, a long prefill, is in tests/server/unit/test_sse_send.py and
     test_app_simulator.py)."""
-    url = await make_server(heartbeat_seconds=0.2)
+    # 1 s: a busy machine may pause the engine for a fraction of a second between tokens,
+    # and a pause past the heartbeat rightly gets a ping; the stream lasts longer than 1 s,
+    # so a server that pinged on a fixed beat would still be caught.
+    url = await make_server(heartbeat_seconds=1.0)
     async with httpx.AsyncClient(base_url=url, timeout=60) as c:
         async with c.stream("POST", "/v1/stream", json={"prompt": "h", "max_tokens": 400}) as r:
             lines = [line async for line in r.aiter_lines()]

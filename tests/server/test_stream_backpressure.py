@@ -91,7 +91,7 @@ async def test_buffer_cap_aborts_and_reports_error(engine, tiny_model_path):
     proc = psutil.Process()
     rss0 = proc.memory_info().rss
     async with small_buffer_server(engine, tiny_model_path, stream_buffer_tokens=16,
-                                   send_timeout_seconds=0.2) as port:  # fmt: skip
+                                   send_timeout_seconds=30) as port:  # fmt: skip
         s, before = await stalled_request(port)
         t0 = time.perf_counter()
         await started(before)
@@ -160,7 +160,7 @@ async def test_stalled_reader_is_cut_off_with_the_apis_error_event(engine, tiny_
     path, body, error_shape = API_STREAMS[api]
     limit = body.get("max_output_tokens") or body["max_tokens"]
     async with small_buffer_server(engine, tiny_model_path, stream_buffer_tokens=16,
-                                   send_timeout_seconds=0.2) as port:  # fmt: skip
+                                   send_timeout_seconds=30) as port:  # fmt: skip
         s, before = await stalled_request(port, path, json.dumps(body).encode())
         await started(before)
         await settle(engine, limit_s=20)
