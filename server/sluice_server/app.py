@@ -39,6 +39,7 @@ from .core.telemetry.tracing import Tracing
 from .engine import Engine, open_engine
 from .protocols import (
     anthropic,
+    continue_entry,
     openai,
     openapi,
     playground,
@@ -357,5 +358,10 @@ def build_app(
     install_cors(app, settings)
     if settings.root_path:
         app.add_middleware(PathPrefix, prefix=settings.root_path)
+    app.add_middleware(
+        continue_entry.ContinueEntry,
+        key_file=settings.continuation_key_file,
+        max_body_bytes=settings.max_body_bytes,
+    )
     app.add_middleware(Edge, worker=pod.index if pod is not None else None)
     return app

@@ -351,6 +351,13 @@ class Settings(HttpSettings):
         "reads to hash prompts as this engine does. Off: 404. The operator turns it on for "
         "models the router places (`spec.routing.router.enabled`).",
     )
+    continuation_key_file: Path | None = Field(
+        None,
+        description="File holding the key (its first line) the Sluice router presents "
+        "in `X-Sluice-Continuation-Key` to `POST /internal/continue`, which continues on this "
+        "replica a stream another replica started (docs/migration.md). Unset: 404. Read at "
+        "each continuation, so a rotated Secret applies at once.",
+    )
     credentials_reload_seconds: float = Field(
         2.0,
         ge=0,

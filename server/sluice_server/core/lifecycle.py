@@ -43,6 +43,9 @@ def open_stream(
     prompt_tokens: Callable[[], int] = lambda: 0,
     rid: str | None = None,
     ticket: Ticket | None = None,
+    marked: bool = False,
+    first_event: int = 0,
+    continued: bool = False,
 ) -> Handle:
     """Start producing at once (the engine works while headers go out), or, with a `ticket`
     still waiting in the admission queue, once it is admitted (keep-alives meanwhile: the
@@ -51,7 +54,10 @@ def open_stream(
     (or the queue place) and bills the caller's tokens; a stream that did not end on its own
     ends as a disconnect, or with `stalled` as a reader cut off. The stream's end also ends
     `trail` (its protocol and caller are the stream's). With `rid` the stream is recorded in
-    `svc.recent` (and detached instead when it may be resumed)."""
+    `svc.recent` (and detached instead when it may be resumed). `marked`: a stream the
+    router relays (its events carry token ids); `first_event`: the index its events start
+    at; `continued`: a continuation, which bills only the tokens it generates (the first
+    replica billed the prompt and what it delivered)."""
     protocol = trail.protocol or ""
     trail.prompt_tokens = prompt_tokens
     trail.admitted_at = time.perf_counter()
@@ -72,6 +78,8 @@ def open_stream(
         replayable=grace > 0,
         admission=seat,
         keepalive=s.heartbeat_seconds,
+        marked=marked,
+        first_event=first_event,
     )
     svc.gate.streams.add(stream)
     done = False
@@ -87,7 +95,7 @@ def open_stream(
             ticket.release()
         if meter.outcome is None:
             meter.finish(STALLED if stalled else DISCONNECTED, stream)
-        svc.bill(who, prompt_tokens() + meter.tokens)
+        svc.bill(who, (0 if continued else prompt_tokens()) + meter.tokens)
         if rid is not None:
             state = ABORTED if meter.outcome in (DISCONNECTED, STALLED) else FINISHED
             svc.recent.end(rid, state)

@@ -133,16 +133,27 @@ class Services:
         trail.model = adapter.name if adapter is not None else None
         return adapter
 
-    async def admit(self, protocol: str, who: Principal, trail: Trail | None = None) -> Ticket:
+    async def admit(
+        self,
+        protocol: str,
+        who: Principal,
+        trail: Trail | None = None,
+        continuation: bool = False,
+    ) -> Ticket:
         """Drain and capacity first (no limiter call for a request refused anyway), then the
         rate limit; 429/503 with Retry-After, counted. The ticket holds a stream slot, or,
-        with a queue, a place in it (`wait_admitted`); its release gives either back."""
+        with a queue, a place in it (`wait_admitted`); its release gives either back. A
+        `continuation` (a stream another replica admitted) skips the rate limit: its tokens
+        are charged when it ends, it is never refused for them."""
         try:
             ticket = self.gate.admit(who)
         except ApiError as e:
             raise self._counted(protocol, e) from None
         if trail is not None:
             trail.ticket = ticket
+        if continuation:
+            self.metrics.count_tenant_request(who.tenant, "continued")
+            return ticket
         try:
             await self.admit_request(protocol, who)
         except BaseException:

@@ -143,6 +143,11 @@ class StreamRequest:
     # vLLM's `cache_salt`: prompts with different salts share no cached prefix. The server
     # sets it from the caller's tenant and the client's own (core/auth/cachesalt.py).
     cache_salt: str | None = None
+    # A continuation (core/streaming/continuation.py): the output token ids another replica
+    # already generated. The engine generates after prompt + these, at most `max_tokens`
+    # in all, and first yields one Delta replaying them (their text, `num_tokens` and
+    # `completion_tokens` = their count); `prompt_tokens` stay the prompt's.
+    resume_ids: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -158,6 +163,9 @@ class Delta:
     # Prompt tokens served from the prefix cache (vLLM's num_cached_tokens); None: the
     # engine does not report it.
     cached_tokens: int | None = None
+    # The ids of this delta's tokens (None: not reported), for the event ids of streams the
+    # router relays (core/streaming/continuation.py).
+    token_ids: list[int] | None = None
 
 
 ApiKind = Literal[
@@ -229,12 +237,19 @@ class ApiServing(Protocol):
         """The engine's request object; raises pydantic's ValidationError (a 400)."""
 
     async def respond(
-        self, request: Any, kind: ApiKind, http_request: Any, priority: int = 0
+        self,
+        request: Any,
+        kind: ApiKind,
+        http_request: Any,
+        priority: int = 0,
+        resume: list[int] | None = None,
     ) -> ApiReply | ApiStream:
         """Start the request at the engine's `priority` (the caller's, never one the body
         or a header names): a reply, or a stream (when the request asked for one);
         ApiRequestError when the serving layer refuses it. Cancelling it aborts any
-        engine work it started."""
+        engine work it started. With `resume` (a continuation, `StreamRequest.resume_ids`)
+        the stream renders the whole answer as if these output tokens had just been
+        generated, then the rest; its Deltas' `completion_tokens` count them too."""
 
 
 @runtime_checkable

@@ -208,7 +208,12 @@ class BuiltinApi:
         return req
 
     async def respond(
-        self, b: Any, kind: ApiKind, http_request: Any, priority: int = 0
+        self,
+        b: Any,
+        kind: ApiKind,
+        http_request: Any,
+        priority: int = 0,
+        resume: list[int] | None = None,
     ) -> ApiReply | ApiStream:
         if kind == "detokenize":
             raise ApiRequestError(
@@ -237,6 +242,7 @@ class BuiltinApi:
             )
         req, framer = self._request(b, kind)
         req.priority = priority
+        req.resume_ids = resume
         req.cache_salt = b.cache_salt  # what the routes set (core/auth/cachesalt.py)
         req.adapter = getattr(self._engine, "adapters", {}).get(getattr(b, "model", None))
         deltas = self._engine.generate(req)
@@ -374,6 +380,7 @@ async def _chunks(deltas: AsyncGenerator[Delta, None], framer: Any) -> AsyncGene
                 d.prompt_tokens,
                 d.completion_tokens,
                 d.cached_tokens,
+                d.token_ids,
             )
     finally:
         await deltas.aclose()

@@ -32,7 +32,9 @@ output blocks when it ends. TTFT gains ``prefill_us_per_token`` per uncached pro
 KV-event format. Each request's prefill numbers are kept in ``prefills`` (the last 1,024).
 
 Tokens are words from a fixed list, cycled from an offset derived from the request's seed
-(``options.seed``, else a CRC of the prompt): the same request gives the same text.
+(``options.seed``, else a CRC of the prompt): the same request gives the same text. A
+continuation (``resume_ids``, core/streaming/continuation.py) replays as many words as it
+names and goes on from the next position (it reads their count, not their values).
 With ``stamp_tokens=True`` every token's text carries the wall-clock time it was due
 (``" word@1732950000.123456"``): load generators on the same machine subtract it from their
 arrival time to get the delivery lag through the server. The due time, not the wake-up
@@ -146,6 +148,7 @@ class SimulatorEngine:
         self.stamp_tokens = stamp_tokens
         # Leading space: tokens concatenate into readable text, as BPE word pieces do.
         self._words = tuple(" " + w for w in words)
+        self._word_ids = tuple(_word_id(w) for w in words)
         self._streams: dict[str, _Stream] = {}
         self._dead = False
         self.adapters: dict[str, Adapter] = {}
@@ -305,7 +308,18 @@ class SimulatorEngine:
         text = ""  # everything generated so far (stop strings need the whole tail)
         sent = 0  # characters of `text` already emitted
         produced = 0
+        word_ids = self._word_ids
         try:
+            if request.resume_ids:  # a continuation: replay them, go on after them
+                produced = len(request.resume_ids)
+                yield Delta(
+                    "".join([words[(offset + i) % nwords] for i in range(produced)]),
+                    produced,
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=produced,
+                    cached_tokens=cached,
+                    token_ids=list(request.resume_ids),
+                )
             while True:
                 delay = due - loop.time()
                 if delay > 0:
@@ -374,6 +388,9 @@ class SimulatorEngine:
                     prompt_tokens=prompt_tokens,
                     completion_tokens=produced,
                     cached_tokens=cached,
+                    token_ids=[
+                        word_ids[(offset + p) % nwords] for p in range(produced - count, produced)
+                    ],
                 )
                 if finished:
                     return

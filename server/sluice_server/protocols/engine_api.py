@@ -22,12 +22,21 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from ..core.auth.cachesalt import check_client_salt
+from ..core.auth.cachesalt import ROUTER_HEADER, check_client_salt
 from ..core.auth.identity import Principal
 from ..core.errors import ApiError, error_body
 from ..core.lifecycle import open_stream
 from ..core.params import describe_validation_error
 from ..core.services import ClientGone, Services, read_json, received_at, services, trail_of
+from ..core.streaming.continuation import (
+    SCOPE_KEY,
+    Continuation,
+    continued,
+    event_id,
+    frame_identity,
+    stream_name,
+    with_id,
+)
 from ..core.streaming.events import DISCONNECTED, FINISHED, Failed, Meter, Tokens, Waiting, events
 from ..core.streaming.stream import Stream
 from ..core.telemetry.metrics import bind
@@ -134,7 +143,10 @@ async def generate(request: Request, api: Api, path: str, kind: ApiKind) -> Resp
     svc, who = gate(request, api, path)
     engine, parsed = await _parsed(request, svc, api, kind, who)
     trail = trail_of(request)
-    ticket = await svc.admit(api.label, who, trail)
+    cont: Continuation | None = request.scope.get(SCOPE_KEY)
+    resume = cont.token_ids if cont is not None else None
+    marked = cont is not None or ROUTER_HEADER in request.headers
+    ticket = await svc.admit(api.label, who, trail, continuation=cont is not None)
     t0 = received_at(request)
     priority = svc.engine_priority(who)
     held = True  # the ticket is released here unless a stream took it over
@@ -147,15 +159,16 @@ async def generate(request: Request, api: Api, path: str, kind: ApiKind) -> Resp
             trail.end(DISCONNECTED, 499)
             return Response(status_code=499)
         if not admitted:  # committed: the engine request starts once a slot is free
-            later = _Later(engine, parsed, kind, request, priority)
+            later = _Later(engine, parsed, kind, request, priority, resume)
             handle = open_stream(
-                svc, trail, who, later.chunks(), t0, later.prompt_tokens, ticket=ticket
-            )
+                svc, trail, who, _continued(later.chunks(), cont), t0, later.prompt_tokens,
+                ticket=ticket, marked=marked, continued=cont is not None,
+            )  # fmt: skip
             held = False
-            return _sse(svc, api, *handle)
+            return _sse(svc, api, *handle, cont)
         try:
             result = await _unless_disconnected(
-                request, engine.api.respond(parsed, kind, request, priority)
+                request, engine.api.respond(parsed, kind, request, priority, resume)
             )
         except ApiRequestError as e:
             raise _refused(svc, api, e) from None
@@ -171,18 +184,28 @@ async def generate(request: Request, api: Api, path: str, kind: ApiKind) -> Resp
             svc.bill(who, result.prompt_tokens + result.completion_tokens)
             return JSONResponse(result.body, result.status)
         handle = open_stream(
-            svc, trail, who, result.chunks, t0, result.prompt_tokens, ticket=ticket
-        )
+            svc, trail, who, _continued(result.chunks, cont), t0, result.prompt_tokens,
+            ticket=ticket, marked=marked, continued=cont is not None,
+        )  # fmt: skip
         held = False  # the stream owns the slot now
-        return _sse(svc, api, *handle)
+        return _sse(svc, api, *handle, cont)
     finally:
         if held:
             ticket.release()
 
 
-def _sse(svc: Services, api: Api, stream: Stream, meter: Meter, cleanup) -> SSEResponse:
+def _continued(chunks: AsyncIterator, cont: Continuation | None) -> AsyncIterator:
+    return chunks if cont is None else continued(chunks, cont, framed=True)
+
+
+def _sse(
+    svc: Services, api: Api, stream: Stream, meter: Meter, cleanup, cont: Continuation | None
+) -> SSEResponse:
+    events = frames(stream, meter, api.error_event)
+    if stream.marked:
+        events = marked_frames(stream, meter, api.error_event, cont)
     return SSEResponse(
-        frames(stream, meter, api.error_event),
+        events,
         cleanup,
         ping=svc.settings.heartbeat_seconds,
         send_timeout=svc.settings.send_timeout_seconds,
@@ -193,16 +216,20 @@ class _Later:
     """A streamed answer whose engine request starts only when its queued stream is
     admitted (the stream core iterates `chunks()` then)."""
 
-    def __init__(self, engine, parsed, kind: ApiKind, request: Request, priority: int) -> None:
+    def __init__(
+        self, engine, parsed, kind: ApiKind, request: Request, priority: int, resume
+    ) -> None:
         self.engine, self.parsed, self.kind = engine, parsed, kind
-        self.request, self.priority = request, priority
+        self.request, self.priority, self.resume = request, priority, resume
         self.result: ApiStream | None = None
 
     def prompt_tokens(self) -> int:
         return self.result.prompt_tokens() if self.result is not None else 0
 
     async def chunks(self) -> AsyncIterator:
-        result = await self.engine.api.respond(self.parsed, self.kind, self.request, self.priority)
+        result = await self.engine.api.respond(
+            self.parsed, self.kind, self.request, self.priority, self.resume
+        )
         if not isinstance(result, ApiStream):  # pragma: no cover - stream was asked for
             raise RuntimeError("the engine answered a streamed request as a whole")
         self.result = result
@@ -250,6 +277,29 @@ async def frames(stream: Stream, meter: Meter, error_event) -> AsyncIterator[byt
         if type(ev) is Tokens:
             sent += ev.text.count("\n\n")
             yield ev.text.encode()
+        elif type(ev) is Failed:
+            yield error_event(ev.message, ev.code, sent, ev.status).encode()
+        elif type(ev) is Waiting:
+            yield QUEUED
+
+
+async def marked_frames(
+    stream: Stream, meter: Meter, error_event, cont: Continuation | None
+) -> AsyncIterator[bytes]:
+    """`frames` for a stream the router relays: each write's last frame carries the event
+    id (core/streaming/continuation.py): the stream's name (its response id and creation
+    time, read from its first frame, or a continuation's), the index of that frame among
+    the stream's events and the token ids the write carried."""
+    sent = cont.next_event if cont is not None else 0
+    name = stream_name(cont.response_id, cont.created) if cont is not None else None
+    async for ev in events(stream, meter):
+        if type(ev) is Tokens:
+            text = ev.text
+            if name is None:
+                rid, created = frame_identity(text)
+                name = stream_name(rid or "-", created)
+            sent += text.count("\n\n")
+            yield with_id(text, event_id(name, sent - 1, ev.ids)).encode()
         elif type(ev) is Failed:
             yield error_event(ev.message, ev.code, sent, ev.status).encode()
         elif type(ev) is Waiting:

@@ -22,11 +22,13 @@ from json.encoder import encode_basestring_ascii
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from ..core.auth.cachesalt import ROUTER_HEADER
 from ..core.auth.identity import Principal
 from ..core.errors import ApiError
 from ..core.lifecycle import open_stream, resume_stream
 from ..core.params import to_stream_request
 from ..core.services import ClientGone, Services, read_json, received_at, services, trail_of
+from ..core.streaming.continuation import SCOPE_KEY, Continuation, continued, event_id
 from ..core.streaming.events import DISCONNECTED, Failed, Finished, Meter, Tokens, Waiting, events
 from ..core.streaming.stream import Stream
 from ..transport.sse import QUEUED, SSEResponse
@@ -75,12 +77,15 @@ async def stream_get(request: Request) -> Response:
 async def _start(request: Request, svc: Services, who: Principal, body: dict) -> Response:
     engine = await svc.require_engine()
     trail = trail_of(request)
+    cont: Continuation | None = request.scope.get(SCOPE_KEY)
+    if cont is not None:  # the stream another replica started: its id, its next events
+        trail.rid = cont.response_id
     rid = trail.rid  # the request id is the stream's: its events' `id`, the engine's request id
     try:
         req = to_stream_request(body, rid, engine, lambda m: svc.route(trail, who, m))
     except ApiError as e:
         raise svc.count(PROTOCOL, e) from None
-    ticket = await svc.admit(PROTOCOL, who, trail)
+    ticket = await svc.admit(PROTOCOL, who, trail, continuation=cont is not None)
     try:
         # Waits up to a heartbeat for a slot with a real status; past it, commits to 200.
         await svc.wait_admitted(request, PROTOCOL, ticket, svc.settings.heartbeat_seconds)
@@ -91,15 +96,23 @@ async def _start(request: Request, svc: Services, who: Principal, body: dict) ->
     req.priority = svc.engine_priority(who)
     req.cache_salt = svc.cache_salt(who, req.cache_salt)
     n_prompt = len(req.prompt_token_ids or ())
+    source = engine.generate(req)
+    if cont is not None:
+        req.resume_ids = cont.token_ids
+        source = continued(source, cont, framed=False)
     handle = open_stream(
-        svc, trail, who, engine.generate(req), received_at(request), lambda: n_prompt, rid, ticket
-    )
+        svc, trail, who, source, received_at(request), lambda: n_prompt, rid, ticket,
+        marked=cont is not None or ROUTER_HEADER in request.headers,
+        first_event=cont.next_event if cont is not None else 0,
+        continued=cont is not None,
+    )  # fmt: skip
     return _respond(svc, handle, rid, None)
 
 
 async def _resume(request: Request, svc: Services, who: Principal) -> Response:
     last = request.headers["last-event-id"]
-    rid, _, index = last.rpartition(":")
+    # A client behind the router has the router's form, `<id>:<index>;<token ids>`.
+    rid, _, index = last.split(";", 1)[0].rpartition(":")
     if not rid or not index.isdigit():
         raise svc.bad_input(
             PROTOCOL,
@@ -152,18 +165,28 @@ async def token_events(
 ) -> AsyncIterator[bytes]:
     """The SSE bytes of one stream; `start`: resume at that event index (replaying). A
     token event is assembled as bytes from parts encoded once per stream."""
-    event_id = f"id: {rid}:".encode()
+    id_head = f"id: {rid}:".encode()
     head = ('\ndata: {"id":' + _dumps(rid) + ',"index":').encode()
     prefix = f"retry: {retry_ms}\n".encode()  # goes with the first event
+    if stream.first:  # a continuation: the first replica sent it
+        prefix = b""
+    marked = stream.marked  # relayed by the router: each id also names the event's tokens
     async for ev in events(stream, meter, start):
         if type(ev) is Waiting:
             yield QUEUED
             continue
         if type(ev) is Tokens:
             i = ev.index
+            if marked:
+                ids = event_id(rid, i, ev.ids).encode()
+                yield b'%sid: %s%s%d,"token":%s,"finished":false}\n\n' % (
+                    prefix, ids, head, i, _json_str(ev.text).encode()
+                )  # fmt: skip
+                prefix = b""
+                continue
             yield b'%s%s%d%s%d,"token":%s,"finished":false}\n\n' % (
                 prefix,
-                event_id,
+                id_head,
                 i,
                 head,
                 i,
@@ -185,5 +208,12 @@ async def token_events(
                 event = f"event: error\ndata: {error_payload(rid, ev.message, ev.code)}"
             else:
                 continue
-            yield prefix + f"id: {rid}:{i}\n{event}\n\nid: {rid}:{i + 1}\ndata: [DONE]\n\n".encode()
+            if marked:
+                last_ids = (event_id(rid, i, ()), event_id(rid, i + 1, ()))
+            else:
+                last_ids = (f"{rid}:{i}", f"{rid}:{i + 1}")
+            yield (
+                prefix
+                + f"id: {last_ids[0]}\n{event}\n\nid: {last_ids[1]}\ndata: [DONE]\n\n".encode()
+            )
         prefix = b""

@@ -43,10 +43,11 @@ ABORTED_BY_SERVER = "Generation was aborted by the server."
 
 
 class Tokens:
-    __slots__ = ("text", "index")
+    __slots__ = ("text", "index", "ids")
 
-    def __init__(self, text: str, index: int) -> None:
+    def __init__(self, text: str, index: int, ids: list[int] | None = None) -> None:
         self.text, self.index = text, index
+        self.ids = ids  # on a marked stream: the token ids this event's text carries
 
 
 class Finished:
@@ -171,17 +172,21 @@ async def events(
 ) -> AsyncIterator[Event]:
     """Typed events of one stream; see the module docstring for when metrics are taken.
 
-    Token events are numbered from 0 (`Tokens.index`, `stream.n_events` is the next). A
-    replayable stream read again from `start` first replays the token events from that
-    index (and the terminal event if it was already handed out), then goes on live."""
-    sent = stream.sent
+    Token events are numbered from the stream's first index (`Tokens.index`,
+    `stream.n_events` is the next). A replayable stream read again from `start` first
+    replays the token events from that index (and the terminal event if it was already
+    handed out), then goes on live. On a marked stream each token event carries the ids of
+    its tokens, and of earlier tokens that decoded to no text."""
+    sent, first, sent_ids = stream.sent, stream.first, stream.sent_ids
     if start is not None and sent is not None:
-        for i in range(start, len(sent)):
-            yield Tokens(sent[i], i)
+        for i in range(max(start, first), first + len(sent)):
+            yield Tokens(sent[i - first], i, sent_ids[i - first] if sent_ids else None)
         if stream.ended is not None:
             yield cast(Finished, stream.ended)  # only this loop sets it, to its Finished
             meter.finish(FINISHED, stream)
             return
+    marked = stream.marked
+    pending: list[int] = []
     while True:
         try:
             batch = await stream.next_batch()
@@ -203,12 +208,21 @@ async def events(
             return
         last = batch[-1]
         text, ntok = join_batch(batch)
+        if marked:
+            for d in batch:
+                if d.token_ids:
+                    pending.extend(d.token_ids)
         if text:
             index = stream.n_events
             stream.n_events = index + 1
+            ids = None
+            if marked:
+                ids, pending = pending, []
+                if sent_ids is not None:
+                    sent_ids.append(ids)
             if sent is not None:
                 sent.append(text)
-            yield Tokens(text, index)
+            yield Tokens(text, index, ids)
             meter.wrote(ntok)  # resumed: the bytes were handed to the socket
         else:
             meter.tokens += ntok

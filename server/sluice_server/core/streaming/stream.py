@@ -52,7 +52,8 @@ class Admitting(Protocol):
 class Stream(Generic[T]):
     __slots__ = ("_source", "_cap", "_items", "_waiter", "_task", "_timer", "_done", "_loop",
                  "error", "first_output_at", "stopped", "n_events", "sent", "ended",
-                 "error_code", "error_status", "admission", "_beat_due", "_unbeat")  # fmt: skip
+                 "error_code", "error_status", "admission", "_beat_due", "_unbeat",
+                 "marked", "first", "sent_ids")  # fmt: skip
 
     def __init__(
         self,
@@ -63,6 +64,8 @@ class Stream(Generic[T]):
         replayable: bool = False,
         admission: Admitting | None = None,
         keepalive: float = 0.0,
+        marked: bool = False,
+        first_event: int = 0,
     ) -> None:
         self._source = source
         self._cap = cap
@@ -79,8 +82,13 @@ class Stream(Generic[T]):
         # What the event loop (events.py) handed to writers: how many token events, and with
         # `replayable` their texts and the terminal event, so a client that reconnects gets
         # exactly the events after the last one it saw (resumable streams).
-        self.n_events = 0
+        self.n_events = self.first = first_event
         self.sent: list[str] | None = [] if replayable else None
+        # `marked`: a stream the router relays; its token events carry their token ids
+        # (continuation.py), kept with the texts when replayable. `first_event`: the index
+        # of its first event (a continuation goes on from another replica's).
+        self.marked = marked
+        self.sent_ids: list[list[int] | None] | None = [] if replayable and marked else None
         self.ended: object | None = None
         self._loop = loop = asyncio.get_running_loop()
         # Waiting for admission: the first keep-alive at once (the client learns why it

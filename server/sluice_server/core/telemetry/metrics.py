@@ -140,7 +140,8 @@ class Metrics:
         # Per tenant (never per key): admissions and token use, for quotas and billing.
         self.tenant_requests = Counter(
             "sluice_tenant_requests",
-            "Generation requests by tenant and result: admitted, rate_limit, limiter_unavailable.",
+            "Generation requests by tenant and result: admitted, rate_limit, limiter_unavailable, "
+            "continued (a continuation of a stream another replica admitted: no rate limit).",
             ("model", "tenant", "result"),
             registry=r,
         )

@@ -1,0 +1,137 @@
+"""Streams that outlive their pod: event ids for the router, and continuing a generation
+another replica started (the contract is in docs/migration.md).
+
+Event ids. On a connection from the router (`X-Sluice-Router`) every SSE write of a stream
+ends with a frame that carries `id: <stream>:<n>;<token ids>`: `n` is the index of that
+frame among the stream's SSE events (from 0), the token ids (decimal, comma-separated,
+possibly none) are those whose text the write carried. `<stream>` is the token stream's id
+on `/v1/stream`, and on the other APIs the response id the frames carry, with
+`@<created>` when the API has a creation time (OpenAI chat and completions, Responses).
+Clients never see other ids than today's unless the router relays them; SDKs ignore `id:`.
+
+Continuation. A second replica given the request, the token ids the client received, the
+next event index, the response id and creation time renders the rest of the same stream.
+One mechanism for every protocol: the engine replays the received tokens as if it had just
+generated them (`StreamRequest.resume_ids`, `ApiServing.respond(resume=...)`), then
+generates after prompt + them; the serving layer renders the whole answer (so usage counts
+the prompt once and every completion token, and Responses' final text is whole); and
+`continued` drops what the replay rendered (every Delta whose `completion_tokens` is at
+most the replayed count: the opening events and the replayed text), then makes the frames
+it keeps the first stream's: its response id, creation time and, for Responses, sequence
+numbers. It relies on the serving layer rendering all frames of one engine output before
+it asks for the next, which both serving layers do.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from ...engine.base import Delta
+
+# The request paths a continuation may name (the streamed generating routes).
+CONTINUABLE = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/stream",
+)
+SCOPE_KEY = "sluice.continuation"  # the ASGI scope entry the routes read
+_SEQ = re.compile(rb'(?<!\\)"sequence_number":(\d+)')
+
+
+@dataclass(frozen=True, slots=True)
+class Continuation:
+    """What a continuing replica needs beyond the original request."""
+
+    token_ids: list[int]  # the output tokens the client received, in order
+    next_event: int  # the index of the first SSE event this replica sends
+    response_id: str  # the stream's id (token SSE) or the response id the frames carry
+    created: int | None = None  # the first stream's creation time, where the API has one
+
+
+def event_id(stream: str, index: int, ids: Sequence[int] | None) -> str:
+    """The `id:` field's value for the router: `<stream>:<n>;<ids>`."""
+    return f"{stream}:{index};{','.join(map(str, ids or ()))}"
+
+
+def stream_name(response_id: str, created: int | None) -> str:
+    return response_id if created is None else f"{response_id}@{created}"
+
+
+def with_id(text: str, line: str) -> str:
+    """Framed SSE text with `id: <line>` on its last frame (the write's event index)."""
+    cut = text.rfind("\n\n", 0, len(text) - 2)
+    at = 0 if cut < 0 else cut + 2
+    return f"{text[:at]}id: {line}\n{text[at:]}"
+
+
+def frame_identity(text: str) -> tuple[str | None, int | None]:
+    """The response id and creation time the first frame of `text` that names one carries:
+    OpenAI chat and completions chunks (`id`, `created`), Responses events (`response.id`,
+    `response.created_at`), Anthropic's `message_start` (`message.id`, no time)."""
+    for line in text.split("\n"):
+        if not line.startswith("data: {"):
+            continue
+        try:
+            data = json.loads(line[6:])
+        except ValueError:
+            continue
+        for holder, time_key in ((data, "created"), (data.get("response"), "created_at"),
+                                 (data.get("message"), None)):  # fmt: skip
+            if isinstance(holder, dict) and isinstance(holder.get("id"), str):
+                created = holder.get(time_key) if time_key else None
+                return holder["id"], created if isinstance(created, int) else None
+    return None, None
+
+
+async def continued(
+    source: AsyncIterator[Delta], cont: Continuation, framed: bool
+) -> AsyncGenerator[Delta, None]:
+    """The continuing replica's Deltas without what the replay rendered; with `framed`
+    (an API's SSE text) the kept frames carry the first stream's id, time and sequence."""
+    k = len(cont.token_ids)
+    dropped = 0  # SSE events the replay rendered
+    own: tuple[str | None, int | None] | None = None
+    fix: list[tuple[str, str]] = []
+    try:
+        async for d in source:
+            if framed and own is None and d.text:
+                own = frame_identity(d.text)
+                fix = _replacements(own, cont)
+            if d.completion_tokens <= k and not d.finished:
+                dropped += d.text.count("\n\n")
+                continue
+            if framed and d.text:
+                # The first stream's sequence numbers count the events it sent.
+                d.text = _rewritten(d.text, fix, cont.next_event - dropped)
+            yield d
+    finally:
+        aclose = getattr(source, "aclose", None)
+        if aclose is not None:
+            await aclose()  # aborts an unfinished engine request at once
+
+
+def _replacements(own: tuple[str | None, int | None], cont: Continuation) -> list[tuple[str, str]]:
+    own_id, own_created = own
+    fix = []
+    if own_id is not None and own_id != cont.response_id:
+        fix.append((json.dumps(own_id), json.dumps(cont.response_id)))
+    if own_created is not None and cont.created is not None and own_created != cont.created:
+        for key in ("created", "created_at"):
+            fix.append((f'"{key}":{own_created}', f'"{key}":{cont.created}'))
+            fix.append((f'"{key}": {own_created}', f'"{key}": {cont.created}'))
+    return fix
+
+
+def _rewritten(text: str, fix: list[tuple[str, str]], shift: int) -> str:
+    for old, new in fix:
+        text = text.replace(old, new)
+    if shift and '"sequence_number":' in text:
+        raw = _SEQ.sub(lambda m: b'"sequence_number":%d' % (int(m.group(1)) + shift),
+                       text.encode())  # fmt: skip
+        text = raw.decode()
+    return text
