@@ -15,7 +15,7 @@ it flows through the same stream core as every other protocol.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Protocol, runtime_checkable
 
@@ -165,7 +165,7 @@ class Delta:
     cached_tokens: int | None = None
     # The ids of this delta's tokens (None: not reported), for the event ids of streams the
     # router relays (core/streaming/continuation.py).
-    token_ids: list[int] | None = None
+    token_ids: Sequence[int] | None = None
 
 
 ApiKind = Literal[

@@ -10,10 +10,12 @@ generate through, for the token counts our metrics and rate limits need.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import vllm_chat_stream
@@ -29,6 +31,10 @@ class UsageTap:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     first_output_at: float | None = None
+    # The output token ids not yet framed (for the event ids of streams the router relays), and a
+    # continuation's received ids (`StreamRequest.resume_ids`), replayed first.
+    ids: list[int] = field(default_factory=list)
+    resume: list[int] | None = None
 
 
 # Set by `VllmApi.respond` around vLLM's handler; tasks inherit it (contexts are copied).
@@ -45,24 +51,79 @@ class MeteredClient:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._llm, name)
 
-    async def generate(self, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
+    async def generate(
+        self, prompt: Any, params: Any, *args: Any, **kwargs: Any
+    ) -> AsyncGenerator[Any, None]:
         tap = usage_tap.get()
-        gen = self._llm.generate(*args, **kwargs)
+        resume = tap.resume if tap is not None else None
+        own: list[int] | None = None
+        if resume:
+            prompt, params, own = _resumed(prompt, params, resume)
+        gen = self._llm.generate(prompt, params, *args, **kwargs)
         try:
             if tap is None:
                 async for out in gen:
                     yield out
                 return
+            replay = self._replay(resume, own, params) if resume else None
             async for out in gen:
-                if tap.first_output_at is None:
-                    tap.first_output_at = time.perf_counter()
-                    tap.prompt_tokens += len(out.prompt_token_ids or ())
-                for o in out.outputs:
-                    tap.completion_tokens += len(o.token_ids)
+                if own is not None and out.prompt_token_ids is not None:
+                    out.prompt_token_ids = own  # the prompt is the request's, counted once
+                if replay is not None:
+                    first, replay = replay(out), None
+                    _tapped(tap, first)
+                    yield first
+                _tapped(tap, out)
                 yield out
         finally:
             # Closing vLLM's generator aborts an unfinished request at once.
             await gen.aclose()
+
+    def _replay(self, resume: list[int], own: Any, params: Any) -> Any:
+        """The first output of a continuation: the received tokens, as if just generated,
+        in a copy of the engine's first output (its prompt, metrics, cache counts)."""
+        text = self._llm.get_tokenizer().decode(
+            resume, skip_special_tokens=getattr(params, "skip_special_tokens", True)
+        )
+
+        def replayed(out: Any) -> Any:
+            first = copy.copy(out)
+            first.outputs = [
+                dataclasses.replace(
+                    out.outputs[0], text=text, token_ids=list(resume), finish_reason=None,
+                    stop_reason=None, logprobs=None, cumulative_logprob=None,
+                )
+            ]  # fmt: skip
+            first.finished = False
+            return first
+
+        return replayed
+
+
+def _tapped(tap: UsageTap, out: Any) -> None:
+    if tap.first_output_at is None:
+        tap.first_output_at = time.perf_counter()
+        tap.prompt_tokens += len(out.prompt_token_ids or ())
+    for o in out.outputs:
+        tap.completion_tokens += len(o.token_ids)
+        tap.ids.extend(o.token_ids)
+
+
+def _resumed(prompt: Any, params: Any, resume: list[int]) -> tuple[Any, Any, list[int]]:
+    """A continuation's engine input: the rendered prompt's token ids + the received ones,
+    at most `max_tokens` in all; and the prompt's own ids."""
+    if not (isinstance(prompt, dict) and prompt.get("type") == "token"):
+        raise ValueError("Only a text prompt (token input) can be continued.")
+    own = list(prompt["prompt_token_ids"])
+    resumed = {k: v for k, v in prompt.items() if k not in ("prompt", "prompt_token_offsets")}
+    resumed["prompt_token_ids"] = own + list(resume)
+    params = params.clone()
+    if params.max_tokens is not None:
+        params.max_tokens -= len(resume)
+        if params.max_tokens < 1:
+            raise ValueError("The continued stream has no tokens left to generate.")
+    params.min_tokens = max(0, params.min_tokens - len(resume))
+    return resumed, params, own
 
 
 def _request_classes() -> dict[str, Any]:
@@ -127,14 +188,19 @@ class VllmApi:
         return cls.model_validate(body)
 
     async def respond(
-        self, request: Any, kind: ApiKind, http_request: Any, priority: int = 0
+        self,
+        request: Any,
+        kind: ApiKind,
+        http_request: Any,
+        priority: int = 0,
+        resume: list[int] | None = None,
     ) -> ApiReply | ApiStream:
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.entrypoints.serve.exception_handling.error_response import (
             create_error_response,
         )
 
-        tap = UsageTap()
+        tap = UsageTap(resume=resume or None)
         usage_tap.set(tap)  # a non-streamed request generates in this task
         attr, method, dump = _HANDLERS[kind]
         handler = getattr(self.state, attr, None)
@@ -186,7 +252,10 @@ async def _chunks(sse: AsyncIterator[str], tap: UsageTap) -> AsyncGenerator[Delt
         async for chunk in sse:
             n = tap.completion_tokens - seen
             seen += n
-            yield Delta(chunk, n, False, None, tap.prompt_tokens, seen)
+            ids = None
+            if tap.ids:  # the tokens since the last chunk (vLLM frames one output at once)
+                ids, tap.ids = tap.ids, []
+            yield Delta(chunk, n, False, None, tap.prompt_tokens, seen, None, ids)
         yield Delta(
             "", tap.completion_tokens - seen, True, "stop", tap.prompt_tokens, tap.completion_tokens
         )

@@ -71,7 +71,10 @@ class VllmEngine:
         ids = request.prompt_token_ids
         assert ids is not None  # prepare() sets them
         opts = request.options
-        max_tokens = min(opts.max_tokens, self.max_model_len - len(ids))
+        resume = request.resume_ids or []
+        max_tokens = min(opts.max_tokens, self.max_model_len - len(ids)) - len(resume)
+        if max_tokens < 1:
+            raise ValueError("The continued stream has no tokens left to generate.")
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=opts.temperature,
@@ -81,11 +84,11 @@ class VllmEngine:
             ignore_eos=opts.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
         )
-        completion_tokens = 0
+        completion_tokens = len(resume)
         n_prompt = len(ids)
         # AsyncLLM.generate aborts the engine request when it is cancelled or closed; close
         # it explicitly so an abandoned outer generator never waits for GC to abort.
-        prompt: dict[str, Any] = {"prompt_token_ids": ids}
+        prompt: dict[str, Any] = {"prompt_token_ids": ids + resume if resume else ids}
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
         gen = self.llm.generate(
@@ -97,6 +100,9 @@ class VllmEngine:
             priority=request.priority,
         )
         try:
+            if resume:  # a continuation: the received tokens first (StreamRequest.resume_ids)
+                text = self._tokenizer.decode(resume, skip_special_tokens=True)
+                yield Delta(text, len(resume), False, None, n_prompt, len(resume), None, resume)
             async for out in gen:
                 o = out.outputs[0]
                 n = len(o.token_ids)
@@ -108,6 +114,8 @@ class VllmEngine:
                     o.finish_reason if out.finished else None,
                     n_prompt,
                     completion_tokens,
+                    None,
+                    o.token_ids,
                 )
         finally:
             await gen.aclose()

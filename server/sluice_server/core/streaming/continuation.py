@@ -40,7 +40,7 @@ CONTINUABLE = (
     "/v1/stream",
 )
 SCOPE_KEY = "sluice.continuation"  # the ASGI scope entry the routes read
-_SEQ = re.compile(rb'(?<!\\)"sequence_number":(\d+)')
+_SEQ = re.compile(rb'(?<!\\)("sequence_number": ?)(\d+)')
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,8 +130,7 @@ def _replacements(own: tuple[str | None, int | None], cont: Continuation) -> lis
 def _rewritten(text: str, fix: list[tuple[str, str]], shift: int) -> str:
     for old, new in fix:
         text = text.replace(old, new)
-    if shift and '"sequence_number":' in text:
-        raw = _SEQ.sub(lambda m: b'"sequence_number":%d' % (int(m.group(1)) + shift),
-                       text.encode())  # fmt: skip
+    if shift and '"sequence_number"' in text:
+        raw = _SEQ.sub(lambda m: b"%s%d" % (m.group(1), int(m.group(2)) + shift), text.encode())
         text = raw.decode()
     return text
