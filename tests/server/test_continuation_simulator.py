@@ -129,7 +129,7 @@ async def test_a_continuation_without_the_received_ids_splices_a_wrong_answer(ke
         assert state["token_ids"]
         r = await continue_on(c, path, body, {**state, "token_ids": []})
         assert r.status_code == 200, r.text
-        text, _ = text_and_usage(path, before + events_of(r.text))
+        text, _ = text_and_usage(path, before + events_of(r.text), strict=False)
     received = text_and_usage(path, before)[0]
     assert text != answer[0] and text == received + answer[0]  # the start again after the seam
 
@@ -193,9 +193,7 @@ async def test_a_malformed_continuation_is_refused_saying_why(key_file, change, 
         assert r.status_code == 400 and "Invalid JSON" in r.json()["error"]["message"]
 
 
-async def test_the_caller_is_the_clients_credential_charged_never_rate_limited(
-    key_file, tmp_path
-):
+async def test_the_caller_is_the_clients_credential_charged_never_rate_limited(key_file, tmp_path):
     """The continuation authenticates the client's own key (none: 401); with its requests
     per minute used up it still streams, and its tokens are charged to its tenant."""
     keys = tmp_path / "keys"
