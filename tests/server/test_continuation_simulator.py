@@ -8,12 +8,14 @@ refused; a continuation without the received token ids splices a wrong answer.""
 
 from __future__ import annotations
 
+import json
 import re
 from urllib.parse import urlencode
 
 import httpx
 import pytest
-from app_helpers import serve_simulator
+import websockets
+from app_helpers import serve_simulator, ws_url
 from continuation_helpers import (
     KEY,
     ROUTER,
@@ -220,3 +222,60 @@ async def test_the_caller_is_the_clients_credential_charged_never_rate_limited(k
     # Billed: the first request's prompt and tokens, then only what the continuation made.
     tokens = re.search(r'sluice_tenant_tokens_total\{.*tenant="acme".*\} ([0-9.]+)', metrics)
     assert tokens is not None and float(tokens.group(1)) == (5 + N) + (N - len(state["token_ids"]))
+
+
+async def ws_generation(url: str, frame: dict, headers: dict | None = None) -> list[str]:
+    """The frames of one WebSocket generation, up to its final or error frame."""
+    out = []
+    async with websockets.connect(ws_url(url), additional_headers=headers or {}) as ws:
+        await ws.send(json.dumps(frame))
+        while True:
+            text = await ws.recv()
+            out.append(text)
+            d = json.loads(text)
+            if d.get("finished") or d.get("type") == "error":
+                return out
+
+
+def ws_mark(frame: str) -> tuple[int, list[int]] | None:
+    """The router's prefix of a frame: (index, token ids), or None."""
+    m = re.match(r'\{"_sluice":"(\d+);([0-9,]*)",', frame)
+    return None if m is None else (int(m.group(1)), [int(i) for i in m.group(2).split(",") if i])
+
+
+async def test_a_websocket_generation_continues_on_another_server(key_file):
+    frame = {"id": "g1", "prompt": "where does the river go", "params": {"max_tokens": N}}
+    async with serve_simulator(sim(itl_ms=0)) as url:  # one token event: the same frames
+        plain = await ws_generation(url, frame)
+        marked = await ws_generation(url, frame, ROUTER)
+    assert all(ws_mark(f) is None for f in plain)
+    # Without the router's prefix (the router strips it) a frame is the one a client gets.
+    assert [re.sub(r'^\{"_sluice":"[^"]*",', "{", f) for f in marked] == plain
+    async with (
+        serve_simulator(sim(), continuation_key_file=key_file) as a,
+        serve_simulator(sim(), continuation_key_file=key_file) as b,
+    ):
+        plain = await ws_generation(a, frame)
+        marked = await ws_generation(a, frame, ROUTER)
+        k = 2
+        ids = [i for f in marked[:k] for i in ws_mark(f)[1]]
+        state = {"token_ids": ids, "next_event": ws_mark(marked[k - 1])[0] + 1}
+        key = {**ROUTER, "X-Sluice-Continuation-Key": KEY}
+        rest = await ws_generation(b, {**frame, "continuation": state}, key)
+        spliced = [json.loads(f) for f in marked[:k] + rest]
+        assert [d["index"] for d in spliced] == list(range(len(spliced)))
+        assert [ws_mark(f)[0] for f in marked[:k] + rest] == list(range(len(spliced)))
+        assert "".join(d["token"] for d in spliced) == "".join(
+            json.loads(f)["token"] for f in plain
+        )
+        assert spliced[-1]["usage"] == json.loads(plain[-1])["usage"]
+        assert [d["finished"] for d in spliced].count(True) == 1
+
+        # Only a socket opened with the router's key continues; a wrong key is no socket.
+        refused = await ws_generation(b, {**frame, "continuation": state}, ROUTER)
+        assert json.loads(refused[-1])["error"]["code"] == "forbidden"
+        with pytest.raises(websockets.InvalidStatus) as denied:
+            await ws_generation(b, frame, {"X-Sluice-Continuation-Key": "forged"})
+        assert denied.value.response.status_code == 403
+        bad = await ws_generation(b, {**frame, "continuation": {"token_ids": "x"}}, key)
+        assert json.loads(bad[-1])["error"]["code"] == "invalid_continuation"

@@ -17,7 +17,6 @@ the rest in its own protocol: one path for every protocol.
 
 from __future__ import annotations
 
-import hmac
 import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -27,12 +26,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..core.auth.routerkey import KEY_HEADER, key_refusal
 from ..core.errors import error_body
 from ..core.params import describe_validation_error
-from ..core.streaming.continuation import CONTINUABLE, SCOPE_KEY, Continuation
+from ..core.streaming.continuation import CONTINUABLE, SCOPE_KEY, Continuation, not_continuable
 
 PATH = "/internal/continue"
-KEY_HEADER = b"x-sluice-continuation-key"
 OFF = (
     f"{PATH} is not served here: start the server with --continuation-key-file (the "
     "operator sets it on models routed by the Sluice router)."
@@ -85,16 +84,8 @@ class ContinueEntry:
         if scope["method"] != "POST":
             return _error(405, f"{PATH} takes POST.", None, "method_not_allowed")
         given = next((v for k, v in scope["headers"] if k == KEY_HEADER), None)
-        if given is None:
-            return _error(401, "X-Sluice-Continuation-Key is missing.", None, "unauthorized")
-        try:
-            key = self.key_file.read_bytes().split(b"\n", 1)[0].strip()
-        except OSError as e:
-            return _error(503, f"The continuation key cannot be read: {e}.", None, "no_key")
-        if not key or not hmac.compare_digest(given.strip(), key):
-            return _error(403, "X-Sluice-Continuation-Key is not this model's key.", None,
-                          "forbidden")  # fmt: skip
-        return None
+        refusal = key_refusal(self.key_file, given)
+        return None if refusal is None else _error(*refusal, None, None)
 
     async def _read(self, receive: Receive) -> tuple[Any, JSONResponse | None]:
         chunks, size, more = [], 0, True
@@ -139,42 +130,12 @@ def _checked(raw: Any) -> tuple[Continuation, _Original, None] | tuple[None, Non
             "carries the original JSON `body`.", "body", "invalid_continuation",
         )  # fmt: skip
     fields = c.body if c.body is not None else {}
-    problem = _not_continuable(url.path, fields, len(c.token_ids))
+    problem = not_continuable(url.path, fields, len(c.token_ids))
     if problem is not None:
         return None, None, _error(422, problem[1], problem[0], "not_continuable")
     body = json.dumps(c.body).encode() if c.body is not None else b""
     cont = Continuation(list(c.token_ids), c.next_event, c.response_id, c.created)
     return cont, _Original(c.method, url.path, url.query, body), None
-
-
-def _not_continuable(path: str, body: dict[str, Any], emitted: int) -> tuple[str, str] | None:
-    """(param, why) for a request whose emitted output cannot be replayed exactly."""
-    if path != "/v1/stream" and body.get("stream") is not True:
-        return "stream", "Only streamed requests are continued (`stream: true`)."
-    for name in ("n", "best_of"):
-        if isinstance(body.get(name), int) and body[name] > 1:
-            return name, f"{name} > 1: several choices are not continued."
-    for name in ("logprobs", "top_logprobs", "echo", "use_beam_search"):
-        if body.get(name) not in (None, False, 0):
-            return name, f"{name}: its output cannot be continued from token ids alone."
-    if body.get("tools") and body.get("tool_choice") != "none":
-        return (
-            "tools",
-            "Requests with tools are not continued: the tool-call parser's state is not replayable.",
-        )
-    options = body.get("stream_options")
-    if isinstance(options, dict) and options.get("continuous_usage_stats"):
-        return "stream_options", "continuous_usage_stats: per-chunk usage is not continued."
-    if path == "/v1/completions" and not isinstance(body.get("prompt"), str):
-        return "prompt", "Only a single string prompt is continued."
-    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
-        v = body.get(name)
-        if isinstance(v, int) and v <= emitted:
-            return "token_ids", (
-                f"The stream already received {emitted} tokens of its {name}={v}: "
-                "nothing is left to generate."
-            )
-    return None
 
 
 def _reentered(scope: Scope, cont: Continuation, original: _Original) -> Scope:

@@ -10,6 +10,13 @@ an error frame and the socket stays usable. The handshake's credential is checke
 every generation: once a reload removed the key, or the token expired, a new one gets a 401
 error frame (generations already running go on, as an HTTP stream does). Pings are the
 WebSocket protocol's own (uvicorn `ws_ping_interval` = --heartbeat-seconds).
+
+Through the router (`X-Sluice-Router` at the handshake) each token frame and the final
+frame start with `"_sluice":"<index>;<token ids>",` (docs/migration.md), a key the router
+strips before the client sees the frame. A socket opened with the router's continuation key
+(`X-Sluice-Continuation-Key`) may start a generation with `"continuation": {"token_ids",
+"next_event"}`: the rest of a generation another replica started, its frames numbered on
+from `next_event`.
 """
 
 from __future__ import annotations
@@ -24,11 +31,14 @@ from fastapi import APIRouter, WebSocket
 from fastapi.responses import JSONResponse
 from starlette.websockets import WebSocketDisconnect
 
+from ..core.auth.cachesalt import ROUTER_HEADER
 from ..core.auth.identity import Principal
+from ..core.auth.routerkey import KEY_HEADER, key_refusal
 from ..core.errors import ApiError, error_body
 from ..core.lifecycle import open_stream
 from ..core.params import to_stream_request
 from ..core.services import Services, api_key_of, services, trail_of
+from ..core.streaming.continuation import Continuation, continued, not_continuable
 from ..core.streaming.events import Failed, Finished, Meter, Stopped, Tokens, Waiting, events
 from ..core.streaming.stream import Stream
 from ..core.telemetry.accesslog import Trail
@@ -57,6 +67,12 @@ async def ws_stream(ws: WebSocket) -> None:
                 ),
             )
         who = svc.authorize(ws, PROTOCOL, allow_query=True)
+        given = ws.headers.get(KEY_HEADER.decode())
+        continuing = given is not None
+        if continuing:
+            refusal = key_refusal(svc.settings.continuation_key_file, given.encode())
+            if refusal is not None:
+                raise ApiError(*refusal)
         await svc.require_engine()
         if svc.gate.draining:
             raise svc.count(
@@ -69,7 +85,10 @@ async def ws_stream(ws: WebSocket) -> None:
         await _deny(ws, e)
         return
     await ws.accept()
-    await Connection(ws, svc, trail_of(ws), who, api_key_of(ws, allow_query=True)).run()
+    conn = Connection(ws, svc, trail_of(ws), who, api_key_of(ws, allow_query=True))
+    conn.marked = continuing or ROUTER_HEADER in ws.headers
+    conn.continuing = continuing
+    await conn.run()
 
 
 async def _deny(ws: WebSocket, e: ApiError) -> None:
@@ -101,6 +120,8 @@ class Connection:
         # middlewares and Starlette's state checks in `WebSocket.send` only matter for the
         # handshake and the close.
         self.raw_send = ws.scope.get("sluice.send", ws.send)
+        self.marked = False  # relayed by the router: frames carry their token ids
+        self.continuing = False  # opened with the router's continuation key
 
     async def run(self) -> None:
         self.watchdog.start(self.ws.scope.get("sluice.transport"))
@@ -150,6 +171,12 @@ class Connection:
             return await self.error(rid, 400, "`params` must be an object.", "bad_frame")
         body = {k: frame[k] for k in ("prompt", "messages", "model") if k in frame}
         body.update(params)
+        cont = None
+        if "continuation" in frame:
+            problem = self.continuation(rid, frame["continuation"], body)
+            if isinstance(problem, tuple):
+                return await self.error(rid, *problem)
+            cont = problem
         svc = self.svc
         trail = self.trail.child(str(rid), t0)
         try:
@@ -159,7 +186,8 @@ class Connection:
             req = to_stream_request(
                 body, f"ws-{uuid.uuid4().hex}", engine, lambda m: svc.route(trail, self.who, m)
             )
-            ticket = await svc.admit(PROTOCOL, self.who, trail)  # may wait: in the stream
+            # may wait: in the stream
+            ticket = await svc.admit(PROTOCOL, self.who, trail, continuation=cont is not None)
         except ApiError as e:
             svc.refuse(trail, e)
             return await self.error(rid, e.status, e.message, e.code)
@@ -167,12 +195,38 @@ class Connection:
         req.priority = svc.engine_priority(self.who)
         req.cache_salt = svc.cache_salt(self.who, req.cache_salt)
         n_prompt = len(req.prompt_token_ids or ())
+        source = engine.generate(req)
+        if cont is not None:
+            req.resume_ids = cont.token_ids
+            source = continued(source, cont, framed=False)
         stream, meter, cleanup = open_stream(
-            svc, trail, self.who, engine.generate(req), t0, lambda: n_prompt, ticket=ticket
-        )
+            svc, trail, self.who, source, t0, lambda: n_prompt, ticket=ticket,
+            marked=self.marked, first_event=cont.next_event if cont is not None else 0,
+            continued=cont is not None,
+        )  # fmt: skip
         self.streams[rid] = stream
         task = asyncio.create_task(self.pump(rid, stream, meter, cleanup))
         self.tasks[rid] = task
+
+    def continuation(self, rid, spec, body: dict) -> Continuation | tuple[int, str, str]:
+        """A generate frame's `continuation`, or (status, message, code) refusing it."""
+        if not self.continuing:
+            return 403, ("Only the router continues a generation (a socket opened with "
+                         "X-Sluice-Continuation-Key)."), "forbidden"  # fmt: skip
+        ids = spec.get("token_ids") if isinstance(spec, dict) else None
+        nxt = spec.get("next_event") if isinstance(spec, dict) else None
+        if (
+            not isinstance(ids, list)
+            or not all(type(i) is int and 0 <= i < 2**31 for i in ids)
+            or type(nxt) is not int
+            or nxt < 0
+        ):
+            return 422, ("`continuation` must be {\"token_ids\": [non-negative integers], "
+                         "\"next_event\": a non-negative integer}."), "invalid_continuation"  # fmt: skip
+        problem = not_continuable("/v1/stream", body, len(ids))
+        if problem is not None:
+            return 422, problem[1], "not_continuable"
+        return Continuation(ids, nxt, str(rid))
 
     def stop(self, rid) -> None:
         """Client stop: end generation now; the pump sends the final frame (finish_reason
@@ -195,13 +249,19 @@ class Connection:
 
     async def pump(self, rid, stream: Stream, meter: Meter, cleanup) -> None:
         head = '{"id":' + _dumps(rid) + ',"index":'
-        seq = 0
+        seq = stream.first
         send = self.send
+        marked = stream.marked
         try:
             async for ev in events(stream, meter):
                 if type(ev) is Tokens:
                     token = _json_str(ev.text)  # = json.dumps(text), token_sse.py
-                    await send(f'{head}{seq},"token":{token},"finished":false}}')
+                    if marked:
+                        ids = ",".join(map(str, ev.ids or ()))
+                        mark = f'{{"_sluice":"{seq};{ids}",'
+                        await send(f'{mark}{head[1:]}{seq},"token":{token},"finished":false}}')
+                    else:
+                        await send(f'{head}{seq},"token":{token},"finished":false}}')
                     seq += 1
                 elif type(ev) is Finished:
                     final = {
@@ -212,7 +272,10 @@ class Connection:
                         "finish_reason": ev.reason,
                         "usage": ev.usage,
                     }
-                    await self.send(_dumps(final))
+                    text = _dumps(final)
+                    if marked:
+                        text = f'{{"_sluice":"{seq};",{text[1:]}'
+                    await self.send(text)
                 elif type(ev) is Stopped:
                     final = {
                         "id": rid,

@@ -28,6 +28,7 @@ import json
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ...engine.base import Delta
 
@@ -51,6 +52,36 @@ class Continuation:
     next_event: int  # the index of the first SSE event this replica sends
     response_id: str  # the stream's id (token SSE) or the response id the frames carry
     created: int | None = None  # the first stream's creation time, where the API has one
+
+
+def not_continuable(path: str, body: dict[str, Any], emitted: int) -> tuple[str, str] | None:
+    """(param, why) for a request whose emitted output cannot be replayed exactly."""
+    if path != "/v1/stream" and body.get("stream") is not True:
+        return "stream", "Only streamed requests are continued (`stream: true`)."
+    for name in ("n", "best_of"):
+        if isinstance(body.get(name), int) and body[name] > 1:
+            return name, f"{name} > 1: several choices are not continued."
+    for name in ("logprobs", "top_logprobs", "echo", "use_beam_search"):
+        if body.get(name) not in (None, False, 0):
+            return name, f"{name}: its output cannot be continued from token ids alone."
+    if body.get("tools") and body.get("tool_choice") != "none":
+        return (
+            "tools",
+            "Requests with tools are not continued: the tool-call parser's state is not replayable.",
+        )
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("continuous_usage_stats"):
+        return "stream_options", "continuous_usage_stats: per-chunk usage is not continued."
+    if path == "/v1/completions" and not isinstance(body.get("prompt"), str):
+        return "prompt", "Only a single string prompt is continued."
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+        v = body.get(name)
+        if isinstance(v, int) and v <= emitted:
+            return "token_ids", (
+                f"The stream already received {emitted} tokens of its {name}={v}: "
+                "nothing is left to generate."
+            )
+    return None
 
 
 def event_id(stream: str, index: int, ids: Sequence[int] | None) -> str:
