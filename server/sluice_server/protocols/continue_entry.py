@@ -72,10 +72,11 @@ class ContinueEntry:
         if refused is not None:
             await refused(scope, receive, send)
             return
-        cont, original, refused = _checked(body)
-        if refused is not None:
-            await refused(scope, receive, send)
+        checked = _checked(body)
+        if isinstance(checked, JSONResponse):
+            await checked(scope, receive, send)
             return
+        cont, original = checked
         await self.app(_reentered(scope, cont, original), _replay(original.body, receive), send)
 
     def _refused(self, scope: Scope) -> JSONResponse | None:
@@ -111,31 +112,31 @@ class _Original:
         self.method, self.path, self.query, self.body = method, path, query, body
 
 
-def _checked(raw: Any) -> tuple[Continuation, _Original, None] | tuple[None, None, JSONResponse]:
+def _checked(raw: Any) -> tuple[Continuation, _Original] | JSONResponse:
     """The continuation and the original request, or a 422 saying what cannot be continued."""
     try:
         c = ContinueBody.model_validate(raw)
     except ValidationError as e:
         message, param = describe_validation_error(e)
-        return None, None, _error(422, message, param, "invalid_continuation")
+        return _error(422, message, param, "invalid_continuation")
     url = urlsplit(c.path)
     if url.path not in CONTINUABLE:
-        return None, None, _error(
+        return _error(
             422, f"path: {url.path!r} cannot be continued; streamed generations on "
             f"{', '.join(CONTINUABLE)} can.", "path", "not_continuable",
         )  # fmt: skip
     if (c.method == "GET") != (c.body is None) or (c.method == "GET" and url.path != "/v1/stream"):
-        return None, None, _error(
+        return _error(
             422, "A GET continues `/v1/stream?...` (its query in `path`, no `body`); a POST "
             "carries the original JSON `body`.", "body", "invalid_continuation",
         )  # fmt: skip
     fields = c.body if c.body is not None else {}
     problem = not_continuable(url.path, fields, len(c.token_ids))
     if problem is not None:
-        return None, None, _error(422, problem[1], problem[0], "not_continuable")
+        return _error(422, problem[1], problem[0], "not_continuable")
     body = json.dumps(c.body).encode() if c.body is not None else b""
     cont = Continuation(list(c.token_ids), c.next_event, c.response_id, c.created)
-    return cont, _Original(c.method, url.path, url.query, body), None
+    return cont, _Original(c.method, url.path, url.query, body)
 
 
 def _reentered(scope: Scope, cont: Continuation, original: _Original) -> Scope:

@@ -77,12 +77,15 @@ async def stream_get(request: Request) -> Response:
 async def _start(request: Request, svc: Services, who: Principal, body: dict) -> Response:
     engine = await svc.require_engine()
     trail = trail_of(request)
+    engine_rid = trail.rid
     cont: Continuation | None = request.scope.get(SCOPE_KEY)
     if cont is not None:  # the stream another replica started: its id, its next events
         trail.rid = cont.response_id
-    rid = trail.rid  # the request id is the stream's: its events' `id`, the engine's request id
+    # The request id is the stream's: its events' `id`, the engine's request id (a
+    # continuation's engine request has its own, whatever the stream's id was elsewhere).
+    rid = trail.rid
     try:
-        req = to_stream_request(body, rid, engine, lambda m: svc.route(trail, who, m))
+        req = to_stream_request(body, engine_rid, engine, lambda m: svc.route(trail, who, m))
     except ApiError as e:
         raise svc.count(PROTOCOL, e) from None
     ticket = await svc.admit(PROTOCOL, who, trail, continuation=cont is not None)

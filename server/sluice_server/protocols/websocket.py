@@ -69,7 +69,7 @@ async def ws_stream(ws: WebSocket) -> None:
         who = svc.authorize(ws, PROTOCOL, allow_query=True)
         given = ws.headers.get(KEY_HEADER.decode())
         continuing = given is not None
-        if continuing:
+        if given is not None:
             refusal = key_refusal(svc.settings.continuation_key_file, given.encode())
             if refusal is not None:
                 raise ApiError(*refusal)
