@@ -279,3 +279,24 @@ async def test_a_websocket_generation_continues_on_another_server(key_file):
         assert denied.value.response.status_code == 403
         bad = await ws_generation(b, {**frame, "continuation": {"token_ids": "x"}}, key)
         assert json.loads(bad[-1])["error"]["code"] == "invalid_continuation"
+
+
+async def test_a_reconnect_after_the_seam_resumes_on_the_continuing_server(key_file):
+    """The continuing server holds the stream under the first server's stream id, so a
+    `Last-Event-ID` in the router's form (`<id>:<n>;<token ids>`) resumes it there."""
+    path = "/v1/stream"
+    body = BODIES[path]
+    async with (
+        serve_simulator(sim(), continuation_key_file=key_file) as a,
+        serve_simulator(sim(), continuation_key_file=key_file, resume_grace_seconds=5) as b,
+        httpx.AsyncClient(base_url=a, timeout=30) as ca,
+        httpx.AsyncClient(base_url=b, timeout=30) as cb,
+    ):
+        _, state = cut(await stream(ca, path, body, ROUTER), 2)
+        r = await continue_on(cb, path, body, state)
+        rest = events_of(r.text)
+        first_id = re.search(r"^id: (.*)$", rest[0], re.M).group(1)
+        assert r.headers["x-request-id"] == state["response_id"] == first_id.split(":")[0]
+        again = await cb.get(path, headers={"Last-Event-ID": first_id})
+        assert again.status_code == 200, again.text
+        assert events_of(again.text) == rest[1:]  # exactly the events after that one

@@ -380,6 +380,12 @@ class SimulatorEngine:
                 end = len(text) if finished else max(sent, len(text) - holdback)
                 chunk = text[sent:end]
                 sent = end
+                if count == 1:  # the usual delta: no comprehension (about 1 us less)
+                    ids = [word_ids[(offset + produced - 1) % nwords]]
+                else:
+                    ids = [
+                        word_ids[(offset + p) % nwords] for p in range(produced - count, produced)
+                    ]
                 yield Delta(
                     text=chunk,
                     num_tokens=count,
@@ -388,9 +394,7 @@ class SimulatorEngine:
                     prompt_tokens=prompt_tokens,
                     completion_tokens=produced,
                     cached_tokens=cached,
-                    token_ids=[
-                        word_ids[(offset + p) % nwords] for p in range(produced - count, produced)
-                    ],
+                    token_ids=ids,
                 )
                 if finished:
                     return
