@@ -190,11 +190,12 @@ CUT_AFTER = 5
 
 
 def _events(lines: list[str]) -> list[tuple[str, dict]]:
-    """(id, data) of each token SSE event that has both."""
+    """(id, data) of each token SSE event that has both; the id without the token ids the
+    pods add to the streams the router relays (`<id>:<n>;<token ids>`, docs/migration.md)."""
     out, last = [], None
     for line in lines:
         if line.startswith("id:"):
-            last = line[3:].strip()
+            last = line[3:].strip().split(";")[0]
         elif line.startswith("data: {") and last is not None:
             out.append((last, json.loads(line[6:])))
             last = None
