@@ -141,6 +141,7 @@ class Router:
                     self.cache_dir,
                     self.settings.prefix_hasher_refresh_seconds,
                     timeout=self.settings.connect_timeout_seconds * 2,
+                    metrics=self.metrics,
                 )
                 hasher.start()
 

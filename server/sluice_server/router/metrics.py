@@ -21,7 +21,13 @@ Placement, for the models with `pods` (podview.py):
 - `sluice_router_kv_feeds_live{namespace,model}`: pods whose KV-event feed is live now
   (their precise index in use);
 - `sluice_router_load_scrapes_total{namespace,model,result}`: reads of the pods' /metrics:
-  `ok`, `missing` (no load metric on the page) or `error` (no answer in time, not 200).
+  `ok`, `missing` (no load metric on the page) or `error` (no answer in time, not 200);
+- `sluice_router_prefix_hasher_ready{namespace,model}`: 1 while the router can hash the
+  model's prompts as its engine does (hashers.py: a pod's description read and usable), 0
+  while it places by load alone;
+- `sluice_router_prefix_hasher_fetch_failures_total{namespace,model,reason}`: failed
+  reads of a pod's prefix-cache description or tokenizer files: `unreachable`, `status`,
+  `invalid`, `storage` (hashers.py `failure_reason`).
 
 No series has a pod label: pods come and go with every rollout, the series would not.
 """
@@ -99,6 +105,19 @@ class RouterMetrics:
             (*labels, "result"),
             registry=r,
         )
+        self.hasher_ready = Gauge(
+            "sluice_router_prefix_hasher_ready",
+            "1 while the router hashes the model's prompts as its engine does, else 0.",
+            labels,
+            registry=r,
+        )
+        self.hasher_failures = Counter(
+            "sluice_router_prefix_hasher_fetch_failures",
+            "Failed reads of a pod's prefix-cache description or tokenizer files, by reason "
+            "(unreachable, status, invalid, storage).",
+            (*labels, "reason"),
+            registry=r,
+        )
         self._known: set[tuple[str, str]] = set()
 
     def loaded(self, models: Models) -> None:
@@ -107,6 +126,7 @@ class RouterMetrics:
         for gone in self._known - now:
             self.known.remove(*gone)
             self.kv_feeds.remove(*gone)  # a no-op for a model without `pods`
+            self.hasher_ready.remove(*gone)
         for labels in now:
             self.known.labels(*labels).set(1)
             self.held.labels(*labels)  # a 0 series from the start: demand reads as 0, not absent
