@@ -8,12 +8,14 @@ except the router's own three routes. The models file is watched the way the ser
 watches its key file (core/auth/reload.py): a changed file is loaded and swapped in, a bad
 one is refused and the models loaded before stay. Requests already held keep the entry
 they were held under; each model's held count, readiness and in-flight requests per pod
-live in one `Upstream`. The Pods of the models with `pods` are watched from start-up (and
-from the reload that adds them) until no model names them (pods.py), and each such model
-has one `PodView` (podview.py: its prefix index, KV-event feeds and scraped loads) and one
-`ModelHasher` (hashers.py: its prompt hasher, fetched from its pods) from then until its
-entry's `pods` changes or it leaves the file. Prompts are hashed on one thread of the
-router's own (upstream.py); a router built with another `HashesFor` uses that instead.
+live in one `Upstream`, which a changed entry replaces keeping the callers' tenants it
+learned and its requests in flight per pod. The Pods of the models with `pods` are watched
+from start-up (and from the reload that adds them) until no model names them (pods.py),
+and each such model has one `PodView` (podview.py: its prefix index, KV-event feeds and
+scraped loads) and one `ModelHasher` (hashers.py: its prompt hasher, fetched from its pods)
+from then until its entry's `pods` changes or it leaves the file. Prompts are hashed on one
+thread of the router's own (upstream.py); a router built with another `HashesFor` uses
+that instead.
 """
 
 from __future__ import annotations
@@ -172,6 +174,8 @@ class Router:
     def upstream(self, model: Model) -> Upstream:
         up = self.upstreams.get(model.key)
         # A changed entry applies from the next request on once none is held under the old.
+        # What the router learned under the old one stays: its callers' tenants, and its
+        # streams in flight, which keep counting against their pods until they end.
         if up is None or (up.held == 0 and up.model != model):
             assert self.client is not None  # made in the lifespan
             s = self.settings
@@ -190,6 +194,7 @@ class Router:
                 view,
                 None if pods is None else self.hashes(model),
                 self.hashing,
+                before=up,
             )
         return up
 
