@@ -6,7 +6,8 @@ A request names its model by Host or `X-Sluice-Model` (models.py); one that name
 the models file gets 404 `model_not_found` (a WebSocket: its handshake refused with 404),
 except the router's own three routes. The models file is watched the way the server
 watches its key file (core/auth/reload.py): a changed file is loaded and swapped in, a bad
-one is refused and the models loaded before stay. Requests already held keep the entry
+one is refused and the models loaded before stay; the pin key file likewise (pin.py
+`rotate`: the key before stays honoured). Requests already held keep the entry
 they were held under; each model's held count, readiness and in-flight requests per pod
 live in one `Upstream`, which a changed entry replaces keeping the callers' tenants it
 learned and its requests in flight per pod. The Pods of the models with `pods` are watched
@@ -28,6 +29,7 @@ import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 from starlette.types import Receive, Scope, Send
@@ -43,7 +45,7 @@ from .hashes import HashesFor, PromptHashes
 from .hop import Relay
 from .metrics import RouterMetrics
 from .models import MODEL_HEADER, Model, Models, load
-from .pin import Pins
+from .pin import Pins, read_key
 from .placement import Scoring
 from .pods import ApiServer, PodWatches
 from .podview import PodView
@@ -101,11 +103,26 @@ class Router:
             models = Models([])
         self.apply(models)
         path = settings.models_file
+        sources: list[Source[Any]] = [
+            Source("models", path, lambda: load(path), self.apply, _describe)
+        ]
+        key_file, pins = settings.pin_key_file, self.pins
+        if key_file is not None and pins is not None:  # a rotated Secret: no restart needed
+            sources.append(
+                Source("pin_key", key_file, lambda: read_key(key_file), pins.rotate,
+                       lambda key: "signing with the new key, honouring the one before")
+            )  # fmt: skip
         self.reloader = Reloader(
-            [Source("models", path, lambda: load(path), self.apply, _describe)],
-            lambda name, result: self.metrics.reloads.labels(result).inc(),
+            sources,
+            self._reloaded,
             settings.models_reload_seconds,
         )
+
+    def _reloaded(self, source: str, result: str) -> None:
+        """`sluice_activator_models_reloads_total` counts the models file's reloads only (a
+        pin key reload is logged)."""
+        if source == "models":
+            self.metrics.reloads.labels(result).inc()
 
     def apply(self, models: Models) -> None:
         self.models = models
