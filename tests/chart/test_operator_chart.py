@@ -1172,6 +1172,21 @@ def test_router_pods_stop_after_a_prestop_pause_within_their_grace_period(h):
     assert "activator.drainTimeoutSeconds" in err
 
 
+def test_router_pods_carry_the_labels_the_kv_events_policies_admit(h):
+    """The operator's NetworkPolicies admit a router model's KV-event ports from pods with
+    these labels in the operator's namespace: the chart's router pods must carry them."""
+    from sluice_operator.builders.kvevents import ROUTER_POD_LABELS
+
+    (deploy,) = by_kind(activator_docs(h.template(OPERATOR_CHART)), "Deployment")
+    assert deploy["metadata"]["namespace"] == "sluice-system"
+    labels = deploy["spec"]["template"]["metadata"]["labels"]
+    assert ROUTER_POD_LABELS.items() <= labels.items()
+    # Whatever the release is called.
+    docs = h.template(OPERATOR_CHART, release="edge")
+    (deploy,) = by_kind(activator_docs(docs), "Deployment")
+    assert ROUTER_POD_LABELS.items() <= deploy["spec"]["template"]["metadata"]["labels"].items()
+
+
 def test_activator_names_match_what_the_operator_builds():
     """The ExternalName target and the ConfigMap the operator writes are the chart's."""
     from sluice_operator.builders.activator import desired_models_config_map
