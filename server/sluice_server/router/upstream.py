@@ -115,7 +115,7 @@ class Upstream:
         self.view, self.hashes = view, hashes
         self.hashing = hashing  # where the provider runs (None: the loop's default executor)
         # The tenant each caller's prompts are salted with.
-        self.tenants = Tenants() if before is None else before.tenants
+        self.tenants: Tenants = Tenants() if before is None else before.tenants
         self._hashes_failed = False
         self.held = 0
         # Pod name -> this router's requests there.
