@@ -184,7 +184,9 @@ class FakeHub:
             self._error(h, record, 404 if token else 401, "RepoNotFound", "Repository not found")
             return None
         if files and repo.gated and token not in repo.tokens:
-            self._error(h, record, 403 if token else 401, "GatedRepo", "Access to this model is restricted")
+            self._error(
+                h, record, 403 if token else 401, "GatedRepo", "Access to this model is restricted"
+            )
             return None
         return repo
 

@@ -10,12 +10,11 @@ import os
 from pathlib import Path
 
 import pytest
-from weights_helpers import BIG, REPO, gets, model_files, run
-
 from sluice_server.weights.layout import MARKER, WORK_DIR
 from sluice_server.weights.result import Outcome
 from testkit.fake_hub import FakeHub
 from testkit.net import free_port
+from weights_helpers import BIG, REPO, gets, model_files, run
 
 
 def test_a_revision_is_laid_out_by_commit_with_the_marker_last(hub: FakeHub, root: Path) -> None:
@@ -80,7 +79,9 @@ def test_a_file_damaged_every_time_ends_corrupt_without_a_marker(hub: FakeHub, r
     assert progress.phase == "failed"
 
 
-def test_without_the_hash_check_a_damaged_file_would_be_marked_ready(hub: FakeHub, root: Path) -> None:
+def test_without_the_hash_check_a_damaged_file_would_be_marked_ready(
+    hub: FakeHub, root: Path
+) -> None:
     """Negative control: same size, one byte changed. huggingface_hub checks the size only;
     the sha256 is what catches it."""
     files = model_files()
@@ -111,7 +112,9 @@ def test_a_rerun_keeps_the_files_an_earlier_run_finished(hub: FakeHub, root: Pat
     assert result.outcome == "ready"
     assert gets(hub, "config.json") == 1  # not fetched again
     assert gets(hub, "tokenizer.json") == 3 and gets(hub, "model.safetensors") == 1
-    assert (root / "acme" / "tiny" / repo.refs["main"] / "tokenizer.json").read_bytes() == files["tokenizer.json"]
+    assert (root / "acme" / "tiny" / repo.refs["main"] / "tokenizer.json").read_bytes() == files[
+        "tokenizer.json"
+    ]
 
 
 def test_a_file_left_on_the_volume_is_hashed_before_it_is_kept(hub: FakeHub, root: Path) -> None:
@@ -129,7 +132,9 @@ def test_a_file_left_on_the_volume_is_hashed_before_it_is_kept(hub: FakeHub, roo
     assert (folder / "model.safetensors").read_bytes() == files["model.safetensors"]
 
 
-def test_a_complete_commit_needs_no_network_and_a_branch_one_api_call(hub: FakeHub, root: Path) -> None:
+def test_a_complete_commit_needs_no_network_and_a_branch_one_api_call(
+    hub: FakeHub, root: Path
+) -> None:
     commit = hub.add_repo(REPO, model_files()).refs["main"]
     assert run(hub, root)[0].outcome == "ready"
     before = len(hub.requests)
@@ -158,7 +163,9 @@ def test_a_gated_model_without_a_token_fails_before_any_download(hub: FakeHub, r
     assert hub.file_requests() == []
 
 
-def test_a_gated_model_refuses_a_token_that_has_not_accepted_the_license(hub: FakeHub, root: Path) -> None:
+def test_a_gated_model_refuses_a_token_that_has_not_accepted_the_license(
+    hub: FakeHub, root: Path
+) -> None:
     hub.add_repo(REPO, model_files(), gated=True, tokens={"hf_good"})
     result, _ = run(hub, root, token="hf_other")
     assert result.outcome == "gated"
@@ -236,5 +243,7 @@ def test_a_new_revision_goes_beside_the_old_one(hub: FakeHub, root: Path) -> Non
     new = repo.add_commit(model_files(seed=2))
     result, _ = run(hub, root)
     assert result.commit == new != old
-    assert (root / "acme" / "tiny" / old / MARKER).exists() and (root / "acme" / "tiny" / new / MARKER).exists()
+    assert (root / "acme" / "tiny" / old / MARKER).exists() and (
+        root / "acme" / "tiny" / new / MARKER
+    ).exists()
     assert not (root / "acme" / "tiny" / new / WORK_DIR).exists()

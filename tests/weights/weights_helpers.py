@@ -36,7 +36,9 @@ def run(hub: FakeHub, root: Path, revision: str = "main", *, repo: str = REPO,
     progress = Progress()
     client = Hub(token, endpoint=endpoint or hub.url, attempts=2, retry_wait=0.0)
     kwargs = {} if free_bytes is None else {"free_bytes": free_bytes}
-    result = fetch(Request(repo, revision, root), client, progress, verify_hashes=verify_hashes, **kwargs)
+    result = fetch(
+        Request(repo, revision, root), client, progress, verify_hashes=verify_hashes, **kwargs
+    )
     return result, progress
 
 

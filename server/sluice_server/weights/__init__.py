@@ -1,4 +1,4 @@
-"""The weights download program: `python -m sluice_server.weights fetch|remove`.
+"""The weights download program: `python -m sluice_server.weights fetch` (and `remove`).
 
 The operator runs it in a Job, once per (repository, revision), to fill a weights cache
 volume that model pods then mount read-only and read with the Hub off. It resolves the

@@ -1,4 +1,4 @@
-"""`python -m sluice_server.weights fetch|remove`: the weights cache's download Job.
+"""`python -m sluice_server.weights fetch` or `remove`: the weights cache's download Job.
 
     fetch --repo ORG/NAME --revision REV --root /weights [--token-file PATH]
           [--progress-port N] [--result-file PATH]
@@ -32,8 +32,15 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--token-file", type=Path, help="a file holding the Hub token (a Secret's key)")
     f.add_argument("--progress-port", type=int, help="serve GET /progress on this port")
     f.add_argument("--result-file", type=Path, default=Path("/dev/termination-log"))
-    f.add_argument("--attempts", type=int, default=5, help="tries of a call to the Hub that fails in passing")
-    f.add_argument("--retry-wait", type=float, default=2.0, help="seconds before the second try, doubled each time")
+    f.add_argument(
+        "--attempts", type=int, default=5, help="tries of a call to the Hub that fails in passing"
+    )
+    f.add_argument(
+        "--retry-wait",
+        type=float,
+        default=2.0,
+        help="seconds before the second try, doubled each time",
+    )
     r = sub.add_parser("remove", help="remove a repository's commit folders other than --keep")
     r.add_argument("--root", required=True, type=Path)
     r.add_argument("--repo", required=True)
@@ -71,7 +78,10 @@ def _fetch(args: argparse.Namespace) -> int:
         try:
             token = args.token_file.read_text().strip() or None
         except OSError as e:
-            return done(Outcome.ERROR, f"the token file {args.token_file} cannot be read ({e.strerror}): check the Secret the cache names and its key")
+            return done(
+                Outcome.ERROR,
+                f"the token file {args.token_file} cannot be read ({e.strerror}): check the Secret the cache names and its key",
+            )
         if token is None:
             log.warning("the token file %s is empty: downloading without a token", args.token_file)
     progress = Progress()
@@ -91,16 +101,33 @@ def _remove(args: argparse.Namespace) -> int:
     keep = [c for c in args.keep.split(",") if c]
     try:
         if not keep:
-            raise ValueError("--keep names no commit (to remove every revision, delete the repository's folder)")
+            raise ValueError(
+                "--keep names no commit (to remove every revision, delete the repository's folder)"
+            )
         removed, freed = remove_other_commits(args.root, args.repo, keep)
     except ValueError as e:
         log.error("%s", e)
-        write_result(args.result_file, json.dumps({"outcome": "refused", "repo": args.repo, "message": str(e)}))
+        write_result(
+            args.result_file,
+            json.dumps({"outcome": "refused", "repo": args.repo, "message": str(e)}),
+        )
         return EXIT_USAGE
     for commit in removed:
         log.info("removed %s@%s", args.repo, commit)
-    log.info("removed %d commit folders of %s (%d bytes), kept %s", len(removed), args.repo, freed, ",".join(keep))
-    doc = {"outcome": "removed", "repo": args.repo, "removed": removed, "kept": keep, "bytes": freed}
+    log.info(
+        "removed %d commit folders of %s (%d bytes), kept %s",
+        len(removed),
+        args.repo,
+        freed,
+        ",".join(keep),
+    )
+    doc = {
+        "outcome": "removed",
+        "repo": args.repo,
+        "removed": removed,
+        "kept": keep,
+        "bytes": freed,
+    }
     write_result(args.result_file, json.dumps(doc, separators=(",", ":")))
     return 0
 

@@ -65,12 +65,18 @@ def fetch(request: Request, hub: Hub, progress: Progress, *,
     except OSError as e:
         if e.errno != errno.ENOSPC:
             log.exception("unexpected error")
-            outcome, message = Outcome.ERROR, f"fetching {request.repo}@{request.revision} failed: {e}"
+            outcome, message = (
+                Outcome.ERROR,
+                f"fetching {request.repo}@{request.revision} failed: {e}",
+            )
         else:
             outcome, message = Outcome.NO_SPACE, _no_space(request, progress, free_bytes)
     except Exception as e:
         log.exception("unexpected error")
-        outcome, message = Outcome.ERROR, f"fetching {request.repo}@{request.revision} failed: {type(e).__name__}: {e}"
+        outcome, message = (
+            Outcome.ERROR,
+            f"fetching {request.repo}@{request.revision} failed: {type(e).__name__}: {e}",
+        )
     if outcome is Outcome.NO_SPACE and "volume at" not in message:
         message = _no_space(request, progress, free_bytes)
     progress.set(phase="failed")
@@ -87,7 +93,10 @@ def _fill(request: Request, hub: Hub, snapshot: Snapshot, progress: Progress,
         log.info("%s@%s is complete already: no file fetched", request.repo, snapshot.commit)
         return doc
     if snapshot.gated and not hub.has_token:
-        raise FetchFailure(Outcome.GATED, f"{request.repo} is a gated model and no token was given: accept its license on the Hub, then put a token of that account in the Secret the cache names")
+        raise FetchFailure(
+            Outcome.GATED,
+            f"{request.repo} is a gated model and no token was given: accept its license on the Hub, then put a token of that account in the Secret the cache names",
+        )
     work = folder / WORK_DIR / "sluice"
     work.mkdir(parents=True, exist_ok=True)
     # One writer per commit folder (two revisions may resolve to the same commit). A run that
@@ -124,7 +133,10 @@ def _fill_locked(request: Request, hub: Hub, snapshot: Snapshot, folder: Path, p
     needed = sum(e.size for e in snapshot.files if e.path not in kept | present)
     free = free_bytes(request.root)
     if free < needed:
-        raise FetchFailure(Outcome.NO_SPACE, f"the cache volume at {request.root} has {_size(free)} free, and {request.repo}@{request.revision} (commit {snapshot.commit}) needs {_size(needed)} more ({_size(progress.bytes_total)} in all): give the cache's PVC more space, or remove revisions nothing uses")
+        raise FetchFailure(
+            Outcome.NO_SPACE,
+            f"the cache volume at {request.root} has {_size(free)} free, and {request.repo}@{request.revision} (commit {snapshot.commit}) needs {_size(needed)} more ({_size(progress.bytes_total)} in all): give the cache's PVC more space, or remove revisions nothing uses",
+        )
     progress.set(phase="downloading")
     started = time.monotonic()
     fetched = 0
@@ -139,9 +151,20 @@ def _fill_locked(request: Request, hub: Hub, snapshot: Snapshot, folder: Path, p
             if problem is None:
                 integrity.record_verified(folder, e)
                 progress.file_done(e.size)
-                log.info("%s kept %s (%s, already there, %s)", n, e.path, _size(e.size), _checked(e, verify_hashes))
+                log.info(
+                    "%s kept %s (%s, already there, %s)",
+                    n,
+                    e.path,
+                    _size(e.size),
+                    _checked(e, verify_hashes),
+                )
                 continue
-            log.warning("%s %s on the volume does not match the Hub (%s): downloading it again", n, e.path, problem)
+            log.warning(
+                "%s %s on the volume does not match the Hub (%s): downloading it again",
+                n,
+                e.path,
+                problem,
+            )
             integrity.forget(folder, e)
         for attempt in (1, 2):
             hub.download(request.repo, snapshot.commit, e, folder, progress)
@@ -150,8 +173,13 @@ def _fill_locked(request: Request, hub: Hub, snapshot: Snapshot, folder: Path, p
                 break
             integrity.forget(folder, e)
             if attempt == 2:
-                raise FetchFailure(Outcome.CORRUPT, f"{e.path} of {request.repo} (commit {snapshot.commit}) arrived damaged twice ({problem}): the Hub or the mirror in HF_ENDPOINT serves bytes that do not match its own metadata; the Job retries, and a mirror may need the file fetched again")
-            log.warning("%s %s arrived damaged (%s): deleted, downloading it again", n, e.path, problem)
+                raise FetchFailure(
+                    Outcome.CORRUPT,
+                    f"{e.path} of {request.repo} (commit {snapshot.commit}) arrived damaged twice ({problem}): the Hub or the mirror in HF_ENDPOINT serves bytes that do not match its own metadata; the Job retries, and a mirror may need the file fetched again",
+                )
+            log.warning(
+                "%s %s arrived damaged (%s): deleted, downloading it again", n, e.path, problem
+            )
         integrity.record_verified(folder, e)
         progress.file_done(e.size)
         fetched += e.size
@@ -160,7 +188,10 @@ def _fill_locked(request: Request, hub: Hub, snapshot: Snapshot, folder: Path, p
     progress.set(phase="verifying")
     for e in snapshot.files:  # sizes only: each file's hash was checked as it arrived
         if (problem := integrity.mismatch(folder / e.path, e, hashes=False)) is not None:
-            raise FetchFailure(Outcome.CORRUPT, f"{e.path} of {request.repo} (commit {snapshot.commit}) changed on the volume during the download ({problem}): is another writer using {folder}?")
+            raise FetchFailure(
+                Outcome.CORRUPT,
+                f"{e.path} of {request.repo} (commit {snapshot.commit}) changed on the volume during the download ({problem}): is another writer using {folder}?",
+            )
     shutil.rmtree(folder / WORK_DIR, ignore_errors=True)
     manifest: list[ManifestEntry] = list(snapshot.files)
     doc = write_marker(folder, repo=request.repo, revision=request.revision, commit=snapshot.commit,
@@ -174,7 +205,11 @@ def _fill_locked(request: Request, hub: Hub, snapshot: Snapshot, folder: Path, p
 def _checked(e: ManifestEntry, hashes: bool) -> str:
     if not hashes:
         return "size checked"
-    return "sha256 checked" if e.sha256 else ("git blob SHA-1 checked" if e.blob_id else "size checked")
+    return (
+        "sha256 checked"
+        if e.sha256
+        else ("git blob SHA-1 checked" if e.blob_id else "size checked")
+    )
 
 
 def _no_space(request: Request, progress: Progress, free_bytes: Callable[[Path], int]) -> str:

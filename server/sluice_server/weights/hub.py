@@ -70,13 +70,19 @@ class Hub:
             api = HfApi(endpoint=self.endpoint, token=self._token or False)
             info = api.model_info(repo, revision=revision, files_metadata=True)
             if not info.sha:
-                raise FetchFailure(Outcome.ERROR, f"{self.endpoint} answered for {repo}@{revision} without a commit: is HF_ENDPOINT a Hub or a Hub mirror?")
+                raise FetchFailure(
+                    Outcome.ERROR,
+                    f"{self.endpoint} answered for {repo}@{revision} without a commit: is HF_ENDPOINT a Hub or a Hub mirror?",
+                )
             files = []
             for s in info.siblings or []:
                 relative_file(s.rfilename)
                 size = s.lfs.size if s.lfs is not None else s.size
                 if size is None:
-                    raise FetchFailure(Outcome.ERROR, f"{self.endpoint} listed {s.rfilename} of {repo}@{revision} without its size: is HF_ENDPOINT a Hub or a Hub mirror?")
+                    raise FetchFailure(
+                        Outcome.ERROR,
+                        f"{self.endpoint} listed {s.rfilename} of {repo}@{revision} without its size: is HF_ENDPOINT a Hub or a Hub mirror?",
+                    )
                 files.append(ManifestEntry(path=s.rfilename, size=size,
                                            sha256=s.lfs.sha256 if s.lfs is not None else None,
                                            blob_id=s.blob_id))  # fmt: skip
@@ -122,32 +128,74 @@ class Hub:
         at = self.endpoint
         for e in _chain(error):
             if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-                return FetchFailure(Outcome.NO_SPACE, f"the cache volume ran out of space while downloading {repo}@{revision}: give its PVC more space, or remove revisions nothing uses")
+                return FetchFailure(
+                    Outcome.NO_SPACE,
+                    f"the cache volume ran out of space while downloading {repo}@{revision}: give its PVC more space, or remove revisions nothing uses",
+                )
             if isinstance(e, GatedRepoError):
                 if self.has_token:
-                    return FetchFailure(Outcome.GATED, f"the Hub refused the token for {repo}, a gated model: accept the model's license on the Hub with the account the token belongs to, and check the token in the Secret the cache names")
-                return FetchFailure(Outcome.GATED, f"{repo} is a gated model and no token was given: accept its license on the Hub, then put a token of that account in the Secret the cache names")
+                    return FetchFailure(
+                        Outcome.GATED,
+                        f"the Hub refused the token for {repo}, a gated model: accept the model's license on the Hub with the account the token belongs to, and check the token in the Secret the cache names",
+                    )
+                return FetchFailure(
+                    Outcome.GATED,
+                    f"{repo} is a gated model and no token was given: accept its license on the Hub, then put a token of that account in the Secret the cache names",
+                )
             if isinstance(e, RevisionNotFoundError):
-                return FetchFailure(Outcome.NOT_FOUND, f"{repo} has no revision {revision!r} on {at}: name an existing branch, tag or commit")
+                return FetchFailure(
+                    Outcome.NOT_FOUND,
+                    f"{repo} has no revision {revision!r} on {at}: name an existing branch, tag or commit",
+                )
             if isinstance(e, RemoteEntryNotFoundError):
-                return FetchFailure(Outcome.NOT_FOUND, f"{at} listed a file of {repo}@{revision} that it then did not serve ({_short(e)}); if HF_ENDPOINT is a mirror, check that it holds this revision whole")
+                return FetchFailure(
+                    Outcome.NOT_FOUND,
+                    f"{at} listed a file of {repo}@{revision} that it then did not serve ({_short(e)}); if HF_ENDPOINT is a mirror, check that it holds this revision whole",
+                )
             if isinstance(e, HfHubHTTPError) and e.response is not None:
                 status = e.response.status_code
                 if status == 401:
                     if self.has_token:
-                        return FetchFailure(Outcome.UNAUTHORIZED, f"the Hub refused the token for {repo} (401): check that the token in the Secret the cache names is valid and can read {repo}")
-                    return FetchFailure(Outcome.UNAUTHORIZED, f"the Hub refused to show {repo} without a token (401): the repository is private or gated, or does not exist; if it exists, put a token that can read it in the Secret the cache names")
+                        return FetchFailure(
+                            Outcome.UNAUTHORIZED,
+                            f"the Hub refused the token for {repo} (401): check that the token in the Secret the cache names is valid and can read {repo}",
+                        )
+                    return FetchFailure(
+                        Outcome.UNAUTHORIZED,
+                        f"the Hub refused to show {repo} without a token (401): the repository is private or gated, or does not exist; if it exists, put a token that can read it in the Secret the cache names",
+                    )
                 if isinstance(e, RepositoryNotFoundError) or status == 404:
-                    return FetchFailure(Outcome.NOT_FOUND, f"{repo} does not exist on {at}" + (", or the token's account cannot see it" if self.has_token else "") + ": check the repository name")
+                    return FetchFailure(
+                        Outcome.NOT_FOUND,
+                        f"{repo} does not exist on {at}"
+                        + (", or the token's account cannot see it" if self.has_token else "")
+                        + ": check the repository name",
+                    )
                 if status == 403:
-                    return FetchFailure(Outcome.UNAUTHORIZED, f"the Hub refused access to {repo} (403): check that the token in the Secret the cache names has read access to it")
+                    return FetchFailure(
+                        Outcome.UNAUTHORIZED,
+                        f"the Hub refused access to {repo} (403): check that the token in the Secret the cache names has read access to it",
+                    )
                 if status in _TRANSIENT_STATUS:
-                    return FetchFailure(Outcome.UNREACHABLE, f"{at} answered {status} for {repo}@{revision}: the Hub (or the mirror in HF_ENDPOINT) is down or rate limiting; the Job retries")
-            if isinstance(e, httpx2.TransportError | LocalEntryNotFoundError | ConnectionError | TimeoutError):
-                return FetchFailure(Outcome.UNREACHABLE, f"could not reach {at} for {repo}@{revision} ({_short(e)}): check the cluster's egress to the Hub, or set HF_ENDPOINT to a mirror it can reach")
+                    return FetchFailure(
+                        Outcome.UNREACHABLE,
+                        f"{at} answered {status} for {repo}@{revision}: the Hub (or the mirror in HF_ENDPOINT) is down or rate limiting; the Job retries",
+                    )
+            if isinstance(
+                e, httpx2.TransportError | LocalEntryNotFoundError | ConnectionError | TimeoutError
+            ):
+                return FetchFailure(
+                    Outcome.UNREACHABLE,
+                    f"could not reach {at} for {repo}@{revision} ({_short(e)}): check the cluster's egress to the Hub, or set HF_ENDPOINT to a mirror it can reach",
+                )
             if isinstance(e, OSError) and "Consistency check failed" in str(e):
-                return FetchFailure(Outcome.UNREACHABLE, f"the transfer of a file of {repo}@{revision} from {at} ended short ({_short(e)}); the Job retries")
-        return FetchFailure(Outcome.ERROR, f"downloading {repo}@{revision} from {at} failed: {_short(error)}")
+                return FetchFailure(
+                    Outcome.UNREACHABLE,
+                    f"the transfer of a file of {repo}@{revision} from {at} ended short ({_short(e)}); the Job retries",
+                )
+        return FetchFailure(
+            Outcome.ERROR, f"downloading {repo}@{revision} from {at} failed: {_short(error)}"
+        )
 
 
 def _chain(error: BaseException) -> Iterator[BaseException]:

@@ -149,7 +149,9 @@ def remove_other_commits(root: Path, repo: str, keep: list[str]) -> tuple[list[s
             raise ValueError(f"{child} resolves outside the cache root {root}: refusing to remove")
         if not child.is_dir():
             continue
-        freed += sum(p.stat().st_size for p in child.rglob("*") if p.is_file() and not p.is_symlink())
+        freed += sum(
+            p.stat().st_size for p in child.rglob("*") if p.is_file() and not p.is_symlink()
+        )
         # The marker first: a reader never sees a marked folder with files missing.
         (child / MARKER).unlink(missing_ok=True)
         shutil.rmtree(child)

@@ -63,7 +63,12 @@ class Result:
         text = json.dumps(doc, separators=(",", ":"))
         excess = len(text.encode()) - _MAX_RESULT_BYTES
         if excess > 0:
-            doc["message"] = self.message.encode()[: max(0, len(self.message.encode()) - excess - 3)].decode(errors="ignore") + "..."
+            doc["message"] = (
+                self.message.encode()[: max(0, len(self.message.encode()) - excess - 3)].decode(
+                    errors="ignore"
+                )
+                + "..."
+            )
             text = json.dumps(doc, separators=(",", ":"))
         return text
 
