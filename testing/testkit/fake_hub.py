@@ -8,6 +8,8 @@ answers them, with switches to make it fail the ways the Hub and the network do.
 - `HEAD|GET /{org}/{name}/resolve/{rev}/{path}`: the file, with `X-Repo-Commit`, `ETag`
   (the sha256 for LFS files, the blob SHA-1 otherwise), `X-Linked-Etag`/`X-Linked-Size`
   for LFS files, `Accept-Ranges` and `Range` (206 with `Content-Range`).
+- `GET /api/agent-harnesses`: an empty list (huggingface_hub asks for it once a day, without
+  a token, to name the coding agent in its user agent).
 - Errors as the Hub sends them (`X-Error-Code`): RepoNotFound (401 without a token, 404
   with one), RevisionNotFound (404), GatedRepo (401 without a token, 403 with one that
   has not accepted the license), EntryNotFound (404), "Invalid credentials" (401).
@@ -164,7 +166,9 @@ class FakeHub:
         parts = url.path.split("/")
         record = Request(h.command, url.path, None, h.headers.get("Range"), token, 0, 0)
         try:
-            if len(parts) >= 5 and parts[1:3] == ["api", "models"]:
+            if url.path == "/api/agent-harnesses":
+                self._json(h, record, {"standardEnvVars": [], "harnesses": {}})
+            elif len(parts) >= 5 and parts[1:3] == ["api", "models"]:
                 self._model_info(h, record, parts[3:], parse_qs(url.query), token)
             elif len(parts) >= 6 and parts[3] == "resolve":
                 self._resolve(h, record, parts, token, head)
@@ -215,6 +219,9 @@ class FakeHub:
         doc = {"_id": commit[:24], "id": repo_id, "modelId": repo_id, "sha": commit,
                "private": repo.private, "gated": "manual" if repo.gated else False,
                "disabled": False, "tags": [], "siblings": siblings}  # fmt: skip
+        self._json(h, record, doc)
+
+    def _json(self, h: BaseHTTPRequestHandler, record: Request, doc: dict[str, Any]) -> None:
         body = json.dumps(doc).encode()
         record.status = 200
         h.send_response(200)

@@ -70,6 +70,7 @@ def test_the_job_fetches_through_hf_endpoint_with_the_token_file(
     # the endpoint, token-less, for its agent-harness list: not the repository's).
     repo_requests = [r for r in hub.requests if r.revision or r.path.startswith("/api/models/")]
     assert len(repo_requests) == 7 and {r.token for r in repo_requests} == {TOKEN}
+    assert all(r.status < 400 for r in hub.requests)
     log = proc.log_path.read_text()
     assert TOKEN not in log and "hf_from_the_environment" not in log
     assert log.count("] fetched ") == 3 and "ready in" in log
