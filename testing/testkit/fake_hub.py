@@ -142,6 +142,7 @@ class FakeHub:
     def url(self) -> str:
         assert self._server is not None
         host, port = self._server.server_address[:2]
+        assert isinstance(host, str)
         return f"http://{host}:{port}"
 
     def stop(self) -> None:
@@ -164,19 +165,18 @@ class FakeHub:
         auth = h.headers.get("Authorization", "")
         token = auth.removeprefix("Bearer ") if auth.startswith("Bearer ") else None
         parts = url.path.split("/")
+        # Recorded as it arrives (a held transfer is visible); status and bytes as they go.
         record = Request(h.command, url.path, None, h.headers.get("Range"), token, 0, 0)
-        try:
-            if url.path == "/api/agent-harnesses":
-                self._json(h, record, {"standardEnvVars": [], "harnesses": {}})
-            elif len(parts) >= 5 and parts[1:3] == ["api", "models"]:
-                self._model_info(h, record, parts[3:], parse_qs(url.query), token)
-            elif len(parts) >= 6 and parts[3] == "resolve":
-                self._resolve(h, record, parts, token, head)
-            else:
-                self._error(h, record, 404, None, "not found")
-        finally:
-            with self._lock:
-                self.requests.append(record)
+        with self._lock:
+            self.requests.append(record)
+        if url.path == "/api/agent-harnesses":
+            self._json(h, record, {"standardEnvVars": [], "harnesses": {}})
+        elif len(parts) >= 5 and parts[1:3] == ["api", "models"]:
+            self._model_info(h, record, parts[3:], parse_qs(url.query), token)
+        elif len(parts) >= 6 and parts[3] == "resolve":
+            self._resolve(h, record, parts, token, head)
+        else:
+            self._error(h, record, 404, None, "not found")
 
     def _access(self, h: BaseHTTPRequestHandler, record: Request, repo_id: str,
                 token: str | None, *, files: bool) -> FakeRepo | None:  # fmt: skip

@@ -11,12 +11,11 @@ from pathlib import Path
 import httpx
 import pytest
 from sluice_bench.procs import engine_env
-from weights_helpers import run
-
 from sluice_server.engine.tiny_model import ensure_tiny_model
 from testkit.fake_hub import FakeHub
 from testkit.net import free_port, wait_http
 from testkit.process import ManagedProcess
+from weights_helpers import run
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -27,7 +26,11 @@ def test_a_fetched_folder_serves_with_the_hub_off(hub: FakeHub, root: Path, tmp_
     result, _ = run(hub, root, repo="acme/tiny")
     assert result.outcome == "ready"
     folder = root / "acme" / "tiny" / str(result.commit)
-    assert {p.name for p in folder.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json"}
+    assert {p.name for p in folder.iterdir()} >= {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    }
     served_before = len(hub.requests)
     port = free_port()
     env = {k: v for k, v in engine_env(tmp_path / "scratch").items() if not k.startswith("HF_")}

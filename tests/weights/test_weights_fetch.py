@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from sluice_server.weights.layout import MARKER, WORK_DIR
 from sluice_server.weights.result import Outcome
 from testkit.fake_hub import FakeHub
 from testkit.net import free_port
+from testkit.wait import eventually
 from weights_helpers import BIG, REPO, gets, model_files, run
 
 
@@ -150,8 +152,20 @@ def test_a_complete_commit_needs_no_network_and_a_branch_one_api_call(
 def test_a_damaged_complete_folder_is_filled_again(hub: FakeHub, root: Path) -> None:
     commit = hub.add_repo(REPO, model_files()).refs["main"]
     run(hub, root)
-    (root / "acme" / "tiny" / commit / "model.safetensors").unlink()
-    assert run(hub, root, revision=commit)[0].outcome == "ready"
+    folder = root / "acme" / "tiny" / commit
+    (folder / "model.safetensors").unlink()
+    hub.hold["model.safetensors"] = held = threading.Event()
+    box: list = []
+    refill = threading.Thread(target=lambda: box.append(run(hub, root, revision=commit)[0]))
+    refill.start()
+    try:
+        # While the file is fetched again, the folder is not marked complete.
+        eventually(lambda: gets(hub, "model.safetensors") == 2, timeout=30)
+        assert not (folder / MARKER).exists()
+    finally:
+        held.set()
+        refill.join(60)
+    assert box[0].outcome == "ready" and (folder / MARKER).exists()
     assert gets(hub, "model.safetensors") == 2 and gets(hub, "config.json") == 1
 
 

@@ -86,7 +86,12 @@ def _fetch(args: argparse.Namespace) -> int:
             log.warning("the token file %s is empty: downloading without a token", args.token_file)
     progress = Progress()
     if args.progress_port is not None:
-        serve_progress(progress, args.progress_port)
+        try:
+            serve_progress(progress, args.progress_port)
+        except OSError as e:  # the download matters more than its progress
+            log.warning(
+                "cannot serve progress on port %d (%s): going on without", args.progress_port, e
+            )
     hub = Hub(token, attempts=args.attempts, retry_wait=args.retry_wait)
     log.info("fetching %s@%s from %s into %s (%s)", args.repo, args.revision, hub.endpoint,
              args.root, "with a token" if token else "without a token")  # fmt: skip

@@ -16,7 +16,7 @@ import filelock
 
 from . import integrity
 from .hub import Hub, Snapshot
-from .layout import WORK_DIR, ManifestEntry, commit_dir, complete, is_commit, write_marker
+from .layout import MARKER, WORK_DIR, ManifestEntry, commit_dir, complete, is_commit, write_marker
 from .progress import Progress
 from .result import FetchFailure, Outcome, Result
 
@@ -101,22 +101,36 @@ def _fill(request: Request, hub: Hub, snapshot: Snapshot, progress: Progress,
     work.mkdir(parents=True, exist_ok=True)
     # One writer per commit folder (two revisions may resolve to the same commit). A run that
     # waits here finds the folder complete when it gets the lock.
-    lock = filelock.FileLock(work / "lock")
+    lock: filelock.BaseFileLock | None = filelock.FileLock(work / "lock")
     try:
-        lock.acquire(timeout=1)
-    except filelock.Timeout:
-        log.info("another download of %s is writing %s: waiting for it", snapshot.commit, folder)
-        lock.acquire()
+        assert lock is not None
+        try:
+            lock.acquire(timeout=1)
+        except filelock.Timeout:
+            log.info(
+                "another download of %s is writing %s: waiting for it", snapshot.commit, folder
+            )
+            lock.acquire()
+    except (NotImplementedError, PermissionError, OSError) as e:
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            raise
+        # A volume without file locks: the operator runs one Job per revision anyway.
+        log.warning("cannot lock %s (%s): going on without the lock", folder, e)
+        lock = None
     try:
         if (doc := complete(folder)) is not None:
             return doc
         return _fill_locked(request, hub, snapshot, folder, progress, free_bytes, verify_hashes)
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()
 
 
 def _fill_locked(request: Request, hub: Hub, snapshot: Snapshot, folder: Path, progress: Progress,
                  free_bytes: Callable[[Path], int], verify_hashes: bool) -> dict:  # fmt: skip
+    # A marker over files that are no longer all there goes first: pods must not take the
+    # folder for complete while it is filled again.
+    (folder / MARKER).unlink(missing_ok=True)
     # A run killed mid-file leaves huggingface_hub's temporary file (a unique name per run).
     for stale in (folder / WORK_DIR / "huggingface" / "download").rglob("*.incomplete"):
         stale.unlink(missing_ok=True)
