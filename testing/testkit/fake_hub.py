@@ -14,7 +14,10 @@ answers them, with switches to make it fail the ways the Hub and the network do.
   with one), RevisionNotFound (404), GatedRepo (401 without a token, 403 with one that
   has not accepted the license), EntryNotFound (404), "Invalid credentials" (401).
 
-Switches: `gated`/`private` and the accepted `tokens` per repository; `corrupt[path] = n`
+Switches: `cdn_host` (say "localhost" when the Hub is at 127.0.0.1) answers an LFS file's
+`/resolve` with a 302 to `/cdn-lfs/...` on that host, with the file's metadata on the
+redirect, as the Hub sends LFS files to its CDN (huggingface_hub then downloads from there
+without the token); `gated`/`private` and the accepted `tokens` per repository; `corrupt[path] = n`
 serves the next n GETs of a file with one byte changed (-1: always); `cut[path] = n` cuts
 the connection halfway through the next n GETs of a file; `hold[path]` (an Event) keeps a
 GET of the file waiting after its first half until the event is set. Every request is recorded
@@ -31,7 +34,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf", ".model")
 
@@ -89,6 +92,7 @@ class FakeHub:
         self.corrupt: dict[str, int] = {}
         self.cut: dict[str, int] = {}
         self.hold: dict[str, threading.Event] = {}
+        self.cdn_host: str | None = None
         self.requests: list[Request] = []
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
@@ -175,6 +179,8 @@ class FakeHub:
             self._model_info(h, record, parts[3:], parse_qs(url.query), token)
         elif len(parts) >= 6 and parts[3] == "resolve":
             self._resolve(h, record, parts, token, head)
+        elif len(parts) >= 6 and parts[1] == "cdn-lfs":
+            self._cdn(h, record, parts, head)
         else:
             self._error(h, record, 404, None, "not found")
 
@@ -249,6 +255,41 @@ class FakeHub:
             return
         lfs = repo.is_lfs(path, data)
         etag = hashlib.sha256(data).hexdigest() if lfs else git_blob_sha1(data)
+        if lfs and self.cdn_host is not None:
+            # As the Hub does for LFS files: a redirect to another host (a signed CDN URL),
+            # the file's metadata on the redirect itself.
+            port = h.server.server_address[1]
+            location = f"http://{self.cdn_host}:{port}/cdn-lfs/{repo_id}/{commit}/{quote(path)}"
+            record.status = 302
+            h.send_response(302)
+            h.send_header("Location", location)
+            h.send_header("ETag", f'"{etag}"')
+            h.send_header("X-Repo-Commit", commit)
+            h.send_header("X-Linked-Etag", f'"{etag}"')
+            h.send_header("X-Linked-Size", str(len(data)))
+            h.send_header("Content-Length", "0")
+            h.end_headers()
+            return
+        self._send_file(h, record, path, data, commit, etag, lfs, head)
+
+    def _cdn(
+        self, h: BaseHTTPRequestHandler, record: Request, parts: list[str], head: bool
+    ) -> None:
+        """`/cdn-lfs/{org}/{name}/{commit}/{path}`: an LFS file's bytes, no token needed (the
+        Hub's CDN URLs are signed)."""
+        repo = self.repos.get("/".join(parts[2:4]))
+        commit = parts[4]
+        path = unquote("/".join(parts[5:]))
+        record.path, record.revision = path, commit
+        data = repo.commits.get(commit, {}).get(path) if repo is not None else None
+        if data is None:
+            self._error(h, record, 404, None, "no such object")
+            return
+        etag = hashlib.sha256(data).hexdigest()
+        self._send_file(h, record, path, data, commit, etag, True, head)
+
+    def _send_file(self, h: BaseHTTPRequestHandler, record: Request, path: str, data: bytes,
+                   commit: str, etag: str, lfs: bool, head: bool) -> None:  # fmt: skip
         start, end = 0, len(data) - 1
         status = 200
         m = re.fullmatch(r"bytes=(\d+)-(\d*)", record.range or "")

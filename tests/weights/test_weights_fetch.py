@@ -261,3 +261,22 @@ def test_a_new_revision_goes_beside_the_old_one(hub: FakeHub, root: Path) -> Non
         root / "acme" / "tiny" / new / MARKER
     ).exists()
     assert not (root / "acme" / "tiny" / new / WORK_DIR).exists()
+
+
+def test_lfs_files_through_a_cdn_redirect_as_the_hub_sends_them(hub: FakeHub, root: Path) -> None:
+    """The Hub answers an LFS file's /resolve with a 302 to another host carrying the file's
+    metadata; huggingface_hub downloads from there without the token, and resumes there."""
+    files = model_files(shard=BIG)
+    hub.add_repo(REPO, files, gated=True, tokens={"hf_good"})
+    hub.cdn_host = "localhost"
+    hub.cut["model.safetensors"] = 1
+    hub.corrupt["model.safetensors"] = 1
+    result, _ = run(hub, root, token="hf_good")
+    assert result.outcome == "ready"
+    resolves = [r for r in hub.file_requests("model.safetensors") if r.status == 302]
+    cdn = [r for r in hub.file_requests("model.safetensors", "GET") if r.status in (200, 206)]
+    assert resolves and all(r.token == "hf_good" for r in resolves)
+    # Damaged once (fetched again), cut once (resumed with a range): three GETs, no token.
+    assert len(cdn) == 3 and {r.token for r in cdn} == {None}
+    assert [r.range is not None for r in cdn].count(True) == 1
+    assert hub.bytes_served("model.safetensors") < 3 * BIG
