@@ -258,7 +258,7 @@ class FakeHub:
         if lfs and self.cdn_host is not None:
             # As the Hub does for LFS files: a redirect to another host (a signed CDN URL),
             # the file's metadata on the redirect itself.
-            port = h.server.server_address[1]
+            port = urlsplit(self.url).port
             location = f"http://{self.cdn_host}:{port}/cdn-lfs/{repo_id}/{commit}/{quote(path)}"
             record.status = 302
             h.send_response(302)
