@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -145,3 +146,35 @@ def test_remove_refuses_what_resolves_outside_the_root(tmp_path: Path) -> None:
     for bad in (["--repo", "../etc", "--keep", "b" * 40], ["--repo", REPO, "--keep", "main"],
                 ["--repo", REPO, "--keep", ","]):  # fmt: skip
         assert main(["remove", "--root", str(root), *bad, "--result-file", str(result_file)]) == 2
+
+
+def test_a_job_killed_mid_file_is_finished_by_the_next_without_refetching(hub: FakeHub,
+                                                                          tmp_path: Path) -> None:  # fmt: skip
+    """SIGKILL while the shard is half received (a pod evicted): the next run keeps the file
+    the killed one finished and checked, deletes the killed one's temporary file, and
+    fetches the rest."""
+    files = model_files(shard=BIG)
+    commit = hub.add_repo(REPO, files).refs["main"]
+    root, result_file = tmp_path / "weights", tmp_path / "result.json"
+    held = hub.hold["model.safetensors"] = threading.Event()
+    proc = ManagedProcess(
+        "weights-fetch", _argv(root, result_file), tmp_path, env=_env(hub)
+    ).start()
+    try:
+        folder = root / "acme" / "tiny" / commit
+        eventually(
+            lambda: hub.file_requests("model.safetensors", "GET"),
+            timeout=30,
+            message=lambda: proc.tail(),
+        )
+        os.kill(proc.started().pid, signal.SIGKILL)
+        proc.started().wait(timeout=30)
+    finally:
+        held.set()
+        proc.stop()
+    assert not (folder / MARKER).exists() and list(folder.rglob("*.incomplete"))
+    del hub.hold["model.safetensors"]
+    result, _ = run(hub, root)
+    assert result.outcome == "ready"
+    assert [len(hub.file_requests(p, "GET")) for p in sorted(files)] == [1, 2, 1]
+    assert not (folder / ".cache").exists() and not list(folder.rglob("*.incomplete"))
