@@ -23,6 +23,8 @@ from router_helpers import (
     HEADERS,
     LABELS,
     MODEL,
+    NAME,
+    NS,
     RawSSE,
     direct_answers,
     model_server,
@@ -375,6 +377,34 @@ async def test_the_router_learns_each_callers_tenant_from_the_pod_and_hides_it(t
     assert tenants.of(credential([(b"x-api-key", b"sk-b")])) == "globex"
     assert tenants.of(credential([(b"x-api-key", b"sk-wrong")])) is UNKNOWN
     assert len(tenants) == 2  # hashes of the two accepted credentials, nothing else
+
+
+async def test_a_models_file_that_turns_round_robin_on_places_each_request_in_turn(tmp_path):
+    """`balance: round-robin` in the model's entry (spec.routing.balance, written by the
+    operator): from the reload on, the same prompt goes to each pod in turn, counted
+    `round-robin`; the model's pod view (its index, feeds, scraped loads) is the same one."""
+    async with two_pods(tmp_path) as (act, api, engines):
+        await wait_candidates(act, ["pod-a", "pod-b"])
+        view = act.app.views[MODEL]
+        port = view.model.pods.port
+        picks = act.app.metrics.picks
+
+        async def send(n: int) -> list[int]:
+            async with httpx.AsyncClient(base_url=act.url, headers=HEADERS, timeout=30) as c:
+                for _ in range(n):  # one at a time: nothing in flight decides
+                    assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+            return [engines[p].started for p in IPS]
+
+        # Least-loaded (the default): the same prompt, the same pod every time.
+        before = await send(4)
+        assert sorted(before) == [0, 4], before
+        act.write({MODEL: pods_entry(port, balance="round-robin")})
+        await eventually_async(lambda: view.model.balance == "round-robin", timeout=15,
+                               message="the reload to reach the view")  # fmt: skip
+        after = await send(4)
+        assert [a - b for a, b in zip(after, before, strict=True)] == [2, 2], (before, after)
+        assert picks.labels(NS, NAME, "round-robin")._value.get() == 4
+        assert act.app.views[MODEL] is view
 
 
 async def test_the_pods_internal_endpoints_are_never_relayed(tmp_path):

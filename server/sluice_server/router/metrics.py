@@ -17,7 +17,8 @@ Placement, for the models with `pods` (podview.py):
 
 - `sluice_router_picks_total{namespace,model,by}`: requests sent to a pod, by what decided
   the pod: `prefix` (it holds some of the request's leading blocks), `load` (no pod held
-  any, or the prompt's blocks were unknown) or `pin` (a `sluice-pin` cookie);
+  any, or the prompt's blocks were unknown), `pin` (a `sluice-pin` cookie) or `round-robin`
+  (the model's `balance`: each pod in turn);
 - `sluice_router_kv_feeds_live{namespace,model}`: pods whose KV-event feed is live now
   (their precise index in use);
 - `sluice_router_load_scrapes_total{namespace,model,result}`: reads of the pods' /metrics:
@@ -83,7 +84,7 @@ class RouterMetrics:
         )
         self.picks = Counter(
             "sluice_router_picks",
-            "Requests sent to a pod, by what decided the pod (prefix, load, pin).",
+            "Requests sent to a pod, by what decided the pod (prefix, load, pin, round-robin).",
             (*labels, "by"),
             registry=r,
         )
