@@ -4,10 +4,9 @@ The tiny model (real vLLM CPU engine) with `replicas: 3` and `spec.routing.route
 deployed by the operator; each pod's KV cache is `BLOCKS` blocks of 128 tokens
 (`engine.extraArgs: --num-gpu-blocks-override`), less than the workload's prefixes take
 (`GROUPS x PREFIX_BLOCKS`) and more than a third of them. The chart's router (activator)
-Deployment runs on the live node as rendered (plus `--host=0.0.0.0`, which the agent binds
-to the pod's address); the Ingress names `<name>-activator`, so requests go e2e ingress ->
-router -> pod, and the router follows each pod's KV events (vLLM's wildcard endpoint bound
-to the pod's address by the node agent).
+Deployment runs on the live node as rendered (live_helpers.LiveRouter); the Ingress names
+`<name>-activator`, so requests go e2e ingress -> router -> pod, and the router follows each
+pod's KV events (vLLM's wildcard endpoint bound to the pod's address by the node agent).
 
 The same workload (sluice_bench.placement_live: groups of requests sharing long prefixes,
 each phase with prefixes of its own) runs three times, and vLLM's own prefix-cache counters
@@ -31,7 +30,6 @@ ratio is the benchmark's, printed, not asserted.
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 import shutil
@@ -39,18 +37,15 @@ import time
 
 import httpx
 import pytest
-from e2e_harness.endpoints import ready_endpoints
 from e2e_harness.kube import eventually, load_sample
-from e2e_harness.operator_process import RenderedChart
 from kubernetes import client
 from sluice_bench import placement_live as bench
 
 from .conftest import OPERATOR_NAMESPACE, TIMINGS
-from .live_helpers import claim, live_pods, ready_model
+from .live_helpers import ROUTER, claim, live_pods, ready_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.usefixtures("footprint")]
 
-ROUTER = "sluice-activator"
 NAME, SERVED = "fleet", "tiny"
 BLOCK = 128  # vLLM's KV block on the CPU build (tests/server/test_router_kv_engine.py)
 BLOCKS = 16  # per pod: 3 groups' prefixes fit, 9 do not
@@ -67,77 +62,8 @@ def _mine(ns: str) -> dict[str, str]:
     return {"namespace": ns, "model": NAME}
 
 
-def _router_manifests(chart: RenderedChart, placement: dict) -> tuple[dict, dict, dict]:
-    """The chart's router Deployment (on the live node, `--host=0.0.0.0` said out loud),
-    Service and pin-key Secret."""
-    (dep,) = [copy.deepcopy(d) for d in chart.of_kind("Deployment")
-              if d["metadata"]["name"] == ROUTER]  # fmt: skip
-    (svc,) = [copy.deepcopy(s) for s in chart.of_kind("Service")
-              if s["metadata"]["name"] == ROUTER]  # fmt: skip
-    (key,) = [copy.deepcopy(s) for s in chart.of_kind("Secret")
-              if s["metadata"]["name"] == f"{ROUTER}-pin-key"]  # fmt: skip
-    dep["spec"]["replicas"] = 1
-    pod = dep["spec"]["template"]["spec"]
-    pod.update(copy.deepcopy(placement))
-    pod["containers"][0]["args"].append("--host=0.0.0.0")
-    return dep, svc, key
-
-
-@pytest.fixture
-def router(admin, chart):
-    """`start(placement) -> pod address`, `roll(values, placement) -> new pod address`: the
-    chart's router, and its Deployment re-rendered with other chart values."""
-    apps, core = client.AppsV1Api(admin), client.CoreV1Api(admin)
-    made: list[tuple[str, str]] = []
-
-    def ready_one(exclude: set[str]) -> str:
-        def one():
-            eps = ready_endpoints(core, OPERATOR_NAMESPACE, ROUTER)
-            return eps[0] if len(eps) == 1 and eps[0].pod not in exclude else None
-
-        return eventually(one, timeout=180, interval=0.5, message="one router pod Ready")
-
-    class Router:
-        ep = None
-
-        def start(self, placement: dict):
-            dep, svc, key = _router_manifests(chart, placement)
-            core.create_namespaced_secret(OPERATOR_NAMESPACE, key)
-            made.append(("secret", key["metadata"]["name"]))
-            core.create_namespaced_service(OPERATOR_NAMESPACE, svc)
-            made.append(("svc", ROUTER))
-            apps.create_namespaced_deployment(OPERATOR_NAMESPACE, dep)
-            made.append(("dep", ROUTER))
-            self.ep = ready_one(set())
-            return self.ep
-
-        def roll(self, values: dict[str, str], placement: dict):
-            """`helm upgrade --set values` for the router: its Deployment's new pod
-            template, rolled by the Deployment controller; the old pod gone."""
-            dep, _, _ = _router_manifests(
-                RenderedChart.render(OPERATOR_NAMESPACE, values=values), placement
-            )
-            old = self.ep.pod
-            apps.patch_namespaced_deployment(ROUTER, OPERATOR_NAMESPACE, {"spec": {"template": {
-                "spec": {"containers": dep["spec"]["template"]["spec"]["containers"]}}}})  # fmt: skip
-            self.ep = ready_one({old})
-            eventually(lambda: not [p for p in core.list_namespaced_pod(OPERATOR_NAMESPACE).items
-                                    if p.metadata.name == old], timeout=120, interval=0.5,
-                       message="the old router pod gone")  # fmt: skip
-            return self.ep
-
-    yield Router()
-    for kind, name in reversed(made):
-        if kind == "dep":
-            apps.delete_namespaced_deployment(name, OPERATOR_NAMESPACE)
-        elif kind == "secret":
-            core.delete_namespaced_secret(name, OPERATOR_NAMESPACE)
-        else:
-            core.delete_namespaced_service(name, OPERATOR_NAMESPACE)
-
-
 def test_three_real_pods_behind_the_router_count_prefix_cache_hits_by_placement(
-    operator, models, namespace, live_nodes, router, ingress, admin
+    operator, models, namespace, live_nodes, live_router, ingress, admin
 ):
     from sluice_server.engine.tiny_model import ensure_tiny_model
     from tokenizers import Tokenizer
@@ -145,7 +71,7 @@ def test_three_real_pods_behind_the_router_count_prefix_cache_hits_by_placement(
     (node,), placement = live_nodes(1)
     core = client.CoreV1Api(admin)
     started = time.monotonic()
-    ep = router.start(placement)
+    (ep,) = live_router.start(placement)
     claim(core, namespace, "weights")
     tiny = ensure_tiny_model()
     shutil.copytree(tiny, node.pvc_dir(namespace, "weights") / "tiny")
@@ -231,7 +157,7 @@ def test_three_real_pods_behind_the_router_count_prefix_cache_hits_by_placement(
 
     # (b) The router re-rendered from the chart with its prefix weight 0: load alone.
     values = {"activator.extraArgs[0]": "--prefix-weight=0"}
-    ep = router.roll(values, placement)
+    ep = live_router.roll(values, placement)
     through(ep)
     (container,) = client.AppsV1Api(admin).read_namespaced_deployment(
         ROUTER, OPERATOR_NAMESPACE).spec.template.spec.containers  # fmt: skip
