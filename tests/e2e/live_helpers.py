@@ -191,7 +191,7 @@ class LiveRouter:
     def ready(self, replicas: int, exclude: Collection[str] = ()) -> list[Endpoint]:
         def all_ready():
             eps = ready_endpoints(self.core, OPERATOR_NAMESPACE, ROUTER)
-            fresh = len(eps) == replicas and not {e.pod for e in eps} & exclude
+            fresh = len(eps) == replicas and {e.pod for e in eps}.isdisjoint(exclude)
             return fresh and sorted(eps)
 
         self.endpoints = eventually(all_ready, timeout=180, interval=0.5,
