@@ -26,13 +26,15 @@ router hashing the prompts (the tokenizer read from the pods) and picking most r
 prefix, each request in turn with round robin and by load alone with prefix weight 0 (the
 negative controls), the round-robin patch rolling no pod, and the fleet's hit rate with
 prefix placement above round robin's and least-loaded's, as the engines counted them. The
-0.9 x one pod ratio is the benchmark's, in the table (printed and in the e2e timings), not
-asserted.
+0.9 x one pod ratio is the benchmark's, in the table, not asserted. The table goes to the e2e
+timings; with `SLUICE_BENCH_WRITE=1` (`make bench-placement-live`) also into
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import time
@@ -214,9 +216,12 @@ def test_three_real_pods_behind_the_router_count_prefix_cache_hits_by_placement(
 
     phases = [prefix, rr, least, single]
     found = bench.targets(prefix, rr, least, single)
-    text = bench.table(phases, found, w.ceiling(BLOCK))
+    text = bench.section(phases, found, w, block=BLOCK, cache_blocks=BLOCKS,
+                         prefix_blocks=PREFIX_BLOCKS)  # fmt: skip
     print("\n" + text)
     TIMINGS["router placement: table"] = "\n" + text
     TIMINGS["router placement: workload"] = json.dumps({
         "groups": GROUPS, "per_group": PER_GROUP, "prefix_tokens": w.prefix_tokens,
         "prompt_tokens": w.prompt_tokens, "cache_blocks_per_pod": BLOCKS, "block": BLOCK})  # fmt: skip
+    if os.environ.get("SLUICE_BENCH_WRITE") == "1":
+        bench.write(text)
