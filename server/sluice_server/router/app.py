@@ -141,6 +141,8 @@ class Router:
             if model is None or model.pods != view.model.pods:
                 view.stop()
                 del self.views[key]
+            else:
+                view.model = model  # the same pods: its index and feeds stay, `balance` follows
         for model in self.models.by_key.values():
             if model.pods is not None and model.key not in self.views:
                 self.views[model.key] = view = self._view(model)
