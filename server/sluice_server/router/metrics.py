@@ -99,18 +99,16 @@ class RouterMetrics:
             "Reads of the pods' /metrics for their load, by result (ok, missing, error).",
             (*labels, "result"),
         )
-        self.hasher_ready = Gauge(
+        self.hasher_ready = fam.gauge(
             "sluice_router_prefix_hasher_ready",
             "1 while the router hashes the model's prompts as its engine does, else 0.",
             labels,
-            registry=r,
         )
-        self.hasher_failures = Counter(
+        self.hasher_failures = fam.counter(
             "sluice_router_prefix_hasher_fetch_failures",
             "Failed reads of a pod's prefix-cache description or tokenizer files, by reason "
             "(unreachable, status, invalid, storage).",
             (*labels, "reason"),
-            registry=r,
         )
         self._known: set[tuple[str, str]] = set()
 
