@@ -53,7 +53,7 @@ from ..core.streaming.keepalive import KeepAlive
 from ..protocols import anthropic, responses, token_sse
 from ..protocols.engine_api import openai_error_event
 from ..transport.sse import QUEUED, SSEResponse
-from .hop import Relay, pieces
+from .hop import Relay, relay_body
 from .metrics import Outcome, RouterMetrics
 from .pin import Pins
 from .prefixindex import BlockHash
@@ -447,8 +447,7 @@ async def _pass_through(request: Request, kind: Kind, send: Send) -> bool:
             {"type": "http.response.start", "status": response.status_code, "headers": headers}
         )
         try:
-            async for chunk in pieces(response):
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await relay_body(response, lambda chunk: send(_more(chunk)))
         except httpx.HTTPError as e:  # the upstream broke off mid-answer
             log.info(
                 "%s: upstream answer broke off (%s)", request.held.up.model.key, type(e).__name__
@@ -462,6 +461,10 @@ async def _pass_through(request: Request, kind: Kind, send: Send) -> bool:
     finally:
         await response.aclose()
     return True
+
+
+def _more(chunk: bytes) -> dict[str, Any]:
+    return {"type": "http.response.body", "body": chunk, "more_body": True}
 
 
 def _is_event_stream(response: httpx.Response) -> bool:
