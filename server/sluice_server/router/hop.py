@@ -160,6 +160,8 @@ class _Answer(asyncio.Protocol):
         try:
             waits = coro.send(None)
         except StopIteration:
+            if self.paused:  # paused past HIGH_WATER before the sink was set
+                self._reading()
             return
         except BaseException as e:  # noqa: BLE001 - raised again by relay_body
             self.sink_error = e

@@ -271,3 +271,27 @@ async def test_cancelled_while_a_send_waits_closes_the_upstream_at_once():
         await response.aclose()
         await asyncio.wait_for(closed.wait(), 5)
         await relay.aclose()
+
+
+async def test_a_body_buffered_past_the_high_water_mark_before_relaying_still_flows():
+    """Reading paused (more than HIGH_WATER bytes came before `relay_body` began) resumes
+    once the write-through sends them."""
+    body = b"y" * (4 * hop.HIGH_WATER)
+    head = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body)
+    got: list[bytes] = []
+
+    async def sink(piece: bytes) -> None:
+        got.append(piece)
+
+    async with upstream(writes(head + body)) as (url, _):
+        relay = Relay(5.0)
+        response = await relay.send(relay.build_request("GET", url))
+        for _ in range(100):
+            if response.stream.answer.paused:
+                break
+            await asyncio.sleep(0.02)
+        assert response.stream.answer.paused
+        await asyncio.wait_for(relay_body(response, sink), 10)
+        await response.aclose()
+        await relay.aclose()
+    assert b"".join(got) == body
