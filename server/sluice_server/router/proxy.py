@@ -291,6 +291,10 @@ class Request:
         try:
             response = await self.client.send(self.build(target))
             self.held.up.tenants.learn(self.cred, response.status_code, response.headers.raw)
+            # Forwarded: the body and its hashes are not needed again (a stream can last
+            # hours; a 1,500-token chat's body is some 8 KB).
+            self.body = self.key = b""
+            self.hashes = None
             return response
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
             if self.held.ended:
@@ -358,6 +362,7 @@ async def _held(
         return
     kind = classify(scope["path"], body)
     request = Request(client, held, scope, body, pins)
+    del body  # the request keeps it until forwarded
     await request.prepare()
     gone = asyncio.ensure_future(_disconnected(receive))
     forwarded: asyncio.Future[bool] | None = None
