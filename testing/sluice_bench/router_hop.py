@@ -18,8 +18,8 @@ Measures, and prints as JSON and then as a table of the issue's targets with met
   turn each: the workload the router serves) and cold (a new system prompt each), and, for
   comparison, whole-text encoding (the segment cache off). The sum of the two parts is the
   target's number (the simulator's words hashing is counted in both: a little over);
-- memory: the router's RSS growth per open relayed stream with `--held` slow streams open
-  at once (target: < 20 KB).
+- memory: the router's RSS growth per open relayed stream with `--held` slow streams of
+  that chat open at once (target: < 20 KB).
 
 A measurement on a shared machine: compare ratios within one run. `--write` puts the table
 into docs/benchmarks.md (between the `bench:router-hop` markers).
@@ -162,7 +162,7 @@ async def run(args: argparse.Namespace) -> dict:
 
             idle = rss_bytes(router_pid)
             slow = {"X-Sluice-Model": "bench/slow"}
-            held = [asyncio.ensure_future(stream(c, router.base_url, 10_000, slow))
+            held = [asyncio.ensure_future(stream(c, router.base_url, 10_000, slow, chat()))
                     for _ in range(args.held)]  # fmt: skip
             await asyncio.sleep(args.held / 100 + 3)  # all open, a few tokens each
             loaded = rss_bytes(router_pid)
