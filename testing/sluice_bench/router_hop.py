@@ -223,7 +223,7 @@ def tokenizing(prompt_tokens: int, samples: int) -> dict:
     shared = system_prompt()
     ids = tokens.prompt_ids("chat", json.loads(body(shared)))
     cold = [body(system_prompt()) for _ in range(samples)]
-    out = {"chat_tokens": len(ids), "segment_cache": segments is not None}
+    out: dict[str, float] = {"chat_tokens": len(ids), "segment_cache": segments is not None}
     if segments is not None:
         tokens.segments = None
     out["tokenize_p50_ms_whole_text"] = p50([body(shared) for _ in range(samples)])
