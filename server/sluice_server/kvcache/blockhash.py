@@ -159,10 +159,11 @@ class BlockHasher:
 class BlockMemo:
     """Block hashes already computed, by what they hash (parent hash, tokens, extra keys):
     requests sharing a prefix share its blocks' hashes, so the chain of a shared system
-    prompt is hashed once. An LRU of at most `max_blocks` entries, for one `BlockHasher`
+    prompt is hashed once. An LRU of at most `max_blocks` entries (some 800 bytes each with
+    16-token blocks), for one `BlockHasher`
     (its configuration is not in the key); one thread at a time."""
 
-    def __init__(self, max_blocks: int = 65_536) -> None:
+    def __init__(self, max_blocks: int = 16_384) -> None:
         self.max_blocks = max_blocks
         self.hashes: OrderedDict[tuple[Any, ...], bytes] = OrderedDict()
 
