@@ -2,7 +2,7 @@
 same streams straight from a simulator server (one process each, 127.0.0.1, the router
 finding the simulator as a Ready pod through a fake API server in this process).
 
-    python -m sluice_bench.router_hop [--streams 16] [--tokens 500] [--held 200] [--write]
+    python -m sluice_bench.router_hop [--streams 16] [--tokens 500] [--held 600] [--write]
 
 Measures, and prints as JSON and then as a table of the issue's targets with met / not met:
 
@@ -314,7 +314,7 @@ def main() -> None:
     parser.add_argument("--ttft-samples", type=int, default=50)
     parser.add_argument("--prompt-tokens", type=int, default=1500)
     parser.add_argument("--tokenize-samples", type=int, default=50)
-    parser.add_argument("--held", type=int, default=200)
+    parser.add_argument("--held", type=int, default=600)
     parser.add_argument(
         "--write", action="store_true", help="write the table into docs/benchmarks.md"
     )
