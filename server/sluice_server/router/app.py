@@ -42,7 +42,7 @@ from ..transport.sendwatch import transport_of
 from . import proxy, relay
 from .hashers import ModelHasher
 from .hashes import HashesFor, PromptHashes
-from .hop import Relay
+from .hop import Relay, hop_client
 from .metrics import RouterMetrics
 from .models import MODEL_HEADER, Model, Models, load
 from .pin import Pins, read_key
@@ -80,7 +80,8 @@ class Router:
         self.hashing = ThreadPoolExecutor(1, thread_name_prefix="sluice-prompt-hashes")
         self.cache_dir: Path | None = settings.prefix_hasher_cache_dir
         self._own_cache_dir = False
-        self.client: httpx.AsyncClient | None = None  # polls, scrapes, descriptions
+        self.client: httpx.AsyncClient | None = None  # polls, descriptions
+        self.scrapes: httpx.AsyncClient | None = None  # the pods' /metrics (hop.py's transport)
         self.relay: Relay | None = None  # forwarded requests (hop.py)
         self.closing = Closing()
         api = ApiServer.find(settings.kube_api_url, settings.service_account_dir)
@@ -173,14 +174,14 @@ class Router:
         return hasher if hasher is not None and hasher.model.pods == model.pods else None
 
     def _view(self, model: Model) -> PodView:
-        assert model.pods is not None and self.client is not None
+        assert model.pods is not None and self.scrapes is not None
         s = self.settings
         return PodView(
             model,
             self.pods.podset(model.pods),
             self.metrics,
             scoring(s),
-            client=self.client,
+            client=self.scrapes,
             scrape_interval=s.load_scrape_seconds,
             scrape_timeout=min(s.load_scrape_seconds, s.connect_timeout_seconds),
         )
@@ -315,6 +316,7 @@ class Router:
                     limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
                 )
                 self.relay = Relay(s.connect_timeout_seconds)
+                self.scrapes = hop_client(s.connect_timeout_seconds)
                 if self.cache_dir is None:
                     self.cache_dir = Path(tempfile.mkdtemp(prefix="sluice-tokenizers-"))
                     self._own_cache_dir = True
@@ -335,7 +337,7 @@ class Router:
                 if self._own_cache_dir and self.cache_dir is not None:
                     shutil.rmtree(self.cache_dir, ignore_errors=True)
                 await self.pods.aclose()
-                for client in (self.client, self.relay):
+                for client in (self.client, self.scrapes, self.relay):
                     if client is not None:
                         await client.aclose()
                 await send({"type": "lifespan.shutdown.complete"})

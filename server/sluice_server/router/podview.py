@@ -7,7 +7,10 @@ loaded each is, and the pick among them (placement.py's scores over this view).
   forgotten (its feed stopped); a pod whose container restarted is forgotten and its feed
   started afresh (it catches up from the new publisher's replay buffer).
 - Loads: every `scrape_interval` seconds each candidate's `/metrics` is read (loads.py:
-  requests waiting, KV-cache use), each read bounded by `scrape_timeout`; a pod that does
+  requests waiting, KV-cache use), each read bounded by `scrape_timeout` (the router reads
+  them through the relay's own transport, hop.py: a page is some 100 KB of histograms,
+  which httpx's pure-Python HTTP/1.1 reader took a tenth of a busy router's CPU to parse
+  every second); a pod that does
   not answer keeps its last reading, which ages until placement no longer believes it.
   This router's own in-flight count per pod is added at the pick, fresh on every request.
 - A model whose entry says `balance: round-robin` is placed on each candidate pod in turn
@@ -190,10 +193,11 @@ class PodView:
         host = f"[{pod.ip}]" if ":" in pod.ip else pod.ip
         port = self.model.pods.port if self.model.pods is not None else self.model.port
         try:
-            r = await self.client.get(f"http://{host}:{port}/metrics", timeout=self.scrape_timeout)
+            async with asyncio.timeout(self.scrape_timeout):  # the whole read, body included
+                r = await self.client.get(f"http://{host}:{port}/metrics")
             r.raise_for_status()
-            load = parse_load(r.text)
-        except (httpx.HTTPError, ValueError) as e:
+            load = parse_load(r.content.decode("utf-8", "replace"))
+        except (httpx.HTTPError, ValueError, TimeoutError) as e:
             self._scrapes["error"].inc()
             log.debug("%s: /metrics of %s: %s: %s", self.model.key, pod.name, type(e).__name__, e)
             return
