@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import pickle
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -132,12 +133,13 @@ class BlockHasher:
         lora: Lora | None = None,
         parent: bytes | None = None,
         start_block: int = 0,
+        memo: BlockMemo | None = None,
     ) -> list[bytes]:
         """The hashes of every full block of `token_ids` (a prompt, or prompt + output).
 
         `parent` and `start_block` continue a chain: the hashes of `token_ids`' blocks
         when they follow `start_block` blocks whose last hash is `parent` (the salt goes
-        on block 0 of the whole sequence only)."""
+        on block 0 of the whole sequence only). `memo`: hashes computed before, reused."""
         bs = self.block_size
         lora_keys: tuple[tuple[str, ...], ...] = (("lora", lora.name, lora.path),) if lora else ()
         hashes: list[bytes] = []
@@ -145,9 +147,43 @@ class BlockHasher:
             keys = lora_keys
             if cache_salt and start_block + i == 0:
                 keys = (*keys, ("cache_salt", cache_salt))
-            parent = self.hash_block(parent, token_ids[i * bs : (i + 1) * bs], keys or None)
+            block = tuple(token_ids[i * bs : (i + 1) * bs])
+            if memo is None:
+                parent = self.hash_block(parent, block, keys or None)
+            else:
+                parent = memo.hash(self, parent, block, keys or None)
             hashes.append(parent)
         return hashes
+
+
+class BlockMemo:
+    """Block hashes already computed, by what they hash (parent hash, tokens, extra keys):
+    requests sharing a prefix share its blocks' hashes, so the chain of a shared system
+    prompt is hashed once. An LRU of at most `max_blocks` entries (some 800 bytes each with
+    16-token blocks), for one `BlockHasher`
+    (its configuration is not in the key); one thread at a time."""
+
+    def __init__(self, max_blocks: int = 16_384) -> None:
+        self.max_blocks = max_blocks
+        self.hashes: OrderedDict[tuple[Any, ...], bytes] = OrderedDict()
+
+    def hash(
+        self,
+        hasher: BlockHasher,
+        parent: bytes | None,
+        block: tuple[int, ...],
+        keys: tuple[Any, ...] | None,
+    ) -> bytes:
+        key = (parent, block, keys)
+        got = self.hashes.get(key)
+        if got is not None:
+            self.hashes.move_to_end(key)
+            return got
+        got = hasher.hash_block(parent, block, keys)
+        self.hashes[key] = got
+        if len(self.hashes) > self.max_blocks:
+            self.hashes.popitem(last=False)
+        return got
 
 
 def cacheable_blocks(num_prompt_tokens: int, block_size: int) -> int:

@@ -23,7 +23,8 @@ plain http go to httpx's own transport.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import types
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import httptools
@@ -31,6 +32,8 @@ import httpx
 
 HIGH_WATER = 256 * 1024
 _NO_BODY = (204, 304)
+# A write-through send of one piece of the body (`relay_body`).
+Sink = Callable[[bytes], Awaitable[None]]
 
 
 class _Answer(asyncio.Protocol):
@@ -50,6 +53,11 @@ class _Answer(asyncio.Protocol):
         self.buffered = 0
         self.paused = False
         self._waiter: asyncio.Future[None] | None = None
+        # Write-through (`relay_body`): the sink, a send of it that suspended (its coroutine
+        # and what it waits for), and what a send raised.
+        self.sink: Sink | None = None
+        self.pending: tuple[Coroutine[Any, Any, None], Any] | None = None
+        self.sink_error: BaseException | None = None
 
     # -- asyncio.Protocol --
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -62,10 +70,18 @@ class _Answer(asyncio.Protocol):
             self.parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as e:
             self.error = httpx.RemoteProtocolError(f"The model's server sent no HTTP: {e}")
-        if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
-            self.paused = True
-            self.transport.pause_reading()
-        self._wake()
+        if self.sink is None:
+            self._reading()
+            self._wake()
+            return
+        self.flush()
+        if (
+            self.pending is not None
+            or self.sink_error is not None
+            or self.complete
+            or self.error is not None
+        ):
+            self._wake()
 
     def eof_received(self) -> bool | None:
         return None  # close
@@ -119,6 +135,40 @@ class _Answer(asyncio.Protocol):
                 return False
         return True
 
+    def _reading(self) -> None:
+        """Pause reading from the upstream while its unread body is over `HIGH_WATER` or a
+        write-through send waits for the client; resume once neither holds."""
+        if self.transport is None:
+            return
+        stop = self.buffered > HIGH_WATER or self.pending is not None or self.sink_error is not None
+        if stop and not self.paused:
+            self.paused = True
+            self.transport.pause_reading()
+        elif not stop and self.paused:
+            self.paused = False
+            self.transport.resume_reading()
+
+    def flush(self) -> None:
+        """Send what is buffered through the sink now, unless a send still waits. A send
+        that suspends becomes `pending` (reading pauses) for `relay_body` to finish."""
+        if self.sink is None or self.pending is not None or self.sink_error is not None:
+            return
+        if not self.body:
+            return
+        sent = self.sink(self._take())
+        coro = sent if type(sent) is types.CoroutineType else _awaited(sent)
+        try:
+            waits = coro.send(None)
+        except StopIteration:
+            if self.paused:  # paused past HIGH_WATER before the sink was set
+                self._reading()
+            return
+        except BaseException as e:  # noqa: BLE001 - raised again by relay_body
+            self.sink_error = e
+        else:
+            self.pending = (coro, waits)
+        self._reading()
+
     def _wake(self) -> None:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
@@ -132,14 +182,16 @@ class _Answer(asyncio.Protocol):
         finally:
             self._waiter = None
 
-    def take(self) -> bytes:
+    def _take(self) -> bytes:
         body = self.body
         chunk = body[0] if len(body) == 1 else b"".join(body)
         body.clear()
         self.buffered = 0
-        if self.paused and self.transport is not None:
-            self.paused = False
-            self.transport.resume_reading()
+        return chunk
+
+    def take(self) -> bytes:
+        chunk = self._take()
+        self._reading()
         return chunk
 
     def close(self) -> None:
@@ -242,6 +294,67 @@ class HopTransport(httpx.AsyncBaseTransport):
 
     async def aclose(self) -> None:
         await self._other.aclose()
+
+
+async def _awaited(awaitable: Awaitable[None]) -> None:
+    await awaitable
+
+
+async def _finish(coro: Coroutine[Any, Any, None], waits: Any) -> None:
+    """Run a coroutine that `flush` started and that suspended on `waits` (what it yielded
+    to the event loop: a future, or None for a bare yield) to its end; closed if cancelled."""
+    try:
+        while True:
+            if waits is None:
+                await asyncio.sleep(0)
+            else:
+                await asyncio.wait((waits,))
+            try:
+                waits = coro.send(None)
+            except StopIteration:
+                return
+    except BaseException:
+        coro.close()
+        raise
+
+
+async def relay_body(
+    response: httpx.Response, send_piece: Callable[[bytes], Awaitable[None]]
+) -> None:
+    """Send the raw body of an answer `Relay.send` gave, piece by piece, through
+    `send_piece` (a coroutine function; an ASGI send of the piece): written through from the
+    upstream protocol (see the module docstring) when the answer came from this transport
+    with no read timeout, else the pieces iterated. httpx's errors of a broken-off answer
+    propagate, as from iterating it."""
+    stream = response.stream
+    if not isinstance(stream, _Body) or stream.read_timeout is not None:
+        async for piece in pieces(response):
+            await send_piece(piece)
+        return
+    answer = stream.answer
+    answer.sink = send_piece
+    try:
+        while True:
+            if answer.pending is not None:
+                await _finish(*answer.pending)
+                answer.pending = None
+                answer.flush()  # what arrived while it waited
+                answer._reading()
+            elif answer.sink_error is not None:
+                raise answer.sink_error
+            elif answer.body:
+                answer.flush()
+            elif answer.complete:
+                return
+            elif answer.error is not None:
+                raise answer.error
+            else:
+                await answer.wait()
+    finally:
+        answer.sink = None
+        if answer.pending is not None:
+            answer.pending[0].close()
+            answer.pending = None
 
 
 def pieces(response: httpx.Response) -> AsyncIterator[bytes]:

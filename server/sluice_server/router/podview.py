@@ -7,11 +7,18 @@ loaded each is, and the pick among them (placement.py's scores over this view).
   forgotten (its feed stopped); a pod whose container restarted is forgotten and its feed
   started afresh (it catches up from the new publisher's replay buffer).
 - Loads: every `scrape_interval` seconds each candidate's `/metrics` is read (loads.py:
-  requests waiting, KV-cache use), each read bounded by `scrape_timeout`; a pod that does
+  requests waiting, KV-cache use), each read bounded by `scrape_timeout` (the router reads
+  them through the relay's own transport, hop.py: a page is some 100 KB of histograms,
+  which httpx's pure-Python HTTP/1.1 reader took a tenth of a busy router's CPU to parse
+  every second); a pod that does
   not answer keeps its last reading, which ages until placement no longer believes it.
   This router's own in-flight count per pod is added at the pick, fresh on every request.
+- A model whose entry says `balance: round-robin` is placed on each candidate pod in turn
+  (by name, one turn counter per view): no score, no index, no load (the ingress's round
+  robin, behind the same router; what the router's scores are measured against).
 - `place` counts each pick by what decided it: `prefix` (the chosen pod holds some of the
-  request's leading blocks) or `load`; a pin cookie's pick is counted `pin` (upstream.py).
+  request's leading blocks), `load` or `round-robin`; a pin cookie's pick is counted `pin`
+  (upstream.py).
 
 `start` runs the feeds and the scrape loop (the router starts one view per model with
 `pods`, from its start-up or the reload that adds the model, and stops it with the model);
@@ -41,7 +48,7 @@ from .pods import Pod, PodSet
 from .prefixindex import BlockHash
 
 log = logging.getLogger(__name__)
-PickedBy = Literal["prefix", "load", "pin"]
+PickedBy = Literal["prefix", "load", "pin", "round-robin"]
 
 
 @dataclass(frozen=True)
@@ -72,7 +79,10 @@ class PodView:
         self.feeds: dict[str, KvFeed] = {}
         self._subscriber = subscriber
         labels = (model.namespace, model.name)
-        self._picks = {by: metrics.picks.labels(*labels, by) for by in ("prefix", "load", "pin")}
+        self._picks = {
+            by: metrics.picks.labels(*labels, by) for by in ("prefix", "load", "pin", "round-robin")
+        }
+        self._turn = 0  # round-robin's next turn
         self._scrapes = {r: metrics.scrapes.labels(*labels, r) for r in ("ok", "missing", "error")}
         self._tasks: list[asyncio.Task[None]] = []
         self._unsubscribe: list[Callable[[], None]] = []
@@ -99,7 +109,14 @@ class PodView:
         key: bytes,
     ) -> str:
         """The pod (of `pods`, not empty) for a request with these block hashes (None:
-        unknown, placed by load); its blocks are then remembered there."""
+        unknown, placed by load); its blocks are then remembered there. A round-robin
+        model: the next pod in turn, whatever the hashes."""
+        if self.model.balance == "round-robin":
+            turn = sorted(p.name for p in pods)
+            name = turn[self._turn % len(turn)]
+            self._turn += 1
+            self.count("round-robin")
+            return name
         blocks: Sequence[BlockHash] = hashes or ()
         tie = default_key(blocks, "") if blocks else key
         best = self.placement.rank(blocks, self.loads(pods, in_flight), tie)[0]
@@ -176,10 +193,11 @@ class PodView:
         host = f"[{pod.ip}]" if ":" in pod.ip else pod.ip
         port = self.model.pods.port if self.model.pods is not None else self.model.port
         try:
-            r = await self.client.get(f"http://{host}:{port}/metrics", timeout=self.scrape_timeout)
+            async with asyncio.timeout(self.scrape_timeout):  # the whole read, body included
+                r = await self.client.get(f"http://{host}:{port}/metrics")
             r.raise_for_status()
-            load = parse_load(r.text)
-        except (httpx.HTTPError, ValueError) as e:
+            load = parse_load(r.content.decode("utf-8", "replace"))
+        except (httpx.HTTPError, ValueError, TimeoutError) as e:
             self._scrapes["error"].inc()
             log.debug("%s: /metrics of %s: %s: %s", self.model.key, pod.name, type(e).__name__, e)
             return

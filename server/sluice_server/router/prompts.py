@@ -59,6 +59,7 @@ import httpx
 
 from ..core.auth.cachesalt import cache_salt_for, check_client_salt
 from ..kvcache import blockhash, describe
+from .segments import SegmentEncoder
 
 DESCRIPTION_PATH = "/internal/prefix-cache"
 Route = Literal["chat", "completion", "responses", "messages", "stream"]
@@ -161,6 +162,9 @@ class _HfTokens:
         self.chat_template = chat_template
         self.content_format = content_format
         self.defaults = defaults or {}  # the server's default template arguments
+        # A rendered chat encoded segment by segment, segments cached (segments.py); None:
+        # the tokenizer's encode is not exact by segments, whole texts are encoded.
+        self.segments = SegmentEncoder.of(tokenizer)
 
     def prompt_ids(self, route: Route, body: dict[str, Any]) -> list[int]:
         if route == "chat":
@@ -208,11 +212,19 @@ class _HfTokens:
             documents=None,
             reasoning_effort=None,
         )
-        if not special:
+        if not special and self.segments is None:
             return list(self.tok.apply_chat_template(conversation, tokenize=True,
                                                      return_dict=False, **kwargs))  # fmt: skip
         text = self.tok.apply_chat_template(conversation, tokenize=False, **kwargs)
+        if not special:
+            return self._encode(text)
         return list(self.tok.encode(text, add_special_tokens=True))
+
+    def _encode(self, text: str) -> list[int]:
+        """A rendered chat's ids, without the tokenizer's special tokens."""
+        if self.segments is not None:
+            return self.segments.encode(text)
+        return list(self.tok.encode(text, add_special_tokens=False))
 
     def _message(self, message: Any) -> dict[str, Any]:
         m = _dict(message)
@@ -270,7 +282,7 @@ class _HfTokens:
         if not messages:
             raise Unsupported("no prompt")
         text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(self.tok.encode(text, add_special_tokens=False))
+        return self._encode(text)
 
 
 def _responses_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -392,6 +404,7 @@ class PromptHasher:
         self.hasher = hasher
         self.tokens = tokens
         self.loras = dict(loras or {})
+        self.memo = blockhash.BlockMemo()  # a shared prefix's blocks are hashed once
 
     @classmethod
     def from_description(
@@ -460,7 +473,7 @@ class PromptHasher:
         if isinstance(model, str) and model in self.loras:
             lora = blockhash.Lora(model, self.loras[model])
         salt = cache_salt_for(tenant, client, shared=False)
-        hashes = self.hasher.block_hashes(ids, cache_salt=salt, lora=lora)
+        hashes = self.hasher.block_hashes(ids, cache_salt=salt, lora=lora, memo=self.memo)
         return [blockhash.external(h) for h in hashes]
 
 

@@ -53,7 +53,7 @@ from ..core.streaming.keepalive import KeepAlive
 from ..protocols import anthropic, responses, token_sse
 from ..protocols.engine_api import openai_error_event
 from ..transport.sse import QUEUED, SSEResponse
-from .hop import Relay, pieces
+from .hop import Relay, relay_body
 from .metrics import Outcome, RouterMetrics
 from .pin import Pins
 from .prefixindex import BlockHash
@@ -291,6 +291,10 @@ class Request:
         try:
             response = await self.client.send(self.build(target))
             self.held.up.tenants.learn(self.cred, response.status_code, response.headers.raw)
+            # Forwarded: the body and its hashes are not needed again (a stream can last
+            # hours; a 1,500-token chat's body is some 8 KB).
+            self.body = self.key = b""
+            self.hashes = None
             return response
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
             if self.held.ended:
@@ -358,6 +362,7 @@ async def _held(
         return
     kind = classify(scope["path"], body)
     request = Request(client, held, scope, body, pins)
+    del body  # the request keeps it until forwarded
     await request.prepare()
     gone = asyncio.ensure_future(_disconnected(receive))
     forwarded: asyncio.Future[bool] | None = None
@@ -447,8 +452,7 @@ async def _pass_through(request: Request, kind: Kind, send: Send) -> bool:
             {"type": "http.response.start", "status": response.status_code, "headers": headers}
         )
         try:
-            async for chunk in pieces(response):
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await relay_body(response, lambda chunk: send(_more(chunk)))
         except httpx.HTTPError as e:  # the upstream broke off mid-answer
             log.info(
                 "%s: upstream answer broke off (%s)", request.held.up.model.key, type(e).__name__
@@ -462,6 +466,10 @@ async def _pass_through(request: Request, kind: Kind, send: Send) -> bool:
     finally:
         await response.aclose()
     return True
+
+
+def _more(chunk: bytes) -> dict[str, Any]:
+    return {"type": "http.response.body", "body": chunk, "more_body": True}
 
 
 def _is_event_stream(response: httpx.Response) -> bool:

@@ -1,7 +1,9 @@
 """router/hop.py against a raw socket server that writes exactly the bytes each case needs:
 the request as sent, chunks that arrived together relayed as one piece, each way an answer
 can end (length, chunked, connection close, HEAD, 204, a 1xx before it) and each way it
-can fail (refused, broken off midway, no HTTP)."""
+can fail (refused, broken off midway, no HTTP); `relay_body`'s write-through: every piece
+sent in order from the upstream protocol itself, a send that waits (a slow client) pausing
+the upstream with little held, a cancel closing at once."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from contextlib import asynccontextmanager
 
 import httpx
 import pytest
-from sluice_server.router.hop import hop_client
+from sluice_server.router import hop
+from sluice_server.router.hop import Relay, hop_client, relay_body
 
 Answer = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -145,3 +148,150 @@ async def test_closing_the_answer_closes_the_connection_at_once():
                 break
             await r.aclose()
             await asyncio.wait_for(closed.wait(), 5)
+
+
+async def _relayed(url: str, sink) -> None:
+    relay = Relay(5.0)
+    response = await relay.send(relay.build_request("GET", url))
+    try:
+        await relay_body(response, sink)
+    finally:
+        await response.aclose()
+        await relay.aclose()
+
+
+async def test_relay_body_writes_through_from_the_upstream_protocol():
+    """Each piece is sent from the upstream protocol's callback (no task runs it), in
+    order; negative control: iterating the pieces sends each from the relaying task."""
+    parts = [b"%x\r\n%s\r\n" % (len(p), p) for p in (b"a" * 10, b"b" * 20, b"c" * 30)]
+    sent: list[tuple[bytes, bool]] = []
+
+    async def sink(piece: bytes) -> None:
+        sent.append((piece, asyncio.current_task() is not None))
+
+    async with upstream(writes(CHUNKED, *parts, b"0\r\n\r\n", pause=0.05)) as (url, _):
+        await _relayed(url, sink)
+        assert b"".join(p for p, _ in sent) == b"a" * 10 + b"b" * 20 + b"c" * 30
+        assert [in_task for _, in_task in sent] == [False] * len(sent)
+
+        relay = Relay(5.0)
+        response = await relay.send(relay.build_request("GET", url))
+        in_tasks = [asyncio.current_task() is not None async for _ in hop.pieces(response)]
+        await response.aclose()
+        await relay.aclose()
+    assert in_tasks and all(in_tasks)
+
+
+@pytest.mark.parametrize("pausing", [True, False])
+async def test_a_slow_client_pauses_the_upstream_and_holds_little(pausing, monkeypatch):
+    """A send that waits (the client's socket is full) pauses reading from the upstream:
+    what the upstream writes backs up on its side, the router holds at most a socket read,
+    and the pieces still arrive whole and in order once the client reads again. Negative
+    control: with the pausing taken out, the router holds what the upstream sent."""
+    if not pausing:
+        monkeypatch.setattr(hop._Answer, "_reading", lambda self: None)
+    total = 32 * 2**20
+    piece = b"x" * 65536
+    frames = [b"%x\r\n%s\r\n" % (len(piece), piece)] * (total // len(piece))
+    upstream_buffer: list[asyncio.WriteTransport] = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream_buffer.append(writer.transport)
+        writer.writelines([CHUNKED, *frames, b"0\r\n\r\n"])  # all at once, unpaced
+        await writer.drain()
+
+    release, first = asyncio.Event(), asyncio.Event()
+    got: list[bytes] = []
+
+    async def slow(chunk: bytes) -> None:
+        got.append(chunk)
+        first.set()
+        if not release.is_set():
+            await release.wait()  # a client whose socket is full
+
+    async with upstream(answer) as (url, _):
+        relay = Relay(5.0)
+        response = await relay.send(relay.build_request("GET", url))
+        stream = response.stream
+        assert isinstance(stream, hop._Body)
+        task = asyncio.ensure_future(relay_body(response, slow))
+        await asyncio.wait_for(first.wait(), 10)
+        answer_ = stream.answer
+
+        def held() -> int:
+            return answer_.buffered + sum(map(len, got))
+
+        def backed_up() -> int:
+            return upstream_buffer[0].get_write_buffer_size()
+
+        last = -1
+        for _ in range(50):  # until nothing moves: the upstream's buffer as it stays
+            if backed_up() == last:
+                break
+            last = backed_up()
+            await asyncio.sleep(0.2)
+        assert answer_.pending is not None and answer_.paused == pausing
+        held_then, backed_up_then = held(), backed_up()
+        release.set()
+        await asyncio.wait_for(task, 30)
+        await response.aclose()
+        await relay.aclose()
+    if pausing:
+        assert held_then <= 2**20  # a socket read or so, of the 32 MiB sent
+        assert backed_up_then > 16 * 2**20  # the rest waits on the upstream's side
+    else:
+        assert held_then > 16 * 2**20 and backed_up_then < 16 * 2**20
+    assert b"".join(got) == piece * (total // len(piece))
+
+
+async def test_cancelled_while_a_send_waits_closes_the_upstream_at_once():
+    closed = asyncio.Event()
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(CHUNKED + b"3\r\nabc\r\n")
+        await writer.drain()
+        await reader.read()  # returns at the router's close
+        closed.set()
+
+    waiting = asyncio.Event()
+
+    async def stuck(chunk: bytes) -> None:
+        waiting.set()
+        await asyncio.Event().wait()
+
+    async with upstream(answer) as (url, _):
+        relay = Relay(5.0)
+        response = await relay.send(relay.build_request("GET", url))
+        task = asyncio.ensure_future(relay_body(response, stuck))
+        await asyncio.wait_for(waiting.wait(), 5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert response.stream.answer.pending is None  # its send was closed
+        await response.aclose()
+        await asyncio.wait_for(closed.wait(), 5)
+        await relay.aclose()
+
+
+async def test_a_body_buffered_past_the_high_water_mark_before_relaying_still_flows():
+    """Reading paused (more than HIGH_WATER bytes came before `relay_body` began) resumes
+    once the write-through sends them."""
+    body = b"y" * (4 * hop.HIGH_WATER)
+    head = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body)
+    got: list[bytes] = []
+
+    async def sink(piece: bytes) -> None:
+        got.append(piece)
+
+    async with upstream(writes(head + body)) as (url, _):
+        relay = Relay(5.0)
+        response = await relay.send(relay.build_request("GET", url))
+        for _ in range(100):
+            if response.stream.answer.paused:
+                break
+            await asyncio.sleep(0.02)
+        assert response.stream.answer.paused
+        await asyncio.wait_for(relay_body(response, sink), 10)
+        await response.aclose()
+        await relay.aclose()
+    assert b"".join(got) == body
