@@ -12,11 +12,16 @@ ROUTER = {"X-Sluice-Router": "1"}
 KEY = "router-continuation-key"
 
 
+MARK = ": sluice-id "
+
+
 def events_of(raw: str) -> list[str]:
-    """The SSE events of a response body, comments (pings) left out."""
+    """The SSE events of a response body, comments (pings) left out but the router's
+    `: sluice-id` mark."""
     out = []
     for block in raw.split("\n\n"):
-        lines = [ln for ln in block.split("\n") if ln and not ln.startswith(":")]
+        lines = [ln for ln in block.split("\n")
+                 if ln and (not ln.startswith(":") or ln.startswith(MARK))]  # fmt: skip
         if lines:
             out.append("\n".join(lines))
     return out
@@ -27,6 +32,15 @@ def field_of(event: str, name: str) -> str | None:
         if line.startswith(name + ": "):
             return line[len(name) + 2 :]
     return None
+
+
+def mark_of(event: str) -> str | None:
+    """The router's event id: the token stream's `id:` field, the APIs' `: sluice-id`."""
+    for line in event.split("\n"):
+        if line.startswith(MARK):
+            return line[len(MARK) :]
+    value = field_of(event, "id")
+    return value if value is not None and ";" in value else None
 
 
 def parse_id(value: str) -> tuple[str, int, list[int]]:
@@ -47,7 +61,7 @@ def cut(raw: str, k: int) -> tuple[list[str], dict]:
     sends to continue after them."""
     events, seen, ids = events_of(raw), 0, []
     for i, event in enumerate(events):
-        value = field_of(event, "id")
+        value = mark_of(event)
         if value is None:
             continue
         stream, n, tokens = parse_id(value)
@@ -120,7 +134,7 @@ def check_one_stream(path: str, events: list[str]) -> None:
     throughout; Responses' sequence numbers 0, 1, 2, ..."""
     names = set()
     for i, event in enumerate(events):
-        value = field_of(event, "id")
+        value = mark_of(event)
         if value is not None:
             stream, n, _ = parse_id(value)
             assert n == i, (i, event)

@@ -108,7 +108,8 @@ async def test_without_the_router_header_no_event_changes(route):
     if path == "/v1/stream":
         expected = re.sub(r"^(id: [^\n;]*);[0-9,]*$", r"\1", marked, flags=re.M)
     else:
-        expected = re.sub(r"^id: [^\n]*\n", "", marked, flags=re.M)
+        assert "\nid:" not in marked and not marked.startswith("id:")
+        expected = re.sub(r"^: sluice-id [^\n]*\n", "", marked, flags=re.M)
 
     def anonymous(raw: str) -> str:
         raw = re.sub(r"(chatcmpl-|cmpl-|resp_|msg_)[0-9a-f]{32}", r"\1X", raw)
@@ -117,6 +118,32 @@ async def test_without_the_router_header_no_event_changes(route):
 
     assert anonymous(plain) == anonymous(expected)
     assert anonymous(plain) != anonymous(marked)  # the header does add ids
+
+
+async def test_the_sdks_read_marked_streams_with_keep_alives_between_events():
+    """The APIs' marks are comments: the official SDKs, which turn every blank line after
+    an `id:` into an event (a `: ping` then fails to parse), read a marked stream whose
+    events are 0.7 s apart with pings every 0.2 s as they read an unmarked one."""
+    from anthropic import AsyncAnthropic
+    from openai import AsyncOpenAI
+
+    async with serve_simulator(sim(itl_ms=700), heartbeat_seconds=0.2) as url:
+        answers = []
+        for headers in ({}, ROUTER):
+            oc = AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0,
+                             default_headers=headers)  # fmt: skip
+            chat = await oc.chat.completions.create(model="sim", messages=MESSAGES,
+                                                    max_tokens=3, stream=True)  # fmt: skip
+            text = [c.choices[0].delta.content async for c in chat if c.choices]
+            async with oc.responses.stream(model="sim", input="hi", max_output_tokens=3) as s:
+                deltas = [e.delta async for e in s if e.type == "response.output_text.delta"]
+            ac = AsyncAnthropic(base_url=url, api_key="x", max_retries=0, default_headers=headers)
+            async with ac.messages.stream(model="sim", max_tokens=3, messages=MESSAGES) as m:
+                texts = [t async for t in m.text_stream]
+            answers.append(("".join(text), "".join(deltas), "".join(texts)))
+            await oc.close()
+            await ac.close()
+    assert answers[0] == answers[1] and all(answers[0])
 
 
 async def test_a_continuation_without_the_received_ids_splices_a_wrong_answer(key_file):

@@ -35,7 +35,7 @@ from ..core.streaming.continuation import (
     event_id,
     frame_identity,
     stream_name,
-    with_id,
+    with_mark,
 )
 from ..core.streaming.events import DISCONNECTED, FINISHED, Failed, Meter, Tokens, Waiting, events
 from ..core.streaming.stream import Stream
@@ -287,7 +287,7 @@ async def marked_frames(
     stream: Stream, meter: Meter, error_event, cont: Continuation | None
 ) -> AsyncIterator[bytes]:
     """`frames` for a stream the router relays: each write's last frame carries the event
-    id (core/streaming/continuation.py): the stream's name (its response id and creation
+    id in a `: sluice-id` comment (core/streaming/continuation.py): the stream's name (its response id and creation
     time, read from its first frame, or a continuation's), the index of that frame among
     the stream's events and the token ids the write carried."""
     sent = cont.next_event if cont is not None else 0
@@ -299,7 +299,7 @@ async def marked_frames(
                 rid, created = frame_identity(text)
                 name = stream_name(rid or "-", created)
             sent += text.count("\n\n")
-            yield with_id(text, event_id(name, sent - 1, ev.ids)).encode()
+            yield with_mark(text, event_id(name, sent - 1, ev.ids)).encode()
         elif type(ev) is Failed:
             yield error_event(ev.message, ev.code, sent, ev.status).encode()
         elif type(ev) is Waiting:

@@ -13,7 +13,7 @@ from sluice_server.core.streaming.continuation import (
     event_id,
     frame_identity,
     stream_name,
-    with_id,
+    with_mark,
 )
 from sluice_server.engine.base import Delta
 
@@ -31,9 +31,10 @@ def test_an_event_id_reads_back_from_the_right():
 
 def test_the_id_goes_on_the_last_frame_of_a_write():
     one = 'data: {"a":1}\n\n'
-    assert with_id(one, "s:0;1") == 'id: s:0;1\ndata: {"a":1}\n\n'
+    assert with_mark(one, "s:0;1") == ': sluice-id s:0;1\ndata: {"a":1}\n\n'
     two = 'event: x\ndata: {"a":1}\n\ndata: [DONE]\n\n'
-    assert with_id(two, "s:5;") == 'event: x\ndata: {"a":1}\n\nid: s:5;\ndata: [DONE]\n\n'
+    marked = 'event: x\ndata: {"a":1}\n\n: sluice-id s:5;\ndata: [DONE]\n\n'
+    assert with_mark(two, "s:5;") == marked
 
 
 def test_a_frame_names_its_response_in_each_api():

@@ -2,12 +2,13 @@
 another replica started (the contract is in docs/migration.md).
 
 Event ids. On a connection from the router (`X-Sluice-Router`) every SSE write of a stream
-ends with a frame that carries `id: <stream>:<n>;<token ids>`: `n` is the index of that
-frame among the stream's SSE events (from 0), the token ids (decimal, comma-separated,
-possibly none) are those whose text the write carried. `<stream>` is the token stream's id
-on `/v1/stream`, and on the other APIs the response id the frames carry, with
-`@<created>` when the API has a creation time (OpenAI chat and completions, Responses).
-Clients never see other ids than today's unless the router relays them; SDKs ignore `id:`.
+ends with a frame that carries `<stream>:<n>;<token ids>`: `n` is the index of that frame
+among the stream's SSE events (from 0), the token ids (decimal, comma-separated, possibly
+none) are those whose text the write carried. On `/v1/stream` it is the frame's `id:` field
+(`<stream>` is the stream's id, as for `Last-Event-ID`); on the APIs the engine renders it
+is a comment line, `: sluice-id <value>` (`with_mark`), and `<stream>` the response id the
+frames carry, with `@<created>` when the API has a creation time (OpenAI chat and
+completions, Responses). Requests without the header get the bytes they always got.
 
 Continuation. A second replica given the request, the token ids the client received, the
 next event index, the response id and creation time renders the rest of the same stream.
@@ -93,11 +94,18 @@ def stream_name(response_id: str, created: int | None) -> str:
     return response_id if created is None else f"{response_id}@{created}"
 
 
-def with_id(text: str, line: str) -> str:
-    """Framed SSE text with `id: <line>` on its last frame (the write's event index)."""
+MARK = ": sluice-id "  # the comment line that carries an event id on the engine's APIs
+
+
+def with_mark(text: str, value: str) -> str:
+    """Framed SSE text with the comment line `: sluice-id <value>` opening its last frame
+    (the write's event index). A comment, not an `id:` field: the OpenAI and Anthropic
+    Python SDKs, once they have seen an `id:`, turn every later blank line into an event,
+    so a keep-alive comment (`: ping`) would reach them as an event with no data, which
+    they fail to parse; comments they skip, as every SSE reader must."""
     cut = text.rfind("\n\n", 0, len(text) - 2)
     at = 0 if cut < 0 else cut + 2
-    return f"{text[:at]}id: {line}\n{text[at:]}"
+    return f"{text[:at]}{MARK}{value}\n{text[at:]}"
 
 
 def frame_identity(text: str) -> tuple[str | None, int | None]:
