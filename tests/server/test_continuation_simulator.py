@@ -96,14 +96,20 @@ async def test_a_stream_cut_after_k_events_continues_on_another_server(key_file,
 
 
 @pytest.mark.parametrize("route", ROUTES)
-async def test_without_the_router_header_no_event_changes(route):
+async def test_without_the_router_header_no_event_changes(key_file, route):
     """Each token in one event (no interval): the bytes of a request without the header are
     those with it minus the router's id lines (the token stream keeps its own `<id>:<n>`
-    ids), the random response ids and times aside."""
+    ids), the random response ids and times aside. A pod that takes no continuations (no
+    key file) marks nothing, header or not."""
     path, sent_path, body = request_of(route)
-    async with serve_simulator(sim(itl_ms=0)) as url, httpx.AsyncClient(base_url=url) as c:
+    async with (
+        serve_simulator(sim(itl_ms=0), continuation_key_file=key_file) as url,
+        httpx.AsyncClient(base_url=url) as c,
+    ):
         plain = await stream(c, sent_path, body)
         marked = await stream(c, sent_path, body, ROUTER)
+    async with serve_simulator(sim(itl_ms=0)) as url, httpx.AsyncClient(base_url=url) as c:
+        keyless = await stream(c, sent_path, body, ROUTER)
     assert ";" not in "".join(re.findall(r"^id: .*$", plain, re.M))
     if path == "/v1/stream":
         expected = re.sub(r"^(id: [^\n;]*);[0-9,]*$", r"\1", marked, flags=re.M)
@@ -118,16 +124,19 @@ async def test_without_the_router_header_no_event_changes(route):
 
     assert anonymous(plain) == anonymous(expected)
     assert anonymous(plain) != anonymous(marked)  # the header does add ids
+    assert anonymous(keyless) == anonymous(plain)  # but only where continuations are on
 
 
-async def test_the_sdks_read_marked_streams_with_keep_alives_between_events():
+async def test_the_sdks_read_marked_streams_with_keep_alives_between_events(key_file):
     """The APIs' marks are comments: the official SDKs, which turn every blank line after
     an `id:` into an event (a `: ping` then fails to parse), read a marked stream whose
     events are 0.7 s apart with pings every 0.2 s as they read an unmarked one."""
     from anthropic import AsyncAnthropic
     from openai import AsyncOpenAI
 
-    async with serve_simulator(sim(itl_ms=700), heartbeat_seconds=0.2) as url:
+    async with serve_simulator(
+        sim(itl_ms=700), heartbeat_seconds=0.2, continuation_key_file=key_file
+    ) as url:
         answers = []
         for headers in ({}, ROUTER):
             oc = AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0,
@@ -272,8 +281,8 @@ def ws_mark(frame: str) -> tuple[int, list[int]] | None:
 
 async def test_a_websocket_generation_continues_on_another_server(key_file):
     frame = {"id": "g1", "prompt": "where does the river go", "params": {"max_tokens": N}}
-    async with serve_simulator(sim(itl_ms=0)) as url:  # one token event: the same frames
-        plain = await ws_generation(url, frame)
+    async with serve_simulator(sim(itl_ms=0), continuation_key_file=key_file) as url:
+        plain = await ws_generation(url, frame)  # one token event: the same frames
         marked = await ws_generation(url, frame, ROUTER)
     assert all(ws_mark(f) is None for f in plain)
     # Without the router's prefix (the router strips it) a frame is the one a client gets.

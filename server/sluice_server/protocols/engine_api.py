@@ -37,6 +37,9 @@ from ..core.streaming.continuation import (
     stream_name,
     with_mark,
 )
+from ..core.streaming.continuation import (
+    marked as is_marked,
+)
 from ..core.streaming.events import DISCONNECTED, FINISHED, Failed, Meter, Tokens, Waiting, events
 from ..core.streaming.stream import Stream
 from ..core.telemetry.metrics import bind
@@ -145,7 +148,9 @@ async def generate(request: Request, api: Api, path: str, kind: ApiKind) -> Resp
     trail = trail_of(request)
     cont: Continuation | None = request.scope.get(SCOPE_KEY)
     resume = cont.token_ids if cont is not None else None
-    marked = cont is not None or ROUTER_HEADER in request.headers
+    marked = is_marked(
+        cont is not None, ROUTER_HEADER in request.headers, svc.settings.continuation_key_file
+    )
     ticket = await svc.admit(api.label, who, trail, continuation=cont is not None)
     t0 = received_at(request)
     priority = svc.engine_priority(who)

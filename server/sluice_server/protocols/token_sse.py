@@ -29,6 +29,7 @@ from ..core.lifecycle import open_stream, resume_stream
 from ..core.params import to_stream_request
 from ..core.services import ClientGone, Services, read_json, received_at, services, trail_of
 from ..core.streaming.continuation import SCOPE_KEY, Continuation, continued, event_id
+from ..core.streaming.continuation import marked as is_marked
 from ..core.streaming.events import DISCONNECTED, Failed, Finished, Meter, Tokens, Waiting, events
 from ..core.streaming.stream import Stream
 from ..transport.sse import QUEUED, SSEResponse
@@ -105,7 +106,8 @@ async def _start(request: Request, svc: Services, who: Principal, body: dict) ->
         source = continued(source, cont, framed=False)
     handle = open_stream(
         svc, trail, who, source, received_at(request), lambda: n_prompt, rid, ticket,
-        marked=cont is not None or ROUTER_HEADER in request.headers,
+        marked=is_marked(cont is not None, ROUTER_HEADER in request.headers,
+                         svc.settings.continuation_key_file),
         first_event=cont.next_event if cont is not None else 0,
         continued=cont is not None,
     )  # fmt: skip

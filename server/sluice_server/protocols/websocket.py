@@ -39,6 +39,7 @@ from ..core.lifecycle import open_stream
 from ..core.params import to_stream_request
 from ..core.services import Services, api_key_of, services, trail_of
 from ..core.streaming.continuation import Continuation, continued, not_continuable
+from ..core.streaming.continuation import marked as is_marked
 from ..core.streaming.events import Failed, Finished, Meter, Stopped, Tokens, Waiting, events
 from ..core.streaming.stream import Stream
 from ..core.telemetry.accesslog import Trail
@@ -86,7 +87,9 @@ async def ws_stream(ws: WebSocket) -> None:
         return
     await ws.accept()
     conn = Connection(ws, svc, trail_of(ws), who, api_key_of(ws, allow_query=True))
-    conn.marked = continuing or ROUTER_HEADER in ws.headers
+    conn.marked = is_marked(
+        continuing, ROUTER_HEADER in ws.headers, svc.settings.continuation_key_file
+    )
     conn.continuing = continuing
     await conn.run()
 

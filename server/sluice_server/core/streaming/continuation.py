@@ -8,7 +8,9 @@ none) are those whose text the write carried. On `/v1/stream` it is the frame's 
 (`<stream>` is the stream's id, as for `Last-Event-ID`); on the APIs the engine renders it
 is a comment line, `: sluice-id <value>` (`with_mark`), and `<stream>` the response id the
 frames carry, with `@<created>` when the API has a creation time (OpenAI chat and
-completions, Responses). Requests without the header get the bytes they always got.
+completions, Responses). Only a pod that takes continuations (`--continuation-key-file`)
+marks its streams (`marked`): requests without the header, and every request to a pod
+without the key, get the bytes they always got.
 
 Continuation. A second replica given the request, the token ids the client received, the
 next event index, the response id and creation time renders the rest of the same stream.
@@ -29,6 +31,7 @@ import json
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ...engine.base import Delta
@@ -53,6 +56,12 @@ class Continuation:
     next_event: int  # the index of the first SSE event this replica sends
     response_id: str  # the stream's id (token SSE) or the response id the frames carry
     created: int | None = None  # the first stream's creation time, where the API has one
+
+
+def marked(continuing: bool, via_router: bool, key_file: Path | None) -> bool:
+    """Whether a stream's events carry their position and token ids: a continuation's, and
+    one the router forwards to a pod that takes continuations."""
+    return continuing or (via_router and key_file is not None)
 
 
 def not_continuable(path: str, body: dict[str, Any], emitted: int) -> tuple[str, str] | None:
