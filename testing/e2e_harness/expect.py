@@ -16,6 +16,9 @@ def expected_kinds(spec: dict) -> set[str]:
     # Several nodes per replica: a LeaderWorkerSet instead (test_leaderworkerset.py).
     multi_node = (spec.get("parallelism") or {}).get("nodes", 1) > 1
     kinds = {"Service"} if multi_node else {"Deployment", "Service"}
+    # The weights cache: no Deployment before the download Job reported a commit.
+    if ((spec.get("model") or {}).get("cache") or {}).get("weights"):
+        kinds.discard("Deployment")
     autoscaling = spec.get("autoscaling")
     # The autoscaling block when scaling is on, else None.
     scaling = autoscaling if autoscaling is not None and autoscaling.get("enabled", True) else None

@@ -689,8 +689,13 @@ def test_rbac_covers_every_child_the_operator_manages(h):
             h.template(OPERATOR_CHART, set_=["keda.enabled=true", "podMonitors.enabled=true"])
         )["rules"]
     )
-    need = _needed(kinds.ALL_KINDS, kinds.WATCHED_KINDS, kinds.STREAMING_MODEL)
+    # The weights cache's Jobs and claims (not children: shared), read and created like them.
+    need = _needed(
+        (*kinds.ALL_KINDS, *kinds.WEIGHTS_KINDS), kinds.WATCHED_KINDS, kinds.STREAMING_MODEL
+    )
     missing = _missing(need, grants)
+    claims = ("", "persistentvolumeclaims")
+    assert "delete" not in grants[claims], "the weights claim is never deleted (shared)"
     assert not missing, f"add to charts/sluice-operator/templates/_rbac-rules.tpl: {missing}"
     deleted = {(k.group, k.plural) for k in kinds.ALL_KINDS if k.optional}
     for k in kinds.ALL_KINDS:  # (an optional kind may share the resource: the activator's)
