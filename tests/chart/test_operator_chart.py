@@ -459,6 +459,10 @@ EXPECTED = {
     },
     ("", "pods"): {"list", "watch"},
     ("", "events"): {"create"},
+    # The weights cache: shared download Jobs (deleted when a finished one lost its
+    # result) and the claim (never deleted: shared).
+    ("batch", "jobs"): {"get", "create", "patch", "delete"},
+    ("", "persistentvolumeclaims"): {"get", "create", "patch"},
 }
 
 
@@ -935,13 +939,18 @@ def test_network_policy_set_and_not_rendered(h):
     assert policy["spec"]["ingress"] == [
         {"ports": [{"port": 8080, "protocol": "TCP"}, {"port": 8081, "protocol": "TCP"}]}
     ]
-    dns, api, pods, activator = policy["spec"]["egress"]
+    dns, api, pods, weights, activator = policy["spec"]["egress"]
     assert {p["port"] for p in dns["ports"]} == {53}
     assert [p["port"] for p in api["ports"]] == [443, 6443] and "to" not in api
     # The model pods' /metrics (status.adapters), only pods the operator manages.
     assert pods["ports"] == [{"port": 8000, "protocol": "TCP"}]
     assert pods["to"] == [{"namespaceSelector": {}, "podSelector": {"matchLabels": {
         "app.kubernetes.io/managed-by": "sluice-operator"}}}]  # fmt: skip
+    # The weights downloads' /progress (status WeightsReady), only the download pods.
+    assert weights["ports"] == [{"port": 8090, "protocol": "TCP"}]
+    assert weights["to"] == [{"namespaceSelector": {}, "podSelector": {"matchLabels": {
+        "app.kubernetes.io/name": "sluice-weights",
+        "app.kubernetes.io/component": "weights-download"}}}]  # fmt: skip
     # The activator pods' /metrics in the release namespace (held requests: scale to zero).
     assert activator["ports"] == [{"port": 8000, "protocol": "TCP"}]
     assert activator["to"] == [{"podSelector": {"matchLabels": {
@@ -952,11 +961,11 @@ def test_network_policy_set_and_not_rendered(h):
     assert api["to"] == [{"ipBlock": {"cidr": "10.0.0.1/32"}}]
     docs = h.template(OPERATOR_CHART, set_=["networkPolicy.enabled=true",
                                             "networkPolicy.modelPodMetrics=false"])  # fmt: skip
-    assert len(one(docs, "NetworkPolicy")["spec"]["egress"]) == 3
+    assert len(one(docs, "NetworkPolicy")["spec"]["egress"]) == 4
     docs = h.template(
         OPERATOR_CHART, set_=["networkPolicy.enabled=true", "activator.enabled=false"]
     )
-    assert len(one(docs, "NetworkPolicy")["spec"]["egress"]) == 3
+    assert len(one(docs, "NetworkPolicy")["spec"]["egress"]) == 4
 
 
 @pytest.mark.parametrize(
