@@ -18,7 +18,7 @@ the Job, its pods and the running pod's progress, and writes what this decides.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,7 +63,7 @@ class JobView:
     running pod's progress (None: not running, or not answering)."""
 
     job: Mapping[str, Any] | None
-    pods: list[Mapping[str, Any]] = field(default_factory=list)
+    pods: Sequence[Mapping[str, Any]] = ()
     progress: Mapping[str, Any] | None = None
 
 
@@ -139,7 +139,7 @@ def progress_message(what: str, progress: Mapping[str, Any]) -> str:
     )
 
 
-def _pending_message(pods: list[Mapping[str, Any]]) -> str | None:
+def _pending_message(pods: Sequence[Mapping[str, Any]]) -> str | None:
     for pod in pods:
         st = pod.get("status") or {}
         for c in st.get("conditions") or []:
@@ -222,7 +222,7 @@ def weights_verdict(
             + (f"; {fix}" if fix else "")
             + f"; {RETRY_HINT}{keeping}"
         )
-        before = next(
+        before: Mapping[str, Any] = next(
             (c for c in previous.get("conditions") or [] if c.get("type") == WEIGHTS_CONDITION),
             {},
         )
