@@ -14,6 +14,8 @@ import pytest
 from operator_helpers import SAMPLES, Events, FakeCluster, body_of, load, validate_manifest
 from sluice_operator import handlers, passes
 from sluice_operator.builders.deployment import desired_deployment
+from sluice_operator.builders.hpa import desired_hpa
+from sluice_operator.builders.keda import desired_scaled_object
 from sluice_operator.builders.weights import (
     PROGRESS_PORT,
     desired_fetch_job,
@@ -84,9 +86,16 @@ def test_pods_mount_the_commit_read_only_start_offline_and_never_see_the_token()
     assert env["HF_TOKEN_PATH"] and c["args"][:4] == ["--model", "org/model", "--revision", "v1"]
 
 
-def test_no_pods_before_a_commit_is_ready():
-    assert desired_deployment(model_of(cached(), None)) is None
-    assert desired_deployment(model_of(cached(), A)) is not None
+def test_no_pods_and_nothing_to_scale_them_before_a_commit_is_ready():
+    body = cached()
+    body["spec"]["autoscaling"] = {"enabled": True, "minReplicas": 1, "maxReplicas": 3}
+    keda = copy.deepcopy(body)
+    keda["spec"]["autoscaling"]["backend"] = "keda"
+    for build in (desired_deployment, desired_hpa):
+        assert build(model_of(body, None)) is None
+        assert build(model_of(body, A)) is not None
+    assert desired_scaled_object(model_of(keda, None)) is None
+    assert desired_scaled_object(model_of(keda, A)) is not None
 
 
 def test_the_download_job_gets_the_token_as_a_file_and_the_mirror():

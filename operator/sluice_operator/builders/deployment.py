@@ -26,7 +26,7 @@ from .common import (
 )
 from .kvevents import kv_event_ports
 from .secrets import secret_env, secret_volumes
-from .weights import OFFLINE_ENV, cache_of, weights_volumes
+from .weights import OFFLINE_ENV, awaiting_weights, cache_of, weights_volumes
 
 # Loading a large model (download + weights into GPU memory + CUDA graphs) takes tens of
 # minutes; the startup probe holds liveness off for spec.startup.timeoutSeconds. The
@@ -236,7 +236,7 @@ def desired_deployment(model: StreamingModel) -> dict[str, Any] | None:
     a model of the weights cache before its first commit is ready (no pod could start)."""
     if model.multi_node:
         return None
-    if cache_of(model) is not None and model.weights_commit is None:
+    if awaiting_weights(model):
         return None
     spec = model.spec
     deployment_spec: dict[str, Any] = {

@@ -232,6 +232,12 @@ def desired_remove_job(model: StreamingModel, keep: list[str]) -> dict[str, Any]
 # --- what a model pod of a cache-mode model gets ----------------------------------------
 
 
+def awaiting_weights(model: StreamingModel) -> bool:
+    """A model of the cache whose first commit is not ready: no workload yet, so nothing
+    that scales one either (an HPA or a ScaledObject would only report its target missing)."""
+    return cache_of(model) is not None and model.weights_commit is None
+
+
 def serves_cached(model: StreamingModel) -> bool:
     """The pods mount a commit of the cache (cache mode, and a commit is ready)."""
     return cache_of(model) is not None and model.weights_commit is not None
