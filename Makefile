@@ -10,7 +10,7 @@ export SLUICE_CACHE ?= $(CURDIR)/.cache
 
 SAMPLE ?= samples/chat-small.yaml
 
-.PHONY: help venv tools demo run test test-fast test-e2e test-dashboard test-multinode lint docs crds golden chart render bench bench-balance bench-placement bench-lora bench-ab bench-ab-engine clean
+.PHONY: help venv tools demo run test test-fast test-e2e test-dashboard test-multinode lint docs crds golden chart render bench bench-balance bench-placement bench-placement-live bench-lora bench-ab bench-ab-engine clean
 
 help:
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
@@ -87,6 +87,9 @@ bench-balance: venv ## Balancing only: least-loaded vs round-robin on live pods 
 
 bench-placement: venv ## Placement on a model of a 4-replica fleet: prefix scoring vs least-loaded vs round robin (seconds, no servers)
 	$(PY) -m sluice_bench.placement
+
+bench-placement-live: venv tools ## Placement on 3 live pods of the real engine: prefix vs round robin vs least-loaded vs one pod (needs K8S_ASSETS; the table in docs/benchmarks.md)
+	SLUICE_BENCH_WRITE=1 $(PY) -m pytest tests/e2e/test_router_placement_live.py -q -s
 
 bench-lora: venv ## Benchmark only a LoRA adapter next to the base on one engine (docs/bench-lora.md, the LoRA table in docs/benchmarks.md)
 	$(PY) -m sluice_bench.lora_ratio

@@ -25,7 +25,11 @@ from .builders.hpa import desired_hpa
 from .builders.ingress import desired_ingress
 from .builders.keda import desired_scaled_object
 from .builders.leaderworkerset import desired_leaderworkerset
-from .builders.networkpolicy import desired_network_policy
+from .builders.networkpolicy import (
+    KV_EVENTS_SUFFIX,
+    desired_kv_events_network_policy,
+    desired_network_policy,
+)
 from .builders.pdb import desired_pdb
 from .builders.podmonitor import desired_pod_monitor
 from .builders.routing import desired_inference_pool, pool_verdict
@@ -112,6 +116,17 @@ NETWORK_POLICY = Kind(
     desired_network_policy,
     optional=True,
 )
+# A router model's KV-event ports closed to all but the router's pods while the model's own
+# NetworkPolicy is off (builders/networkpolicy.py); the same plural: one watch and index.
+KV_EVENTS_NETWORK_POLICY = Kind(
+    "networking.k8s.io/v1",
+    "NetworkPolicy",
+    "networkpolicies",
+    desired_kv_events_network_policy,
+    optional=True,
+    name_suffix=KV_EVENTS_SUFFIX,
+    role="KvEventsNetworkPolicy",
+)
 
 # The ExternalName Service `<name>-activator` the route names for a router model, or while
 # a model with minReplicas 0 has no Ready replica (builders/activator.py); only then. The
@@ -131,7 +146,7 @@ ACTIVATOR_SERVICE = Kind(
 # that mount it).
 CHILD_KINDS: tuple[Kind, ...] = (
     SERVICE, ACTIVATOR_SERVICE, ADAPTER_CONFIG_MAP, DEPLOYMENT, INGRESS, HPA, PDB,
-    NETWORK_POLICY,
+    NETWORK_POLICY, KV_EVENTS_NETWORK_POLICY,
 )  # fmt: skip
 
 # The optional kinds whose API a cluster may lack: not watched, see `OptionalKind`.

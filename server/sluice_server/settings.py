@@ -680,7 +680,8 @@ class RouterSettings(HttpSettings):
     models_reload_seconds: float = Field(
         2.0,
         gt=0,
-        description="How often `--models-file` is checked for changes (one `stat`).",
+        description="How often `--models-file` and `--pin-key-file` are checked for changes "
+        "(one `stat` each).",
     )
     ready_poll_seconds: float = Field(
         0.5,
@@ -730,7 +731,8 @@ class RouterSettings(HttpSettings):
         None,
         description="Key (a file, at least 32 bytes) that signs the `sluice-pin` cookie "
         "with which a resumed token SSE stream returns to the pod that holds it, through any "
-        "router pod sharing the key. Without it no cookie is set or honoured.",
+        "router pod sharing the key. Reloaded when it changes (cookies signed with the key "
+        "before stay honoured). Without it no cookie is set or honoured.",
     )
     pin_seconds: float = Field(
         3600.0,

@@ -47,13 +47,11 @@ from pathlib import Path
 import aiohttp
 from testkit.net import free_port
 from testkit.nginx_proxy import NginxProxy
-from testkit.repo import ROOT
 
+from sluice_bench import docblock
 from sluice_bench.procs import ProcGroup, Server
 
 SHORT, LONG = 16, 2000
-DOC = ROOT / "docs" / "benchmarks.md"
-BEGIN, END = "<!-- bench:balance:begin -->", "<!-- bench:balance:end -->"
 ACTIVE_RE = re.compile(r"^sluice_active_streams\{[^}]*\} ([0-9.e+-]+)$", re.M)
 
 
@@ -192,13 +190,7 @@ def table(rows: list[dict], a) -> str:
 
 
 def write(text: str) -> None:
-    doc = DOC.read_text()
-    block = f"{BEGIN}\n<!-- Written by testing/sluice_bench/balance.py --write; edits here are overwritten. -->\n{text}{END}"
-    if BEGIN in doc:
-        doc = re.sub(re.escape(BEGIN) + r".*?" + re.escape(END), lambda _: block, doc, flags=re.S)
-    else:
-        raise SystemExit(f"{DOC} has no {BEGIN} ... {END} block")
-    DOC.write_text(doc)
+    docblock.write("balance", "testing/sluice_bench/balance.py --write", text)
 
 
 # Per mode: (requests, rate, ttft, ttft per stream, itl). Live pods share the cores with a

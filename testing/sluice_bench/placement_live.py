@@ -3,7 +3,8 @@
 The client side of tests/e2e/test_router_placement_live.py (three real vLLM pods on the
 tiny model, each with a KV cache smaller than the workload's working set, behind the
 router, reached through the e2e ingress): the workload, one phase's run, the pods' own
-prefix-cache counters and the table.
+prefix-cache counters, the targets and the table (`section`), which the test writes into
+docs/benchmarks.md's `placement-live` block when asked (`make bench-placement-live`).
 
 Workload (`workload`): `groups` groups, each with its own shared prefix of `prefix_blocks`
 whole KV blocks of the engine (plus a few tokens, so the prefix's blocks are the same
@@ -31,6 +32,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import httpx
+
+from sluice_bench import docblock
 
 HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([0-9.eE+-]+|NaN)$")
@@ -184,24 +187,29 @@ class Target:
         return self.value >= self.bound
 
 
-def targets(prefix: Phase, least_loaded: Phase, single: Phase) -> list[Target]:
+def targets(prefix: Phase, round_robin: Phase, least_loaded: Phase, single: Phase) -> list[Target]:
     """The issue's: the fleet's hit rate with prefix placement at least 0.9 x one pod's with
-    the same cache on the same workload, and above least-loaded's in the same run."""
+    the same cache on the same workload, and above round robin's and least-loaded's in the
+    same run."""
     return [
         Target("prefix / one pod >= 0.9",
                prefix.hit_rate / single.hit_rate if single.hit_rate else 0.0, 0.9),
+        Target("prefix - round robin > 0", prefix.hit_rate - round_robin.hit_rate, 1e-9),
         Target("prefix - least-loaded > 0", prefix.hit_rate - least_loaded.hit_rate, 1e-9),
     ]  # fmt: skip
+
+
+PICKED_BY = ("prefix", "load", "round-robin")
 
 
 def table(phases: Sequence[Phase], found: Sequence[Target], ceiling: float) -> str:
     lines = [
         "| placement | pods | requests ok | pods served | prompt tokens | cached | hit rate "
-        "| router picks (prefix / load) |",
+        f"| router picks ({' / '.join(PICKED_BY)}) |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for p in phases:
-        picks = f"{p.picks.get('prefix', 0):.0f} / {p.picks.get('load', 0):.0f}"
+        picks = " / ".join(f"{p.picks.get(by, 0):.0f}" for by in PICKED_BY)
         lines.append(f"| {p.name} | {p.pods} | {p.ok}/{p.sent} | {p.pods_served} "
                      f"| {p.queries:,.0f} | {p.hits:,.0f} | {p.hit_rate:.3f} | {picks} |")  # fmt: skip
     lines.append(f"| (ceiling: one cache holding every prefix) | | | | | | {ceiling:.3f} | |")
@@ -209,3 +217,24 @@ def table(phases: Sequence[Phase], found: Sequence[Target], ceiling: float) -> s
     for t in found:
         lines.append(f"| {t.text} | {t.value:.3f} | {'met' if t.met else 'NOT MET'} |")
     return "\n".join(lines)
+
+
+def section(phases: Sequence[Phase], found: Sequence[Target], w: Workload, *, block: int,
+            cache_blocks: int, prefix_blocks: int) -> str:  # fmt: skip
+    """docs/benchmarks.md's `placement-live` block: the setup as measured, then the table."""
+    per_group = len(w.requests) // w.groups
+    head = (
+        f"The tiny model on vLLM's CPU engine, {max(p.pods for p in phases)} pods, each with a "
+        f"KV cache of {cache_blocks} blocks of {block} tokens, below the workload's "
+        f"{w.groups * prefix_blocks} blocks of shared prefixes; {len(w.requests)} completions "
+        f"per phase ({w.groups} groups of {per_group} sharing a {w.prefix_tokens}-token "
+        f"prefix, prompts up to {w.prompt_tokens} tokens), 3 at a time, through the e2e "
+        "ingress and one router pod. Hit rate: the pods' own `vllm:prefix_cache_hits_total / "
+        "vllm:prefix_cache_queries_total` over the phase, summed over the pods.\n\n"
+    )
+    return head + table(phases, found, w.ceiling(block)) + "\n"
+
+
+def write(text: str) -> None:
+    docblock.write("placement-live", "tests/e2e/test_router_placement_live.py "
+                   "(`make bench-placement-live`)", text)  # fmt: skip

@@ -1116,6 +1116,91 @@ def test_router_rbac_pin_key_and_token_set_and_not_rendered(h):
     assert not _router_docs(h.template(OPERATOR_CHART, set_=["activator.enabled=false"]))
 
 
+def _pin_key_volume(docs) -> dict:
+    (deploy,) = by_kind(activator_docs(docs), "Deployment")
+    (vol,) = [v for v in deploy["spec"]["template"]["spec"]["volumes"] if v["name"] == "pin-key"]
+    return vol["secret"]
+
+
+def test_router_pin_key_existing_secret_set_and_not_rendered(h):
+    """Not set: the chart's own Secret, a new random key on every render without a cluster
+    (what `helm template` and Argo CD do). Set: no Secret of the chart's, every router pod
+    mounts the named one (its key as the file `pin-key`), and renders are identical."""
+    argv = ["template", "sluice", str(OPERATOR_CHART), "--namespace", "sluice-system"]
+
+    def key() -> str:
+        docs = [d for d in yaml.safe_load_all(h.run(*argv).stdout) if d]
+        (secret,) = by_kind(_router_docs(docs), "Secret")
+        return secret["data"]["pin-key"]
+
+    keys = [key(), key()]
+    assert keys[0] != keys[1]  # the problem existingSecret solves
+    assert _pin_key_volume(h.template(OPERATOR_CHART))["secretName"] == "sluice-activator-pin-key"
+    mine = ["activator.pinKey.existingSecret=router-pin", "activator.pinKey.existingSecretKey=k"]
+    docs = h.template(OPERATOR_CHART, set_=mine)
+    assert not by_kind(_router_docs(docs), "Secret")
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    assert _pin_key_volume(docs) == {
+        "secretName": "router-pin",
+        "items": [{"key": "k", "path": "pin-key"}],
+        "defaultMode": 0o440,
+    }
+    (deploy,) = by_kind(activator_docs(docs), "Deployment")
+    env = {
+        e["name"]: e["value"] for e in deploy["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["SLUICE_ACTIVATOR_PIN_KEY_FILE"] == "/etc/sluice/pin/pin-key"
+    sets = [a for s in mine for a in ("--set", s)]
+    assert h.run(*argv, *sets).stdout == h.run(*argv, *sets).stdout  # nothing random left
+
+
+def test_router_pods_stop_after_a_prestop_pause_within_their_grace_period(h):
+    """A preStop `sleep` keeps a stopped router pod serving while its endpoint removal
+    spreads; the grace period covers it, the drain (passed as the router's env) and the
+    5 s forwarded requests get after it. 0: no hook. The drain as an extra argument would
+    escape the grace period: refused."""
+
+    def pod(*set_: str) -> tuple[dict, dict]:
+        (deploy,) = by_kind(activator_docs(h.template(OPERATOR_CHART, set_=list(set_))),
+                            "Deployment")  # fmt: skip
+        spec = deploy["spec"]["template"]["spec"]
+        return spec, spec["containers"][0]
+
+    spec, c = pod()
+    assert c["lifecycle"] == {"preStop": {"sleep": {"seconds": 5}}}
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env["SLUICE_ACTIVATOR_DRAIN_TIMEOUT_SECONDS"] == "30"
+    assert spec["terminationGracePeriodSeconds"] == 60 >= 5 + 30 + 5
+    spec, c = pod("activator.preStopSeconds=0", "activator.drainTimeoutSeconds=120")
+    assert "lifecycle" not in c
+    assert {e["name"]: e["value"] for e in c["env"]}[
+        "SLUICE_ACTIVATOR_DRAIN_TIMEOUT_SECONDS"
+    ] == "120"
+    assert spec["terminationGracePeriodSeconds"] == 145 >= 0 + 120 + 5
+    spec, c = pod("activator.preStopSeconds=15")
+    assert c["lifecycle"]["preStop"]["sleep"]["seconds"] == 15
+    assert spec["terminationGracePeriodSeconds"] == 70
+    err = h.template_error(
+        OPERATOR_CHART, set_=["activator.extraArgs={--drain-timeout-seconds=90}"]
+    )
+    assert "activator.drainTimeoutSeconds" in err
+
+
+def test_router_pods_carry_the_labels_the_kv_events_policies_admit(h):
+    """The operator's NetworkPolicies admit a router model's KV-event ports from pods with
+    these labels in the operator's namespace: the chart's router pods must carry them."""
+    from sluice_operator.builders.kvevents import ROUTER_POD_LABELS
+
+    (deploy,) = by_kind(activator_docs(h.template(OPERATOR_CHART)), "Deployment")
+    assert deploy["metadata"]["namespace"] == "sluice-system"
+    labels = deploy["spec"]["template"]["metadata"]["labels"]
+    assert ROUTER_POD_LABELS.items() <= labels.items()
+    # Whatever the release is called.
+    docs = h.template(OPERATOR_CHART, release="edge")
+    (deploy,) = by_kind(activator_docs(docs), "Deployment")
+    assert ROUTER_POD_LABELS.items() <= deploy["spec"]["template"]["metadata"]["labels"].items()
+
+
 def test_activator_names_match_what_the_operator_builds():
     """The ExternalName target and the ConfigMap the operator writes are the chart's."""
     from sluice_operator.builders.activator import desired_models_config_map

@@ -266,6 +266,17 @@ class Footprint:
 
 
 @pytest.fixture
+def live_router(admin, chart):
+    """The chart's router (Deployment, Service, pin key) for live nodes: `start(placement,
+    replicas, **pod_spec)` (live_helpers.LiveRouter); removed, its pods gone, after the test."""
+    from .live_helpers import LiveRouter
+
+    router = LiveRouter(admin, chart)
+    yield router
+    router.close()
+
+
+@pytest.fixture
 def footprint(request):
     """Use it in a scenario: its wall time and peak RSS land in the e2e timings."""
     f = Footprint()

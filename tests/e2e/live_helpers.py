@@ -1,19 +1,25 @@
-"""Shared pieces of the live-pod scenarios (test_live_pods.py, test_live_engine.py,
-test_live_adapters.py): the simulator model they deploy, a bound claim for real weights,
-waiting for a model and for the ingress to route it, reading what the node agent and the
-servers recorded and what a stream said."""
+"""Shared pieces of the live-pod scenarios (test_live_*.py, test_router_*_live.py): the
+simulator model they deploy, a bound claim for real weights, the chart's router on the live
+node, waiting for a model and for the ingress to route it, reading what the node agent and
+the servers recorded (access logs included) and what a stream said."""
 
 from __future__ import annotations
 
 import copy
 import json
 import re
+from collections.abc import Collection
+from datetime import datetime
 
 import httpx
-from e2e_harness.endpoints import ready_endpoints
+from e2e_harness.endpoints import Endpoint, ready_endpoints
 from e2e_harness.kube import eventually, load_sample
+from e2e_harness.operator_process import RenderedChart
 from kubernetes import client
 
+from .conftest import OPERATOR_NAMESPACE
+
+ROUTER = "sluice-activator"  # the chart's router (activator) for release "sluice"
 ITL_MS = 150
 LONG_TOKENS = 400  # 60 s per long stream: longer than a new pod's start plus the preStop
 STREAM_TIMEOUT = 120  # grace period = preStop 5 + drain 120 + margin 15
@@ -125,3 +131,115 @@ def sse_tokens(text: str) -> tuple[int, str | None, bool]:
             if ev.get("usage"):
                 n = ev["usage"].get("completion_tokens", n)
     return n, reason, "data: [DONE]" in text
+
+
+def access_records(node, namespace: str, pod: str) -> list[dict]:
+    """The server's access-log records (`<date> <time> access k=v ...`), with `at`: the
+    line's own timestamp (time.time())."""
+    log = node.log_dir / f"{namespace}.{pod}.server.log"
+    out = []
+    for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
+        day, clock, kind, *fields = [*line.split(" "), "", ""][:3] + line.split(" ")[3:]
+        if kind != "access":
+            continue
+        rec: dict = dict(f.split("=", 1) for f in fields if "=" in f)
+        for k in ("status", "completion_tokens"):
+            rec[k] = int(rec.get(k, -1))
+        rec["at"] = datetime.strptime(f"{day} {clock}", "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        out.append(rec)
+    return out
+
+
+def by_request(node, namespace: str, pods: list[str]) -> dict[str, list[tuple[str, dict]]]:
+    """request id -> [(pod, access record), ...] over the model's pods."""
+    out: dict[str, list[tuple[str, dict]]] = {}
+    for pod in pods:
+        for rec in access_records(node, namespace, pod):
+            out.setdefault(rec.get("request_id"), []).append((pod, rec))
+    return out
+
+
+def router_manifests(chart: RenderedChart, placement: dict, replicas: int,
+                     **pod_spec) -> tuple[dict, dict, dict]:  # fmt: skip
+    """The chart's router Deployment (`replicas` on the live node, `pod_spec` over its pod
+    spec, `--host=0.0.0.0` said out loud: the node agent binds a wildcard given in the
+    arguments to the pod's own address), Service and pin-key Secret."""
+    (dep,) = [copy.deepcopy(d) for d in chart.of_kind("Deployment")
+              if d["metadata"]["name"] == ROUTER]  # fmt: skip
+    (svc,) = [copy.deepcopy(s) for s in chart.of_kind("Service")
+              if s["metadata"]["name"] == ROUTER]  # fmt: skip
+    (key,) = [copy.deepcopy(s) for s in chart.of_kind("Secret")
+              if s["metadata"]["name"] == f"{ROUTER}-pin-key"]  # fmt: skip
+    dep["spec"]["replicas"] = replicas
+    pod = dep["spec"]["template"]["spec"]
+    pod.update(copy.deepcopy(placement))
+    pod.update(copy.deepcopy(pod_spec))
+    pod["containers"][0]["args"].append("--host=0.0.0.0")
+    return dep, svc, key
+
+
+class LiveRouter:
+    """The chart's router on the live node, made by `start` and removed by `close` (its
+    pods gone); `roll` re-renders its Deployment from other chart values."""
+
+    def __init__(self, admin: client.ApiClient, chart: RenderedChart) -> None:
+        self.apps, self.core = client.AppsV1Api(admin), client.CoreV1Api(admin)
+        self.chart = chart
+        self.made: list[tuple[str, str]] = []
+        self.endpoints: list[Endpoint] = []
+
+    def ready(self, replicas: int, exclude: Collection[str] = ()) -> list[Endpoint]:
+        def all_ready():
+            eps = ready_endpoints(self.core, OPERATOR_NAMESPACE, ROUTER)
+            fresh = len(eps) == replicas and {e.pod for e in eps}.isdisjoint(exclude)
+            return fresh and sorted(eps)
+
+        self.endpoints = eventually(all_ready, timeout=180, interval=0.5,
+                                    message=f"{replicas} router pods Ready")  # fmt: skip
+        return self.endpoints
+
+    def start(self, placement: dict, replicas: int = 1, **pod_spec) -> list[Endpoint]:
+        """Its Secret, Service and Deployment; its Ready pods' endpoints."""
+        dep, svc, key = router_manifests(self.chart, placement, replicas, **pod_spec)
+        self.core.create_namespaced_secret(OPERATOR_NAMESPACE, key)
+        self.made.append(("secret", key["metadata"]["name"]))
+        self.core.create_namespaced_service(OPERATOR_NAMESPACE, svc)
+        self.made.append(("svc", ROUTER))
+        self.apps.create_namespaced_deployment(OPERATOR_NAMESPACE, dep)
+        self.made.append(("dep", ROUTER))
+        return self.ready(replicas)
+
+    def roll(self, values: dict[str, str], placement: dict) -> Endpoint:
+        """`helm upgrade --set values` for a one-pod router: its Deployment's new pod
+        template, rolled by the Deployment controller; the old pod gone."""
+        (old,) = self.endpoints
+        dep, _, _ = router_manifests(
+            RenderedChart.render(OPERATOR_NAMESPACE, values=values), placement, 1
+        )
+        self.apps.patch_namespaced_deployment(ROUTER, OPERATOR_NAMESPACE, {"spec": {"template": {
+            "spec": {"containers": dep["spec"]["template"]["spec"]["containers"]}}}})  # fmt: skip
+        (new,) = self.ready(1, exclude={old.pod})
+        self.gone({old.pod})
+        return new
+
+    def gone(self, pods: set[str] | None = None) -> None:
+        """Wait until these pods (None: every router pod) are deleted."""
+
+        def left() -> bool:
+            names = [
+                p.metadata.name for p in self.core.list_namespaced_pod(OPERATOR_NAMESPACE).items
+            ]
+            return not [n for n in names if (n in pods if pods else n.startswith(f"{ROUTER}-"))]
+
+        eventually(left, timeout=120, interval=0.5, message="the router pods gone")
+
+    def close(self) -> None:
+        for kind, name in reversed(self.made):
+            if kind == "dep":
+                self.apps.delete_namespaced_deployment(name, OPERATOR_NAMESPACE)
+            elif kind == "secret":
+                self.core.delete_namespaced_secret(name, OPERATOR_NAMESPACE)
+            else:
+                self.core.delete_namespaced_service(name, OPERATOR_NAMESPACE)
+        if self.made:
+            self.gone()

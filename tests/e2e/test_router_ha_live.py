@@ -24,72 +24,35 @@ it. What they show:
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import signal
 import threading
 import time
-from datetime import datetime
 
 import httpx
 import pytest
-from e2e_harness.endpoints import Endpoint, ready_endpoints
+from e2e_harness.endpoints import Endpoint
 from e2e_harness.kube import eventually
-from kubernetes import client
 from sluice_server.router.pin import COOKIE
 from sluice_server.router.placement import tie_hash
 
 from .conftest import OPERATOR_NAMESPACE, TIMINGS
-from .live_helpers import live_pods, ready_model, sim_model
+from .live_helpers import ROUTER, access_records, by_request, live_pods, ready_model, sim_model
 
 pytestmark = [pytest.mark.slow]
 
-ROUTER = "sluice-activator"
 CONTAINER = "activator"
 
 
-@pytest.fixture
-def routers(admin, chart):
-    """The chart's router Deployment (2 replicas), Service and pin key; a setup function
-    `(placement) -> [Endpoint, Endpoint]` once both pods are Ready."""
-    apps, core = client.AppsV1Api(admin), client.CoreV1Api(admin)
-    made: list[tuple[str, str]] = []
-
-    def setup(placement: dict) -> list[Endpoint]:
-        (dep,) = [copy.deepcopy(d) for d in chart.of_kind("Deployment")
-                  if d["metadata"]["name"] == ROUTER]  # fmt: skip
-        (svc,) = [copy.deepcopy(s) for s in chart.of_kind("Service")
-                  if s["metadata"]["name"] == ROUTER]  # fmt: skip
-        (key,) = [copy.deepcopy(s) for s in chart.of_kind("Secret")
-                  if s["metadata"]["name"] == f"{ROUTER}-pin-key"]  # fmt: skip
-        assert dep["spec"]["replicas"] >= 2, dep["spec"]["replicas"]  # the chart's default
-        dep["spec"]["replicas"] = 2
-        pod = dep["spec"]["template"]["spec"]
-        pod.update(copy.deepcopy(placement))
-        pod["affinity"] = None  # one live node: the anti-affinity is only preferred anyway
-        pod["containers"][0]["args"].append("--host=0.0.0.0")  # the pod's own address
-        core.create_namespaced_secret(OPERATOR_NAMESPACE, key)
-        made.append(("secret", key["metadata"]["name"]))
-        core.create_namespaced_service(OPERATOR_NAMESPACE, svc)
-        made.append(("svc", ROUTER))
-        apps.create_namespaced_deployment(OPERATOR_NAMESPACE, dep)
-        made.append(("dep", ROUTER))
-        return eventually(lambda: len(eps := ready_endpoints(core, OPERATOR_NAMESPACE, ROUTER))
-                          == 2 and sorted(eps), timeout=90, interval=0.5,
-                          message="both router pods Ready")  # fmt: skip
-
-    yield setup
-    for kind, name in reversed(made):
-        if kind == "dep":
-            apps.delete_namespaced_deployment(name, OPERATOR_NAMESPACE)
-        elif kind == "secret":
-            core.delete_namespaced_secret(name, OPERATOR_NAMESPACE)
-        else:
-            core.delete_namespaced_service(name, OPERATOR_NAMESPACE)
-    eventually(lambda: not [p for p in core.list_namespaced_pod(OPERATOR_NAMESPACE).items
-                            if p.metadata.name.startswith(f"{ROUTER}-")], timeout=90,
-               interval=0.5, message="the router pods gone")  # fmt: skip
+def _routers(live_router, placement: dict) -> list[Endpoint]:
+    """The chart's router at two replicas (its default is at least that) on the live node:
+    its two pods' endpoints once both are Ready."""
+    (dep,) = [d for d in live_router.chart.of_kind("Deployment")
+              if d["metadata"]["name"] == ROUTER]  # fmt: skip
+    assert dep["spec"]["replicas"] >= 2, dep["spec"]["replicas"]  # the chart's default
+    # One live node: the anti-affinity is only preferred anyway.
+    return live_router.start(placement, replicas=2, affinity=None)
 
 
 def _metrics(address: str, prefix: str) -> dict[str, float]:
@@ -102,32 +65,6 @@ def _sum(metrics: dict[str, float], name: str, **labels: str) -> float:
     want = [f'{k}="{v}"' for k, v in labels.items()]
     return sum(v for k, v in metrics.items()
                if k.split("{")[0] == name and all(w in k for w in want))  # fmt: skip
-
-
-def _records(node, namespace: str, pod: str) -> list[dict]:
-    """The server's access-log records (`<date> <time> access k=v ...`), with `at`: the
-    line's own timestamp (time.time())."""
-    log = node.log_dir / f"{namespace}.{pod}.server.log"
-    out = []
-    for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
-        day, clock, kind, *fields = [*line.split(" "), "", ""][:3] + line.split(" ")[3:]
-        if kind != "access":
-            continue
-        rec: dict = dict(f.split("=", 1) for f in fields if "=" in f)
-        for k in ("status", "completion_tokens"):
-            rec[k] = int(rec.get(k, -1))
-        rec["at"] = datetime.strptime(f"{day} {clock}", "%Y-%m-%d %H:%M:%S,%f").timestamp()
-        out.append(rec)
-    return out
-
-
-def _served(node, namespace: str, pods: list[str]) -> dict[str, list[tuple[str, dict]]]:
-    """request id -> [(pod, record), ...] over the model's pods."""
-    out: dict[str, list[tuple[str, dict]]] = {}
-    for pod in pods:
-        for rec in _records(node, namespace, pod):
-            out.setdefault(rec.get("request_id"), []).append((pod, rec))
-    return out
 
 
 class Model:
@@ -176,7 +113,7 @@ def _sees_both(m: Model, router: Endpoint, node, pods: list[str]) -> None:
             "max_tokens": 1})  # fmt: skip
         assert r.status_code == 200, r.text
         rid = r.headers["x-request-id"]
-        for pod, _ in _served(node, m.namespace, pods).get(rid, []):
+        for pod, _ in by_request(node, m.namespace, pods).get(rid, []):
             seen.add(pod)
         return seen == set(pods)
 
@@ -216,10 +153,10 @@ def _resume(m: Model, router: Endpoint, last: str, query: str, cookie: str | Non
 
 
 def test_stream_cut_at_one_router_resumes_on_its_pod_through_the_other(
-    operator, models, namespace, live_nodes, routers, footprint
+    operator, models, namespace, live_nodes, live_router, footprint
 ):
     (node,), placement = live_nodes(1)
-    a, b = routers(placement)
+    a, b = _routers(live_router, placement)
     m, pods = _deploy(models, namespace, "ha", placement, [a, b],
                       streaming={"resume": {"graceSeconds": 60}})  # fmt: skip
     _sees_both(m, b, node, pods)
@@ -287,7 +224,7 @@ def test_stream_cut_at_one_router_resumes_on_its_pod_through_the_other(
           - _sum(picks0, "sluice_router_picks_total", namespace=namespace, model="ha", by=k)
           for k in ("pin", "load", "prefix")}  # fmt: skip
     assert by == {"pin": 1, "load": 2, "prefix": 0}, by
-    recs = {p: _records(node, namespace, p) for p in pods}
+    recs = {p: access_records(node, namespace, p) for p in pods}
     mine = [(p, r["status"], r["outcome"]) for p in pods for r in recs[p] if r["request_id"] == rid]
     assert {p for p, *_ in mine} == {holder} and all(st == 200 for _, st, _ in mine), mine
     # The stream GETs (the routers also GET each pod's /internal/prefix-cache description).
@@ -357,10 +294,10 @@ def _burst(m: Model, router: Endpoint, n: int, start: int, tokens: int) -> list[
 
 
 def test_router_pod_killed_mid_burst_closes_its_clients_and_the_pods_abort_their_requests(
-    operator, models, namespace, live_nodes, routers, footprint
+    operator, models, namespace, live_nodes, live_router, footprint
 ):
     (node,), placement = live_nodes(1)
-    a, b = routers(placement)
+    a, b = _routers(live_router, placement)
     m, pods = _deploy(models, namespace, "burst", placement, [a, b])  # no resume: aborts
     model_ips = {p.metadata.name: p.status.pod_ip for p in live_pods(models, namespace, "burst")}
 
@@ -390,7 +327,7 @@ def test_router_pod_killed_mid_burst_closes_its_clients_and_the_pods_abort_their
     # The model pods abort every orphaned request: access log `disconnected`, short of the
     # whole answer, and no stream left generating once B's have finished.
     def aborted():
-        served = _served(node, namespace, pods)
+        served = by_request(node, namespace, pods)
         outcomes = {c.rid: [r["outcome"] for _, r in served.get(c.rid, [])] for c in doomed}
         assert all(o == ["disconnected"] for o in outcomes.values()), outcomes
         return served
@@ -406,7 +343,7 @@ def test_router_pod_killed_mid_burst_closes_its_clients_and_the_pods_abort_their
         c.join(timeout=120)
     bad = [(c.rid, c.error, c.done, c.events[-1:]) for c in kept if not c.whole]
     assert not bad, bad  # B's streams finished whole
-    served = _served(node, namespace, pods)
+    served = by_request(node, namespace, pods)
     assert all([r["outcome"] for _, r in served[c.rid]] == ["finished"] for c in kept)
     for pod, ip in model_ips.items():
         got = _metrics(f"{ip}:8000", "sluice_")
@@ -433,5 +370,5 @@ def test_router_pod_killed_mid_burst_closes_its_clients_and_the_pods_abort_their
     assert all(e["time"] >= max(c.ended_at for c in draining) - 1 for e in gone), gone
     log = (node.log_dir / f"{OPERATOR_NAMESPACE}.{b.pod}.{CONTAINER}.log").read_text()
     assert "draining: 0 requests held" in log, log[-2000:]
-    served = _served(node, namespace, pods)
+    served = by_request(node, namespace, pods)
     assert all([r["outcome"] for _, r in served[c.rid]] == ["finished"] for c in draining)

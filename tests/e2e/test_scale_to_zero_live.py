@@ -28,7 +28,6 @@ first token, the activator's logged hold times and the server's access-log TTFT.
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import random
 import re
@@ -39,7 +38,7 @@ from datetime import datetime
 import httpx
 import openai
 import pytest
-from e2e_harness.endpoints import ready_endpoints
+from e2e_harness.endpoints import Endpoint
 from e2e_harness.kube import eventually
 from e2e_harness.service_proxy import ServiceProxy
 from kubernetes import client
@@ -54,7 +53,6 @@ IDLE_SECONDS = 30
 TOKENS = 16
 CLIENTS = 20  # 5 of each kind
 KINDS = ("sse", "openai", "ws", "chat")
-ACTIVATOR = "sluice-activator"
 HOLD_TIMEOUT = 10  # the model that never starts
 KEEPALIVE_SECONDS = 10  # what the operator writes into models.json
 
@@ -79,53 +77,15 @@ def _count(metrics: dict[str, float], name: str, **labels: str) -> float:
                if k.startswith(name + "{") and all(w in k for w in want))  # fmt: skip
 
 
-@pytest.fixture
-def activator_pod(admin, chart, live_nodes):
-    """The chart's activator Deployment and Service, on a live node; yields a setup
-    function `(placement, aliases) -> its endpoint` once its pod is Ready."""
-    apps, core = client.AppsV1Api(admin), client.CoreV1Api(admin)
-    made = []
-
-    def setup(placement: dict, aliases: list[dict]) -> str:
-        (dep,) = [copy.deepcopy(d) for d in chart.of_kind("Deployment")
-                  if d["metadata"]["name"] == ACTIVATOR]  # fmt: skip
-        (svc,) = [copy.deepcopy(s) for s in chart.of_kind("Service")
-                  if s["metadata"]["name"] == ACTIVATOR]  # fmt: skip
-        dep["spec"]["replicas"] = 1
-        pod = dep["spec"]["template"]["spec"]
-        pod.update(copy.deepcopy(placement))
-        pod["hostAliases"] = aliases
-        # The listen address the activator defaults to (0.0.0.0) said out loud: the node
-        # agent's pods share the host's network, and it binds a wildcard given in the
-        # arguments to the pod's own address (a pod's network namespace, docs/e2e.md).
-        pod["containers"][0]["args"].append("--host=0.0.0.0")
-        # Its pin key as the chart makes it; its ServiceAccount token as the chart asks for
-        # it (the node agent mounts the projected kube-api-access volume).
-        (key,) = [copy.deepcopy(s) for s in chart.of_kind("Secret")
-                  if s["metadata"]["name"] == f"{ACTIVATOR}-pin-key"]  # fmt: skip
-        core.create_namespaced_secret(OPERATOR_NAMESPACE, key)
-        made.append(("Secret", key["metadata"]["name"]))
-        core.create_namespaced_service(OPERATOR_NAMESPACE, svc)
-        made.append(("svc", ACTIVATOR))
-        apps.create_namespaced_deployment(OPERATOR_NAMESPACE, dep)
-        made.append(("dep", ACTIVATOR))
-        (ep,) = eventually(lambda: ready_endpoints(core, OPERATOR_NAMESPACE, ACTIVATOR),
-                         timeout=90, interval=0.5, message="the activator pod Ready")  # fmt: skip
-        # Ready with the ServiceAccount volume the admission plugin added (mounted by the agent).
-        pods = core.list_namespaced_pod(OPERATOR_NAMESPACE, label_selector=",".join(
-            f"{k}={v}" for k, v in dep["spec"]["selector"]["matchLabels"].items())).items  # fmt: skip
-        assert all(any(v.name.startswith("kube-api-access-") for v in p.spec.volumes)
-                   for p in pods), [p.spec.volumes for p in pods]  # fmt: skip
-        return ep
-
-    yield setup
-    for kind, name in reversed(made):
-        if kind == "dep":
-            apps.delete_namespaced_deployment(name, OPERATOR_NAMESPACE)
-        elif kind == "Secret":
-            core.delete_namespaced_secret(name, OPERATOR_NAMESPACE)
-        else:
-            core.delete_namespaced_service(name, OPERATOR_NAMESPACE)
+def _activator(live_router, placement: dict, aliases: list[dict]) -> Endpoint:
+    """The chart's activator (router) on a live node (live_helpers.LiveRouter), the cluster
+    names the test resolves given as host aliases: its endpoint once its pod is Ready, with
+    the ServiceAccount volume the admission plugin added (mounted by the node agent: its
+    token as the chart asks for it)."""
+    (ep,) = live_router.start(placement, replicas=1, hostAliases=aliases)
+    pod = live_router.core.read_namespaced_pod(ep.pod, OPERATOR_NAMESPACE)
+    assert any(v.name.startswith("kube-api-access-") for v in pod.spec.volumes), pod.spec.volumes
+    return ep
 
 
 async def _client(kind: str, url: str, i: int) -> dict:
@@ -219,7 +179,7 @@ async def _crowd(url: str) -> list[dict]:
 
 
 def test_held_requests_of_every_protocol_are_answered_when_the_model_comes_back(
-    operator, models, namespace, live_nodes, activator_pod, ingress, admin, chart
+    operator, models, namespace, live_nodes, live_router, ingress, admin, chart
 ):
     apps, net, core = (
         client.AppsV1Api(admin),
@@ -234,7 +194,7 @@ def test_held_requests_of_every_protocol_are_answered_when_the_model_comes_back(
     try:
         aliases = [{"ip": p.ip, "hostnames": [f"{p.service}.{namespace}.svc.cluster.local"]}
                    for p in proxies]  # fmt: skip
-        ep = activator_pod(placement, aliases)
+        ep = _activator(live_router, placement, aliases)
         act_ip, act_log = ep.ip, node.log_dir / f"{OPERATOR_NAMESPACE}.{ep.pod}.activator.log"
         for n, hold, extra in ((name, 120, {}), (never, HOLD_TIMEOUT, {
                 "image": "registry.example/not-sluice:1",

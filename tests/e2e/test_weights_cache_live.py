@@ -95,8 +95,7 @@ def test_three_replicas_start_from_one_download_offline_and_without_the_token(
             assert hub.bytes_served(path) == len(data), path
         # The token went with the download's calls (a redirect may drop it, as
         # huggingface_hub does), and nothing was refused.
-        # (huggingface_hub also asks /api/agent-harnesses, without a token; the stand-in
-        # answers 404, as for any path it does not serve.)
+        # (huggingface_hub also lists /api/agent-harnesses, without a token.)
         calls = [r for r in hub.requests if r.path != "/api/agent-harnesses"]
         odd = [(r.method, r.path, r.status, r.token) for r in calls
                if r.token != TOKEN or r.status >= 400]  # fmt: skip

@@ -12,6 +12,7 @@ from sluice_operator.builders.activator import (
     activator_entry,
     desired_activator_service,
 )
+from sluice_operator.builders.deployment import desired_deployment
 from sluice_operator.builders.kvevents import KV_EVENTS_PORT, KV_REPLAY_PORT
 from sluice_operator.builders.routing import Backend, route_backend
 from sluice_operator.builders.service import desired_service
@@ -108,6 +109,17 @@ def test_models_file_entry_lists_the_pods_the_router_watches():
     sim = load_model(routed_body(engine={"backend": "simulator"}))
     assert "kvEvents" not in (activator_entry(sim) or {})["pods"]
     assert entry["host"] == "m.default.svc.cluster.local" and entry["maxHeld"] == 100
+    # The router applies spec.routing.balance itself; the pods' template ignores it.
+    assert entry["balance"] == "least-loaded"
+    rr = load_model(
+        body_of(
+            minimal(
+                replicas=3, ingress={"enabled": True}, routing={**ROUTER, "balance": "round-robin"}
+            )
+        )
+    )
+    assert (activator_entry(rr) or {})["balance"] == "round-robin"
+    assert desired_deployment(rr) == desired_deployment(m)
     assert desired_activator_service(m) is not None
     # Multi-node: leaders only (workers serve no HTTP).
     lws = load_model(body_of(minimal(routing=ROUTER, **TWO_NODES)))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections.abc import Mapping
 
 import httpx
 import pytest
@@ -22,6 +23,8 @@ from router_helpers import (
     HEADERS,
     LABELS,
     MODEL,
+    NAME,
+    NS,
     RawSSE,
     direct_answers,
     model_server,
@@ -64,16 +67,20 @@ class Recording(SimulatorEngine):
 
 
 @contextlib.asynccontextmanager
-async def two_pods(tmp_path, itl_ms: float = 2, ready: bool = True, **router_settings):
-    """The fake API server with pod-a and pod-b, their simulator servers, and the router
-    watching them: (router, api, {pod: engine})."""
+async def two_pods(tmp_path, itl_ms: float = 2, ready: bool = True,
+                   server: Mapping[str, object] | None = None, **router_settings):  # fmt: skip
+    """The fake API server with pod-a and pod-b, their simulator servers (`server`: their
+    settings' overrides, e.g. `api_key_file`), and the router watching them:
+    (router, api, {pod: engine})."""
     port = free_port()
     engines = {name: Recording(itl_ms) for name in IPS}
     async with contextlib.AsyncExitStack() as stack:
         api, api_url = await stack.enter_async_context(pods_api())
         for name, ip in IPS.items():
             api.put(name, ip, LABELS, ready=ready)
-            await stack.enter_async_context(model_server(port, engines[name], host=ip))
+            await stack.enter_async_context(
+                model_server(port, engines[name], host=ip, **(server or {}))
+            )
         act = await stack.enter_async_context(
             router(
                 tmp_path,
@@ -284,24 +291,8 @@ async def test_the_pin_cookie_brings_a_resume_back_to_its_pod_and_a_forged_one_d
 
     key_file = tmp_path / "pin.key"
     key_file.write_bytes(b"k" * 32)
-    port = free_port()
-    engines = {name: Recording(itl_ms=40) for name in IPS}
-    async with contextlib.AsyncExitStack() as stack:
-        api, api_url = await stack.enter_async_context(pods_api())
-        for name, ip in IPS.items():
-            api.put(name, ip, LABELS)
-            await stack.enter_async_context(
-                model_server(port, engines[name], host=ip, resume_grace_seconds=30)
-            )
-        act = await stack.enter_async_context(
-            router(
-                tmp_path,
-                {MODEL: pods_entry(port)},
-                kube_api_url=api_url,
-                service_account_dir=sa_dir(tmp_path),
-                pin_key_file=key_file,
-            )  # fmt: skip
-        )
+    async with two_pods(tmp_path, itl_ms=40, server={"resume_grace_seconds": 30},
+                        pin_key_file=key_file) as (act, api, engines):  # fmt: skip
         await wait_candidates(act, ["pod-a", "pod-b"])
         # The pod a resume without a pin goes to (nothing in flight: the tie-break's pick);
         # the stream starts on the other one while that one is not Ready.
@@ -367,21 +358,8 @@ async def test_the_router_learns_each_callers_tenant_from_the_pod_and_hides_it(t
 
     keys = tmp_path / "keys"
     keys.write_text("sk-a tenant=acme\nsk-b tenant=globex\n")
-    port = free_port()
-    async with contextlib.AsyncExitStack() as stack:
-        api, api_url = await stack.enter_async_context(pods_api())
-        api.put("pod-a", IPS["pod-a"], LABELS)
-        await stack.enter_async_context(model_server(port, api_key_file=keys))
-        act = await stack.enter_async_context(
-            router(
-                tmp_path,
-                {MODEL: pods_entry(port)},
-                kube_api_url=api_url,
-                service_account_dir=sa_dir(tmp_path),
-            )  # fmt: skip
-        )
-        await eventually_async(lambda: candidates(act) == ["pod-a"], timeout=15,
-                               message="pod-a a candidate")  # fmt: skip
+    async with two_pods(tmp_path, server={"api_key_file": keys}) as (act, api, engines):
+        await wait_candidates(act, ["pod-a", "pod-b"])
         seen = {}
         async with httpx.AsyncClient(base_url=act.url, headers=HEADERS, timeout=30) as c:
             for key in ("sk-a", "sk-b", "sk-wrong"):
@@ -399,6 +377,34 @@ async def test_the_router_learns_each_callers_tenant_from_the_pod_and_hides_it(t
     assert tenants.of(credential([(b"x-api-key", b"sk-b")])) == "globex"
     assert tenants.of(credential([(b"x-api-key", b"sk-wrong")])) is UNKNOWN
     assert len(tenants) == 2  # hashes of the two accepted credentials, nothing else
+
+
+async def test_a_models_file_that_turns_round_robin_on_places_each_request_in_turn(tmp_path):
+    """`balance: round-robin` in the model's entry (spec.routing.balance, written by the
+    operator): from the reload on, the same prompt goes to each pod in turn, counted
+    `round-robin`; the model's pod view (its index, feeds, scraped loads) is the same one."""
+    async with two_pods(tmp_path) as (act, api, engines):
+        await wait_candidates(act, ["pod-a", "pod-b"])
+        view = act.app.views[MODEL]
+        port = view.model.pods.port
+        picks = act.app.metrics.picks
+
+        async def send(n: int) -> list[int]:
+            async with httpx.AsyncClient(base_url=act.url, headers=HEADERS, timeout=30) as c:
+                for _ in range(n):  # one at a time: nothing in flight decides
+                    assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+            return [engines[p].started for p in IPS]
+
+        # Least-loaded (the default): the same prompt, the same pod every time.
+        before = await send(4)
+        assert sorted(before) == [0, 4], before
+        act.write({MODEL: pods_entry(port, balance="round-robin")})
+        await eventually_async(lambda: view.model.balance == "round-robin", timeout=15,
+                               message="the reload to reach the view")  # fmt: skip
+        after = await send(4)
+        assert [a - b for a, b in zip(after, before, strict=True)] == [2, 2], (before, after)
+        assert picks.labels(NS, NAME, "round-robin")._value.get() == 4
+        assert act.app.views[MODEL] is view
 
 
 async def test_the_pods_internal_endpoints_are_never_relayed(tmp_path):

@@ -64,7 +64,8 @@ rule's "why" there, and each `if .Values.x` block its "granted" column.
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # The model pods' NetworkPolicy (`spec.networkPolicy`): as the Deployment, and deleted when
-# turned off.
+# turned off; a router model's `<name>-kv-events` (its KV-event ports for the router's pods
+# only, while the model's own is off) likewise.
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]

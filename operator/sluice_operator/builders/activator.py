@@ -19,8 +19,9 @@ replica count: it watches the model's pods and places each request on a Ready on
   `models.json`: an entry per model with minReplicas 0 or the router (`activator_entry`). It
   is the activator's allowlist: a Host it does not list is answered 404, never proxied. A
   router model's entry also says which pods to watch (`pods`: namespace, the Service's
-  selector, so a multi-node group's leaders only, and the port); without `pods` the
-  activator forwards to the Service `host`.
+  selector, so a multi-node group's leaders only, and the port) and how to place requests
+  on them (`balance`: spec.routing.balance, which the router applies itself: the route has
+  one backend); without `pods` the activator forwards to the Service `host`.
 
 Pure: the model in, manifests out.
 """
@@ -125,6 +126,7 @@ def activator_entry(model: StreamingModel) -> dict[str, Any] | None:
     }
     if model.routed:
         entry["pods"] = router_pods(model)
+        entry["balance"] = model.spec.routing.balance
     return entry
 
 

@@ -21,7 +21,8 @@ unset). The router reads the engine's block size, hash and seed from the pod its
 would also turn off Python's hash randomization in the server).
 
 The events carry prompt token ids in clear and the ports take no credentials: the model's
-NetworkPolicy (builders/networkpolicy.py) opens them to the router's pods only.
+NetworkPolicy, or while that is off a policy of their own (builders/networkpolicy.py), opens
+them to the router's pods only.
 
 Models that do not opt in get none of this: their pod templates are unchanged.
 """

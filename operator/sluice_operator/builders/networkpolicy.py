@@ -18,6 +18,20 @@ ports (builders/kvevents.py: the events carry prompt token ids, unauthenticated)
 With parallelism.nodes > 1 the model's own pods also reach each other on every port: vLLM's
 rendezvous (`--master-port`) is one, but NCCL and the engine's message queues pick theirs at
 run time, so no fixed list of ports would do.
+
+A router model on vLLM whose own policy is off (the default) still gets one policy,
+`<name>-kv-events` (`desired_kv_events_network_policy`): its events carry prompt token ids
+and take no credentials, so they must not be open to the whole cluster because the model's
+owner left `spec.networkPolicy` off. It keeps open what is open without it and closes only
+the events: a pod selected by any policy admits only what some policy allows, so besides the
+events rule (the router's pods) it has a rule that admits every source on every other port:
+TCP 1-5556 and 5559-65535 (`endPort`, Kubernetes 1.25+), with the server port also listed
+alone so that a CNI that ignores `endPort` (it then admits the first port of each range
+only) still serves the model, and every UDP port; SCTP in a rule of its own (a CNI without
+SCTP policies drops that rule alone). What is not a port (ICMP) is up to the CNI once a
+policy selects the pod; most drop it. With the model's own policy on, that policy already
+admits the events from the router's pods only, and this one is not made (its open rule would
+undo the model's).
 """
 
 from __future__ import annotations
@@ -29,6 +43,8 @@ from .common import PORT, metadata, selector_labels
 from .kvevents import ROUTER_POD_LABELS, kv_event_ports
 
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+KV_EVENTS_SUFFIX = "-kv-events"
+MAX_PORT = 65535
 
 
 def _namespaces(names: list[str]) -> dict[str, Any]:
@@ -41,6 +57,74 @@ def _namespaces(names: list[str]) -> dict[str, Any]:
     }
 
 
+def _router_namespace(model: StreamingModel) -> str:
+    return model.activator_host.split(".")[1]  # <service>.<namespace>.svc...
+
+
+def _events_rule(model: StreamingModel, events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The KV-event ports, from the router's pods in the operator's namespace only."""
+    router = {
+        **_namespaces([_router_namespace(model)]),
+        "podSelector": {"matchLabels": ROUTER_POD_LABELS},
+    }
+    return {
+        "from": [router],
+        "ports": [{"protocol": "TCP", "port": p["containerPort"]} for p in events],
+    }
+
+
+def _policy(model: StreamingModel, name: str, ingress: list[dict[str, Any]]) -> dict[str, Any]:
+    if model.multi_node:  # leader <-> workers of a group: the engine's own ports
+        ingress.append({"from": [{"podSelector": {"matchLabels": selector_labels(model)}}]})
+    meta = metadata(model)
+    meta["name"] = name
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": meta,
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(model)},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
+    }
+
+
+def _tcp_ranges_around(closed: list[int]) -> list[dict[str, Any]]:
+    """Every TCP port but `closed`, as ranges (a single port without `endPort`)."""
+    out, start = [], 1
+    for port in [*sorted(set(closed)), MAX_PORT + 1]:
+        if port > start:
+            last = port - 1
+            entry: dict[str, Any] = {"protocol": "TCP", "port": start}
+            if last > start:
+                entry["endPort"] = last
+            out.append(entry)
+        start = port + 1
+    return out
+
+
+def desired_kv_events_network_policy(model: StreamingModel) -> dict[str, Any] | None:
+    """`<name>-kv-events`: a router model's events from the router's pods only, every
+    other port as open as without a policy (module docstring); None with the model's own
+    policy on, or without events."""
+    events = kv_event_ports(model)
+    if not events or model.spec.network_policy.enabled:
+        return None
+    closed = [p["containerPort"] for p in events]
+    others = [
+        {"protocol": "TCP", "port": PORT},  # also alone: a CNI that ignores endPort
+        *_tcp_ranges_around(closed),
+        {"protocol": "UDP"},
+    ]
+    ingress = [
+        _events_rule(model, events),
+        {"ports": others},  # no `from`: every source
+        {"ports": [{"protocol": "SCTP"}]},
+    ]
+    return _policy(model, model.name + KV_EVENTS_SUFFIX, ingress)
+
+
 def desired_network_policy(model: StreamingModel) -> dict[str, Any] | None:
     np = model.spec.network_policy
     if not np.enabled:
@@ -51,31 +135,10 @@ def desired_network_policy(model: StreamingModel) -> dict[str, Any] | None:
         peers.append(_namespaces(np.proxy_namespaces))
     if np.monitoring_namespaces:
         peers.append(_namespaces(np.monitoring_namespaces))
-    router_namespace = model.activator_host.split(".")[1]  # <service>.<namespace>.svc...
     if model.spec.scale_to_zero is not None or model.routed:
-        peers.append(_namespaces([router_namespace]))
+        peers.append(_namespaces([_router_namespace(model)]))
     ingress: list[dict[str, Any]] = [{"from": peers, "ports": port}]
     events = kv_event_ports(model)
     if events:  # the router's pods only, in the operator's namespace
-        router = {
-            **_namespaces([router_namespace]),
-            "podSelector": {"matchLabels": ROUTER_POD_LABELS},
-        }
-        ingress.append(
-            {
-                "from": [router],
-                "ports": [{"protocol": "TCP", "port": p["containerPort"]} for p in events],
-            }
-        )
-    if model.multi_node:  # leader <-> workers of a group: the engine's own ports
-        ingress.append({"from": [{"podSelector": {"matchLabels": selector_labels(model)}}]})
-    return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": metadata(model),
-        "spec": {
-            "podSelector": {"matchLabels": selector_labels(model)},
-            "policyTypes": ["Ingress"],
-            "ingress": ingress,
-        },
-    }
+        ingress.append(_events_rule(model, events))
+    return _policy(model, model.name, ingress)

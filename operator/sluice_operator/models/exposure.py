@@ -186,8 +186,9 @@ class RouterSpec(ApiModel):
         "the router watches the model's Ready pods and forwards each request to one of "
         "them (with no Ready pod it holds the request, as for scale to zero). The pods "
         "publish their KV-cache events on port 5557 for it. An alternative to "
-        "inferencePool (an endpoint picker behind a Gateway); balance does not apply (the "
-        "route has one backend, the router). Needs the chart's activator.enabled: without "
+        "inferencePool (an endpoint picker behind a Gateway). The route has one backend, "
+        "the router, which applies balance itself (changing it rolls no pod). Needs the "
+        "chart's activator.enabled: without "
         "it the route goes to the Service and condition RouterReady says so.",
     )
 
@@ -219,7 +220,9 @@ class RoutingSpec(ApiModel):
         "keeps round_robin). round-robin: each replica in turn. With "
         "streaming.resume.graceSeconds > 0 an affinity cookie still brings a client back "
         "to its pod. A Gateway API route has no balancing field: use inferencePool for "
-        "load-aware routing behind a Gateway.",
+        "load-aware routing behind a Gateway. With router.enabled the router applies it "
+        "instead: least-loaded is its placement by prefix cache and load, round-robin "
+        "each Ready pod in turn.",
     )
     inference_pool: InferencePoolSpec = sub(
         InferencePoolSpec, "InferencePool for an endpoint picker (off by default)."

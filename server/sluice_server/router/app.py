@@ -6,14 +6,17 @@ A request names its model by Host or `X-Sluice-Model` (models.py); one that name
 the models file gets 404 `model_not_found` (a WebSocket: its handshake refused with 404),
 except the router's own three routes. The models file is watched the way the server
 watches its key file (core/auth/reload.py): a changed file is loaded and swapped in, a bad
-one is refused and the models loaded before stay. Requests already held keep the entry
+one is refused and the models loaded before stay; the pin key file likewise (pin.py
+`rotate`: the key before stays honoured). Requests already held keep the entry
 they were held under; each model's held count, readiness and in-flight requests per pod
-live in one `Upstream`. The Pods of the models with `pods` are watched from start-up (and
-from the reload that adds them) until no model names them (pods.py), and each such model
-has one `PodView` (podview.py: its prefix index, KV-event feeds and scraped loads) and one
-`ModelHasher` (hashers.py: its prompt hasher, fetched from its pods) from then until its
-entry's `pods` changes or it leaves the file. Prompts are hashed on one thread of the
-router's own (upstream.py); a router built with another `HashesFor` uses that instead.
+live in one `Upstream`, which a changed entry replaces keeping the callers' tenants it
+learned and its requests in flight per pod. The Pods of the models with `pods` are watched
+from start-up (and from the reload that adds them) until no model names them (pods.py),
+and each such model has one `PodView` (podview.py: its prefix index, KV-event feeds and
+scraped loads) and one `ModelHasher` (hashers.py: its prompt hasher, fetched from its pods)
+from then until its entry's `pods` changes or it leaves the file. Prompts are hashed on one
+thread of the router's own (upstream.py); a router built with another `HashesFor` uses
+that instead.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 from starlette.types import Receive, Scope, Send
@@ -41,7 +45,7 @@ from .hashes import HashesFor, PromptHashes
 from .hop import Relay
 from .metrics import RouterMetrics
 from .models import MODEL_HEADER, Model, Models, load
-from .pin import Pins
+from .pin import Pins, read_key
 from .placement import Scoring
 from .pods import ApiServer, PodWatches
 from .podview import PodView
@@ -99,11 +103,26 @@ class Router:
             models = Models([])
         self.apply(models)
         path = settings.models_file
+        sources: list[Source[Any]] = [
+            Source("models", path, lambda: load(path), self.apply, _describe)
+        ]
+        key_file, pins = settings.pin_key_file, self.pins
+        if key_file is not None and pins is not None:  # a rotated Secret: no restart needed
+            sources.append(
+                Source("pin_key", key_file, lambda: read_key(key_file), pins.rotate,
+                       lambda key: "signing with the new key, honouring the one before")
+            )  # fmt: skip
         self.reloader = Reloader(
-            [Source("models", path, lambda: load(path), self.apply, _describe)],
-            lambda name, result: self.metrics.reloads.labels(result).inc(),
+            sources,
+            self._reloaded,
             settings.models_reload_seconds,
         )
+
+    def _reloaded(self, source: str, result: str) -> None:
+        """`sluice_activator_models_reloads_total` counts the models file's reloads only (a
+        pin key reload is logged)."""
+        if source == "models":
+            self.metrics.reloads.labels(result).inc()
 
     def apply(self, models: Models) -> None:
         self.models = models
@@ -122,6 +141,8 @@ class Router:
             if model is None or model.pods != view.model.pods:
                 view.stop()
                 del self.views[key]
+            else:
+                view.model = model  # the same pods: its index and feeds stay, `balance` follows
         for model in self.models.by_key.values():
             if model.pods is not None and model.key not in self.views:
                 self.views[model.key] = view = self._view(model)
@@ -141,6 +162,7 @@ class Router:
                     self.cache_dir,
                     self.settings.prefix_hasher_refresh_seconds,
                     timeout=self.settings.connect_timeout_seconds * 2,
+                    metrics=self.metrics,
                 )
                 hasher.start()
 
@@ -171,6 +193,8 @@ class Router:
     def upstream(self, model: Model) -> Upstream:
         up = self.upstreams.get(model.key)
         # A changed entry applies from the next request on once none is held under the old.
+        # What the router learned under the old one stays: its callers' tenants, and its
+        # streams in flight, which keep counting against their pods until they end.
         if up is None or (up.held == 0 and up.model != model):
             assert self.client is not None  # made in the lifespan
             s = self.settings
@@ -189,6 +213,7 @@ class Router:
                 view,
                 None if pods is None else self.hashes(model),
                 self.hashing,
+                before=up,
             )
         return up
 

@@ -15,9 +15,12 @@ been fetched it hashes as that pod's engine does. Its task follows the model's c
 - every `refresh` seconds the first candidate's description is read again, for a change
   that restarts no pod (an adapter loaded at run time changes `loras`).
 - a failed read (the pod not answering, a 503 while it loads, files that do not match
-  their hash) is logged once per run of failures and retried with backoff from
-  `RETRY_MIN` to `RETRY_MAX` seconds; the hasher built before stays meanwhile. A pod whose
-  hashes cannot be reproduced (prefix caching off, a random seed) gives no hasher: None.
+  their hash) is logged once per run of failures, counted every time
+  (`sluice_router_prefix_hasher_fetch_failures_total{reason}`, `failure_reason`), and
+  retried with backoff from `RETRY_MIN` to `RETRY_MAX` seconds; the hasher built before
+  stays meanwhile. A pod whose hashes cannot be reproduced (prefix caching off, a random
+  seed) gives no hasher: None. `sluice_router_prefix_hasher_ready` is 1 while the model has
+  a hasher, 0 otherwise.
 
 The hashing itself runs wherever the caller runs it: the router runs it on one thread of its
 own (upstream.py), as it is pure CPU work on the request body.
@@ -33,6 +36,7 @@ from pathlib import Path
 
 import httpx
 
+from .metrics import RouterMetrics
 from .models import Model
 from .pods import Pod, PodSet
 from .prefixindex import BlockHash
@@ -40,6 +44,20 @@ from .prompts import PromptHasher, description_digest, fetch_description, hasher
 
 log = logging.getLogger(__name__)
 RETRY_MIN, RETRY_MAX = 1.0, 60.0
+
+
+def failure_reason(e: BaseException) -> str:
+    """The `reason` label of a failed read: `unreachable` (no connection or answer in time),
+    `status` (an HTTP error status: 503 while the engine loads, 404 from a pod that does not
+    describe its cache), `invalid` (a description or tokenizer the router cannot use, files
+    that do not match their hash), `storage` (the tokenizer cache directory)."""
+    if isinstance(e, httpx.HTTPStatusError):
+        return "status"
+    if isinstance(e, (httpx.HTTPError, TimeoutError)):  # before OSError: TimeoutError is one
+        return "unreachable"
+    if isinstance(e, OSError):
+        return "storage"
+    return "invalid"
 
 
 def _identity(pod: Pod) -> tuple[str, str, int, tuple[str, ...]]:
@@ -59,6 +77,7 @@ class ModelHasher:
         refresh: float,
         *,
         timeout: float = 10.0,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         assert model.pods is not None
         self.model, self.pods, self.client = model, pods, client
@@ -69,6 +88,11 @@ class ModelHasher:
         self.fetches = 0  # descriptions read (each a GET)
         self._task: asyncio.Task[None] | None = None
         self._failing = False
+        self.metrics = metrics
+        self._ready_gauge = None
+        if metrics is not None:  # a 0 series from the start: "not ready" reads as 0
+            self._ready_gauge = metrics.hasher_ready.labels(model.namespace, model.name)
+            self._ready_gauge.set(0)
 
     def __call__(self, path: str, body: bytes, tenant: str | None) -> Sequence[BlockHash] | None:
         hasher = self.hasher  # one read: the task may swap it meanwhile
@@ -101,8 +125,14 @@ class ModelHasher:
                     "until it can be read (retrying)", self.model.key, pod.name,
                     type(e).__name__, e)  # fmt: skip
             self._failing = True
+            if self.metrics is not None:
+                self.metrics.hasher_failures.labels(
+                    self.model.namespace, self.model.name, failure_reason(e)
+                ).inc()
             return False
         self.hasher, self.digest, self.source = hasher, digest, pod.name
+        if self._ready_gauge is not None:
+            self._ready_gauge.set(0 if hasher is None else 1)
         if hasher is None:
             log.info("%s: %s's prefix-cache hashes cannot be reproduced (caching off or a "
                      "random seed); placing by load", self.model.key, pod.name)  # fmt: skip

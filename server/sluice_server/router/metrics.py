@@ -17,11 +17,18 @@ Placement, for the models with `pods` (podview.py):
 
 - `sluice_router_picks_total{namespace,model,by}`: requests sent to a pod, by what decided
   the pod: `prefix` (it holds some of the request's leading blocks), `load` (no pod held
-  any, or the prompt's blocks were unknown) or `pin` (a `sluice-pin` cookie);
+  any, or the prompt's blocks were unknown), `pin` (a `sluice-pin` cookie) or `round-robin`
+  (the model's `balance`: each pod in turn);
 - `sluice_router_kv_feeds_live{namespace,model}`: pods whose KV-event feed is live now
   (their precise index in use);
 - `sluice_router_load_scrapes_total{namespace,model,result}`: reads of the pods' /metrics:
-  `ok`, `missing` (no load metric on the page) or `error` (no answer in time, not 200).
+  `ok`, `missing` (no load metric on the page) or `error` (no answer in time, not 200);
+- `sluice_router_prefix_hasher_ready{namespace,model}`: 1 while the router can hash the
+  model's prompts as its engine does (hashers.py: a pod's description read and usable), 0
+  while it places by load alone;
+- `sluice_router_prefix_hasher_fetch_failures_total{namespace,model,reason}`: failed
+  reads of a pod's prefix-cache description or tokenizer files: `unreachable`, `status`,
+  `invalid`, `storage` (hashers.py `failure_reason`).
 
 No series has a pod label: pods come and go with every rollout, the series would not.
 """
@@ -30,8 +37,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 
+from ..core.telemetry.families import Families
 from .models import Models
 
 # What became of a held request: the `outcome` label of sluice_activator_requests_total.
@@ -43,61 +51,64 @@ HOLD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 45, 60, 90, 1
 
 class RouterMetrics:
     def __init__(self) -> None:
-        self.registry = r = CollectorRegistry()
+        self.registry = CollectorRegistry()
+        fam = Families(self.registry)
         labels = ("namespace", "model")
-        self.known = Gauge(
+        self.known = fam.gauge(
             "sluice_activator_models_known",
             "1 for each model in the models file this activator has loaded.",
             labels,
-            registry=r,
         )
-        self.held = Gauge(
+        self.held = fam.gauge(
             "sluice_activator_held_requests",
             "Requests waiting for a ready replica of their model now.",
             labels,
-            registry=r,
         )
-        self.requests = Counter(
+        self.requests = fam.counter(
             "sluice_activator_requests",
             "Requests for a known model, by how their hold ended.",
             (*labels, "outcome"),
-            registry=r,
         )
-        self.hold = Histogram(
+        self.hold = fam.histogram(
             "sluice_activator_hold_seconds",
             "Arrival to forwarded (or given up) of held requests.",
             labels,
             buckets=HOLD_BUCKETS,
-            registry=r,
         )
-        self.unknown = Counter(
+        self.unknown = fam.counter(
             "sluice_activator_unknown_model",
             "Requests naming no model in the models file (404).",
-            registry=r,
         )
-        self.reloads = Counter(
+        self.reloads = fam.counter(
             "sluice_activator_models_reloads",
             "Models-file reloads by result (ok, error).",
             ("result",),
-            registry=r,
         )
-        self.picks = Counter(
+        self.picks = fam.counter(
             "sluice_router_picks",
-            "Requests sent to a pod, by what decided the pod (prefix, load, pin).",
+            "Requests sent to a pod, by what decided the pod (prefix, load, pin, round-robin).",
             (*labels, "by"),
-            registry=r,
         )
-        self.kv_feeds = Gauge(
+        self.kv_feeds = fam.gauge(
             "sluice_router_kv_feeds_live",
             "Pods of the model whose KV-event feed is live now.",
             labels,
-            registry=r,
         )
-        self.scrapes = Counter(
+        self.scrapes = fam.counter(
             "sluice_router_load_scrapes",
             "Reads of the pods' /metrics for their load, by result (ok, missing, error).",
             (*labels, "result"),
-            registry=r,
+        )
+        self.hasher_ready = fam.gauge(
+            "sluice_router_prefix_hasher_ready",
+            "1 while the router hashes the model's prompts as its engine does, else 0.",
+            labels,
+        )
+        self.hasher_failures = fam.counter(
+            "sluice_router_prefix_hasher_fetch_failures",
+            "Failed reads of a pod's prefix-cache description or tokenizer files, by reason "
+            "(unreachable, status, invalid, storage).",
+            (*labels, "reason"),
         )
         self._known: set[tuple[str, str]] = set()
 
@@ -107,6 +118,7 @@ class RouterMetrics:
         for gone in self._known - now:
             self.known.remove(*gone)
             self.kv_feeds.remove(*gone)  # a no-op for a model without `pods`
+            self.hasher_ready.remove(*gone)
         for labels in now:
             self.known.labels(*labels).set(1)
             self.held.labels(*labels)  # a 0 series from the start: demand reads as 0, not absent

@@ -1,7 +1,8 @@
 """The models file: which models the router serves, and how (pure).
 
 `{"<namespace>/<name>": {"host": "<name>.<namespace>.svc.cluster.local", "port": 8000,
-"holdTimeoutSeconds": N, "maxHeld": M, "keepaliveSeconds": K, "pods": {...}}, ...}`,
+"holdTimeoutSeconds": N, "maxHeld": M, "keepaliveSeconds": K, "pods": {...},
+"balance": "least-loaded"}, ...}`,
 written by the operator (its `<release>-activator-models` ConfigMap: one entry per model
 at `autoscaling.minReplicas: 0` or routed by the router). A request names its model by its
 Host header (the route rewrites it to the model Service's name; a port is ignored) or by
@@ -13,7 +14,9 @@ so it is never an open proxy.
 Pods (pods.py) and send each request to one of them, `http://<podIP>:<port>`, placed by
 podview.py; `kvEvents` (optional) says the pods publish their KV-cache events there, which
 the router follows per pod (kvfeed.py). Without `pods` a request goes to the Service `host`,
-as for a model that is only scaled to zero. Fields the router does not know are ignored (an operator
+as for a model that is only scaled to zero. `balance` is the model's `spec.routing.balance`
+and says how a model with `pods` is placed: `least-loaded` (the default) by the router's
+scores (prefix cache and load, placement.py), `round-robin` on each candidate pod in turn. Fields the router does not know are ignored (an operator
 newer than the router); a file that cannot be used raises ValueError naming the entry.
 """
 
@@ -22,10 +25,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MODEL_HEADER = "x-sluice-model"
+Balance = Literal["least-loaded", "round-robin"]
 
 
 class _KvEvents(BaseModel):
@@ -53,6 +58,7 @@ class _Entry(BaseModel):
     max_held: int = Field(100, ge=1, alias="maxHeld")
     keepalive: float = Field(15.0, gt=0, alias="keepaliveSeconds")
     pods: _Pods | None = None
+    balance: Balance = "least-loaded"
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,7 @@ class Model:
     max_held: int  # requests held at once; past it 429
     keepalive: float  # seconds between keep-alives on a held stream (and its commit point)
     pods: PodSelector | None = None  # None: forward to the Service `host`
+    balance: Balance = "least-loaded"  # how a model with `pods` is placed
 
     @property
     def key(self) -> str:
@@ -158,6 +165,7 @@ def parse(data: object) -> Models:
                 entry.max_held,
                 entry.keepalive,
                 selector,
+                entry.balance,
             )
         )
     return Models(models)

@@ -9,6 +9,12 @@ the cookie names a pod, never an address, so it can only choose among the model'
 Ready pods. A cookie that is malformed, forged, for another model or past its expiry is
 ignored (the request is placed as any other), never an error: a client cannot tell a
 pin that lapsed from one it never had.
+
+The key is rotated without a restart (`rotate`, from the router's reload of the key file
+when the Secret changes): new cookies are signed with the new key, and cookies signed with
+the key before it are still honoured, so the pins of streams running across a rotation
+stay valid, and replicas whose mounted Secret the kubelet updates a little apart accept
+each other's cookies signed with the old key meanwhile.
 """
 
 from __future__ import annotations
@@ -25,18 +31,22 @@ MIN_KEY_BYTES = 32
 
 class Pins:
     def __init__(self, key: bytes, seconds: float) -> None:
-        if len(key) < MIN_KEY_BYTES:
-            raise ValueError(f"the pin key must have at least {MIN_KEY_BYTES} bytes")
-        self.key, self.seconds = key, seconds
+        self.key, self.seconds = _checked(key), seconds
+        self.previous: bytes | None = None  # the key before the last rotation
 
     @classmethod
     def load(cls, path: Path, seconds: float) -> Pins:
         """The key file's bytes (surrounding whitespace dropped: a Secret edited by hand)."""
-        return cls(path.read_bytes().strip(), seconds)
+        return cls(read_key(path), seconds)
 
-    def _mac(self, model: str, pod: str, expiry: int) -> str:
+    def rotate(self, key: bytes) -> None:
+        """Sign with `key` from now on; the current key is still honoured (not older ones)."""
+        if _checked(key) != self.key:
+            self.key, self.previous = key, self.key
+
+    def _mac(self, model: str, pod: str, expiry: int, key: bytes | None = None) -> str:
         message = f"{model}\n{pod}\n{expiry}".encode()
-        return hmac.new(self.key, message, hashlib.sha256).hexdigest()
+        return hmac.new(key or self.key, message, hashlib.sha256).hexdigest()
 
     def sign(self, model: str, pod: str, now: float | None = None) -> str:
         expiry = int((time.time() if now is None else now) + self.seconds)
@@ -50,7 +60,8 @@ class Pins:
         if not pod or not expiry_text.isdigit():
             return None
         expiry = int(expiry_text)
-        if not hmac.compare_digest(mac, self._mac(model, pod, expiry)):
+        keys = (self.key,) if self.previous is None else (self.key, self.previous)
+        if not any(hmac.compare_digest(mac, self._mac(model, pod, expiry, k)) for k in keys):
             return None
         return pod if expiry > (time.time() if now is None else now) else None
 
@@ -76,3 +87,15 @@ class Pins:
             "HttpOnly; SameSite=Lax"
         )
         return b"set-cookie", value.encode("latin-1")
+
+
+def read_key(path: Path) -> bytes:
+    """A key file's bytes, surrounding whitespace dropped (OSError when unreadable,
+    ValueError when too short)."""
+    return _checked(path.read_bytes().strip())
+
+
+def _checked(key: bytes) -> bytes:
+    if len(key) < MIN_KEY_BYTES:
+        raise ValueError(f"the pin key must have at least {MIN_KEY_BYTES} bytes")
+    return key

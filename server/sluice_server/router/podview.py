@@ -10,8 +10,12 @@ loaded each is, and the pick among them (placement.py's scores over this view).
   requests waiting, KV-cache use), each read bounded by `scrape_timeout`; a pod that does
   not answer keeps its last reading, which ages until placement no longer believes it.
   This router's own in-flight count per pod is added at the pick, fresh on every request.
+- A model whose entry says `balance: round-robin` is placed on each candidate pod in turn
+  (by name, one turn counter per view): no score, no index, no load (the ingress's round
+  robin, behind the same router; what the router's scores are measured against).
 - `place` counts each pick by what decided it: `prefix` (the chosen pod holds some of the
-  request's leading blocks) or `load`; a pin cookie's pick is counted `pin` (upstream.py).
+  request's leading blocks), `load` or `round-robin`; a pin cookie's pick is counted `pin`
+  (upstream.py).
 
 `start` runs the feeds and the scrape loop (the router starts one view per model with
 `pods`, from its start-up or the reload that adds the model, and stops it with the model);
@@ -41,7 +45,7 @@ from .pods import Pod, PodSet
 from .prefixindex import BlockHash
 
 log = logging.getLogger(__name__)
-PickedBy = Literal["prefix", "load", "pin"]
+PickedBy = Literal["prefix", "load", "pin", "round-robin"]
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,10 @@ class PodView:
         self.feeds: dict[str, KvFeed] = {}
         self._subscriber = subscriber
         labels = (model.namespace, model.name)
-        self._picks = {by: metrics.picks.labels(*labels, by) for by in ("prefix", "load", "pin")}
+        self._picks = {
+            by: metrics.picks.labels(*labels, by) for by in ("prefix", "load", "pin", "round-robin")
+        }
+        self._turn = 0  # round-robin's next turn
         self._scrapes = {r: metrics.scrapes.labels(*labels, r) for r in ("ok", "missing", "error")}
         self._tasks: list[asyncio.Task[None]] = []
         self._unsubscribe: list[Callable[[], None]] = []
@@ -99,7 +106,14 @@ class PodView:
         key: bytes,
     ) -> str:
         """The pod (of `pods`, not empty) for a request with these block hashes (None:
-        unknown, placed by load); its blocks are then remembered there."""
+        unknown, placed by load); its blocks are then remembered there. A round-robin
+        model: the next pod in turn, whatever the hashes."""
+        if self.model.balance == "round-robin":
+            turn = sorted(p.name for p in pods)
+            name = turn[self._turn % len(turn)]
+            self._turn += 1
+            self.count("round-robin")
+            return name
         blocks: Sequence[BlockHash] = hashes or ()
         tie = default_key(blocks, "") if blocks else key
         best = self.placement.rank(blocks, self.loads(pods, in_flight), tie)[0]

@@ -101,7 +101,12 @@ class Upstream:
         view: PodView | None = None,
         hashes: PromptHashes | None = None,
         hashing: Executor | None = None,
+        *,
+        before: Upstream | None = None,
     ) -> None:
+        """`before`: the model's Upstream under its previous entry, whose learned tenants and
+        in-flight counts this one takes over (the same objects: a stream forwarded under the
+        old entry releases its pod here)."""
         self.model, self.client, self.poll, self.timeout = model, client, poll, timeout
         self.closing, self.pods = closing, pods
         # The router's running view of the pods, or one of our own (load and sends only).
@@ -109,10 +114,12 @@ class Upstream:
             view = PodView(model, pods, metrics)
         self.view, self.hashes = view, hashes
         self.hashing = hashing  # where the provider runs (None: the loop's default executor)
-        self.tenants = Tenants()  # the tenant each caller's prompts are salted with
+        # The tenant each caller's prompts are salted with.
+        self.tenants: Tenants = Tenants() if before is None else before.tenants
         self._hashes_failed = False
         self.held = 0
-        self.in_flight: dict[str, int] = {}  # pod name -> this router's requests there
+        # Pod name -> this router's requests there.
+        self.in_flight: dict[str, int] = {} if before is None else before.in_flight
         self._gauge = metrics.held.labels(model.namespace, model.name)
         self._ready_at: float | None = None
         self._round: asyncio.Task[None] | None = None

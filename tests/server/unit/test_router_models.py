@@ -106,6 +106,15 @@ def test_an_entry_with_pods_names_their_namespace_selector_and_port():
             parse({"a/b": {"host": "h", "pods": bad}})
 
 
+def test_balance_is_read_least_loaded_by_default_and_an_unknown_one_named():
+    pods = {"namespace": "n", "selector": {"a": "1"}}
+    got = parse({"n/m": {"host": "h", "pods": pods, "balance": "round-robin"}})
+    assert got.by_key["n/m"].balance == "round-robin"
+    assert parse({"n/m": {"host": "h", "pods": pods}}).by_key["n/m"].balance == "least-loaded"
+    with pytest.raises(ValueError, match="entry 'n/m': balance"):
+        parse({"n/m": {"host": "h", "pods": pods, "balance": "random"}})
+
+
 def test_kv_events_ports_are_read_and_unknown_fields_ignored():
     from sluice_server.router.models import KvEventPorts
 

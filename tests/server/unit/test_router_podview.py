@@ -14,7 +14,7 @@ import pytest
 from sluice_server.kvcache import kvevents
 from sluice_server.router.loads import Load, parse_load
 from sluice_server.router.metrics import RouterMetrics
-from sluice_server.router.models import KvEventPorts, Model, PodSelector
+from sluice_server.router.models import Balance, KvEventPorts, Model, PodSelector
 from sluice_server.router.placement import Scoring
 from sluice_server.router.pods import Pod, PodSet
 from sluice_server.router.podview import PodView
@@ -30,9 +30,9 @@ def pod(name: str, ip: str, restarts: int = 0) -> Pod:
     return Pod(name, f"uid-{name}", ip, True, False, restarts, ("c1",))
 
 
-def model(kv: KvEventPorts | None = None) -> Model:
+def model(kv: KvEventPorts | None = None, balance: Balance = "least-loaded") -> Model:
     selector = PodSelector(NS, (("app", "chat"),), 8000, kv)
-    return Model(NS, NAME, "chat.invalid", 8000, 30.0, 100, 1.0, selector)
+    return Model(NS, NAME, "chat.invalid", 8000, 30.0, 100, 1.0, selector, balance)
 
 
 def podset(*pods: Pod) -> PodSet:
@@ -41,8 +41,9 @@ def podset(*pods: Pod) -> PodSet:
     return s
 
 
-def upstream(pods: PodSet, scoring: Scoring | None = None, hashes=None) -> Upstream:
-    m, metrics = model(), RouterMetrics()
+def upstream(pods: PodSet, scoring: Scoring | None = None, hashes=None,
+             balance: Balance = "least-loaded") -> Upstream:  # fmt: skip
+    m, metrics = model(balance=balance), RouterMetrics()
     view = PodView(m, pods, metrics, scoring)
     return Upstream(m, None, metrics, 1.0, 1.0, Closing(), pods, view, hashes)  # type: ignore[arg-type]
 
@@ -94,6 +95,33 @@ async def test_without_events_the_pod_a_prefix_was_sent_to_gets_the_next_request
     # Unknown blocks (None): load only, so the idle pod.
     third = up.pick(b"third", hashes=None)
     assert third is not None and third.pod != first.pod
+
+
+async def test_round_robin_takes_each_pod_in_turn_whatever_the_prefix_and_load():
+    """`balance: round-robin`: each candidate in turn by name; the pod whose events hold the
+    prompt's blocks, the busier one, gets no more than its turn. A pin is still honoured."""
+    pods = podset(pod("pod-b", "10.0.0.2"), pod("pod-a", "10.0.0.1"), pod("pod-c", "10.0.0.3"))
+    up = upstream(pods, hashes=provider, balance="round-robin")
+    assert up.view is not None
+    up.view.index.feed("pod-b", live=True)
+    up.view.index.stored("pod-b", HASHES)
+    got = []
+    for i in range(6):
+        target = up.pick(f"k{i}".encode(), hashes=HASHES)
+        assert target is not None
+        got.append(target.pod)  # in flight: pod-a busier than pod-c after the first turn
+    assert got == ["pod-a", "pod-b", "pod-c"] * 2, got
+    assert (picks(up, "round-robin"), picks(up, "prefix"), picks(up, "load")) == (6, 0, 0)
+    assert not up.view.index.longest_prefix("pod-a", HASHES)  # nothing remembered as sent
+    pinned = up.pick(b"k", pin="pod-c", hashes=HASHES)
+    assert pinned is not None and pinned.pod == "pod-c" and picks(up, "pin") == 1
+    # Negative control: the same pods and index, least-loaded: every request on pod-b.
+    control = upstream(pods, hashes=provider)
+    assert control.view is not None
+    control.view.index.feed("pod-b", live=True)
+    control.view.index.stored("pod-b", HASHES)
+    placed = [t.pod for i in range(3) if (t := control.pick(f"k{i}".encode(), hashes=HASHES))]
+    assert placed == ["pod-b"] * 3 and picks(control, "prefix") == 3, placed
 
 
 async def test_a_failing_provider_places_by_load_and_pins_are_counted():

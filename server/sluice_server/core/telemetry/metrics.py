@@ -23,6 +23,8 @@ from prometheus_client import (
     multiprocess,
 )
 
+from .families import Families
+
 # 5 ms .. 60 s, roughly x2 steps with extra resolution where TTFT targets live.
 LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
@@ -41,218 +43,191 @@ class Metrics:
     def __init__(self, model: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self.model = model
-        r = self.registry
+        fam = Families(self.registry)
         labels = ("protocol", "model")
-        self.ttft = Histogram(
+        self.ttft = fam.histogram(
             "sluice_ttft_seconds",
             "Request received to the first token's bytes written to the socket.",
             labels,
             buckets=LATENCY_BUCKETS,
-            registry=r,
         )
-        self.itl = Histogram(
+        self.itl = fam.histogram(
             "sluice_inter_token_latency_seconds",
             "Time between consecutive token-event writes to the socket: one observation "
             "per delivered chunk, however many tokens it carries (vLLM's benchmark counts "
             "inter-token latency the same way).",
             labels,
             buckets=ITL_BUCKETS,
-            registry=r,
         )
-        self.e2e = Histogram(
+        self.e2e = fam.histogram(
             "sluice_e2e_latency_seconds",
             "Request received to the end of the stream (any outcome).",
             labels,
             buckets=LATENCY_BUCKETS,
-            registry=r,
         )
-        self.first_output = Histogram(
+        self.first_output = fam.histogram(
             "sluice_first_output_seconds",
             "Request received to the engine's first output (admission queue, the engine's "
             "own queue and prefill).",
             labels,
             buckets=LATENCY_BUCKETS,
-            registry=r,
         )
-        self.output_tokens = Counter(
-            "sluice_output_tokens", "Tokens streamed to clients.", labels, registry=r
+        self.output_tokens = fam.counter(
+            "sluice_output_tokens", "Tokens streamed to clients.", labels
         )
         # Accepted, not admitted to a slot: the alerts divide disconnects and stream errors
         # by it, and a stream answered 200 can still leave or time out in the queue.
-        self.requests = Counter(
+        self.requests = fam.counter(
             "sluice_requests",
             "Generation requests accepted: answered 200 (a stream, also one that then waits "
             "in the admission queue for a slot) or with a whole answer.",
             labels,
-            registry=r,
         )
-        self.disconnects = Counter(
+        self.disconnects = fam.counter(
             "sluice_client_disconnects",
             "Clients that went away mid-stream, or stopped reading and were cut off.",
             labels,
-            registry=r,
         )
-        self.aborts = Counter(
+        self.aborts = fam.counter(
             "sluice_aborts",
             "Engine requests aborted before they finished (any cause).",
             labels,
-            registry=r,
         )
-        self.stream_errors = Counter(
+        self.stream_errors = fam.counter(
             "sluice_stream_errors",
             "Streams ended by an error event after the 200.",
             labels,
-            registry=r,
         )
-        self.rejections = Counter(
+        self.rejections = fam.counter(
             "sluice_rejections",
             "Requests refused before streaming, by reason.",
             (*labels, "reason"),
-            registry=r,
         )
-        self.resumes = Counter(
+        self.resumes = fam.counter(
             "sluice_stream_resumes",
             "Dropped token streams resumed with Last-Event-ID.",
             labels,
-            registry=r,
         )
-        self.resumes_expired = Counter(
+        self.resumes_expired = fam.counter(
             "sluice_stream_resumes_expired",
             "Dropped token streams whose resume window passed (then aborted).",
             labels,
-            registry=r,
         )
-        self.active = Gauge(
+        self.active = fam.gauge(
             "sluice_active_streams",
             "Streams generating: each holds a stream slot (a stream that waits in the "
             "admission queue is in sluice_queue_depth instead).",
             labels,
-            registry=r,
-            multiprocess_mode="livesum",
+            mode="livesum",
         )
-        self.limiter_errors = Counter(
+        self.limiter_errors = fam.counter(
             "sluice_rate_limit_backend_errors",
             "Rate-limit store (Redis) calls that failed or were skipped while it was down; "
             "the request then followed --rate-limit-failure-mode.",
             ("model", "op"),
-            registry=r,
         )
         # Per tenant (never per key): admissions and token use, for quotas and billing.
-        self.tenant_requests = Counter(
+        self.tenant_requests = fam.counter(
             "sluice_tenant_requests",
             "Generation requests by tenant and result: admitted, rate_limit, limiter_unavailable.",
             ("model", "tenant", "result"),
-            registry=r,
         )
-        self.tenant_tokens = Counter(
+        self.tenant_tokens = fam.counter(
             "sluice_tenant_tokens",
             "Prompt + completion tokens by tenant (what the tokens-per-minute limit charges).",
             ("model", "tenant"),
-            registry=r,
         )
-        self.credential_reloads = Counter(
+        self.credential_reloads = fam.counter(
             "sluice_credential_reloads",
             "Reloads of the key file or JWKS file after it changed, by file and result (ok, "
             "error: the file was refused and the credentials loaded before stay).",
             ("model", "file", "result"),
-            registry=r,
         )
         # The admission queue (--queue-size), by priority class and tenant.
-        self.queue_wait = Histogram(
+        self.queue_wait = fam.histogram(
             "sluice_queue_wait_seconds",
             "Time an admitted request waited in the admission queue for a stream slot (0 "
             "when one was free), by tenant and priority class.",
             ("model", "tenant", "priority"),
             buckets=(0.0,) + LATENCY_BUCKETS,
-            registry=r,
         )
-        self.queue_depth = Gauge(
+        self.queue_depth = fam.gauge(
             "sluice_queue_depth",
             "Requests waiting in the admission queue, by priority class.",
             ("model", "priority"),
-            registry=r,
-            multiprocess_mode="livesum",
+            mode="livesum",
         )
-        self.queue_sheds = Counter(
+        self.queue_sheds = fam.counter(
             "sluice_queue_sheds",
             "Requests the admission queue refused, by priority class and reason: queue_full "
             "(no place, at once), displaced (shed for a better newcomer), timeout, draining.",
             ("model", "priority", "reason"),
-            registry=r,
         )
         # LoRA adapters (core/adapters.py): the operator reads the state for the status.
-        self.adapter_state = Gauge(
+        self.adapter_state = fam.gauge(
             "sluice_adapter_state",
             "LoRA adapters of --adapters-file: 1 for each adapter's current state (Loading, "
             "Ready, Failed with its reason), 0 for states it left; the maximum over the pod's "
             "workers.",
             ("model", "adapter", "id", "state", "reason"),
-            registry=r,
-            multiprocess_mode="livemax",
+            mode="livemax",
         )
-        self.adapter_loads = Counter(
+        self.adapter_loads = fam.counter(
             "sluice_adapter_loads",
             "Adapter loads by result: ok, failed (the adapter is Failed, the others serve), "
             "file_error (the adapters file was refused; nothing changed).",
             ("model", "result"),
-            registry=r,
         )
-        self.adapter_load_seconds = Histogram(
+        self.adapter_load_seconds = fam.histogram(
             "sluice_adapter_load_seconds",
             "From an adapter appearing in the file to it serving (download included).",
             ("model",),
             buckets=LATENCY_BUCKETS,
-            registry=r,
         )
         # Scale to zero: the operator reads it from each pod (with sluice_active_streams)
         # to tell an idle model; the process start counts as the last request, so a new
         # pod is never idle before it has served for idleSeconds.
-        self.last_request = Gauge(
+        self.last_request = fam.gauge(
             "sluice_last_request_timestamp_seconds",
             "Unix time of the last generation request admitted (the process start before "
             "the first); the newest over the pod's workers.",
             ("model",),
-            registry=r,
-            multiprocess_mode="livemax",
+            mode="livemax",
         )
         self.last_request.labels(model).set(time.time())
         # The engine's node group (`--nnodes`): only the leader (rank 0) serves HTTP, so its
         # page speaks for the group.
-        self.engine_nodes = Gauge(
+        self.engine_nodes = fam.gauge(
             "sluice_engine_nodes",
             "Nodes the engine runs on (--nnodes; 1: one node).",
             ("model",),
-            registry=r,
-            multiprocess_mode="livemax",
+            mode="livemax",
         )
-        self.engine_node_rank = Gauge(
+        self.engine_node_rank = fam.gauge(
             "sluice_engine_node_rank",
             "This server's node rank in the engine's group (0: the leader, which serves the "
             "API; the workers serve no /metrics).",
             ("model",),
-            registry=r,
-            multiprocess_mode="livemax",
+            mode="livemax",
         )
-        self.engine_group_up = Gauge(
+        self.engine_group_up = fam.gauge(
             "sluice_engine_group_up",
             "1 while the engine is loaded and passes its health check, which on several "
             "nodes means every node's workers joined it (a lost worker node is noticed at "
             "the engine's next step); 0 while loading or failed. Set by each /ready, /health "
             "and /metrics request.",
             ("model",),
-            registry=r,
-            multiprocess_mode="livemostrecent",
+            mode="livemostrecent",
         )
         self.engine_group_up.labels(model)
         # Set once, when the server starts serving (`sluice_server/startup.py`).
-        self.startup_phase = Gauge(
+        self.startup_phase = fam.gauge(
             "sluice_startup_phase_seconds",
             "Seconds from the process's start (a worker's: its supervisor's) to each start-up "
             "phase it passed: process_started, imports_done, weights_located, engine_imported, "
             "engine_ready, serving; the slowest over the pod's workers.",
             ("model", "phase"),
-            registry=r,
-            multiprocess_mode="livemax",
+            mode="livemax",
         )
         # Pre-create the label sets so dashboards and the autoscaler see zeros, not gaps.
         for p in PROTOCOLS:
