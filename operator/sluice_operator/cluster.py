@@ -374,3 +374,24 @@ def pod_metrics_page(pod: Mapping[str, Any], timeout: float = 2.0) -> str | None
             return body.decode("utf-8", "replace")
     except (OSError, ValueError):
         return None
+
+
+def weights_progress(pod: Mapping[str, Any], timeout: float = 2.0) -> dict[str, Any] | None:
+    """A running weights download's `GET /progress` (files and bytes done of total), or None
+    when it cannot be read (weightsstate.py: how progress reaches the status)."""
+    import urllib.request
+
+    from .builders.weights import PROGRESS_PORT
+
+    ip = (pod.get("status") or {}).get("podIP")
+    if not ip:
+        return None
+    host = f"[{ip}]" if ":" in ip else ip
+    try:
+        with urllib.request.urlopen(
+            f"http://{host}:{PROGRESS_PORT}/progress", timeout=timeout
+        ) as r:
+            data = json.loads(r.read(1 << 16))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None

@@ -310,6 +310,15 @@ OPTIONAL_KINDS: tuple[OptionalKind, ...] = (
 )
 ALL_KINDS: tuple[Kind, ...] = (*CHILD_KINDS, *(o.kind for o in OPTIONAL_KINDS))
 
+# The weights cache's objects (builders/weights.py): shared by the models of a namespace
+# that name one claim, so no one model owns them and they are not children (no builder
+# here, no watch, no owner reference). The download and clean-up Jobs are read by name,
+# created, and deleted when a finished Job's result is gone; the claim is read and created,
+# never deleted (other models may share it).
+JOB = Kind("batch/v1", "Job", "jobs", optional=True)
+PERSISTENT_VOLUME_CLAIM = Kind("v1", "PersistentVolumeClaim", "persistentvolumeclaims")
+WEIGHTS_KINDS: tuple[Kind, ...] = (JOB, PERSISTENT_VOLUME_CLAIM)
+
 # Not children, but addressed by the cluster client: pods are listed (why they are Pending)
 # and watched (status follows them); the StreamingModel is read and its status patched.
 POD = Kind("v1", "Pod", "pods")
@@ -331,7 +340,7 @@ WATCHED_KINDS: tuple[Kind, ...] = (*CHILD_KINDS, POD)
 INDEXED_KINDS: tuple[Kind, ...] = unique((*WATCHED_KINDS, STREAMING_MODEL))
 
 # Everything the cluster client may address.
-RESOURCES: tuple[Kind, ...] = (*ALL_KINDS, POD, STREAMING_MODEL)
+RESOURCES: tuple[Kind, ...] = (*ALL_KINDS, *WEIGHTS_KINDS, POD, STREAMING_MODEL)
 _PLURALS = {(k.api_version, k.kind): k.plural for k in RESOURCES}
 
 

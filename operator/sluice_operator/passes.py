@@ -7,8 +7,8 @@ what went wrong classified for kopf.
   with a backoff that doubles up to `MAX_BACKOFF_SECONDS`.
 - A lost Lease mid-pass (`WriteFenced`) ends the pass quietly: the new leader converges it.
 - A namespace being deleted (403 "being terminated") ends it quietly too.
-- Adapters still loading, or a LeaderWorkerSet not yet updated and Ready, ask kopf to look
-  again soon: no watch event follows either.
+- Adapters still loading, a LeaderWorkerSet not yet updated and Ready, or a weights
+  download running, ask kopf to look again soon: no watch event follows any of them.
 
 A pass nobody retries (a child event, the resync) is `converge_quietly`: it logs instead.
 """
@@ -22,7 +22,7 @@ from typing import Any
 
 import kopf
 
-from .cluster import Cluster, WriteFenced, pod_metrics_page
+from .cluster import Cluster, WriteFenced, pod_metrics_page, weights_progress
 from .cluster_view import ClusterView
 from .kinds import STREAMING_MODEL
 from .modellocks import ModelLocks
@@ -31,6 +31,7 @@ from .pacing import RolloutPacer
 from .reconcile import Outcome, converge
 from .scaletozero import ZeroContext
 from .validation import SpecError
+from .weightsstate import WEIGHTS_RECHECK_SECONDS
 
 log = logging.getLogger("sluice_operator.passes")
 
@@ -120,6 +121,7 @@ class Passes:
                         pod_metrics=pod_metrics_page,
                         zero=self.zero,
                         defaults=self.defaults,
+                        weights_progress=weights_progress,
                     )
                 )
             except WriteFenced as exc:
@@ -157,6 +159,9 @@ class Passes:
                 "the LeaderWorkerSet's groups are not all updated and Ready yet",
                 delay=WORKLOAD_RECHECK_SECONDS,
             )
+        if not collapsible and any(o.weights_settling for o in outcomes):
+            # The download Job is not watched: poll its progress and its end.
+            raise kopf.TemporaryError("the weights are downloading", delay=WEIGHTS_RECHECK_SECONDS)
 
     def converge_quietly(self, namespace: str, name: str, logger: kopf.Logger, why: str) -> None:
         """A pass nobody retries (child event, resync): errors are logged, never raised."""

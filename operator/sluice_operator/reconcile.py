@@ -33,6 +33,14 @@ from .builders.gateway import (
     without_session_persistence,
 )
 from .builders.keda import keda_hpa_name
+from .builders.weights import (
+    cache_of,
+    desired_fetch_job,
+    desired_remove_job,
+    desired_weights_claim,
+    fetch_job_name,
+    repo_and_revision,
+)
 from .cluster import Cluster, LiveReads
 from .cluster_view import ClusterView
 from .kinds import (
@@ -40,8 +48,10 @@ from .kinds import (
     DEPLOYMENT,
     HPA,
     INGRESS,
+    JOB,
     LWS_KIND,
     OPTIONAL_KINDS,
+    PERSISTENT_VOLUME_CLAIM,
     WATCHED_KINDS,
     Kind,
     OptionalKind,
@@ -71,6 +81,7 @@ from .status_from_cluster import (
     with_template_wait,
 )
 from .validation import SpecError, load_model
+from .weightsstate import WEIGHTS_CONDITION, JobView, WeightsVerdict, weights_verdict
 
 log = logging.getLogger("sluice_operator.reconcile")
 
@@ -88,9 +99,14 @@ class Outcome:
     # The LeaderWorkerSet's groups are not all updated and Ready. Its status is not watched
     # (the LWS kind is optional), so nothing else would show the change: look again soon.
     workload_settling: bool = False
+    # A weights download runs (or its claim is missing): its Job is not watched, so look
+    # again soon for its progress and its end (weightsstate.py).
+    weights_settling: bool = False
 
 
 PodMetrics = Callable[[Mapping[str, Any]], str | None]  # a pod's /metrics page, or None
+# A weights download pod's GET /progress, or None.
+WeightsProgress = Callable[[Mapping[str, Any]], Mapping[str, Any] | None]
 
 
 def manifest_hash(manifest: Mapping[str, Any]) -> str:
@@ -206,11 +222,22 @@ def converge(
     pod_metrics: PodMetrics | None = None,
     zero: ZeroContext | None = None,
     defaults: OperatorDefaults | None = None,
+    weights_progress: WeightsProgress | None = None,
 ) -> Outcome:
     """One pass (see `_converge`); a model found deleted before a create ends it quietly."""
     try:
         return _converge(
-            cluster, body, post_event, now, reads, owner_exists, pacer, pod_metrics, zero, defaults
+            cluster,
+            body,
+            post_event,
+            now,
+            reads,
+            owner_exists,
+            pacer,
+            pod_metrics,
+            zero,
+            defaults,
+            weights_progress,
         )
     except _OwnerGone:
         return Outcome()
@@ -227,6 +254,7 @@ def _converge(
     pod_metrics: PodMetrics | None = None,
     zero: ZeroContext | None = None,
     defaults: OperatorDefaults | None = None,
+    weights_progress: WeightsProgress | None = None,
 ) -> Outcome:
     """Raises SpecError (after reporting it) for an invalid spec; API errors propagate.
 
@@ -245,6 +273,8 @@ def _converge(
     (scaletozero.py); None: the default address and no signals (never idle, nothing held).
     `defaults`: the operator's configuration the builders fall back to (the model image);
     None: the built-in defaults.
+    `weights_progress`: reads a running weights download's progress (models with
+    model.cache.weights); None: the status says "resolving" until the Job ends.
     """
     reads = reads if reads is not None else LiveReads(cluster)
     try:
@@ -263,6 +293,7 @@ def _converge(
         pacer,
         pod_metrics,
         zero,
+        weights_progress,
     )
     status = body.get("status") or {}
     touched = [row for row in OPTIONAL_KINDS if run.wants(row) or remembered(row, status)]
@@ -301,8 +332,10 @@ class _Pass:
         pacer: RolloutPacer | None = None,
         pod_metrics: PodMetrics | None = None,
         zero: ZeroContext | None = None,
+        weights_progress: WeightsProgress | None = None,
     ) -> None:
         self.cluster, self.body, self.reads = cluster, body, reads
+        self.weights_progress = weights_progress
         self.post_event, self.now, self.owner_exists = post_event, now, owner_exists
         self.pacer, self.pod_metrics = pacer, pod_metrics
         self.waiting: list[Any] = []  # the pacer's Decision when the workload waits for a slot
@@ -323,6 +356,12 @@ class _Pass:
                 self.signals = zero.signals((self.namespace, self.name))
             via, self.step = decide(model, self._workload(), self.signals)
             model = dataclasses.replace(model, via_activator=via)
+        # The weights cache: which commit the pods mount (None: no pods yet), before the
+        # children are built from it.
+        self.weights: WeightsVerdict | None = None
+        if cache_of(model) is not None:
+            self.weights = self._weights(model)
+            model = dataclasses.replace(model, weights_commit=self.weights.commit)
         self.model = model
         self.desired = desired_children(model)
         self.live: dict[str, dict[str, Any] | None] = {}
@@ -521,6 +560,8 @@ class _Pass:
             self.outcome.adapters_settling = settling(new.get("adapters"))
         if self.model.spec.scale_to_zero is not None:
             new = self.zero_status(new, deployment, generation)
+        if self.weights is not None:
+            new = self.weights_status(new, deployment, generation)
         if self.pacer is not None:
             self.pacer.observe((self.namespace, self.name), deployment)
         unwatched = self.workload_kind is LWS_KIND and deployment is not None
@@ -558,6 +599,136 @@ class _Pass:
             )
         if self.metrics is not None and not self.model.via_activator:
             self.metrics.serving((self.namespace, self.name))
+        return new
+
+    # --- the weights cache (builders/weights.py, weightsstate.py) ---------------------
+    def _weights(self, model: StreamingModel) -> WeightsVerdict:
+        """Nothing is read while the status records the wanted commit; else the claim and
+        the download Job are read (and created), and the running pod asked for progress."""
+        verdict = weights_verdict(model, self.status, None, self.now)
+        if verdict.condition["status"] == "True":
+            return verdict
+        cache = cache_of(model)
+        assert cache is not None
+        ns, pvc = self.namespace, PERSISTENT_VOLUME_CLAIM
+        claim = self.cluster.get(pvc.api_version, pvc.kind, ns, cache.claim_name)
+        if claim is None:
+            wanted = desired_weights_claim(model)
+            if wanted is None:
+                message = (
+                    f"the claim {cache.claim_name} does not exist: create it (ReadWriteMany), "
+                    "or set model.cache.weights.create to have the operator create it"
+                )
+                verdict.condition.update(reason="ClaimMissing", message=message)
+                return verdict
+            self.confirm_owner()
+            self.cluster.apply(wanted)
+            self.post_event(
+                "Normal",
+                "WeightsClaimCreated",
+                f"created the claim {cache.claim_name} ({cache.create.size if cache.create else ''}"
+                f", {cache.create.access_mode if cache.create else ''}) for the weights cache",
+            )
+        name = fetch_job_name(model)
+        job = self.cluster.get(JOB.api_version, JOB.kind, ns, name)
+        pods = self.cluster.list_pods(ns, f"job-name={name}") if job is not None else []
+        progress = None
+        running = [p for p in pods if (p.get("status") or {}).get("phase") == "Running"]
+        if running and self.weights_progress is not None:
+            progress = self.weights_progress(running[0])
+        verdict = weights_verdict(model, self.status, JobView(job, pods, progress), self.now)
+        if verdict.create_job:
+            self.confirm_owner()
+            try:
+                self.cluster.apply(desired_fetch_job(model))
+            except Exception as exc:
+                # Another model created it with another template (its image, its token
+                # Secret): the Job is immutable, and sharing it is the point.
+                if getattr(exc, "status", None) not in (409, 422):
+                    raise
+            repo, revision = repo_and_revision(model)
+            self.post_event(
+                "Normal", "WeightsDownloading", f"download Job {name} for {repo}@{revision}"
+            )
+        if verdict.delete_job:
+            self.cluster.delete(JOB.api_version, JOB.kind, ns, name)
+        return verdict
+
+    def _neighbours(self) -> list[Mapping[str, Any]]:
+        """The StreamingModels of this namespace as memory holds them (this one alone
+        without memory: a one-off pass)."""
+        models = getattr(self.reads, "models", None)
+        if models is None:
+            return [self.body]
+        out = []
+        for ns, name in models():
+            body = self.reads.model(ns, name) if ns == self.namespace else None  # type: ignore[union-attr]
+            if body is not None:
+                out.append(body if name != self.name else self.body)
+        return out
+
+    def _clean_up(self, record: dict[str, Any], workload: Mapping[str, Any] | None) -> None:
+        """Once the pods rolled onto the new commit: the old one is removed from the claim by
+        a clean-up Job, keeping every commit a model of the namespace serves or still rolls
+        from; not while any of them downloads this repository (its new commit is not known
+        yet). `previousCommit` is dropped once decided."""
+        old = record.get("previousCommit")
+        if not old or workload is None or not deployment_settled(workload):
+            return
+        claim, repo = record.get("claimName"), record.get("repo")
+        keep: set[str] = set()
+        for body in self._neighbours():
+            st = body.get("status") or {}
+            w = st.get("weights") or {}
+            if w.get("claimName") != claim or w.get("repo") != repo:
+                continue
+            if (body.get("metadata") or {}).get("name") != self.name:
+                keep.update(c for c in (w.get("commit"), w.get("previousCommit")) if c)
+            busy = any(
+                c.get("type") == WEIGHTS_CONDITION and c.get("status") != "True"
+                for c in st.get("conditions") or []
+            )
+            if busy and (body.get("metadata") or {}).get("name") != self.name:
+                return  # a download of this repository runs: wait for it
+        keep.add(str(record["commit"]))
+        record.pop("previousCommit", None)
+        if old in keep:
+            return  # another model still serves it: it cleans up when it moves on
+        manifest = desired_remove_job(self.model, sorted(keep))
+        meta = manifest["metadata"]
+        if self.cluster.get(JOB.api_version, JOB.kind, self.namespace, meta["name"]) is None:
+            self.cluster.apply(manifest)
+        self.post_event(
+            "Normal",
+            "WeightsRemoving",
+            f"removing commit {old} of {repo} from claim {claim} (Job {meta['name']}): "
+            "no model of the namespace serves it",
+        )
+
+    def weights_status(
+        self, new: dict[str, Any], workload: Mapping[str, Any] | None, generation: int | None
+    ) -> dict[str, Any]:
+        """WeightsReady and status.weights; without a ready commit the phase says why
+        there are no pods."""
+        verdict = self.weights
+        assert verdict is not None
+        record = dict(verdict.record) if verdict.record is not None else None
+        if record is not None and verdict.commit is not None:
+            self._clean_up(record, workload)
+        new = with_condition(new, verdict.condition, self.status, self.now, generation)
+        new["weights"] = record
+        if verdict.commit is None:
+            phase = "Failed" if verdict.failed else "Pending"
+            message = verdict.condition["message"]
+            new["phase"], new["message"] = phase, message
+            for c in new["conditions"]:
+                if c["type"] == "Ready":
+                    c.update(reason="WeightsNotReady", message=message)
+                elif c["type"] in ("Available", "Progressing") and c["status"] != "True":
+                    c.update(message=message)
+        for type_, reason, message in verdict.events:
+            self.post_event(type_, reason, message)
+        self.outcome.weights_settling = verdict.settling
         return new
 
     def post_events(self) -> None:

@@ -13,7 +13,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from .models.base import RULE_ERROR
-from .models.resource import ADAPTER_NAME_RULE, NAME_RULE, OperatorDefaults, StreamingModel
+from .models.resource import (
+    ADAPTER_NAME_RULE,
+    NAME_RULE,
+    WEIGHTS_REFRESH_ANNOTATION,
+    OperatorDefaults,
+    StreamingModel,
+)
 from .models.spec import StreamingModelSpec
 
 
@@ -90,4 +96,5 @@ def load_model(
         namespace=meta.get("namespace") or namespace or "default",
         spec=parse_object(body),
         defaults=defaults or OperatorDefaults(),
+        weights_refresh=str((meta.get("annotations") or {}).get(WEIGHTS_REFRESH_ANNOTATION, "")),
     )

@@ -16,12 +16,17 @@ def expected_kinds(spec: dict) -> set[str]:
     # Several nodes per replica: a LeaderWorkerSet instead (test_leaderworkerset.py).
     multi_node = (spec.get("parallelism") or {}).get("nodes", 1) > 1
     kinds = {"Service"} if multi_node else {"Deployment", "Service"}
+    # The weights cache: no Deployment (nor its HPA) before the download Job reported a
+    # commit.
+    awaiting_weights = bool(((spec.get("model") or {}).get("cache") or {}).get("weights"))
+    if awaiting_weights:
+        kinds.discard("Deployment")
     autoscaling = spec.get("autoscaling")
     # The autoscaling block when scaling is on, else None.
     scaling = autoscaling if autoscaling is not None and autoscaling.get("enabled", True) else None
     if (spec.get("ingress") or {}).get("enabled"):
         kinds.add("Ingress")
-    if scaling is not None and scaling.get("backend", "hpa") == "hpa":
+    if scaling is not None and scaling.get("backend", "hpa") == "hpa" and not awaiting_weights:
         kinds.add("HorizontalPodAutoscaler")
     most = scaling.get("maxReplicas", 4) if scaling is not None else spec.get("replicas", 1)
     if most > 1:

@@ -8,6 +8,11 @@
   `refresh_projections()`, PVCs bound from one host folder per claim (`host.pvc_dir`); a
   volume that cannot be made yet is tried again every second;
 - env: sandbox.container_env plus the API server's `KUBERNETES_SERVICE_*` (`host.api_server`);
+- the termination message: a fresh host file per start bound at the container's
+  `terminationMessagePath` (default /dev/termination-log; only paths under /dev, which is
+  the sandbox's own), read into `terminated.message` when it exits (at most 4096 bytes, as
+  the kubelet), or with `FallbackToLogsOnError` and a failure and no message, the log's
+  last 80 lines (at most 2048 bytes);
 - each container: sandbox.py's argv, env and mounts, started under bwrap with its output in
   `<log_dir>/<namespace>.<pod>.<container>.log` (appended across restarts, as `kubectl logs
   --previous` would need);
@@ -244,8 +249,11 @@ class PodRuntime:
         c.state = {"terminated": {"exitCode": code, "reason": reason,
                                   "startedAt": rfc3339(c.started_at),
                                   "finishedAt": rfc3339(finished)}}  # fmt: skip
+        message = self._termination_message(c, code)
         if why:  # the kubelet says this in an Event; here it is in the status too
             c.state["terminated"]["message"] = f"killed: {why}"
+        elif message:
+            c.state["terminated"]["message"] = message
         self.host.record_exit(self.pod, c.name, code, why or reason)
         restart = self.policy == "Always" or (self.policy == "OnFailure" and code != 0)
         if restart and not self.terminating.is_set():
@@ -259,6 +267,32 @@ class PodRuntime:
             c.state = {"waiting": {"reason": "CrashLoopBackOff" if delay else "ContainerCreating",
                                    "message": f"back-off {delay:.0f}s restarting failed "
                                               f"container={c.name} pod={self.name}"}}  # fmt: skip
+
+    # --- the termination message -------------------------------------------------------
+    def _termination_file(self, c: ContainerState) -> Path:
+        return self.dir / "termination" / c.name
+
+    def _termination_mount(self, c: ContainerState) -> list[sb.Mount]:
+        """A fresh file at the container's terminationMessagePath (under /dev only)."""
+        target = c.spec.get("terminationMessagePath") or "/dev/termination-log"
+        if not target.startswith("/dev/"):
+            return []
+        path = self._termination_file(c)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"")
+        path.chmod(0o666)
+        return [sb.Mount(target, path)]
+
+    def _termination_message(self, c: ContainerState, code: int) -> str:
+        path = self._termination_file(c)
+        text = path.read_bytes()[:4096].decode("utf-8", "replace") if path.exists() else ""
+        policy = c.spec.get("terminationMessagePolicy") or "File"
+        if not text and code != 0 and policy == "FallbackToLogsOnError":
+            log = self.host.log_dir / f"{self.namespace}.{self.name}.{c.name}.log"
+            if log.exists():
+                tail = log.read_bytes()[-2048:].decode("utf-8", "replace")
+                text = "\n".join(tail.splitlines()[-80:])
+        return text
 
     # --- volumes ---------------------------------------------------------------------
     def _prepare_volumes(self) -> None:
@@ -343,7 +377,7 @@ class PodRuntime:
                                      sb.api_server_env(*api) if api else None)  # fmt: skip
             argv = sb.container_argv(c.spec, image, c.env, self.ip)
             uid, gid = sb.run_as(c.spec, self.pod, image)
-            mounts = self._container_mounts(c) + self._hosts_file()
+            mounts = self._container_mounts(c) + self._hosts_file() + self._termination_mount(c)
         except sb.ConfigError as e:
             c.state = {"waiting": {"reason": "CreateContainerConfigError", "message": str(e)}}
             return

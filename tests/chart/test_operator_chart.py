@@ -459,6 +459,10 @@ EXPECTED = {
     },
     ("", "pods"): {"list", "watch"},
     ("", "events"): {"create"},
+    # The weights cache: shared download Jobs (deleted when a finished one lost its
+    # result) and the claim (never deleted: shared).
+    ("batch", "jobs"): {"get", "create", "patch", "delete"},
+    ("", "persistentvolumeclaims"): {"get", "create", "patch"},
 }
 
 
@@ -689,8 +693,13 @@ def test_rbac_covers_every_child_the_operator_manages(h):
             h.template(OPERATOR_CHART, set_=["keda.enabled=true", "podMonitors.enabled=true"])
         )["rules"]
     )
-    need = _needed(kinds.ALL_KINDS, kinds.WATCHED_KINDS, kinds.STREAMING_MODEL)
+    # The weights cache's Jobs and claims (not children: shared), read and created like them.
+    need = _needed(
+        (*kinds.ALL_KINDS, *kinds.WEIGHTS_KINDS), kinds.WATCHED_KINDS, kinds.STREAMING_MODEL
+    )
     missing = _missing(need, grants)
+    claims = ("", "persistentvolumeclaims")
+    assert "delete" not in grants[claims], "the weights claim is never deleted (shared)"
     assert not missing, f"add to charts/sluice-operator/templates/_rbac-rules.tpl: {missing}"
     deleted = {(k.group, k.plural) for k in kinds.ALL_KINDS if k.optional}
     for k in kinds.ALL_KINDS:  # (an optional kind may share the resource: the activator's)
@@ -930,13 +939,18 @@ def test_network_policy_set_and_not_rendered(h):
     assert policy["spec"]["ingress"] == [
         {"ports": [{"port": 8080, "protocol": "TCP"}, {"port": 8081, "protocol": "TCP"}]}
     ]
-    dns, api, pods, activator = policy["spec"]["egress"]
+    dns, api, pods, weights, activator = policy["spec"]["egress"]
     assert {p["port"] for p in dns["ports"]} == {53}
     assert [p["port"] for p in api["ports"]] == [443, 6443] and "to" not in api
     # The model pods' /metrics (status.adapters), only pods the operator manages.
     assert pods["ports"] == [{"port": 8000, "protocol": "TCP"}]
     assert pods["to"] == [{"namespaceSelector": {}, "podSelector": {"matchLabels": {
         "app.kubernetes.io/managed-by": "sluice-operator"}}}]  # fmt: skip
+    # The weights downloads' /progress (status WeightsReady), only the download pods.
+    assert weights["ports"] == [{"port": 8090, "protocol": "TCP"}]
+    assert weights["to"] == [{"namespaceSelector": {}, "podSelector": {"matchLabels": {
+        "app.kubernetes.io/name": "sluice-weights",
+        "app.kubernetes.io/component": "weights-download"}}}]  # fmt: skip
     # The activator pods' /metrics in the release namespace (held requests: scale to zero).
     assert activator["ports"] == [{"port": 8000, "protocol": "TCP"}]
     assert activator["to"] == [{"podSelector": {"matchLabels": {
@@ -947,11 +961,11 @@ def test_network_policy_set_and_not_rendered(h):
     assert api["to"] == [{"ipBlock": {"cidr": "10.0.0.1/32"}}]
     docs = h.template(OPERATOR_CHART, set_=["networkPolicy.enabled=true",
                                             "networkPolicy.modelPodMetrics=false"])  # fmt: skip
-    assert len(one(docs, "NetworkPolicy")["spec"]["egress"]) == 3
+    assert len(one(docs, "NetworkPolicy")["spec"]["egress"]) == 4
     docs = h.template(
         OPERATOR_CHART, set_=["networkPolicy.enabled=true", "activator.enabled=false"]
     )
-    assert len(one(docs, "NetworkPolicy")["spec"]["egress"]) == 3
+    assert len(one(docs, "NetworkPolicy")["spec"]["egress"]) == 4
 
 
 @pytest.mark.parametrize(

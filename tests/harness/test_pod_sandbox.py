@@ -423,6 +423,39 @@ def test_liveness_failure_restarts_and_exits_restart_per_policy(tmp_path):
 
 
 @live
+def test_the_termination_message_is_what_the_container_wrote_there(tmp_path):
+    """As the kubelet: the file at terminationMessagePath becomes `terminated.message` (a
+    Job's result reaches its owner this way); with FallbackToLogsOnError a failure that
+    wrote none gets the log's tail, and a success never does."""
+    host = FakeHost(tmp_path)
+    wrote = {"name": "wrote", "image": HOST, "command": ["/bin/sh",
+             "-c", 'echo noise; printf \'{"outcome": "ready"}\' > /dev/termination-log']}  # fmt: skip
+    custom = {"name": "custom", "image": HOST, "terminationMessagePath": "/dev/result",
+              "command": ["/bin/sh", "-c", "printf done > /dev/result; exit 2"]}  # fmt: skip
+    fallback = {"name": "fallback", "image": HOST, "terminationMessagePolicy":
+                "FallbackToLogsOnError", "command": ["/bin/sh", "-c", "echo it broke; exit 1"]}  # fmt: skip
+    quiet = {"name": "quiet", "image": HOST, "terminationMessagePolicy":
+             "FallbackToLogsOnError", "command": ["/bin/sh", "-c", "echo fine"]}  # fmt: skip
+    pod = PodRuntime(_pod([wrote, custom, fallback, quiet], restartPolicy="Never"),
+                     "127.1.250.9", host, tmp_path / "pods").start()  # fmt: skip
+    try:
+
+        def ended():
+            last = host.statuses[-1] if host.statuses else {}
+            states = {c["name"]: c["state"] for c in last.get("containerStatuses") or []}
+            return all("terminated" in st for st in states.values()) and len(states) == 4 and states
+
+        states = eventually(ended, timeout=WAIT_S, message="the four containers ended")
+    finally:
+        pod.kill_now()
+    msgs = {name: st["terminated"].get("message") for name, st in states.items()}
+    assert json.loads(msgs["wrote"]) == {"outcome": "ready"}
+    assert msgs["custom"] == "done" and states["custom"]["terminated"]["exitCode"] == 2
+    assert msgs["fallback"] == "it broke"
+    assert msgs["quiet"] is None
+
+
+@live
 def test_the_images_folders_show_through_a_tmpfs_tmp(tmp_path, monkeypatch):
     # tmp_path is under /tmp: an "image" holding a folder there, a pod with a tmpfs /tmp.
     held = tmp_path / "image"

@@ -13,6 +13,7 @@ from sluice_operator.builders.deployment import desired_deployment
 from sluice_operator.builders.kvevents import kv_event_args
 from sluice_operator.builders.leaderworkerset import desired_leaderworkerset
 from sluice_operator.models.resource import StreamingModel
+from sluice_operator.render import offline_weights
 from sluice_operator.validation import load_model
 
 settings_mod = pytest.importorskip("sluice_server.settings")
@@ -72,7 +73,7 @@ def test_server_parses_rendered_args(path, monkeypatch, tmp_path):
     for key in [k for k in os.environ if k.startswith("SLUICE_") or k.startswith("HF_TOKEN")]:
         monkeypatch.delenv(key)
     body = load(path)
-    model = load_model(body)
+    model = offline_weights(load_model(body), body)  # a weights-cache model: its commit
     c = mount_secrets(model, tmp_path)
     for env in c["env"]:  # the environment the server reads (HF_TOKEN_PATH, SLUICE_*)
         if env["name"].startswith(("SLUICE_", "HF_TOKEN")):
@@ -96,7 +97,11 @@ def test_server_parses_rendered_args(path, monkeypatch, tmp_path):
         ref = limit.redis_url_secret_ref
         assert s.redis_url.get_secret_value() == f"{SECRET_VALUE}-{ref.name}"
     token = spec.model.hf_token_secret_ref
-    if token:  # huggingface_hub reads it from there
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    if spec.model.cache.weights is not None:  # the commit's folder, the Hub off, no token
+        assert s.model == "/mnt/weights" and env["HF_HUB_OFFLINE"] == "1"
+        assert not {"HF_TOKEN_PATH", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"} & env.keys()
+    elif token:  # huggingface_hub reads it from there
         path = dict((e["name"], e["value"]) for e in c["env"])["HF_TOKEN_PATH"]
         assert Path(path).read_text().strip() == f"{SECRET_VALUE}-{token.name}"
     assert s.playground is spec.streaming.playground

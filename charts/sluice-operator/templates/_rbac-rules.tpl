@@ -69,6 +69,19 @@ rule's "why" there, and each `if .Values.x` block its "granted" column.
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# The weights cache (`spec.model.cache.weights`): one download Job per claim, repository
+# and revision, shared by the models that name the claim (so no owner reference), read by
+# name while it runs; its pods are listed (the result is their termination message). A
+# clean-up Job removes a revision nothing serves any more. A finished Job whose pods are
+# gone is deleted and run again. Not watched: a download's progress is polled.
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["get", "create", "patch", "delete"]
+# The weights cache's claim, created when `weights.create` is set and it does not exist;
+# never deleted (other models may share it).
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["get", "create", "patch"]
 # Gateway API HTTPRoutes for models with `spec.gateway`: read, server-side applied, deleted
 # when a model moves back to an Ingress. Not watched (the Gateway API CRDs may be absent),
 # so no list/watch; granting a resource a cluster does not serve is harmless.

@@ -6,11 +6,19 @@ import math
 import re
 
 from ..models.engine import SimulatorSpec
-from ..models.resource import API_KEYS_DIR, API_KEYS_FILE, JWKS_DIR, JWKS_FILE, StreamingModel
+from ..models.resource import (
+    API_KEYS_DIR,
+    API_KEYS_FILE,
+    JWKS_DIR,
+    JWKS_FILE,
+    WEIGHTS_DIR,
+    StreamingModel,
+)
 from .adapters import lora_args
 from .common import PORT, fmt_number
 from .kvevents import kv_event_args
 from .secrets import secret_args
+from .weights import serves_cached
 
 # SIGTERM to exit: the pod keeps serving in-flight streams for the stream timeout, after a
 # short preStop pause that lets endpoints and the ingress stop sending new requests.
@@ -99,9 +107,12 @@ def worker_args(model: StreamingModel) -> list[str]:
 
 def server_args(model: StreamingModel) -> list[str]:
     spec, src = model.spec, model.source
-    args = ["--model", src.model_arg]
-    if src.revision:
-        args += ["--revision", src.revision]
+    if serves_cached(model):  # the commit's folder on the weights claim; served as org/name
+        args = ["--model", WEIGHTS_DIR]
+    else:
+        args = ["--model", src.model_arg]
+        if src.revision:
+            args += ["--revision", src.revision]
     args += ["--served-model-name", model.served_name, "--host", "0.0.0.0", "--port", str(PORT)]
     args += ["--engine", spec.engine.backend]
     workers = api_workers(model)

@@ -14,6 +14,8 @@ INSTANCE_LABEL = "app.kubernetes.io/instance"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 # The hash of the manifest the operator last applied, on every child (reconcile.py).
 HASH_ANNOTATION = "serving.sluice.dev/applied-hash"
+# The serving image runs as this non-root user (fsGroup makes the cache and secrets readable).
+RUN_AS = 65532
 
 
 def selector_labels(model: StreamingModel) -> dict[str, str]:

@@ -15,9 +15,18 @@ from ..models.resource import (
 )
 from .adapters import adapter_volumes
 from .args import PRESTOP_SECONDS, server_args, termination_grace_seconds
-from .common import PORT, PORT_NAME, endpoint_picker_labels, labels, metadata, selector_labels
+from .common import (
+    PORT,
+    PORT_NAME,
+    RUN_AS,
+    endpoint_picker_labels,
+    labels,
+    metadata,
+    selector_labels,
+)
 from .kvevents import kv_event_ports
 from .secrets import secret_env, secret_volumes
+from .weights import OFFLINE_ENV, awaiting_weights, cache_of, weights_volumes
 
 # Loading a large model (download + weights into GPU memory + CUDA graphs) takes tens of
 # minutes; the startup probe holds liveness off for spec.startup.timeoutSeconds. The
@@ -34,10 +43,6 @@ def startup_failure_threshold(model: StreamingModel) -> int:
 
 def progress_deadline_seconds(model: StreamingModel) -> int:
     return STARTUP_PERIOD_SECONDS * startup_failure_threshold(model) + PROGRESS_MARGIN_SECONDS
-
-
-# The serving image runs as this non-root user (fsGroup makes the cache and secrets readable).
-RUN_AS = 65532
 
 
 def _resources(model: StreamingModel) -> dict[str, Any]:
@@ -73,6 +78,10 @@ def _env(model: StreamingModel) -> list[dict[str, Any]]:
         env[var.name] = var.model_dump(by_alias=True, exclude_none=True)
     # After the user's entries, so none can shadow the Secrets; never arguments.
     secret_env(model, env)
+    if cache_of(model) is not None:  # the weights are on the claim: the Hub stays off
+        for name, value in OFFLINE_ENV.items():
+            env.pop(name, None)
+            env[name] = {"name": name, "value": value}
     return list(env.values())
 
 
@@ -130,7 +139,12 @@ def _volumes(model: StreamingModel) -> tuple[list[dict[str, Any]], list[dict[str
     secret_vols, secret_mounts = secret_volumes(model)
     # The adapter list's ConfigMap (by name only: its content changes without a rollout).
     more_volumes, more_mounts = adapter_volumes(model)
-    return volumes + secret_vols + more_volumes, mounts + secret_mounts + more_mounts
+    # spec.model.cache.weights: the ready commit's folder of the shared claim, read-only.
+    cached_volumes, cached_mounts = weights_volumes(model)
+    return (
+        volumes + secret_vols + more_volumes + cached_volumes,
+        mounts + secret_mounts + more_mounts + cached_mounts,
+    )
 
 
 def _probe(path: str, period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
@@ -218,8 +232,11 @@ def pod_template(model: StreamingModel) -> dict[str, Any]:
 
 
 def desired_deployment(model: StreamingModel) -> dict[str, Any] | None:
-    """None with parallelism.nodes > 1: a LeaderWorkerSet runs the replicas instead."""
+    """None with parallelism.nodes > 1: a LeaderWorkerSet runs the replicas instead; and for
+    a model of the weights cache before its first commit is ready (no pod could start)."""
     if model.multi_node:
+        return None
+    if awaiting_weights(model):
         return None
     spec = model.spec
     deployment_spec: dict[str, Any] = {

@@ -12,6 +12,7 @@ from ..models.resource import StreamingModel
 from .common import metadata
 from .leaderworkerset import scale_target
 from .metrics import ttft_metric_name
+from .weights import awaiting_weights
 
 
 def ttft_target(milliseconds: int) -> str:
@@ -21,7 +22,7 @@ def ttft_target(milliseconds: int) -> str:
 
 def desired_hpa(model: StreamingModel) -> dict[str, Any] | None:
     spec = model.spec
-    if spec.autoscaling_backend != "hpa":
+    if spec.autoscaling_backend != "hpa" or awaiting_weights(model):
         return None
     a = spec.autoscaling
     assert a is not None  # the backend is hpa only with autoscaling on

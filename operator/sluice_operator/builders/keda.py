@@ -31,6 +31,7 @@ from .common import fmt_number, metadata
 from .hpa import hpa_behavior
 from .leaderworkerset import scale_target
 from .metrics import ttft_metrics_query
+from .weights import awaiting_weights
 
 API_VERSION = "keda.sh/v1alpha1"
 TRIGGER_NAME = "ttft"
@@ -96,7 +97,7 @@ def held_trigger(model: StreamingModel) -> dict[str, Any]:
 
 def desired_scaled_object(model: StreamingModel) -> dict[str, Any] | None:
     spec = model.spec
-    if spec.autoscaling_backend != "keda":
+    if spec.autoscaling_backend != "keda" or awaiting_weights(model):
         return None
     a = spec.autoscaling
     assert a is not None

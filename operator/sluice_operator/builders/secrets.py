@@ -8,6 +8,8 @@ volume is readable by the pod's user only, and the kubelet keeps it on tmpfs. So
   `HF_TOKEN_PATH` pointing there (a path, not a secret). `huggingface_hub` reads its token
   from that file in every process that downloads (the server, vLLM's engine core, adapter
   downloads), in any server image: no server flag is involved.
+  With `spec.model.cache.weights` the token goes to the download Job only
+  (builders/weights.py): the pods get neither the file nor any token variable.
 - `spec.auth.rateLimit.redisUrlSecretRef` (backend redis): the key mounted at
   REDIS_DIR/REDIS_FILE and the server's `--redis-url-file` pointing there.
 
@@ -26,6 +28,7 @@ import re
 from typing import Any
 
 from ..models.auth import RedisUrlSecretRef
+from ..models.refs import SecretKeyRef
 from ..models.resource import StreamingModel
 
 HF_TOKEN_DIR = "/etc/sluice/hf-token"
@@ -67,6 +70,13 @@ def redis_url_in_env(model: StreamingModel) -> bool:
     return version is not None and version < FILES_SINCE
 
 
+def pod_hf_token(model: StreamingModel) -> SecretKeyRef | None:
+    """The token Secret the model's pods mount: none with the weights cache."""
+    if model.spec.model.cache.weights is not None:
+        return None
+    return model.spec.model.hf_token_secret_ref
+
+
 def _secret_volume(name: str, secret: str, key: str, path: str) -> dict[str, Any]:
     items = [{"key": key, "path": path}]
     return {"name": name, "secret": {"secretName": secret, "items": items, "defaultMode": 0o440}}
@@ -76,7 +86,7 @@ def secret_volumes(model: StreamingModel) -> tuple[list[dict[str, Any]], list[di
     """The Secret volumes and the container's mounts for the HF token and the Redis URL."""
     volumes: list[dict[str, Any]] = []
     mounts: list[dict[str, Any]] = []
-    token = model.spec.model.hf_token_secret_ref
+    token = pod_hf_token(model)
     if token:
         volumes.append(_secret_volume("hf-token", token.name, token.key, HF_TOKEN_FILE))
         mounts.append({"name": "hf-token", "mountPath": HF_TOKEN_DIR, "readOnly": True})
@@ -90,7 +100,10 @@ def secret_volumes(model: StreamingModel) -> tuple[list[dict[str, Any]], list[di
 def secret_env(model: StreamingModel, env: dict[str, dict[str, Any]]) -> None:
     """Adds to (and takes from) the container's environment, by name, after the user's
     `spec.engine.env`: what points at the mounted files, and what must not shadow them."""
-    if model.spec.model.hf_token_secret_ref:
+    if model.spec.model.cache.weights is not None:  # no token in a pod that never downloads
+        for name in (*HF_TOKEN_ENVS, "HF_TOKEN_PATH"):
+            env.pop(name, None)
+    elif pod_hf_token(model):
         for name in HF_TOKEN_ENVS:
             env.pop(name, None)
         env.pop("HF_TOKEN_PATH", None)  # re-added last, whatever the user set

@@ -12,6 +12,7 @@ from pydantic import Field, StringConstraints
 from .base import ApiModel, FreeForm, Quantity, Rule, sub
 from .flags import RESERVED_RE, positional_arg, reserved_flag
 from .refs import Name, SecretKeyRef
+from .weights import WEIGHTS_NEED_HF, WeightsCache
 
 Arg = Annotated[str, StringConstraints(max_length=512)]  # bounded: CEL cost estimation needs it
 
@@ -27,15 +28,24 @@ MODEL_URI_PATTERN = (
 
 
 class ModelCache(ApiModel):
-    """Where downloaded weights are kept (mounted at /cache, HF_HOME=/cache/hf)."""
+    """Where downloaded weights are kept (mounted at /cache, HF_HOME=/cache/hf). With
+    `weights`, the operator downloads them once into a shared claim and /cache keeps only
+    what the pods write (the Hugging Face home, vLLM's compile cache)."""
 
     pvc_name: Name | None = Field(
         default=None,
-        description="Existing PersistentVolumeClaim to keep downloads across restarts. "
-        "Unset: an emptyDir of sizeLimit (weights are downloaded again on every pod start).",
+        description="Existing PersistentVolumeClaim to keep downloads across restarts (with "
+        "`weights`: vLLM's compile cache). Unset: an emptyDir of sizeLimit (weights are "
+        "downloaded again on every pod start, unless `weights` is set).",
     )
     size_limit: Quantity = Field(
         default="100Gi", description="Size limit of the emptyDir cache when pvcName is unset."
+    )
+    weights: WeightsCache | None = Field(
+        default=None,
+        description="Download the hf:// weights once, with a Job of the operator, into a shared "
+        "ReadWriteMany claim; the pods mount them read-only and start with the Hub off "
+        "(HF_HUB_OFFLINE=1, no token). Unset: each pod downloads at start (docs/weights-cache.md).",
     )
 
 
@@ -51,6 +61,7 @@ class ModelSpec(ApiModel):
             field=".uri",
             detail=lambda m: f"got {m.uri!r}",
         ),
+        WEIGHTS_NEED_HF,
     )
 
     uri: Annotated[str, StringConstraints(min_length=1, max_length=512)] = Field(
@@ -67,7 +78,7 @@ class ModelSpec(ApiModel):
         default=None,
         description="Secret key holding a Hugging Face token for gated or private models. "
         "Mounted into the pod as a file named by HF_TOKEN_PATH, never in the environment or "
-        "the arguments.",
+        "the arguments; with cache.weights into the download Job only.",
     )
     cache: ModelCache = sub(ModelCache, "Cache volume for downloaded weights.")
 

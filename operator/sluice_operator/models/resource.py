@@ -50,6 +50,10 @@ JWKS_FILE = "jwks.json"
 ADAPTERS_DIR = "/etc/sluice/adapters"
 ADAPTERS_FILE = "adapters.json"
 ADAPTER_PVC_DIR = "/mnt/adapters"  # pvc:// adapters: each claim at ADAPTER_PVC_DIR/<claim>
+WEIGHTS_DIR = "/mnt/weights"  # spec.model.cache.weights: the commit's folder, read-only
+# On the StreamingModel: a new value downloads the revision again (a branch resolved anew,
+# a failed download retried); its value joins the download Job's name (builders/weights.py).
+WEIGHTS_REFRESH_ANNOTATION = "serving.sluice.dev/weights-refresh"
 
 
 # The model image of an operator run without `--model-image` (and of `render`): the serving
@@ -113,6 +117,11 @@ class StreamingModel:
     # Not the spec either: the operator's configuration (`run --model-image`), which
     # `image` falls back to. Offline renders see the built-in default.
     defaults: OperatorDefaults = OperatorDefaults()
+    # Not the spec: with spec.model.cache.weights, the commit whose files the pods mount
+    # (weightsstate.py decides it from the status and the download Job); None: no commit is
+    # ready, so no pods. And the object's WEIGHTS_REFRESH_ANNOTATION.
+    weights_commit: str | None = None
+    weights_refresh: str = ""
 
     @property
     def routed(self) -> bool:

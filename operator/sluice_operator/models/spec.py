@@ -51,6 +51,7 @@ from .serving import (
     ServerSpec,
     StreamingSpec,
 )
+from .weights import WEIGHTS_NO_HUB_ADAPTERS, WEIGHTS_ONE_NODE
 
 # What the CRD used to store in `spec.image` of every object that did not set it; such a
 # stored value counts as unset (`resource.StreamingModel.image`). Never changes.
@@ -67,6 +68,8 @@ class StreamingModelSpec(ApiModel):
         GPUS_FIT_PARALLELISM,
         MULTI_NODE_NEEDS_VLLM,
         ONE_WORKER_ON_NODES,
+        WEIGHTS_NO_HUB_ADAPTERS,
+        WEIGHTS_ONE_NODE,
     )
 
     model: ModelSpec = Field(description="Which model to serve.")

@@ -29,6 +29,7 @@ ConditionType = Literal[
     "LeaderWorkerSetReady",
     "AdaptersReady",
     "ScaledToZero",
+    "WeightsReady",
 ]
 CONDITION_TYPES: tuple[ConditionType, ...] = get_args(ConditionType)
 
@@ -122,6 +123,34 @@ class AdapterStatus(ApiModel):
     )
 
 
+class WeightsStatus(ApiModel):
+    """The weights cache's commit the pods serve (spec.model.cache.weights)."""
+
+    claim_name: str | None = Field(default=None, description="The claim holding the weights.")
+    repo: str | None = Field(default=None, description="org/name on the Hub.")
+    revision: str | None = Field(
+        default=None, description="The revision asked for (spec.model.uri's @revision, or main)."
+    )
+    commit: str | None = Field(
+        default=None,
+        description="The commit the revision resolved to when it was downloaded; a branch is "
+        "resolved again only with a new serving.sluice.dev/weights-refresh annotation.",
+    )
+    resolved_at: str | None = Field(
+        default=None,
+        description="When the download finished (RFC 3339).",
+        json_schema_extra={"format": "date-time"},
+    )
+    files: int | None = Field(default=None, description="Files of the commit.")
+    bytes: int | None = Field(default=None, description="Bytes of the commit.")
+    job: str | None = Field(default=None, description="The download Job that produced it.")
+    previous_commit: str | None = Field(
+        default=None,
+        description="The commit served before a revision change, removed from the claim once "
+        "the pods rolled and no model of the namespace serves it.",
+    )
+
+
 class StreamingModelStatus(ApiModel):
     """Observed state of a StreamingModel."""
 
@@ -149,7 +178,10 @@ class StreamingModelStatus(ApiModel):
         "LeaderWorkerSetReady (each: the object applied and accepted, or why not: its CRD "
         "missing, access forbidden); with LoRA on AdaptersReady (every adapter served by every "
         "ready pod, or which are still loading or failed); with autoscaling.minReplicas 0 also "
-        "ScaledToZero (True at zero; False says why not, e.g. how long since the last request).",
+        "ScaledToZero (True at zero; False says why not, e.g. how long since the last request); "
+        "with model.cache.weights WeightsReady (Resolving, Downloading with files and bytes "
+        "done, Ready, or why the download failed: Unauthorized, Gated, RevisionNotFound, "
+        "NoSpace, Corrupt, HubUnreachable, DownloadFailed).",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     observed_generation: int | None = Field(
@@ -184,6 +216,11 @@ class StreamingModelStatus(ApiModel):
     autoscaling: AutoscalingStatus | None = Field(
         default=None,
         description="The autoscaler's last reading and decision (when autoscaling is enabled).",
+    )
+    weights: WeightsStatus | None = Field(
+        default=None,
+        description="With model.cache.weights: the commit on the claim the pods mount (with "
+        "condition WeightsReady).",
     )
     adapters: list[AdapterStatus] | None = Field(
         default=None,
