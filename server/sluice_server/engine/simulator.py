@@ -381,9 +381,9 @@ class SimulatorEngine:
                 chunk = text[sent:end]
                 sent = end
                 if count == 1:  # the usual delta: no comprehension (about 1 us less)
-                    ids = [word_ids[(offset + produced - 1) % nwords]]
+                    delta_ids = [word_ids[(offset + produced - 1) % nwords]]
                 else:
-                    ids = [
+                    delta_ids = [
                         word_ids[(offset + p) % nwords] for p in range(produced - count, produced)
                     ]
                 yield Delta(
@@ -394,7 +394,7 @@ class SimulatorEngine:
                     prompt_tokens=prompt_tokens,
                     completion_tokens=produced,
                     cached_tokens=cached,
-                    token_ids=ids,
+                    token_ids=delta_ids,
                 )
                 if finished:
                     return
