@@ -235,7 +235,13 @@ async def test_a_client_that_leaves_aborts_the_pods_engine_request(tmp_path):
         api.ready("pod-b", False)  # everything on pod-a
         await wait_candidates(act, ["pod-a"])
         engine = engines["pod-a"]
+        relayed = act.app.relay.transport
         async with httpx.AsyncClient(base_url=act.url, headers=HEADERS, timeout=30) as c:
+            # Answers that ended: one connection to the pod, reused (hop.py's pool) ...
+            for _ in range(3):
+                assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+            assert relayed.opened == 1 and relayed.idle_count() == 1
+            # ... and a stream on that reused connection still aborts when its client leaves
             for method, path, body in (
                 ("POST", "/v1/stream", {"prompt": "long", "max_tokens": 500}),
                 ("POST", "/v1/chat/completions", {**CHAT, "max_tokens": 500, "stream": True}),
@@ -251,11 +257,14 @@ async def test_a_client_that_leaves_aborts_the_pods_engine_request(tmp_path):
                 await eventually_async(lambda n=n: len(engine.ended) == n, timeout=15,
                                        message=f"the engine request of {path} ended")  # fmt: skip
                 assert engine.ended[-1] in ("abort", "cut"), engine.ended
+            # the aborted streams' connections were closed, never pooled: one new each
+            assert relayed.opened == 2 and relayed.idle_count() == 0
         ws_url = act.url.replace("http://", "ws://") + "/ws/stream"
+        n = len(engine.ended) + 1
         async with websockets.connect(ws_url, additional_headers=HEADERS) as ws:
             await ws.send(json.dumps({"id": 1, "prompt": "long", "params": {"max_tokens": 500}}))
             await ws.recv()
-        await eventually_async(lambda: len(engine.ended) == 3, timeout=15,
+        await eventually_async(lambda: len(engine.ended) == n, timeout=15,
                                message="the WebSocket's engine request ended")  # fmt: skip
         assert engine.ended[-1] in ("abort", "cut") and engine.num_unfinished_requests() == 0
         assert engines["pod-b"].started == 0

@@ -1,5 +1,5 @@
 """The relay's HTTP/1.1 to the pods: an httpx transport on an asyncio protocol and
-httptools' parser (C), one connection per request, closed when the answer is closed.
+httptools' parser (C), on keep-alive connections kept in a small idle pool per pod.
 
 Why not httpx's own transport: a streamed answer is relayed chunk by chunk, and there each
 chunk of the upstream's chunked body went through h11's pure-Python reader and httpcore's
@@ -18,6 +18,21 @@ for an answer that breaks off or is no HTTP, `ReadTimeout`. Reading pauses while
 `HIGH_WATER` bytes wait unread (the client reads slowly), as httpcore reads only when asked.
 A 1xx interim answer is skipped; a HEAD answer ends after its headers. Other schemes than
 plain http go to httpx's own transport.
+
+Connections are reused: opening one per request cost the router a connect and the pod an
+accept on every request's path (measured with `python -m sluice_bench.router_hop`). A
+connection goes back to its (host, port)'s idle pool (at most `IDLE_MAX` each) only when
+its answer ended cleanly: the whole message read (its length or its last chunk, never an
+answer that ends at close), no `Connection: close` from either side, no error, no body left
+unread. Closing an answer before its end (the client left: the proxy cancels the relay)
+closes its connection at once, as before, so the model's server still aborts the
+generation; an unfinished answer is never pooled. An idle connection is closed after
+`IDLE_SECONDS`, below the model server's keep-alive (`--keep-alive-seconds`, 75 s by
+default), so a pod that left the candidate set keeps none for long; one the pod closed
+meanwhile (idle timeout, restart) is dropped when taken, and a request whose reused
+connection closes before any byte of the answer came (the pod closed it as it was sent)
+is sent once more on a new connection. That retry can only fail to connect after the
+request counted as forwarded: it then fails as a request the server did not answer.
 """
 
 from __future__ import annotations
@@ -31,6 +46,8 @@ import httptools
 import httpx
 
 HIGH_WATER = 256 * 1024
+IDLE_SECONDS = 15.0  # an idle connection's life: below the model server's keep-alive
+IDLE_MAX = 64  # idle connections kept per (host, port)
 _NO_BODY = (204, 304)
 # A write-through send of one piece of the body (`relay_body`).
 Sink = Callable[[bytes], Awaitable[None]]
@@ -40,14 +57,22 @@ class _Answer(asyncio.Protocol):
     """One upstream connection: the answer's head, then its body as it arrives."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, head_only: bool) -> None:
-        self.loop, self.head_only = loop, head_only
-        self.parser = httptools.HttpResponseParser(self)
+        self.loop = loop
         self.transport: asyncio.Transport | None = None
+        self.closed = False  # the connection is gone
+        self.idle: asyncio.TimerHandle | None = None  # in the pool: when it is closed
+        self.reset(head_only)
+
+    def reset(self, head_only: bool) -> None:
+        """Ready for the next answer on this connection (a new one, or one from the pool)."""
+        self.head_only = head_only
+        self.parser = httptools.HttpResponseParser(self)
+        self.received = False  # any byte of this answer
+        self.keep_alive = False  # its end leaves the connection usable (on_message_complete)
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self.has_head = False  # the final (non-1xx) answer's head is complete
         self.complete = False  # its body too
-        self.closed = False  # the connection is gone
         self.error: httpx.HTTPError | None = None
         self.body: list[bytes] = []
         self.buffered = 0
@@ -65,7 +90,11 @@ class _Answer(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.complete or self.error is not None:
+            self.keep_alive = False  # bytes past the answer's end: never reused
+            if self.idle is not None:
+                self.close()
             return
+        self.received = True
         try:
             self.parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as e:
@@ -88,6 +117,7 @@ class _Answer(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.keep_alive = False
         if not self.complete and self.error is None:
             if self.has_head and self._ends_at_close():
                 self.complete = True
@@ -102,6 +132,10 @@ class _Answer(asyncio.Protocol):
         self._wake()
 
     # -- httptools callbacks --
+    def on_message_begin(self) -> None:
+        if self.complete:  # a second answer to one request: the connection is not reused
+            self.keep_alive = False
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))
 
@@ -123,6 +157,7 @@ class _Answer(asyncio.Protocol):
             self.headers, self.status = [], 0  # skip the 1xx; the final answer follows
             return
         self.complete = True
+        self.keep_alive = not self.head_only and self.parser.should_keep_alive()
 
     # -- for the transport and the stream --
     def _ends_at_close(self) -> bool:
@@ -195,8 +230,23 @@ class _Answer(asyncio.Protocol):
         return chunk
 
     def close(self) -> None:
+        self.keep_alive = False
         if self.transport is not None:
             self.transport.close()
+
+    def reusable(self) -> bool:
+        """The answer ended cleanly and left the connection open and empty (module doc)."""
+        return (
+            self.keep_alive
+            and self.complete
+            and self.error is None
+            and not self.closed
+            and not self.body
+            and self.pending is None
+            and self.sink is None
+            and self.transport is not None
+            and not self.transport.is_closing()
+        )
 
 
 async def _arrival(answer: _Answer, seconds: float | None) -> None:
@@ -212,8 +262,11 @@ async def _arrival(answer: _Answer, seconds: float | None) -> None:
 
 
 class _Body(httpx.AsyncByteStream):
-    def __init__(self, answer: _Answer, read_timeout: float | None) -> None:
-        self.answer, self.read_timeout = answer, read_timeout
+    def __init__(
+        self, answer: _Answer, read_timeout: float | None, done: Callable[[_Answer], None]
+    ) -> None:
+        self.answer, self.read_timeout, self._done = answer, read_timeout, done
+        self.closed = False
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         answer, read_timeout = self.answer, self.read_timeout
@@ -230,48 +283,123 @@ class _Body(httpx.AsyncByteStream):
                 await _arrival(answer, read_timeout)
 
     async def aclose(self) -> None:
-        self.answer.close()
+        """Its connection back to the pool when the answer ended cleanly, else closed."""
+        if not self.closed:
+            self.closed = True
+            self._done(self.answer)
 
 
 class HopTransport(httpx.AsyncBaseTransport):
     """httpx's transport for plain-http requests, as the module docstring says."""
 
-    def __init__(self) -> None:
+    def __init__(self, idle_seconds: float = IDLE_SECONDS, idle_max: int = IDLE_MAX) -> None:
         self._other = httpx.AsyncHTTPTransport()
+        self.idle_seconds, self.idle_max = idle_seconds, idle_max
+        self._idle: dict[tuple[str, int], list[_Answer]] = {}
+        self.opened = 0  # connections opened (reuse shows as fewer than requests)
+        self.retried = 0  # requests sent again after a reused connection closed
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
         if url.scheme != "http":
             return await self._other.handle_async_request(request)
         timeouts: dict[str, float | None] = request.extensions.get("timeout", {})
+        read_timeout = timeouts.get("read")
+        head_only = request.method == "HEAD"
+        key = (url.host, url.port or 80)
+        answer = self._take(key, head_only)
+        reused = answer is not None
+        if answer is None:
+            answer = await self._open(key, head_only, timeouts.get("connect"))
+        trace = request.extensions.get("trace")
+        if trace is not None:
+            try:
+                await trace("http11.send_request_headers.started", {"request": request})
+            except BaseException:
+                answer.close()
+                raise
+        while True:
+            try:
+                await self._write(answer, request)
+                while not answer.has_head:
+                    if answer.error is not None:
+                        raise answer.error
+                    await _arrival(answer, read_timeout)
+            except httpx.RemoteProtocolError:
+                answer.close()
+                # The pod closed a reused connection before answering: once more, anew.
+                if not (reused and answer.closed and not answer.received):
+                    raise
+                if not isinstance(request.stream, httpx.ByteStream):
+                    raise  # a body that cannot be sent twice
+                self.retried += 1
+                reused = False
+                answer = await self._open(key, head_only, timeouts.get("connect"))
+                continue
+            except BaseException:
+                answer.close()
+                raise
+            break
+        return httpx.Response(
+            answer.status,
+            headers=answer.headers,
+            stream=_Body(answer, read_timeout, lambda a: self._done(key, a)),
+            extensions={"http_version": b"HTTP/1.1"},
+        )
+
+    async def _open(
+        self, key: tuple[str, int], head_only: bool, connect_timeout: float | None
+    ) -> _Answer:
         loop = asyncio.get_running_loop()
-        answer = _Answer(loop, request.method == "HEAD")
+        answer = _Answer(loop, head_only)
         try:
-            async with asyncio.timeout(timeouts.get("connect")):
-                await loop.create_connection(lambda: answer, url.host, url.port or 80)
+            async with asyncio.timeout(connect_timeout):
+                await loop.create_connection(lambda: answer, *key)
         except TimeoutError:
             raise httpx.ConnectTimeout("Connecting to the model's server timed out.") from None
         except OSError as e:
             raise httpx.ConnectError(str(e)) from e
-        try:
-            trace = request.extensions.get("trace")
-            if trace is not None:
-                await trace("http11.send_request_headers.started", {"request": request})
-            await self._write(answer, request)
-            read_timeout = timeouts.get("read")
-            while not answer.has_head:
-                if answer.error is not None:
-                    raise answer.error
-                await _arrival(answer, read_timeout)
-        except BaseException:
+        self.opened += 1
+        return answer
+
+    def _take(self, key: tuple[str, int], head_only: bool) -> _Answer | None:
+        """The most recently used idle connection to `key` still open, ready for an answer."""
+        idle = self._idle.get(key)
+        while idle:
+            answer = idle.pop()
+            if answer.idle is not None:
+                answer.idle.cancel()
+                answer.idle = None
+            if answer.closed or answer.transport is None or answer.transport.is_closing():
+                continue
+            answer.reset(head_only)
+            return answer
+        return None
+
+    def _done(self, key: tuple[str, int], answer: _Answer) -> None:
+        """An answer closed: its connection to the pool if it ended cleanly, else closed."""
+        idle = self._idle.setdefault(key, [])
+        if not answer.reusable() or len(idle) >= self.idle_max:
             answer.close()
-            raise
-        return httpx.Response(
-            answer.status,
-            headers=answer.headers,
-            stream=_Body(answer, read_timeout),
-            extensions={"http_version": b"HTTP/1.1"},
-        )
+            return
+        if answer.paused:
+            answer.paused = False
+            assert answer.transport is not None
+            answer.transport.resume_reading()
+        idle.append(answer)
+        answer.idle = answer.loop.call_later(self.idle_seconds, self._expire, key, answer)
+
+    def _expire(self, key: tuple[str, int], answer: _Answer) -> None:
+        answer.idle = None
+        idle = self._idle.get(key, [])
+        if answer in idle:
+            idle.remove(answer)
+        if not idle:
+            self._idle.pop(key, None)
+        answer.close()
+
+    def idle_count(self) -> int:
+        return sum(len(idle) for idle in self._idle.values())
 
     @staticmethod
     async def _write(answer: _Answer, request: httpx.Request) -> None:
@@ -293,6 +421,12 @@ class HopTransport(httpx.AsyncBaseTransport):
             out.write(b"0\r\n\r\n")
 
     async def aclose(self) -> None:
+        for idle in self._idle.values():
+            for answer in idle:
+                if answer.idle is not None:
+                    answer.idle.cancel()
+                answer.close()
+        self._idle.clear()
         await self._other.aclose()
 
 

@@ -28,9 +28,10 @@ The request goes to `http://<podIP>:<port>` (a model with `pods`: the pod placed
 prompt's block hashes, which the model's provider computes from the body once, and the
 pods' loads) or `http://<host>:<port>` with its method, path, query, body and headers
 (hop-by-hop ones and Host removed); the bytes of the answer are relayed as they come,
-never parsed. Upstream connections are not
-pooled: each forwarded request has its own, so closing it reaches the server and no stale
-one is ever reused.
+never parsed. Upstream connections are kept alive and reused only after an answer that
+ended cleanly (hop.py): a request whose client leaves closes its own connection, so the
+server hears it at once; a reused connection the pod closed before answering is retried
+once on a new one.
 """
 
 from __future__ import annotations

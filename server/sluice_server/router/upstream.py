@@ -45,6 +45,12 @@ from .tenants import UNKNOWN, Tenants
 
 log = logging.getLogger(__name__)
 FRESH = 1.0  # seconds a ready answer stands for new requests
+# Bodies hashed on the event loop itself, not on the hashing thread: the hop to the thread
+# costs each request a wake-up of two threads on its path (0.4-1.6 ms of TTFT p50 on a busy
+# 2-core machine, `python -m sluice_bench.router_hop`), while a body this short costs at most
+# about the GIL's switch interval (5 ms) to hash cold with the tiny model's tokenizer on
+# that machine (a longer one stalls every relayed stream for longer).
+INLINE_BYTES = 2 * 1024
 
 
 class Closing:
@@ -138,19 +144,24 @@ class Upstream:
         """The request's prompt block hashes from the model's provider, computed on the
         `hashing` executor (tokenizing and hashing a body is CPU work: 0.8 ms for 1,442
         simulator words, 83 ms for a 1 MiB body, which on the event loop would stall every
-        stream the router relays; a hop to a thread costs 0.1 ms); None: unknown (no
-        provider, or one without its hasher yet, no pods to place among, a caller whose
-        tenant is not learned yet, or the provider failed). `cred`: the caller's hashed
+        stream the router relays), or on the loop for a body up to `INLINE_BYTES`; None:
+        unknown (no provider, or one without its hasher yet, no pods to place among, a
+        round-robin model, which never reads them, a caller whose tenant is not learned
+        yet, or the provider failed). `cred`: the caller's hashed
         credential (tenants.py)."""
-        tenant = self.tenants.of(cred)
         hashes = self.hashes
-        if hashes is None or self.view is None or tenant is UNKNOWN:
+        if hashes is None or self.view is None or self.model.balance == "round-robin":
+            return None  # nothing to hash with, or a placement that never reads them
+        tenant = self.tenants.of(cred)
+        if tenant is UNKNOWN:
             return None
         if not getattr(hashes, "ready", True):  # a ModelHasher still fetching: no hop
             return None
         assert tenant is None or isinstance(tenant, str)
-        loop = asyncio.get_running_loop()
         try:
+            if len(body) <= INLINE_BYTES:  # short: cheaper here than a thread's wake-up
+                return hashes(path, body, tenant)
+            loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self.hashing, hashes, path, body, tenant)
         except Exception as e:
             if not self._hashes_failed:  # once: it is the same fault for every request

@@ -295,3 +295,170 @@ async def test_a_body_buffered_past_the_high_water_mark_before_relaying_still_fl
         await response.aclose()
         await relay.aclose()
     assert b"".join(got) == body
+
+
+# -- keep-alive reuse --
+
+
+@asynccontextmanager
+async def keep_alive_upstream(
+    answers: list[bytes],
+) -> AsyncIterator[tuple[str, list[int], list[asyncio.Event]]]:
+    """A server that answers requests on each connection in turn with `answers` (b"": close
+    the connection without answering; after an answer without length or chunks, it closes;
+    after the last, it waits for the client to close). Yields its URL, the
+    number of requests each connection carried and an event set when each one closed."""
+    per_conn: list[int] = []
+    closed: list[asyncio.Event] = []
+    queue = list(answers)
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        n = len(per_conn)
+        per_conn.append(0)
+        closed.append(asyncio.Event())
+        try:
+            while queue:
+                try:
+                    await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                answer = queue.pop(0)
+                if not answer:
+                    return
+                per_conn[n] += 1
+                writer.write(answer)
+                await writer.drain()
+                if b"content-length" not in answer and b"chunked" not in answer:
+                    return  # an answer that ends at close
+            await reader.read()
+        finally:
+            writer.close()
+            closed[n].set()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        yield f"http://127.0.0.1:{port}", per_conn, closed
+
+
+OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+
+
+async def _send(relay: Relay, url: str) -> bytes:
+    response = await relay.send(relay.build_request("GET", url))
+    try:
+        return b"".join([chunk async for chunk in hop.pieces(response)])
+    finally:
+        await response.aclose()
+
+
+async def test_a_connection_whose_answer_ended_cleanly_is_reused():
+    chunked_end = CHUNKED + b"2\r\nok\r\n0\r\n\r\n"
+    async with keep_alive_upstream([OK, chunked_end, OK]) as (url, per_conn, _):
+        relay = Relay(5.0)
+        try:
+            assert [await _send(relay, url) for _ in range(3)] == [b"ok"] * 3
+            assert per_conn == [3] and relay.transport.opened == 1
+        finally:
+            await relay.aclose()
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        b"HTTP/1.1 200 OK\r\n\r\nok",  # ends at close
+        b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\n\r\nok",
+        b"HTTP/1.0 200 OK\r\ncontent-length: 2\r\n\r\nok",  # no keep-alive in HTTP/1.0
+    ],
+)
+async def test_an_answer_that_does_not_keep_the_connection_is_not_reused(first):
+    async with keep_alive_upstream([first, OK]) as (url, per_conn, closed):
+        relay = Relay(5.0)
+        try:
+            assert await _send(relay, url) == b"ok"
+            await asyncio.wait_for(closed[0].wait(), 5)  # the router closed it
+            assert await _send(relay, url) == b"ok"
+            assert per_conn == [1, 1] and relay.transport.opened == 2
+        finally:
+            await relay.aclose()
+
+
+async def test_an_unfinished_answer_closes_its_connection_and_a_pooled_one_would_not(
+    monkeypatch,
+):
+    """A client that leaves mid-answer closes the upstream at once (the pod aborts). The
+    negative control: were an unfinished answer pooled, the pod would never hear of it."""
+    for pooled in (False, True):
+        if pooled:
+            monkeypatch.setattr(hop._Answer, "reusable", lambda self: True)
+        async with keep_alive_upstream([CHUNKED + b"3\r\nabc\r\n"]) as (url, _, closed):
+            relay = Relay(5.0)
+            response = await relay.send(relay.build_request("GET", url))
+            async for _chunk in hop.pieces(response):
+                break
+            await response.aclose()
+            try:
+                await asyncio.wait_for(closed[0].wait(), 0.5 if pooled else 5)
+                heard = True
+            except TimeoutError:
+                heard = False
+            assert heard is not pooled
+            await relay.aclose()
+
+
+async def test_a_reused_connection_closed_before_the_answer_is_retried_once_anew():
+    # connection 1: one answer, then it closes on the next request (the pod's idle close
+    # racing it); connection 2 answers.
+    async with keep_alive_upstream([OK, b"", OK]) as (url, per_conn, _):
+        relay = Relay(5.0)
+        traced: list[str] = []
+
+        async def trace(event: str, info: dict) -> None:
+            traced.append(event)
+
+        try:
+            assert await _send(relay, url) == b"ok"
+            request = relay.build_request("POST", url, content=b"{}", extensions={"trace": trace})
+            response = await relay.send(request)
+            assert await response.aread() == b"ok"
+            assert per_conn == [1, 1] and relay.transport.retried == 1
+            assert relay.transport.opened == 2 and traced == [traced[0]]  # forwarded once
+        finally:
+            await relay.aclose()
+
+
+async def test_a_new_connection_closed_before_the_answer_is_not_retried():
+    async with keep_alive_upstream([b"", OK]) as (url, per_conn, _):
+        relay = Relay(5.0)
+        try:
+            with pytest.raises(httpx.RemoteProtocolError):
+                await _send(relay, url)
+            assert relay.transport.retried == 0 and relay.transport.opened == 1
+        finally:
+            await relay.aclose()
+
+
+async def test_an_idle_connection_is_closed_after_its_idle_life_and_a_closed_one_skipped():
+    async with keep_alive_upstream([OK, OK]) as (url, per_conn, closed):
+        relay = Relay(5.0)
+        relay.transport.idle_seconds = 0.05
+        try:
+            assert await _send(relay, url) == b"ok"
+            assert relay.transport.idle_count() == 1
+            await asyncio.wait_for(closed[0].wait(), 5)  # closed by the router, idle
+            assert relay.transport.idle_count() == 0
+            assert await _send(relay, url) == b"ok"
+            assert per_conn == [1, 1] and relay.transport.retried == 0
+        finally:
+            await relay.aclose()
+    # the pod closed an idle one (its keep-alive, a restart): skipped when taken, no retry
+    async with upstream(writes(OK)) as (url, heads):  # one answer a connection, then close
+        relay = Relay(5.0)
+        try:
+            assert await _send(relay, url) == b"ok"
+            await asyncio.sleep(0.2)  # the server's close arrives while it is idle
+            assert await _send(relay, url) == b"ok"
+            assert len(heads) == 2 and relay.transport.opened == 2
+            assert relay.transport.retried == 0
+        finally:
+            await relay.aclose()

@@ -330,3 +330,32 @@ async def test_a_failed_subscriber_takes_its_feed_down_and_a_fresh_one_follows_t
     finally:
         await feed.aclose()
     assert FakeSubscriber.made[1].stopped and feed.restarts == 1
+
+
+async def test_short_bodies_are_hashed_on_the_loop_long_ones_on_the_hashing_thread():
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sluice_server.router import upstream as upstream_mod
+
+    threads: list[str] = []
+
+    def recording(path: str, body: bytes, tenant: str | None) -> list[int] | None:
+        threads.append(threading.current_thread().name)
+        return provider(path, body, tenant)
+
+    pods = podset(pod("pod-a", "10.0.0.1"))
+    with ThreadPoolExecutor(1, thread_name_prefix="hashing") as hashing:
+        up = upstream(pods, hashes=recording)
+        up.hashing = hashing
+        short = b"101 102"
+        long = b"101 " * (upstream_mod.INLINE_BYTES // 4 + 1)
+        assert await up.prompt_hashes("/v1/completions", short, None) == [101, 102]
+        assert len(await up.prompt_hashes("/v1/completions", long, None) or ()) > 1
+        # round robin never reads the hashes: none computed, on no thread
+        rr = upstream(pods, hashes=recording, balance="round-robin")
+        rr.hashing = hashing
+        assert await rr.prompt_hashes("/v1/completions", short, None) is None
+        assert await rr.prompt_hashes("/v1/completions", long, None) is None
+    assert threads[0] == threading.current_thread().name
+    assert threads[1].startswith("hashing") and len(threads) == 2
