@@ -19,7 +19,8 @@ from testkit.fake_hub import FakeHub
 from testkit.net import free_port
 from testkit.process import ManagedProcess
 from testkit.wait import eventually
-from weights_helpers import BIG, REPO, model_files, run
+
+from .weights_helpers import BIG, REPO, model_files, run
 
 TOKEN = "hf_secret_token_value"
 

@@ -5,7 +5,9 @@ sees no request from it."""
 
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -15,7 +17,8 @@ from sluice_server.engine.tiny_model import ensure_tiny_model
 from testkit.fake_hub import FakeHub
 from testkit.net import free_port, wait_http
 from testkit.process import ManagedProcess
-from weights_helpers import run
+
+from .weights_helpers import run
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -33,7 +36,10 @@ def test_a_fetched_folder_serves_with_the_hub_off(hub: FakeHub, root: Path, tmp_
     }
     served_before = len(hub.requests)
     port = free_port()
-    env = {k: v for k, v in engine_env(tmp_path / "scratch").items() if not k.startswith("HF_")}
+    # A short scratch folder: vLLM's ZMQ ipc sockets live there, and a socket path has at
+    # most 107 characters (pytest's tmp_path under CI's base folder is longer).
+    scratch = Path(tempfile.mkdtemp(prefix="sluice-weights-"))
+    env = {k: v for k, v in engine_env(scratch).items() if not k.startswith("HF_")}
     env.update(HF_HUB_OFFLINE="1", HF_ENDPOINT=hub.url)  # the Hub stand-in, to count requests
     argv = [sys.executable, "-m", "sluice_server", "--model", str(folder), "--served-model-name",
             "tiny", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512",
@@ -49,4 +55,5 @@ def test_a_fetched_folder_serves_with_the_hub_off(hub: FakeHub, root: Path, tmp_
         assert r.json()["choices"][0]["text"]
     finally:
         proc.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
     assert hub.requests[served_before:] == []

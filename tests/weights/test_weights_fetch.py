@@ -16,7 +16,8 @@ from sluice_server.weights.result import Outcome
 from testkit.fake_hub import FakeHub
 from testkit.net import free_port
 from testkit.wait import eventually
-from weights_helpers import BIG, REPO, gets, model_files, run
+
+from .weights_helpers import BIG, REPO, gets, model_files, run
 
 
 def test_a_revision_is_laid_out_by_commit_with_the_marker_last(hub: FakeHub, root: Path) -> None:
