@@ -18,6 +18,29 @@ HASH_ANNOTATION = "serving.sluice.dev/applied-hash"
 RUN_AS = 65532
 
 
+def pod_security_context() -> dict[str, Any]:
+    """The pod-level security context of every pod the operator renders (model pods and the
+    weights Jobs): the image's non-root user, whose group owns mounted volumes."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS,
+        "runAsGroup": RUN_AS,
+        "fsGroup": RUN_AS,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def container_security_context() -> dict[str, Any]:
+    """The hardened container security context of those pods' containers."""
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
 def selector_labels(model: StreamingModel) -> dict[str, str]:
     """The immutable Deployment selector: never add to it (changing it needs a new Deployment)."""
     return {NAME_LABEL: "sluice-server", INSTANCE_LABEL: model.name}

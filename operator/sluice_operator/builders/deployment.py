@@ -18,10 +18,11 @@ from .args import PRESTOP_SECONDS, server_args, termination_grace_seconds
 from .common import (
     PORT,
     PORT_NAME,
-    RUN_AS,
+    container_security_context,
     endpoint_picker_labels,
     labels,
     metadata,
+    pod_security_context,
     selector_labels,
 )
 from .kvevents import kv_event_ports
@@ -187,13 +188,7 @@ def pod_template(model: StreamingModel) -> dict[str, Any]:
         "readinessProbe": _probe("/ready", 5, 2),
         "livenessProbe": _probe("/health", 15, 4),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SECONDS}}},
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]},
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": container_security_context(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     pod_spec: dict[str, Any] = {
@@ -202,13 +197,7 @@ def pod_template(model: StreamingModel) -> dict[str, Any]:
         "terminationGracePeriodSeconds": termination_grace_seconds(model),
         "automountServiceAccountToken": False,  # the server never calls the Kubernetes API
         "enableServiceLinks": False,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_AS,
-            "runAsGroup": RUN_AS,
-            "fsGroup": RUN_AS,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": pod_security_context(),
     }
     r = spec.resources
     optional = {

@@ -26,7 +26,13 @@ from typing import Any
 
 from ..models.resource import WEIGHTS_DIR, StreamingModel
 from ..models.weights import WeightsCache
-from .common import MANAGED_BY_LABEL, MANAGER, NAME_LABEL, RUN_AS
+from .common import (
+    MANAGED_BY_LABEL,
+    MANAGER,
+    NAME_LABEL,
+    container_security_context,
+    pod_security_context,
+)
 from .secrets import HF_TOKEN_DIR, HF_TOKEN_FILE
 
 JOB_ROOT = "/weights"  # where the download Job mounts the claim (writable)
@@ -113,15 +119,6 @@ def desired_weights_claim(model: StreamingModel) -> dict[str, Any] | None:
     }
 
 
-_HARDENED = {
-    "allowPrivilegeEscalation": False,
-    "readOnlyRootFilesystem": True,
-    "runAsNonRoot": True,
-    "capabilities": {"drop": ["ALL"]},
-    "seccompProfile": {"type": "RuntimeDefault"},
-}
-
-
 def _job(
     model: StreamingModel,
     name: str,
@@ -151,7 +148,7 @@ def _job(
             "requests": {"cpu": "500m", "memory": "512Mi"},
             "limits": {"memory": "2Gi"},
         },
-        "securityContext": _HARDENED,
+        "securityContext": container_security_context(),
         # The program writes its JSON result there; the kubelet reports it in the pod's
         # status (terminated.message), which is how the operator learns the commit.
         "terminationMessagePath": RESULT_FILE,
@@ -169,13 +166,7 @@ def _job(
         ],
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_AS,
-            "runAsGroup": RUN_AS,
-            "fsGroup": RUN_AS,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": pod_security_context(),
     }
     # The model's placement: with ReadWriteOnce the Job must land where the pods do.
     r = model.spec.resources
