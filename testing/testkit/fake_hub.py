@@ -200,17 +200,27 @@ class FakeHub:
             return None
         return repo
 
+    def _at_revision(self, h: BaseHTTPRequestHandler, record: Request, repo_id: str,
+                     revision: str, token: str | None, *,
+                     files: bool) -> tuple[FakeRepo, str] | None:  # fmt: skip
+        """The repository and the commit `revision` names, or None with the Hub's error sent."""
+        repo = self._access(h, record, repo_id, token, files=files)
+        if repo is None:
+            return None
+        commit = repo.resolve(revision)
+        if commit is None:
+            self._error(h, record, 404, "RevisionNotFound", f"Invalid rev id: {revision}")
+            return None
+        return repo, commit
+
     def _model_info(self, h: BaseHTTPRequestHandler, record: Request, rest: list[str],
                     query: dict[str, list[str]], token: str | None) -> None:  # fmt: skip
         repo_id = "/".join(rest[:2])
         revision = unquote(rest[3]) if len(rest) >= 4 and rest[2] == "revision" else "main"
-        repo = self._access(h, record, repo_id, token, files=False)
-        if repo is None:
+        found = self._at_revision(h, record, repo_id, revision, token, files=False)
+        if found is None:
             return
-        commit = repo.resolve(revision)
-        if commit is None:
-            self._error(h, record, 404, "RevisionNotFound", f"Invalid rev id: {revision}")
-            return
+        repo, commit = found
         blobs = query.get("blobs", ["false"])[0].lower() == "true"
         siblings = []
         for path, data in sorted(repo.commits[commit].items()):
@@ -242,13 +252,10 @@ class FakeHub:
         revision = unquote(parts[4])
         path = unquote("/".join(parts[5:]))
         record.path, record.revision = path, revision
-        repo = self._access(h, record, repo_id, token, files=True)
-        if repo is None:
+        found = self._at_revision(h, record, repo_id, revision, token, files=True)
+        if found is None:
             return
-        commit = repo.resolve(revision)
-        if commit is None:
-            self._error(h, record, 404, "RevisionNotFound", f"Invalid rev id: {revision}")
-            return
+        repo, commit = found
         data = repo.commits[commit].get(path)
         if data is None:
             self._error(h, record, 404, "EntryNotFound", f"{path} does not exist", commit)
