@@ -25,3 +25,11 @@ def key_refusal(key_file: Path | None, given: bytes | None) -> tuple[int, str] |
     if not key or not hmac.compare_digest(given.strip(), key):
         return 403, "X-Sluice-Continuation-Key is not this model's key."
     return None
+
+
+def model_key(master: bytes, namespace: str, name: str) -> bytes:
+    """One model's continuation key, derived from the router's master key: what the
+    operator writes into the model's own Secret (`<name>-continuation-key`) and what the
+    router sends to that model's pods. Each namespace holds only its models' keys, and the
+    router needs no Secret but its own. Hex of HMAC-SHA256(master, "<namespace>/<name>")."""
+    return hmac.new(master.strip(), f"{namespace}/{name}".encode(), "sha256").hexdigest().encode()
