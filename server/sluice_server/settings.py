@@ -741,6 +741,12 @@ class RouterSettings(HttpSettings):
         "router pod sharing the key. Reloaded when it changes (cookies signed with the key "
         "before stay honoured). Without it no cookie is set or honoured.",
     )
+    continuation_key_file: Path | None = Field(
+        None,
+        description="The master key for continuations (docs/migration.md): each model's "
+        "key is derived from it. Read when a stream is continued, so a rotated Secret "
+        "applies at once. Unset: no stream is continued on another pod.",
+    )
     pin_seconds: float = Field(
         3600.0,
         gt=0,

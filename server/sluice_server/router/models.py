@@ -16,7 +16,9 @@ podview.py; `kvEvents` (optional) says the pods publish their KV-cache events th
 the router follows per pod (kvfeed.py). Without `pods` a request goes to the Service `host`,
 as for a model that is only scaled to zero. `balance` is the model's `spec.routing.balance`
 and says how a model with `pods` is placed: `least-loaded` (the default) by the router's
-scores (prefix cache and load, placement.py), `round-robin` on each candidate pod in turn. Fields the router does not know are ignored (an operator
+scores (prefix cache and load, placement.py), `round-robin` on each candidate pod in turn. `migration`, `{"maxMigrations": 3,
+"stallSeconds": 30}` (a model with `pods` whose pods take continuations), makes the router
+continue a stream whose pod breaks off on another pod (migration.py). Fields the router does not know are ignored (an operator
 newer than the router); a file that cannot be used raises ValueError naming the entry.
 """
 
@@ -49,6 +51,13 @@ class _Pods(BaseModel):
     kv_events: _KvEvents | None = Field(None, alias="kvEvents")
 
 
+class _Migration(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    max_migrations: int = Field(3, ge=0, le=10, alias="maxMigrations")
+    stall_seconds: float = Field(30.0, gt=0, alias="stallSeconds")
+
+
 class _Entry(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
@@ -59,6 +68,7 @@ class _Entry(BaseModel):
     keepalive: float = Field(15.0, gt=0, alias="keepaliveSeconds")
     pods: _Pods | None = None
     balance: Balance = "least-loaded"
+    migration: _Migration | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +97,16 @@ class PodSelector:
 
 
 @dataclass(frozen=True)
+class Migration:
+    """A model whose streams the router continues on another pod when theirs breaks
+    (docs/migration.md): at most `max_migrations` moves per stream; an upstream silent for
+    `stall_seconds` counts as broken."""
+
+    max_migrations: int = 3
+    stall_seconds: float = 30.0
+
+
+@dataclass(frozen=True)
 class Model:
     namespace: str
     name: str
@@ -97,6 +117,7 @@ class Model:
     keepalive: float  # seconds between keep-alives on a held stream (and its commit point)
     pods: PodSelector | None = None  # None: forward to the Service `host`
     balance: Balance = "least-loaded"  # how a model with `pods` is placed
+    migration: Migration | None = None  # None: its streams are not continued elsewhere
 
     @property
     def key(self) -> str:
@@ -166,6 +187,9 @@ def parse(data: object) -> Models:
                 entry.keepalive,
                 selector,
                 entry.balance,
+                None
+                if entry.migration is None
+                else Migration(entry.migration.max_migrations, entry.migration.stall_seconds),
             )
         )
     return Models(models)
