@@ -15,6 +15,7 @@ from app_helpers import serving
 from prometheus_client.parser import text_string_to_metric_families
 from testkit.fake_pods_api import FakePodsApi
 from testkit.net import free_port
+from testkit.wait import eventually_async
 
 MODEL = "team-a/chat"  # the models file key every test uses (namespace/name)
 NS, NAME = MODEL.split("/")
@@ -195,3 +196,20 @@ async def direct_answers(url: str) -> dict:
             "anthropic": message["content"][0]["text"],
             "responses": response.json()["output"][0]["content"][0]["text"],
             "tokens": "".join(d.get("token", "") for d in tokens.data())}  # fmt: skip
+
+
+def sa_dir(tmp_path):
+    folder = tmp_path / "serviceaccount"
+    folder.mkdir(exist_ok=True)
+    (folder / "token").write_text("router-token\n")
+    return folder
+
+
+def candidates(act) -> list[str]:
+    (podset,) = act.app.pods.sets.values()
+    return [p.name for p in podset.candidates()]
+
+
+async def wait_candidates(act, names: list[str]) -> None:
+    await eventually_async(lambda: candidates(act) == names, timeout=15,
+                           message=f"candidates {names}")  # fmt: skip

@@ -29,6 +29,7 @@ from ..core.lifecycle import open_stream
 from ..core.params import describe_validation_error
 from ..core.services import ClientGone, Services, read_json, received_at, services, trail_of
 from ..core.streaming.continuation import (
+    MARKED_HEADER,
     SCOPE_KEY,
     Continuation,
     continued,
@@ -214,6 +215,7 @@ def _sse(
         cleanup,
         ping=svc.settings.heartbeat_seconds,
         send_timeout=svc.settings.send_timeout_seconds,
+        headers={MARKED_HEADER: "1"} if stream.marked else None,
     )
 
 

@@ -260,6 +260,7 @@ class Router:
             s.max_body_bytes,
             s.send_timeout_seconds,
             self.pins,
+            s.continuation_key_file,
         )
 
     async def _own(self, scope: Scope, send: Send) -> None:
