@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import random
 from urllib.parse import urlencode
 
 import httpx
 import pytest
+import websockets
 from continuation_helpers import check_one_stream, events_of, text_and_usage
 from router_helpers import (
     HEADERS,
@@ -207,6 +209,47 @@ async def test_a_stream_out_of_moves_ends_with_the_error_event(tmp_path):
     assert "upstream_error" in error and "maxMigrations" in error
 
 
+async def ws_generations(url: str, headers: dict, ids=(1, 2), started=None) -> dict:
+    """Two generations on one socket; every frame each got, in order, once both finished.
+    `started` (an event) is set once each has 6 token frames."""
+    frames: dict = {rid: [] for rid in ids}
+    async with websockets.connect(url.replace("http://", "ws://") + "/ws/stream",
+                                  additional_headers=headers) as ws:  # fmt: skip
+        for rid in ids:
+            await ws.send(json.dumps({"id": rid, "prompt": f"hello river {rid}",
+                                      "params": {"max_tokens": TOKENS}}))  # fmt: skip
+        while not all(f and f[-1].get("finished") for f in frames.values()):
+            raw = await ws.recv()
+            assert "_sluice" not in raw  # the router's mark never reaches the client
+            frame = json.loads(raw)
+            frames[frame["id"]].append(frame)
+            if started is not None and all(len(f) >= 6 for f in frames.values()):
+                started.set()
+    return frames
+
+
+async def test_websocket_generations_survive_their_pods_death(tmp_path):
+    async with pods_with_link(tmp_path, {"maxMigrations": 2, "stallSeconds": 5}) as (
+        act, api, link, port,
+    ):  # fmt: skip
+        started = asyncio.Event()
+        task = asyncio.ensure_future(ws_generations(act.url, HEADERS, started=started))
+        await asyncio.wait_for(started.wait(), 30)
+        assert not task.done()
+        api.ready("pod-b", True)
+        await wait_candidates(act, ["pod-a", "pod-b"])
+        link.kill()
+        frames = await asyncio.wait_for(task, 60)
+        reference = await ws_generations(f"http://127.0.0.2:{port}", {})
+        assert results(act)["continued"] == 2
+    for rid, got in frames.items():
+        assert [f["index"] for f in got] == list(range(len(got)))  # no frame twice or missing
+        assert [f.get("finished") for f in got].count(True) == 1
+        text = "".join(f.get("token", "") for f in got)
+        assert text == "".join(f.get("token", "") for f in reference[rid])
+        assert got[-1]["usage"] == reference[rid][-1]["usage"]
+
+
 # -- Marks: what the router reads of a marked stream, whatever the socket reads brought --
 
 API_STREAM = (
@@ -256,8 +299,6 @@ async def test_a_frame_cut_before_its_end_is_held_and_a_keepalive_passes():
 
 
 async def test_the_continuation_body_names_the_stream_and_what_the_client_has():
-    import json
-
     marks = Marks(False)
     marks.take(b": sluice-id chatcmpl-7@1733350000:3;791,3785\ndata: {}\n\n")
     body = json.loads(continuation_body("POST", "/v1/chat/completions", b'{"stream": true}',

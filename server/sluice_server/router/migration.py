@@ -20,7 +20,10 @@ case.
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ..core.auth.routerkey import model_key
 
@@ -158,3 +161,94 @@ def key_for(master_file: Path, namespace: str, name: str) -> bytes:
     Secret applies at the next continuation). OSError when it cannot be read."""
     master = master_file.read_bytes().split(b"\n", 1)[0]
     return model_key(master, namespace, name)
+
+
+class Generation:
+    """One generation on a relayed WebSocket: its generate frame, and what its client
+    received (the token ids of its frames, the next frame's index)."""
+
+    __slots__ = ("frame", "ids", "next")
+
+    def __init__(self, frame: dict[str, Any]) -> None:
+        self.frame = frame
+        self.ids: list[bytes] = []
+        self.next = 0
+
+    def continuation(self) -> str:
+        """Its generate frame with the `continuation` a second pod goes on from."""
+        ids = [int(i) for piece in self.ids for i in piece.split(b",")]
+        return json.dumps({**self.frame, "continuation": {"token_ids": ids,
+                                                         "next_event": self.next}})  # fmt: skip
+
+
+class Generations:
+    """The unfinished generations of one relayed WebSocket whose pod marks its frames: each
+    token frame and final frame starts with `"_sluice":"<n>;<token ids>",`, which `received`
+    strips (the client never sees it) after noting it. Client frames are read for the
+    generations they start and stop; a generation ends with its final frame or its error
+    frame. A pod that does not mark (its first generation frame has no mark) leaves
+    nothing to continue (`marking` False)."""
+
+    def __init__(self) -> None:
+        self.open: dict[Any, Generation] = {}
+        self.marking: bool | None = None  # None: no generation frame seen yet
+        self.last_at = time.monotonic()  # when the pod's last frame came
+        self.seam: float | None = None  # a seam's start, until the next pod's first frame
+        self.on_seam: Callable[[float], None] | None = None  # told the seam's gap
+
+    def sent(self, text: str) -> None:
+        """A client frame on its way to the pod."""
+        try:
+            frame = json.loads(text)
+        except ValueError:
+            return
+        if not isinstance(frame, dict) or not isinstance(frame.get("id"), (str, int)):
+            return
+        if frame.get("type", "generate") == "generate" and "continuation" not in frame:
+            self.open.setdefault(frame["id"], Generation(frame))
+
+    def received(self, text: str) -> str:
+        """A pod frame, its mark stripped and noted."""
+        if self.marking is False:
+            return text
+        now = time.monotonic()
+        if self.seam is not None:
+            if self.on_seam is not None:
+                self.on_seam(now - self.seam)
+            self.seam = None
+        self.last_at = now
+        if text.startswith(_WS_MARK):
+            end = text.find('",', len(_WS_MARK))
+            if end < 0:
+                return text
+            mark, rest = text[len(_WS_MARK) : end], "{" + text[end + 2 :]
+            self.marking = True
+            k = rest.find('"index"')
+            try:
+                rid = json.loads(rest[6:k].rstrip(", "))
+            except ValueError:
+                return rest
+            gen = self.open.get(rid)
+            if gen is not None:
+                n, _, ids = mark.partition(";")
+                gen.next = int(n) + 1
+                if ids:
+                    gen.ids.append(ids.encode())
+                if '"finished": true' in rest:
+                    del self.open[rid]
+            return rest
+        if '"type": "queued"' in text or '"type":"queued"' in text:
+            return text
+        try:
+            frame = json.loads(text)
+        except ValueError:
+            return text
+        if isinstance(frame, dict):
+            if "index" in frame and self.marking is None:
+                self.marking = False  # an unmarked generation frame: a pod without the key
+            if frame.get("type") == "error" or frame.get("finished") is True:
+                self.open.pop(frame.get("id"), None)
+        return text
+
+
+_WS_MARK = '{"_sluice":"'
