@@ -16,8 +16,9 @@ Service) `Upstream.pick` names and stream the answer through unchanged.
   upstream's status, message and code.
 - Past `holdTimeoutSeconds`: 503 `model_starting` with `Retry-After` when nothing was sent,
   else the protocol's error event with that code.
-- An upstream event stream that breaks off midway (the replica died) ends with the
-  protocol's error event, code `upstream_error`; any other answer cut off midway is cut
+- An upstream event stream that breaks off midway (the replica died) is continued on
+  another pod when its model has `migration` (`Splice`, docs/migration.md), else it ends
+  with the protocol's error event, code `upstream_error`; any other answer cut off midway is cut
   for the client too (the connection is dropped).
 - The client leaving while held drops it from the held count (no upstream request is
   made); leaving after forwarding closes the upstream connection at once, so the model
@@ -28,7 +29,8 @@ The request goes to `http://<podIP>:<port>` (a model with `pods`: the pod placed
 prompt's block hashes, which the model's provider computes from the body once, and the
 pods' loads) or `http://<host>:<port>` with its method, path, query, body and headers
 (hop-by-hop ones and Host removed); the bytes of the answer are relayed as they come,
-never parsed. Upstream connections are kept alive and reused only after an answer that
+never parsed, except the marks of a stream its model lets the router continue elsewhere
+(`Splice`, migration.py). Upstream connections are kept alive and reused only after an answer that
 ended cleanly (hop.py): a request whose client leaves closes its own connection, so the
 server hears it at once; a reused connection the pod closed before answering is retried
 once on a new one.
