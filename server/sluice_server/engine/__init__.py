@@ -45,6 +45,8 @@ async def open_engine(
     connection to an engine core the supervisor started (vLLM's multi-API-server
     handshake); the simulator ignores it (each worker runs its own)."""
     if settings.engine == "simulator":
+        if Path(settings.model).is_dir():  # a mounted model folder (the weights cache's)
+            phases.mark("weights_located")  # found, never read: the simulator has no weights
         from .simcache import KvEventsConfig
         from .simulator import SimulatorEngine
 
