@@ -213,6 +213,13 @@ class Settings(HttpSettings):
         description="On SIGTERM: how long in-flight streams may continue before "
         "they end with an error event.",
     )
+    handover_seconds: float = Field(
+        5.0,
+        ge=0,
+        description="On SIGTERM, with --continuation-key-file: after this long, the streams "
+        "the router relays are handed to it, which continues them on another replica "
+        "(docs/migration.md); only the others keep the pod up to --drain-timeout-seconds.",
+    )
 
     # Admission queue, priorities and fair shares (server/README.md, "Sharing a model")
     queue_size: int = Field(

@@ -9,6 +9,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 from app_helpers import serving
@@ -107,7 +108,18 @@ async def model_server(port: int, engine=None, host: str = "127.0.0.1",
                            "heartbeat_seconds": 0.5, **overrides})  # fmt: skip
     app = build_app(settings, engine)
     async with serving(uvicorn_config(settings, app)):
-        yield f"http://{host}:{port}"
+        yield ServerUrl(f"http://{host}:{port}", app)
+
+
+class ServerUrl(str):
+    """A served model server's URL, with its app (`.app`: its services, gate, metrics)."""
+
+    app: Any
+
+    def __new__(cls, url: str, app: Any) -> ServerUrl:
+        self = super().__new__(cls, url)
+        self.app = app
+        return self
 
 
 def metric(text: str, name: str, **labels: str) -> float:

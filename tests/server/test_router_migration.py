@@ -19,6 +19,7 @@ import httpx
 import pytest
 import websockets
 from continuation_helpers import check_one_stream, events_of, text_and_usage
+from prometheus_client.parser import text_string_to_metric_families
 from router_helpers import (
     HEADERS,
     LABELS,
@@ -76,11 +77,12 @@ async def pods_with_link(tmp_path, migration: dict | None, itl_ms: float = 25):
         api, api_url = await stack.enter_async_context(pods_api())
         api.put("pod-a", "127.0.0.1", LABELS, ready=True)
         api.put("pod-b", "127.0.0.2", LABELS, ready=False)
+        servers = []
         for ip in ("127.0.0.3", "127.0.0.2"):  # pod A's server, behind the link
             engine = SimulatorEngine("sim", ttft_ms=5, itl_ms=itl_ms)
-            await stack.enter_async_context(
+            servers.append(await stack.enter_async_context(
                 model_server(port, engine, host=ip, continuation_key_file=pod_key)
-            )
+            ))  # fmt: skip
         link = await FaultyLink("127.0.0.1", port, "127.0.0.3", port).start()
         stack.push_async_callback(link.aclose)
         act = await stack.enter_async_context(
@@ -88,6 +90,7 @@ async def pods_with_link(tmp_path, migration: dict | None, itl_ms: float = 25):
                    service_account_dir=sa_dir(tmp_path), continuation_key_file=master)
         )  # fmt: skip
         await wait_candidates(act, ["pod-a"])
+        link.pod_a = servers[0]  # pod A's server (its app)
         yield act, api, link, port
 
 
@@ -228,18 +231,25 @@ async def ws_generations(url: str, headers: dict, ids=(1, 2), started=None) -> d
     return frames
 
 
-async def test_websocket_generations_survive_their_pods_death(tmp_path):
-    async with pods_with_link(tmp_path, {"maxMigrations": 2, "stallSeconds": 5}) as (
-        act, api, link, port,
-    ):  # fmt: skip
+@pytest.mark.parametrize("fault", ["killed", "drained"])
+async def test_websocket_generations_survive_their_pod(tmp_path, fault):
+    async with pods_with_link(tmp_path, {"maxMigrations": 2, "stallSeconds": 5},
+                              itl_ms=40) as (act, api, link, port):  # fmt: skip
         started = asyncio.Event()
         task = asyncio.ensure_future(ws_generations(act.url, HEADERS, started=started))
         await asyncio.wait_for(started.wait(), 30)
         assert not task.done()
         api.ready("pod-b", True)
         await wait_candidates(act, ["pod-a", "pod-b"])
-        link.kill()
+        if fault == "killed":
+            link.kill()
+        else:
+            api.terminating("pod-a")
+            await wait_candidates(act, ["pod-b"])
+            drained = asyncio.ensure_future(link.pod_a.app.state.services.gate.drain(60, 0))
         frames = await asyncio.wait_for(task, 60)
+        if fault == "drained":
+            assert await drained == 0
         reference = await ws_generations(f"http://127.0.0.2:{port}", {})
         assert results(act)["continued"] == 2
     for rid, got in frames.items():
@@ -248,6 +258,37 @@ async def test_websocket_generations_survive_their_pods_death(tmp_path):
         text = "".join(f.get("token", "") for f in got)
         assert text == "".join(f.get("token", "") for f in reference[rid])
         assert got[-1]["usage"] == reference[rid][-1]["usage"]
+
+
+async def test_a_draining_pod_hands_its_streams_to_the_router(tmp_path):
+    """Rollout, scale-down, eviction: the pod stops taking requests, and after its hand-over
+    window its streams go on on another pod; its drain ends then, not with the streams."""
+    async with pods_with_link(tmp_path, {"maxMigrations": 2, "stallSeconds": 5},
+                              itl_ms=60) as (act, api, link, port):  # fmt: skip
+        services = link.pod_a.app.state.services
+        drained: list[int] = []
+
+        def drain() -> None:  # what SIGTERM starts (serve.py), with a 60 s drain timeout
+            api.terminating("pod-a")
+
+            async def run() -> None:
+                drained.append(await services.gate.drain(60, 0.3))
+
+            asyncio.ensure_future(run())
+
+        readers = await break_midway(act, api, drain)
+        reference = await unbroken(f"http://127.0.0.2:{port}")
+        assert drained == [0]  # every stream left the pod: none cut, none outlived the drain
+        assert results(act)["continued"] == len(REQUESTS)
+        page = (await httpx.AsyncClient().get(link.pod_a + "/metrics")).text
+        handed = sum(sample.value for family in text_string_to_metric_families(page)
+                     for sample in family.samples
+                     if sample.name == "sluice_streams_handed_over_total")  # fmt: skip
+        assert handed == len(REQUESTS)
+    for (name, _, path, _), r in zip(REQUESTS, readers, strict=True):
+        events = events_of(r.raw)
+        check_one_stream(path, events)
+        assert text_and_usage(path, events) == reference[name], name
 
 
 # -- Marks: what the router reads of a marked stream, whatever the socket reads brought --

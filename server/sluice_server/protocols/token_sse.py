@@ -37,8 +37,8 @@ from ..core.streaming.continuation import (
 )
 from ..core.streaming.continuation import marked as is_marked
 from ..core.streaming.events import DISCONNECTED, Failed, Finished, Meter, Tokens, Waiting, events
-from ..core.streaming.stream import Stream
-from ..transport.sse import QUEUED, SSEResponse
+from ..core.streaming.stream import HANDED_OVER, Stream
+from ..transport.sse import QUEUED, HandedOver, SSEResponse
 from .openapi import stream_body, stream_query, streamed
 
 router = APIRouter(tags=["token stream"])
@@ -217,6 +217,8 @@ async def token_events(
                 }
                 event = f"data: {_dumps(final)}"
             elif type(ev) is Failed:
+                if marked and ev.code == HANDED_OVER:
+                    raise HandedOver
                 event = f"event: error\ndata: {error_payload(rid, ev.message, ev.code)}"
             else:
                 continue
