@@ -63,7 +63,7 @@ REQUESTS = [
 
 
 @contextlib.asynccontextmanager
-async def pods_with_link(tmp_path, migration: dict | None, itl_ms: float = 25):
+async def pods_with_link(tmp_path, migration: dict | None, itl_ms: float = 25, engine=None):
     """Pod A (behind the link, the only Ready pod at first) and pod B (not Ready yet), both
     taking continuations with the model's key; the router with the master key. Yields
     (router, fake API, link, the pods' port)."""
@@ -79,9 +79,9 @@ async def pods_with_link(tmp_path, migration: dict | None, itl_ms: float = 25):
         api.put("pod-b", "127.0.0.2", LABELS, ready=False)
         servers = []
         for ip in ("127.0.0.3", "127.0.0.2"):  # pod A's server, behind the link
-            engine = SimulatorEngine("sim", ttft_ms=5, itl_ms=itl_ms)
+            pod_engine = engine or SimulatorEngine("sim", ttft_ms=5, itl_ms=itl_ms)
             servers.append(await stack.enter_async_context(
-                model_server(port, engine, host=ip, continuation_key_file=pod_key)
+                model_server(port, pod_engine, host=ip, continuation_key_file=pod_key)
             ))  # fmt: skip
         link = await FaultyLink("127.0.0.1", port, "127.0.0.3", port).start()
         stack.push_async_callback(link.aclose)
@@ -289,6 +289,32 @@ async def test_a_draining_pod_hands_its_streams_to_the_router(tmp_path):
         events = events_of(r.raw)
         check_one_stream(path, events)
         assert text_and_usage(path, events) == reference[name], name
+
+
+GREEDY = {"max_tokens": 160, "temperature": 0, "ignore_eos": True}
+REAL_CHAT = ("chat", "POST", "/v1/chat/completions",
+             {"model": "tiny", "messages": [{"role": "user", "content": "Tell me about the river."}],
+              "stream": True, "stream_options": {"include_usage": True}, **GREEDY})  # fmt: skip
+
+
+@pytest.mark.engine
+async def test_on_the_real_engine_the_text_goes_on_as_if_unbroken(tmp_path, engine):
+    """Two model servers on the session's real engine (tiny model, temperature 0), one
+    stream: pod A's link killed midway, the client's text equals an unbroken run's (the
+    continuing pod's engine input is prompt + the received token ids; every protocol's
+    rendering of a continuation on this engine: test_continuation_engine.py)."""
+    _, method, path, body = REAL_CHAT
+    async with pods_with_link(tmp_path, {"maxMigrations": 2, "stallSeconds": 30},
+                              engine=engine) as (act, api, link, port):  # fmt: skip
+        (reader,) = await break_midway(act, api, link.kill, [REAL_CHAT], at=4)
+        assert results(act)["continued"] == 1
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.2:{port}", timeout=120) as c:
+            whole = await Reader(c, method, path, body).run()
+    events = events_of(reader.raw)
+    check_one_stream(path, events)
+    text, usage = text_and_usage(path, events)
+    assert len(text) > 100
+    assert (text, usage) == text_and_usage(path, events_of(whole.raw))
 
 
 # -- Marks: what the router reads of a marked stream, whatever the socket reads brought --
