@@ -63,7 +63,14 @@ REQUESTS = [
 
 
 @contextlib.asynccontextmanager
-async def pods_with_link(tmp_path, migration: dict | None, itl_ms: float = 25, engine=None):
+async def pods_with_link(
+    tmp_path,
+    migration: dict | None,
+    itl_ms: float = 25,
+    engine=None,
+    server: dict | None = None,
+    **router_settings,
+):
     """Pod A (behind the link, the only Ready pod at first) and pod B (not Ready yet), both
     taking continuations with the model's key; the router with the master key. Yields
     (router, fake API, link, the pods' port)."""
@@ -81,16 +88,19 @@ async def pods_with_link(tmp_path, migration: dict | None, itl_ms: float = 25, e
         for ip in ("127.0.0.3", "127.0.0.2"):  # pod A's server, behind the link
             pod_engine = engine or SimulatorEngine("sim", ttft_ms=5, itl_ms=itl_ms)
             servers.append(await stack.enter_async_context(
-                model_server(port, pod_engine, host=ip, continuation_key_file=pod_key)
+                model_server(port, pod_engine, host=ip, continuation_key_file=pod_key,
+                             **(server or {}))
             ))  # fmt: skip
         link = await FaultyLink("127.0.0.1", port, "127.0.0.3", port).start()
         stack.push_async_callback(link.aclose)
         act = await stack.enter_async_context(
             router(tmp_path, {MODEL: pods_entry(port, **extra)}, kube_api_url=api_url,
-                   service_account_dir=sa_dir(tmp_path), continuation_key_file=master)
+                   service_account_dir=sa_dir(tmp_path), continuation_key_file=master,
+                   **router_settings)
         )  # fmt: skip
         await wait_candidates(act, ["pod-a"])
         link.pod_a = servers[0]  # pod A's server (its app)
+        link.stack = stack  # for more servers
         yield act, api, link, port
 
 
@@ -289,6 +299,63 @@ async def test_a_draining_pod_hands_its_streams_to_the_router(tmp_path):
         events = events_of(r.raw)
         check_one_stream(path, events)
         assert text_and_usage(path, events) == reference[name], name
+
+
+async def test_a_resume_after_a_migration_finds_the_pod_that_holds_the_stream(tmp_path):
+    """A token stream (GET, resume window on) continued on pod B; its client then loses
+    its connection and reconnects with `Last-Event-ID` and its pin cookie, which names a
+    pod without the stream: the router asks the next pod and the stream resumes there."""
+    from sluice_server.router.pin import COOKIE, Pins
+
+    pin_key = tmp_path / "pin-key"
+    pin_key.write_bytes(b"p" * 40)
+    query = {"prompt": "hello river", "max_tokens": TOKENS}
+    get = ("tokens-get", "GET", "/v1/stream", query)
+    async with pods_with_link(tmp_path, {"maxMigrations": 2, "stallSeconds": 5}, itl_ms=60,
+                              server={"resume_grace_seconds": 30},
+                              pin_key_file=pin_key) as (act, api, link, port):  # fmt: skip
+        pod_c = SimulatorEngine("sim", ttft_ms=5, itl_ms=60)
+        await link.stack.enter_async_context(model_server(port, pod_c, host="127.0.0.5"))
+        async with httpx.AsyncClient(base_url=act.url, headers=HEADERS, timeout=60) as c:
+            reader = Reader(c, "GET", "/v1/stream", query)
+            task = asyncio.ensure_future(reader.run())
+            await eventually_async(lambda: reader.events >= 4, timeout=30, message="4 events")
+            api.ready("pod-b", True)
+            await wait_candidates(act, ["pod-a", "pod-b"])
+            link.kill()
+            await eventually_async(lambda: results(act)["continued"] == 1, timeout=30,
+                                   message="continued")  # fmt: skip
+            await eventually_async(lambda: reader.events >= 10, timeout=30, message="more")
+            task.cancel()  # the client's connection drops (a network blip)
+            await asyncio.gather(task, return_exceptions=True)
+            last = events_of(reader.raw)[-1].split("\n")[0].removeprefix("id: ")
+            api.ready("pod-a", False)
+            api.put("pod-c", "127.0.0.5", LABELS, ready=True)
+            await wait_candidates(act, ["pod-b", "pod-c"])
+            cookie = f"{COOKIE}={Pins(b'p' * 40, 3600).sign(MODEL, 'pod-c')}"
+            again = {"Last-Event-ID": last, "Cookie": cookie}
+            # The negative control first: pod C alone has no such stream (404).
+            api.ready("pod-b", False)
+            await wait_candidates(act, ["pod-c"])
+            r = await c.get("/v1/stream", params=query, headers=again)
+            assert r.status_code == 404 and "stream_not_found" in r.text
+            api.ready("pod-b", True)
+            await wait_candidates(act, ["pod-b", "pod-c"])
+            resumed = Reader(c, "GET", "/v1/stream", query)
+            async with c.stream("GET", "/v1/stream", params=query, headers=again) as r:
+                assert r.status_code == 200
+                resumed.raw = "".join([t async for t in r.aiter_text()])
+        reference = await unbroken_one(f"http://127.0.0.2:{port}", get)
+    whole = events_of(reader.raw) + events_of(resumed.raw)
+    check_one_stream("/v1/stream", whole)
+    assert text_and_usage("/v1/stream", whole) == reference
+
+
+async def unbroken_one(url: str, request) -> tuple[str, dict | None]:
+    _, method, path, body = request
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        r = await Reader(c, method, path, body).run()
+    return text_and_usage(path, events_of(r.raw))
 
 
 GREEDY = {"max_tokens": 160, "temperature": 0, "ignore_eos": True}
