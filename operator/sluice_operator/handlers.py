@@ -2,7 +2,8 @@
 memo and runs a pass (`passes.Passes`), which calls `reconcile.converge` under the model's
 lock and classifies what went wrong.
 
-- StreamingModel created, changed (spec), or found at operator start -> converge.
+- StreamingModel created, changed (spec), or found at operator start -> converge; deleted
+  -> the weights cache's commits it alone used are removed from the claim.
 - A child (Deployment, Service, Ingress, HPA, PDB) or one of the pods changed or was
   deleted -> converge its owner: hand edits are put back, status follows the rollout.
 - Every `--resync-seconds` -> converge every model (`resync.Resync`; a pass that failed
@@ -106,10 +107,24 @@ def reconcile(
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL, id="model-seen")
-def model_seen(memo: kopf.Memo, **_: Any) -> None:
-    """Writes nothing. kopf calls it once its listings are complete, also on a standby
-    (whose model handlers are filtered out): from then on a takeover pass may run."""
-    runtime_of(memo).resync.adopt_context()
+def model_seen(
+    memo: kopf.Memo,
+    body: kopf.Body,
+    namespace: str | None,
+    logger: kopf.Logger,
+    type: str | None = None,  # noqa: A002 - kopf's keyword
+    **_: Any,
+) -> None:
+    """kopf calls it once its listings are complete, also on a standby (whose model
+    handlers are filtered out): from then on a takeover pass may run. A model deleted
+    (DELETED: its last body) hands its weights back to the claim on the leader
+    (`Passes.release_weights`); nothing else is written here."""
+    runtime = runtime_of(memo)
+    runtime.resync.adopt_context()
+    if type == "DELETED" and namespace and runtime.leading():
+        weights = (body.get("status") or {}).get("weights")
+        if weights:
+            runtime.passes.release_weights(namespace, dict(body), logger)
 
 
 def _owner_changed(

@@ -7,6 +7,9 @@ what went wrong classified for kopf.
   with a backoff that doubles up to `MAX_BACKOFF_SECONDS`.
 - A lost Lease mid-pass (`WriteFenced`) ends the pass quietly: the new leader converges it.
 - A namespace being deleted (403 "being terminated") ends it quietly too.
+- A deleted model's weights (`release_weights`): its commits are removed from the claim
+  when no other model uses them; a clean-up that must wait for another model's download
+  is tried again by the resync (`retry_releases`).
 - Adapters still loading, a LeaderWorkerSet not yet updated and Ready, or a weights
   download running, ask kopf to look again soon: no watch event follows any of them.
 
@@ -17,7 +20,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
@@ -28,7 +32,7 @@ from .kinds import STREAMING_MODEL
 from .modellocks import ModelLocks
 from .models.resource import OperatorDefaults
 from .pacing import RolloutPacer
-from .reconcile import Outcome, converge
+from .reconcile import Outcome, converge, release_weights
 from .scaletozero import ZeroContext
 from .validation import SpecError
 from .weightsstate import WEIGHTS_RECHECK_SECONDS
@@ -83,6 +87,10 @@ class Passes:
     pacer: RolloutPacer | None = None
     zero: ZeroContext | None = None
     defaults: OperatorDefaults = OperatorDefaults()
+    # Deleted models whose weights' clean-up waits for another model's download:
+    # (namespace, uid) -> the model's last body. In memory only (see release_weights).
+    waiting_releases: dict[tuple[str, str], Any] = field(default_factory=dict)
+    _release_guard: threading.Lock = field(default_factory=threading.Lock)
 
     def converge(
         self,
@@ -162,6 +170,50 @@ class Passes:
         if not collapsible and any(o.weights_settling for o in outcomes):
             # The download Job is not watched: poll its progress and its end.
             raise kopf.TemporaryError("the weights are downloading", delay=WEIGHTS_RECHECK_SECONDS)
+
+    def release_weights(self, namespace: str, body: Any, logger: Any) -> None:
+        """A StreamingModel was deleted (its last body, from the watch's DELETED event): its
+        commits leave the claim unless another model of the namespace uses them
+        (`reconcile.release_weights`). No finalizer holds the model for it (deletion must
+        not hang while the operator is down), so the decision rests on this event: one that
+        must wait for another model's download is kept here and tried again by every resync
+        round (`retry_releases`); an operator restart in between forgets it
+        (docs/weights-cache.md says what is left then)."""
+        meta = body.get("metadata") or {}
+        key = (namespace, str(meta.get("uid") or meta.get("name")))
+
+        def once() -> None:
+            neighbours = []
+            for ns, name in self.memory.models():
+                other = self.memory.model(ns, name) if ns == namespace else None
+                if other is not None:
+                    neighbours.append(other)
+            try:
+                done = release_weights(
+                    self.cluster, body, neighbours, _poster(body, self.cluster)
+                )
+            except WriteFenced as exc:
+                log.info(f"clean-up of {namespace}/{meta.get('name')}'s weights stopped: {exc}")
+                return  # the new leader never saw the DELETED event: nothing more to do
+            except Exception as exc:  # an API error: try again on the next resync round
+                logger.warning(f"cleaning up the weights of {namespace}/{meta.get('name')}: {exc}")
+                done = False
+            with self._release_guard:
+                if done:
+                    self.waiting_releases.pop(key, None)
+                else:
+                    self.waiting_releases[key] = body
+            if not done:
+                log.info(f"clean-up of {namespace}/{meta.get('name')}'s weights waits")
+
+        # One clean-up decision at a time per namespace.
+        self.locks.run((namespace, "\0weights-release"), once)
+
+    def retry_releases(self, logger: Any) -> None:
+        with self._release_guard:
+            waiting = list(self.waiting_releases.items())
+        for (namespace, _), body in waiting:
+            self.release_weights(namespace, body, logger)
 
     def converge_quietly(self, namespace: str, name: str, logger: kopf.Logger, why: str) -> None:
         """A pass nobody retries (child event, resync): errors are logged, never raised."""

@@ -81,7 +81,7 @@ from .status_from_cluster import (
     with_template_wait,
 )
 from .validation import SpecError, load_model
-from .weightsstate import WEIGHTS_CONDITION, JobView, WeightsVerdict, weights_verdict
+from .weightsstate import JobView, WeightsVerdict, weights_users, weights_verdict
 
 log = logging.getLogger("sluice_operator.reconcile")
 
@@ -669,32 +669,31 @@ class _Pass:
 
     def _clean_up(self, record: dict[str, Any], workload: Mapping[str, Any] | None) -> None:
         """Once the pods rolled onto the new commit: the old one is removed from the claim by
-        a clean-up Job, keeping every commit a model of the namespace serves or still rolls
-        from; not while any of them downloads this repository (its new commit is not known
-        yet). `previousCommit` is dropped once decided."""
+        a clean-up Job, keeping every commit a model of the namespace serves, still rolls
+        from, or pins in its spec; not while any of them downloads this repository towards
+        a commit not known yet, a model created a moment ago included
+        (`weightsstate.weights_users`). `previousCommit` is dropped once decided."""
         old = record.get("previousCommit")
         if not old or workload is None or not deployment_settled(workload):
             return
-        claim, repo = record.get("claimName"), record.get("repo")
-        keep: set[str] = set()
-        for body in self._neighbours():
-            st = body.get("status") or {}
-            w = st.get("weights") or {}
-            if w.get("claimName") != claim or w.get("repo") != repo:
-                continue
-            if (body.get("metadata") or {}).get("name") != self.name:
-                keep.update(c for c in (w.get("commit"), w.get("previousCommit")) if c)
-            busy = any(
-                c.get("type") == WEIGHTS_CONDITION and c.get("status") != "True"
-                for c in st.get("conditions") or []
+        claim, repo = str(record.get("claimName")), str(record.get("repo"))
+        others = [
+            b for b in self._neighbours() if (b.get("metadata") or {}).get("name") != self.name
+        ]
+        users = weights_users(claim, repo, others)
+        if users.busy:
+            log.info(
+                f"{self.namespace}/{self.name}: commit {old} of {repo} stays on claim {claim} "
+                f"while model {users.busy} downloads the repository"
             )
-            if busy and (body.get("metadata") or {}).get("name") != self.name:
-                return  # a download of this repository runs: wait for it
-        keep.add(str(record["commit"]))
+            return  # a download of this repository runs: wait for it
+        keep = users.keep | {str(record["commit"])}
         record.pop("previousCommit", None)
         if old in keep:
             return  # another model still serves it: it cleans up when it moves on
-        manifest = desired_remove_job(self.model, sorted(keep))
+        generation = self.body["metadata"].get("generation")
+        salt = f"{self.uid}/{generation}"
+        manifest = desired_remove_job(self.model, sorted(keep), salt)
         meta = manifest["metadata"]
         if self.cluster.get(JOB.api_version, JOB.kind, self.namespace, meta["name"]) is None:
             self.cluster.apply(manifest)
@@ -776,3 +775,55 @@ def _with_adapters(
     status = with_condition(status, cond, previous, now, generation)
     status["adapters"] = entries
     return status
+
+
+def release_weights(
+    cluster: Cluster,
+    deleted: Mapping[str, Any],
+    neighbours: list[Mapping[str, Any]],
+    post_event: PostEvent,
+) -> bool:
+    """A deleted StreamingModel's commits (`status.weights`: the one its pods served and,
+    mid revision change, the one they rolled from) are removed from the claim by a clean-up
+    Job when no other model of the namespace (`neighbours`, the deleted one excluded by
+    uid) serves, rolls from or pins them; every commit of the repository when no model uses
+    it any more. False: a model downloads the repository towards a commit not known yet,
+    so the clean-up must wait (the caller asks again later); True: decided (a Job created,
+    or nothing to remove)."""
+    meta = deleted.get("metadata") or {}
+    record = (deleted.get("status") or {}).get("weights") or {}
+    commits = {str(c) for c in (record.get("commit"), record.get("previousCommit")) if c}
+    claim, repo = record.get("claimName"), record.get("repo")
+    if not commits or not claim or not repo:
+        return True  # it never served a commit of the cache
+    try:
+        model = load_model(deleted)
+    except SpecError:
+        return True
+    cache = cache_of(model)
+    if cache is None or cache.claim_name != claim or repo_and_revision(model)[0] != repo:
+        return True  # the record is of another claim or repository than its spec: leave it
+    # By uid: a new model of the same name is another user (by name for bodies without one).
+    uid = meta.get("uid")
+    field = "uid" if uid else "name"
+    others = [
+        b for b in neighbours if (b.get("metadata") or {}).get(field) != meta.get(field)
+    ]
+    users = weights_users(str(claim), str(repo), others)
+    if users.busy:
+        return False
+    gone = sorted(commits - users.keep)
+    if not gone:
+        return True  # another model serves them: it cleans up when it moves on
+    manifest = desired_remove_job(model, sorted(users.keep), salt=str(uid or meta.get("name")))
+    name = manifest["metadata"]["name"]
+    if cluster.get(JOB.api_version, JOB.kind, model.namespace, name) is None:
+        cluster.apply(manifest)
+    kept = f", keeping {', '.join(sorted(users.keep))}" if users.keep else ""
+    post_event(
+        "Normal",
+        "WeightsRemoving",
+        f"model {meta.get('name')} was deleted: removing commit {', '.join(gone)} of {repo} "
+        f"from claim {claim} (Job {name}){kept}",
+    )
+    return True

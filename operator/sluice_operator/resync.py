@@ -36,9 +36,13 @@ class Resync:
         logger: Logger,
         converge: Converge,
         leading: Callable[[], bool] = lambda: True,
+        after_round: Callable[[], None] | None = None,
     ) -> None:
         self.memory, self.seconds, self.logger = memory, seconds, logger
         self.converge, self.leading = converge, leading
+        # Run after each round of the period (the weights clean-ups of deleted models
+        # that wait for a download: `Passes.retry_releases`).
+        self.after_round = after_round
         self.passes = 0
         self._soon: set[tuple[str, str]] = set()
         self._soon_guard = threading.Lock()
@@ -95,6 +99,9 @@ class Resync:
             done += 1
         if done:
             self.logger.info(f"resync: {done} models converged from memory")
+        if self.after_round is not None and self.leading() and not self._stop.is_set():
+            assert self._context is not None
+            self._context.copy().run(self.after_round)
 
     def _loop(self) -> None:
         timeout = self.seconds if self.seconds > 0 else None

@@ -18,6 +18,7 @@ the Job, its pods and the running pod's progress, and writes what this decides.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,7 @@ from .builders.weights import (
 )
 from .models.resource import WEIGHTS_REFRESH_ANNOTATION, StreamingModel
 from .models.status import ConditionType
+from .validation import SpecError, load_model
 
 WEIGHTS_CONDITION: ConditionType = "WeightsReady"
 WEIGHTS_RECHECK_SECONDS = 15
@@ -54,6 +56,9 @@ FIXES = {
     "unreachable": "check the cluster's egress to the Hub, or set "
     "spec.model.cache.weights.hubEndpoint to a mirror",
 }
+# WeightsReady reasons after which no Job of the model writes to the claim any more.
+STOPPED_REASONS = {*FAILURE_REASONS.values(), "ClaimMissing"}
+COMMIT = re.compile(r"^[0-9a-f]{40}$")
 RETRY_HINT = f"to retry, set the annotation {WEIGHTS_REFRESH_ANNOTATION} to a new value"
 
 
@@ -249,3 +254,51 @@ def weights_verdict(
     return WeightsVerdict(
         served, record, _cond(False, "Resolving", message + keeping), settling=True
     )
+
+
+@dataclass
+class WeightsUsers:
+    """Who uses a repository on a claim, among a namespace's models: the commits they serve
+    or still roll from (`keep`), and a model whose download of the repository runs towards
+    a commit nobody knows yet (`busy`: its name; a clean-up must wait for it, since the
+    commit it resolves to may be one a clean-up would remove)."""
+
+    keep: set[str] = field(default_factory=set)
+    busy: str | None = None
+
+
+def weights_users(claim: str, repo: str, bodies: Iterable[Mapping[str, Any]]) -> WeightsUsers:
+    """The users of `repo` on `claim` among `bodies` (StreamingModels as stored), by their
+    status (the commits their pods mount) and by their spec: a model created a moment ago
+    has no status yet but names the claim and the repository, and its Job is about to
+    write there. A pinned commit in a spec is kept without waiting; a branch or tag is
+    `busy` until the model's status records what it resolved to (or its download failed
+    for good: a failed Job writes nothing more)."""
+    users = WeightsUsers()
+    for body in bodies:
+        st = body.get("status") or {}
+        w = st.get("weights") or {}
+        if w.get("claimName") == claim and w.get("repo") == repo:
+            users.keep.update(str(c) for c in (w.get("commit"), w.get("previousCommit")) if c)
+        try:
+            model = load_model(body)
+        except (SpecError, KeyError, ValueError):
+            continue  # an invalid spec gets no Job
+        cache = cache_of(model)
+        if cache is None or cache.claim_name != claim or model.source.kind != "hf":
+            continue
+        wanted, revision = repo_and_revision(model)
+        if wanted != repo:
+            continue
+        if COMMIT.fullmatch(revision):
+            users.keep.add(revision)
+            continue
+        if w.get("job") == fetch_job_name(model) and w.get("commit"):
+            continue  # its status records what this spec resolved to
+        cond = next(
+            (c for c in st.get("conditions") or [] if c.get("type") == WEIGHTS_CONDITION), {}
+        )
+        if cond.get("reason") in STOPPED_REASONS:
+            continue
+        users.busy = users.busy or str((body.get("metadata") or {}).get("name"))
+    return users

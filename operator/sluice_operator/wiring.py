@@ -174,7 +174,14 @@ def wire(
     def converge_quietly(namespace: str, name: str, why: str) -> None:
         passes.converge_quietly(namespace, name, logger, why)
 
-    resync = Resync(memory, options.resync_seconds, logger, converge_quietly, leading=leading)
+    resync = Resync(
+        memory,
+        options.resync_seconds,
+        logger,
+        converge_quietly,
+        leading=leading,
+        after_round=lambda: passes.retry_releases(logger),
+    )
     pacer = RolloutPacer(
         options.max_rollouts,
         deployments=lambda: memory.every(DEPLOYMENT),

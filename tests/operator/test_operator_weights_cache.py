@@ -446,3 +446,130 @@ def test_the_handler_polls_while_the_download_runs(monkeypatch):
     handlers.reconcile(**kwargs)  # ready: no retry, no poll
     assert len(asked) == 1
     assert cluster.stored_status[("default", "m")]["weights"]["commit"] == A
+
+
+def _rm_jobs(cluster):
+    return [cluster.objects[("Job", "default", n)] for n in cluster.jobs()
+            if n.startswith("sluice-weights-rm-")]  # fmt: skip
+
+
+def _rm_args(job):
+    return job["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def _moved_to_b(cluster, events):
+    """Model m on A, then on v2 = B, its rollout settled: the pass that decides A's fate."""
+    body = _ready_on(cluster, cached("m", revision="v1"), A)
+    body["spec"]["model"]["uri"] = "hf://org/model@v2"
+    _, body = run(cluster, body, reads=cluster.memory)
+    cluster.finish(fetch_job_name(load_model(body)), {**READY, "revision": "v2", "commit": B})
+    _, body = run(cluster, body, reads=cluster.memory)
+    cluster.set_deployment_status("default", "m", replicas=1, readyReplicas=1, updatedReplicas=1)
+    return run(cluster, body, events, reads=cluster.memory)[1]
+
+
+def test_a_model_created_a_moment_ago_holds_the_clean_up_until_its_download_resolves():
+    """The busy check reads the namespace's specs, not only statuses: a model just created
+    on the same claim and repository (no status yet) downloads a branch that may resolve
+    to the commit being removed, so the clean-up waits for it. The control is
+    test_a_revision_change_...: with nobody else, the Job is created on that pass."""
+    cluster = JobCluster()
+    cluster.objects[("PersistentVolumeClaim", "default", "weights")] = {"metadata": {}}
+    cluster.store(cached("new", revision="main"))  # created a moment ago: no status at all
+    events = Events()
+    body = _moved_to_b(cluster, events)
+    assert _rm_jobs(cluster) == [] and events == []
+    assert body["status"]["weights"]["previousCommit"] == A  # decided later
+    # Its download resolves main to A: A is kept, nothing is removed.
+    _ready_on(cluster, cached("new", revision="main"), A)
+    events = Events()
+    _, body = run(cluster, body, events, reads=cluster.memory)
+    assert _rm_jobs(cluster) == [] and "previousCommit" not in body["status"]["weights"]
+
+
+def test_a_new_model_on_another_claim_or_repository_does_not_hold_the_clean_up():
+    cluster = JobCluster()
+    cluster.objects[("PersistentVolumeClaim", "default", "weights")] = {"metadata": {}}
+    cluster.store(cached("elsewhere", revision="main", claim="other-claim"))
+    events = Events()
+    _moved_to_b(cluster, events)
+    (rm,) = _rm_jobs(cluster)
+    assert _rm_args(rm)[-2:] == ["--keep", B]
+    assert [r for _, r, _ in events] == ["WeightsRemoving"]
+
+
+def test_a_new_model_pinning_the_old_commit_keeps_it_without_waiting():
+    cluster = JobCluster()
+    cluster.objects[("PersistentVolumeClaim", "default", "weights")] = {"metadata": {}}
+    cluster.store(cached("pinned", revision=A))
+    body = _moved_to_b(cluster, Events())
+    assert _rm_jobs(cluster) == [] and "previousCommit" not in body["status"]["weights"]
+
+
+def own(name, **kw):
+    """A model with a uid of its own (the deletion tells models apart by uid)."""
+    body = cached(name, **kw)
+    body["metadata"]["uid"] = f"uid-{name}"
+    return body
+
+
+def _deleted(cluster, body, monkeypatch, events):
+    """The model is deleted: gone from the API server (and memory), then kopf's DELETED event
+    with its last body."""
+    monkeypatch.setattr(kopf, "event", lambda obj, type, reason, message: events.append(
+        (type, reason, message)))  # fmt: skip
+    del cluster.objects[("StreamingModel", "default", body["metadata"]["name"])]
+    handlers.model_seen(memo=cluster.memo, body=body, namespace="default",
+                        logger=logging.getLogger("test"), type="DELETED")  # fmt: skip
+
+
+def test_deleting_the_last_model_of_a_commit_removes_it_and_not_before(monkeypatch):
+    cluster = JobCluster()
+    cluster.objects[("PersistentVolumeClaim", "default", "weights")] = {"metadata": {}}
+    a = _ready_on(cluster, own("a", revision="v1"), A)
+    b = _ready_on(cluster, own("b", revision="v1"), A)
+    c = _ready_on(cluster, own("c", revision="v2"), B)
+    events: list = []
+    _deleted(cluster, a, monkeypatch, events)
+    assert _rm_jobs(cluster) == [] and events == []  # b still serves A (the control)
+    _deleted(cluster, b, monkeypatch, events)
+    (rm,) = _rm_jobs(cluster)
+    assert _rm_args(rm)[-2:] == ["--keep", B]  # c's commit stays
+    assert [r for _, r, _ in events] == ["WeightsRemoving"]
+    assert f"model b was deleted: removing commit {A}" in events[0][2]
+    _deleted(cluster, c, monkeypatch, events)
+    rms = _rm_jobs(cluster)
+    assert len(rms) == 2 and ["--all"] in [_rm_args(j)[-1:] for j in rms]  # nothing left
+
+
+def test_a_deleted_models_clean_up_waits_for_a_download_then_the_resync_runs_it(monkeypatch):
+    cluster = JobCluster()
+    cluster.objects[("PersistentVolumeClaim", "default", "weights")] = {"metadata": {}}
+    a = _ready_on(cluster, own("a", revision="v1"), A)
+    cluster.store(own("new", revision="main"))  # no status yet: its Job may resolve to A
+    events: list = []
+    _deleted(cluster, a, monkeypatch, events)
+    passes = cluster.runtime.passes
+    assert _rm_jobs(cluster) == [] and len(passes.waiting_releases) == 1
+    passes.retry_releases(logging.getLogger("test"))  # still downloading: still waiting
+    assert _rm_jobs(cluster) == [] and len(passes.waiting_releases) == 1
+    _ready_on(cluster, own("new", revision="main"), B)
+    passes.retry_releases(logging.getLogger("test"))
+    (rm,) = _rm_jobs(cluster)
+    assert _rm_args(rm)[-2:] == ["--keep", B] and passes.waiting_releases == {}
+    assert [r for _, r, _ in events] == ["WeightsRemoving"]
+
+
+def test_deleting_a_model_without_the_cache_or_before_its_first_commit_removes_nothing(
+    monkeypatch,
+):
+    cluster = JobCluster()
+    cluster.objects[("PersistentVolumeClaim", "default", "weights")] = {"metadata": {}}
+    _, pending = run(cluster, own("a", revision="v1"))  # downloading: no commit recorded
+    events: list = []
+    _deleted(cluster, pending, monkeypatch, events)
+    plain = body_of({"metadata": {"name": "p", "namespace": "default"},
+                     "spec": {"model": {"uri": "hf://org/model"}}})  # fmt: skip
+    cluster.store(plain)
+    _deleted(cluster, plain, monkeypatch, events)
+    assert _rm_jobs(cluster) == [] and events == []

@@ -124,6 +124,14 @@ def test_remove_keeps_the_listed_commits_only(hub: FakeHub, tmp_path: Path) -> N
     left = sorted(p.name for p in (root / "acme" / "tiny").iterdir())
     assert left == sorted([second, third, "notes.txt"])
     assert (root / "acme" / "other" / other / MARKER).exists()
+    # --all (the repository's last model deleted): every commit folder of the repository,
+    # nothing else, nothing of another repository.
+    code = main(["remove", "--root", str(root), "--repo", REPO, "--all",
+                 "--result-file", str(result_file)])  # fmt: skip
+    doc = json.loads(result_file.read_text())
+    assert (code, doc["removed"], doc["kept"]) == (0, sorted([second, third]), [])
+    assert [p.name for p in (root / "acme" / "tiny").iterdir()] == ["notes.txt"]
+    assert (root / "acme" / "other" / other / MARKER).exists()
 
 
 def test_remove_refuses_what_resolves_outside_the_root(tmp_path: Path) -> None:
@@ -147,6 +155,10 @@ def test_remove_refuses_what_resolves_outside_the_root(tmp_path: Path) -> None:
     for bad in (["--repo", "../etc", "--keep", "b" * 40], ["--repo", REPO, "--keep", "main"],
                 ["--repo", REPO, "--keep", ","]):  # fmt: skip
         assert main(["remove", "--root", str(root), *bad, "--result-file", str(result_file)]) == 2
+    for bad in ([], ["--keep", "b" * 40, "--all"]):  # neither, or both: argparse refuses
+        with pytest.raises(SystemExit) as exc:
+            main(["remove", "--root", str(root), "--repo", REPO, *bad])
+        assert exc.value.code == 2
 
 
 def test_a_job_killed_mid_file_is_finished_by_the_next_without_refetching(hub: FakeHub,

@@ -68,6 +68,10 @@ def test_a_damaged_file_is_deleted_and_fetched_again(hub: FakeHub, root: Path,
     assert result.outcome == "ready"
     assert gets(hub, "model.safetensors") == 2
     assert "model.safetensors arrived damaged (sha256" in caplog.text
+    # The result (the Job's termination message, the operator's Event) says so too.
+    assert "downloaded again after a check failed: model.safetensors (arrived damaged: sha256" in (
+        result.message
+    )
 
 
 def test_a_file_damaged_every_time_ends_corrupt_without_a_marker(hub: FakeHub, root: Path) -> None:
@@ -76,6 +80,7 @@ def test_a_file_damaged_every_time_ends_corrupt_without_a_marker(hub: FakeHub, r
     result, progress = run(hub, root)
     assert result.outcome == "corrupt" and Outcome.CORRUPT.exit_code == 7
     assert "model.safetensors" in result.message and "arrived damaged twice" in result.message
+    assert "downloaded again" not in result.message
     assert gets(hub, "model.safetensors") == 2
     folder = root / "acme" / "tiny" / repo.refs["main"]
     assert not (folder / MARKER).exists() and not (folder / "model.safetensors").exists()

@@ -78,11 +78,13 @@ def fetch_job_name(model: StreamingModel) -> str:
     return "sluice-weights-" + _digest(cache.claim_name, repo, revision, model.weights_refresh)[:16]
 
 
-def remove_job_name(model: StreamingModel, keep: list[str]) -> str:
+def remove_job_name(model: StreamingModel, keep: list[str], salt: str = "") -> str:
+    """`salt` tells apart two clean-ups with the same `keep` (a model moving A -> B twice
+    in a day, a claim's last model deleted twice): the earlier Job may still be there."""
     cache = cache_of(model)
     assert cache is not None
     repo, _ = repo_and_revision(model)
-    return "sluice-weights-rm-" + _digest(cache.claim_name, repo, *sorted(keep))[:16]
+    return "sluice-weights-rm-" + _digest(cache.claim_name, repo, *sorted(keep), salt)[:16]
 
 
 def _labels(model: StreamingModel, component: str) -> dict[str, str]:
@@ -212,11 +214,13 @@ def desired_fetch_job(model: StreamingModel) -> dict[str, Any]:
     return _job(model, fetch_job_name(model), FETCH_COMPONENT, args, env, volumes, mounts, ports)
 
 
-def desired_remove_job(model: StreamingModel, keep: list[str]) -> dict[str, Any]:
-    """Removes the repository's commits on the claim other than `keep`."""
+def desired_remove_job(model: StreamingModel, keep: list[str], salt: str = "") -> dict[str, Any]:
+    """Removes the repository's commits on the claim other than `keep`; every one of them
+    when `keep` is empty (the last model of the repository on the claim was deleted)."""
     repo, _ = repo_and_revision(model)
-    args = ["remove", "--root", JOB_ROOT, "--repo", repo, "--keep", ",".join(sorted(keep))]
-    name = remove_job_name(model, keep)
+    args = ["remove", "--root", JOB_ROOT, "--repo", repo]
+    args += ["--keep", ",".join(sorted(keep))] if keep else ["--all"]
+    name = remove_job_name(model, keep, salt)
     return _job(model, name, REMOVE_COMPONENT, args, [], [], [], [])
 
 

@@ -2,7 +2,7 @@
 
     fetch --repo ORG/NAME --revision REV --root /weights [--token-file PATH]
           [--progress-port N] [--result-file PATH]
-    remove --root R --repo ORG/NAME --keep COMMIT[,COMMIT...] [--result-file PATH]
+    remove --root R --repo ORG/NAME (--keep COMMIT[,COMMIT...] | --all) [--result-file PATH]
 
 The Hub is `HF_ENDPOINT` (a mirror) or the default Hub; the token comes from --token-file
 only. The exit code is the outcome's (result.py); the result JSON goes to --result-file
@@ -44,7 +44,13 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("remove", help="remove a repository's commit folders other than --keep")
     r.add_argument("--root", required=True, type=Path)
     r.add_argument("--repo", required=True)
-    r.add_argument("--keep", required=True, help="commits to keep, comma-separated")
+    which = r.add_mutually_exclusive_group(required=True)
+    which.add_argument("--keep", help="commits to keep, comma-separated")
+    which.add_argument(
+        "--all",
+        action="store_true",
+        help="remove every commit folder of the repository (no model uses it any more)",
+    )
     r.add_argument("--result-file", type=Path, default=Path("/dev/termination-log"))
     return p
 
@@ -103,11 +109,11 @@ def _fetch(args: argparse.Namespace) -> int:
 def _remove(args: argparse.Namespace) -> int:
     from .layout import remove_other_commits
 
-    keep = [c for c in args.keep.split(",") if c]
+    keep = [c for c in (args.keep or "").split(",") if c]
     try:
-        if not keep:
+        if not keep and not args.all:
             raise ValueError(
-                "--keep names no commit (to remove every revision, delete the repository's folder)"
+                "--keep names no commit (to remove every revision, say --all)"
             )
         removed, freed = remove_other_commits(args.root, args.repo, keep)
     except ValueError as e:

@@ -57,9 +57,12 @@ def fetch(request: Request, hub: Hub, progress: Progress, *,
             log.info("%s@%s is complete already: no file fetched", request.repo, commit)
         progress.set(phase="ready", commit=commit, files_total=doc["files"], files_done=doc["files"],
                      bytes_total=doc["bytes"], bytes_done=doc["bytes"])  # fmt: skip
+        message = (f"{request.repo}@{request.revision} (commit {commit}) is ready: {doc['files']} "
+                   f"files, {_size(doc['bytes'])}, checked against the Hub's metadata")  # fmt: skip
+        if doc.get("redone"):
+            message += "; downloaded again after a check failed: " + "; ".join(doc["redone"])
         return Result(Outcome.READY.label, request.repo, request.revision, commit, doc["files"],
-                      doc["bytes"], f"{request.repo}@{request.revision} (commit {commit}) is ready: "
-                      f"{doc['files']} files, {_size(doc['bytes'])}, checked against the Hub's metadata")  # fmt: skip
+                      doc["bytes"], message)  # fmt: skip
     except FetchFailure as failure:
         outcome, message = failure.outcome, failure.message
     except OSError as e:
@@ -154,6 +157,7 @@ def _fill_locked(request: Request, hub: Hub, snapshot: Snapshot, folder: Path, p
     progress.set(phase="downloading")
     started = time.monotonic()
     fetched = 0
+    redone: list[str] = []  # "path (what did not match)", for the result's message
     for e in snapshot.files:
         n = f"[{progress.files_done + 1}/{len(snapshot.files)}]"
         if e.path in kept:
@@ -180,6 +184,7 @@ def _fill_locked(request: Request, hub: Hub, snapshot: Snapshot, folder: Path, p
                 problem,
             )
             integrity.forget(folder, e)
+            redone.append(f"{e.path} (on the volume: {problem})")
         for attempt in (1, 2):
             hub.download(request.repo, snapshot.commit, e, folder, progress)
             problem = integrity.mismatch(folder / e.path, e, hashes=verify_hashes)
@@ -194,6 +199,7 @@ def _fill_locked(request: Request, hub: Hub, snapshot: Snapshot, folder: Path, p
             log.warning(
                 "%s %s arrived damaged (%s): deleted, downloading it again", n, e.path, problem
             )
+            redone.append(f"{e.path} (arrived damaged: {problem})")
         integrity.record_verified(folder, e)
         progress.file_done(e.size)
         fetched += e.size
@@ -213,7 +219,7 @@ def _fill_locked(request: Request, hub: Hub, snapshot: Snapshot, folder: Path, p
     elapsed = time.monotonic() - started
     log.info("%s@%s ready in %s: %d files, %s (%s fetched in %.1f s)", request.repo, request.revision,
              folder, doc["files"], _size(doc["bytes"]), _size(fetched), elapsed)  # fmt: skip
-    return doc
+    return {**doc, "redone": redone}
 
 
 def _checked(e: ManifestEntry, hashes: bool) -> str:
