@@ -19,8 +19,8 @@ A pass nobody retries (a child event, the resync) is `converge_quietly`: it logs
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,15 +189,18 @@ class Passes:
                 if other is not None:
                     neighbours.append(other)
             try:
-                done = release_weights(
-                    self.cluster, body, neighbours, _poster(body, self.cluster)
-                )
+                done = release_weights(self.cluster, body, neighbours, _poster(body, self.cluster))
             except WriteFenced as exc:
                 log.info(f"clean-up of {namespace}/{meta.get('name')}'s weights stopped: {exc}")
                 return  # the new leader never saw the DELETED event: nothing more to do
-            except Exception as exc:  # an API error: try again on the next resync round
-                logger.warning(f"cleaning up the weights of {namespace}/{meta.get('name')}: {exc}")
-                done = False
+            except Exception as exc:
+                status, text = getattr(exc, "status", None), str(getattr(exc, "body", "") or "")
+                # The namespace is going away (its models with it), or is gone: nothing to do.
+                done = status == 404 or (status == 403 and "being terminated" in text)
+                if not done:  # an API error: try again on the next resync round
+                    logger.warning(
+                        f"cleaning up the weights of {namespace}/{meta.get('name')}: {exc}"
+                    )
             with self._release_guard:
                 if done:
                     self.waiting_releases.pop(key, None)

@@ -805,10 +805,8 @@ def release_weights(
         return True  # the record is of another claim or repository than its spec: leave it
     # By uid: a new model of the same name is another user (by name for bodies without one).
     uid = meta.get("uid")
-    field = "uid" if uid else "name"
-    others = [
-        b for b in neighbours if (b.get("metadata") or {}).get(field) != meta.get(field)
-    ]
+    key = "uid" if uid else "name"
+    others = [b for b in neighbours if (b.get("metadata") or {}).get(key) != meta.get(key)]
     users = weights_users(str(claim), str(repo), others)
     if users.busy:
         return False

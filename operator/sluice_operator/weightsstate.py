@@ -59,6 +59,8 @@ FIXES = {
 # WeightsReady reasons after which no Job of the model writes to the claim any more.
 STOPPED_REASONS = {*FAILURE_REASONS.values(), "ClaimMissing"}
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
+# How the program's `ready` message names the files it downloaded again (fetch.py).
+REDONE = "downloaded again after a check failed: "
 RETRY_HINT = f"to retry, set the annotation {WEIGHTS_REFRESH_ANNOTATION} to a new value"
 
 
@@ -215,7 +217,11 @@ def weights_verdict(
             f"{what} is commit {commit} ({new['files'] if new['files'] is not None else '?'} "
             f"files, {_size(new['bytes'])}) on claim {cache.claim_name}"
         )
-        events = [("Normal", "WeightsReady", message)]
+        # The program's note of files that failed a check and were downloaded again goes
+        # into the Event (the condition keeps the message every later pass rebuilds).
+        note = str(ready.get("message") or "")
+        redone = note[note.find(REDONE) :] if REDONE in note else ""
+        events = [("Normal", "WeightsReady", f"{message}; {redone}" if redone else message)]
         return WeightsVerdict(commit, new, _cond(True, "Ready", message), events)
     if _job_condition(view.job, "Failed"):
         result = results[0] if results else {"outcome": "error", "message": "no result"}

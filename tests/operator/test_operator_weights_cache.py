@@ -233,6 +233,16 @@ def test_a_completed_job_makes_the_commit_ready_with_an_event():
     # Recorded: the next pass reads nothing and says Ready again, with no new Event.
     again = weights_verdict(m, {"weights": v.record}, None, NOW)
     assert again.commit == A and again.condition["status"] == "True" and not again.events
+    assert "downloaded again" not in v.events[0][2]
+
+
+def test_the_ready_event_names_the_files_the_job_downloaded_again():
+    m = load_model(cached(revision="v1"))
+    redone = "downloaded again after a check failed: model.safetensors (arrived damaged: x)"
+    result = {**READY, "message": f"org/model@v1 (commit {A}) is ready: ...; {redone}"}
+    v = weights_verdict(m, {}, JobView(job("Complete"), [job_pod(result)]), NOW)
+    assert v.events[0][2].endswith(f"on claim weights; {redone}")
+    assert "downloaded again" not in v.condition["message"]
 
 
 @pytest.mark.parametrize(

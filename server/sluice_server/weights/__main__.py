@@ -112,9 +112,7 @@ def _remove(args: argparse.Namespace) -> int:
     keep = [c for c in (args.keep or "").split(",") if c]
     try:
         if not keep and not args.all:
-            raise ValueError(
-                "--keep names no commit (to remove every revision, say --all)"
-            )
+            raise ValueError("--keep names no commit (to remove every revision, say --all)")
         removed, freed = remove_other_commits(args.root, args.repo, keep)
     except ValueError as e:
         log.error("%s", e)
