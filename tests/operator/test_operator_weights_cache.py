@@ -583,3 +583,16 @@ def test_deleting_a_model_without_the_cache_or_before_its_first_commit_removes_n
     cluster.store(plain)
     _deleted(cluster, plain, monkeypatch, events)
     assert _rm_jobs(cluster) == [] and events == []
+
+
+def test_the_resync_retries_waiting_clean_ups_on_the_leader_only():
+    from sluice_operator.resync import Resync
+
+    calls: list = []
+    for leading in (True, False):
+        r = Resync(JobCluster().memory, 0, logging.getLogger("test"), lambda *a: None,
+                   leading=lambda lead=leading: lead,
+                   after_round=lambda lead=leading: calls.append(lead))  # fmt: skip
+        r.adopt_context()
+        r.run_once()
+    assert calls == [True]
