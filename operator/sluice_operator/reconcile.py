@@ -17,7 +17,7 @@ import dataclasses
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -780,7 +780,7 @@ def _with_adapters(
 def release_weights(
     cluster: Cluster,
     deleted: Mapping[str, Any],
-    neighbours: list[Mapping[str, Any]],
+    neighbours: Sequence[Mapping[str, Any]],
     post_event: PostEvent,
 ) -> bool:
     """A deleted StreamingModel's commits (`status.weights`: the one its pods served and,

@@ -301,7 +301,7 @@ def weights_users(claim: str, repo: str, bodies: Iterable[Mapping[str, Any]]) ->
             continue
         if w.get("job") == fetch_job_name(model) and w.get("commit"):
             continue  # its status records what this spec resolved to
-        cond = next(
+        cond: Mapping[str, Any] = next(
             (c for c in st.get("conditions") or [] if c.get("type") == WEIGHTS_CONDITION), {}
         )
         if cond.get("reason") in STOPPED_REASONS:
