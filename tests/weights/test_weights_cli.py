@@ -134,6 +134,32 @@ def test_remove_keeps_the_listed_commits_only(hub: FakeHub, tmp_path: Path) -> N
     assert (root / "acme" / "other" / other / MARKER).exists()
 
 
+def test_remove_skips_a_commit_a_download_is_writing(hub: FakeHub, tmp_path: Path) -> None:
+    """A folder whose writer lock a download holds (a model the operator's clean-up did not
+    know of yet) is left; once the lock is free, the same command removes it (the control)."""
+    import filelock
+    from sluice_server.weights.layout import lock_path
+
+    root = tmp_path / "weights"
+    repo = hub.add_repo(REPO, model_files(seed=1))
+    done = repo.refs["main"]
+    run(hub, root)
+    writing = root / "acme" / "tiny" / ("c" * 40)
+    lock_path(writing).parent.mkdir(parents=True)
+    (writing / "model.safetensors").write_bytes(b"half")
+    result_file = tmp_path / "result.json"
+    argv = ["remove", "--root", str(root), "--repo", REPO, "--all", "--result-file",
+            str(result_file)]  # fmt: skip
+    with filelock.FileLock(lock_path(writing)):
+        assert main(argv) == 0
+    doc = json.loads(result_file.read_text())
+    assert (doc["removed"], doc["skipped"]) == ([done], ["c" * 40])
+    assert (writing / "model.safetensors").exists()
+    assert main(argv) == 0
+    doc = json.loads(result_file.read_text())
+    assert (doc["removed"], doc["skipped"]) == (["c" * 40], []) and not writing.exists()
+
+
 def test_remove_refuses_what_resolves_outside_the_root(tmp_path: Path) -> None:
     root, outside = tmp_path / "weights", tmp_path / "outside"
     (outside / ("a" * 40)).mkdir(parents=True)

@@ -113,7 +113,7 @@ def _remove(args: argparse.Namespace) -> int:
     try:
         if not keep and not args.all:
             raise ValueError("--keep names no commit (to remove every revision, say --all)")
-        removed, freed = remove_other_commits(args.root, args.repo, keep)
+        removed, freed, skipped = remove_other_commits(args.root, args.repo, keep)
     except ValueError as e:
         log.error("%s", e)
         write_result(
@@ -123,6 +123,8 @@ def _remove(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     for commit in removed:
         log.info("removed %s@%s", args.repo, commit)
+    for commit in skipped:
+        log.warning("kept %s@%s: a download is writing it now", args.repo, commit)
     log.info(
         "removed %d commit folders of %s (%d bytes), kept %s",
         len(removed),
@@ -135,6 +137,7 @@ def _remove(args: argparse.Namespace) -> int:
         "repo": args.repo,
         "removed": removed,
         "kept": keep,
+        "skipped": skipped,
         "bytes": freed,
     }
     write_result(args.result_file, json.dumps(doc, separators=(",", ":")))

@@ -16,7 +16,16 @@ import filelock
 
 from . import integrity
 from .hub import Hub, Snapshot
-from .layout import MARKER, WORK_DIR, ManifestEntry, commit_dir, complete, is_commit, write_marker
+from .layout import (
+    MARKER,
+    WORK_DIR,
+    ManifestEntry,
+    commit_dir,
+    complete,
+    is_commit,
+    lock_path,
+    write_marker,
+)
 from .progress import Progress
 from .result import FetchFailure, Outcome, Result
 
@@ -104,7 +113,7 @@ def _fill(request: Request, hub: Hub, snapshot: Snapshot, progress: Progress,
     work.mkdir(parents=True, exist_ok=True)
     # One writer per commit folder (two revisions may resolve to the same commit). A run that
     # waits here finds the folder complete when it gets the lock.
-    lock: filelock.BaseFileLock | None = filelock.FileLock(work / "lock")
+    lock: filelock.BaseFileLock | None = filelock.FileLock(lock_path(folder))
     try:
         assert lock is not None
         try:

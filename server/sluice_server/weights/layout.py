@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 
+import filelock
+
 MARKER = ".sluice-weights.json"
 # What a download keeps beside the files until the marker is written: huggingface_hub's
 # local-dir metadata (`.cache/huggingface/`) and our record of verified files
@@ -129,19 +131,45 @@ def _inside(root: Path, path: Path) -> bool:
     return real == real_root or real_root in real.parents
 
 
-def remove_other_commits(root: Path, repo: str, keep: list[str]) -> tuple[list[str], int]:
-    """Remove the repository's commit folders not in `keep`; returns the commits removed and
-    the bytes freed. Only folders named like a commit are touched (anything else under the
-    repository's folder is left); a repository folder or commit folder that resolves outside
-    the root (a symlink) is refused with ValueError."""
+def lock_path(folder: Path) -> Path:
+    """The commit folder's writer lock (fetch holds it while it fills the folder)."""
+    return folder / WORK_DIR / "sluice" / "lock"
+
+
+def _take_unless_writing(folder: Path) -> filelock.BaseFileLock | None | bool:
+    """The folder's lock, taken (so no download starts in it while it is removed); None: the
+    folder has no lock file (nothing was ever written under one, or it is complete); False:
+    a download holds it now."""
+    path = lock_path(folder)
+    if not path.exists():
+        return None
+    lock = filelock.FileLock(path)
+    try:
+        lock.acquire(timeout=0)
+    except filelock.Timeout:
+        return False
+    except OSError:
+        return None  # a volume without file locks: as before locks
+    return lock
+
+
+def remove_other_commits(
+    root: Path, repo: str, keep: list[str]
+) -> tuple[list[str], int, list[str]]:
+    """Remove the repository's commit folders not in `keep`; returns the commits removed,
+    the bytes freed and the commits skipped because a download is writing them now (its
+    lock is held: a model the caller did not know of yet). Only folders named like a
+    commit are touched (anything else under the repository's folder is left); a repository
+    folder or commit folder that resolves outside the root (a symlink) is refused with
+    ValueError."""
     for c in keep:
         check_commit(c)
     folder = repo_dir(root, repo)
     if not _inside(root, folder):
         raise ValueError(f"{folder} resolves outside the cache root {root}: refusing to remove")
     if not folder.is_dir():
-        return [], 0
-    removed, freed = [], 0
+        return [], 0, []
+    removed, skipped, freed = [], [], 0
     for child in sorted(folder.iterdir()):
         if child.name in keep or not COMMIT_RE.fullmatch(child.name):
             continue
@@ -149,11 +177,19 @@ def remove_other_commits(root: Path, repo: str, keep: list[str]) -> tuple[list[s
             raise ValueError(f"{child} resolves outside the cache root {root}: refusing to remove")
         if not child.is_dir():
             continue
-        freed += sum(
-            p.stat().st_size for p in child.rglob("*") if p.is_file() and not p.is_symlink()
-        )
-        # The marker first: a reader never sees a marked folder with files missing.
-        (child / MARKER).unlink(missing_ok=True)
-        shutil.rmtree(child)
+        lock = _take_unless_writing(child)
+        if lock is False:
+            skipped.append(child.name)
+            continue
+        try:
+            freed += sum(
+                p.stat().st_size for p in child.rglob("*") if p.is_file() and not p.is_symlink()
+            )
+            # The marker first: a reader never sees a marked folder with files missing.
+            (child / MARKER).unlink(missing_ok=True)
+            shutil.rmtree(child)
+        finally:
+            if isinstance(lock, filelock.BaseFileLock):
+                lock.release()
         removed.append(child.name)
-    return removed, freed
+    return removed, freed, skipped
