@@ -211,6 +211,25 @@ async def test_without_migration_a_dead_pod_cuts_the_stream(tmp_path):
     assert usage is None and reference[name][0].startswith(text) and text != reference[name][0]
 
 
+async def test_a_refused_continuation_ends_with_the_pods_message(tmp_path):
+    """The pods' key no longer the one the router derives (a rotation half applied): the
+    continuing pod refuses (403) and the stream ends with the error event saying so, at
+    once (no retry on other pods)."""
+    chat = REQUESTS[:1]
+    async with pods_with_link(tmp_path, {"maxMigrations": 2, "stallSeconds": 5}) as (
+        act, api, link, port,
+    ):  # fmt: skip
+
+        def kill_with_another_key() -> None:
+            (tmp_path / "pod-key").write_text("not-the-derived-key\n")
+            link.kill()
+
+        (reader,) = await break_midway(act, api, kill_with_another_key, chat)
+        assert results(act)["refused"] == 1 and results(act)["continued"] == 0
+    error = "\n".join(events_of(reader.raw)[-2:])
+    assert "could not be continued" in error and "not this model's key" in error
+
+
 async def test_a_stream_out_of_moves_ends_with_the_error_event(tmp_path):
     chat = REQUESTS[:1]
     async with pods_with_link(tmp_path, {"maxMigrations": 0, "stallSeconds": 5}) as (

@@ -819,7 +819,7 @@ class Splice:
             raw = await response.aread()
             await response.aclose()
             message, code, status = _upstream_error(response, raw)
-            if status in (429, 503) and target.pod is not None:
+            if _busy(response) and target.pod is not None:
                 busy[target.pod] = time.monotonic() + 1.0
                 continue
             m = f"The stream could not be continued: {message}"
@@ -838,6 +838,14 @@ class Splice:
         else:
             await asyncio.sleep(wait)
         await send_piece(QUEUED)
+
+
+def _busy(response: httpx.Response) -> bool:
+    """A pod that cannot take the continuation now but may soon (at capacity, draining):
+    429, or 503 with Retry-After. Any other refusal is final (a 503 without it: the pod
+    cannot read its key, say)."""
+    status = response.status_code
+    return status == 429 or (status == 503 and "retry-after" in response.headers)
 
 
 def broken_message(why: str) -> str:
