@@ -45,6 +45,7 @@ from .cluster import Cluster, LiveReads
 from .cluster_view import ClusterView
 from .kinds import (
     CHILD_KINDS,
+    CONTINUATION_SECRET,
     DEPLOYMENT,
     HPA,
     INGRESS,
@@ -73,6 +74,7 @@ from .status_from_cluster import (
     compute_status,
     deployment_settled,
     invalid_status,
+    migrated,
     remembered,
     reported,
     status_patch,
@@ -301,11 +303,13 @@ def _converge(
     first = [row for row in touched if row.excludes is not None and not run.wants(row)]
     for row in first:
         run.optional(row)
+    run.continuation_secret()  # before the pods that mount it
     for child in CHILD_KINDS:
         run.child(child)
     for row in touched:
         if row not in first:
             run.optional(row)
+    run.drop_continuation_secret()  # once the pod template no longer names it
     run.scale()  # after the route: to zero only once the route names the activator
     run.write_status()
     run.post_events()
@@ -497,6 +501,35 @@ class _Pass:
             )
             raise SpecError(message) from None
         self.outcome.applied.append(kind)
+
+    def continuation_secret(self) -> None:
+        """The model's continuation key (kinds.CONTINUATION_SECRET), applied without reading
+        it: only when what this process last applied differs (the master key rotated, the
+        model is new, or the operator restarted)."""
+        child = CONTINUATION_SECRET
+        manifest = self.desired[child.id]
+        if manifest is None:
+            return
+        manifest = _adopt(manifest, self.body)
+        digest = manifest["metadata"]["annotations"][HASH_ANNOTATION]
+        if self.reads.applied(child, self.namespace, self.name) == digest:
+            return
+        self.confirm_owner()
+        self.cluster.apply(manifest)  # what it returns (the key) is not kept in memory
+        self.reads.remember_applied(child, self.namespace, self.name, digest)
+        self.outcome.applied.append(child.id)
+
+    def drop_continuation_secret(self) -> None:
+        """Deleted when the model no longer migrates but the status says it did (a delete
+        of one already gone is a no-op)."""
+        child = CONTINUATION_SECRET
+        if self.desired[child.id] is not None or not migrated(self.status):
+            return
+        self.cluster.delete(
+            child.api_version, child.kind, self.namespace, child.child_name(self.name)
+        )
+        self.reads.remember_applied(child, self.namespace, self.name, None)
+        self.outcome.deleted.append(child.id)
 
     def optional(self, row: OptionalKind) -> None:
         """`child` for an optional kind; a 403/404 is kept for the status and the Event."""

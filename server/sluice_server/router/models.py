@@ -16,8 +16,13 @@ podview.py; `kvEvents` (optional) says the pods publish their KV-cache events th
 the router follows per pod (kvfeed.py). Without `pods` a request goes to the Service `host`,
 as for a model that is only scaled to zero. `balance` is the model's `spec.routing.balance`
 and says how a model with `pods` is placed: `least-loaded` (the default) by the router's
-scores (prefix cache and load, placement.py), `round-robin` on each candidate pod in turn. Fields the router does not know are ignored (an operator
-newer than the router); a file that cannot be used raises ValueError naming the entry.
+scores (prefix cache and load, placement.py), `round-robin` on each candidate pod in turn.
+`migration`, `{"maxMigrations": 3, "stallSeconds": 30}` (docs/migration.md), says the
+router continues the model's streams on another pod when theirs breaks: at most
+`maxMigrations` times per stream, an upstream silent for `stallSeconds` counting as broken;
+without it no stream of the model is continued. Fields the router does not know are ignored
+(an operator newer than the router); a file that cannot be used raises ValueError naming the
+entry.
 """
 
 from __future__ import annotations
@@ -49,6 +54,13 @@ class _Pods(BaseModel):
     kv_events: _KvEvents | None = Field(None, alias="kvEvents")
 
 
+class _Migration(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    max_migrations: int = Field(ge=0, alias="maxMigrations")
+    stall_seconds: float = Field(gt=0, alias="stallSeconds")
+
+
 class _Entry(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
@@ -59,6 +71,7 @@ class _Entry(BaseModel):
     keepalive: float = Field(15.0, gt=0, alias="keepaliveSeconds")
     pods: _Pods | None = None
     balance: Balance = "least-loaded"
+    migration: _Migration | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +100,14 @@ class PodSelector:
 
 
 @dataclass(frozen=True)
+class Migration:
+    """How the router continues a model's broken streams on another pod."""
+
+    max_migrations: int  # moves per stream; past it the stream ends with its error event
+    stall_seconds: float  # an upstream silent this long counts as broken
+
+
+@dataclass(frozen=True)
 class Model:
     namespace: str
     name: str
@@ -97,6 +118,7 @@ class Model:
     keepalive: float  # seconds between keep-alives on a held stream (and its commit point)
     pods: PodSelector | None = None  # None: forward to the Service `host`
     balance: Balance = "least-loaded"  # how a model with `pods` is placed
+    migration: Migration | None = None  # None: its streams end with their pod
 
     @property
     def key(self) -> str:
@@ -166,6 +188,9 @@ def parse(data: object) -> Models:
                 entry.keepalive,
                 selector,
                 entry.balance,
+                None
+                if entry.migration is None
+                else Migration(entry.migration.max_migrations, entry.migration.stall_seconds),
             )
         )
     return Models(models)
