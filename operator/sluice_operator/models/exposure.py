@@ -199,7 +199,7 @@ class MigrationSpec(ApiModel):
     )
     stall_seconds: float = Field(
         default=30,
-        gt=0,
+        ge=1,
         le=3600,
         description="An upstream stream that sends no byte for this long counts as broken "
         "(a partitioned node sends nothing) and is continued elsewhere. Pods send a "
