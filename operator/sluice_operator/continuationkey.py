@@ -67,8 +67,10 @@ class ContinuationKeyFile:
             key = self.read()
             return hashlib.sha256(key).hexdigest() if key is not None else ""
 
+        last = fingerprint()
+
         def loop() -> None:
-            last = fingerprint()
+            nonlocal last
             while not self._stop.wait(seconds):
                 now = fingerprint()
                 if now != last:
