@@ -306,7 +306,8 @@ def test_only_router_models_pods_change_with_the_continuation_key(name):
     assert c["volumeMounts"] == [*p["volumeMounts"], mount]
     assert pod["volumes"] == [*plain["volumes"], {"name": "continuation-key", "secret": {
         "secretName": f"{body['metadata']['name']}-continuation-key",
-        "items": [{"key": "key", "path": "key"}], "defaultMode": 0o440}}]  # fmt: skip
+        "items": [{"key": "key", "path": "key"}], "defaultMode": 0o440,
+        "optional": True}}]  # fmt: skip
     rest = lambda t: {k: v for k, v in t.items() if k != "spec"}  # noqa: E731
     assert rest(keyed) == rest(keyless)
     assert {k: v for k, v in pod.items() if k not in ("containers", "volumes")} == {

@@ -85,7 +85,11 @@ def continuation_volumes(
     model: StreamingModel,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The Secret volume and the serving container's read-only mount (whole volume, no
-    subPath, so the kubelet's refresh of a rotated key reaches the running pod)."""
+    subPath, so the kubelet's refresh of a rotated key reaches the running pod).
+
+    Optional: a pod whose Secret is gone (deleted by hand, or by the operator once the model
+    stopped migrating while a paced rollout still keeps pods of the old template) starts
+    anyway, and answers a continuation 503 (no key to read) instead of never starting."""
     if not migrates(model):
         return [], []
     items = [{"key": SECRET_KEY, "path": CONTINUATION_FILE}]
@@ -95,6 +99,7 @@ def continuation_volumes(
             "secretName": continuation_secret_name(model),
             "items": items,
             "defaultMode": 0o440,
+            "optional": True,
         },
     }
     mount = {"name": CONTINUATION_VOLUME, "mountPath": CONTINUATION_DIR, "readOnly": True}
