@@ -309,7 +309,7 @@ def _converge(
     for row in touched:
         if row not in first:
             run.optional(row)
-    run.drop_continuation_secret()  # once the pod template no longer names it
+    run.drop_continuation_secret()  # after the workload (its pods' volume is optional)
     run.scale()  # after the route: to zero only once the route names the activator
     run.write_status()
     run.post_events()

@@ -13,6 +13,8 @@ seam between them (the collaborators, their types, who wakes whom):
 - `pacer`: operator-caused rollouts, a few at a time; a freed slot wakes the resync;
 - `zero`: the scale-to-zero poller; a changed signal wakes the resync;
 - `metrics`: the operator's own Prometheus metrics;
+- `key_file`: the router's master continuation key (`--continuation-key-file`), read by
+  every pass and by the poller; a changed key wakes the resync;
 - `passes`: one pass of one model under its lock, errors classified, with the operator's
   defaults for what a model leaves unset (`passes.Passes`, `models.resource.OperatorDefaults`).
 
