@@ -7,9 +7,9 @@ autoscaling.minReplicas 0 or the router:
 - keeps `<activator>-models` (key models.json) in the operator's namespace equal to the
   models with minReplicas 0 or the router (spec.routing.router), applied when its content
   changes (the activator's allowlist);
-- about every second while a model is at zero or activating, reads the ready activator
-  pods' /metrics (found by label in the operator's namespace): held requests per model,
-  and which models each pod has loaded;
+- about every second while a model is at zero, activating or found idle (about to go to
+  zero), reads the ready activator pods' /metrics (found by label in the operator's
+  namespace): held requests per model, and which models each pod has loaded;
 - every min(idleSeconds / 4, 10 s) per serving model, reads its ready pods' /metrics: the
   newest admission and what is in flight;
 - when a model's signals change, asks for a pass over it (`wake`), which scales and
@@ -218,7 +218,9 @@ class ScaleToZeroPoller:
                         f"idle, but the activator has not loaded {model_key(model)} yet "
                         f"({', '.join(missing[:3])}): staying up"
                     )
-            delay = min(delay, idle_period(model))
+            # Idle: the pass this wakes scales it to zero, and the next request may come at
+            # once; waiting a whole idle period to look for it would add that to its start.
+            delay = min(delay, DEMAND_PERIOD_SECONDS if idle else idle_period(model))
             new = Signals(idle=idle, held=held, why=why)
             if new != old:
                 with self._guard:

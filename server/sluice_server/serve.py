@@ -73,7 +73,9 @@ class DrainingServer(uvicorn.Server):
             self.settings.drain_timeout_seconds,
             gate.active,
         )
-        cut = await gate.drain(self.settings.drain_timeout_seconds)
+        settings = self.settings
+        handover = settings.handover_seconds if settings.continuation_key_file else None
+        cut = await gate.drain(settings.drain_timeout_seconds, handover)
         log.info("drain done (%d streams cut off); shutting down", cut)
         self.should_exit = True
 

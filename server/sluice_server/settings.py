@@ -213,6 +213,13 @@ class Settings(HttpSettings):
         description="On SIGTERM: how long in-flight streams may continue before "
         "they end with an error event.",
     )
+    handover_seconds: float = Field(
+        5.0,
+        ge=0,
+        description="On SIGTERM, with --continuation-key-file: after this long, the streams "
+        "the router relays are handed to it, which continues them on another replica "
+        "(docs/migration.md); only the others keep the pod up to --drain-timeout-seconds.",
+    )
 
     # Admission queue, priorities and fair shares (server/README.md, "Sharing a model")
     queue_size: int = Field(
@@ -740,6 +747,12 @@ class RouterSettings(HttpSettings):
         "with which a resumed token SSE stream returns to the pod that holds it, through any "
         "router pod sharing the key. Reloaded when it changes (cookies signed with the key "
         "before stay honoured). Without it no cookie is set or honoured.",
+    )
+    continuation_key_file: Path | None = Field(
+        None,
+        description="The master key for continuations (docs/migration.md): each model's "
+        "key is derived from it. Read when a stream is continued, so a rotated Secret "
+        "applies at once. Unset: no stream is continued on another pod.",
     )
     pin_seconds: float = Field(
         3600.0,

@@ -6,7 +6,7 @@ The clock starts at the kernel's start time of the process (`/proc/self/stat`), 
 module's import, so the interpreter's start and the imports count. A front-end worker of a
 pod with several (`--api-workers`) counts from its supervisor's start: the container's.
 Each phase is marked once, the first time the code passes its point; a phase a start-up
-path never passes (no weights on the simulator) is absent, never zero.
+path never passes (vLLM's import on the simulator) is absent, never zero.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ PHASES: dict[str, str] = {
     "imports_done": "the server's own modules imported and its settings read (the engine's "
     "modules come later)",
     "weights_located": "the model's weights found in a local folder (a hub name is "
-    "downloaded by vLLM's engine core, inside `engine_ready`)",
+    "downloaded by vLLM's engine core, inside `engine_ready`; the simulator marks it when its "
+    "model is a folder, which it never reads)",
     "engine_imported": "vLLM imported and its arguments parsed",
     "engine_ready": "the engine answers: vLLM's engine core has loaded the weights, profiled "
     "memory and allocated its KV cache (or a worker is connected to the pod's engine core); "

@@ -117,6 +117,25 @@ def claim(core: client.CoreV1Api, namespace: str, name: str) -> None:
              == "Bound", timeout=30, message=f"claim {name} Bound")  # fmt: skip
 
 
+def rwx_claim(core: client.CoreV1Api, namespace: str, name: str) -> None:
+    """A ReadWriteMany PersistentVolume pre-bound to the claim (the e2e cluster has no
+    provisioner; the node agent gives every claim a host folder)."""
+    pv = f"{namespace}-{name}"
+    core.create_persistent_volume({
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
+        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"],
+                 "storageClassName": "e2e-rwx", "hostPath": {"path": "/var/empty"},
+                 "claimRef": {"namespace": namespace, "name": name}},
+    })  # fmt: skip
+    core.create_namespaced_persistent_volume_claim(namespace, {
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
+        "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "e2e-rwx",
+                 "volumeName": pv, "resources": {"requests": {"storage": "1Gi"}}},
+    })  # fmt: skip
+    eventually(lambda: core.read_namespaced_persistent_volume_claim(name, namespace).status.phase
+               == "Bound", timeout=30, message=f"claim {name} Bound")  # fmt: skip
+
+
 def sse_tokens(text: str) -> tuple[int, str | None, bool]:
     """(completion tokens the final event's usage counts, finish reason, [DONE] seen)."""
     n, reason = 0, None

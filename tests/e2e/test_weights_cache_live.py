@@ -17,7 +17,7 @@ from e2e_harness.kube import eventually
 from kubernetes import client
 
 from .conftest import TIMINGS
-from .live_helpers import live_pods, pod_ready, ready_model, sim_model
+from .live_helpers import live_pods, pod_ready, ready_model, rwx_claim, sim_model
 
 fake_hub = pytest.importorskip("testkit.fake_hub", reason="the Hub stand-in")
 pytest.importorskip("sluice_server.weights", reason="the download program")
@@ -32,25 +32,6 @@ FILES = {
 }
 
 
-def _rwx_claim(core: client.CoreV1Api, namespace: str, name: str) -> None:
-    """A ReadWriteMany PersistentVolume pre-bound to the claim (the e2e cluster has no
-    provisioner; the node agent gives every claim a host folder)."""
-    pv = f"{namespace}-{name}"
-    core.create_persistent_volume({
-        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
-        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"],
-                 "storageClassName": "e2e-rwx", "hostPath": {"path": "/var/empty"},
-                 "claimRef": {"namespace": namespace, "name": name}},
-    })  # fmt: skip
-    core.create_namespaced_persistent_volume_claim(namespace, {
-        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
-        "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "e2e-rwx",
-                 "volumeName": pv, "resources": {"requests": {"storage": "1Gi"}}},
-    })  # fmt: skip
-    eventually(lambda: core.read_namespaced_persistent_volume_claim(name, namespace).status.phase
-               == "Bound", timeout=30, message=f"claim {name} Bound")  # fmt: skip
-
-
 def test_three_replicas_start_from_one_download_offline_and_without_the_token(
     operator, models, namespace, live_nodes
 ):
@@ -58,7 +39,7 @@ def test_three_replicas_start_from_one_download_offline_and_without_the_token(
     (node,), placement = live_nodes(1)
     core.create_namespaced_secret(namespace, {"metadata": {"name": "hf"},
                                               "stringData": {"token": TOKEN}})  # fmt: skip
-    _rwx_claim(core, namespace, "weights")
+    rwx_claim(core, namespace, "weights")
     with fake_hub.FakeHub() as hub:
         repo = hub.add_repo("org/tiny", FILES, gated=True, tokens={TOKEN})
         commit = repo.refs["main"]

@@ -28,11 +28,13 @@ from sluice_operator.builders.activator import (
 from sluice_operator.kinds import ACTIVATOR_SERVICE, CHILD_KINDS, SERVICE, desired_children
 from sluice_operator.reconcile import converge
 from sluice_operator.scaletozero import (
+    DEMAND_PERIOD_SECONDS,
     Signals,
     Step,
     ZeroContext,
     decide,
     held_requests,
+    idle_period,
     idle_verdict,
     pod_idle_for,
     unaware,
@@ -442,7 +444,7 @@ def test_poller_keeps_models_json_and_signals_idle_only_when_every_activator_kno
                         ActivatorSettings("sluice-activator", "sluice-system", "x=y"),
                         wake=woken.extend, page=lambda p: pages.get(p["status"]["podIP"]),
                         clock=lambda: 1000.0)  # fmt: skip
-    scaler.run_once()
+    assert scaler.run_once() == idle_period(load_model(body))  # serving: the idle period
     cm = cluster.objects[("ConfigMap", "sluice-system", "sluice-activator-models")]
     assert json.loads(cm["data"]["models.json"]) == {"default/m": activator_entry(load_model(body))}
     s = scaler.signals(("default", "m"))
@@ -452,7 +454,9 @@ def test_poller_keeps_models_json_and_signals_idle_only_when_every_activator_kno
     pages["10.0.1.2"] = pages["10.0.1.1"]
     scaler.clock = lambda: 1020.0
     applies = len([c for c in cluster.calls if c == ("apply", "ConfigMap")])
-    scaler.run_once()
+    # Idle: the next round comes a demand period later, not an idle period (the pass scales
+    # it to zero now, and a request may arrive at once).
+    assert scaler.run_once() == DEMAND_PERIOD_SECONDS < idle_period(load_model(body))
     assert scaler.signals(("default", "m")).idle and woken[-1] == ("default", "m")
     # models.json is applied only when it changes.
     assert len([c for c in cluster.calls if c == ("apply", "ConfigMap")]) == applies

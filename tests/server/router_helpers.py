@@ -9,12 +9,14 @@ import contextlib
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 from app_helpers import serving
 from prometheus_client.parser import text_string_to_metric_families
 from testkit.fake_pods_api import FakePodsApi
 from testkit.net import free_port
+from testkit.wait import eventually_async
 
 MODEL = "team-a/chat"  # the models file key every test uses (namespace/name)
 NS, NAME = MODEL.split("/")
@@ -106,7 +108,18 @@ async def model_server(port: int, engine=None, host: str = "127.0.0.1",
                            "heartbeat_seconds": 0.5, **overrides})  # fmt: skip
     app = build_app(settings, engine)
     async with serving(uvicorn_config(settings, app)):
-        yield f"http://{host}:{port}"
+        yield ServerUrl(f"http://{host}:{port}", app)
+
+
+class ServerUrl(str):
+    """A served model server's URL, with its app (`.app`: its services, gate, metrics)."""
+
+    app: Any
+
+    def __new__(cls, url: str, app: Any) -> ServerUrl:
+        self = super().__new__(cls, url)
+        self.app = app
+        return self
 
 
 def metric(text: str, name: str, **labels: str) -> float:
@@ -195,3 +208,20 @@ async def direct_answers(url: str) -> dict:
             "anthropic": message["content"][0]["text"],
             "responses": response.json()["output"][0]["content"][0]["text"],
             "tokens": "".join(d.get("token", "") for d in tokens.data())}  # fmt: skip
+
+
+def sa_dir(tmp_path):
+    folder = tmp_path / "serviceaccount"
+    folder.mkdir(exist_ok=True)
+    (folder / "token").write_text("router-token\n")
+    return folder
+
+
+def candidates(act) -> list[str]:
+    (podset,) = act.app.pods.sets.values()
+    return [p.name for p in podset.candidates()]
+
+
+async def wait_candidates(act, names: list[str]) -> None:
+    await eventually_async(lambda: candidates(act) == names, timeout=15,
+                           message=f"candidates {names}")  # fmt: skip

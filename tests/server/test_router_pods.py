@@ -26,11 +26,14 @@ from router_helpers import (
     NAME,
     NS,
     RawSSE,
+    candidates,
     direct_answers,
     model_server,
     pods_api,
     pods_entry,
     router,
+    sa_dir,
+    wait_candidates,
 )
 from sluice_server.engine.simulator import SimulatorEngine
 from testkit.net import free_port
@@ -91,23 +94,6 @@ async def two_pods(tmp_path, itl_ms: float = 2, ready: bool = True,
             )  # fmt: skip
         )
         yield act, api, engines
-
-
-def sa_dir(tmp_path):
-    folder = tmp_path / "serviceaccount"
-    folder.mkdir(exist_ok=True)
-    (folder / "token").write_text("router-token\n")
-    return folder
-
-
-def candidates(act) -> list[str]:
-    (podset,) = act.app.pods.sets.values()
-    return [p.name for p in podset.candidates()]
-
-
-async def wait_candidates(act, names: list[str]) -> None:
-    await eventually_async(lambda: candidates(act) == names, timeout=15,
-                           message=f"candidates {names}")  # fmt: skip
 
 
 async def every_protocol(url: str) -> dict:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 from pod_helpers import startup_phases
 from sluice_server.startup import StartupPhases
 from testkit.net import free_port, wait_http
@@ -20,9 +21,15 @@ LOG_LINE = re.compile(
 )
 
 
-def test_simulator_server_exports_and_logs_its_phases_in_order(tmp_path):
+@pytest.mark.parametrize("folder", [False, True], ids=["model-name", "model-folder"])
+def test_simulator_server_exports_and_logs_its_phases_in_order(tmp_path, folder):
+    """With a folder for its model (the weights cache's mount) the simulator also marks
+    `weights_located`; with a name (the negative control) it has no weights to locate."""
     port = free_port()
-    argv = [sys.executable, "-m", "sluice_server", "--engine", "simulator", "--model", "sim",
+    model = str(tmp_path / "weights") if folder else "sim"
+    if folder:
+        (tmp_path / "weights").mkdir()
+    argv = [sys.executable, "-m", "sluice_server", "--engine", "simulator", "--model", model,
             "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
     proc = ManagedProcess("server", argv, tmp_path).start()
     try:
@@ -32,8 +39,10 @@ def test_simulator_server_exports_and_logs_its_phases_in_order(tmp_path):
     finally:
         proc.stop()
     exported = startup_phases(page)
-    # The simulator has no weights and no vLLM: those phases are absent, not zero.
-    assert list(exported) == ["process_started", "imports_done", "engine_ready", "serving"]
+    # The simulator has no vLLM (and no weights without a folder): absent, not zero.
+    located = ["weights_located"] if folder else []
+    assert list(exported) == ["process_started", "imports_done", *located, "engine_ready",
+                              "serving"]  # fmt: skip
     values = list(exported.values())
     assert values[0] == 0.0
     assert values == sorted(values), exported

@@ -31,9 +31,15 @@ def resolve_model(model: str) -> str:
         from .tiny_model import ensure_tiny_model
 
         model = str(ensure_tiny_model())
+    _mark_if_folder(model)
+    return model
+
+
+def _mark_if_folder(model: str) -> None:
+    """`weights_located` when the model is a local folder (the model cache's volume, the
+    weights cache's read-only mount)."""
     if Path(model).is_dir():
         phases.mark("weights_located")
-    return model
 
 
 @asynccontextmanager
@@ -45,6 +51,7 @@ async def open_engine(
     connection to an engine core the supervisor started (vLLM's multi-API-server
     handshake); the simulator ignores it (each worker runs its own)."""
     if settings.engine == "simulator":
+        _mark_if_folder(settings.model)  # found, never read: the simulator has no weights
         from .simcache import KvEventsConfig
         from .simulator import SimulatorEngine
 

@@ -29,6 +29,7 @@ from ..core.lifecycle import open_stream
 from ..core.params import describe_validation_error
 from ..core.services import ClientGone, Services, read_json, received_at, services, trail_of
 from ..core.streaming.continuation import (
+    MARKED_HEADER,
     SCOPE_KEY,
     Continuation,
     continued,
@@ -41,10 +42,10 @@ from ..core.streaming.continuation import (
     marked as is_marked,
 )
 from ..core.streaming.events import DISCONNECTED, FINISHED, Failed, Meter, Tokens, Waiting, events
-from ..core.streaming.stream import Stream
+from ..core.streaming.stream import HANDED_OVER, Stream
 from ..core.telemetry.metrics import bind
 from ..engine.base import GENERATING, ApiKind, ApiRequestError, ApiStream
-from ..transport.sse import QUEUED, SSEResponse
+from ..transport.sse import QUEUED, HandedOver, SSEResponse
 
 
 def openai_error_event(
@@ -214,6 +215,7 @@ def _sse(
         cleanup,
         ping=svc.settings.heartbeat_seconds,
         send_timeout=svc.settings.send_timeout_seconds,
+        headers={MARKED_HEADER: "1"} if stream.marked else None,
     )
 
 
@@ -306,6 +308,8 @@ async def marked_frames(
             sent += text.count("\n\n")
             yield with_mark(text, event_id(name, sent - 1, ev.ids)).encode()
         elif type(ev) is Failed:
+            if ev.code == HANDED_OVER:
+                raise HandedOver
             yield error_event(ev.message, ev.code, sent, ev.status).encode()
         elif type(ev) is Waiting:
             yield QUEUED

@@ -28,11 +28,17 @@ from ..core.errors import ApiError
 from ..core.lifecycle import open_stream, resume_stream
 from ..core.params import to_stream_request
 from ..core.services import ClientGone, Services, read_json, received_at, services, trail_of
-from ..core.streaming.continuation import SCOPE_KEY, Continuation, continued, event_id
+from ..core.streaming.continuation import (
+    MARKED_HEADER,
+    SCOPE_KEY,
+    Continuation,
+    continued,
+    event_id,
+)
 from ..core.streaming.continuation import marked as is_marked
 from ..core.streaming.events import DISCONNECTED, Failed, Finished, Meter, Tokens, Waiting, events
-from ..core.streaming.stream import Stream
-from ..transport.sse import QUEUED, SSEResponse
+from ..core.streaming.stream import HANDED_OVER, Stream
+from ..transport.sse import QUEUED, HandedOver, SSEResponse
 from .openapi import stream_body, stream_query, streamed
 
 router = APIRouter(tags=["token stream"])
@@ -143,6 +149,7 @@ def _respond(svc: Services, handle, rid: str, start: int | None) -> Response:
         cleanup,
         ping=svc.settings.heartbeat_seconds,
         send_timeout=svc.settings.send_timeout_seconds,
+        headers={MARKED_HEADER: "1"} if stream.marked else None,
     )
 
 
@@ -210,6 +217,8 @@ async def token_events(
                 }
                 event = f"data: {_dumps(final)}"
             elif type(ev) is Failed:
+                if marked and ev.code == HANDED_OVER:
+                    raise HandedOver
                 event = f"event: error\ndata: {error_payload(rid, ev.message, ev.code)}"
             else:
                 continue

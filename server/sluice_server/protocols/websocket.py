@@ -41,7 +41,7 @@ from ..core.services import Services, api_key_of, services, trail_of
 from ..core.streaming.continuation import Continuation, continued, not_continuable
 from ..core.streaming.continuation import marked as is_marked
 from ..core.streaming.events import Failed, Finished, Meter, Stopped, Tokens, Waiting, events
-from ..core.streaming.stream import Stream
+from ..core.streaming.stream import HANDED_OVER, Stream
 from ..core.telemetry.accesslog import Trail
 from ..transport.cors import websocket_origin_allowed
 from ..transport.sendwatch import SendWatchdog
@@ -290,6 +290,11 @@ class Connection:
                     }
                     await self.send(_dumps(final))
                 elif type(ev) is Failed:
+                    if marked and ev.code == HANDED_OVER:
+                        # Handed to the router: the socket closes (1012, service restart)
+                        # and the router continues its generations on another replica.
+                        await self.ws.close(1012)
+                        return
                     await self.error(rid, ev.status, ev.message, ev.code)
                 elif type(ev) is Waiting:
                     await send(queued_frame(rid, ev.waited))

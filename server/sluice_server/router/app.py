@@ -246,6 +246,7 @@ class Router:
                 s.max_held_frames,
                 s.connect_timeout_seconds,
                 s.max_body_bytes,
+                s.continuation_key_file,
             )
         assert self.relay is not None
         # What the send watchdog of a held stream watches (transport/sendwatch.py).
@@ -260,6 +261,7 @@ class Router:
             s.max_body_bytes,
             s.send_timeout_seconds,
             self.pins,
+            s.continuation_key_file,
         )
 
     async def _own(self, scope: Scope, send: Send) -> None:

@@ -68,6 +68,7 @@ class _Answer(asyncio.Protocol):
         self.head_only = head_only
         self.parser = httptools.HttpResponseParser(self)
         self.received = False  # any byte of this answer
+        self.reads = 0  # socket reads that brought some (a stall watch compares them)
         self.keep_alive = False  # its end leaves the connection usable (on_message_complete)
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
@@ -95,6 +96,7 @@ class _Answer(asyncio.Protocol):
                 self.close()
             return
         self.received = True
+        self.reads += 1
         try:
             self.parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as e:
@@ -452,14 +454,34 @@ async def _finish(coro: Coroutine[Any, Any, None], waits: Any) -> None:
         raise
 
 
+async def _news(answer: _Answer, stall: float) -> None:
+    """`answer.wait()`, ended every `stall` seconds to check that the socket brought
+    something meanwhile (a written-through piece wakes no waiter); httpx's ReadTimeout when
+    it brought nothing for that long."""
+    while True:
+        reads = answer.reads
+        try:
+            async with asyncio.timeout(stall):
+                await answer.wait()
+            return
+        except TimeoutError:
+            if answer.reads == reads:
+                raise httpx.ReadTimeout(
+                    f"The model's server sent nothing for {stall:g} s."
+                ) from None
+
+
 async def relay_body(
-    response: httpx.Response, send_piece: Callable[[bytes], Awaitable[None]]
+    response: httpx.Response,
+    send_piece: Callable[[bytes], Awaitable[None]],
+    stall: float | None = None,
 ) -> None:
     """Send the raw body of an answer `Relay.send` gave, piece by piece, through
     `send_piece` (a coroutine function; an ASGI send of the piece): written through from the
     upstream protocol (see the module docstring) when the answer came from this transport
     with no read timeout, else the pieces iterated. httpx's errors of a broken-off answer
-    propagate, as from iterating it."""
+    propagate, as from iterating it. `stall`: an answer whose socket brings nothing for that
+    many seconds while the client keeps up is broken off (ReadTimeout)."""
     stream = response.stream
     if not isinstance(stream, _Body) or stream.read_timeout is not None:
         async for piece in pieces(response):
@@ -482,8 +504,10 @@ async def relay_body(
                 return
             elif answer.error is not None:
                 raise answer.error
-            else:
+            elif stall is None:
                 await answer.wait()
+            else:
+                await _news(answer, stall)
     finally:
         answer.sink = None
         if answer.pending is not None:

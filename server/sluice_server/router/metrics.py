@@ -30,6 +30,18 @@ Placement, for the models with `pods` (podview.py):
   reads of a pod's prefix-cache description or tokenizer files: `unreachable`, `status`,
   `invalid`, `storage` (hashers.py `failure_reason`).
 
+Streams continued on another pod when theirs broke (models with `migration`, migration.py):
+
+- `sluice_router_migrations_total{namespace,model,result}`: broken upstream streams, by
+  what became of them: `continued` (another pod goes on with it), `refused` (the pod asked
+  to continue refused: the protocol's error event with its message), `exhausted` (the
+  stream was moved `maxMigrations` times already), `unavailable` (no other pod took it
+  within the hold timeout), `unmarked` (nothing the client received could be placed: the
+  protocol's error event);
+- `sluice_router_migration_gap_seconds{namespace,model}`: the seam's added gap, from the
+  last byte of the broken stream (or the moment a stalled one was given up) to the first
+  byte of its continuation.
+
 No series has a pod label: pods come and go with every rollout, the series would not.
 """
 
@@ -47,6 +59,9 @@ Outcome = Literal["forwarded", "timeout", "rejected", "disconnected"]
 # 10 ms .. 30 min: a warm replica answers at once, a cold GPU node takes minutes.
 HOLD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 45, 60, 90, 120, 180, 240,
                 300, 450, 600, 900, 1200, 1800)  # fmt: skip
+# 5 ms .. 10 min: a killed pod's streams move at once, a silent one after its stall timeout.
+GAP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300,
+               600)  # fmt: skip
 
 
 class RouterMetrics:
@@ -109,6 +124,18 @@ class RouterMetrics:
             "Failed reads of a pod's prefix-cache description or tokenizer files, by reason "
             "(unreachable, status, invalid, storage).",
             (*labels, "reason"),
+        )
+        self.migrations = fam.counter(
+            "sluice_router_migrations",
+            "Broken upstream streams, by what became of them (continued, refused, exhausted, "
+            "unavailable, unmarked).",
+            (*labels, "result"),
+        )
+        self.migration_gap = fam.histogram(
+            "sluice_router_migration_gap_seconds",
+            "The seam's added gap: the broken stream's last byte to its continuation's first.",
+            labels,
+            buckets=GAP_BUCKETS,
         )
         self._known: set[tuple[str, str]] = set()
 

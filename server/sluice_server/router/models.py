@@ -16,13 +16,10 @@ podview.py; `kvEvents` (optional) says the pods publish their KV-cache events th
 the router follows per pod (kvfeed.py). Without `pods` a request goes to the Service `host`,
 as for a model that is only scaled to zero. `balance` is the model's `spec.routing.balance`
 and says how a model with `pods` is placed: `least-loaded` (the default) by the router's
-scores (prefix cache and load, placement.py), `round-robin` on each candidate pod in turn.
-`migration`, `{"maxMigrations": 3, "stallSeconds": 30}` (docs/migration.md), says the
-router continues the model's streams on another pod when theirs breaks: at most
-`maxMigrations` times per stream, an upstream silent for `stallSeconds` counting as broken;
-without it no stream of the model is continued. Fields the router does not know are ignored
-(an operator newer than the router); a file that cannot be used raises ValueError naming the
-entry.
+scores (prefix cache and load, placement.py), `round-robin` on each candidate pod in turn. `migration`, `{"maxMigrations": 3,
+"stallSeconds": 30}` (a model with `pods` whose pods take continuations), makes the router
+continue a stream whose pod breaks off on another pod (migration.py). Fields the router does not know are ignored (an operator
+newer than the router); a file that cannot be used raises ValueError naming the entry.
 """
 
 from __future__ import annotations
@@ -57,8 +54,8 @@ class _Pods(BaseModel):
 class _Migration(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
-    max_migrations: int = Field(ge=0, alias="maxMigrations")
-    stall_seconds: float = Field(gt=0, alias="stallSeconds")
+    max_migrations: int = Field(3, ge=0, le=10, alias="maxMigrations")
+    stall_seconds: float = Field(30.0, gt=0, alias="stallSeconds")
 
 
 class _Entry(BaseModel):
@@ -101,10 +98,12 @@ class PodSelector:
 
 @dataclass(frozen=True)
 class Migration:
-    """How the router continues a model's broken streams on another pod."""
+    """A model whose streams the router continues on another pod when theirs breaks
+    (docs/migration.md): at most `max_migrations` moves per stream; an upstream silent for
+    `stall_seconds` counts as broken."""
 
-    max_migrations: int  # moves per stream; past it the stream ends with its error event
-    stall_seconds: float  # an upstream silent this long counts as broken
+    max_migrations: int = 3
+    stall_seconds: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -118,7 +117,7 @@ class Model:
     keepalive: float  # seconds between keep-alives on a held stream (and its commit point)
     pods: PodSelector | None = None  # None: forward to the Service `host`
     balance: Balance = "least-loaded"  # how a model with `pods` is placed
-    migration: Migration | None = None  # None: its streams end with their pod
+    migration: Migration | None = None  # None: its streams are not continued elsewhere
 
     @property
     def key(self) -> str:

@@ -16,8 +16,9 @@ Service) `Upstream.pick` names and stream the answer through unchanged.
   upstream's status, message and code.
 - Past `holdTimeoutSeconds`: 503 `model_starting` with `Retry-After` when nothing was sent,
   else the protocol's error event with that code.
-- An upstream event stream that breaks off midway (the replica died) ends with the
-  protocol's error event, code `upstream_error`; any other answer cut off midway is cut
+- An upstream event stream that breaks off midway (the replica died) is continued on
+  another pod when its model has `migration` (`Splice`, docs/migration.md), else it ends
+  with the protocol's error event, code `upstream_error`; any other answer cut off midway is cut
   for the client too (the connection is dropped).
 - The client leaving while held drops it from the held count (no upstream request is
   made); leaving after forwarding closes the upstream connection at once, so the model
@@ -28,7 +29,8 @@ The request goes to `http://<podIP>:<port>` (a model with `pods`: the pod placed
 prompt's block hashes, which the model's provider computes from the body once, and the
 pods' loads) or `http://<host>:<port>` with its method, path, query, body and headers
 (hop-by-hop ones and Host removed); the bytes of the answer are relayed as they come,
-never parsed. Upstream connections are kept alive and reused only after an answer that
+never parsed, except the marks of a stream its model lets the router continue elsewhere
+(`Splice`, migration.py). Upstream connections are kept alive and reused only after an answer that
 ended cleanly (hop.py): a request whose client leaves closes its own connection, so the
 server hears it at once; a reused connection the pod closed before answering is retried
 once on a new one.
@@ -42,20 +44,24 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 from starlette.types import Receive, Scope, Send
 
+from ..core.auth.routerkey import KEY_HEADER
 from ..core.errors import error_body as openai_error_body
+from ..core.streaming.continuation import MARKED_HEADER
 from ..core.streaming.keepalive import KeepAlive
 from ..protocols import anthropic, responses, token_sse
 from ..protocols.engine_api import openai_error_event
 from ..transport.sse import QUEUED, SSEResponse
 from .hop import Relay, relay_body
 from .metrics import Outcome, RouterMetrics
+from .migration import Marks, continuation_body, key_for
 from .pin import Pins
 from .prefixindex import BlockHash
 from .tenants import ROUTER_MARK, TENANT_HEADER, credential
@@ -69,7 +75,7 @@ HOP_BY_HOP = frozenset({
 })  # fmt: skip
 # Not relayed to the client: hop-by-hop (the raw body's length stands) and the pod's answer
 # to the router about the caller's tenant (tenants.py).
-_NOT_RELAYED = (HOP_BY_HOP - {"content-length"}) | {TENANT_HEADER.decode()}
+_NOT_RELAYED = (HOP_BY_HOP - {"content-length"}) | {TENANT_HEADER.decode(), MARKED_HEADER}
 STATUS_HEADER = "x-sluice-status"  # token SSE: also `event: status` while held
 MODEL_STARTING = "model_starting"
 ROUTES = (
@@ -127,11 +133,15 @@ class Held:
         self.target: Target | None = None  # where it goes (counted there until released)
 
     def pick(
-        self, key: bytes, pin: str | None = None, hashes: Sequence[BlockHash] | None = None
+        self,
+        key: bytes,
+        pin: str | None = None,
+        hashes: Sequence[BlockHash] | None = None,
+        exclude: Collection[str] = (),
     ) -> Target | None:
         """Choose where it goes now (releasing an earlier choice); None: nowhere yet."""
         self.release()
-        self.target = self.up.pick(key, pin, hashes)
+        self.target = self.up.pick(key, pin, hashes, exclude)
         return self.target
 
     def release(self) -> None:
@@ -250,11 +260,23 @@ class Request:
         scope: Scope,
         body: bytes,
         pins: Pins | None = None,
+        continuation_key: Path | None = None,
     ) -> None:
         self.client, self.held, self.scope, self.body, self.pins = client, held, scope, body, pins
+        # Where the master key is, for a request whose stream may be continued elsewhere
+        # (its model has `migration` and `pods`; migration.py): it keeps its body.
+        model = held.up.model
+        self.continuation_key = (
+            continuation_key if model.migration is not None and model.pods is not None else None
+        )
         # A resume (`Last-Event-ID`) with a valid `sluice-pin` goes back to its pod (pin.py).
         resume = any(k == b"last-event-id" for k, _ in scope["headers"])
         self.pin = pins.pinned(scope["headers"], held.up.model.key) if pins and resume else None
+        # A resume among a model's pods: one that answers `stream_not_found` is left out and
+        # the next asked (the stream may have moved to another pod: migration.py).
+        self.seeking = resume and held.up.model.pods is not None
+        self.tried: set[str] = set()
+        self.answered: bytes | None = None  # a 404 read while seeking that is the answer
         # What the pod tie-break hashes: equal requests go to the same pod.
         self.key = body or (scope["path"].encode() + b"?" + scope.get("query_string", b""))
         self.cred = credential(scope["headers"], scope.get("query_string", b""))
@@ -282,20 +304,30 @@ class Request:
             extensions={"trace": trace},
         )
 
+    def migrates(self, response: httpx.Response) -> bool:
+        """Its stream is continued on another pod if it breaks: its model migrates streams,
+        the router has the master key, and the pod marks this stream."""
+        return (
+            self.continuation_key is not None
+            and response.status_code == 200
+            and response.headers.get(MARKED_HEADER) == "1"
+        )
+
     async def send(self) -> httpx.Response | None:
         """The upstream response (headers read, body not); None when no pod is a candidate
         any more or it could not connect (the replica went away: marked down, the request is
         held again)."""
-        target = self.held.pick(self.key, self.pin, self.hashes)
+        target = self.held.pick(self.key, self.pin, self.hashes, self.tried)
         if target is None:
             return None
         try:
             response = await self.client.send(self.build(target))
             self.held.up.tenants.learn(self.cred, response.status_code, response.headers.raw)
-            # Forwarded: the body and its hashes are not needed again (a stream can last
-            # hours; a 1,500-token chat's body is some 8 KB).
-            self.body = self.key = b""
-            self.hashes = None
+            if self.continuation_key is None:
+                # Forwarded: the body and its hashes are not needed again (a stream can last
+                # hours; a 1,500-token chat's body is some 8 KB).
+                self.body = self.key = b""
+                self.hashes = None
             return response
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
             if self.held.ended:
@@ -321,8 +353,10 @@ async def handle(
     max_body: int,
     send_timeout: float,
     pins: Pins | None = None,
+    continuation_key: Path | None = None,
 ) -> None:
-    """One HTTP request for a known model (see the module docstring)."""
+    """One HTTP request for a known model (see the module docstring); `continuation_key`:
+    the router's master key file (its streams may be continued on another pod)."""
     model = up.model
     if not up.hold():
         kind = classify(scope["path"], b"")
@@ -334,7 +368,9 @@ async def handle(
         return
     held = Held(up, metrics)
     try:
-        await _held(held, scope, receive, send, client, max_body, send_timeout, pins)
+        await _held(
+            held, scope, receive, send, client, max_body, send_timeout, pins, continuation_key
+        )
     finally:
         held.release()  # its pod's in-flight count: the answer ended, or never began
 
@@ -348,6 +384,7 @@ async def _held(
     max_body: int,
     send_timeout: float,
     pins: Pins | None,
+    continuation_key: Path | None,
 ) -> None:
     up, model = held.up, held.up.model
     kind = classify(scope["path"], b"")
@@ -362,7 +399,7 @@ async def _held(
         await json_response(413, kind.error_body(413, m, "body_too_large"))(send)
         return
     kind = classify(scope["path"], body)
-    request = Request(client, held, scope, body, pins)
+    request = Request(client, held, scope, body, pins, continuation_key if kind.streaming else None)
     del body  # the request keeps it until forwarded
     await request.prepare()
     gone = asyncio.ensure_future(_disconnected(receive))
@@ -429,6 +466,8 @@ async def _pass_through(request: Request, kind: Kind, send: Send) -> bool:
     when it could not connect."""
     try:
         response = await request.send()
+        while response is not None and await _elsewhere(request, response):
+            response = await request.send()
     except httpx.HTTPError as e:  # connected, then no answer
         m = f"The model's server gave no answer ({type(e).__name__})."
         await json_response(502, openai_error_body(502, m, code="upstream_error"))(send)
@@ -452,6 +491,13 @@ async def _pass_through(request: Request, kind: Kind, send: Send) -> bool:
         await send(
             {"type": "http.response.start", "status": response.status_code, "headers": headers}
         )
+        if request.answered is not None:
+            await send({"type": "http.response.body", "body": request.answered})
+            return True
+        if request.migrates(response):
+            await Splice(request, kind, response).relay(lambda chunk: send(_more(chunk)))
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return True
         try:
             await relay_body(response, lambda chunk: send(_more(chunk)))
         except httpx.HTTPError as e:  # the upstream broke off mid-answer
@@ -466,6 +512,28 @@ async def _pass_through(request: Request, kind: Kind, send: Send) -> bool:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
     finally:
         await response.aclose()
+    return True
+
+
+async def _elsewhere(request: Request, response: httpx.Response) -> bool:
+    """A resume the pod does not hold the stream of (`stream_not_found`), while another
+    candidate pod is left to ask: closed, its pod left out, True. The stream may have been
+    continued on another pod (migration.py) after the pin cookie named the first; any
+    router replica finds it so, with no state shared between them. The 404's body is read
+    only when another pod is left, and kept in `request.answered` when it is the answer."""
+    target = request.held.target
+    if not request.seeking or response.status_code != 404 or target is None or not target.pod:
+        return False
+    others = [p for p in request.held.up.candidates() if p.name not in request.tried]
+    if not [p for p in others if p.name != target.pod]:
+        return False
+    raw = await response.aread()
+    await response.aclose()
+    if b"stream_not_found" not in raw:
+        request.answered = raw
+        return False
+    request.tried.add(target.pod)
+    request.pin = None
     return True
 
 
@@ -549,6 +617,10 @@ class HeldStream:
                 raw = await response.aread()
                 yield self.kind.error_event(self.rid, *_upstream_error(response, raw))
                 return
+            if self.request.migrates(response):
+                async for piece in Splice(self.request, self.kind, response).pieces():
+                    yield piece
+                return
             try:
                 async for chunk in response.aiter_bytes():
                     yield chunk
@@ -571,3 +643,202 @@ def _upstream_error(response: httpx.Response, raw: bytes) -> tuple[str, str, int
         message = str(err.get("message") or message)
         code = str(err.get("code") or err.get("type") or code)
     return message, code, status
+
+
+class Splice:
+    """A marked stream relayed to its client, continued on another pod each time its
+    upstream breaks (docs/migration.md): the pod's connection ends before the stream did,
+    or it sends nothing for the model's `stallSeconds`. At most `maxMigrations` moves;
+    then, or when no pod continues it, the protocol's error event ends it. The client's
+    leaving cancels the relay (the proxy's disconnect watch): its upstream connection
+    closes at once and nothing is continued."""
+
+    def __init__(self, request: Request, kind: Kind, response: httpx.Response) -> None:
+        self.request, self.kind, self.response = request, kind, response
+        self.held = request.held
+        model = self.held.up.model
+        assert model.migration is not None and request.continuation_key is not None
+        self.migration, self.key_file = model.migration, request.continuation_key
+        self.marks = Marks(kind.protocol == "sse")
+        self.moves = 0
+        self.left: set[str] = set()  # pods this stream broke on: never asked again
+        labels = (model.namespace, model.name)
+        m = self.held.metrics
+        self._results = m.migrations
+        self._labels = labels
+        self._gap = m.migration_gap.labels(*labels)
+        self._last = time.monotonic()  # when the upstream last brought bytes
+        self._seam: float | None = None  # a seam's start, until the continuation's bytes
+
+    async def relay(self, send_piece: Callable[[bytes], Awaitable[None]]) -> None:
+        marks, model = self.marks, self.held.up.model
+
+        async def take(chunk: bytes) -> None:
+            now = time.monotonic()
+            if self._seam is not None:  # the continuation's first bytes: the seam's gap
+                self._gap.observe(now - self._seam)
+                log.info("%s: the seam's gap was %.3f s", model.key, now - self._seam)
+                self._seam = None
+            self._last = now
+            out = marks.take(chunk)
+            if out:
+                await send_piece(out)
+
+        while True:
+            response = self.response
+            try:
+                await relay_body(response, take, stall=self.migration.stall_seconds)
+                rest = marks.rest()
+                if rest:
+                    await send_piece(rest)
+                return
+            except httpx.HTTPError as e:
+                broken: httpx.HTTPError = e
+            finally:
+                await response.aclose()
+            if marks.finished:
+                return  # it broke after its final event: the client has it all
+            target = self.held.target
+            if target is not None and target.pod is not None:
+                self.left.add(target.pod)
+                self.held.up.down(target)
+            why = type(broken).__name__
+            if marks.index is None:
+                await self._end(send_piece, "unmarked", broken_message(why))
+                return
+            if self.moves >= self.migration.max_migrations:
+                m = (
+                    f"The model's server broke off the stream ({why}) after it was moved "
+                    f"{self.moves} times (maxMigrations)."
+                )
+                await self._end(send_piece, "exhausted", m)
+                return
+            self.moves += 1
+            outcome = await self._continuation(send_piece)
+            if isinstance(outcome, tuple):
+                result, message, status = outcome
+                await self._end(send_piece, result, message, status)
+                return
+            self.response = outcome
+            self._seam = self._last
+            self._results.labels(*self._labels, "continued").inc()
+            new = self.held.target.pod if self.held.target is not None else None
+            log.info(
+                "%s: stream migrated (%s) to %s after event %d, move %d",
+                model.key, why, new, marks.index, self.moves,
+            )  # fmt: skip
+
+    async def pieces(self) -> AsyncIterator[bytes]:
+        """`relay` as an iterator of pieces (a stream the proxy committed to while held)."""
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue(1)
+
+        async def put(piece: bytes) -> None:
+            await queue.put(piece)
+
+        async def run() -> None:
+            try:
+                await self.relay(put)
+            finally:
+                await queue.put(None)
+
+        task = asyncio.ensure_future(run())
+        try:
+            while (piece := await queue.get()) is not None:
+                yield piece
+            await task  # its errors, if any
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    async def _end(
+        self,
+        send_piece: Callable[[bytes], Awaitable[None]],
+        result: str,
+        message: str,
+        status: int = 502,
+    ) -> None:
+        self._results.labels(*self._labels, result).inc()
+        log.info("%s: stream not continued (%s): %s", self.held.up.model.key, result, message)
+        rid = f"router-{uuid.uuid4().hex}"
+        await send_piece(b"\n\n" + self.kind.error_event(rid, message, "upstream_error", status))
+
+    async def _continuation(
+        self, send_piece: Callable[[bytes], Awaitable[None]]
+    ) -> httpx.Response | tuple[str, str, int]:
+        """The rest of the stream from another pod (its answer's head read), or (result,
+        message, status) when none gives it: a refusal, or no pod within the hold timeout.
+        Waiting for a pod, the client gets the protocol's keep-alive."""
+        request, held, up = self.request, self.held, self.held.up
+        model = up.model
+        deadline = time.monotonic() + model.hold_timeout
+        scope = request.scope
+        path = scope["path"]
+        if scope.get("query_string"):
+            path += "?" + scope["query_string"].decode("latin-1")
+        body = continuation_body(
+            scope["method"], path, request.body, self.marks, self.kind.protocol == "sse"
+        )
+        busy: dict[str, float] = {}  # pods that answered 429/503: when to ask again
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                m = (
+                    f"The model's server broke off the stream and no other replica took it "
+                    f"within {model.hold_timeout:g} s."
+                )
+                return "unavailable", m, 503
+            left = self.left | {p for p, t in busy.items() if t > now}
+            target = held.pick(request.key, None, request.hashes, left)
+            if target is None:
+                await self._wait_for_pod(
+                    send_piece, min(deadline, min(busy.values(), default=deadline))
+                )
+                continue
+            try:
+                key = key_for(self.key_file, model.namespace, model.name)
+            except OSError as e:
+                return "refused", f"The router cannot read its continuation key: {e}.", 503
+            headers = [(k, v) for k, v in forward_headers(scope) if k != b"content-type"]
+            headers += [(b"content-type", b"application/json"), (KEY_HEADER, key)]
+            upstream = request.client.build_request(
+                "POST", target.url + "/internal/continue", headers=headers, content=body
+            )
+            try:
+                response = await request.client.send(upstream)
+            except httpx.HTTPError as e:  # it went away too (or never answered)
+                log.info(
+                    "%s: continuation on %s failed (%s)", model.key, target.pod, type(e).__name__
+                )
+                if target.pod is not None:
+                    self.left.add(target.pod)
+                    up.down(target)
+                continue
+            if response.status_code == 200:
+                return response
+            raw = await response.aread()
+            await response.aclose()
+            message, code, status = _upstream_error(response, raw)
+            if status in (429, 503) and target.pod is not None:
+                busy[target.pod] = time.monotonic() + 1.0
+                continue
+            m = f"The stream could not be continued: {message}"
+            return "refused", m, status
+
+    async def _wait_for_pod(
+        self, send_piece: Callable[[bytes], Awaitable[None]], until: float
+    ) -> None:
+        """Until a pod may take it (or `until`), keep-alives to the client meanwhile."""
+        up = self.held.up
+        keepalive = up.model.keepalive
+        changed = up.pods.changed() if up.pods is not None else None
+        wait = max(min(until - time.monotonic(), keepalive), 0.05)
+        if changed is not None:
+            await asyncio.wait((changed,), timeout=wait)
+        else:
+            await asyncio.sleep(wait)
+        await send_piece(QUEUED)
+
+
+def broken_message(why: str) -> str:
+    return f"The model's server broke off the stream ({why})."

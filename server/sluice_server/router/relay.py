@@ -23,6 +23,7 @@ import contextlib
 import json
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -32,11 +33,14 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.typing import Origin
 
+from ..core.auth.routerkey import KEY_HEADER
 from ..core.errors import error_body
 from ..core.streaming.keepalive import KeepAlive
 from ..protocols.websocket import error_frame, queued_frame
 from ..transport import handshake
 from .metrics import RouterMetrics
+from .migration import Generations, key_for
+from .models import Migration
 from .proxy import HOP_BY_HOP, MODEL_STARTING, Held, retry_after, starting_message
 from .tenants import ROUTER_MARK, credential
 from .upstream import Upstream
@@ -81,6 +85,7 @@ async def relay(
     max_frames: int,
     connect_timeout: float,
     max_size: int,
+    continuation_key: Path | None = None,
 ) -> None:
     ws = WebSocket(scope, receive, send)
     model = up.model
@@ -93,6 +98,11 @@ async def relay(
         return
     held = Held(up, metrics)
     upstream: ClientConnection | None = None
+    headers, origin = _upstream_headers(scope), _origin(scope)
+    moving = None
+    if continuation_key is not None and model.migration is not None and model.pods is not None:
+        moving = Moving(held, metrics, headers, origin, connect_timeout, max_size,
+                        continuation_key)  # fmt: skip
     try:
         await ws.accept()
         kept: list[Message] = []
@@ -104,11 +114,12 @@ async def relay(
             max_frames,
             connect_timeout,
             max_size,
-            _upstream_headers(scope),
-            _origin(scope),
+            headers,
+            origin,
+            pings(model.migration if moving is not None else None),
         )
         if upstream is not None:
-            await _relay(ws, receive, upstream, kept)
+            await _relay(ws, receive, upstream, kept, moving)
     except (WebSocketDisconnect, RuntimeError, OSError):
         pass  # the client went away while a frame was sent to it: dropped, as when it left
     finally:
@@ -129,6 +140,7 @@ async def _hold(
     max_size: int,
     headers: list[tuple[str, str]],
     origin: Origin | None,
+    ping: tuple[float, float],
 ) -> ClientConnection | None:
     """Wait for a replica, keeping the client's frames; the open upstream socket, or None
     when the hold ended (the client was told why, or left)."""
@@ -197,6 +209,8 @@ async def _hold(
                         proxy=None,
                         max_size=max_size,
                         compression=None,
+                        ping_interval=ping[0],
+                        ping_timeout=ping[1],
                     )
                 except InvalidStatus as e:  # the server refused the handshake
                     held.end("forwarded")
@@ -262,24 +276,56 @@ def _refusal(e: InvalidStatus) -> str:
 
 
 async def _relay(
-    ws: WebSocket, receive: Receive, upstream: ClientConnection, kept: list[Message]
+    ws: WebSocket,
+    receive: Receive,
+    upstream: ClientConnection,
+    kept: list[Message],
+    moving: Moving | None = None,
 ) -> None:
+    """Relay both ways until either side closes; with `moving` (a model whose streams are
+    continued), an upstream that breaks with generations unfinished is replaced by another
+    pod's socket that continues them."""
+    gens = moving.gens if moving is not None else None
+    while True:
+        client_left, upstream = await _pump(ws, receive, upstream, kept, gens)
+        kept = []
+        if client_left or moving is None or not moving.gens.open or not moving.gens.marking:
+            break
+        replaced = await moving.replace(ws, upstream)
+        if replaced is None:
+            break
+        upstream = replaced
+    if not client_left and ws.client_state == WebSocketState.CONNECTED:
+        code = upstream.close_code or 1000
+        with contextlib.suppress(Exception):
+            await ws.close(code if code not in (1005, 1006) else 1011)
+
+
+async def _pump(
+    ws: WebSocket,
+    receive: Receive,
+    upstream: ClientConnection,
+    kept: list[Message],
+    gens: Generations | None,
+) -> tuple[bool, ClientConnection]:
+    """Frames both ways until one side closes: (whether it was the client, the upstream)."""
+
     async def to_upstream() -> None:
         for message in kept:
             if message["type"] == "websocket.disconnect":
                 return
-            await _send_up(upstream, message)
+            await _send_up(upstream, message, gens)
         while True:
             message = await receive()
             if message["type"] == "websocket.disconnect":
                 return
-            await _send_up(upstream, message)
+            await _send_up(upstream, message, gens)
 
     async def to_client() -> None:
         with contextlib.suppress(ConnectionClosed):
             async for data in upstream:
                 if isinstance(data, str):
-                    await ws.send_text(data)
+                    await ws.send_text(data if gens is None else gens.received(data))
                 else:
                     await ws.send_bytes(data)
 
@@ -290,15 +336,149 @@ async def _relay(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    if tasks[1] in done and ws.client_state == WebSocketState.CONNECTED:
-        code = upstream.close_code or 1000
+    client_left = tasks[0] in done and not tasks[0].cancelled() and tasks[0].exception() is None
+    return client_left, upstream
+
+
+class Moving:
+    """A relayed socket whose generations are continued on another pod when its pod's
+    socket breaks (the model's `migration`; docs/migration.md): the generations and what
+    their client received (migration.Generations), the pods it broke on, its moves."""
+
+    def __init__(
+        self,
+        held: Held,
+        metrics: RouterMetrics,
+        headers: list[tuple[str, str]],
+        origin: Origin | None,
+        connect_timeout: float,
+        max_size: int,
+        key_file: Path,
+    ) -> None:
+        model = held.up.model
+        assert model.migration is not None
+        self.held, self.metrics, self.headers, self.origin = held, metrics, headers, origin
+        self.connect_timeout, self.max_size, self.key_file = connect_timeout, max_size, key_file
+        self.migration = model.migration
+        self.gens = Generations()
+        self.moves = 0
+        self.left: set[str] = set()
+        labels = (model.namespace, model.name)
+        self._labels = labels
+        self._gap = metrics.migration_gap.labels(*labels)
+        self.gens.on_seam = self._gap.observe
+
+    async def replace(self, ws: WebSocket, broken: ClientConnection) -> ClientConnection | None:
+        """Another pod's socket with every unfinished generation continued on it; None when
+        there is none (each open generation was sent its error frame)."""
+        held, up, model = self.held, self.held.up, self.held.up.model
+        target = held.target
+        if target is not None and target.pod is not None:
+            self.left.add(target.pod)
+            up.down(target)
+        open_ = list(self.gens.open.values())
+        seam = self.gens.last_at
+        if self.moves >= self.migration.max_migrations:
+            m = (
+                "The model's server closed the socket mid-generation after it was moved "
+                f"{self.moves} times (maxMigrations)."
+            )
+            await self._fail(ws, "exhausted", 502, m)
+            return None
+        self.moves += 1
+        deadline = time.monotonic() + model.hold_timeout
+        while time.monotonic() < deadline:
+            target = held.pick(b"", None, None, self.left)
+            if target is None:
+                changed = up.pods.changed() if up.pods is not None else None
+                wait = max(min(deadline - time.monotonic(), model.keepalive), 0.05)
+                if changed is not None:
+                    await asyncio.wait((changed,), timeout=wait)
+                else:
+                    await asyncio.sleep(wait)
+                continue
+            try:
+                key = key_for(self.key_file, model.namespace, model.name).decode()
+            except OSError as e:
+                await self._fail(
+                    ws, "refused", 503, f"The router cannot read its continuation key: {e}."
+                )
+                return None
+            scope = ws.scope
+            url = target.url.replace("http://", "ws://", 1) + scope["path"]
+            if scope.get("query_string"):
+                url += "?" + scope["query_string"].decode("latin-1")
+            try:
+                upstream = await connect(
+                    url,
+                    additional_headers=[*self.headers, (KEY_HEADER.decode(), key)],
+                    origin=self.origin,
+                    open_timeout=self.connect_timeout,
+                    proxy=None,
+                    max_size=self.max_size,
+                    compression=None,
+                    ping_interval=pings(self.migration)[0],
+                    ping_timeout=pings(self.migration)[1],
+                )
+            except InvalidStatus as e:
+                status = e.response.status_code
+                if status in (429, 503) and target.pod is not None:
+                    self.left.add(target.pod)
+                    continue
+                await self._fail(
+                    ws, "refused", status, f"The stream could not be continued: {_refusal(e)}"
+                )
+                return None
+            except (OSError, TimeoutError):
+                if target.pod is not None:
+                    self.left.add(target.pod)
+                    up.down(target)
+                continue
+            for gen in open_:
+                await upstream.send(gen.continuation())
+            self.gens.seam = seam
+            self._results("continued", len(open_))
+            log.info("%s: %d WebSocket generations migrated to %s, move %d",
+                     model.key, len(open_), target.pod, self.moves)  # fmt: skip
+            return upstream
+        m = (
+            "The model's server closed the socket mid-generation and no other replica "
+            f"took it within {model.hold_timeout:g} s."
+        )
+        await self._fail(ws, "unavailable", 503, m)
+        return None
+
+    def _results(self, result: str, n: int) -> None:
+        self.metrics.migrations.labels(*self._labels, result).inc(n)
+
+    async def _fail(self, ws: WebSocket, result: str, status: int, message: str) -> None:
+        self._results(result, len(self.gens.open))
+        log.info("%s: WebSocket generations not continued (%s): %s",
+                 self.held.up.model.key, result, message)  # fmt: skip
         with contextlib.suppress(Exception):
-            await ws.close(code if code not in (1005, 1006) else 1011)
+            for rid in list(self.gens.open):
+                await ws.send_text(error_frame(rid, status, message, "upstream_error"))
+        self.gens.open.clear()
+        return None
 
 
-async def _send_up(upstream: ClientConnection, message: Message) -> None:
+def pings(migration: Migration | None) -> tuple[float, float]:
+    """The upstream socket's ping interval and timeout: a model whose streams move gives up
+    a pod that answers no ping within about its `stallSeconds` (a silent pod), else
+    websockets' defaults (20 s and 20 s)."""
+    if migration is None:
+        return 20.0, 20.0
+    half = migration.stall_seconds / 2
+    return half, half
+
+
+async def _send_up(
+    upstream: ClientConnection, message: Message, gens: Generations | None = None
+) -> None:
     text = message.get("text")
     if text is not None:
+        if gens is not None:
+            gens.sent(text)
         await upstream.send(text)
     elif message.get("bytes") is not None:
         await upstream.send(message["bytes"])

@@ -30,7 +30,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import Executor
 
 import httpx
@@ -171,14 +171,21 @@ class Upstream:
             return None
 
     def pick(
-        self, key: bytes, pin: str | None = None, hashes: Sequence[BlockHash] | None = None
+        self,
+        key: bytes,
+        pin: str | None = None,
+        hashes: Sequence[BlockHash] | None = None,
+        exclude: Collection[str] = (),
     ) -> Target | None:
         """Where a request goes now; None when no pod is a candidate any more. `pin`: a pod
         name the request asks for (a verified cookie), honoured while it is a candidate.
-        `hashes`: its prompt's block hashes (None: unknown); `key`: its tie-break."""
+        `hashes`: its prompt's block hashes (None: unknown); `key`: its tie-break;
+        `exclude`: pod names it must not go to (a continued stream's broken pods)."""
         if self.pods is None or self.view is None:
             return Target(self.model.url, None, self.in_flight)
         pods = self.candidates()
+        if exclude:
+            pods = [p for p in pods if p.name not in exclude]
         if not pods:
             return None
         pod = next((p for p in pods if p.name == pin), None) if pin else None

@@ -85,6 +85,12 @@ class Heartbeat:
         self._timer = self.loop.call_later(self.interval, self._tick)
 
 
+class HandedOver(Exception):
+    """Raised by a response's body iterator for a stream handed to the router (a draining
+    pod that takes continuations): the connection is ended without the body's end, which
+    the router reads as a break and continues the stream on another replica."""
+
+
 class SSEResponse(Response):
     """An ASGI response streaming `content` (pre-encoded SSE bytes) as `text/event-stream`.
 
@@ -162,6 +168,8 @@ class SSEResponse(Response):
         listener = loop.create_task(self._end_on_disconnect(receive))
         try:
             await self._send_all(send, raw_send)
+        except HandedOver:
+            await _hang_up(transport)
         except asyncio.CancelledError:
             ended_by = self._ended_by
             if ended_by is None or task.uncancel() > 0:
@@ -224,3 +232,14 @@ class SSEResponse(Response):
             self._end(e)
         finally:
             self.ping_task = None
+
+
+async def _hang_up(transport: object | None) -> None:
+    """End the connection without the body's end (`HandedOver`). Aborted, then a turn of the
+    loop for the server to hear it (a connection it knows is lost is not one whose answer
+    was left unfinished, which it would log as an error)."""
+    abort = getattr(transport, "abort", None)
+    if abort is not None:
+        abort()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)

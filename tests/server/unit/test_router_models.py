@@ -72,7 +72,7 @@ def test_migration_is_read_per_model_and_absent_means_none():
     assert models.by_key["a/off"].migration is None
     for bad, field in [({"maxMigrations": -1, "stallSeconds": 30}, "maxMigrations"),
                        ({"maxMigrations": 3, "stallSeconds": 0}, "stallSeconds"),
-                       ({"stallSeconds": 30}, "maxMigrations")]:  # fmt: skip
+                       ({"maxMigrations": 11, "stallSeconds": 30}, "maxMigrations")]:  # fmt: skip
         with pytest.raises(ValueError, match=f"entry 'a/b': migration.{field}"):
             parse({"a/b": {"host": "h", "migration": bad}})
 

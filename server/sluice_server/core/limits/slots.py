@@ -11,6 +11,7 @@ admitted streams (what its drain waits for).
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Protocol
 
 from ..auth.identity import ANONYMOUS_TENANT, NO_LIMITS, Principal
@@ -18,11 +19,16 @@ from ..errors import ApiError
 from .queue import Admission, Ticket
 from .shared_memory import PodSeat
 
+log = logging.getLogger(__name__)
 ANYONE = Principal("anonymous", ANONYMOUS_TENANT, NO_LIMITS)
 
 
 class Abortable(Protocol):
+    marked: bool  # the router relays it and can continue it elsewhere
+
     def fail(self, message: str) -> None: ...
+
+    def hand_over(self) -> None: ...
 
 
 class Gate:
@@ -89,20 +95,34 @@ class Gate:
             self.active = 0
             self._idle.set()
 
-    async def drain(self, grace_seconds: float) -> int:
+    async def drain(self, grace_seconds: float, handover_seconds: float | None = None) -> int:
         """Refuse new streams and every queued one (503 at once), wait up to
         `grace_seconds` for in-flight ones, then fail the rest. Returns how many were cut
-        off."""
+        off. `handover_seconds` (a pod that takes continuations): after that long, the
+        streams the router relays are handed to it (`hand_over`: their connections end
+        without a final event, and the router continues them on another replica), so
+        only the others keep the pod up to `grace_seconds`."""
         self.draining = True
         if self.pod is not None:
             self.pod.set_ready(False)  # the whole pod is not ready while any worker drains
         if self.queue is not None:
             self.queue.refuse_waiting()
+        first = grace_seconds if handover_seconds is None else min(handover_seconds, grace_seconds)
         try:
-            await asyncio.wait_for(self._idle.wait(), grace_seconds)
+            await asyncio.wait_for(self._idle.wait(), first)
             return 0
         except TimeoutError:
             pass
+        handed = [s for s in self.streams if s.marked] if first < grace_seconds else []
+        if handed:
+            for s in handed:
+                s.hand_over()
+            log.info("drain: %d streams handed to the router after %g s", len(handed), first)
+            try:
+                await asyncio.wait_for(self._idle.wait(), grace_seconds - first)
+                return 0
+            except TimeoutError:
+                pass
         left = list(self.streams)
         for s in left:
             s.fail("Server shut down before this stream finished (drain timeout).")

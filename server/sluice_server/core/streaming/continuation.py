@@ -45,6 +45,9 @@ CONTINUABLE = (
     "/v1/stream",
 )
 SCOPE_KEY = "sluice.continuation"  # the ASGI scope entry the routes read
+# The response header of a marked stream: the router reads marks only where it is set (a
+# pod without the key, or an older one, marks nothing) and never passes it to the client.
+MARKED_HEADER = "x-sluice-marked"
 _SEQ = re.compile(rb'(?<!\\)("sequence_number": ?)(\d+)')
 
 

@@ -27,7 +27,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, cast
 
-from .stream import KEEPALIVE, Stream, StreamFailed, join_batch
+from .stream import HANDED_OVER, KEEPALIVE, Stream, StreamFailed, join_batch
 
 if TYPE_CHECKING:
     from ...engine.base import Delta
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 # timeout and was cut off (counted as a disconnect: it is a client gone from the stream).
 FINISHED, DISCONNECTED, FAILED, STOPPED = "finished", "disconnected", "failed", "stopped"
 STALLED = "stalled"
+HANDED = "handed_over"  # a draining pod handed the stream to the router (Stream.hand_over)
 ENDED_EARLY = "Engine stream ended without finishing."
 ABORTED_BY_SERVER = "Generation was aborted by the server."
 
@@ -162,6 +163,9 @@ class Meter:
             m.aborts.inc()
         elif outcome == STOPPED:
             m.aborts.inc()
+        elif outcome == HANDED:
+            m.aborts.inc()
+            m.handed_over.inc()
         if self.trail is not None:
             first = stream.first_output_at if stream is not None else None
             self.trail.end(outcome, meter=self, first_output=first)
@@ -191,7 +195,7 @@ async def events(
         try:
             batch = await stream.next_batch()
         except StreamFailed as e:
-            meter.finish(FAILED, stream)
+            meter.finish(HANDED if e.code == HANDED_OVER else FAILED, stream)
             yield Failed(str(e), e.code, e.status)
             return
         if batch is KEEPALIVE:

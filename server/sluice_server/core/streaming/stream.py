@@ -194,6 +194,14 @@ class Stream(Generic[T]):
         self._done = True
         self._wake()
 
+    def hand_over(self) -> None:
+        """The pod drains: end the stream as handed to the router, which continues it on
+        another replica (the protocols end its connection without a final event)."""
+        if self._done:
+            return
+        self.error_code = HANDED_OVER
+        self.fail("This replica is shutting down: the stream goes on on another replica.")
+
     def stop(self) -> None:
         """The client asked to stop: abort now, drop what is buffered, end without error."""
         if self._done:
@@ -231,6 +239,10 @@ class Stream(Generic[T]):
         self._end_wait()
         if not self._task.done():
             self._task.cancel()
+
+
+# The failure code of a stream handed to the router (`Stream.hand_over`).
+HANDED_OVER = "handed_over"
 
 
 class StreamFailed(Exception):

@@ -98,6 +98,11 @@ class Metrics:
             "Streams ended by an error event after the 200.",
             labels,
         )
+        self.handed_over = fam.counter(
+            "sluice_streams_handed_over",
+            "Streams a draining pod handed to the router, which continued them elsewhere.",
+            labels,
+        )
         self.rejections = fam.counter(
             "sluice_rejections",
             "Requests refused before streaming, by reason.",
@@ -296,7 +301,8 @@ class Bound:
     adapter), so the hot path does no label lookups."""
 
     __slots__ = ("ttft", "itl", "e2e", "first_output", "output_tokens", "requests",
-                 "disconnects", "aborts", "stream_errors", "active", "last_request")  # fmt: skip
+                 "disconnects", "aborts", "stream_errors", "handed_over", "active",
+                 "last_request")  # fmt: skip
     ttft: Histogram
     itl: Histogram
     e2e: Histogram
@@ -306,6 +312,7 @@ class Bound:
     disconnects: Counter
     aborts: Counter
     stream_errors: Counter
+    handed_over: Counter
     active: Gauge
     last_request: Gauge  # per pod, not per protocol or adapter: the base model's label
 
