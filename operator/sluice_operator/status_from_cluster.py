@@ -173,6 +173,11 @@ def migrated(status: Mapping[str, Any]) -> bool:
     return (_condition_of(status, MIGRATION_CONDITION) or {}).get("status") == "True"
 
 
+def key_forbidden(status: Mapping[str, Any]) -> bool:
+    """Whether the status already says the model's continuation Secret was refused."""
+    return (_condition_of(status, MIGRATION_CONDITION) or {}).get("reason") == "Forbidden"
+
+
 def remembered(optional: OptionalKind, status: Mapping[str, Any]) -> bool:
     """Whether the status says the last pass wanted this kind (so one may still exist)."""
     if optional.condition is None:
@@ -347,7 +352,7 @@ def compute_status(
         conditions.append(_cond("RouteBackend", *verdict))
     if model.routed:
         conditions.append(_cond("RouterReady", *router_verdict(model)))
-    migration = migration_verdict(model)
+    migration = migration_verdict(model, forbidden=MIGRATION_CONDITION in unavailable)
     if migration is not None:
         conditions.append(_cond(MIGRATION_CONDITION, *migration))
     out["conditions"] += _stamp(conditions, previous.get("conditions") or [], now, generation)

@@ -414,3 +414,36 @@ def test_render_with_the_key_file_prints_the_secret(tmp_path):
     empty.write_bytes(b"")
     refused = render("--continuation-key-file", str(empty))
     assert refused.returncode == 2 and "holds no key" in refused.stderr
+
+
+def test_an_operator_refused_secrets_converges_the_model_without_migration():
+    """An operator upgraded without its chart's RBAC (403 on Secrets): the model's other
+    children converge, its pods get no mount and no flag (they would never be given the
+    key), the status and one Warning say why, and the pass is retried; once granted, the
+    next pass writes the Secret."""
+    from kubernetes.client.exceptions import ApiException
+    from operator_helpers import AbsentKind
+
+    cluster, events = AbsentKind("Secret", 403), Events()
+    body = routed()
+    with pytest.raises(ApiException):
+        converge(cluster, body, events, now=NOW, defaults=KEYED)
+    pod = cluster.objects[("Deployment", "default", "m")]["spec"]["template"]["spec"]
+    assert "--continuation-key-file" not in pod["containers"][0]["args"]
+    assert all(v["name"] != "continuation-key" for v in pod["volumes"])
+    cond = conditions(cluster)["StreamMigration"]
+    assert (cond["status"], cond["reason"]) == ("False", "Forbidden")
+    assert "m-continuation-key" in cond["message"] and "chart" in cond["message"]
+    assert [e[1] for e in events if e[0] == "Warning"] == ["ContinuationKeyForbidden"]
+    # The retry says nothing new.
+    events.clear()
+    with pytest.raises(ApiException):
+        converge(cluster, with_status(body, cluster), events, now=NOW, defaults=KEYED)
+    assert not [e for e in events if e[0] == "Warning"]
+    # Granted: the Secret, the mount and the flag.
+    cluster.refuse = 0
+    converge(cluster, with_status(body, cluster), events, now=NOW, defaults=KEYED)
+    assert SECRET in cluster.objects
+    assert conditions(cluster)["StreamMigration"]["reason"] == "Enabled"
+    pod = cluster.objects[("Deployment", "default", "m")]["spec"]["template"]["spec"]
+    assert "--continuation-key-file" in pod["containers"][0]["args"]

@@ -126,11 +126,24 @@ def migration_entry(model: StreamingModel) -> dict[str, Any] | None:
 KEY_CHART_VALUE = "activator.continuationKey"
 
 
-def migration_verdict(model: StreamingModel) -> tuple[bool, str, str] | None:
+# Why a model's streams do not migrate when the API server refused its Secret (403).
+SECRETS_FORBIDDEN = (
+    "the operator may not write the Secret {secret}, so the pods get no continuation key and "
+    "a stream ends with its pod: upgrade the sluice-operator chart (its RBAC grants create, "
+    "patch and delete on secrets)"
+)
+
+
+def migration_verdict(
+    model: StreamingModel, forbidden: bool = False
+) -> tuple[bool, str, str] | None:
     """(status, reason, message) of the StreamMigration condition; None (no condition) for a
-    model that does not ask for migration (router or migration off)."""
+    model that does not ask for migration (router or migration off). `forbidden`: the API
+    server refused to let the operator write the model's Secret."""
     if not model.spec.routing.router.migrates:
         return None
+    if forbidden:
+        return False, "Forbidden", SECRETS_FORBIDDEN.format(secret=continuation_secret_name(model))
     if not model.router_available:
         return (
             False,

@@ -177,7 +177,7 @@ class StreamingModelStatus(ApiModel):
         "when the operator chart runs no router: the route then goes to the Service) and, unless "
         "routing.router.migration.enabled is false, StreamMigration (True: streams continue on "
         "another replica when their pod goes away; False says why not: NoContinuationKey, "
-        "RouterDisabled); with "
+        "RouterDisabled, Forbidden); with "
         "observability.podMonitor.enabled PodMonitorReady, with parallelism.nodes above 1 "
         "LeaderWorkerSetReady (each: the object applied and accepted, or why not: its CRD "
         "missing, access forbidden); with LoRA on AdaptersReady (every adapter served by every "
