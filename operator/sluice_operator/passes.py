@@ -24,6 +24,7 @@ import kopf
 
 from .cluster import Cluster, WriteFenced, pod_metrics_page, weights_progress
 from .cluster_view import ClusterView
+from .continuationkey import ContinuationKeyFile
 from .kinds import STREAMING_MODEL
 from .modellocks import ModelLocks
 from .models.resource import OperatorDefaults
@@ -75,7 +76,8 @@ class Passes:
     """What every pass of the operator shares: the cluster it writes to, the memory it reads,
     one lock per model, the rollout pacer and the scale-to-zero context (None: no pacing;
     the default activator address and no signals), and the operator's defaults for what a
-    model leaves unset (its image)."""
+    model leaves unset (its image), with the continuation key read at each pass from
+    `key_file` (None: no key, no stream migrates)."""
 
     cluster: Cluster
     memory: ClusterView
@@ -83,6 +85,11 @@ class Passes:
     pacer: RolloutPacer | None = None
     zero: ZeroContext | None = None
     defaults: OperatorDefaults = OperatorDefaults()
+    key_file: ContinuationKeyFile | None = None
+
+    def operator_defaults(self) -> OperatorDefaults:
+        """`defaults` with the continuation key as the file holds it now."""
+        return self.defaults if self.key_file is None else self.key_file.defaults(self.defaults)
 
     def converge(
         self,
@@ -120,7 +127,7 @@ class Passes:
                         pacer=self.pacer,
                         pod_metrics=pod_metrics_page,
                         zero=self.zero,
-                        defaults=self.defaults,
+                        defaults=self.operator_defaults(),
                         weights_progress=weights_progress,
                     )
                 )
