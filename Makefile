@@ -10,7 +10,7 @@ export SLUICE_CACHE ?= $(CURDIR)/.cache
 
 SAMPLE ?= samples/chat-small.yaml
 
-.PHONY: help venv tools demo run test test-fast test-e2e test-dashboard test-multinode lint docs crds golden chart render bench bench-balance bench-router-hop bench-placement bench-placement-live bench-lora bench-ab bench-ab-engine clean
+.PHONY: help venv tools demo run test test-fast test-e2e test-dashboard test-multinode lint docs crds golden chart render bench bench-balance bench-router-hop bench-migration bench-placement bench-placement-live bench-lora bench-ab bench-ab-engine clean
 
 help:
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
@@ -78,13 +78,17 @@ chart: venv tools ## Lint and render the charts
 render: venv ## Print the manifests the operator would apply for SAMPLE=samples/x.yaml (MODEL_IMAGE=...: the operator's --model-image)
 	$(PY) -m sluice_operator render -f $(SAMPLE) $(if $(MODEL_IMAGE),--model-image $(MODEL_IMAGE))
 
-bench: venv ## Benchmarks: our server vs vLLM's server vs the bare engine; fan-out; balancing; the router's hop (writes docs/)
+bench: venv ## Benchmarks: our server vs vLLM's server vs the bare engine; fan-out; balancing; the router's hop; streams moved off a dead pod (writes docs/)
 	$(PY) -m sluice_bench.run
 	$(PY) -m sluice_bench.balance --write
 	$(PY) -m sluice_bench.router_hop --write
+	$(PY) -m sluice_bench.migration --write
 
 bench-router-hop: venv ## The router's cost: CPU per relayed token, TTFT added (tokenizing included), memory per stream (the table in docs/benchmarks.md)
 	$(PY) -m sluice_bench.router_hop --write
+
+bench-migration: venv ## Streams that outlive their pod: 20 streams on a pod killed / frozen mid-stream through the router, cut streams and the seam's gap (the table in docs/benchmarks.md)
+	$(PY) -m sluice_bench.migration --write
 
 bench-balance: venv ## Balancing only: least-loaded vs round-robin on live pods through the e2e ingress (needs K8S_ASSETS; the table in docs/benchmarks.md)
 	$(PY) -m sluice_bench.balance --write

@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 # The image of models without spec.image (`run --model-image`); the operator chart sets it
 # from modelImage through its ConfigMap.
 MODEL_IMAGE_ENV = "SLUICE_OPERATOR_MODEL_IMAGE"
+# The router's master continuation key (`run --continuation-key-file`); the operator chart
+# mounts the router's Secret and sets this.
+CONTINUATION_KEY_FILE_ENV = "SLUICE_OPERATOR_CONTINUATION_KEY_FILE"
 # The same bound as spec.image's.
 MAX_IMAGE_LENGTH = 512
 
@@ -71,6 +74,18 @@ def _cmd_render(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"sluice-operator render: {exc}", file=sys.stderr)
         return 2
+    if args.continuation_key_file:
+        from .continuationkey import ContinuationKeyFile
+
+        key_file = ContinuationKeyFile(Path(args.continuation_key_file))
+        defaults = key_file.defaults(defaults)
+        if defaults.continuation_key is None:
+            print(
+                f"sluice-operator render: --continuation-key-file {args.continuation_key_file} "
+                "holds no key",
+                file=sys.stderr,
+            )
+            return 2
     try:
         text = render_file(Path(args.file), namespace=args.namespace, defaults=defaults)
     except SpecError as exc:
@@ -130,6 +145,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         defaults=defaults,
+        continuation_key_file=(
+            Path(args.continuation_key_file) if args.continuation_key_file else None
+        ),
     )
     return run(
         namespaces=args.namespace,
@@ -191,6 +209,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="IMAGE",
         help="the image of models without spec.image, as `run --model-image` (default: "
         "%(default)s)",
+    )
+    render.add_argument(
+        "--continuation-key-file",
+        default="",
+        metavar="PATH",
+        help="the router's master continuation key, as `run --continuation-key-file`: router "
+        "models then render with their <name>-continuation-key Secret (the key derived from "
+        "it) and its mount; unset: as an operator without the key (no stream migrates)",
     )
     render.set_defaults(func=_cmd_render)
 
@@ -311,6 +337,16 @@ def build_parser() -> argparse.ArgumentParser:
         f"{FORMER_DEFAULT_IMAGE}, the default older CRDs stored); changing it rolls those "
         f"models, paced by --max-concurrent-model-rollouts (default: ${MODEL_IMAGE_ENV}, "
         f"else {DEFAULT_MODEL_IMAGE})",
+    )
+    run.add_argument(
+        "--continuation-key-file",
+        default=os.environ.get(CONTINUATION_KEY_FILE_ENV) or "",
+        metavar="PATH",
+        help="the router's master continuation key (its first line; docs/migration.md): the "
+        "operator writes each router model's key, derived from it, to the Secret "
+        "<name>-continuation-key that the model's pods mount, so the router can continue a "
+        "stream whose pod went away. Read at every pass (a rotated key applies without a "
+        f"restart). Unset: no stream migrates (default: ${CONTINUATION_KEY_FILE_ENV})",
     )
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     run.set_defaults(func=_cmd_run)

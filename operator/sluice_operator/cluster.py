@@ -86,6 +86,12 @@ class LiveReads:
     def deleted(self, kind: Kind, namespace: str, name: str, last: dict[str, Any]) -> None:
         pass
 
+    def applied(self, kind: Kind, namespace: str, owner: str) -> str | None:
+        return None  # no memory: a child that is never read is applied on every pass
+
+    def remember_applied(self, kind: Kind, namespace: str, owner: str, digest: str | None) -> None:
+        pass
+
 
 class KubeCluster:
     """`Cluster` over the official Python client's ApiClient (raw paths, JSON in and out)."""

@@ -49,6 +49,9 @@ class ClusterView:
         self._indexes: Indexes | None = indexes
         self._guard = threading.Lock()
         self._own: dict[tuple[str, str, str], dict[str, Any]] = {}
+        # Children nothing watches or reads (kinds.WRITE_ONLY_KINDS): (namespace, owner,
+        # role) -> the hash of the manifest last applied, never the object.
+        self._applied: dict[tuple[str, str, str], str] = {}
 
     @property
     def attached(self) -> bool:
@@ -129,12 +132,28 @@ class ClusterView:
         with self._guard:
             self._own[(kind.kind, namespace, name)] = marker
 
+    def applied(self, kind: Kind, namespace: str, owner: str) -> str | None:
+        """The hash of the manifest of a child that is never read (`kinds.WRITE_ONLY_KINDS`)
+        as this process last applied it; None: not since the operator started, or deleted."""
+        with self._guard:
+            return self._applied.get((namespace, owner, kind.id))
+
+    def remember_applied(self, kind: Kind, namespace: str, owner: str, digest: str | None) -> None:
+        with self._guard:
+            if digest is None:
+                self._applied.pop((namespace, owner, kind.id), None)
+            else:
+                self._applied[(namespace, owner, kind.id)] = digest
+
     def prune(self) -> None:
-        """Forget own writes of models the watch no longer has (deleted right after a write)."""
+        """Forget own writes of models the watch no longer has (deleted right after a write),
+        and what was applied for them."""
         known = set(self.models())
         with self._guard:
             for key in [k for k in self._own if (k[1], k[2]) not in known]:
                 del self._own[key]
+            for applied in [k for k in self._applied if (k[0], k[1]) not in known]:
+                del self._applied[applied]
 
     def forget(self, kind_name: str, namespace: str, name: str) -> None:
         """The watch showed the object deleted: the index dropped it, so do we."""

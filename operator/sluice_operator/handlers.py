@@ -63,9 +63,15 @@ def configure(
     memo.runtime = runtime = wire(options_of(memo), settings, logger)
     runtime.start()
     model_image = runtime.options.defaults.model_image  # of every model without spec.image
+    key_file = runtime.options.continuation_key_file  # the path only, never the key
     logger.info(
         "sluice operator started",
-        extra={"field_manager": "sluice-operator", "model_image": model_image},
+        extra={
+            "field_manager": "sluice-operator",
+            "model_image": model_image,
+            # None: no router model's streams migrate (condition StreamMigration says so).
+            "continuation_key_file": str(key_file) if key_file else None,
+        },
     )
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from .builders.activator import ACTIVATOR_SUFFIX, desired_activator_service
 from .builders.adapters import ADAPTERS_SUFFIX, desired_adapter_config_map
+from .builders.continuation import CONTINUATION_SUFFIX, desired_continuation_secret
 from .builders.deployment import desired_deployment
 from .builders.gateway import desired_httproute, route_verdict, wants_session_persistence
 from .builders.hpa import desired_hpa
@@ -319,6 +320,25 @@ JOB = Kind("batch/v1", "Job", "jobs", optional=True)
 PERSISTENT_VOLUME_CLAIM = Kind("v1", "PersistentVolumeClaim", "persistentvolumeclaims")
 WEIGHTS_KINDS: tuple[Kind, ...] = (JOB, PERSISTENT_VOLUME_CLAIM)
 
+# The continuation key of a model whose streams migrate (builders/continuation.py): a child
+# the operator writes but never reads, since it reads no Secret (its RBAC grants create,
+# patch and delete on Secrets, nothing else). So it is neither watched nor read: it is
+# server-side applied without a read, the hash of what was applied is kept in memory
+# (`cluster_view.ClusterView.applied`) so a settled model makes no call, and it is deleted
+# when the model stops migrating while the status says it did (condition StreamMigration
+# True). A Secret deleted by hand is made again when the operator restarts or the key
+# changes.
+CONTINUATION_SECRET = Kind(
+    "v1",
+    "Secret",
+    "secrets",
+    desired_continuation_secret,
+    optional=True,
+    name_suffix=CONTINUATION_SUFFIX,
+    role="ContinuationSecret",
+)
+WRITE_ONLY_KINDS: tuple[Kind, ...] = (CONTINUATION_SECRET,)
+
 # Not children, but addressed by the cluster client: pods are listed (why they are Pending)
 # and watched (status follows them); the StreamingModel is read and its status patched.
 POD = Kind("v1", "Pod", "pods")
@@ -340,7 +360,7 @@ WATCHED_KINDS: tuple[Kind, ...] = (*CHILD_KINDS, POD)
 INDEXED_KINDS: tuple[Kind, ...] = unique((*WATCHED_KINDS, STREAMING_MODEL))
 
 # Everything the cluster client may address.
-RESOURCES: tuple[Kind, ...] = (*ALL_KINDS, *WEIGHTS_KINDS, POD, STREAMING_MODEL)
+RESOURCES: tuple[Kind, ...] = (*ALL_KINDS, *WEIGHTS_KINDS, *WRITE_ONLY_KINDS, POD, STREAMING_MODEL)
 _PLURALS = {(k.api_version, k.kind): k.plural for k in RESOURCES}
 
 
@@ -351,4 +371,4 @@ def plural_of(api_version: str, kind: str) -> str:
 
 def desired_children(model: StreamingModel) -> dict[str, dict[str, Any] | None]:
     """Kind (`Kind.id`) -> manifest, or None when that optional child must not exist."""
-    return {k.id: k.builder(model) for k in ALL_KINDS}  # type: ignore[misc]
+    return {k.id: k.builder(model) for k in (*ALL_KINDS, *WRITE_ONLY_KINDS)}  # type: ignore[misc]

@@ -28,6 +28,7 @@ import kopf
 
 from .cluster import Cluster, WriteFenced, pod_metrics_page, weights_progress
 from .cluster_view import ClusterView
+from .continuationkey import ContinuationKeyFile
 from .kinds import STREAMING_MODEL
 from .modellocks import ModelLocks
 from .models.resource import OperatorDefaults
@@ -79,7 +80,8 @@ class Passes:
     """What every pass of the operator shares: the cluster it writes to, the memory it reads,
     one lock per model, the rollout pacer and the scale-to-zero context (None: no pacing;
     the default activator address and no signals), and the operator's defaults for what a
-    model leaves unset (its image)."""
+    model leaves unset (its image), with the continuation key read at each pass from
+    `key_file` (None: no key, no stream migrates)."""
 
     cluster: Cluster
     memory: ClusterView
@@ -87,10 +89,15 @@ class Passes:
     pacer: RolloutPacer | None = None
     zero: ZeroContext | None = None
     defaults: OperatorDefaults = OperatorDefaults()
+    key_file: ContinuationKeyFile | None = None
     # Deleted models whose weights' clean-up waits for another model's download:
     # (namespace, uid) -> the model's last body. In memory only (see release_weights).
     waiting_releases: dict[tuple[str, str], Any] = field(default_factory=dict)
     _release_guard: threading.Lock = field(default_factory=threading.Lock)
+
+    def operator_defaults(self) -> OperatorDefaults:
+        """`defaults` with the continuation key as the file holds it now."""
+        return self.defaults if self.key_file is None else self.key_file.defaults(self.defaults)
 
     def converge(
         self,
@@ -128,7 +135,7 @@ class Passes:
                         pacer=self.pacer,
                         pod_metrics=pod_metrics_page,
                         zero=self.zero,
-                        defaults=self.defaults,
+                        defaults=self.operator_defaults(),
                         weights_progress=weights_progress,
                     )
                 )
@@ -189,7 +196,13 @@ class Passes:
                 if other is not None:
                     neighbours.append(other)
             try:
-                done = release_weights(self.cluster, body, neighbours, _poster(body, self.cluster))
+                done = release_weights(
+                    self.cluster,
+                    body,
+                    neighbours,
+                    _poster(body, self.cluster),
+                    self.operator_defaults(),
+                )
             except WriteFenced as exc:
                 log.info(f"clean-up of {namespace}/{meta.get('name')}'s weights stopped: {exc}")
                 return  # the new leader never saw the DELETED event: nothing more to do

@@ -26,6 +26,7 @@ import kopf
 
 from .adapterstatus import adapters_status, ready, settling
 from .builders.common import HASH_ANNOTATION
+from .builders.continuation import MIGRATION_CONDITION, migration_verdict
 from .builders.gateway import (
     SESSION_PERSISTENCE_DROPPED,
     schema_lacks_session_persistence,
@@ -45,6 +46,7 @@ from .cluster import Cluster, LiveReads
 from .cluster_view import ClusterView
 from .kinds import (
     CHILD_KINDS,
+    CONTINUATION_SECRET,
     DEPLOYMENT,
     HPA,
     INGRESS,
@@ -73,6 +75,8 @@ from .status_from_cluster import (
     compute_status,
     deployment_settled,
     invalid_status,
+    key_forbidden,
+    migrated,
     remembered,
     reported,
     status_patch,
@@ -86,6 +90,9 @@ from .weightsstate import JobView, WeightsVerdict, weights_users, weights_verdic
 log = logging.getLogger("sluice_operator.reconcile")
 
 PostEvent = Callable[[str, str, str], None]  # (type, reason, message)
+# What `compute_status` is told when the continuation key's Secret was refused (the
+# condition's message is the builder's).
+FORBIDDEN = Unavailable("Forbidden", "")
 
 
 @dataclass
@@ -301,11 +308,13 @@ def _converge(
     first = [row for row in touched if row.excludes is not None and not run.wants(row)]
     for row in first:
         run.optional(row)
+    run.continuation_secret()  # before the pods that mount it
     for child in CHILD_KINDS:
         run.child(child)
     for row in touched:
         if row not in first:
             run.optional(row)
+    run.drop_continuation_secret()  # after the workload (its pods' volume is optional)
     run.scale()  # after the route: to zero only once the route names the activator
     run.write_status()
     run.post_events()
@@ -314,6 +323,8 @@ def _converge(
     refused = [run.refused[row.name] for row in OPTIONAL_KINDS if row.name in run.refused]
     if refused:
         raise refused[0][1]
+    if run.key_refused is not None:
+        raise run.key_refused
     return run.outcome
 
 
@@ -367,6 +378,8 @@ class _Pass:
         self.live: dict[str, dict[str, Any] | None] = {}
         # Optional kinds the cluster refused (403/404): kind -> (what it means, the error).
         self.refused: dict[str, tuple[Unavailable, Exception]] = {}
+        # The continuation key's Secret refused (403): the model converges without it.
+        self.key_refused: Exception | None = None
         self.outcome = Outcome()
 
     def _workload(self) -> dict[str, Any] | None:
@@ -498,6 +511,48 @@ class _Pass:
             raise SpecError(message) from None
         self.outcome.applied.append(kind)
 
+    def continuation_secret(self) -> None:
+        """The model's continuation key (kinds.CONTINUATION_SECRET), applied without reading
+        it: only when what this process last applied differs (the master key rotated, the
+        model is new, or the operator restarted)."""
+        child = CONTINUATION_SECRET
+        manifest = self.desired[child.id]
+        if manifest is None:
+            return
+        manifest = _adopt(manifest, self.body)
+        digest = manifest["metadata"]["annotations"][HASH_ANNOTATION]
+        if self.reads.applied(child, self.namespace, self.name) == digest:
+            return
+        self.confirm_owner()
+        try:
+            self.cluster.apply(manifest)  # what it returns (the key) is not kept in memory
+        except Exception as exc:
+            if getattr(exc, "status", None) != 403:
+                raise
+            # An operator upgraded without its chart's RBAC: the model converges without
+            # migration (no mount, no flag), the status says why, and the pass is retried.
+            self.key_refused = exc
+            keyless = dataclasses.replace(self.model.defaults, continuation_key=None)
+            self.model = dataclasses.replace(self.model, defaults=keyless)
+            self.desired = desired_children(self.model)
+            return
+        self.reads.remember_applied(child, self.namespace, self.name, digest)
+        self.outcome.applied.append(child.id)
+
+    def drop_continuation_secret(self) -> None:
+        """Deleted when the model no longer migrates but the status says it did (a delete
+        of one already gone is a no-op)."""
+        child = CONTINUATION_SECRET
+        if self.desired[child.id] is not None or not migrated(self.status):
+            return
+        if self.key_refused is not None:
+            return  # the API server refuses this operator Secrets: nothing to do until granted
+        self.cluster.delete(
+            child.api_version, child.kind, self.namespace, child.child_name(self.name)
+        )
+        self.reads.remember_applied(child, self.namespace, self.name, None)
+        self.outcome.deleted.append(child.id)
+
     def optional(self, row: OptionalKind) -> None:
         """`child` for an optional kind; a 403/404 is kept for the status and the Event."""
         try:
@@ -538,7 +593,10 @@ class _Pass:
             self.now,
             hpa=hpa,
             optional=self.live,
-            unavailable={kind: unavailable for kind, (unavailable, _) in self.refused.items()},
+            unavailable={
+                **{kind: unavailable for kind, (unavailable, _) in self.refused.items()},
+                **({MIGRATION_CONDITION: FORBIDDEN} if self.key_refused is not None else {}),
+            },
         )
         generation = self.body["metadata"].get("generation")
         if self.waiting and self.pacer is not None:
@@ -742,6 +800,9 @@ class _Pass:
             unavailable, _ = self.refused.get(row.name, (None, None))
             if unavailable is not None and reported(row, self.status) != unavailable.message:
                 self.post_event("Warning", row.event, unavailable.message)
+        if self.key_refused is not None and not key_forbidden(self.status):
+            verdict = migration_verdict(self.model, forbidden=True)
+            self.post_event("Warning", "ContinuationKeyForbidden", verdict[2] if verdict else "")
 
 
 def _with_adapters(
@@ -782,6 +843,7 @@ def release_weights(
     deleted: Mapping[str, Any],
     neighbours: Sequence[Mapping[str, Any]],
     post_event: PostEvent,
+    defaults: OperatorDefaults | None = None,
 ) -> bool:
     """A deleted StreamingModel's commits (`status.weights`: the one its pods served and,
     mid revision change, the one they rolled from) are removed from the claim by a clean-up
@@ -797,7 +859,7 @@ def release_weights(
     if not commits or not claim or not repo:
         return True  # it never served a commit of the cache
     try:
-        model = load_model(deleted)
+        model = load_model(deleted, defaults=defaults)  # the Job runs the model's image
     except SpecError:
         return True
     cache = cache_of(model)

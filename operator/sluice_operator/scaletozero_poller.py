@@ -21,6 +21,7 @@ ever idle: scaling to zero with nothing to wake it would strand the model.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -39,7 +40,7 @@ from .builders.leaderworkerset import leader_selector
 from .cluster import Cluster
 from .cluster_view import ClusterView
 from .kinds import DEPLOYMENT, LWS_KIND
-from .models.resource import DEFAULT_ACTIVATOR_HOST, StreamingModel
+from .models.resource import DEFAULT_ACTIVATOR_HOST, OperatorDefaults, StreamingModel
 from .opmetrics import OperatorMetrics
 from .scaletozero import (
     DEMAND_PERIOD_SECONDS,
@@ -83,9 +84,13 @@ class ScaleToZeroPoller:
         leading: Callable[[], bool] = lambda: True,
         clock: Callable[[], float] = time.time,
         metrics: OperatorMetrics | None = None,
+        defaults: Callable[[], OperatorDefaults] = OperatorDefaults,
     ) -> None:
         self.cluster, self.memory, self.activator = cluster, memory, activator
         self.metrics = metrics
+        # The operator's configuration as of now (the continuation key, read each round:
+        # a router model's entry says whether its streams migrate).
+        self.defaults = defaults
         self.wake, self.page, self.leading, self.clock = wake, page, leading, clock
         self._signals: dict[tuple[str, str], Signals] = {}
         self._checked: dict[tuple[str, str], float] = {}  # last idle check per model
@@ -129,6 +134,7 @@ class ScaleToZeroPoller:
 
     def _models(self) -> list[StreamingModel]:
         out, seen = [], set()
+        defaults = self.defaults()
         for namespace, name in self.memory.models():
             body = self.memory.model(namespace, name)
             if body is None or body["metadata"].get("deletionTimestamp"):
@@ -144,7 +150,7 @@ class ScaleToZeroPoller:
                 cached = self._parsed[key] = (meta.get("uid"), meta.get("generation"), parsed)
             model = cached[2]
             if model is not None and in_activator(model):
-                out.append(model)
+                out.append(dataclasses.replace(model, defaults=defaults))
         for key in [k for k in self._parsed if k not in seen]:
             del self._parsed[key]
         return out

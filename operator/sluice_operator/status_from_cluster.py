@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .builders.common import selector_string
+from .builders.continuation import MIGRATION_CONDITION, migration_verdict
 from .builders.gateway import route_url
 from .builders.hpa import ttft_metric_name
 from .builders.ingress import ingress_url
@@ -164,6 +165,17 @@ def _stamp(
 
 def _condition_of(status: Mapping[str, Any], type_: str) -> Mapping[str, Any] | None:
     return next((c for c in status.get("conditions") or [] if c.get("type") == type_), None)
+
+
+def migrated(status: Mapping[str, Any]) -> bool:
+    """Whether the status says the model's streams migrated on the last pass (so its
+    continuation-key Secret may exist)."""
+    return (_condition_of(status, MIGRATION_CONDITION) or {}).get("status") == "True"
+
+
+def key_forbidden(status: Mapping[str, Any]) -> bool:
+    """Whether the status already says the model's continuation Secret was refused."""
+    return (_condition_of(status, MIGRATION_CONDITION) or {}).get("reason") == "Forbidden"
 
 
 def remembered(optional: OptionalKind, status: Mapping[str, Any]) -> bool:
@@ -340,6 +352,9 @@ def compute_status(
         conditions.append(_cond("RouteBackend", *verdict))
     if model.routed:
         conditions.append(_cond("RouterReady", *router_verdict(model)))
+    migration = migration_verdict(model, forbidden=MIGRATION_CONDITION in unavailable)
+    if migration is not None:
+        conditions.append(_cond(MIGRATION_CONDITION, *migration))
     out["conditions"] += _stamp(conditions, previous.get("conditions") or [], now, generation)
     return out
 

@@ -13,6 +13,8 @@ seam between them (the collaborators, their types, who wakes whom):
 - `pacer`: operator-caused rollouts, a few at a time; a freed slot wakes the resync;
 - `zero`: the scale-to-zero poller; a changed signal wakes the resync;
 - `metrics`: the operator's own Prometheus metrics;
+- `key_file`: the router's master continuation key (`--continuation-key-file`), read by
+  every pass and by the poller; a changed key wakes the resync;
 - `passes`: one pass of one model under its lock, errors classified, with the operator's
   defaults for what a model leaves unset (`passes.Passes`, `models.resource.OperatorDefaults`).
 
@@ -26,12 +28,14 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import kopf
 
 from .cluster import Cluster, FencedCluster, KubeCluster, KubeLeases, pod_metrics_page
 from .cluster_view import ClusterView
+from .continuationkey import ContinuationKeyFile
 from .election import AlwaysLeading, ElectionSettings, Elector
 from .kinds import DEPLOYMENT
 from .kopfwrites import LeaderOnlyDiffBase, LeaderOnlyProgress, user_agent
@@ -64,6 +68,9 @@ class Options:
     metrics_port: int = 0  # 0: no metrics endpoint
     metrics_host: str = "0.0.0.0"
     defaults: OperatorDefaults = OperatorDefaults()  # `--model-image`
+    # `--continuation-key-file`: the router's master continuation key; None: no stream
+    # migrates.
+    continuation_key_file: Path | None = None
 
 
 class Leadership(Protocol):
@@ -84,6 +91,7 @@ class Runtime:
     metrics: OperatorMetrics
     passes: Passes
     elector: Elector | None = None  # the same object as `leadership` with `--leader-elect`
+    key_file: ContinuationKeyFile | None = None  # `--continuation-key-file`
     _tasks: list[asyncio.Task[None]] = field(default_factory=list, repr=False)
 
     def leading(self) -> bool:
@@ -101,6 +109,8 @@ class Runtime:
             )
         self.resync.start()
         self.zero.start()
+        if self.key_file is not None:  # a rotated master key: every model's key anew
+            self.key_file.watch(self.resync.kick)
 
     def campaign(self) -> None:
         """With `--leader-elect`: campaign on the running loop (kopf's), beside the watches."""
@@ -116,6 +126,8 @@ class Runtime:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.to_thread(self.resync.stop)
         await asyncio.to_thread(self.zero.stop)
+        if self.key_file is not None:
+            await asyncio.to_thread(self.key_file.stop)
 
 
 def wired(memo: Any) -> Runtime | None:
@@ -188,6 +200,15 @@ def wire(
         wake=resync.converge_soon,
         models=memory.models,
     )
+    key_file = (
+        ContinuationKeyFile(options.continuation_key_file)
+        if options.continuation_key_file is not None
+        else None
+    )
+
+    def operator_defaults() -> OperatorDefaults:
+        return key_file.defaults(options.defaults) if key_file else options.defaults
+
     zero = ScaleToZeroPoller(
         fenced,
         memory,
@@ -196,8 +217,11 @@ def wire(
         page=pod_metrics_page,
         leading=leading,
         metrics=metrics,
+        defaults=operator_defaults,
     )
-    passes = Passes(fenced, memory, ModelLocks(), pacer, zero.context(), options.defaults)
+    passes = Passes(
+        fenced, memory, ModelLocks(), pacer, zero.context(), options.defaults, key_file=key_file
+    )
     return Runtime(
         options=options,
         cluster=fenced,
@@ -209,6 +233,7 @@ def wire(
         metrics=metrics,
         passes=passes,
         elector=elector,
+        key_file=key_file,
     )
 
 

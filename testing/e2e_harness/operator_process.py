@@ -9,6 +9,7 @@ are taken from the rendered Deployment.
 
 from __future__ import annotations
 
+import base64
 import os
 import subprocess
 import sys
@@ -69,6 +70,15 @@ class RenderedChart:
     def container(self) -> dict:
         return self.deployment()["spec"]["template"]["spec"]["containers"][0]
 
+    def continuation_key(self) -> bytes | None:
+        """The router's master continuation key the chart made (its Secret), or None."""
+        for secret in self.of_kind("Secret"):
+            if secret["metadata"]["name"].endswith("-continuation-key"):
+                data = secret.get("data") or {}
+                if "continuation-key" in data:
+                    return base64.b64decode(data["continuation-key"])
+        return None
+
     def config_env(self) -> dict[str, str]:
         """The ConfigMap(s) the container reads with envFrom, as environment variables."""
         names = {
@@ -126,6 +136,13 @@ class OperatorProcess:
         for arg in container.get("args", []):
             if arg.startswith("--liveness="):  # the pod listens on 0.0.0.0; tests stay on loopback
                 arg = f"--liveness=http://127.0.0.1:{self.health_port}/healthz"
+            if arg.startswith("--continuation-key-file="):  # the chart's Secret, as a file
+                key = chart.continuation_key()
+                if key is None:
+                    continue
+                path = Path(log_dir) / f"{name}-continuation-key"
+                path.write_bytes(key + b"\n")
+                arg = f"--continuation-key-file={path}"
             if arg.startswith("--metrics-port="):  # likewise, and one port per process
                 self.metrics_port = free_port()
                 argv.append("--metrics-host=127.0.0.1")

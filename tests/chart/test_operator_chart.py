@@ -66,9 +66,16 @@ def test_default_objects(h):
     docs = h.template(OPERATOR_CHART)
     activator = activator_docs(docs)
     assert sorted(d["kind"] for d in activator) == [
-        "ClusterRole", "ClusterRoleBinding", "Deployment", "NetworkPolicy",
-        "PodDisruptionBudget", "Secret", "Service", "ServiceAccount",
-    ]  # fmt: skip
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Deployment",
+        "NetworkPolicy",
+        "PodDisruptionBudget",
+        "Secret",
+        "Secret",
+        "Service",
+        "ServiceAccount",
+    ]  # fmt: skip  (the pin key and the continuation key)
     docs = [d for d in docs if d not in activator]
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == sorted(
@@ -135,6 +142,7 @@ def test_deployment_runs_the_operator_with_kopf_health(h):
         "--activator-service=sluice-activator",
         "--activator-namespace=sluice-system",
         "--activator-selector=app.kubernetes.io/component=activator,app.kubernetes.io/instance=sluice",
+        "--continuation-key-file=/etc/sluice/continuation/master",
     ]
     assert c["image"] == "ghcr.io/sluice-dev/sluice-operator:0.1.0"
     for probe in ("livenessProbe", "readinessProbe"):
@@ -205,9 +213,11 @@ def test_secure_defaults(h):
     assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
     assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
     # the only writable path is a bounded emptyDir at /tmp
-    assert c["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
-    (vol,) = deploy["spec"]["template"]["spec"]["volumes"]
-    assert vol["emptyDir"]["sizeLimit"]
+    # The only writable path; the rest (the continuation key) read-only.
+    assert c["volumeMounts"][0] == {"name": "tmp", "mountPath": "/tmp"}
+    assert all(m.get("readOnly") for m in c["volumeMounts"][1:])
+    vol, key = deploy["spec"]["template"]["spec"]["volumes"]
+    assert vol["emptyDir"]["sizeLimit"] and key["secret"]["defaultMode"] == 0o440
 
 
 @pytest.mark.parametrize("values", [[], [ALL_ON]], ids=["defaults", "all-on"])
@@ -459,6 +469,8 @@ EXPECTED = {
     },
     ("", "pods"): {"list", "watch"},
     ("", "events"): {"create"},
+    # Router models' continuation keys: written, never read.
+    ("", "secrets"): {"create", "patch", "delete"},
     # The weights cache: shared download Jobs (deleted when a finished one lost its
     # result) and the claim (never deleted: shared).
     ("batch", "jobs"): {"get", "create", "patch", "delete"},
@@ -491,15 +503,22 @@ def test_rbac_cluster_wide_is_exactly_what_the_operator_uses(h):
     assert not [r for r in by_kind(off, "Role") if r["metadata"]["name"].endswith("-activator")]
 
 
-def test_rbac_has_no_wildcards_and_no_secrets(h):
+def test_rbac_has_no_wildcards_and_reads_no_secrets(h):
+    """No role may read a Secret: the operator's one rule on them writes its router models'
+    continuation keys (create, patch, delete), which it never reads back."""
+    writes = 0
     for set_ in ([], NAMESPACED):
         docs = h.template(OPERATOR_CHART, values=[ALL_ON], set_=set_)
         for role in by_kind(docs, "ClusterRole") + by_kind(docs, "Role"):
             for rule in role["rules"]:
                 assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]
-                assert "secrets" not in rule["resources"]
+                if "secrets" in rule["resources"]:
+                    assert rule["resources"] == ["secrets"] and "resourceNames" not in rule
+                    assert sorted(rule["verbs"]) == ["create", "delete", "patch"], rule
+                    writes += 1
                 if not role["metadata"]["name"].endswith("-edit"):
                     assert "escalate" not in rule["verbs"] and "bind" not in rule["verbs"]
+    assert writes == 1 + 2  # cluster-wide; a Role in each of the two watched namespaces
 
 
 RBAC_TPL = OPERATOR_CHART / "templates" / "_rbac-rules.tpl"
@@ -697,6 +716,10 @@ def test_rbac_covers_every_child_the_operator_manages(h):
     need = _needed(
         (*kinds.ALL_KINDS, *kinds.WEIGHTS_KINDS), kinds.WATCHED_KINDS, kinds.STREAMING_MODEL
     )
+    # Children written but never read (router models' continuation keys): apply and delete.
+    for k in kinds.WRITE_ONLY_KINDS:
+        need.setdefault((k.group, k.plural), set()).update({"create", "patch", "delete"})
+        assert k not in kinds.WATCHED_KINDS and k not in kinds.ALL_KINDS
     missing = _missing(need, grants)
     claims = ("", "persistentvolumeclaims")
     assert "delete" not in grants[claims], "the weights claim is never deleted (shared)"
@@ -711,13 +734,17 @@ def test_rbac_covers_every_child_the_operator_manages(h):
     assert _missing(need, grants) == {
         ("example.com", "widgets"): {"get", "create", "patch", "delete"}
     }
-    managed = {k.kind for k in kinds.ALL_KINDS}
+    managed = {k.kind for k in (*kinds.ALL_KINDS, *kinds.WRITE_ONLY_KINDS)}
     rendered = set()
+    key = pytest.importorskip("sluice_operator.models.resource").OperatorDefaults(
+        continuation_key=b"k"
+    )
     for sample in sorted((ROOT / "samples").glob("*.yaml")):
-        for doc in yaml.safe_load_all(render.render_file(sample, namespace=None)):
+        docs = render.render_file(sample, namespace=None, defaults=key)
+        for doc in yaml.safe_load_all(docs):
             if doc:
                 rendered.add(doc["kind"])
-    assert {"Deployment", "Service"} <= rendered <= managed
+    assert {"Deployment", "Service", "Secret"} <= rendered <= managed
 
 
 def _lease_calls() -> list[tuple[str, str]]:
@@ -1035,6 +1062,7 @@ def test_activator_set_and_not_rendered(h):
     assert c["args"] == ["--models-file=/etc/sluice/activator/models.json"]
     env = {e["name"]: e["value"] for e in c["env"]}
     assert env["SLUICE_ACTIVATOR_PIN_KEY_FILE"] == "/etc/sluice/pin/pin-key"
+    assert env["SLUICE_ACTIVATOR_CONTINUATION_KEY_FILE"] == "/etc/sluice/continuation/master"
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
@@ -1061,7 +1089,7 @@ def test_activator_set_and_not_rendered(h):
     off = h.template(OPERATOR_CHART, set_=["activator.enabled=false"])
     assert not activator_docs(off)
     _, op = _container(off)
-    assert not any(a.startswith("--activator") for a in op["args"])
+    assert not any(a.startswith(("--activator", "--continuation")) for a in op["args"])
     docs = h.template(OPERATOR_CHART, set_=["activator.networkPolicy=false"])
     assert not by_kind(activator_docs(docs), "NetworkPolicy")
 
@@ -1087,7 +1115,7 @@ def test_router_rbac_pin_key_and_token_set_and_not_rendered(h):
     (sa,) = by_kind(router, "ServiceAccount")
     (role,) = by_kind(router, "ClusterRole")
     (binding,) = by_kind(router, "ClusterRoleBinding")
-    (secret,) = by_kind(router, "Secret")
+    (secret,) = [d for d in by_kind(router, "Secret") if d["metadata"]["name"].endswith("-pin-key")]
     assert role["rules"] == [
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
     ]
@@ -1130,7 +1158,7 @@ def test_router_pin_key_existing_secret_set_and_not_rendered(h):
 
     def key() -> str:
         docs = [d for d in yaml.safe_load_all(h.run(*argv).stdout) if d]
-        (secret,) = by_kind(_router_docs(docs), "Secret")
+        (secret,) = [d for d in by_kind(_router_docs(docs), "Secret") if "pin-key" in d["data"]]
         return secret["data"]["pin-key"]
 
     keys = [key(), key()]
@@ -1138,8 +1166,7 @@ def test_router_pin_key_existing_secret_set_and_not_rendered(h):
     assert _pin_key_volume(h.template(OPERATOR_CHART))["secretName"] == "sluice-activator-pin-key"
     mine = ["activator.pinKey.existingSecret=router-pin", "activator.pinKey.existingSecretKey=k"]
     docs = h.template(OPERATOR_CHART, set_=mine)
-    assert not by_kind(_router_docs(docs), "Secret")
-    assert not [d for d in docs if d["kind"] == "Secret"]
+    assert not [d for d in docs if d["kind"] == "Secret" and "pin-key" in d["data"]]
     assert _pin_key_volume(docs) == {
         "secretName": "router-pin",
         "items": [{"key": "k", "path": "pin-key"}],
@@ -1150,8 +1177,68 @@ def test_router_pin_key_existing_secret_set_and_not_rendered(h):
         e["name"]: e["value"] for e in deploy["spec"]["template"]["spec"]["containers"][0]["env"]
     }
     assert env["SLUICE_ACTIVATOR_PIN_KEY_FILE"] == "/etc/sluice/pin/pin-key"
+    # With the continuation key's Secret named too, nothing random is left.
+    mine += ["activator.continuationKey.existingSecret=router-continuation"]
     sets = [a for s in mine for a in ("--set", s)]
-    assert h.run(*argv, *sets).stdout == h.run(*argv, *sets).stdout  # nothing random left
+    assert h.run(*argv, *sets).stdout == h.run(*argv, *sets).stdout
+
+
+def _continuation_volumes(docs) -> list[dict]:
+    """The continuation-key volume of the router's pods and of the operator's."""
+    (router,) = by_kind(activator_docs(docs), "Deployment")
+    operator, _ = _container(docs)
+    return [
+        v
+        for d in (router, operator)
+        for v in d["spec"]["template"]["spec"]["volumes"]
+        if v["name"] == "continuation-key"
+    ]
+
+
+def test_router_continuation_key_set_and_not_rendered(h):
+    """The router's master continuation key: one Secret (48 random characters) mounted
+    read-only in the router's pods (their --continuation-key-file, as its env form) and in
+    the operator's (its --continuation-key-file), both as the file `master`. A Secret of
+    your own: the chart makes none and both mount it. The activator off: no key anywhere
+    and the operator runs without the flag (no stream migrates)."""
+    docs = h.template(OPERATOR_CHART)
+    (secret,) = [d for d in docs if d["metadata"]["name"] == "sluice-activator-continuation-key"]
+    assert secret["kind"] == "Secret" and secret["metadata"]["namespace"] == "sluice-system"
+    assert len(base64.b64decode(secret["data"]["continuation-key"])) == 48
+    volumes = _continuation_volumes(docs)
+    assert len(volumes) == 2 and all(v == volumes[0] for v in volumes)
+    assert volumes[0]["secret"] == {
+        "secretName": "sluice-activator-continuation-key",
+        "items": [{"key": "continuation-key", "path": "master"}],
+        "defaultMode": 0o440,
+    }
+    (router,) = by_kind(activator_docs(docs), "Deployment")
+    operator, op = _container(docs)
+    mount = {"name": "continuation-key", "mountPath": "/etc/sluice/continuation", "readOnly": True}
+    for c in (router["spec"]["template"]["spec"]["containers"][0], op):
+        assert mount in c["volumeMounts"]
+    env = {
+        e["name"]: e.get("value")
+        for e in router["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["SLUICE_ACTIVATOR_CONTINUATION_KEY_FILE"] == "/etc/sluice/continuation/master"
+    assert "--continuation-key-file=/etc/sluice/continuation/master" in op["args"]
+    # A Secret of the user's: the chart makes none, both pods mount it.
+    mine = ["activator.continuationKey.existingSecret=cont",
+            "activator.continuationKey.existingSecretKey=k"]  # fmt: skip
+    docs = h.template(OPERATOR_CHART, set_=mine)
+    assert not [d for d in docs if d["kind"] == "Secret" and "continuation-key" in d["data"]]
+    assert [v["secret"] for v in _continuation_volumes(docs)] == 2 * [
+        {"secretName": "cont", "items": [{"key": "k", "path": "master"}], "defaultMode": 0o440}
+    ]
+    # The activator off: nothing of it.
+    off = h.template(OPERATOR_CHART, set_=["activator.enabled=false"])
+    assert not [d for d in off if "continuation" in d["metadata"]["name"]]
+    operator, op = _container(off)
+    assert not [v for v in operator["spec"]["template"]["spec"]["volumes"]
+                if v["name"] == "continuation-key"]  # fmt: skip
+    assert not [m for m in op["volumeMounts"] if m["name"] == "continuation-key"]
+    assert not any(a.startswith("--continuation-key-file") for a in op["args"])
 
 
 def test_router_pods_stop_after_a_prestop_pause_within_their_grace_period(h):

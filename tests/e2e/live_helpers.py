@@ -179,22 +179,22 @@ def by_request(node, namespace: str, pods: list[str]) -> dict[str, list[tuple[st
 
 
 def router_manifests(chart: RenderedChart, placement: dict, replicas: int,
-                     **pod_spec) -> tuple[dict, dict, dict]:  # fmt: skip
+                     **pod_spec) -> tuple[dict, dict, list[dict]]:  # fmt: skip
     """The chart's router Deployment (`replicas` on the live node, `pod_spec` over its pod
     spec, `--host=0.0.0.0` said out loud: the node agent binds a wildcard given in the
-    arguments to the pod's own address), Service and pin-key Secret."""
+    arguments to the pod's own address), Service and Secrets (pin key, continuation key)."""
     (dep,) = [copy.deepcopy(d) for d in chart.of_kind("Deployment")
               if d["metadata"]["name"] == ROUTER]  # fmt: skip
     (svc,) = [copy.deepcopy(s) for s in chart.of_kind("Service")
               if s["metadata"]["name"] == ROUTER]  # fmt: skip
-    (key,) = [copy.deepcopy(s) for s in chart.of_kind("Secret")
-              if s["metadata"]["name"] == f"{ROUTER}-pin-key"]  # fmt: skip
+    keys = [copy.deepcopy(s) for s in chart.of_kind("Secret")
+            if s["metadata"]["name"] in (f"{ROUTER}-pin-key", f"{ROUTER}-continuation-key")]  # fmt: skip
     dep["spec"]["replicas"] = replicas
     pod = dep["spec"]["template"]["spec"]
     pod.update(copy.deepcopy(placement))
     pod.update(copy.deepcopy(pod_spec))
     pod["containers"][0]["args"].append("--host=0.0.0.0")
-    return dep, svc, key
+    return dep, svc, keys
 
 
 class LiveRouter:
@@ -219,9 +219,10 @@ class LiveRouter:
 
     def start(self, placement: dict, replicas: int = 1, **pod_spec) -> list[Endpoint]:
         """Its Secret, Service and Deployment; its Ready pods' endpoints."""
-        dep, svc, key = router_manifests(self.chart, placement, replicas, **pod_spec)
-        self.core.create_namespaced_secret(OPERATOR_NAMESPACE, key)
-        self.made.append(("secret", key["metadata"]["name"]))
+        dep, svc, keys = router_manifests(self.chart, placement, replicas, **pod_spec)
+        for key in keys:
+            self.core.create_namespaced_secret(OPERATOR_NAMESPACE, key)
+            self.made.append(("secret", key["metadata"]["name"]))
         self.core.create_namespaced_service(OPERATOR_NAMESPACE, svc)
         self.made.append(("svc", ROUTER))
         self.apps.create_namespaced_deployment(OPERATOR_NAMESPACE, dep)

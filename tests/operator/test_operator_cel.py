@@ -178,6 +178,34 @@ CASES = pytest.mark.parametrize(
             {"server": {"queue": {"size": 8, "tenantWeights": {"acme": 0}}}},
             "every weight is a whole number from 1 to 1000",
         ),
+        # Migration's stall over the heartbeat: only while the router migrates streams.
+        (
+            {"routing": {"router": {"enabled": True}}, "streaming": {"heartbeatSeconds": 30}},
+            "stallSeconds must be greater than streaming.heartbeatSeconds",
+        ),
+        (
+            {
+                "routing": {"router": {"enabled": True, "migration": {"stallSeconds": 45.5}}},
+                "streaming": {"heartbeatSeconds": 45},
+            },
+            None,
+        ),
+        (
+            {
+                "routing": {"router": {"enabled": True, "migration": {"stallSeconds": 45}}},
+                "streaming": {"heartbeatSeconds": 45},
+            },
+            "stallSeconds must be greater than streaming.heartbeatSeconds",
+        ),
+        (
+            {
+                "routing": {"router": {"enabled": True, "migration": {"enabled": False}}},
+                "streaming": {"heartbeatSeconds": 60},
+            },
+            None,
+        ),
+        ({"streaming": {"heartbeatSeconds": 60}}, None),
+        ({"routing": {"router": {"enabled": True}}}, None),
     ],
 )
 

@@ -25,6 +25,7 @@ import pytest
 import sluice_operator
 import yaml
 from operator_helpers import SAMPLES
+from sluice_operator.models.resource import OperatorDefaults
 from sluice_operator.models.spec import FORMER_DEFAULT_IMAGE
 from sluice_operator.render import render_objects
 from sluice_operator.validation import load_model
@@ -32,6 +33,10 @@ from sluice_operator.yamldump import dump_yaml
 from testkit.repo import ROOT
 
 GOLDEN = Path(__file__).parent / "golden"
+# The operator as the chart runs it: with the router's master continuation key, so router
+# models' pods mount their key (builders/continuation.py). Its value never reaches a pod
+# template.
+OPERATOR = OperatorDefaults(continuation_key=b"golden-master-key")
 UPDATE = os.environ.get("SLUICE_UPDATE_GOLDEN") == "1"
 REGENERATE = "make golden"
 
@@ -141,6 +146,17 @@ COMBINATIONS: dict[str, dict] = {
         "resources": {"gpus": 8},
         "parallelism": {"tensor": 8, "pipeline": 2, "nodes": 2},
     },
+    # The router on a group: the continuation key is mounted on the leader (which serves
+    # the streams), never on the workers.
+    "router-two-nodes": {
+        "resources": {"gpus": 8},
+        "parallelism": {"tensor": 8, "pipeline": 2, "nodes": 2},
+        "routing": {"router": {"enabled": True}},
+    },
+    # Migration off: the router places requests, and the pods get no key.
+    "router-without-migration": {
+        "routing": {"router": {"enabled": True, "migration": {"enabled": False}}},
+    },
     # LoRA on a group: the adapter list is mounted on the leader, whose engine loads them.
     "lora-two-nodes": {
         "resources": {"gpus": 8},
@@ -185,12 +201,12 @@ CASES: dict[str, dict] = {
 }
 
 
-def pod_template(body: dict) -> dict:
+def pod_template(body: dict, defaults: OperatorDefaults = OPERATOR) -> dict:
     """The pod template of the model's Deployment, as the operator renders it; for a model
     on several nodes, its LeaderWorkerSet's leader and worker templates."""
     (workload,) = [
         m
-        for m in render_objects(copy.deepcopy(body))
+        for m in render_objects(copy.deepcopy(body), defaults=defaults)
         if m["kind"] in ("Deployment", "LeaderWorkerSet")
     ]
     if workload["kind"] == "LeaderWorkerSet":
@@ -259,6 +275,43 @@ def test_every_golden_file_belongs_to_a_case():
         return
     orphans = sorted(p.name for p in GOLDEN.glob("*.yaml") if p.stem not in CASES)
     assert not orphans, f"golden files without a case: {orphans} (run `{REGENERATE}`)"
+
+
+def _migrates(body: dict) -> bool:
+    router = body["spec"].get("routing", {}).get("router", {})
+    return bool(router.get("enabled")) and router.get("migration", {}).get("enabled", True)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_only_router_models_pods_change_with_the_continuation_key(name):
+    """The operator's master key (the chart gives it one with the router) reaches only the
+    pods of models that use the router: every other model's pods are what an operator
+    without the key renders, so turning migration on restarts no other model. The router
+    models differ by the key's volume, its mount and `--continuation-key-file` only."""
+    body = CASES[name]
+    keyless, keyed = pod_template(body, OperatorDefaults()), pod_template(body)
+    if "workerTemplate" in keyed:  # a group: the workers never get the key
+        assert keyed["workerTemplate"] == keyless["workerTemplate"]
+        keyed, keyless = keyed["leaderTemplate"], keyless["leaderTemplate"]
+    if not _migrates(body):
+        assert keyed == keyless
+        return
+    pod, plain = keyed["spec"], keyless["spec"]
+    (c,), (p,) = pod["containers"], plain["containers"]
+    flag = c["args"].index("--continuation-key-file")
+    assert c["args"][flag + 1] == "/etc/sluice/continuation/key"
+    assert c["args"][:flag] + c["args"][flag + 2 :] == p["args"]
+    assert "--" not in c["args"][:flag]  # a server flag, not one of vLLM's after `--`
+    mount = {"name": "continuation-key", "mountPath": "/etc/sluice/continuation", "readOnly": True}
+    assert c["volumeMounts"] == [*p["volumeMounts"], mount]
+    assert pod["volumes"] == [*plain["volumes"], {"name": "continuation-key", "secret": {
+        "secretName": f"{body['metadata']['name']}-continuation-key",
+        "items": [{"key": "key", "path": "key"}], "defaultMode": 0o440,
+        "optional": True}}]  # fmt: skip
+    rest = lambda t: {k: v for k, v in t.items() if k != "spec"}  # noqa: E731
+    assert rest(keyed) == rest(keyless)
+    assert {k: v for k, v in pod.items() if k not in ("containers", "volumes")} == {
+        k: v for k, v in plain.items() if k not in ("containers", "volumes")}  # fmt: skip
 
 
 def test_the_golden_comparison_has_teeth():

@@ -10,12 +10,15 @@ import kubernetes_validate
 import pytest
 import yaml
 from operator_helpers import SAMPLES, FakeCluster, body_of, load, validate_manifest
+from sluice_operator.models.resource import OperatorDefaults
 from sluice_operator.reconcile import converge
 from sluice_operator.render import render_objects
 from testkit.k8s import K8S_VERSIONS
 from testkit.repo import ROOT
 
 CASES = [(p, v) for p in SAMPLES for v in K8S_VERSIONS]
+# The operator as the chart runs it: router models also get their continuation-key Secret.
+KEYED = OperatorDefaults(continuation_key=b"master")
 
 
 def test_k8s_versions_are_in_the_installed_schemas():
@@ -26,7 +29,7 @@ def test_k8s_versions_are_in_the_installed_schemas():
 
 @pytest.mark.parametrize("path,version", CASES, ids=[f"{p.stem}-{v}" for p, v in CASES])
 def test_rendered_manifests_validate(path, version):
-    manifests = render_objects(load(path))
+    manifests = render_objects(load(path), defaults=KEYED)
     workload = "LeaderWorkerSet" if "nodes: 2" in path.read_text() else "Deployment"
     assert {m["kind"] for m in manifests} >= {workload, "Service"}
     for manifest in manifests:
@@ -37,7 +40,7 @@ def test_rendered_manifests_validate(path, version):
 def test_applied_manifests_with_owner_references_validate(path):
     # What the operator actually sends (after kopf.adopt and the hash annotation).
     cluster = FakeCluster()
-    converge(cluster, body_of(path), lambda *a: None, now="2026-11-30T00:00:00Z")
+    converge(cluster, body_of(path), lambda *a: None, now="2026-11-30T00:00:00Z", defaults=KEYED)
     for obj in cluster.objects.values():
         sent = {k: v for k, v in obj.items() if k != "status"}
         sent["metadata"] = {

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 from operator_helpers import SAMPLES, load
+from sluice_operator.builders.continuation import migrates
 from sluice_operator.builders.deployment import desired_deployment
 from sluice_operator.builders.kvevents import kv_event_args
 from sluice_operator.builders.leaderworkerset import desired_leaderworkerset
-from sluice_operator.models.resource import StreamingModel
+from sluice_operator.models.resource import OperatorDefaults, StreamingModel
 from sluice_operator.render import offline_weights
 from sluice_operator.validation import load_model
 
@@ -73,7 +74,9 @@ def test_server_parses_rendered_args(path, monkeypatch, tmp_path):
     for key in [k for k in os.environ if k.startswith("SLUICE_") or k.startswith("HF_TOKEN")]:
         monkeypatch.delenv(key)
     body = load(path)
-    model = offline_weights(load_model(body), body)  # a weights-cache model: its commit
+    # A weights-cache model: its commit; the operator with the router's continuation key.
+    keyed = OperatorDefaults(continuation_key=b"master")
+    model = offline_weights(load_model(body, defaults=keyed), body)
     c = mount_secrets(model, tmp_path)
     for env in c["env"]:  # the environment the server reads (HF_TOKEN_PATH, SLUICE_*)
         if env["name"].startswith(("SLUICE_", "HF_TOKEN")):
@@ -105,6 +108,12 @@ def test_server_parses_rendered_args(path, monkeypatch, tmp_path):
         path = dict((e["name"], e["value"]) for e in c["env"])["HF_TOKEN_PATH"]
         assert Path(path).read_text().strip() == f"{SECRET_VALUE}-{token.name}"
     assert s.playground is spec.streaming.playground
+    # A router model's continuation key: the mounted file the flag names.
+    assert (s.continuation_key_file is not None) is migrates(model)
+    if s.continuation_key_file is not None:
+        assert s.continuation_key_file.read_text().strip() == (
+            f"{SECRET_VALUE}-{model.name}-continuation-key"
+        )
     ing = spec.ingress
     assert s.root_path == (ing.path.rstrip("/") if ing.enabled else "")
     assert s.resume_grace_seconds == spec.streaming.resume.grace_seconds

@@ -211,6 +211,25 @@ async def test_without_migration_a_dead_pod_cuts_the_stream(tmp_path):
     assert usage is None and reference[name][0].startswith(text) and text != reference[name][0]
 
 
+async def test_a_refused_continuation_ends_with_the_pods_message(tmp_path):
+    """The pods' key no longer the one the router derives (a rotation half applied): the
+    continuing pod refuses (403) and the stream ends with the error event saying so, at
+    once (no retry on other pods)."""
+    chat = REQUESTS[:1]
+    async with pods_with_link(tmp_path, {"maxMigrations": 2, "stallSeconds": 5}) as (
+        act, api, link, port,
+    ):  # fmt: skip
+
+        def kill_with_another_key() -> None:
+            (tmp_path / "pod-key").write_text("not-the-derived-key\n")
+            link.kill()
+
+        (reader,) = await break_midway(act, api, kill_with_another_key, chat)
+        assert results(act)["refused"] == 1 and results(act)["continued"] == 0
+    error = "\n".join(events_of(reader.raw)[-2:])
+    assert "could not be continued" in error and "not this model's key" in error
+
+
 async def test_a_stream_out_of_moves_ends_with_the_error_event(tmp_path):
     chat = REQUESTS[:1]
     async with pods_with_link(tmp_path, {"maxMigrations": 0, "stallSeconds": 5}) as (
@@ -301,12 +320,12 @@ async def test_a_draining_pod_hands_its_streams_to_the_router(tmp_path):
         assert text_and_usage(path, events) == reference[name], name
 
 
-async def test_a_resume_after_a_migration_finds_the_pod_that_holds_the_stream(tmp_path):
-    """A token stream (GET, resume window on) continued on pod B; its client then loses
-    its connection and reconnects with `Last-Event-ID` and its pin cookie, which names a
-    pod without the stream: the router asks the next pod and the stream resumes there."""
-    from sluice_server.router.pin import COOKIE, Pins
-
+async def test_a_resume_after_a_migration_follows_the_stream_to_its_new_pod(tmp_path):
+    """A token stream (GET, resume window on) on pod A, continued on pod B or C when A dies
+    (the one that ranks highest for the stream's id); its client then loses its connection
+    and reconnects with `Last-Event-ID` and its pin cookie, which names pod A, gone by then:
+    the resume follows the stream to the pod that continued it, as any router replica
+    would place it, and the stream goes on from the next event."""
     pin_key = tmp_path / "pin-key"
     pin_key.write_bytes(b"p" * 40)
     query = {"prompt": "hello river", "max_tokens": TOKENS}
@@ -315,13 +334,19 @@ async def test_a_resume_after_a_migration_finds_the_pod_that_holds_the_stream(tm
                               server={"resume_grace_seconds": 30},
                               pin_key_file=pin_key) as (act, api, link, port):  # fmt: skip
         pod_c = SimulatorEngine("sim", ttft_ms=5, itl_ms=60)
-        await link.stack.enter_async_context(model_server(port, pod_c, host="127.0.0.5"))
+        await link.stack.enter_async_context(
+            model_server(port, pod_c, host="127.0.0.5", resume_grace_seconds=30,
+                         continuation_key_file=tmp_path / "pod-key"))  # fmt: skip
+        api.put("pod-c", "127.0.0.5", LABELS, ready=False)
         async with httpx.AsyncClient(base_url=act.url, headers=HEADERS, timeout=60) as c:
             reader = Reader(c, "GET", "/v1/stream", query)
             task = asyncio.ensure_future(reader.run())
             await eventually_async(lambda: reader.events >= 4, timeout=30, message="4 events")
+            cookie = reader.headers.get("set-cookie", "").split(";")[0]
+            assert cookie.startswith("sluice-pin=pod-a."), cookie
             api.ready("pod-b", True)
-            await wait_candidates(act, ["pod-a", "pod-b"])
+            api.ready("pod-c", True)
+            await wait_candidates(act, ["pod-a", "pod-b", "pod-c"])
             link.kill()
             await eventually_async(lambda: results(act)["continued"] == 1, timeout=30,
                                    message="continued")  # fmt: skip
@@ -329,23 +354,17 @@ async def test_a_resume_after_a_migration_finds_the_pod_that_holds_the_stream(tm
             task.cancel()  # the client's connection drops (a network blip)
             await asyncio.gather(task, return_exceptions=True)
             last = events_of(reader.raw)[-1].split("\n")[0].removeprefix("id: ")
-            api.ready("pod-a", False)
-            api.put("pod-c", "127.0.0.5", LABELS, ready=True)
-            await wait_candidates(act, ["pod-b", "pod-c"])
-            cookie = f"{COOKIE}={Pins(b'p' * 40, 3600).sign(MODEL, 'pod-c')}"
-            again = {"Last-Event-ID": last, "Cookie": cookie}
-            # The negative control first: pod C alone has no such stream (404).
-            api.ready("pod-b", False)
-            await wait_candidates(act, ["pod-c"])
-            r = await c.get("/v1/stream", params=query, headers=again)
-            assert r.status_code == 404 and "stream_not_found" in r.text
-            api.ready("pod-b", True)
+            api.ready("pod-a", False)  # Kubernetes saw the pod die
             await wait_candidates(act, ["pod-b", "pod-c"])
             resumed = Reader(c, "GET", "/v1/stream", query)
+            again = {"Last-Event-ID": last, "Cookie": cookie}
             async with c.stream("GET", "/v1/stream", params=query, headers=again) as r:
-                assert r.status_code == 200
+                assert r.status_code == 200, await r.aread()
                 resumed.raw = "".join([t async for t in r.aiter_text()])
-        reference = await unbroken_one(f"http://127.0.0.2:{port}", get)
+            page = act.app.metrics.scrape().decode()
+            # The continuation and the resume, both placed by the stream's id.
+            assert metric(page, "sluice_router_picks_total", by="follow") == 2
+            reference = await unbroken_one(f"http://127.0.0.2:{port}", get)
     whole = events_of(reader.raw) + events_of(resumed.raw)
     check_one_stream("/v1/stream", whole)
     assert text_and_usage("/v1/stream", whole) == reference

@@ -158,3 +158,30 @@ app.kubernetes.io/part-of: sluice
 {{- printf "%s:%s" $img.repository $img.tag -}}
 {{- end -}}
 {{- end -}}
+
+{{/*
+The router's master continuation key as a Secret volume (file `master`): the chart's own
+Secret or activator.continuationKey.existingSecret. Mounted read-only in the router's pods
+and the operator's, at /etc/sluice/continuation.
+*/}}
+{{- define "sluice-operator.continuationKeySecret" -}}
+{{- include "sluice-operator.activatorName" . | trunc 46 | trimSuffix "-" | printf "%s-continuation-key" -}}
+{{- end -}}
+
+{{- define "sluice-operator.continuationKeyVolume" -}}
+- name: continuation-key
+  secret:
+    {{- $key := .Values.activator.continuationKey }}
+    {{- if $key.existingSecret }}
+    secretName: {{ $key.existingSecret }}
+    items:
+      - key: {{ $key.existingSecretKey }}
+        path: master
+    {{- else }}
+    secretName: {{ include "sluice-operator.continuationKeySecret" . }}
+    items:
+      - key: continuation-key
+        path: master
+    {{- end }}
+    defaultMode: 0440
+{{- end -}}

@@ -2,7 +2,8 @@
 The operator's permissions, grouped by why it needs them, one comment per rule saying why.
 They go into one ClusterRole when watch.allNamespaces is true, otherwise into a Role in
 each watched namespace. Nothing is cluster-scoped beyond that: the operator turns kopf's
-runtime CRD and namespace scanning off, never reads Secrets, and runs --standalone unless
+runtime CRD and namespace scanning off, never reads Secrets (it only writes router models'
+continuation keys), and runs --standalone unless
 peering is enabled. The end-to-end tests run the operator under exactly these rules.
 docs/helm.md's RBAC table is generated from this file (`make crds`): each comment is its
 rule's "why" there, and each `if .Values.x` block its "granted" column.
@@ -50,6 +51,14 @@ rule's "why" there, and each `if .Values.x` block its "granted" column.
 - apiGroups: [""]
   resources: ["configmaps"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# The continuation key of each router model whose streams migrate
+# (`<name>-continuation-key`, mounted in its pods; docs/migration.md): server-side applied
+# (a patch that creates is also authorized as create) and deleted when the model stops
+# migrating. Never read, listed or watched: the operator writes the key it derives without
+# reading anything back, and its own master key is a file the kubelet mounts.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["create", "patch", "delete"]
 # The Ingress: as the Deployment, and deleted when `spec.ingress.enabled` turns false.
 - apiGroups: ["networking.k8s.io"]
   resources: ["ingresses"]

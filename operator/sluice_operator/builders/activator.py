@@ -21,7 +21,10 @@ replica count: it watches the model's pods and places each request on a Ready on
   router model's entry also says which pods to watch (`pods`: namespace, the Service's
   selector, so a multi-node group's leaders only, and the port) and how to place requests
   on them (`balance`: spec.routing.balance, which the router applies itself: the route has
-  one backend); without `pods` the activator forwards to the Service `host`.
+  one backend); without `pods` the activator forwards to the Service `host`. A router model
+  whose streams migrate (builders/continuation.py) also has `migration`: how many times a
+  stream may move (`maxMigrations`) and how long a silent upstream is taken for a broken one
+  (`stallSeconds`).
 
 Pure: the model in, manifests out.
 """
@@ -35,6 +38,7 @@ from typing import Any
 from ..models.resource import StreamingModel
 from ..models.scaling import ScaleToZeroSpec
 from .common import MANAGED_BY_LABEL, MANAGER, PORT, PORT_NAME, metadata, selector_labels
+from .continuation import migration_entry
 from .kvevents import KV_EVENTS_PORT, KV_REPLAY_PORT, kv_event_args
 from .leaderworkerset import leader_selector
 
@@ -127,6 +131,9 @@ def activator_entry(model: StreamingModel) -> dict[str, Any] | None:
     if model.routed:
         entry["pods"] = router_pods(model)
         entry["balance"] = model.spec.routing.balance
+        migration = migration_entry(model)
+        if migration is not None:
+            entry["migration"] = migration
     return entry
 
 

@@ -25,6 +25,7 @@ from .common import (
     pod_security_context,
     selector_labels,
 )
+from .continuation import continuation_volumes
 from .kvevents import kv_event_ports
 from .secrets import secret_env, secret_volumes
 from .weights import OFFLINE_ENV, awaiting_weights, cache_of, weights_volumes
@@ -142,9 +143,11 @@ def _volumes(model: StreamingModel) -> tuple[list[dict[str, Any]], list[dict[str
     more_volumes, more_mounts = adapter_volumes(model)
     # spec.model.cache.weights: the ready commit's folder of the shared claim, read-only.
     cached_volumes, cached_mounts = weights_volumes(model)
+    # A router model's continuation key (streams that outlive their pod).
+    key_volumes, key_mounts = continuation_volumes(model)
     return (
-        volumes + secret_vols + more_volumes + cached_volumes,
-        mounts + secret_mounts + more_mounts + cached_mounts,
+        volumes + secret_vols + more_volumes + cached_volumes + key_volumes,
+        mounts + secret_mounts + more_mounts + cached_mounts + key_mounts,
     )
 
 

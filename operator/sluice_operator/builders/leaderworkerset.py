@@ -28,6 +28,7 @@ from typing import Any
 from ..models.resource import StreamingModel
 from .args import PRESTOP_SECONDS, drain_seconds, worker_args
 from .common import endpoint_picker_labels, metadata
+from .continuation import CONTINUATION_VOLUME
 from .deployment import pod_template
 from .secrets import REDIS_URL_ENV, REDIS_VOLUME
 
@@ -57,11 +58,15 @@ def _worker_template(model: StreamingModel, leader: dict[str, Any]) -> dict[str,
     container["args"] = worker_args(model)
     for key in ("ports", "startupProbe", "readinessProbe", "livenessProbe"):
         container.pop(key)
-    # Nor rate limits: the Redis URL stays on the leader.
+    # Nor rate limits, nor continuations: the Redis URL and the continuation key stay on
+    # the leader.
     container["env"] = [e for e in container["env"] if e["name"] != REDIS_URL_ENV]
-    container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] != REDIS_VOLUME]
+    leader_only = (REDIS_VOLUME, CONTINUATION_VOLUME)
+    container["volumeMounts"] = [
+        m for m in container["volumeMounts"] if m["name"] not in leader_only
+    ]
     pod = worker["spec"]
-    pod["volumes"] = [v for v in pod["volumes"] if v["name"] != REDIS_VOLUME]
+    pod["volumes"] = [v for v in pod["volumes"] if v["name"] not in leader_only]
     wait = PRESTOP_SECONDS + drain_seconds(model)
     container["lifecycle"] = {"preStop": {"sleep": {"seconds": wait}}}
     return worker

@@ -175,6 +175,39 @@ class InferencePoolSpec(ApiModel):
     )
 
 
+class MigrationSpec(ApiModel):
+    """Streams that outlive their pod (docs/migration.md): the router continues a stream
+    whose pod went away on another Ready replica."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Continue a stream the router relays on another Ready replica when its "
+        "pod goes away mid-answer (killed, drained, its node lost, or silent for "
+        "stallSeconds), from the last token the client received: the client sees one "
+        "stream. Needs the operator's continuation key (the sluice-operator chart gives it "
+        "one with the router): the operator then writes the model's key to the Secret "
+        "<name>-continuation-key, which the pods mount (condition StreamMigration says "
+        "whether streams migrate, and why not). false: a stream ends with its pod, and the "
+        "pods get no key.",
+    )
+    max_migrations: int = Field(
+        default=3,
+        ge=0,
+        le=10,
+        description="How many times one stream may be moved to another replica; past it "
+        "the stream ends with its protocol's error event.",
+    )
+    stall_seconds: float = Field(
+        default=30,
+        ge=1,
+        le=3600,
+        description="An upstream stream that sends no byte for this long counts as broken "
+        "(a partitioned node sends nothing) and is continued elsewhere. Pods send a "
+        "keep-alive on a silent stream every streaming.heartbeatSeconds, so this must be "
+        "greater than that.",
+    )
+
+
 class RouterSpec(ApiModel):
     """The Sluice router: the operator chart's router (activator) pods pick the replica for
     each request."""
@@ -191,6 +224,16 @@ class RouterSpec(ApiModel):
         "chart's activator.enabled: without "
         "it the route goes to the Service and condition RouterReady says so.",
     )
+    migration: MigrationSpec = sub(
+        MigrationSpec,
+        "Streams that outlive their pod: continued on another replica (on by default).",
+    )
+
+    @property
+    def migrates(self) -> bool:
+        """The model asks for its streams to be continued elsewhere (the router on, and
+        migration on)."""
+        return self.enabled and self.migration.enabled
 
 
 # The router and the InferencePool both choose the pod for each request: one or the other.
@@ -260,4 +303,32 @@ GATEWAY_OR_INGRESS = Rule(
     "through a Gateway (HTTPRoute) or an Ingress, not both",
     holds=lambda s: s.gateway is None or not s.ingress.enabled,
     field=".gateway",
+)
+
+
+# A pod writes a keep-alive to a silent stream every heartbeat: a stall shorter than that
+# would take a healthy stream (a long prefill) for a broken one. A rule on the whole spec
+# (StreamingModelSpec.RULES): the heartbeat is in spec.streaming. Only while the router
+# migrates the model's streams; the defaults (15 s, 30 s) apply where a field is absent.
+STALL_OVER_HEARTBEAT = Rule(
+    "!has(self.routing) || !has(self.routing.router) || !has(self.routing.router.enabled) || "
+    "!self.routing.router.enabled || !has(self.routing.router.migration) || "
+    "(has(self.routing.router.migration.enabled) && !self.routing.router.migration.enabled) || "
+    "double(has(self.routing.router.migration.stallSeconds) ? "
+    "self.routing.router.migration.stallSeconds : 30.0) > "
+    "double(has(self.streaming) && has(self.streaming.heartbeatSeconds) ? "
+    "self.streaming.heartbeatSeconds : 15)",
+    "routing.router.migration.stallSeconds must be greater than streaming.heartbeatSeconds: "
+    "a pod sends a keep-alive on a silent stream every heartbeat, so a shorter stall would "
+    "take a healthy stream (a long prefill) for a broken one; raise stallSeconds, lower "
+    "heartbeatSeconds, or turn migration off",
+    holds=lambda s: (
+        not s.routing.router.migrates
+        or s.routing.router.migration.stall_seconds > s.streaming.heartbeat_seconds
+    ),
+    field=".routing.router.migration.stallSeconds",
+    detail=lambda s: (
+        f"got stallSeconds {s.routing.router.migration.stall_seconds:g} and "
+        f"heartbeatSeconds {s.streaming.heartbeat_seconds}"
+    ),
 )

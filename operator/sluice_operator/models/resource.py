@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from .adapters import ADAPTER_NAME_IS_BASE
@@ -68,6 +68,10 @@ class OperatorDefaults:
     itself (`run --model-image`, the operator chart's `modelImage`)."""
 
     model_image: str = DEFAULT_MODEL_IMAGE
+    # The router's master continuation key (docs/migration.md) as read for this pass from
+    # `run --continuation-key-file`: each router model's own key is derived from it
+    # (builders/continuation.py). None: no stream is migrated. Never in a repr (logs).
+    continuation_key: bytes | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)

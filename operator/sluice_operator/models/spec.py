@@ -26,6 +26,7 @@ from .base import ApiModel, sub
 from .engine import EngineSpec, LoraSpec, ModelSpec
 from .exposure import (
     GATEWAY_OR_INGRESS,
+    STALL_OVER_HEARTBEAT,
     GatewaySpec,
     IngressSpec,
     NetworkPolicySpec,
@@ -70,6 +71,7 @@ class StreamingModelSpec(ApiModel):
         ONE_WORKER_ON_NODES,
         WEIGHTS_NO_HUB_ADAPTERS,
         WEIGHTS_ONE_NODE,
+        STALL_OVER_HEARTBEAT,
     )
 
     model: ModelSpec = Field(description="Which model to serve.")

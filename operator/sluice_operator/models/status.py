@@ -25,6 +25,7 @@ ConditionType = Literal[
     "RouteBackend",
     "InferencePoolReady",
     "RouterReady",
+    "StreamMigration",
     "PodMonitorReady",
     "LeaderWorkerSetReady",
     "AdaptersReady",
@@ -173,7 +174,10 @@ class StreamingModelStatus(ApiModel):
         "backend the route names: Service, InferencePool, Activator or Router; False when the "
         "InferencePool cannot be applied); with routing.inferencePool.enabled also "
         "InferencePoolReady; with routing.router.enabled RouterReady (False, RouterDisabled, "
-        "when the operator chart runs no router: the route then goes to the Service); with "
+        "when the operator chart runs no router: the route then goes to the Service) and, unless "
+        "routing.router.migration.enabled is false, StreamMigration (True: streams continue on "
+        "another replica when their pod goes away; False says why not: NoContinuationKey, "
+        "RouterDisabled, Forbidden); with "
         "observability.podMonitor.enabled PodMonitorReady, with parallelism.nodes above 1 "
         "LeaderWorkerSetReady (each: the object applied and accepted, or why not: its CRD "
         "missing, access forbidden); with LoRA on AdaptersReady (every adapter served by every "

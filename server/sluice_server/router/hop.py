@@ -68,7 +68,8 @@ class _Answer(asyncio.Protocol):
         self.head_only = head_only
         self.parser = httptools.HttpResponseParser(self)
         self.received = False  # any byte of this answer
-        self.reads = 0  # socket reads that brought some (a stall watch compares them)
+        self.read_at = 0.0  # loop time of the last socket read that brought some
+        self.wait_from = 0.0  # when a stall watch began (or reading resumed after a pause)
         self.keep_alive = False  # its end leaves the connection usable (on_message_complete)
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
@@ -96,7 +97,7 @@ class _Answer(asyncio.Protocol):
                 self.close()
             return
         self.received = True
-        self.reads += 1
+        self.read_at = self.loop.time()
         try:
             self.parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as e:
@@ -455,20 +456,20 @@ async def _finish(coro: Coroutine[Any, Any, None], waits: Any) -> None:
 
 
 async def _news(answer: _Answer, stall: float) -> None:
-    """`answer.wait()`, ended every `stall` seconds to check that the socket brought
-    something meanwhile (a written-through piece wakes no waiter); httpx's ReadTimeout when
-    it brought nothing for that long."""
+    """`answer.wait()`, watching that the socket brings something at least every `stall`
+    seconds (a written-through piece wakes no waiter); httpx's ReadTimeout when it brought
+    nothing for that long."""
+    loop = answer.loop
     while True:
-        reads = answer.reads
+        quiet = loop.time() - max(answer.read_at, answer.wait_from)
+        if quiet >= stall:
+            raise httpx.ReadTimeout(f"The model's server sent nothing for {stall:g} s.")
         try:
-            async with asyncio.timeout(stall):
+            async with asyncio.timeout(stall - quiet):
                 await answer.wait()
             return
         except TimeoutError:
-            if answer.reads == reads:
-                raise httpx.ReadTimeout(
-                    f"The model's server sent nothing for {stall:g} s."
-                ) from None
+            continue
 
 
 async def relay_body(
@@ -489,11 +490,13 @@ async def relay_body(
         return
     answer = stream.answer
     answer.sink = send_piece
+    answer.wait_from = answer.loop.time()
     try:
         while True:
             if answer.pending is not None:
                 await _finish(*answer.pending)
                 answer.pending = None
+                answer.wait_from = answer.loop.time()  # reading paused meanwhile
                 answer.flush()  # what arrived while it waited
                 answer._reading()
             elif answer.sink_error is not None:

@@ -17,8 +17,9 @@ Placement, for the models with `pods` (podview.py):
 
 - `sluice_router_picks_total{namespace,model,by}`: requests sent to a pod, by what decided
   the pod: `prefix` (it holds some of the request's leading blocks), `load` (no pod held
-  any, or the prompt's blocks were unknown), `pin` (a `sluice-pin` cookie) or `round-robin`
-  (the model's `balance`: each pod in turn);
+  any, or the prompt's blocks were unknown), `pin` (a `sluice-pin` cookie), `round-robin`
+  (the model's `balance`: each pod in turn) or `follow` (a token stream's continuation,
+  and a resume whose pinned pod is gone: the pod that ranks highest for the stream's id);
 - `sluice_router_kv_feeds_live{namespace,model}`: pods whose KV-event feed is live now
   (their precise index in use);
 - `sluice_router_load_scrapes_total{namespace,model,result}`: reads of the pods' /metrics:

@@ -42,10 +42,11 @@ class Marks:
     (`index`, None before the first mark), the token ids that came with the events so far
     (`ids`, comma-joined decimal pieces, as the marks carry them), and the stream's name."""
 
-    __slots__ = ("_marker", "_tail", "_last", "index", "ids", "stream")
+    __slots__ = ("_marker", "_line", "_tail", "_last", "index", "ids", "stream")
 
     def __init__(self, token_sse: bool) -> None:
         self._marker = b"id: " if token_sse else b": sluice-id "
+        self._line = b"\n" + self._marker  # the marker at a line's start
         self._tail = b""  # bytes received, not yet passed on (an unfinished frame)
         self.index: int | None = None
         self.ids: list[bytes] = []
@@ -55,9 +56,9 @@ class Marks:
     def take(self, chunk: bytes) -> bytes:
         """What of `chunk` (after what was held) to pass to the client now."""
         data = self._tail + chunk if self._tail else chunk
-        marker, size = self._marker, len(self._marker)
+        marker, line, size = self._marker, self._line, len(self._marker)
         upto = 0  # end of the last whole marked frame
-        at = 0 if data.startswith(marker) else _line_start(data, marker, 0)
+        at = 0 if data.startswith(marker) else data.find(line) + 1 or -1
         while at >= 0:
             eol = data.find(b"\n", at)
             if eol < 0:
@@ -67,8 +68,9 @@ class Marks:
                 break
             self._read(data[at + size : eol])
             upto = end + 2
-            at = _line_start(data, marker, upto - 1)
-        upto = _comments_after(data, upto)
+            at = data.find(line, upto - 1) + 1 or -1
+        if data.startswith(b":", upto):
+            upto = _comments_after(data, upto)
         if upto == len(data):
             self._tail = b""
             out = data
@@ -104,12 +106,6 @@ class Marks:
     def received(self) -> int:
         """How many token ids the client has."""
         return sum(piece.count(b",") + 1 for piece in self.ids)
-
-
-def _line_start(data: bytes, marker: bytes, start: int) -> int:
-    """Where the next line that starts with `marker` begins, at or after `start + 1`."""
-    at = data.find(b"\n" + marker, start)
-    return at + 1 if at >= 0 else -1
 
 
 def _comments_after(data: bytes, upto: int) -> int:

@@ -48,7 +48,7 @@ from .pods import Pod, PodSet
 from .prefixindex import BlockHash
 
 log = logging.getLogger(__name__)
-PickedBy = Literal["prefix", "load", "pin", "round-robin"]
+PickedBy = Literal["prefix", "load", "pin", "round-robin", "follow"]
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,8 @@ class PodView:
         self._subscriber = subscriber
         labels = (model.namespace, model.name)
         self._picks = {
-            by: metrics.picks.labels(*labels, by) for by in ("prefix", "load", "pin", "round-robin")
+            by: metrics.picks.labels(*labels, by)
+            for by in ("prefix", "load", "pin", "round-robin", "follow")
         }
         self._turn = 0  # round-robin's next turn
         self._scrapes = {r: metrics.scrapes.labels(*labels, r) for r in ("ok", "missing", "error")}

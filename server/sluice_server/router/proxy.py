@@ -138,10 +138,11 @@ class Held:
         pin: str | None = None,
         hashes: Sequence[BlockHash] | None = None,
         exclude: Collection[str] = (),
+        follow: bytes | None = None,
     ) -> Target | None:
         """Choose where it goes now (releasing an earlier choice); None: nowhere yet."""
         self.release()
-        self.target = self.up.pick(key, pin, hashes, exclude)
+        self.target = self.up.pick(key, pin, hashes, exclude, follow)
         return self.target
 
     def release(self) -> None:
@@ -272,11 +273,9 @@ class Request:
         # A resume (`Last-Event-ID`) with a valid `sluice-pin` goes back to its pod (pin.py).
         resume = any(k == b"last-event-id" for k, _ in scope["headers"])
         self.pin = pins.pinned(scope["headers"], held.up.model.key) if pins and resume else None
-        # A resume among a model's pods: one that answers `stream_not_found` is left out and
-        # the next asked (the stream may have moved to another pod: migration.py).
-        self.seeking = resume and held.up.model.pods is not None
-        self.tried: set[str] = set()
-        self.answered: bytes | None = None  # a 404 read while seeking that is the answer
+        # A resume whose pin names a pod no longer there follows its stream: the pod its
+        # continuation went to (migration.py, `Upstream.pick`).
+        self.follow = _stream_of(scope["headers"]) if self.pin is not None else None
         # What the pod tie-break hashes: equal requests go to the same pod.
         self.key = body or (scope["path"].encode() + b"?" + scope.get("query_string", b""))
         self.cred = credential(scope["headers"], scope.get("query_string", b""))
@@ -317,7 +316,7 @@ class Request:
         """The upstream response (headers read, body not); None when no pod is a candidate
         any more or it could not connect (the replica went away: marked down, the request is
         held again)."""
-        target = self.held.pick(self.key, self.pin, self.hashes, self.tried)
+        target = self.held.pick(self.key, self.pin, self.hashes, follow=self.follow)
         if target is None:
             return None
         try:
@@ -466,8 +465,6 @@ async def _pass_through(request: Request, kind: Kind, send: Send) -> bool:
     when it could not connect."""
     try:
         response = await request.send()
-        while response is not None and await _elsewhere(request, response):
-            response = await request.send()
     except httpx.HTTPError as e:  # connected, then no answer
         m = f"The model's server gave no answer ({type(e).__name__})."
         await json_response(502, openai_error_body(502, m, code="upstream_error"))(send)
@@ -491,9 +488,6 @@ async def _pass_through(request: Request, kind: Kind, send: Send) -> bool:
         await send(
             {"type": "http.response.start", "status": response.status_code, "headers": headers}
         )
-        if request.answered is not None:
-            await send({"type": "http.response.body", "body": request.answered})
-            return True
         if request.migrates(response):
             await Splice(request, kind, response).relay(lambda chunk: send(_more(chunk)))
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -515,26 +509,14 @@ async def _pass_through(request: Request, kind: Kind, send: Send) -> bool:
     return True
 
 
-async def _elsewhere(request: Request, response: httpx.Response) -> bool:
-    """A resume the pod does not hold the stream of (`stream_not_found`), while another
-    candidate pod is left to ask: closed, its pod left out, True. The stream may have been
-    continued on another pod (migration.py) after the pin cookie named the first; any
-    router replica finds it so, with no state shared between them. The 404's body is read
-    only when another pod is left, and kept in `request.answered` when it is the answer."""
-    target = request.held.target
-    if not request.seeking or response.status_code != 404 or target is None or not target.pod:
-        return False
-    others = [p for p in request.held.up.candidates() if p.name not in request.tried]
-    if not [p for p in others if p.name != target.pod]:
-        return False
-    raw = await response.aread()
-    await response.aclose()
-    if b"stream_not_found" not in raw:
-        request.answered = raw
-        return False
-    request.tried.add(target.pod)
-    request.pin = None
-    return True
+def _stream_of(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The stream id of a token stream's `Last-Event-ID` (`<id>:<n>` or the router's form
+    `<id>:<n>;<token ids>`)."""
+    for k, v in headers:
+        if k == b"last-event-id":
+            rid = v.split(b";", 1)[0].rpartition(b":")[0]
+            return rid or None
+    return None
 
 
 def _more(chunk: bytes) -> dict[str, Any]:
@@ -789,7 +771,8 @@ class Splice:
                 )
                 return "unavailable", m, 503
             left = self.left | {p for p, t in busy.items() if t > now}
-            target = held.pick(request.key, None, request.hashes, left)
+            follow = self.marks.stream if self.kind.protocol == "sse" else None
+            target = held.pick(request.key, None, request.hashes, left, follow)
             if target is None:
                 await self._wait_for_pod(
                     send_piece, min(deadline, min(busy.values(), default=deadline))
@@ -819,7 +802,7 @@ class Splice:
             raw = await response.aread()
             await response.aclose()
             message, code, status = _upstream_error(response, raw)
-            if status in (429, 503) and target.pod is not None:
+            if _busy(response) and target.pod is not None:
                 busy[target.pod] = time.monotonic() + 1.0
                 continue
             m = f"The stream could not be continued: {message}"
@@ -838,6 +821,14 @@ class Splice:
         else:
             await asyncio.sleep(wait)
         await send_piece(QUEUED)
+
+
+def _busy(response: httpx.Response) -> bool:
+    """A pod that cannot take the continuation now but may soon (at capacity, draining):
+    429, or 503 with Retry-After. Any other refusal is final (a 503 without it: the pod
+    cannot read its key, say)."""
+    status = response.status_code
+    return status == 429 or (status == 503 and "retry-after" in response.headers)
 
 
 def broken_message(why: str) -> str:

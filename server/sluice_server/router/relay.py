@@ -422,7 +422,8 @@ class Moving:
                 )
             except InvalidStatus as e:
                 status = e.response.status_code
-                if status in (429, 503) and target.pod is not None:
+                if (status == 429 or (status == 503 and "retry-after" in e.response.headers)) \
+                        and target.pod is not None:  # fmt: skip
                     self.left.add(target.pod)
                     continue
                 await self._fail(

@@ -38,6 +38,7 @@ import httpx
 from .hashes import PromptHashes
 from .metrics import RouterMetrics
 from .models import Model
+from .placement import tie_hash
 from .pods import Pod, PodSet
 from .podview import PodView
 from .prefixindex import BlockHash
@@ -176,11 +177,16 @@ class Upstream:
         pin: str | None = None,
         hashes: Sequence[BlockHash] | None = None,
         exclude: Collection[str] = (),
+        follow: bytes | None = None,
     ) -> Target | None:
         """Where a request goes now; None when no pod is a candidate any more. `pin`: a pod
         name the request asks for (a verified cookie), honoured while it is a candidate.
         `hashes`: its prompt's block hashes (None: unknown); `key`: its tie-break;
-        `exclude`: pod names it must not go to (a continued stream's broken pods)."""
+        `exclude`: pod names it must not go to (a continued stream's broken pods);
+        `follow`: a token stream's id, for its continuation and for a resume whose pinned
+        pod is no longer a candidate: the candidate that ranks highest for that id
+        (`placement.tie_hash`, as every router replica ranks it), so the resume reaches
+        the pod the stream was continued on while the candidates are the same."""
         if self.pods is None or self.view is None:
             return Target(self.model.url, None, self.in_flight)
         pods = self.candidates()
@@ -191,6 +197,9 @@ class Upstream:
         pod = next((p for p in pods if p.name == pin), None) if pin else None
         if pod is not None:
             self.view.count("pin")
+        elif follow is not None:
+            pod = max(pods, key=lambda p: tie_hash(follow, p.name))
+            self.view.count("follow")
         else:
             name = self.view.place(pods, self.in_flight, hashes, key)
             pod = next(p for p in pods if p.name == name)

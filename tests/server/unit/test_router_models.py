@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from sluice_server.router.models import load, parse
+from sluice_server.router.models import Migration, load, parse
 from sluice_server.settings import RouterSettings, build_parser, parse_router_settings
 
 FILE = {
@@ -55,6 +55,26 @@ def test_unknown_fields_are_ignored_and_bad_entries_named(tmp_path):
         load(path)
     path.write_text(json.dumps(FILE))
     assert set(load(path).by_key) == set(FILE)
+
+
+def test_migration_is_read_per_model_and_absent_means_none():
+    """`migration` (docs/migration.md): how many moves and the stall, typed; absent: the
+    router continues none of the model's streams. Unknown keys in it are ignored, a bad
+    value names the entry and the field."""
+    models = parse({
+        "a/on": {"host": "on", "migration": {"maxMigrations": 0, "stallSeconds": 20.5,
+                                             "future": 1}},
+        "a/off": {"host": "off"},
+    })  # fmt: skip
+    on = models.by_key["a/on"].migration
+    assert on == Migration(max_migrations=0, stall_seconds=20.5)
+    assert (on.max_migrations, on.stall_seconds) == (0, 20.5)
+    assert models.by_key["a/off"].migration is None
+    for bad, field in [({"maxMigrations": -1, "stallSeconds": 30}, "maxMigrations"),
+                       ({"maxMigrations": 3, "stallSeconds": 0}, "stallSeconds"),
+                       ({"maxMigrations": 11, "stallSeconds": 30}, "maxMigrations")]:  # fmt: skip
+        with pytest.raises(ValueError, match=f"entry 'a/b': migration.{field}"):
+            parse({"a/b": {"host": "h", "migration": bad}})
 
 
 def test_the_command_line_and_environment(monkeypatch):
