@@ -1,0 +1,251 @@
+"""Streams that outlive their pod, live (docs/migration.md): the chart's router (one pod) in
+front of a two-replica simulator model with `spec.routing.router.enabled` and migration on
+(the operator gives its pods their continuation key, derived from the router's master key,
+and the router the model's `migration` entry), all on live node agents.
+
+- A pod SIGKILLed with 20 streams of 2,000 tokens in flight, then (once restarted) a pod
+  SIGSTOPped with 20 more (a silent partition; `stallSeconds` 3): every stream ends whole
+  (its final event, event indexes 0..n, 2,000 tokens), none cut; the router counted one
+  continuation per stream that was on the broken pod.
+- Node loss (the node agent of one pod's node crashes: its sandboxes killed, nothing
+  reported) with streams in flight: none cut.
+- A rollout of a one-replica model with 20 long streams in flight: the old pod hands them
+  over and has exited within 30 s of the new pod's Ready (today it would live until its
+  last stream ended), no stream cut, and requests sent during the rollout all succeed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from e2e_harness.endpoints import Endpoint
+from e2e_harness.kube import eventually
+
+from .conftest import TIMINGS
+from .live_helpers import live_pods, pod_ready, ready_model, sim_model
+
+pytestmark = [pytest.mark.slow]
+
+TOKENS = 2000
+ITL_MS = 10  # 20 s per stream
+STREAMS = 20
+CONTAINER = "server"
+
+
+class Model:
+    def __init__(self, namespace: str, name: str) -> None:
+        self.namespace, self.name = namespace, name
+        self.host = f"{name}.{namespace}.svc.cluster.local"
+
+
+class Client(threading.Thread):
+    """One token SSE stream through the router; its event indexes, the largest gap between
+    two events (the seam, when it moved) and whether it ended with its final event."""
+
+    def __init__(self, m: Model, router: Endpoint, i: int, tokens: int = TOKENS) -> None:
+        super().__init__(daemon=True)
+        self.m, self.router, self.i, self.tokens = m, router, i, tokens
+        self.indexes: list[int] = []
+        self.final: dict = {}
+        self.done = False
+        self.error: str | None = None
+        self.max_gap = 0.0
+        self.started = threading.Event()
+
+    def run(self) -> None:
+        last = None
+        try:
+            with httpx.stream("POST", f"http://{self.router.address}/v1/stream",
+                              headers={"Host": self.m.host}, timeout=httpx.Timeout(300, connect=10),
+                              json={"messages": [{"role": "user", "content": f"stream {self.i}"}],
+                                    "max_tokens": self.tokens}) as r:  # fmt: skip
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        data = json.loads(line[6:])
+                        now = time.monotonic()
+                        if last is not None:
+                            self.max_gap = max(self.max_gap, now - last)
+                        last = now
+                        if data.get("finished"):
+                            self.final = data
+                        elif "index" in data:
+                            self.indexes.append(data["index"])
+                            if len(self.indexes) >= 20:
+                                self.started.set()
+                    self.done = self.done or line == "data: [DONE]"
+        except httpx.HTTPError as e:
+            self.error = f"{type(e).__name__}: {e}"[:200]
+        finally:
+            self.started.set()
+
+    @property
+    def whole(self) -> bool:
+        # Indexes 0..n without a gap or a repeat (an event may carry several tokens), the
+        # final event's usage the whole answer's.
+        return (self.done and self.error is None and bool(self.indexes)
+                and self.indexes == list(range(len(self.indexes)))
+                and self.final.get("usage", {}).get("completion_tokens") == self.tokens)  # fmt: skip
+
+    def why(self) -> tuple:
+        return (self.i, self.error, self.done, len(self.indexes), self.final.get("usage"))
+
+
+def _burst(m: Model, router: Endpoint, n: int, start: int, tokens: int = TOKENS) -> list[Client]:
+    clients = [Client(m, router, start + i, tokens) for i in range(n)]
+    for c in clients:
+        c.start()
+    for c in clients:
+        assert c.started.wait(120) and c.error is None, c.why()
+    return clients
+
+
+def _metrics(address: str) -> str:
+    return httpx.get(f"http://{address}/metrics", timeout=5).text
+
+
+def _sum(text: str, name: str, **labels: str) -> float:
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    total = 0.0
+    for line in text.splitlines():
+        key, _, value = line.rpartition(" ")
+        if key.split("{")[0] == name and all(w in key for w in want):
+            total += float(value)
+    return total
+
+
+def _active(models, namespace: str, name: str) -> dict[str, float]:
+    """Streams in flight on each Ready pod of the model (its own gauge)."""
+    return {p.metadata.name: _sum(_metrics(f"{p.status.pod_ip}:8000"), "sluice_active_streams")
+            for p in live_pods(models, namespace, name) if pod_ready(p)}  # fmt: skip
+
+
+def _deploy(models, live_router, namespace: str, name: str, placement: dict, replicas: int,
+            router_placement: dict | None = None, itl_ms: float = ITL_MS,
+            ) -> tuple[Model, Endpoint]:  # fmt: skip
+    (router,) = live_router.start(router_placement or placement, replicas=1, affinity=None)
+    body = sim_model(namespace, name, placement, replicas=replicas,
+                     routing={"router": {"enabled": True,
+                                         "migration": {"maxMigrations": 3, "stallSeconds": 3}}},
+                     streaming={"heartbeatSeconds": 1})  # fmt: skip
+    body["spec"]["engine"]["simulator"]["itlMs"] = itl_ms
+    models.create(body)
+    ready_model(models, namespace, name)
+    eventually(lambda: _sum(_metrics(router.address), "sluice_activator_models_known",
+                            namespace=namespace, model=name) == 1, timeout=60, interval=0.5,
+               retry_on=(AssertionError, httpx.HTTPError), message="the router to know it")  # fmt: skip
+    return Model(namespace, name), router
+
+
+def _continued(router: Endpoint, namespace: str, name: str) -> float:
+    return _sum(_metrics(router.address), "sluice_router_migrations_total",
+                namespace=namespace, model=name, result="continued")  # fmt: skip
+
+
+def _both_ready(models, namespace: str, name: str) -> list[str]:
+    def ready():
+        pods = [p for p in live_pods(models, namespace, name) if pod_ready(p)]
+        return len(pods) == 2 and sorted(p.metadata.name for p in pods)
+
+    return eventually(ready, timeout=180, interval=0.5, message="two Ready pods")
+
+
+def test_streams_survive_a_killed_and_a_frozen_pod(
+    operator, models, namespace, live_nodes, live_router, footprint
+):
+    (node,), placement = live_nodes(1)
+    m, router = _deploy(models, live_router, namespace, "mig", placement, replicas=2)
+    _both_ready(models, namespace, "mig")
+    for fault in (signal.SIGKILL, signal.SIGSTOP):
+        before = _continued(router, namespace, "mig")
+        clients = _burst(m, router, STREAMS, 100 * fault)
+        active = _active(models, namespace, "mig")
+        victim = max(active, key=lambda p: active[p])
+        assert sum(active.values()) == STREAMS and active[victim] > 0, active
+        pid = node.pod(victim, namespace).container(CONTAINER).pid1()
+        assert pid is not None
+        broke = time.monotonic()
+        os.kill(pid, fault)
+        for c in clients:
+            c.join(timeout=300)
+        if fault == signal.SIGSTOP:
+            os.kill(pid, signal.SIGKILL)  # the partition never heals: the pod is restarted
+        cut = [c.why() for c in clients if not c.whole]
+        assert not cut, cut
+        moved = _continued(router, namespace, "mig") - before
+        assert moved == active[victim], (moved, active)
+        gaps = sorted(c.max_gap for c in clients)
+        TIMINGS[f"migration live, {fault.name}: streams moved / cut / largest gap p99 (s) / "
+                f"all done after (s)"] = (
+            f"{moved:.0f} of {STREAMS} / 0 / {gaps[int(len(gaps) * 0.99) - 1]:.2f} / "
+            f"{time.monotonic() - broke:.0f}")  # fmt: skip
+        _both_ready(models, namespace, "mig")  # the killed container restarted
+
+
+def test_streams_survive_the_loss_of_their_node(
+    operator, models, namespace, live_nodes, live_router, footprint
+):
+    agents, placement = live_nodes(2)
+    (router_node,), router_placement = live_nodes(1)
+    m, router = _deploy(models, live_router, namespace, "lost", placement, replicas=2,
+                        router_placement=router_placement)  # fmt: skip
+    pods = {p.metadata.name: p.spec.node_name for p in live_pods(models, namespace, "lost")}
+    if len(set(pods.values())) != 2:
+        pytest.skip(f"the scheduler put both pods on one node: {pods}")
+    clients = _burst(m, router, STREAMS, 0)
+    active = _active(models, namespace, "lost")
+    victim = max(active, key=lambda p: active[p])
+    doomed = next(a for a in agents if a.name == pods[victim])
+    broke = time.monotonic()
+    doomed.crash()
+    for c in clients:
+        c.join(timeout=300)
+    cut = [c.why() for c in clients if not c.whole]
+    assert not cut, cut
+    moved = _continued(router, namespace, "lost")
+    assert moved == active[victim], (moved, active)
+    TIMINGS["migration live, node loss: streams moved / cut / all done after (s)"] = (
+        f"{moved:.0f} of {STREAMS} / 0 / {time.monotonic() - broke:.0f}")  # fmt: skip
+
+
+def test_a_rollout_hands_the_old_pods_streams_over_and_frees_it_at_once(
+    operator, models, namespace, live_nodes, live_router, footprint
+):
+    (node,), placement = live_nodes(1)
+    # 100 s streams: far longer than the new pod's start, so they are in flight when the
+    # old pod is told to stop.
+    m, router = _deploy(models, live_router, namespace, "roll", placement, replicas=1,
+                        itl_ms=50)  # fmt: skip
+    (old,) = [p.metadata.name for p in live_pods(models, namespace, "roll")]
+    clients = _burst(m, router, STREAMS, 0)
+    # A rollout: a new pod template (the Deployment's maxUnavailable 0 keeps the old one
+    # serving until the new one is Ready).
+    models.patch(namespace, "roll", {"spec": {"engine": {"env": [
+        {"name": "SLUICE_ROLL", "value": "2"}]}}})  # fmt: skip
+
+    def new_ready():
+        pods = [p for p in live_pods(models, namespace, "roll")
+                if p.metadata.name != old and pod_ready(p)]  # fmt: skip
+        return pods and time.time()
+
+    ready_at = eventually(new_ready, timeout=180, interval=0.2, message="the new pod Ready")
+    # Requests sent during the rollout: all answered whole.
+    late = _burst(m, router, 3, 1000, tokens=20)
+    exits = eventually(lambda: [e for e in node.exits if e["pod"] == old], timeout=120,
+                       interval=0.2, message="the old pod's exit")  # fmt: skip
+    for c in clients + late:
+        c.join(timeout=300)
+    cut = [c.why() for c in clients + late if not c.whole]
+    assert not cut, cut
+    exited_after = exits[0]["time"] - ready_at
+    assert exited_after < 30, exits
+    moved = _continued(router, namespace, "roll")
+    assert moved == STREAMS, moved  # every stream was handed over, none ended on its own
+    TIMINGS[
+        "migration live, rollout: old pod exited after the new one's Ready (s) / streams moved"
+    ] = f"{exited_after:.1f} / {_continued(router, namespace, 'roll'):.0f}"
