@@ -81,7 +81,7 @@ class Shape:
 SHAPES = {
     "simulator": Shape(a_tokens=200, b_tokens=20, b_rate=2.5, seconds=40, warmup=6),
     "vllm": Shape(a_tokens=384, b_tokens=24, b_rate=2.5, seconds=40, warmup=6),
-    "quick": Shape(a_tokens=60, b_tokens=8, b_rate=4, seconds=4, warmup=2),
+    "quick": Shape(a_tokens=60, b_tokens=8, b_rate=4, seconds=3, warmup=1),
 }
 
 

@@ -142,11 +142,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "(default: the one in --out, read before this run replaces it)",
     )
     a = p.parse_args(argv)
-    if a.quick:
-        a.concurrency, a.repeats, a.min_requests, a.crosscheck_rounds = "1,8", 1, 8, 1
-        a.crosscheck_concurrency = 8
-        a.fanout_stages, a.fanout_itl_ms, a.fanout_hold_s = "100,300", "50", 2.0
-        a.fanout_search_start, a.fanout_search_resolution, a.fanout_search_max = 100, 1.0, 400
+    if a.quick:  # every phase and table once, each as small as still exercises its code
+        a.concurrency, a.repeats, a.min_requests, a.requests_per_stream = "4", 1, 4, 1.0
+        a.max_tokens, a.settle_s, a.crosscheck_rounds, a.crosscheck_concurrency = 32, 0.5, 1, 4
+        a.fanout_stages, a.fanout_itl_ms, a.fanout_hold_s = "100", "50", 1.0
+        a.fanout_search_start, a.fanout_search_resolution, a.fanout_search_max = 100, 1.0, 100
     a.concurrency = [int(c) for c in a.concurrency.split(",")]
     a.systems = [s for s in a.systems.split(",") if s]
     a.fanout_stages = [int(s) for s in a.fanout_stages.split(",")]
@@ -498,7 +498,7 @@ def main(argv=None) -> int:
             run_point = point_runner(started, loadgen, args.max_tokens, prompts(), args.settle_s)
             t = time.time()
             for system in args.systems:  # warm-up, not recorded
-                run_point(system, 4, 8)
+                run_point(system, 4, args.min_requests)
             results["phases_s"]["warmup"] = time.time() - t
             if not args.skip_matrix:
                 t = time.time()
@@ -523,8 +523,12 @@ def main(argv=None) -> int:
 
             t = time.time()
             print("bench: LoRA adapter next to the base...", flush=True)
-            results["lora"] = run_lora(group, env, logs, scratch, prompts=prompts(),
-                                       repeats=1 if args.quick else 3)  # fmt: skip
+            size = (
+                {"concurrency": (4,), "repeats": 1, "max_tokens": args.max_tokens}
+                if args.quick
+                else {}
+            )
+            results["lora"] = run_lora(group, env, logs, scratch, prompts=prompts(), **size)
             if not args.no_docs:
                 write_lora(results["lora"], out_dir)
             results["phases_s"]["lora"] = time.time() - t
