@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +150,13 @@ def continuation_body(method: str, path: str, body: bytes, marks: Marks, token_s
         parts.append(b',"created":%d' % created)
     parts.append(b"}")
     return b"".join(parts)
+
+
+def busy(status: int, headers: Mapping[str, str]) -> bool:
+    """A pod that cannot take a continuation now but may soon (at capacity, draining): 429,
+    or 503 with Retry-After. Any other refusal is final (a 503 without it: the pod cannot
+    read its key, say). `headers`: the answer's, case-insensitive."""
+    return status == 429 or (status == 503 and "retry-after" in headers)
 
 
 def key_for(master_file: Path, namespace: str, name: str) -> bytes:

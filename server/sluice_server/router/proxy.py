@@ -61,7 +61,7 @@ from ..protocols.engine_api import openai_error_event
 from ..transport.sse import QUEUED, SSEResponse
 from .hop import Relay, relay_body
 from .metrics import Outcome, RouterMetrics
-from .migration import Marks, continuation_body, key_for
+from .migration import Marks, busy, continuation_body, key_for
 from .pin import Pins
 from .prefixindex import BlockHash
 from .tenants import ROUTER_MARK, TENANT_HEADER, credential
@@ -761,7 +761,7 @@ class Splice:
         body = continuation_body(
             scope["method"], path, request.body, self.marks, self.kind.protocol == "sse"
         )
-        busy: dict[str, float] = {}  # pods that answered 429/503: when to ask again
+        later: dict[str, float] = {}  # pods that answered 429/503: when to ask again
         while True:
             now = time.monotonic()
             if now >= deadline:
@@ -770,12 +770,12 @@ class Splice:
                     f"within {model.hold_timeout:g} s."
                 )
                 return "unavailable", m, 503
-            left = self.left | {p for p, t in busy.items() if t > now}
+            left = self.left | {p for p, t in later.items() if t > now}
             follow = self.marks.stream if self.kind.protocol == "sse" else None
             target = held.pick(request.key, None, request.hashes, left, follow)
             if target is None:
                 await self._wait_for_pod(
-                    send_piece, min(deadline, min(busy.values(), default=deadline))
+                    send_piece, min(deadline, min(later.values(), default=deadline))
                 )
                 continue
             try:
@@ -802,8 +802,8 @@ class Splice:
             raw = await response.aread()
             await response.aclose()
             message, code, status = _upstream_error(response, raw)
-            if _busy(response) and target.pod is not None:
-                busy[target.pod] = time.monotonic() + 1.0
+            if busy(response.status_code, response.headers) and target.pod is not None:
+                later[target.pod] = time.monotonic() + 1.0
                 continue
             m = f"The stream could not be continued: {message}"
             return "refused", m, status
@@ -813,22 +813,8 @@ class Splice:
     ) -> None:
         """Until a pod may take it (or `until`), keep-alives to the client meanwhile."""
         up = self.held.up
-        keepalive = up.model.keepalive
-        changed = up.pods.changed() if up.pods is not None else None
-        wait = max(min(until - time.monotonic(), keepalive), 0.05)
-        if changed is not None:
-            await asyncio.wait((changed,), timeout=wait)
-        else:
-            await asyncio.sleep(wait)
+        await up.pods_change(max(min(until - time.monotonic(), up.model.keepalive), 0.05))
         await send_piece(QUEUED)
-
-
-def _busy(response: httpx.Response) -> bool:
-    """A pod that cannot take the continuation now but may soon (at capacity, draining):
-    429, or 503 with Retry-After. Any other refusal is final (a 503 without it: the pod
-    cannot read its key, say)."""
-    status = response.status_code
-    return status == 429 or (status == 503 and "retry-after" in response.headers)
 
 
 def broken_message(why: str) -> str:

@@ -39,11 +39,11 @@ from ..core.streaming.keepalive import KeepAlive
 from ..protocols.websocket import error_frame, queued_frame
 from ..transport import handshake
 from .metrics import RouterMetrics
-from .migration import Generations, key_for
+from .migration import Generations, busy, key_for
 from .models import Migration
 from .proxy import HOP_BY_HOP, MODEL_STARTING, Held, retry_after, starting_message
 from .tenants import ROUTER_MARK, credential
-from .upstream import Upstream
+from .upstream import Target, Upstream
 
 log = logging.getLogger(__name__)
 TRY_AGAIN_LATER, POLICY_VIOLATION = 1013, 1008
@@ -197,20 +197,9 @@ async def _hold(
                 if target is None:  # its last candidate left meanwhile
                     ready = asyncio.ensure_future(up.wait_ready())
                     continue
-                url = target.url.replace("http://", "ws://", 1) + scope["path"]
-                if scope.get("query_string"):
-                    url += "?" + scope["query_string"].decode("latin-1")
                 try:
-                    upstream = await connect(
-                        url,
-                        additional_headers=headers,
-                        origin=origin,
-                        open_timeout=connect_timeout,
-                        proxy=None,
-                        max_size=max_size,
-                        compression=None,
-                        ping_interval=ping[0],
-                        ping_timeout=ping[1],
+                    upstream = await _connect(
+                        target, scope, headers, origin, connect_timeout, max_size, ping
                     )
                 except InvalidStatus as e:  # the server refused the handshake
                     held.end("forwarded")
@@ -248,6 +237,32 @@ async def _hold(
             kept.append(frame.result())  # it arrived while the upstream socket opened
         frame.cancel()
         ready.cancel()
+
+
+async def _connect(
+    target: Target,
+    scope: Scope,
+    headers: list[tuple[str, str]],
+    origin: Origin | None,
+    connect_timeout: float,
+    max_size: int,
+    ping: tuple[float, float],
+) -> ClientConnection:
+    """The upstream WebSocket to `target` for the client's path and query."""
+    url = target.url.replace("http://", "ws://", 1) + scope["path"]
+    if scope.get("query_string"):
+        url += "?" + scope["query_string"].decode("latin-1")
+    return await connect(
+        url,
+        additional_headers=headers,
+        origin=origin,
+        open_timeout=connect_timeout,
+        proxy=None,
+        max_size=max_size,
+        compression=None,
+        ping_interval=ping[0],
+        ping_timeout=ping[1],
+    )
 
 
 def _generation(message: Message, waiting: list[Any]) -> Any:
@@ -390,12 +405,7 @@ class Moving:
         while time.monotonic() < deadline:
             target = held.pick(b"", None, None, self.left)
             if target is None:
-                changed = up.pods.changed() if up.pods is not None else None
-                wait = max(min(deadline - time.monotonic(), model.keepalive), 0.05)
-                if changed is not None:
-                    await asyncio.wait((changed,), timeout=wait)
-                else:
-                    await asyncio.sleep(wait)
+                await up.pods_change(max(min(deadline - time.monotonic(), model.keepalive), 0.05))
                 continue
             try:
                 key = key_for(self.key_file, model.namespace, model.name).decode()
@@ -404,26 +414,14 @@ class Moving:
                     ws, "refused", 503, f"The router cannot read its continuation key: {e}."
                 )
                 return None
-            scope = ws.scope
-            url = target.url.replace("http://", "ws://", 1) + scope["path"]
-            if scope.get("query_string"):
-                url += "?" + scope["query_string"].decode("latin-1")
             try:
-                upstream = await connect(
-                    url,
-                    additional_headers=[*self.headers, (KEY_HEADER.decode(), key)],
-                    origin=self.origin,
-                    open_timeout=self.connect_timeout,
-                    proxy=None,
-                    max_size=self.max_size,
-                    compression=None,
-                    ping_interval=pings(self.migration)[0],
-                    ping_timeout=pings(self.migration)[1],
-                )
+                upstream = await _connect(
+                    target, ws.scope, [*self.headers, (KEY_HEADER.decode(), key)], self.origin,
+                    self.connect_timeout, self.max_size, pings(self.migration),
+                )  # fmt: skip
             except InvalidStatus as e:
                 status = e.response.status_code
-                if (status == 429 or (status == 503 and "retry-after" in e.response.headers)) \
-                        and target.pod is not None:  # fmt: skip
+                if busy(status, e.response.headers) and target.pod is not None:
                     self.left.add(target.pod)
                     continue
                 await self._fail(

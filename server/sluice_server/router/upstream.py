@@ -228,6 +228,13 @@ class Upstream:
         if target is not None and target.pod is not None:
             self._down[target.pod] = asyncio.get_running_loop().time() + FRESH
 
+    async def pods_change(self, seconds: float) -> None:
+        """Until the model's pods change (a model with `pods`) or `seconds` pass."""
+        if self.pods is None:
+            await asyncio.sleep(seconds)
+        else:
+            await asyncio.wait((self.pods.changed(),), timeout=seconds)
+
     async def wait_ready(self) -> None:
         """Return once a replica is ready: a pod is a candidate, or (without `pods`) the
         Service answered `/ready` with 200 (within `FRESH`)."""
