@@ -12,6 +12,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from sluice_bench import docblock
+
 BEGIN, END = "<!-- bench:generated:begin -->", "<!-- bench:generated:end -->"
 SYSTEMS = ["engine", "vllm", "openai", "sse", "websocket"]
 LABELS = {
@@ -143,13 +145,9 @@ def ratio_table(rows: list[dict]) -> str:
             f"{_f(r['tps_vs_engine'], 2)}x | {_f(r['ttft_p50_vs_vllm'], 2)}x | "
             f"{_f(r.get('cpu_vs_vllm'), 2)}x | {_f(r.get('cpu_above_engine_vs_vllm'), 2)}x | "
             f"{r['target']} | "
-            f"{_met(r['met'])} |"
+            f"{docblock.met_cell(r['met'])} |"
         )
     return "\n".join(lines)
-
-
-def _met(met) -> str:
-    return "-" if met is None else ("yes" if met else "**no**")
 
 
 # The two clients measure the same server on the same point: they "agree" when their
@@ -398,7 +396,7 @@ def regression_table(rows: list[dict], baseline: dict) -> str:
             f"| {LABELS[r['system']]} | {r['concurrency']} | {_f(r['tps'])} ({_f(r['tps_before'])}) "
             f"| {_f(r['tps_ratio'], 2)}x ({_f(r['vllm_tps_ratio'], 2)}x) | {_f(r['tps_norm'], 2)}x "
             f"| {_f(r['ttft'], 1)} ({_f(r['ttft_before'], 1)}) | {_f(r['ttft_ratio'], 2)}x "
-            f"({_f(r['vllm_ttft_ratio'], 2)}x) | {_f(r['ttft_norm'], 2)}x | {_met(r['met'])} |"
+            f"({_f(r['vllm_ttft_ratio'], 2)}x) | {_f(r['ttft_norm'], 2)}x | {docblock.met_cell(r['met'])} |"
         )
     return "\n".join(lines)
 
@@ -512,10 +510,7 @@ def target_rows(results: dict) -> list[tuple[str, str, bool | None]]:
 
 
 def targets_table(results: dict) -> str:
-    lines = ["| target | measured | met |", "|---|---|:---:|"]
-    lines += [f"| {goal} | {measured} | {_met(met)} |" for goal, measured, met in
-              target_rows(results)]  # fmt: skip
-    return "\n".join(lines)
+    return docblock.targets_table(target_rows(results))
 
 
 def plot(agg: dict, concs: list[int], systems: list[str], path: Path) -> None:

@@ -272,9 +272,7 @@ def target_rows(r: dict) -> list[tuple[str, str, bool]]:
 
 
 def table(r: dict) -> str:
-    lines = ["| target | measured | met |", "|---|---|:---:|"]
-    lines += [f"| {goal} | {measured} | {'yes' if met else '**no**'} |"
-              for goal, measured, met in target_rows(r)]  # fmt: skip
+    text = docblock.targets_table(target_rows(r))
     tok = r.get("tokenizing", {})
     notes = (
         f"\n\n{r['streams']} streams of {r['tokens_per_stream']} tokens; TTFT direct "
@@ -291,7 +289,7 @@ def table(r: dict) -> str:
             "added is mostly waiting for a core: the hop adds two process wake-ups (the "
             "router, and its hashing thread).\n"
         )
-    return "\n".join(lines) + notes
+    return text + notes
 
 
 def write(text: str, doc: Path = docblock.DOC) -> None:
