@@ -18,12 +18,15 @@ from urllib.parse import urlencode
 import httpx
 import pytest
 import websockets
+from continuation_helpers import check_one_stream, events_of, text_and_usage
 from prometheus_client.parser import text_string_to_metric_families
 from router_helpers import entry, metric, model_server, pods_api, router, sa_dir
+from sluice_server.core.auth.routerkey import model_key
 from sluice_server.engine.simulator import SimulatorEngine
 from sluice_server.router.models import Split, Version
 from sluice_server.router.pin import COOKIE
 from sluice_server.router.split import bucket, choose, session
+from testkit.faulty_link import FaultyLink
 from testkit.net import free_port
 from testkit.wait import eventually_async
 
@@ -32,6 +35,7 @@ NS = "team-a"
 OWNER, VERSION = f"{NS}/chat", f"{NS}/chat-v2"
 WORDS = {OWNER: "alpha", VERSION: "omega"}  # each version's only word
 PODS = {OWNER: ("chat-old", "127.0.0.1"), VERSION: ("chat-new", "127.0.0.2")}
+MASTER = b"a-master-key-for-the-tests-0123456789"
 
 
 def labels(key: str) -> dict[str, str]:
@@ -423,4 +427,80 @@ async def test_websockets_by_header_or_credential_and_bad_input_refused(tmp_path
         assert big.status_code == 413
         page = act.app.metrics.scrape().decode()
         assert metric(page, "sluice_activator_requests_total", namespace=NS, model="chat",
-                      outcome="rejected") == 1  # fmt: skip
+                      outcome="rejected") == 3  # fmt: skip
+
+
+async def test_a_broken_stream_continues_on_a_pod_of_its_own_version(tmp_path):
+    """The version's stream, its pod killed midway, continues on the version's other pod,
+    never on the owner's (whose pods take only the owner's continuation key): one whole
+    stream of the version's words."""
+    master = tmp_path / "master-key"
+    master.write_bytes(MASTER + b"\n")
+    port = free_port()
+    # pod IPs: the owner's pod, the version's pod A (a link in front of its server) and B.
+    owner_ip, a_ip, a_server_ip, b_ip = "127.0.0.5", "127.0.0.6", "127.0.0.7", "127.0.0.8"
+    async with contextlib.AsyncExitStack() as stack:
+        api, api_url = await stack.enter_async_context(pods_api())
+        api.put("chat-old", owner_ip, labels(OWNER))
+        api.put("chat-new-a", a_ip, labels(VERSION))
+        api.put("chat-new-b", b_ip, labels(VERSION), ready=False)
+        for key, ip in ((OWNER, owner_ip), (VERSION, a_server_ip), (VERSION, b_ip)):
+            pod_key = tmp_path / f"{ip}.key"
+            pod_key.write_bytes(model_key(MASTER, NS, key.split("/")[1]) + b"\n")
+            engine = SimulatorEngine("sim", ttft_ms=2, itl_ms=25, words=(WORDS[key],))
+            await stack.enter_async_context(
+                model_server(port, engine, host=ip, continuation_key_file=pod_key)
+            )
+        link = await FaultyLink(a_ip, port, a_server_ip, port).start()
+        stack.push_async_callback(link.aclose)
+        models = models_file(port, 100)
+        for entry_ in models.values():
+            entry_["migration"] = {"maxMigrations": 2, "stallSeconds": 5}
+        act = await stack.enter_async_context(
+            router(tmp_path, models, kube_api_url=api_url, service_account_dir=sa_dir(tmp_path),
+                   continuation_key_file=master)
+        )  # fmt: skip
+
+        def ready(*counts: int) -> bool:
+            sets = {s.selector.labels: s for s in act.app.pods.sets.values()}
+            got = [len(sets[k].candidates()) if k in sets else 0
+                   for k in (tuple(sorted(labels(OWNER).items())),
+                             tuple(sorted(labels(VERSION).items())))]  # fmt: skip
+            return got == list(counts)
+
+        await eventually_async(lambda: ready(1, 1), timeout=15, message="pods of both")
+        raw = ""
+        path = "/v1/chat/completions"
+        body = {
+            "model": "sim",
+            "messages": [{"role": "user", "content": "long"}],
+            "max_tokens": 40,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+
+        async def read() -> None:
+            nonlocal raw
+            async with (
+                httpx.AsyncClient(base_url=act.url, timeout=60) as c,
+                c.stream("POST", path, headers={"X-Sluice-Model": OWNER}, json=body) as r,
+            ):
+                assert r.status_code == 200
+                async for text in r.aiter_text():
+                    raw += text
+
+        task = asyncio.ensure_future(read())
+        await eventually_async(lambda: raw.count("data: ") >= 6, timeout=30,
+                               message="6 events")  # fmt: skip
+        api.ready("chat-new-b", True)
+        await eventually_async(lambda: ready(1, 2), timeout=15, message="pod B ready")
+        link.kill()
+        await task
+        page = act.app.metrics.scrape().decode()
+    events = events_of(raw)
+    check_one_stream(path, events)  # contiguous ids, one terminal event
+    text, usage = text_and_usage(path, events)
+    assert which(text) == VERSION and usage is not None and usage["completion_tokens"] == 40
+    continued = "sluice_router_migrations_total"
+    assert metric(page, continued, namespace=NS, model="chat-v2", result="continued") == 1
+    assert metric(page, continued, namespace=NS, model="chat", result="continued") == 0

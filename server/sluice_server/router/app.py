@@ -316,6 +316,7 @@ class Router:
         try:
             session = split.session(headers, query, scope["path"], body)
         except split.BadSession as e:
+            self.metrics.requests.labels(owner.namespace, owner.name, "rejected").inc()
             await self._refuse(scope, receive, send, 400, str(e), "invalid_session")
             return None
         key = owner.key

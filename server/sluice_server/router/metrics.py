@@ -7,8 +7,8 @@ this pod has loaded (what the operator reads before it scales a model to zero).
   now (the scale-up signal: the operator, or KEDA's prometheus trigger, reads it);
 - `sluice_activator_requests_total{namespace,model,outcome}`: `forwarded` (a replica was
   ready and the request went to it), `timeout` (past the hold timeout), `rejected` (past
-  `maxHeld`: 429; a body over `--max-body-bytes`: 413), `disconnected` (the client left
-  while held);
+  `maxHeld`: 429; a body over `--max-body-bytes`: 413; a bad `X-Sluice-Session`: 400),
+  `disconnected` (the client left while held);
 - `sluice_activator_hold_seconds{namespace,model}`: arrival to forwarded or given up;
 - `sluice_activator_unknown_model_total`: requests for no model in the file (404);
 - `sluice_activator_models_reloads_total{result}`: models-file reloads, `ok` or `error`.

@@ -1,4 +1,6 @@
-"""Which version of a model a conversation goes to (pure; docs/placement.md, Versions).
+"""Which version of a model a conversation goes to when the model shares its traffic with
+versions (models.py `split`): a sticky session key, a stable bucket, consecutive ranges by
+weight (pure; docs/placement.md, Versions sharing one model name).
 
 A request that names a model with a `split` (models.py: the owner of a public host, and the
 versions that share its traffic) goes to one of the versions, chosen per conversation so

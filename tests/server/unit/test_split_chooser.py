@@ -82,7 +82,7 @@ def conversation(kind: str, i: int) -> list[tuple[str, dict, dict, bytes]]:
     system = {"role": "system", "content": "You are helpful."}
     turns = []
     history: list[dict] = [system]
-    for turn in range(3):
+    for turn in range(2 + i % 2):  # 2 or 3 turns
         history = [*history, {"role": "user", "content": f"question {turn} of {i}"}]
         if kind == "header":
             turns.append(("/v1/chat/completions", {"x-sluice-session": f"s-{i}"},
@@ -137,6 +137,7 @@ def test_1000_conversations_share_10_percent_and_none_splits():
         by.add(how)
         canary += version == CANARY
     assert by == {"header", "user", "fallback"}
+    print(f"split: {canary} of 1000 conversations on the version at weight 10")
     assert 70 <= canary <= 130  # 10% +- 3%
 
 
