@@ -43,6 +43,16 @@ Streams continued on another pod when theirs broke (models with `migration`, mig
   last byte of the broken stream (or the moment a stalled one was given up) to the first
   byte of its continuation.
 
+Versions sharing a model's traffic (models with `split`, split.py):
+
+- `sluice_router_split_picks_total{namespace,model,version,by}`: conversations' requests
+  that named the owner `model`, by the version chosen (its model name; the owner's own when
+  the chosen version is not in the models file) and by what keyed the conversation:
+  `header` (`X-Sluice-Session`), `user` (the body's `user` or `metadata.user_id`) or
+  `fallback` (the credential and the first turn; a WebSocket without either goes to the
+  owner). A `Last-Event-ID` resume goes back to the version its `sluice-pin` names and is
+  not counted.
+
 No series has a pod label: pods come and go with every rollout, the series would not.
 """
 
@@ -137,6 +147,12 @@ class RouterMetrics:
             "The seam's added gap: the broken stream's last byte to its continuation's first.",
             labels,
             buckets=GAP_BUCKETS,
+        )
+        self.split_picks = fam.counter(
+            "sluice_router_split_picks",
+            "Requests naming a model with versions, by the version chosen and by what keyed "
+            "the conversation (header, user, fallback).",
+            (*labels, "version", "by"),
         )
         self._known: set[tuple[str, str]] = set()
 
