@@ -96,6 +96,8 @@ def test_a_sound_version_takes_its_weight():
          "set spec.model.servedName: chat on v2"),
         (version("v2", ingress={"enabled": True, "host": "chat.example.com"}), "RouteClaimed",
          "v2's route claims chat.example.com/, which chat owns"),
+        (version("v2", ingress={"enabled": True, "host": "v2.example.com", "path": "/v2"}),
+         "PathDiffers", "v2's pods answer under /v2, chat's under /: "),
         (version("v2", gateway={"parentRefs": [{"name": "gw"}], "hostnames": ["chat.example.com"]}),
          "RouteClaimed", "which chat owns"),
     ],
@@ -119,14 +121,19 @@ def test_other_hosts_and_paths_are_not_claims():
     chat = owner_body(("v2", 10), ingress={"enabled": True, "host": "chat.example.com"})
     for route in (
         {"ingress": {"enabled": True, "host": "canary.chat.example.com"}},
-        {"ingress": {"enabled": True, "host": "chat.example.com", "path": "/v2"}},
+        {"ingress": {"enabled": True}},  # the default server: another server than chat's
+        {"gateway": {"parentRefs": [{"name": "gw"}], "hostnames": ["canary.example.com"]}},
         {},
     ):
         checks = check_versions(load_model(chat), by_name(chat, version("v2", **route)))
         assert checks[0].reason == "", route
-    # A route for every host on the owner's path claims it (negative control).
-    every = version("v2", ingress={"enabled": True})
-    assert check_versions(load_model(chat), by_name(chat, every))[0].reason == "RouteClaimed"
+    # Without host names both claim the default server's path (negative control).
+    bare = owner_body(("v2", 10), ingress={"enabled": True, "path": "/chat"})
+    every = version("v2", ingress={"enabled": True, "path": "/chat"})
+    assert check_versions(load_model(bare), by_name(bare, every))[0].reason == "RouteClaimed"
+    # The same prefix on another host: the pods answer where the owner's do.
+    canary = version("v2", ingress={"enabled": True, "host": "canary.example.com", "path": "/chat"})
+    assert check_versions(load_model(bare), by_name(bare, canary))[0].reason == ""
 
 
 def test_an_invalid_or_splitting_version_takes_nothing():

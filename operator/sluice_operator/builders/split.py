@@ -11,9 +11,13 @@ which no CRD rule sees, so it is checked here (`check_versions`) and said on the
 - it uses the router: the router only reaches models it watches (an entry with `pods`);
 - it serves the owner's public model name (model.servedName): the pods refuse a body whose
   `model` they do not serve, so a conversation sent to it would fail;
+- its pods answer under the owner's path prefix: the router forwards the path as the
+  client sent it (`/prefix/v1/...`), and a server answers under its own prefix alone (the
+  Ingress's path, `--root-path`);
 - it claims no host and path of the owner's Ingress or HTTPRoute: one host and path has one
   owner, the owner of the split (two Ingresses on one host and path are merged or refused
-  depending on the controller);
+  depending on the controller). A route of the version on another host (a canary host for
+  smoke tests) is fine;
 - it declares no split of its own: the router follows one level.
 
 A version that fails a check takes no traffic (weight 0 in models.json): its share stays
@@ -28,9 +32,11 @@ from typing import Any
 
 from ..models.resource import StreamingModel
 from ..models.status import ConditionType
+from .args import root_path
 
 CONDITION: ConditionType = "TrafficSplit"
-# A route without a host name answers every host (paths compare without a trailing "/").
+# A route without a host name: the controller's default server (paths compare without a
+# trailing "/").
 _ANY_HOST = "*"
 
 
@@ -61,14 +67,9 @@ def _routes(model: StreamingModel) -> set[tuple[str, str]]:
 
 
 def claimed(owner: StreamingModel, version: StreamingModel) -> list[str]:
-    """The owner's host+path pairs the version's route claims too, as `host/path`."""
-    mine = _routes(owner)
-    out = set()
-    for host, path in _routes(version):
-        for h, p in mine:
-            if p == path and (h == host or _ANY_HOST in (h, host)):
-                out.add(f"{host if host != _ANY_HOST else h}{path}")
-    return sorted(out)
+    """The owner's host+path pairs the version's route claims too, as `host/path` (`*/path`:
+    neither names a host)."""
+    return sorted(f"{host}{path}" for host, path in _routes(owner) & _routes(version))
 
 
 def _check(owner: StreamingModel, name: str, version: StreamingModel | None) -> tuple[str, str]:
@@ -92,6 +93,14 @@ def _check(owner: StreamingModel, name: str, version: StreamingModel | None) -> 
             f"StreamingModel {name} serves the model name {version.served_name!r}, "
             f"{owner.name} serves {owner.served_name!r}: clients send one name and {name}'s "
             f"pods would refuse it; set spec.model.servedName: {owner.served_name} on {name}"
+        )
+    if root_path(version) != root_path(owner):
+        return "PathDiffers", (
+            f"StreamingModel {name}'s pods answer under {root_path(version) or '/'}, "
+            f"{owner.name}'s under {root_path(owner) or '/'}: the router forwards the path "
+            f"as sent, so {name} would answer 404; give {name} an Ingress with path "
+            f"{root_path(owner) or '/'} on another host (ingress.host), or none if the owner's "
+            "path is /"
         )
     taken = claimed(owner, version)
     if taken:

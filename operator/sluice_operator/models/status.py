@@ -168,7 +168,8 @@ class SplitVersionStatus(ApiModel):
         default=None,
         alias="ttftMilliseconds",
         description="Median time to first token over the last window (from its ready pods' "
-        "sluice_ttft_seconds); unset while it served no request in the window.",
+        "sluice_ttft_seconds, which streamed answers record); unset while it streamed no "
+        "answer in the window.",
     )
     error_rate: str | None = Field(
         default=None,
@@ -176,7 +177,9 @@ class SplitVersionStatus(ApiModel):
         "window, as a decimal (0.0012); unset without requests.",
     )
     tokens_per_second: int | None = Field(
-        default=None, description="Tokens streamed to clients per second over the last window."
+        default=None,
+        description="Tokens streamed to clients per second over the last window (a stream's "
+        "tokens count when it ends).",
     )
     window_seconds: int | None = Field(
         default=None, description="The window the rates cover (between two reads of /metrics)."
@@ -219,7 +222,7 @@ class StreamingModelStatus(ApiModel):
         "NoSpace, Corrupt, HubUnreachable, DownloadFailed); with routing.router.split "
         "TrafficSplit (True: every version takes its weight; False names the version that "
         "takes none and why: VersionMissing, VersionInvalid, VersionNotRouted, "
-        "ServedNameDiffers, RouteClaimed, VersionSplits, RouterDisabled).",
+        "ServedNameDiffers, PathDiffers, RouteClaimed, VersionSplits, RouterDisabled).",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     observed_generation: int | None = Field(
