@@ -797,7 +797,7 @@ class _Pass:
     def _model_body(self, name: str) -> Mapping[str, Any] | None:
         model = getattr(self.reads, "model", None)
         if model is not None:
-            return model(self.namespace, name)  # type: ignore[no-any-return]
+            return model(self.namespace, name)
         return self.cluster.get(f"{GROUP}/{VERSION}", KIND, self.namespace, name)
 
     def split_status(self, new: dict[str, Any], generation: int | None) -> dict[str, Any]:

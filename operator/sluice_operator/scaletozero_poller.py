@@ -217,7 +217,10 @@ class ScaleToZeroPoller:
         listed = [m for m in everything if in_activator(m)]
         if self.activator is not None:
             self._keep_config_map(everything)  # also when the last such model went: {}
-        split_delay = self._splits(everything)
+        # Without the router no split applies: nothing to measure.
+        split_delay = (
+            self._splits(everything) if self.activator is not None else IDLE_PERIOD_SECONDS
+        )
         models = [m for m in listed if m.spec.scale_to_zero is not None]
         if self.activator is None or not models:
             with self._guard:
