@@ -31,6 +31,7 @@ import shlex
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from testkit.net import free_port
@@ -214,7 +215,7 @@ def vllm_server_argv(model_path: Path, port: int) -> list[str]:
             *ENGINE_ARGS]  # fmt: skip
 
 
-def sluice_server_argv(port: int, flags: list[str] = ()) -> list[str]:
+def sluice_server_argv(port: int, flags: Sequence[str] = ()) -> list[str]:
     """Our server on the tiny model (the code the process's PYTHONPATH finds), with `flags`."""
     return [PY, "-m", "sluice_server", "--model", "tiny", "--served-model-name", MODEL_NAME,
             "--host", "127.0.0.1", "--port", str(port), "--max-concurrent-streams", "1000",
@@ -222,7 +223,7 @@ def sluice_server_argv(port: int, flags: list[str] = ()) -> list[str]:
 
 
 def start_engine_systems(group: ProcGroup, model_path: Path, env, logs: Path, wanted,
-                         sluice_flags: list[str] = ()) -> dict:  # fmt: skip
+                         sluice_flags: Sequence[str] = ()) -> dict:  # fmt: skip
     """Start what `wanted` needs, all at once (engine start-up overlaps), wait for all."""
     started: dict = {}
     if "vllm" in wanted:
