@@ -38,27 +38,36 @@ ENGINE_ARGS = ["--enforce-eager", "--kv-cache-memory-bytes", str(256 * 2**20),
 ADAPTER = "tiny-lora"
 
 
-def run_lora(group: ProcGroup, env: dict, logs: Path, scratch: Path, *, concurrency=(1, 8),
-             repeats: int = 3, max_tokens: int = 64, prompts: list[str]) -> dict:  # fmt: skip
+def lora_flags(scratch: Path) -> list[str]:
+    """Our server's flags for LoRA with the one test adapter (made in `scratch`)."""
     from sluice_server.engine.tiny_model import ensure_tiny_model
 
-    base_path = ensure_tiny_model()
-    folder = make_adapter(scratch / "adapter", base_path, rank=8, scale=0.5, seed=1)
+    folder = make_adapter(scratch / "adapter", ensure_tiny_model(), rank=8, scale=0.5, seed=1)
     config = scratch / "adapters.json"
     write_adapters(config, {ADAPTER: folder})
-    port = free_port()
-    server = group.add(Server(
-        "sluice-lora",
-        [PY, "-m", "sluice_server", "--model", "tiny", "--served-model-name", "tiny",
-         "--host", "127.0.0.1", "--port", str(port), "--max-concurrent-streams", "1000",
-         "--log-level", "warning", "--adapters-file", str(config), "--max-loras", "2",
-         "--max-lora-rank", "8", "--", *ENGINE_ARGS],
-        env, logs, port, "/ready",
-    ))  # fmt: skip
-    server.wait_ready(600)
-    # The matrix's layout: the engine on its cores, the server and the load generator on
-    # the others (procs.separate_engines says why).
-    layout = separate_engines([server])
+    return ["--adapters-file", str(config), "--max-loras", "2", "--max-lora-rank", "8"]
+
+
+def run_lora(group: ProcGroup, env: dict, logs: Path, scratch: Path, *, concurrency=(1, 8),
+             repeats: int = 3, max_tokens: int = 64, prompts: list[str],
+             server: Server | None = None, cpu_layout: dict | None = None) -> dict:  # fmt: skip
+    """The ratios on `server` (started with `lora_flags`, its engine already kept apart as
+    `cpu_layout` says) or, by default, on a server of its own, stopped at the end."""
+    own = server is None
+    if server is None:
+        port = free_port()
+        server = group.add(Server(
+            "sluice-lora",
+            [PY, "-m", "sluice_server", "--model", "tiny", "--served-model-name", "tiny",
+             "--host", "127.0.0.1", "--port", str(port), "--max-concurrent-streams", "1000",
+             "--log-level", "warning", *lora_flags(scratch), "--", *ENGINE_ARGS],
+            env, logs, port, "/ready",
+        ))  # fmt: skip
+        server.wait_ready(600)
+        # The matrix's layout: the engine on its cores, the server and the load generator
+        # on the others (procs.separate_engines says why).
+        cpu_layout = separate_engines([server])
+    layout = cpu_layout or {}
     front = set(layout.get("front_cpus", ())) or None
     loadgen = group.add(Worker("loadgen-lora", [PY, "-m", "sluice_bench.loadgen"], env, logs,
                                cpus=front))  # fmt: skip
@@ -90,7 +99,8 @@ def run_lora(group: ProcGroup, env: dict, logs: Path, scratch: Path, *, concurre
         row["tokens_per_s_ratio"] = row["adapter_tokens_per_s"] / row["base_tokens_per_s"]
         rows.append(row)
     group.stop(loadgen)
-    group.stop(server)
+    if own:
+        group.stop(server)
     return {"adapter": {"rank": 8, "targets": "q,k,v,o,gate,up,down"}, "repeats": repeats,
             "max_tokens": max_tokens, "engine_args": ENGINE_ARGS, "cpu_layout": layout,
             "rows": rows}  # fmt: skip

@@ -9,7 +9,8 @@ Phases (each system in its own process, the load generator in another, all on 12
    and ignore_eos, one closed-loop load generator;
 3. cross-check one point with vLLM's own benchmark client;
 4. fan-out: our server on the simulator engine, SSE and WebSocket ramped separately;
-5. a LoRA adapter next to the base on one engine (lora_ratio.py: TTFT and tokens/s ratios);
+5. a LoRA adapter next to the base on one engine (lora_ratio.py: TTFT and tokens/s ratios;
+   `--quick` uses our matrix server, started with LoRA on, instead of a fourth engine);
 6. write docs/bench-results.{json,md}, docs/bench-throughput.png, docs/bench-fanout.md and
    the generated part of docs/benchmarks.md;
 7. fairness between tenants on one pod (`fairness.py`: the admission queue, slot shares,
@@ -30,11 +31,13 @@ import shlex
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from testkit.net import free_port
 from testkit.repo import ROOT
 
+from sluice_bench.lora_ratio import lora_flags
 from sluice_bench.procs import (
     PY,
     ProcGroup,
@@ -51,6 +54,8 @@ from sluice_bench.report import (  # systems, labels: report.py
 )
 
 MODEL_NAME = "tiny"
+SERVED = {"openai", "sse", "websocket"}  # the systems our server serves
+START_S = 600  # three engines starting at once: 1-2 min alone, 4 min seen on a busy machine
 # The same engine arguments for all three vLLM-backed systems (CPU: explicit KV size,
 # eager mode; explicit max_num_seqs so no system gets a different default).
 ENGINE_ARGS = [
@@ -152,6 +157,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.fanout_stages = [int(s) for s in a.fanout_stages.split(",")]
     a.fanout_itl_ms = [float(s) for s in a.fanout_itl_ms.split(",")]
     a.fanout_protocols = [s for s in a.fanout_protocols.split(",") if s]
+    # A smoke run ramps one protocol with every worker count (the scaling table's both
+    # columns); the searches still run every protocol, so each code path runs once.
+    a.fanout_ramp_protocols = a.fanout_protocols[:1] if a.quick else a.fanout_protocols
     a.fanout_workers = [int(s) for s in a.fanout_workers.split(",") if s]
     a.fairness_engines = ["quick"] if a.quick else [e for e in a.fairness_engines.split(",") if e]
     return a
@@ -207,24 +215,25 @@ def vllm_server_argv(model_path: Path, port: int) -> list[str]:
             *ENGINE_ARGS]  # fmt: skip
 
 
-def sluice_server_argv(port: int) -> list[str]:
-    """Our server on the tiny model (the code the process's PYTHONPATH finds)."""
+def sluice_server_argv(port: int, flags: Sequence[str] = ()) -> list[str]:
+    """Our server on the tiny model (the code the process's PYTHONPATH finds), with `flags`."""
     return [PY, "-m", "sluice_server", "--model", "tiny", "--served-model-name", MODEL_NAME,
             "--host", "127.0.0.1", "--port", str(port), "--max-concurrent-streams", "1000",
-            "--log-level", "warning", "--", *ENGINE_ARGS]  # fmt: skip
+            "--log-level", "warning", *flags, "--", *ENGINE_ARGS]  # fmt: skip
 
 
-def start_engine_systems(group: ProcGroup, model_path: Path, env, logs: Path, wanted) -> dict:
+def start_engine_systems(group: ProcGroup, model_path: Path, env, logs: Path, wanted,
+                         sluice_flags: Sequence[str] = ()) -> dict:  # fmt: skip
     """Start what `wanted` needs, all at once (engine start-up overlaps), wait for all."""
     started: dict = {}
     if "vllm" in wanted:
         port = free_port()
         started["vllm"] = group.add(Server("vllm-server", vllm_server_argv(model_path, port),
                                            env, logs, port, "/health"))  # fmt: skip
-    if {"openai", "sse", "websocket"} & set(wanted):
+    if SERVED & set(wanted):
         port = free_port()
-        started["sluice"] = group.add(Server("sluice-server", sluice_server_argv(port), env,
-                                             logs, port, "/ready"))  # fmt: skip
+        started["sluice"] = group.add(Server("sluice-server", sluice_server_argv(port, sluice_flags),
+                                             env, logs, port, "/ready"))  # fmt: skip
     if "engine" in wanted:
         started["engine"] = group.add(Worker(
             "bare-engine", [PY, "-m", "sluice_bench.bare_engine", str(model_path), *ENGINE_ARGS],
@@ -232,10 +241,10 @@ def start_engine_systems(group: ProcGroup, model_path: Path, env, logs: Path, wa
         ))  # fmt: skip
     # The bare engine answers its start command once the engine is up.
     if "engine" in started:
-        started["engine"].call({"op": "start"}, timeout=240)
+        started["engine"].call({"op": "start"}, timeout=START_S)
     for key in ("vllm", "sluice"):
         if key in started:
-            started[key].wait_ready(240)
+            started[key].wait_ready(START_S)
     return started
 
 
@@ -421,13 +430,28 @@ def run_fanout(args, group: ProcGroup, env, logs: Path) -> list[dict]:
     from tqdm import tqdm
 
     runs = [(itl, proto, w, False) for itl in args.fanout_itl_ms
-            for proto in args.fanout_protocols for w in args.fanout_workers]  # fmt: skip
+            for proto in args.fanout_ramp_protocols for w in args.fanout_workers]  # fmt: skip
     runs += [(FANOUT_SEARCH_ITL_MS, proto, 1, True) for proto in args.fanout_protocols]
     return [
         fanout_point(args, group, env, logs, proto, itl, workers, search)
         for itl, proto, workers, search in tqdm(runs, desc="fan-out", unit="run",
                                                  dynamic_ncols=True)
     ]  # fmt: skip
+
+
+def run_lora_phase(args, results: dict, group, env, logs: Path, scratch: Path, out_dir: Path,
+                   **server) -> None:  # fmt: skip
+    """Phase 5 (lora_ratio.run_lora), on `server=` (with its `cpu_layout=`) or its own."""
+    from sluice_bench.lora_ratio import run_lora
+    from sluice_bench.lora_ratio import write as write_lora
+
+    t = time.time()
+    print("bench: LoRA adapter next to the base...", flush=True)
+    size = {"concurrency": (4,), "repeats": 1, "max_tokens": args.max_tokens} if args.quick else {}
+    results["lora"] = run_lora(group, env, logs, scratch, prompts=prompts(), **size, **server)
+    if not args.no_docs:
+        write_lora(results["lora"], out_dir)
+    results["phases_s"]["lora"] = time.time() - t
 
 
 def main(argv=None) -> int:
@@ -486,8 +510,13 @@ def main(argv=None) -> int:
             model_path = ensure_tiny_model(cache)
             t = time.time()
             wanted = set(args.systems) | ({"vllm", "openai"} if not args.skip_crosscheck else set())
+            # A smoke run measures the LoRA ratio on our matrix server (LoRA on), not on an
+            # engine of its own: one engine start less, the same phase and table.
+            lora_here = args.quick and not args.skip_lora and bool(SERVED & wanted)
+            flags = lora_flags(scratch) if lora_here else []
             print("bench: starting engines (vLLM server, our server, bare engine)...", flush=True)
-            started = start_engine_systems(group, model_path, env, logs, wanted)
+            started = start_engine_systems(group, model_path, env, logs, wanted, flags)
+            results["settings"]["lora_on_our_server"] = lora_here
             results["phases_s"]["start"] = time.time() - t
             layout = separate_engines(list(started.values()))
             results["settings"]["cpu_layout"] = layout
@@ -511,27 +540,17 @@ def main(argv=None) -> int:
                     args, group, started, run_point, model_path, env, scratch, front_cpus
                 )
                 results["phases_s"]["crosscheck"] = time.time() - t
+            if lora_here:
+                run_lora_phase(args, results, group, env, logs, scratch, out_dir,
+                               server=started["sluice"], cpu_layout=layout)  # fmt: skip
             for proc in list(group.procs):  # free the cores before the fan-out
                 group.stop(proc)
         if not args.skip_fanout:
             t = time.time()
             results["fanout"] = run_fanout(args, group, env, logs)
             results["phases_s"]["fanout"] = time.time() - t
-        if not args.skip_lora:
-            from sluice_bench.lora_ratio import run_lora
-            from sluice_bench.lora_ratio import write as write_lora
-
-            t = time.time()
-            print("bench: LoRA adapter next to the base...", flush=True)
-            size = (
-                {"concurrency": (4,), "repeats": 1, "max_tokens": args.max_tokens}
-                if args.quick
-                else {}
-            )
-            results["lora"] = run_lora(group, env, logs, scratch, prompts=prompts(), **size)
-            if not args.no_docs:
-                write_lora(results["lora"], out_dir)
-            results["phases_s"]["lora"] = time.time() - t
+        if not args.skip_lora and "lora" not in results:
+            run_lora_phase(args, results, group, env, logs, scratch, out_dir)
     results["phases_s"]["total"] = time.time() - t_start
     (out_dir / "bench-results.json").write_text(json.dumps(results, indent=1))
     if not args.no_docs:

@@ -5,7 +5,11 @@ of lines is the engine's order. Behind a running batch request and two batch req
 waiting in the engine, an interactive request runs next; a batch one (the control) runs
 after the two, as first come, first served. Requests go through every route that carries
 the caller's class: token SSE, OpenAI chat (whose body and `X-Vllm-Priority` header ask
-for more than the key gives) and the WebSocket."""
+for more than the key gives) and the WebSocket.
+
+The running request holds its place until the engine itself counts every later request
+(not for a time): then its client leaves, the engine aborts it, and the scheduler picks the
+next one from the queue it has."""
 
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ from testkit.wait import eventually_async
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
 
 KEYS = "sk-batch tenant=t priority=batch\nsk-inter tenant=t priority=interactive\n"
-LONG = 1500  # tokens of the running request: the others are all in place long before it ends
+LONG = 1500  # tokens of the running request: cut once the others are all in the engine
 
 
 class Lines(logging.Handler):
@@ -69,13 +73,17 @@ def auth(key: str) -> dict:
     return {"Authorization": f"Bearer sk-{key}"}
 
 
-async def stream(c: httpx.AsyncClient, key: str, tokens: int, started=None) -> str:
+async def stream(c: httpx.AsyncClient, key: str, tokens: int, started=None, release=None) -> str:
+    """One token-SSE request read to its end, or until `release` is set (leaving the block
+    drops the connection: the server aborts the request)."""
     body = {"prompt": f"{key} asks", "max_tokens": tokens, "ignore_eos": True}
     async with c.stream("POST", "/v1/stream", json=body, headers=auth(key)) as r:
         assert r.status_code == 200
         async for line in r.aiter_lines():
             if started is not None and line.startswith("data:") and not started.done():
                 started.set_result(None)
+            if release is not None and release.is_set():
+                break
         return r.headers["x-request-id"]
 
 
@@ -105,17 +113,23 @@ def finished(log: Lines) -> list[str]:
 
 async def behind_a_backlog(url, app, late) -> tuple[list[str], str]:
     """A long batch stream running, two batch ones waiting in the engine behind it, then
-    `late(c)`: (the two waiting ones' ids, the late one's)."""
+    `late(c)`; once the engine holds all four, the running one is cut: (the two waiting
+    ones' ids, the late one's)."""
     engine = app.state.services.engine
+
+    def holding(n: int):
+        return lambda: engine.num_unfinished_requests() == n
+
     async with httpx.AsyncClient(base_url=url, timeout=120) as c:
-        started = asyncio.get_running_loop().create_future()
-        first = asyncio.create_task(stream(c, "batch", LONG, started))
+        started, release = asyncio.get_running_loop().create_future(), asyncio.Event()
+        first = asyncio.create_task(stream(c, "batch", LONG, started, release))
         await asyncio.wait_for(started, 120)
         waiting = [asyncio.create_task(stream(c, "batch", 8)) for _ in range(2)]
-        await eventually_async(
-            lambda: engine.num_unfinished_requests() == 3, message="two waiting", timeout=15
-        )
-        _, *waited, last = await asyncio.gather(first, *waiting, late(c))
+        await eventually_async(holding(3), message="two waiting", timeout=15)
+        last = asyncio.create_task(late(c))
+        await eventually_async(holding(4), message="the late one waiting", timeout=15)
+        release.set()
+        _, *waited, last = await asyncio.gather(first, *waiting, last)
     return waited, last
 
 

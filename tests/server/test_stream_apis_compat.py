@@ -1,10 +1,14 @@
-"""Compatibility with vLLM's own server: `python -m vllm.entrypoints.openai.api_server` on
-the same tiny model with the same engine arguments, and our server on the session engine,
-get the same requests at temperature 0. For OpenAI Responses and Anthropic Messages,
-streamed: the same event type sequence and the same final text and usage; not streamed:
-the same text and usage; `/tokenize`, `/detokenize` and `/v1/messages/count_tokens`: the
-same answers. The simulator's built-in layer sends the same event type sequence too (its
-text is its own).
+"""Compatibility with vLLM's own server: vLLM's OpenAI API app (built and initialised as
+`python -m vllm.entrypoints.openai.api_server` builds it) and our server, both on the
+session engine, get the same requests at temperature 0. For OpenAI Responses and Anthropic
+Messages, streamed: the same event type sequence and the same final text and usage; not
+streamed: the same text and usage; `/tokenize`, `/detokenize` and
+`/v1/messages/count_tokens`: the same answers. The simulator's built-in layer sends the
+same event type sequence too (its text is its own).
+
+One engine under both servers makes the engine arguments the same by construction and
+saves a second engine start (a minute or more on 2 cores). Each request starts from an
+empty prefix cache, so neither server's usage counts tokens cached by the other's request.
 
 The number of text delta events per run of deltas is compared too, but only as a run:
 vLLM's engine client merges outputs its consumer has not picked up yet (DELTA output
@@ -15,17 +19,13 @@ text they carry must still match exactly.
 from __future__ import annotations
 
 import json
-import sys
-import tempfile
-from pathlib import Path
 
 import httpx
 import pytest
-from app_helpers import ENGINE_KV_BYTES, serve_simulator
-from sluice_bench.procs import Server, engine_env
+import uvicorn
+from app_helpers import serve_simulator, serving
 from sluice_server.engine.simulator import SimulatorEngine
 from testkit.net import free_port
-from testkit.wait import eventually_async
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
 
@@ -39,28 +39,36 @@ REQUESTS = {
 
 
 @pytest.fixture(scope="module")
-async def vllm_url(tiny_model_path):
-    """vLLM's own OpenAI server, with the engine arguments of the session engine."""
-    scratch = Path(tempfile.mkdtemp(prefix="sluice-vllm-compat-"))
-    port = free_port()
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-            str(tiny_model_path), "--served-model-name", "tiny", "--host", "127.0.0.1",
-            "--port", str(port), "--max-model-len", "512", "--max-num-seqs", "64",
-            "--enforce-eager", "--kv-cache-memory-bytes", str(ENGINE_KV_BYTES)]  # fmt: skip
-    server = Server("vllm-api-server", argv, engine_env(scratch), scratch, port, "/health")
-    try:
-        async with httpx.AsyncClient(timeout=5) as c:
+async def vllm_url(engine):
+    """vLLM's own OpenAI API app on the session engine, served in this process on a free
+    port (uvicorn without lifespan: vLLM's would freeze the test process's GC heap)."""
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-            async def healthy() -> bool:
-                server.check_alive()  # not retried: an exited server fails at once
-                return (await c.get(server.base_url + "/health")).status_code == 200
+    llm, port = engine.llm, free_port()  # vLLM's AsyncLLM under our engine
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(
+        ["--model", llm.model_config.model, "--served-model-name", "tiny",
+         "--host", "127.0.0.1", "--port", str(port)]
+    )  # fmt: skip
+    tasks = await llm.get_supported_tasks()
+    app = build_app(args, tasks, llm.model_config)
+    await init_app_state(llm, app.state, args, tasks)
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off",
+                            log_level="warning", access_log=False)  # fmt: skip
+    async with serving(config):
+        yield f"http://127.0.0.1:{port}"
 
-            # engine start: ~30 s alone, minutes when busy
-            await eventually_async(healthy, timeout=600, interval=1, retry_on=(httpx.TransportError,),
-                                   message=lambda: f"vLLM's server ready\n{server.tail()}")  # fmt: skip
-        yield server.base_url
-    finally:
-        server.stop()
+
+@pytest.fixture
+def cold(engine):
+    """`await cold()` before a request: the engine's prefix cache emptied."""
+
+    async def reset() -> None:
+        assert await engine.llm.reset_prefix_cache()
+
+    return reset
 
 
 async def stream_events(base: str, path: str, body: dict) -> list[tuple[str, dict]]:
@@ -97,9 +105,11 @@ def usage_of(api: str, events: list[tuple[str, dict]]) -> dict:
 
 
 @pytest.mark.parametrize("api", list(REQUESTS))
-async def test_streamed_events_match_vllms_server(vllm_url, server_url, api):
+async def test_streamed_events_match_vllms_server(vllm_url, server_url, cold, api):
     path, body = REQUESTS[api]
+    await cold()
     theirs = await stream_events(vllm_url, path, body)
+    await cold()
     ours = await stream_events(server_url, path, body)
     t_types, o_types = [t for t, _ in theirs], [t for t, _ in ours]
     print(f"\n{api}: vLLM {len(t_types)} events, ours {len(o_types)}; runs: {runs(o_types)}")
@@ -115,10 +125,12 @@ async def test_streamed_events_match_vllms_server(vllm_url, server_url, api):
 
 
 @pytest.mark.parametrize("api", list(REQUESTS))
-async def test_whole_answers_match_vllms_server(vllm_url, server_url, api):
+async def test_whole_answers_match_vllms_server(vllm_url, server_url, cold, api):
     path, body = REQUESTS[api]
     async with httpx.AsyncClient(timeout=120) as c:
+        await cold()
         theirs = (await c.post(vllm_url + path, json=body)).json()
+        await cold()
         ours = (await c.post(server_url + path, json=body)).json()
     if api == "responses":
 

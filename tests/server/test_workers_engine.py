@@ -4,8 +4,9 @@ both workers, one scrape is the pod's totals (ours and vLLM's), a client that go
 aborted on each worker, SIGTERM lets every worker's streams finish and exits 0, and a
 killed worker takes the pod to not-ready and down.
 
-One pod serves the first three tests (the last of them stops it); the dead-worker test
-starts its own. Each start costs 1-4 minutes here (engine core plus two front ends).
+One pod serves the first tests (the drain test stops it); the dead-worker test has its
+own, started beside the first when the module starts, so the two starts overlap. Each
+start costs 1-4 minutes here (engine core plus two front ends).
 
 The abort proof is weaker than test_stream_abort.py's: that one spies on the engine's
 output processor in the test's own process, which a separate pod does not allow. Here the
@@ -21,9 +22,11 @@ fast the test process got somewhere. The pod runs at a lower CPU priority than t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -65,6 +68,24 @@ def _pod(log_dir, *flags):
     return start_pod(log_dir, "--model", "tiny", "--max-model-len", str(LONG + 64),
                      "--max-num-seqs", str(MAX_SEQS), "--drain-timeout-seconds", "180",
                      *flags, env=env, timeout=START_S)  # fmt: skip
+
+
+@pytest.fixture(scope="module", autouse=True)
+def spare_pod(request, tmp_path_factory, tiny_model_path):
+    """The dead-worker test's own pod (that test ends its pod), started in a thread as the
+    module starts (autouse: before `pod`), so its start overlaps the shared pod's; a future
+    of (process, url), or None when that test is not selected."""
+    if not any(item.name == DEAD_WORKER_TEST for item in request.session.items):
+        yield None
+        return
+    log_dir = tmp_path_factory.mktemp("spare-pod")
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(_pod, log_dir)
+        try:
+            yield future
+        finally:
+            with contextlib.suppress(Exception):  # its start failed: the test said so
+                future.result(timeout=START_S)[0].stop(timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -205,8 +226,11 @@ async def test_sigterm_drains_every_worker_and_exits_zero(pod):
     await drain_while_streaming(proc, url, streams=8, tokens=300, hold_tokens=HOLD, exit_s=240)
 
 
-async def test_a_dead_worker_makes_the_pod_not_ready_then_exit(tmp_path, tiny_model_path):
-    proc, url = _pod(tmp_path)
+DEAD_WORKER_TEST = "test_a_dead_worker_makes_the_pod_not_ready_then_exit"
+
+
+async def test_a_dead_worker_makes_the_pod_not_ready_then_exit(spare_pod: Future):
+    proc, url = await asyncio.wrap_future(spare_pod)
     try:
         await kill_a_worker_while_streaming(
             proc,
