@@ -66,6 +66,8 @@ def prefill_body(path: str, body: dict[str, Any]) -> dict[str, Any]:
     out[_MAX_FIELD[path]] = 1
     if path != "/v1/stream":
         out["stream"] = False
+    if path == "/v1/responses":  # answered now, and not kept as a response of its own
+        out["background"], out["store"] = False, False
     out[CLIENT_FIELD] = dict(PREFILL_PARAMS)
     return out
 
