@@ -19,6 +19,7 @@ import json
 import httpx
 import pytest
 import uvicorn
+import websockets
 from app_helpers import serving
 from router_helpers import (
     HEADERS,
@@ -110,7 +111,7 @@ class Headers:
 
     def wrap(self, app):
         async def noted(scope, receive, send):
-            if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            if scope.get("path", "").startswith(("/v1/", "/ws/")):
                 self.seen.append({k.decode(): v.decode() for k, v in scope["headers"]})
             await app(scope, receive, send)
 
@@ -263,11 +264,18 @@ async def test_without_disaggregation_no_prefill_and_a_clients_kv_header_never_r
             async with httpx.AsyncClient(base_url=act.url, headers=spoof, timeout=30) as c:
                 r = await c.post("/v1/chat/completions", json=STREAM)
             assert r.status_code == 200 and "data: [DONE]" in r.text
-            (seen,) = noted.seen
+            ws_url = act.url.replace("http://", "ws://") + "/ws/stream"
+            async with websockets.connect(ws_url, additional_headers=spoof) as ws:
+                await ws.send(json.dumps({"id": 1, "prompt": "hi", "params": {"max_tokens": 2}}))
+                await ws.recv()
+            seen, socket = noted.seen
             if disaggregated:  # only the router's own
                 assert handed_over(seen)["remote_engine_id"] == "engine-pre-a"
                 assert seen["x-sluice-continuation-key"] == KEY
-            else:  # no prefill, and neither header of the client's
+            else:  # no prefill
                 assert fakes["pre-a"].bodies == [] and prefills(act, "ok") == 0
                 assert "x-sluice-kv-transfer" not in seen
                 assert "x-sluice-continuation-key" not in seen
+            # a WebSocket: neither header of the client's (no hand-over on a socket)
+            assert "x-sluice-kv-transfer" not in socket
+            assert "x-sluice-continuation-key" not in socket

@@ -79,7 +79,7 @@ HOP_BY_HOP = frozenset({
 _NOT_RELAYED = (HOP_BY_HOP - {"content-length"}) | {TENANT_HEADER.decode(), MARKED_HEADER}
 # Headers only the router sends a pod: a client's are dropped (a pod refuses them
 # without the key, and the router adds its own).
-_ROUTERS_OWN = frozenset({ROUTER_MARK[0], KEY_HEADER, KV_HEADER})
+ROUTERS_OWN = frozenset({ROUTER_MARK[0], KEY_HEADER, KV_HEADER})
 STATUS_HEADER = "x-sluice-status"  # token SSE: also `event: status` while held
 MODEL_STARTING = "model_starting"
 PREFILL_FAILED = "prefill_failed"  # no prefill pod of a disaggregated model ran the prompt
@@ -225,7 +225,7 @@ def forward_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
             for k, v in scope["headers"]
             if (name := k.decode("latin-1")) not in HOP_BY_HOP
             and name not in named
-            and k not in _ROUTERS_OWN
+            and k not in ROUTERS_OWN
         ),
         ROUTER_MARK,  # the pod names the caller's tenant in its answer (tenants.py)
     ]
