@@ -72,7 +72,8 @@ class FakePrefill:
         self.app = Starlette(routes=[Route("/internal/prefill", self.prefill, methods=["POST"])])
 
     def params(self, body: dict) -> dict:
-        words = sum(len(str(m.get("content", "")).split()) for m in body["body"]["messages"])
+        messages = body["body"].get("messages", [])
+        words = sum(len(str(m.get("content", "")).split()) for m in messages)
         return {"do_remote_prefill": True, "do_remote_decode": False,
                 "remote_engine_id": f"engine-{self.name}",
                 "remote_block_ids": list(range(max(1, words // 16))),
@@ -292,9 +293,10 @@ async def test_without_disaggregation_no_prefill_and_a_clients_kv_header_never_r
                 assert fakes["pre-a"].bodies == [] and prefills(act, "ok") == 0
                 assert "x-sluice-kv-transfer" not in seen
                 assert "x-sluice-continuation-key" not in seen
-            # a WebSocket: neither header of the client's (no hand-over on a socket)
+            # a WebSocket: neither header of the client's; a disaggregated model's socket
+            # carries the router's key (its frames bring the parameters)
             assert "x-sluice-kv-transfer" not in socket
-            assert "x-sluice-continuation-key" not in socket
+            assert socket.get("x-sluice-continuation-key") == (KEY if disaggregated else None)
 
 
 # -- on real simulator servers: the pods' own /internal/prefill and decode ----------------
@@ -398,6 +400,29 @@ async def test_on_simulator_servers_the_decode_pod_gets_the_prompts_blocks(tmp_p
         assert cached(r.text) == 2 * BLOCK
         dec = f"http://127.0.0.23:{port}"
         assert await scrape(dec, "sluice_kv_transfer_tokens_total", direction="in") == 2 * BLOCK
+        # a WebSocket: two generations on one socket, each prefilled, then decoded
+        finals = await ws_finals(act.url, [
+            {"id": 1, "prompt": PROMPT, "params": {"max_tokens": 4}},
+            {"id": "two", "prompt": "x " + PROMPT, "params": {"max_tokens": 4}},
+        ])  # fmt: skip
+        assert {rid: f["usage"]["prompt_tokens_details"]["cached_tokens"]
+                for rid, f in finals.items()} == {1: 2 * BLOCK, "two": 2 * BLOCK}  # fmt: skip
+        assert engines["pre-a"].started + engines["pre-b"].started == 3
+        assert prefills(act, "ok") == 3
+
+
+async def ws_finals(url: str, frames: list[dict]) -> dict:
+    """Each generation's final frame (or error frame) on one socket through the router."""
+    finals: dict = {}
+    ws_url = url.replace("http://", "ws://") + "/ws/stream"
+    async with websockets.connect(ws_url, additional_headers=HEADERS) as ws:
+        for frame in frames:
+            await ws.send(json.dumps(frame))
+        while len(finals) < len(frames):
+            msg = json.loads(await ws.recv())
+            if msg.get("finished") or msg.get("type") == "error":
+                finals[msg["id"]] = msg
+    return finals
 
 
 async def test_on_simulator_servers_without_disaggregation_nothing_is_cached(tmp_path):
@@ -405,6 +430,8 @@ async def test_on_simulator_servers_without_disaggregation_nothing_is_cached(tmp
         async with httpx.AsyncClient(base_url=act.url, headers=HEADERS, timeout=30) as c:
             r = await c.post("/v1/chat/completions", json=CHAT)
         assert r.status_code == 200 and cached(r.text) == 0
+        (final,) = (await ws_finals(act.url, [{"id": 1, "prompt": PROMPT}])).values()
+        assert final["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert engines["pre-a"].started == engines["pre-b"].started == 0
 
 
@@ -425,6 +452,18 @@ async def test_on_simulator_servers_a_client_leaving_aborts_the_prefill(tmp_path
         assert engines["dec-a"].started == 0
         await eventually_async(lambda: prefills(act, "cancelled") == 1, timeout=15,
                                message="the cancelled prefill counted")  # fmt: skip
+        # a WebSocket that closes while its generation's prompt is prefilled: the same
+        ws_url = act.url.replace("http://", "ws://") + "/ws/stream"
+        async with websockets.connect(ws_url, additional_headers=HEADERS) as ws:
+            await ws.send(json.dumps({"id": 1, "prompt": PROMPT}))
+            await eventually_async(lambda: sum(e.started for e in prefill) == 2, timeout=15,
+                                   message="the socket's prefill running")  # fmt: skip
+        await eventually_async(lambda: sum(len(e.ended) for e in prefill) == 2, timeout=15,
+                               message="the socket's prefill ended")  # fmt: skip
+        assert [r for e in prefill for r in e.ended] == ["cut", "cut"]
+        assert sum(e.tokens for e in prefill) == 0 and engines["dec-a"].started == 0
+        await eventually_async(lambda: prefills(act, "cancelled") == 2, timeout=15,
+                               message="the socket's cancelled prefill counted")  # fmt: skip
 
 
 async def test_on_simulator_servers_a_killed_prefill_pod_is_retried_on_the_other(tmp_path):

@@ -266,6 +266,7 @@ class Router:
                 s.connect_timeout_seconds,
                 s.max_body_bytes,
                 s.continuation_key_file,
+                self.relay,
             )
         assert self.relay is not None
         # What the send watchdog of a held stream watches (transport/sendwatch.py).

@@ -8,11 +8,11 @@ the request on (prefix locality and load, placement.py), with the model's router
 caller's own headers (the pod authenticates the caller as on the original route) and
 `{"method", "path", "body"}`: the original request, its JSON body as received (never parsed
 here; a GET's query stays in its path). The pod answers 200 `{"kv_transfer_params": {...} |
-null, "prompt_tokens": N}`; `run` returns the headers the decode pod gets with the request:
-`X-Sluice-KV-Transfer`, base64url of the parameters' JSON (core/kvtransfer.py `encode`, as
-the pods read it), and the router key;
-none when the engine returned no parameters (the decode pod then computes the prompt
-itself).
+null, "prompt_tokens": N}`; `run` returns the parameters as a `Handover`. On HTTP the
+decode pod gets them in `X-Sluice-KV-Transfer`, base64url of their JSON (core/kvtransfer.py
+`encode`, as the pods read it), beside the router key; on a WebSocket in the generate frame
+(relay.py `Prefills`). Without parameters (the engine returned none) the decode pod gets
+the request as it is and computes the prompt itself.
 
 - A pod that cannot be reached, answers 5xx or breaks off its answer is left out (as a
   refused connection leaves a pod out, `Upstream.down`) and the prefill is sent to another
@@ -37,7 +37,9 @@ import json
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -52,6 +54,21 @@ from .upstream import Upstream
 log = logging.getLogger(__name__)
 KV_HEADER = kvtransfer.HEADER
 MAX_ATTEMPTS = 3  # prefill pods asked per request at most (a fleet-wide fault: not more)
+
+
+@dataclass(frozen=True)
+class Handover:
+    """What a prefill gave the decode step: the engine's KV-transfer parameters (None: it
+    returned none) and the model's key the decode pod checks beside them."""
+
+    params: dict[str, Any] | None
+    key: bytes
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """The decode request's headers (none without parameters)."""
+        if self.params is None:
+            return []
+        return [(KEY_HEADER, self.key), (KV_HEADER, kvtransfer.encode(self.params).encode())]
 
 
 class PrefillFailed(Exception):
@@ -92,9 +109,8 @@ class Prefill:
         headers: list[tuple[bytes, bytes]],
         tie: bytes,
         hashes: Sequence[BlockHash] | None,
-    ) -> list[tuple[bytes, bytes]] | httpx.Response:
-        """The decode pod's headers (`X-Sluice-KV-Transfer` and the key; none when the
-        engine gave no parameters), or a prefill pod's 4xx answer (head read) to relay. `headers`: the
+    ) -> Handover | httpx.Response:
+        """What the decode step gets, or a prefill pod's 4xx answer (head read) to relay. `headers`: the
         caller's, as forwarded; `tie`: the request's placement tie-break; `hashes`: its
         prompt's block hashes (None: unknown)."""
         model = self.up.model
@@ -134,11 +150,9 @@ class Prefill:
                     params = json.loads(raw).get("kv_transfer_params")
                     self._results["ok"].inc()
                     self._seconds.observe(time.monotonic() - t0)
-                    return (
-                        []
-                        if params is None
-                        else [(KEY_HEADER, key), (KV_HEADER, kvtransfer.encode(params).encode())]
-                    )
+                    if params is not None and not isinstance(params, dict):
+                        raise ValueError("kv_transfer_params is not an object")
+                    return Handover(params, key)
                 why = f"answered {response.status_code}"
             except (asyncio.CancelledError, GeneratorExit):
                 self._results["cancelled"].inc()

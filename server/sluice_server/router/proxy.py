@@ -71,7 +71,7 @@ from .hop import Relay, relay_body
 from .metrics import Outcome, RouterMetrics
 from .migration import Marks, busy, continuation_body, key_for
 from .pin import Pins
-from .prefill import KV_HEADER, NoPod, Prefill, PrefillFailed
+from .prefill import KV_HEADER, Handover, NoPod, Prefill, PrefillFailed
 from .prefixindex import BlockHash
 from .tenants import ROUTER_MARK, TENANT_HEADER, credential
 from .upstream import Target, Upstream
@@ -302,7 +302,7 @@ class Request:
         # its `X-Sluice-KV-Transfer` and key (`handover`, None until it ran).
         prefill = held.up.prefill
         self.prefill = None if prefill is None else Prefill(client, prefill, held.metrics, key_file)
-        self.handover: list[tuple[bytes, bytes]] | None = None
+        self.handover: Handover | None = None
 
     async def prepare(self) -> None:
         """Its prompt's block hashes, once, before it waits (None: unknown): for the pool
@@ -326,8 +326,8 @@ class Request:
         url = target.url + scope["path"]
         query = scope.get("query_string", b"")
         headers = forward_headers(scope)
-        if self.handover:  # the prefill's parameters (prefill.py)
-            headers += self.handover
+        if self.handover is not None:  # the prefill's parameters (prefill.py)
+            headers += self.handover.headers()
         return self.client.build_request(
             scope["method"],
             httpx.URL(url, query=query),
@@ -673,7 +673,7 @@ class HeldStream:
         try:
             if response.status_code != 200:
                 raw = await response.aread()
-                yield self.kind.error_event(self.rid, *_upstream_error(response, raw))
+                yield self.kind.error_event(self.rid, *upstream_error(response, raw))
                 return
             if self.request.migrates(response):
                 async for piece in Splice(self.request, self.kind, response).pieces():
@@ -689,7 +689,7 @@ class HeldStream:
             await response.aclose()
 
 
-def _upstream_error(response: httpx.Response, raw: bytes) -> tuple[str, str, int]:
+def upstream_error(response: httpx.Response, raw: bytes) -> tuple[str, str, int]:
     """Message, code and status of an upstream refusal (OpenAI's or Anthropic's shape)."""
     status = response.status_code
     message, code = f"The model's server answered {status}.", str(status)
@@ -877,7 +877,7 @@ class Splice:
                 return response
             raw = await response.aread()
             await response.aclose()
-            message, code, status = _upstream_error(response, raw)
+            message, code, status = upstream_error(response, raw)
             if busy(response.status_code, response.headers) and target.pod is not None:
                 later[target.pod] = time.monotonic() + 1.0
                 continue
