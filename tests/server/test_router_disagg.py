@@ -409,6 +409,14 @@ async def test_on_simulator_servers_the_decode_pod_gets_the_prompts_blocks(tmp_p
                 for rid, f in finals.items()} == {1: 2 * BLOCK, "two": 2 * BLOCK}  # fmt: skip
         assert engines["pre-a"].started + engines["pre-b"].started == 3
         assert prefills(act, "ok") == 3
+        async with httpx.AsyncClient(base_url=act.url, headers=HEADERS, timeout=30) as c:
+            # the token stream's GET: its query is the request
+            r = await c.get("/v1/stream", params={"prompt": PROMPT, "max_tokens": 3})
+            assert r.status_code == 200 and '"cached_tokens": 32' in r.text, r.text
+            # a route that generates nothing is relayed without a prefill
+            models = await c.get("/v1/models")
+            assert models.status_code == 200, models.text
+        assert prefills(act, "ok") == 4
 
 
 async def ws_finals(url: str, frames: list[dict]) -> dict:

@@ -6,8 +6,8 @@ with the request itself.
 the request on (prefix locality and load, placement.py), with the model's router key in
 `X-Sluice-Continuation-Key` (the key continuations use, migration.py `key_for`), the
 caller's own headers (the pod authenticates the caller as on the original route) and
-`{"method", "path", "body"}`: the original request, its JSON body as received (never parsed
-here; a GET's query stays in its path). The pod answers 200 `{"kv_transfer_params": {...} |
+`{"method": "POST", "path", "body"}`: the original request, its JSON body as received
+(never parsed here; a token stream's GET as the POST body its route reads from the query). The pod answers 200 `{"kv_transfer_params": {...} |
 null, "prompt_tokens": N}`; `run` returns the parameters as a `Handover`. On HTTP the
 decode pod gets them in `X-Sluice-KV-Transfer`, base64url of their JSON (core/kvtransfer.py
 `encode`, as the pods read it), beside the router key; on a WebSocket in the generate frame
@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl
 
 import httpx
 
@@ -79,13 +80,29 @@ class NoPod(Exception):
     """No prefill pod is a candidate now, before any was asked: hold the request again."""
 
 
-def prefill_body(method: str, path: str, body: bytes) -> bytes:
+def prefill_body(path: str, body: bytes) -> bytes:
     """The body of `POST /internal/prefill`: the original request (its JSON body as
-    received; none for a GET, whose query is in `path`)."""
-    parts = [b'{"method":', json.dumps(method).encode(), b',"path":', json.dumps(path).encode()]
-    if method != "GET":
-        parts += [b',"body":', body or b"null"]
-    return b"".join([*parts, b"}"])
+    received, never parsed here)."""
+    return b"".join(
+        [b'{"method":"POST","path":', json.dumps(path).encode(), b',"body":', body or b"null", b"}"]
+    )
+
+
+def query_as_body(query: bytes) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+    """A token stream's GET as the POST body its route reads from the query (each
+    parameter, `stop` a list when repeated, `api_key` left out) and the header that carries
+    an `api_key` credential instead."""
+    pairs = parse_qsl(query.decode("latin-1"), keep_blank_values=True)
+    body: dict[str, Any] = {}
+    stops = [v for k, v in pairs if k == "stop"]
+    for k, v in pairs:
+        if k != "api_key":
+            body[k] = v
+    if len(stops) > 1:
+        body["stop"] = stops
+    key = next((v for k, v in pairs if k == "api_key"), None)
+    headers = [] if key is None else [(b"authorization", f"Bearer {key}".encode("latin-1"))]
+    return json.dumps(body).encode(), headers
 
 
 class Prefill:
@@ -123,7 +140,12 @@ class Prefill:
             key = key_for(self.key_file, model.namespace, model.name)
         except OSError as e:
             raise PrefillFailed(f"The router cannot read its continuation key: {e}.") from None
-        content = prefill_body(method, path, body)
+        if method == "GET":  # the token stream's GET: its query is the request
+            path, _, query = path.partition("?")
+            body, auth = query_as_body(query.encode("latin-1"))
+            if not any(k == b"authorization" for k, _ in headers):
+                headers = [*headers, *auth]
+        content = prefill_body(path, body)
         head = [(k, v) for k, v in headers if k != b"content-type"]
         head += [(b"content-type", b"application/json"), (KEY_HEADER, key)]
         tried: list[str] = []

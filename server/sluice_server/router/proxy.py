@@ -301,6 +301,8 @@ class Request:
         # A disaggregated model's first step (prefill.py), and what it gave the decode pod:
         # its `X-Sluice-KV-Transfer` and key (`handover`, None until it ran).
         prefill = held.up.prefill
+        if classify(scope["path"], b"").protocol == "other":
+            prefill = None  # not a generating route (/v1/models, ...): nothing to prefill
         self.prefill = None if prefill is None else Prefill(client, prefill, held.metrics, key_file)
         self.handover: Handover | None = None
 
