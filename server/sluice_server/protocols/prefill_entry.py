@@ -26,10 +26,9 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..core.auth.routerkey import KEY_HEADER, key_refusal
-from ..core.errors import error_body
 from ..core.kvtransfer import PREFILL_KEY, PREFILLABLE, Role
 from ..core.params import describe_validation_error
-from .continue_entry import Original, read_body, reentered, replay
+from .reentry import Original, error, read_body, reentered, replay
 
 PATH = "/internal/prefill"
 
@@ -57,19 +56,17 @@ class PrefillEntry:
         if scope["type"] != "http" or scope["path"] != PATH:
             await self.app(scope, receive, send)
             return
-        refused = self._refused(scope)
-        if refused is None:
-            raw, refused = await read_body(receive, self.limit)
-        if refused is None:
-            checked = _checked(raw)
-            if isinstance(checked, JSONResponse):
-                refused = checked
-        if refused is not None:
-            await refused(scope, receive, send)
-            return
-        await self.app(
-            reentered(scope, PREFILL_KEY, True, checked), replay(checked.body, receive), send
-        )
+        answer = self._refused(scope)
+        if answer is None:
+            raw, answer = await read_body(receive, self.limit)
+            if answer is None:
+                checked = _checked(raw)
+                if isinstance(checked, Original):
+                    reentry = reentered(scope, PREFILL_KEY, True, checked)
+                    await self.app(reentry, replay(checked.body, receive), send)
+                    return
+                answer = checked
+        await answer(scope, receive, send)
 
     def _refused(self, scope: Scope) -> JSONResponse | None:
         if self.key_file is None or self.role != "prefill":
@@ -78,12 +75,12 @@ class PrefillEntry:
                 "--continuation-key-file; the operator sets both on a disaggregated model's "
                 "prefill pool)."
             )
-            return _error(404, why, None, "not_found")
+            return error(404, why, None, "not_found")
         if scope["method"] != "POST":
-            return _error(405, f"{PATH} takes POST.", None, "method_not_allowed")
+            return error(405, f"{PATH} takes POST.", None, "method_not_allowed")
         given = next((v for k, v in scope["headers"] if k == KEY_HEADER), None)
         refusal = key_refusal(self.key_file, given)
-        return None if refusal is None else _error(*refusal, None, None)
+        return None if refusal is None else error(*refusal, None, None)
 
 
 def _checked(raw: Any) -> Original | JSONResponse:
@@ -91,14 +88,10 @@ def _checked(raw: Any) -> Original | JSONResponse:
         p = PrefillBody.model_validate(raw)
     except ValidationError as e:
         message, param = describe_validation_error(e)
-        return _error(422, message, param, "invalid_prefill")
+        return error(422, message, param, "invalid_prefill")
     if p.path not in PREFILLABLE:
-        return _error(
+        return error(
             422, f"path: {p.path!r} cannot be prefilled; the generating routes "
             f"{', '.join(PREFILLABLE)} can.", "path", "not_prefillable",
         )  # fmt: skip
     return Original("POST", p.path, "", json.dumps(p.body).encode())
-
-
-def _error(status: int, message: str, param: str | None, code: str | None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status)
