@@ -14,6 +14,15 @@ then close 1013 (try again later). An upstream handshake the model's server refu
 403, 429, ...) becomes an error frame with its status, then close 1008; a client that
 leaves while held is dropped, and one that leaves later closes the upstream socket at once
 (the server's generations on it are aborted).
+
+A disaggregated model's socket is opened to a decode pod with the model's key, and each
+generate frame's prompt is prefilled first (`Prefills`, prefill.py: `POST /internal/prefill`
+as `/v1/stream`, the frame's prompt or messages, model and params as the body), then the
+frame goes up with the parameters that returned (`"kv_transfer_params"`). Frames go up in
+the order the client sent them; a generation's prefill runs while the client's next frames
+are read. A prefill that fails, or a prefill pod's refusal, is that generation's error
+frame; the client leaving cancels the prefills running. A client's own
+`X-Sluice-KV-Transfer` and continuation key are dropped, as on HTTP.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 from starlette.responses import JSONResponse
 from starlette.types import Message, Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
@@ -38,10 +48,21 @@ from ..core.errors import error_body
 from ..core.streaming.keepalive import KeepAlive
 from ..protocols.websocket import error_frame, queued_frame
 from ..transport import handshake
+from .hop import Relay
 from .metrics import RouterMetrics
 from .migration import Generations, busy, key_for
 from .models import Migration
-from .proxy import HOP_BY_HOP, MODEL_STARTING, Held, retry_after, starting_message
+from .prefill import NoPod, Prefill, PrefillFailed
+from .proxy import (
+    HOP_BY_HOP,
+    MODEL_STARTING,
+    PREFILL_FAILED,
+    ROUTERS_OWN,
+    Held,
+    retry_after,
+    starting_message,
+    upstream_error,
+)
 from .tenants import ROUTER_MARK, credential
 from .upstream import Target, Upstream
 
@@ -66,7 +87,7 @@ def _upstream_headers(scope: Scope) -> list[tuple[str, str]]:
             for k, v in scope["headers"]
             if not k.startswith(b"sec-websocket-")
             and k.decode("latin-1") not in _NOT_FORWARDED
-            and k != ROUTER_MARK[0]
+            and k not in ROUTERS_OWN
         ),
         (ROUTER_MARK[0].decode(), ROUTER_MARK[1].decode()),  # the pod names the tenant
     ]
@@ -86,7 +107,9 @@ async def relay(
     connect_timeout: float,
     max_size: int,
     continuation_key: Path | None = None,
+    client: Relay | None = None,
 ) -> None:
+    """`client`: what a disaggregated model's prefills are sent with."""
     ws = WebSocket(scope, receive, send)
     model = up.model
     if not up.hold():
@@ -99,6 +122,13 @@ async def relay(
     held = Held(up, metrics)
     upstream: ClientConnection | None = None
     headers, origin = _upstream_headers(scope), _origin(scope)
+    prefills = None
+    if up.prefill is not None and client is not None:
+        prefills = Prefills(ws, Prefill(client, up.prefill, metrics, continuation_key))
+        if continuation_key is not None:  # the decode pod takes the params on its socket
+            with contextlib.suppress(OSError):  # unreadable: each prefill says so
+                key = key_for(continuation_key, model.namespace, model.name)
+                headers.append((KEY_HEADER.decode(), key.decode()))
     moving = None
     if continuation_key is not None and model.migration is not None and model.pods is not None:
         moving = Moving(held, metrics, headers, origin, connect_timeout, max_size,
@@ -119,10 +149,12 @@ async def relay(
             pings(model.migration if moving is not None else None),
         )
         if upstream is not None:
-            await _relay(ws, receive, upstream, kept, moving)
+            await _relay(ws, receive, upstream, kept, moving, prefills)
     except (WebSocketDisconnect, RuntimeError, OSError):
         pass  # the client went away while a frame was sent to it: dropped, as when it left
     finally:
+        if prefills is not None:
+            await prefills.aclose()
         if not held.ended:
             held.end("disconnected")
         held.release()
@@ -296,13 +328,15 @@ async def _relay(
     upstream: ClientConnection,
     kept: list[Message],
     moving: Moving | None = None,
+    prefills: Prefills | None = None,
 ) -> None:
     """Relay both ways until either side closes; with `moving` (a model whose streams are
     continued), an upstream that breaks with generations unfinished is replaced by another
-    pod's socket that continues them."""
+    pod's socket that continues them; with `prefills` (a disaggregated model), client
+    frames go up through it."""
     gens = moving.gens if moving is not None else None
     while True:
-        client_left, upstream = await _pump(ws, receive, upstream, kept, gens)
+        client_left, upstream = await _pump(ws, receive, upstream, kept, gens, prefills)
         kept = []
         if client_left or moving is None or not moving.gens.open or not moving.gens.marking:
             break
@@ -322,19 +356,26 @@ async def _pump(
     upstream: ClientConnection,
     kept: list[Message],
     gens: Generations | None,
+    prefills: Prefills | None = None,
 ) -> tuple[bool, ClientConnection]:
     """Frames both ways until one side closes: (whether it was the client, the upstream)."""
+
+    async def up(message: Message) -> None:
+        if prefills is None:
+            await _send_up(upstream, message, gens)
+        else:
+            prefills.send(upstream, message, gens)
 
     async def to_upstream() -> None:
         for message in kept:
             if message["type"] == "websocket.disconnect":
                 return
-            await _send_up(upstream, message, gens)
+            await up(message)
         while True:
             message = await receive()
             if message["type"] == "websocket.disconnect":
                 return
-            await _send_up(upstream, message, gens)
+            await up(message)
 
     async def to_client() -> None:
         with contextlib.suppress(ConnectionClosed):
@@ -416,7 +457,7 @@ class Moving:
                 return None
             try:
                 upstream = await _connect(
-                    target, ws.scope, [*self.headers, (KEY_HEADER.decode(), key)], self.origin,
+                    target, ws.scope, [*(h for h in self.headers if h[0] != KEY_HEADER.decode()), (KEY_HEADER.decode(), key)], self.origin,
                     self.connect_timeout, self.max_size, pings(self.migration),
                 )  # fmt: skip
             except InvalidStatus as e:
@@ -481,3 +522,104 @@ async def _send_up(
         await upstream.send(text)
     elif message.get("bytes") is not None:
         await upstream.send(message["bytes"])
+
+
+class Prefills:
+    """A disaggregated model's socket: each generate frame's prompt prefilled on a prefill
+    pod (prefill.py) before the frame goes to the decode pod with the parameters. `send`
+    never waits: each frame's step runs as a task that prefills (a generate frame), then
+    waits for the frame before it to be sent, then sends, so frames keep their order while
+    the client's next ones are read. A failed or refused prefill is its generation's error
+    frame (the frame is not sent); `aclose` cancels the steps left (the client left: their
+    prefill requests close at once)."""
+
+    def __init__(self, ws: WebSocket, prefill: Prefill) -> None:
+        self.ws, self.prefill = ws, prefill
+        self.tail: asyncio.Task[None] | None = None  # the last frame's step
+        self.steps: set[asyncio.Task[None]] = set()
+
+    def send(self, upstream: ClientConnection, message: Message, gens: Generations | None) -> None:
+        step = asyncio.ensure_future(self._step(upstream, message, gens, self.tail))
+        self.tail = step
+        self.steps.add(step)
+        step.add_done_callback(self.steps.discard)
+
+    async def _step(
+        self,
+        upstream: ClientConnection,
+        message: Message,
+        gens: Generations | None,
+        before: asyncio.Task[None] | None,
+    ) -> None:
+        frame = _generate(message)
+        outcome: dict[str, Any] | str | None = None
+        if frame is not None:
+            outcome = await self._prefill(frame)
+        if before is not None:
+            await asyncio.gather(before, return_exceptions=True)  # the frames before first
+        with contextlib.suppress(ConnectionClosed, WebSocketDisconnect, RuntimeError, OSError):
+            if isinstance(outcome, str):  # its error frame
+                await self.ws.send_text(outcome)
+                return
+            if outcome is not None and frame is not None:
+                text = json.dumps({**frame, "kv_transfer_params": outcome})
+                if gens is not None:
+                    gens.sent(message["text"])  # as the client sent it: a move prefills anew
+                await upstream.send(text)
+                return
+            await _send_up(upstream, message, gens)
+
+    async def _prefill(self, frame: dict[str, Any]) -> dict[str, Any] | str | None:
+        """The frame's parameters (None: the engine gave none), or its error frame."""
+        rid, up = frame["id"], self.prefill.up
+        body = {**(frame.get("params") or {})}
+        body.update({k: frame[k] for k in ("prompt", "messages", "model") if k in frame})
+        scope = self.ws.scope
+        headers = [
+            (k, v) for k, v in scope["headers"]
+            if not k.startswith(b"sec-websocket-")
+            and k.decode("latin-1") not in _NOT_FORWARDED and k not in ROUTERS_OWN
+        ]  # fmt: skip
+        tie = json.dumps(body, sort_keys=True).encode()
+        try:
+            for _ in range(2):  # no prefill pod now: once more after waiting for one
+                try:
+                    got = await self.prefill.run(
+                        "POST", "/v1/stream", json.dumps(body).encode(), headers, tie, None
+                    )
+                    break
+                except NoPod:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(up.wait_ready(), up.model.hold_timeout)
+            else:
+                m = f"No prefill pod of model {up.model.key} is ready."
+                return error_frame(rid, 503, m, MODEL_STARTING)
+        except PrefillFailed as e:
+            return error_frame(rid, 502, str(e), PREFILL_FAILED)
+        if isinstance(got, httpx.Response):  # the prefill pod refused it: the client's error
+            raw = await got.aread()
+            await got.aclose()
+            message, code, status = upstream_error(got, raw)
+            return error_frame(rid, status, message, code)
+        return got.params
+
+    async def aclose(self) -> None:
+        for step in list(self.steps):
+            step.cancel()
+        await asyncio.gather(*self.steps, return_exceptions=True)
+
+
+def _generate(message: Message) -> dict[str, Any] | None:
+    """A generate frame that starts a generation (not a continuation), parsed; else None."""
+    try:
+        frame = json.loads(message.get("text") or "")
+    except ValueError:
+        return None
+    if (
+        not isinstance(frame, dict)
+        or not isinstance(frame.get("id"), (str, int))
+        or frame.get("type", "generate") != "generate"
+        or "continuation" in frame
+    ):
+        return None
+    return frame
