@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -56,6 +57,7 @@ async def open_engine(
         from .simulator import SimulatorEngine
 
         events = settings.sim_kv_events_config
+        transfer = settings.kv_transfer_config
         sim = SimulatorEngine(
             model_name=settings.model_label,
             ttft_ms=settings.sim_ttft_ms,
@@ -70,6 +72,8 @@ async def open_engine(
             max_model_len=settings.max_model_len or 4096,
             prefill_interference_us_per_token=settings.sim_prefill_interference_us_per_token,
             prefill_chunk_tokens=settings.max_num_batched_tokens or 2048,
+            kv_transfer=json.loads(transfer) if transfer is not None else None,
+            kv_transfer_us_per_block=settings.sim_kv_transfer_us_per_block,
         )
         phases.mark("engine_ready")
         try:

@@ -31,6 +31,20 @@ output blocks when it ends. TTFT gains ``prefill_us_per_token`` per uncached pro
 (times the jitter factor). With ``kv_events`` the cache's changes are published in vLLM's
 KV-event format. Each request's prefill numbers are kept in ``prefills`` (the last 1,024).
 
+Disaggregated serving (core/kvtransfer.py; on when ``kv_transfer`` is given, the
+``--kv-transfer-config`` JSON): a request whose ``kv_transfer_params`` ask for a remote
+decode (``do_remote_decode``) returns, on its finished Delta, NIXL-shaped params:
+``remote_block_ids`` (one new id per full block of the prompt, never counting its last
+token, which the decode side computes to sample its first token), ``remote_engine_id``
+(the config's ``engine_id``, else a random id per engine), ``remote_host`` and
+``remote_port`` (the config's ``kv_ip`` and ``kv_port``, vLLM's defaults
+127.0.0.1:14579), ``remote_request_id`` and ``tp_size`` 1. A request that brings such params
+(``do_remote_prefill``) counts those blocks' tokens as cached (no prefill time for them:
+``prefill_us_per_token`` applies to the rest) and pays ``kv_transfer_us_per_block`` per
+block instead (default 80 us: about one 16-token block of an 8B model's KV cache, 2 MiB,
+over a 25 GB/s link). On such an engine ``cached_tokens`` is always a number (0 without
+params and without a cache hit), as vLLM reports it with prompt token details on.
+
 Prefill interference (what disaggregated serving removes): one engine is one replica that
 runs decode steps for its streams and prefills new prompts in the same steps, as vLLM's
 chunked prefill does. While requests are prefilling (from arrival until their first token
@@ -76,6 +90,7 @@ import json
 import os
 import random
 import time
+import uuid
 import zlib
 from collections import deque
 from collections.abc import AsyncGenerator, Sequence
@@ -123,6 +138,7 @@ class Prefill:
     prompt_tokens: int
     cached_tokens: int
     ttft_s: float  # before jitter
+    transferred_tokens: int = 0  # the cached tokens a remote prefill's blocks brought
 
 
 def _word_id(word: str) -> int:
@@ -157,9 +173,11 @@ class SimulatorEngine:
         kv_events: KvEventsConfig | None = None,
         prefill_interference_us_per_token: float = 40.0,
         prefill_chunk_tokens: int = 2048,
+        kv_transfer: dict[str, Any] | None = None,
+        kv_transfer_us_per_block: float = 80.0,
     ) -> None:
         if min(ttft_ms, itl_ms, ttft_per_stream_ms, jitter, prefill_us_per_token,
-               prefill_interference_us_per_token) < 0:  # fmt: skip
+               prefill_interference_us_per_token, kv_transfer_us_per_block) < 0:  # fmt: skip
             raise ValueError("simulator timings and jitter must be >= 0")
         if prefill_chunk_tokens < 1:
             raise ValueError("the simulator's prefill chunk must be at least 1 token")
@@ -185,6 +203,11 @@ class SimulatorEngine:
         self.interference_s_per_token = prefill_interference_us_per_token / 1e6
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.prefilling_tokens = 0  # prompt tokens being prefilled now (all requests)
+        self.block_size = block_size
+        self.kv_transfer = kv_transfer
+        self.transfer_s_per_block = kv_transfer_us_per_block / 1e6
+        self.engine_id = str((kv_transfer or {}).get("engine_id") or uuid.uuid4())
+        self._next_block = 0
         self.cache: PrefixCache | None = None
         if kv_events is not None and not prefix_cache_blocks:
             raise ValueError("simulator KV events need a prefix cache (prefix_cache_blocks)")
@@ -325,12 +348,19 @@ class SimulatorEngine:
         if cache is not None:
             hit = cache.lookup(ids, salt, lora)
             cached = hit.cached_blocks * cache.hasher.block_size
+        blocks = self._received_blocks(request.kv_transfer_params, prompt_tokens)
+        if self.kv_transfer is not None:
+            cached = max(cached or 0, blocks * self.block_size)
         ttft = (
             self.ttft_s
             + self.ttft_per_stream_s * in_flight
             + (prompt_tokens - (cached or 0)) * self.prefill_s_per_token
+            + blocks * self.transfer_s_per_block
         )
-        self.prefills.append(Prefill(rid, prompt_tokens, cached or 0, ttft))
+        self.prefills.append(
+            Prefill(rid, prompt_tokens, cached or 0, ttft, blocks * self.block_size)
+        )
+        handover = self._handover(request, prompt_tokens)
         stream = _Stream(priority=priority, cache_salt=salt)
         self._streams[rid] = stream
         # This prompt slows the other streams' decode steps until its first token is due.
@@ -429,6 +459,7 @@ class SimulatorEngine:
                     completion_tokens=produced,
                     cached_tokens=cached,
                     token_ids=delta_ids,
+                    kv_transfer_params=handover if finished else None,
                 )
                 if finished:
                     return
@@ -449,6 +480,34 @@ class SimulatorEngine:
             return self.itl_s
         chunk = min(self.prefilling_tokens, self.prefill_chunk_tokens)
         return self.itl_s + chunk * self.interference_s_per_token
+
+    def _received_blocks(self, params: dict[str, Any] | None, prompt_tokens: int) -> int:
+        """The prompt blocks a remote prefill's params bring (none on an engine without a
+        connector, as vLLM ignores them there; at most the prompt's full blocks)."""
+        if self.kv_transfer is None or not params or not params.get("do_remote_prefill"):
+            return 0
+        ids = params.get("remote_block_ids")
+        if not isinstance(ids, list):
+            return 0
+        return min(len(ids), (prompt_tokens - 1) // self.block_size)
+
+    def _handover(self, request: StreamRequest, prompt_tokens: int) -> dict[str, Any] | None:
+        """The params a decode engine needs, for a request that asks for a remote decode."""
+        params = request.kv_transfer_params
+        if self.kv_transfer is None or not params or not params.get("do_remote_decode"):
+            return None
+        n = (prompt_tokens - 1) // self.block_size
+        first, self._next_block = self._next_block, self._next_block + n
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": list(range(first, first + n)),
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request.request_id,
+            "remote_host": str(self.kv_transfer.get("kv_ip") or "127.0.0.1"),
+            "remote_port": int(self.kv_transfer.get("kv_port") or 14579),
+            "tp_size": 1,
+        }
 
     @staticmethod
     def _store_output(
