@@ -89,10 +89,11 @@ async def router(tmp_path: Path, models: dict, **overrides) -> AsyncIterator[Run
 
 
 @contextlib.asynccontextmanager
-async def model_server(port: int, engine=None, host: str = "127.0.0.1",
+async def model_server(port: int, engine=None, host: str = "127.0.0.1", wrap=None,
                        **overrides) -> AsyncIterator[str]:  # fmt: skip
     """A model server on `host:port`, from now on: on `engine` (a simulator by default, or
-    the session's real vLLM engine)."""
+    the session's real vLLM engine); `wrap`: an ASGI app around the server's (it sees each
+    request first)."""
     from sluice_server.app import build_app
     from sluice_server.engine.simulator import SimulatorEngine
     from sluice_server.serve import uvicorn_config
@@ -107,7 +108,7 @@ async def model_server(port: int, engine=None, host: str = "127.0.0.1",
     settings = Settings(**{**base, "host": host, "port": port, "log_level": "warning",
                            "heartbeat_seconds": 0.5, **overrides})  # fmt: skip
     app = build_app(settings, engine)
-    async with serving(uvicorn_config(settings, app)):
+    async with serving(uvicorn_config(settings, app if wrap is None else wrap(app))):
         yield ServerUrl(f"http://{host}:{port}", app)
 
 

@@ -14,7 +14,9 @@ learned and its requests in flight per pod. The Pods of the models with `pods` a
 from start-up (and from the reload that adds them) until no model names them (pods.py),
 and each such model has one `PodView` (podview.py: its prefix index, KV-event feeds and
 scraped loads) and one `ModelHasher` (hashers.py: its prompt hasher, fetched from its pods)
-from then until its entry's `pods` changes or it leaves the file. Prompts are hashed on one
+from then until its entry's `pods` changes or it leaves the file; a disaggregated model's
+prefill pool has its own Pod watch, `PodView` and `ModelHasher`, and its decode pool (placed
+by load) no hasher. Prompts are hashed on one
 thread of the router's own (upstream.py); a router built with another `HashesFor` uses
 that instead.
 """
@@ -132,31 +134,36 @@ class Router:
             self._watch()
 
     def _watch(self) -> None:
-        """Watch the Pods the models name now, and only those."""
-        selectors = {m.pods for m in self.models.by_key.values() if m.pods is not None}
+        """Watch the Pods the models name now, and only those: one `PodView` per pool (a
+        model's `pods`, and a disaggregated model's prefill pool) and one `ModelHasher` per
+        pool placed by prefix (all but a disaggregated model's decode pool)."""
+        pools = _pools(self.models)
+        selectors = {m.pods for m in pools.values() if m.pods is not None}
         self.pods.retain(selectors)
         for selector in selectors:
             self.pods.podset(selector)
         for key, view in list(self.views.items()):
-            model = self.models.by_key.get(key)
+            model = pools.get(key)
             if model is None or model.pods != view.model.pods:
                 view.stop()
                 del self.views[key]
             else:
                 view.model = model  # the same pods: its index and feeds stay, `balance` follows
-        for model in self.models.by_key.values():
-            if model.pods is not None and model.key not in self.views:
-                self.views[model.key] = view = self._view(model)
+        for key, model in pools.items():
+            if key not in self.views:
+                self.views[key] = view = self._view(model)
                 view.start()
+        hashed = {key: m for key, m in pools.items() if m.prefill is None}
         for key, hasher in list(self.hashers.items()):
-            model = self.models.by_key.get(key)
+            model = hashed.get(key)
             if model is None or model.pods != hasher.model.pods:
                 hasher.stop()
                 del self.hashers[key]
-        for model in self.models.by_key.values():
-            if model.pods is not None and model.key not in self.hashers:
+        for key, model in hashed.items():
+            if key not in self.hashers:
                 assert self.client is not None and self.cache_dir is not None
-                self.hashers[model.key] = hasher = ModelHasher(
+                assert model.pods is not None
+                self.hashers[key] = hasher = ModelHasher(
                     model,
                     self.pods.podset(model.pods),
                     self.client,
@@ -170,7 +177,7 @@ class Router:
     def hasher(self, model: Model) -> PromptHashes | None:
         """The default `HashesFor`: the model's `ModelHasher` (None before the router
         started, or while a reload that changed its `pods` has not reached it)."""
-        hasher = self.hashers.get(model.key)
+        hasher = self.hashers.get(model.pool_key)
         return hasher if hasher is not None and hasher.model.pods == model.pods else None
 
     def _view(self, model: Model) -> PodView:
@@ -197,26 +204,38 @@ class Router:
         # What the router learned under the old one stays: its callers' tenants, and its
         # streams in flight, which keep counting against their pods until they end.
         if up is None or (up.held == 0 and up.model != model):
-            assert self.client is not None  # made in the lifespan
-            s = self.settings
-            pods = None if model.pods is None else self.pods.podset(model.pods)
-            view = self.views.get(model.key)
-            if view is not None and view.model.pods != model.pods:
-                view = None  # the reload that changed it has not reached the view yet
-            up = self.upstreams[model.key] = Upstream(
-                model,
-                self.client,
-                self.metrics,
-                s.ready_poll_seconds,
-                s.connect_timeout_seconds,
-                self.closing,
-                pods,
-                view,
-                None if pods is None else self.hashes(model),
-                self.hashing,
-                before=up,
-            )
+            prefill = None
+            if model.prefill is not None:
+                before = up.prefill if up is not None else None
+                prefill = self._upstream(model.prefill_pool(), before)
+            up = self.upstreams[model.key] = self._upstream(model, up, prefill)
         return up
+
+    def _upstream(
+        self, model: Model, before: Upstream | None, prefill: Upstream | None = None
+    ) -> Upstream:
+        """One pool's Upstream: its pods, view and prompt hasher (none for a disaggregated
+        model's decode pool, placed by load)."""
+        assert self.client is not None  # made in the lifespan
+        s = self.settings
+        pods = None if model.pods is None else self.pods.podset(model.pods)
+        view = self.views.get(model.pool_key)
+        if view is not None and view.model.pods != model.pods:
+            view = None  # the reload that changed it has not reached the view yet
+        return Upstream(
+            model,
+            self.client,
+            self.metrics,
+            s.ready_poll_seconds,
+            s.connect_timeout_seconds,
+            self.closing,
+            pods,
+            view,
+            None if pods is None or model.prefill is not None else self.hashes(model),
+            self.hashing,
+            before=before,
+            prefill=prefill,
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -344,6 +363,19 @@ class Router:
                         await client.aclose()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+
+def _pools(models: Models) -> dict[str, Model]:
+    """Every pool of pods the router places on, by its key (`Model.pool_key`): each model
+    with `pods`, and a disaggregated model's prefill pool."""
+    pools: dict[str, Model] = {}
+    for model in models.by_key.values():
+        if model.pods is not None:
+            pools[model.pool_key] = model
+            if model.prefill is not None:
+                pool = model.prefill_pool()
+                pools[pool.pool_key] = pool
+    return pools
 
 
 def _describe(models: Models) -> str:

@@ -43,6 +43,18 @@ Streams continued on another pod when theirs broke (models with `migration`, mig
   last byte of the broken stream (or the moment a stalled one was given up) to the first
   byte of its continuation.
 
+The first step of a disaggregated model's requests (models with `disaggregation`,
+prefill.py):
+
+- `sluice_router_prefills_total{namespace,model,result}`: prompts sent to a prefill pod, by
+  what became of each attempt: `ok` (it answered the KV-transfer parameters), `refused` (a
+  4xx: the client's error, relayed to it), `failed` (no answer, a 5xx or a broken-off one:
+  the prompt goes to another prefill pod, or the client gets the protocol's error past
+  three attempts), `cancelled` (the client left during the prefill: its request to the
+  pod was closed at once);
+- `sluice_router_prefill_seconds{namespace,model}`: a prefill that answered, from sending
+  it to its answer read (the prompt's share of the time to first token).
+
 No series has a pod label: pods come and go with every rollout, the series would not.
 """
 
@@ -63,6 +75,9 @@ HOLD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 45, 60, 90, 1
 # 5 ms .. 10 min: a killed pod's streams move at once, a silent one after its stall timeout.
 GAP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300,
                600)  # fmt: skip
+
+# 5 ms .. 2 min: a short prompt on a warm GPU, a long one on a busy pool.
+PREFILL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120)
 
 
 class RouterMetrics:
@@ -137,6 +152,18 @@ class RouterMetrics:
             "The seam's added gap: the broken stream's last byte to its continuation's first.",
             labels,
             buckets=GAP_BUCKETS,
+        )
+        self.prefills = fam.counter(
+            "sluice_router_prefills",
+            "Prompts sent to a prefill pod, by result per attempt (ok, refused, failed, "
+            "cancelled).",
+            (*labels, "result"),
+        )
+        self.prefill_seconds = fam.histogram(
+            "sluice_router_prefill_seconds",
+            "A prefill that answered: sent to its answer read.",
+            labels,
+            buckets=PREFILL_BUCKETS,
         )
         self._known: set[tuple[str, str]] = set()
 

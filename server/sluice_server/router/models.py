@@ -18,14 +18,18 @@ as for a model that is only scaled to zero. `balance` is the model's `spec.routi
 and says how a model with `pods` is placed: `least-loaded` (the default) by the router's
 scores (prefix cache and load, placement.py), `round-robin` on each candidate pod in turn. `migration`, `{"maxMigrations": 3,
 "stallSeconds": 30}` (a model with `pods` whose pods take continuations), makes the router
-continue a stream whose pod breaks off on another pod (migration.py). Fields the router does not know are ignored (an operator
+continue a stream whose pod breaks off on another pod (migration.py). `disaggregation`,
+`{"prefill": {<a pod selector like pods>}}` (a model with `pods`, which are then its decode
+pool), makes the router run each request's prompt on a prefill pod first and send the
+request to a decode pod with the KV-transfer parameters the prefill returned
+(docs/disaggregation.md). Fields the router does not know are ignored (an operator
 newer than the router); a file that cannot be used raises ValueError naming the entry.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -58,6 +62,12 @@ class _Migration(BaseModel):
     stall_seconds: float = Field(30.0, gt=0, alias="stallSeconds")
 
 
+class _Disaggregation(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    prefill: _Pods
+
+
 class _Entry(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
@@ -69,6 +79,7 @@ class _Entry(BaseModel):
     pods: _Pods | None = None
     balance: Balance = "least-loaded"
     migration: _Migration | None = None
+    disaggregation: _Disaggregation | None = None
 
 
 @dataclass(frozen=True)
@@ -118,10 +129,27 @@ class Model:
     pods: PodSelector | None = None  # None: forward to the Service `host`
     balance: Balance = "least-loaded"  # how a model with `pods` is placed
     migration: Migration | None = None  # None: its streams are not continued elsewhere
+    # Its prefill pool (`pods` is then the decode pool); None: not disaggregated.
+    prefill: PodSelector | None = None
+    # Which of a disaggregated model's pools this is (`prefill_pool`); None: the model itself.
+    pool: Literal["prefill"] | None = None
 
     @property
     def key(self) -> str:
         return f"{self.namespace}/{self.name}"
+
+    @property
+    def pool_key(self) -> str:
+        """The key of its pool's pod view and prompt hasher: the model's key, with
+        `#prefill` for a disaggregated model's prefill pool."""
+        return self.key if self.pool is None else f"{self.key}#{self.pool}"
+
+    def prefill_pool(self) -> Model:
+        """A disaggregated model's prefill pool as a model of its own (its pods the prefill
+        pods; no migration: a prefill is retried whole, not continued), placed, viewed and
+        hashed by the same machinery as any model's pods."""
+        assert self.prefill is not None
+        return replace(self, pods=self.prefill, migration=None, prefill=None, pool="prefill")
 
     @property
     def url(self) -> str:
@@ -166,16 +194,15 @@ def parse(data: object) -> Models:
                 for err in e.errors()
             )
             raise ValueError(f"entry {key!r}: {problems}") from None
-        pods = entry.pods
-        selector = None
-        if pods is not None:
-            kv = pods.kv_events
-            selector = PodSelector(
-                pods.namespace,
-                tuple(sorted(pods.selector.items())),
-                pods.port,
-                None if kv is None else KvEventPorts(kv.port, kv.replay_port),
-            )
+        selector = _selector(entry.pods)
+        prefill = None
+        if entry.disaggregation is not None:
+            if selector is None:
+                raise ValueError(
+                    f"entry {key!r}: disaggregation needs pods (the decode pool) beside "
+                    "disaggregation.prefill"
+                )
+            prefill = _selector(entry.disaggregation.prefill)
         models.append(
             Model(
                 namespace,
@@ -190,9 +217,22 @@ def parse(data: object) -> Models:
                 None
                 if entry.migration is None
                 else Migration(entry.migration.max_migrations, entry.migration.stall_seconds),
+                prefill,
             )
         )
     return Models(models)
+
+
+def _selector(pods: _Pods | None) -> PodSelector | None:
+    if pods is None:
+        return None
+    kv = pods.kv_events
+    return PodSelector(
+        pods.namespace,
+        tuple(sorted(pods.selector.items())),
+        pods.port,
+        None if kv is None else KvEventPorts(kv.port, kv.replay_port),
+    )
 
 
 def load(path: Path) -> Models:

@@ -63,6 +63,7 @@ from .hop import Relay, relay_body
 from .metrics import Outcome, RouterMetrics
 from .migration import Marks, busy, continuation_body, key_for
 from .pin import Pins
+from .prefill import KV_HEADER, NoPod, Prefill, PrefillFailed
 from .prefixindex import BlockHash
 from .tenants import ROUTER_MARK, TENANT_HEADER, credential
 from .upstream import Target, Upstream
@@ -76,8 +77,12 @@ HOP_BY_HOP = frozenset({
 # Not relayed to the client: hop-by-hop (the raw body's length stands) and the pod's answer
 # to the router about the caller's tenant (tenants.py).
 _NOT_RELAYED = (HOP_BY_HOP - {"content-length"}) | {TENANT_HEADER.decode(), MARKED_HEADER}
+# Headers only the router sends a pod: a client's are dropped (a pod refuses them
+# without the key, and the router adds its own).
+_ROUTERS_OWN = frozenset({ROUTER_MARK[0], KEY_HEADER, KV_HEADER})
 STATUS_HEADER = "x-sluice-status"  # token SSE: also `event: status` while held
 MODEL_STARTING = "model_starting"
+PREFILL_FAILED = "prefill_failed"  # no prefill pod of a disaggregated model ran the prompt
 ROUTES = (
     ("/v1/chat/completions", "openai"), ("/v1/completions", "openai"),
     ("/v1/responses", "responses"), ("/v1/messages", "anthropic"), ("/v1/stream", "sse"),
@@ -220,7 +225,7 @@ def forward_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
             for k, v in scope["headers"]
             if (name := k.decode("latin-1")) not in HOP_BY_HOP
             and name not in named
-            and k != ROUTER_MARK[0]
+            and k not in _ROUTERS_OWN
         ),
         ROUTER_MARK,  # the pod names the caller's tenant in its answer (tenants.py)
     ]
@@ -262,7 +267,11 @@ class Request:
         body: bytes,
         pins: Pins | None = None,
         continuation_key: Path | None = None,
+        key_file: Path | None = None,
     ) -> None:
+        """`continuation_key`: the router's master key file when this request's stream may
+        be continued elsewhere; `key_file`: that file for any request (a disaggregated
+        model's prefill and decode steps authenticate with it)."""
         self.client, self.held, self.scope, self.body, self.pins = client, held, scope, body, pins
         # Where the master key is, for a request whose stream may be continued elsewhere
         # (its model has `migration` and `pods`; migration.py): it keeps its body.
@@ -281,10 +290,23 @@ class Request:
         self.cred = credential(scope["headers"], scope.get("query_string", b""))
         # Its prompt's block hashes (`prepare`: the model's provider reads the body).
         self.hashes: Sequence[BlockHash] | None = None
+        # A disaggregated model's first step (prefill.py), and what it gave the decode pod:
+        # its `X-Sluice-KV-Transfer` and key (`handover`, None until it ran).
+        prefill = held.up.prefill
+        self.prefill = None if prefill is None else Prefill(client, prefill, held.metrics, key_file)
+        self.handover: list[tuple[bytes, bytes]] | None = None
 
     async def prepare(self) -> None:
-        """Its prompt's block hashes, once, before it waits (None: unknown)."""
-        self.hashes = await self.held.up.prompt_hashes(self.scope["path"], self.body, self.cred)
+        """Its prompt's block hashes, once, before it waits (None: unknown): for the pool
+        its prompt runs on (a disaggregated model's prefill pool)."""
+        up = self.held.up.prefill or self.held.up
+        self.hashes = await up.prompt_hashes(self.scope["path"], self.body, self.cred)
+
+    @property
+    def placing(self) -> Sequence[BlockHash] | None:
+        """The hashes its own pod is placed by: none for a disaggregated model's decode
+        pool (placed by load: the prompt's blocks come with the transfer)."""
+        return None if self.prefill is not None else self.hashes
 
     def build(self, target: Target) -> httpx.Request:
         scope, held = self.scope, self.held
@@ -295,10 +317,13 @@ class Request:
 
         url = target.url + scope["path"]
         query = scope.get("query_string", b"")
+        headers = forward_headers(scope)
+        if self.handover:  # the prefill's parameters (prefill.py)
+            headers += self.handover
         return self.client.build_request(
             scope["method"],
             httpx.URL(url, query=query),
-            headers=forward_headers(scope),
+            headers=headers,
             content=self.body,
             extensions={"trace": trace},
         )
@@ -315,8 +340,15 @@ class Request:
     async def send(self) -> httpx.Response | None:
         """The upstream response (headers read, body not); None when no pod is a candidate
         any more or it could not connect (the replica went away: marked down, the request is
-        held again)."""
-        target = self.held.pick(self.key, self.pin, self.hashes, follow=self.follow)
+        held again). A disaggregated model's request runs its prefill first (once; a 4xx
+        from it is the answer; PrefillFailed when no prefill pod ran it)."""
+        if self.prefill is not None and self.handover is None:
+            got = await self._prefill(self.prefill)
+            if got is None:
+                return None
+            if isinstance(got, httpx.Response):
+                return got
+        target = self.held.pick(self.key, self.pin, self.placing, follow=self.follow)
         if target is None:
             return None
         try:
@@ -340,6 +372,28 @@ class Request:
             self.held.up.down(target)
             self.held.release()
             return None
+
+    async def _prefill(self, prefill: Prefill) -> httpx.Response | bool | None:
+        """Run the prefill: True when it gave the decode pod's headers (`handover`), a 4xx
+        answer to relay, None when no prefill pod is a candidate (held again)."""
+        scope = self.scope
+        path = scope["path"]
+        if scope.get("query_string"):
+            path += "?" + scope["query_string"].decode("latin-1")
+        try:
+            got = await prefill.run(
+                scope["method"], path, self.body, forward_headers(scope), self.key, self.hashes
+            )
+        except NoPod:
+            return None
+        except PrefillFailed:
+            self.held.end("forwarded")  # it reached the prefill pods: no longer held
+            raise
+        if isinstance(got, httpx.Response):
+            self.held.end("forwarded")
+            return got
+        self.handover = got
+        return True
 
 
 async def handle(
@@ -398,7 +452,15 @@ async def _held(
         await json_response(413, kind.error_body(413, m, "body_too_large"))(send)
         return
     kind = classify(scope["path"], body)
-    request = Request(client, held, scope, body, pins, continuation_key if kind.streaming else None)
+    request = Request(
+        client,
+        held,
+        scope,
+        body,
+        pins,
+        continuation_key if kind.streaming else None,
+        continuation_key,
+    )
     del body  # the request keeps it until forwarded
     await request.prepare()
     gone = asyncio.ensure_future(_disconnected(receive))
@@ -468,6 +530,9 @@ async def _pass_through(request: Request, kind: Kind, send: Send) -> bool:
     except httpx.HTTPError as e:  # connected, then no answer
         m = f"The model's server gave no answer ({type(e).__name__})."
         await json_response(502, openai_error_body(502, m, code="upstream_error"))(send)
+        return True
+    except PrefillFailed as e:
+        await json_response(502, kind.error_body(502, str(e), PREFILL_FAILED))(send)
         return True
     if response is None:
         return False
@@ -579,6 +644,9 @@ class HeldStream:
                     except httpx.HTTPError as e:  # connected, then no answer
                         m = f"The model's server gave no answer ({type(e).__name__})."
                         yield self.kind.error_event(self.rid, m, "upstream_error", 502)
+                        return
+                    except PrefillFailed as e:
+                        yield self.kind.error_event(self.rid, str(e), PREFILL_FAILED, 502)
                         return
                     if response is not None:
                         break
@@ -772,7 +840,7 @@ class Splice:
                 return "unavailable", m, 503
             left = self.left | {p for p, t in later.items() if t > now}
             follow = self.marks.stream if self.kind.protocol == "sse" else None
-            target = held.pick(request.key, None, request.hashes, left, follow)
+            target = held.pick(request.key, None, request.placing, left, follow)
             if target is None:
                 await self._wait_for_pod(
                     send_piece, min(deadline, min(later.values(), default=deadline))

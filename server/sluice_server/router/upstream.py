@@ -9,7 +9,10 @@ requests this router has in flight there; ties broken by a stable hash every rou
 replica computes alike). The prompt's block hashes come from the model's `PromptHashes`
 provider (hashes.py); without one, or when it does not know a request's blocks, the
 request is placed by load alone. A pod a request could not connect to is left out for
-`FRESH` seconds. A model without `pods` is ready as `GET /ready` through its Service says,
+`FRESH` seconds. A disaggregated model's Upstream has its prefill pool's as `prefill`, the
+same machinery over the prefill pods (`Model.prefill_pool`): the prompt is placed there by
+prefix locality and load, the request itself on the decode pods (`pods`) by load; it is
+ready while both pools have a candidate. A model without `pods` is ready as `GET /ready` through its Service says,
 and every request goes to the Service.
 
 For a model without `pods`, readiness is checked by one poll per model, shared by every request held for it, and only
@@ -110,10 +113,12 @@ class Upstream:
         hashing: Executor | None = None,
         *,
         before: Upstream | None = None,
+        prefill: Upstream | None = None,
     ) -> None:
         """`before`: the model's Upstream under its previous entry, whose learned tenants and
         in-flight counts this one takes over (the same objects: a stream forwarded under the
-        old entry releases its pod here)."""
+        old entry releases its pod here). `prefill`: a disaggregated model's prefill pool
+        (its callers' tenants are this one's)."""
         self.model, self.client, self.poll, self.timeout = model, client, poll, timeout
         self.closing, self.pods = closing, pods
         # The router's running view of the pods, or one of our own (load and sends only).
@@ -131,6 +136,9 @@ class Upstream:
         self._ready_at: float | None = None
         self._round: asyncio.Task[None] | None = None
         self._down: dict[str, float] = {}  # pod name -> loop time it may be picked again
+        self.prefill = prefill
+        if prefill is not None:
+            prefill.tenants = self.tenants
 
     def candidates(self) -> list[Pod]:
         """The pods a request may go to now (a model with `pods`)."""
@@ -246,6 +254,8 @@ class Upstream:
                 back = min(self._down.values(), default=None)
                 changed = self.pods.changed()
                 await asyncio.wait((changed,), timeout=None if back is None else back - now)
+            if self.prefill is not None:
+                await self.prefill.wait_ready()
             return
         if self._ready_at is not None and loop.time() - self._ready_at < FRESH:
             return

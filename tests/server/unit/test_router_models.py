@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from sluice_server.router.models import Migration, load, parse
+from sluice_server.router.models import KvEventPorts, Migration, PodSelector, load, parse
 from sluice_server.settings import RouterSettings, build_parser, parse_router_settings
 
 FILE = {
@@ -75,6 +75,32 @@ def test_migration_is_read_per_model_and_absent_means_none():
                        ({"maxMigrations": 11, "stallSeconds": 30}, "maxMigrations")]:  # fmt: skip
         with pytest.raises(ValueError, match=f"entry 'a/b': migration.{field}"):
             parse({"a/b": {"host": "h", "migration": bad}})
+
+
+def test_disaggregation_names_the_prefill_pool_beside_the_decode_pods():
+    """`disaggregation.prefill` (docs/disaggregation.md): a pod selector like `pods`, which
+    are then the decode pool; the prefill pool is a model of its own for placement, with
+    its own key. Without `pods` it is refused, naming the entry."""
+    pods = {"namespace": "a", "selector": {"role": "decode"}, "port": 8000}
+    prefill = {"namespace": "a", "selector": {"role": "prefill"}, "port": 8001,
+               "kvEvents": {"port": 5557}, "future": 1}  # fmt: skip
+    models = parse({
+        "a/pd": {"host": "pd", "pods": pods, "migration": {}, "disaggregation": {"prefill": prefill}},
+        "a/plain": {"host": "plain", "pods": pods},
+    })  # fmt: skip
+    pd = models.by_key["a/pd"]
+    assert pd.prefill == PodSelector("a", (("role", "prefill"),), 8001, KvEventPorts(5557))
+    assert pd.pods is not None and pd.pods.labels == (("role", "decode"),)
+    pool = pd.prefill_pool()
+    assert (pool.pods, pool.prefill, pool.migration, pool.pool) == (
+        pd.prefill, None, None, "prefill")  # fmt: skip
+    assert (pd.pool_key, pool.pool_key, pool.key) == ("a/pd", "a/pd#prefill", "a/pd")
+    assert models.by_key["a/plain"].prefill is None
+    with pytest.raises(ValueError, match="entry 'a/b': disaggregation needs pods"):
+        parse({"a/b": {"host": "h", "disaggregation": {"prefill": prefill}}})
+    with pytest.raises(ValueError, match="entry 'a/b': disaggregation.prefill.selector"):
+        parse({"a/b": {"host": "h", "pods": pods,
+                       "disaggregation": {"prefill": {"namespace": "a", "selector": {}}}}})  # fmt: skip
 
 
 def test_the_command_line_and_environment(monkeypatch):
