@@ -53,12 +53,14 @@ NS, NAME = "bench", "chat"
 LABELS = {"app": "chat"}
 STAMP = re.compile(r"@(\d+\.\d+)")
 # One timing model for every pod (GPU-like, docs/disaggregation.md): 15 ms decode steps,
-# 47 us per prompt token prefilled (40 us of compute + a 15 ms step per 2,048-token chunk),
 # each decode gap 40 us longer per prompt token prefilled beside it (at most a 2,048-token
-# chunk per step), 80 us per KV block handed over (the simulator's default).
-SIM_ARGS = ["--sim-ttft-ms", "10", "--sim-itl-ms", "15", "--sim-prefill-us-per-token", "47",
+# chunk per step), 80 us per KV block handed over (the simulator's default). A prompt token
+# costs its 40 us of compute, plus, where its chunk shares a step with decoding streams
+# (mixed and decode pods), that step's 15 ms spread over the chunk: 47 us.
+SIM_ARGS = ["--sim-ttft-ms", "10", "--sim-itl-ms", "15",
             "--sim-prefill-interference-us-per-token", "40", "--max-num-batched-tokens", "2048",
             "--max-model-len", "16384"]  # fmt: skip
+PREFILL_US = {"prefill": "40", "decode": "47", None: "47"}
 KV_TRANSFER = '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'
 WORDS = [f"w{i}" for i in range(5000)]
 
@@ -76,10 +78,13 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
 
 
-async def one_request(c: httpx.AsyncClient, url: str, words: int, max_tokens: int,
-                      rng: random.Random) -> dict:  # fmt: skip
-    prompt = " ".join(rng.choice(WORDS) for _ in range(words))
-    body = {"model": NAME, "messages": [{"role": "user", "content": prompt}], "stream": True,
+def prompt(words: int, rng: random.Random) -> str:
+    return " ".join(rng.choices(WORDS, k=words))
+
+
+async def one_request(c: httpx.AsyncClient, url: str, text: str, max_tokens: int,
+                      long: bool = False) -> dict:  # fmt: skip
+    body = {"model": NAME, "messages": [{"role": "user", "content": text}], "stream": True,
             "max_tokens": max_tokens, "ignore_eos": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
     stamps: list[float] = []
@@ -90,7 +95,7 @@ async def one_request(c: httpx.AsyncClient, url: str, words: int, max_tokens: in
                             headers={"X-Sluice-Model": f"{NS}/{NAME}"}) as r:  # fmt: skip
             if r.status_code != 200:
                 return {
-                    "long": words > 2000,
+                    "long": long,
                     "error": f"{r.status_code} {(await r.aread())[:200]!r}",
                 }
             async for line in r.aiter_lines():
@@ -103,10 +108,10 @@ async def one_request(c: httpx.AsyncClient, url: str, words: int, max_tokens: in
                     ]
                 usage = data.get("usage") or usage
     except httpx.HTTPError as e:
-        return {"long": words > 2000, "error": f"{type(e).__name__}: {e}"}
+        return {"long": long, "error": f"{type(e).__name__}: {e}"}
     details = usage.get("prompt_tokens_details") or {}
     return {
-        "long": words > 2000, "tokens": len(stamps),
+        "long": long, "tokens": len(stamps),
         "ttft_s": stamps[0] - sent if stamps else None,
         "gaps_s": [b - a for a, b in zip(stamps, stamps[1:], strict=False)],
         "prompt_tokens": usage.get("prompt_tokens"), "cached": details.get("cached_tokens") or 0,
@@ -116,18 +121,19 @@ async def one_request(c: httpx.AsyncClient, url: str, words: int, max_tokens: in
 
 async def load(url: str, args: argparse.Namespace) -> list[dict]:
     rng = random.Random(args.seed)
+    schedule, at = [], 0.0  # (when, prompt): made before the run, the same for both sides
+    while at < args.seconds:
+        long = rng.random() < args.long_share
+        schedule.append((at, prompt(args.long_words if long else args.chat_words, rng), long))
+        at += rng.expovariate(args.rate)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     tasks = []
     async with httpx.AsyncClient(timeout=120, limits=limits) as c:
-        await one_request(c, url, 10, 2, rng)  # warm: the router knows the pods
+        await one_request(c, url, prompt(10, rng), 2)  # warm: the router knows the pods
         start = time.monotonic()
-        at = 0.0
-        while at < args.seconds:
+        for at, text, long in schedule:
             await asyncio.sleep(max(0.0, start + at - time.monotonic()))
-            words = args.long_words if rng.random() < args.long_share else args.chat_words
-            tasks.append(asyncio.ensure_future(one_request(
-                c, url, words, args.max_tokens, random.Random(rng.random()))))  # fmt: skip
-            at += rng.expovariate(args.rate)
+            tasks.append(asyncio.ensure_future(one_request(c, url, text, args.max_tokens, long)))
         return list(await asyncio.gather(*tasks))
 
 
@@ -135,7 +141,8 @@ def pod_argv(ip: str, port: int, key: Path, role: str | None) -> list[str]:
     argv = [PY, "-m", "sluice_bench.simserver", "--model", NAME, "--engine", "simulator",
             "--host", ip, "--port", str(port), "--continuation-key-file", str(key),
             "--max-concurrent-streams", "10000", "--log-level", "warning",
-            "--access-log", "false", *SIM_ARGS]  # fmt: skip
+            "--access-log", "false", *SIM_ARGS,
+            "--sim-prefill-us-per-token", PREFILL_US[role]]  # fmt: skip
     if role is not None:
         argv += ["--disaggregation-role", role, "--kv-transfer-config", KV_TRANSFER]
     return argv
@@ -194,13 +201,16 @@ async def side(args: argparse.Namespace, disaggregated: bool) -> dict:
         url = f"http://127.0.0.1:{rport}"
         await asyncio.to_thread(wait_http, url + "/ready", timeout=60, process=router)
         await asyncio.sleep(1.0)  # the router's watch has seen every pod
+        load_before = os.getloadavg()[0]
         results = await load(url, args)
+        load_after = os.getloadavg()[0]
     finally:
         for p in procs:
             p.stop()
         server.should_exit = True
         await api_task
-    return summarise(results, disaggregated, args)
+    return {**summarise(results, disaggregated, args),
+            "loadavg_1m": [round(load_before, 1), round(load_after, 1)]}  # fmt: skip
 
 
 def summarise(results: list[dict], disaggregated: bool, args: argparse.Namespace) -> dict:
@@ -258,7 +268,11 @@ def table(mixed: dict, disagg: dict, args: argparse.Namespace) -> str:
         )
     lines += ["", f"Load: {args.rate} requests/s for {args.seconds:g} s, "
               f"{args.long_share:.0%} with {args.long_words}-token prompts, the rest "
-              f"{args.chat_words}, {args.max_tokens} tokens each; pods `{' '.join(SIM_ARGS)}`.", ""]  # fmt: skip
+              f"{args.chat_words}, {args.max_tokens} tokens each; pods `{' '.join(SIM_ARGS)}`, "
+              f"`--sim-prefill-us-per-token` {PREFILL_US['prefill']} on prefill pods, "
+              f"{PREFILL_US[None]} on the others. Load average (1 min) on the machine "
+              f"before / after each side: mixed {mixed.get('loadavg_1m')}, disaggregated "
+              f"{disagg.get('loadavg_1m')}.", ""]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -266,8 +280,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--prefill", type=int, default=2, help="of the replicas, disaggregated")
-    parser.add_argument("--rate", type=float, default=6.0, help="requests per second")
-    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--rate", type=float, default=3.0, help="requests per second")
+    parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--long-share", type=float, default=0.2)
     parser.add_argument("--long-words", type=int, default=8000)
     parser.add_argument("--chat-words", type=int, default=1000)
