@@ -349,3 +349,22 @@ async def test_an_aborted_prefill_stops_slowing_the_others():
     await engine.abort("long")
     await task
     assert engine.prefilling_tokens == 0 and engine._gap() == engine.itl_s
+
+
+@virtual_time
+async def test_a_decode_pod_prefills_only_what_the_hand_over_did_not_bring():
+    """A prompt whose blocks came from a prefill pod (kv_transfer_params) slows the decode
+    pod's streams by its uncomputed tail only; without the params it counts whole."""
+    engine = SimulatorEngine(ttft_ms=0, itl_ms=10, prefill_us_per_token=100,
+                             kv_transfer={"kv_connector": "NixlConnector"})  # fmt: skip
+    text = " ".join(["w"] * 3000)
+    params = {"do_remote_prefill": True, "remote_block_ids": list(range(187))}
+    handed = StreamRequest(request_id="handed", prompt=text, options=SamplingOptions(),
+                           kv_transfer_params=params)  # fmt: skip
+    for request, expected in ((handed, 3000 - 187 * 16), (req("whole", text), 3000)):
+        task = asyncio.create_task(collect(engine, request))
+        await asyncio.sleep(0)
+        assert engine.prefilling_tokens == expected
+        await engine.abort(request.request_id)
+        await task
+        assert engine.prefilling_tokens == 0
