@@ -162,9 +162,9 @@ async def side(args: argparse.Namespace, disaggregated: bool) -> dict:
     port = free_port()
     procs: list[ManagedProcess] = []
     try:
-        roles = [None] * args.replicas
+        roles: list[str | None] = [None] * args.replicas
         if disaggregated:
-            roles = ["prefill"] * args.prefill + ["decode"] * (args.replicas - args.prefill)
+            roles = [*["prefill"] * args.prefill, *["decode"] * (args.replicas - args.prefill)]
         pods = []
         for i, role in enumerate(roles):
             ip = f"127.0.{20 + int(disaggregated)}.{i + 1}"
