@@ -11,7 +11,8 @@ import json
 
 import httpx
 import pytest
-from app_helpers import serve_simulator
+import websockets
+from app_helpers import serve_simulator, ws_url
 from continuation_helpers import KEY, events_of
 from sluice_server.core import kvtransfer
 from sluice_server.engine.simulator import SimulatorEngine
@@ -247,3 +248,41 @@ async def test_a_role_needs_the_router_key_and_a_real_engine_its_connector(tmp_p
         Settings(model="m", engine="vllm", disaggregation_role="decode", continuation_key_file=key)
     with pytest.raises(ValidationError, match="JSON object"):
         Settings(model="m", kv_transfer_config="[1]")
+
+
+async def ws_final(url: str, frame: dict, headers: dict | None = None) -> dict:
+    """The last frame of one generation on a new socket (its final frame or an error)."""
+    async with websockets.connect(ws_url(url), additional_headers=headers or {}) as ws:
+        await ws.send(json.dumps(frame))
+        while True:
+            msg = json.loads(await ws.recv())
+            if msg.get("finished") or msg.get("type") == "error":
+                return msg
+
+
+async def test_a_websocket_generation_prefills_on_the_token_route_and_decodes_with_the_params(
+    key_file,
+):
+    """The router prefills a socket's generation as `/v1/stream` (the frame's prompt and
+    params as the body) and starts it on the decode pod's socket, opened with its key, with
+    the params in the frame."""
+    frame = {"id": 1, "prompt": PROMPT, "params": {"max_tokens": N}}
+    async with (
+        serve_simulator(sim("a"), continuation_key_file=key_file,
+                        disaggregation_role="prefill") as p,
+        serve_simulator(sim("b"), continuation_key_file=key_file,
+                        disaggregation_role="decode") as d,
+        httpx.AsyncClient(base_url=p) as cp,
+    ):  # fmt: skip
+        entry = {"path": "/v1/stream", "body": {"prompt": PROMPT, "max_tokens": N}}
+        params = (await cp.post("/internal/prefill", json=entry, headers=KEYED)).json()
+        params = params["kv_transfer_params"]
+        assert len(params["remote_block_ids"]) == 2
+        final = await ws_final(d, {**frame, "kv_transfer_params": params}, KEYED)
+        assert final["usage"]["prompt_tokens_details"]["cached_tokens"] == 2 * BLOCK, final
+        # Negative control: the same generation without the params.
+        final = await ws_final(d, frame, KEYED)
+        assert final["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, final
+        # A client's socket (no router key) may not bring params.
+        final = await ws_final(d, {**frame, "kv_transfer_params": params})
+        assert final["type"] == "error" and final["error"]["code"] == "forbidden", final

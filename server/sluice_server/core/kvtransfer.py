@@ -70,7 +70,7 @@ def prefill_body(path: str, body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def encode(params: dict[str, Any]) -> str:
+def encode(params: dict[str, Any] | None) -> str:
     """The header value for params: base64url (no padding) of their compact JSON."""
     raw = json.dumps(params, separators=(",", ":")).encode()
     return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
