@@ -5,9 +5,13 @@ request on a decode pod with the parameters the prefill returned (`X-Sluice-KV-T
 The prefill pods here are small real HTTP servers that answer as the contract's pods do
 (NIXL-shaped parameters: the pod's engine id, a block id per 16 prompt words) and note what
 they were sent; the decode pod is a simulator model server, with a layer that notes the
-headers of each request it gets. Found through a Pod watch (a fake API server), as the
-router finds any model's pods. Negative controls: a model without `disaggregation` asks no
-prefill pod; a client's own `X-Sluice-KV-Transfer` never reaches a pod."""
+headers of each request it gets. Then the same on simulator servers only, the pods' own
+entries (the prefill pods' `/internal/prefill`, a decode pod that counts the received
+blocks as cached): the hand-over shows in the decode pod's usage, a client leaving aborts
+the prefill pod's engine request before its token, a killed prefill pod is retried on the
+other. Found through a Pod watch (a fake API server), as the router finds any model's pods.
+Negative controls: a model without `disaggregation` asks no prefill pod and its answer
+reports 0 cached tokens; a client's own `X-Sluice-KV-Transfer` never reaches a pod."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import json
 import httpx
 import pytest
 import uvicorn
+import websockets
 from app_helpers import serving
 from router_helpers import (
     HEADERS,
@@ -31,8 +36,11 @@ from router_helpers import (
     pods_api,
     router,
     sa_dir,
+    scrape,
 )
+from sluice_server.core import kvtransfer
 from sluice_server.core.auth.routerkey import model_key
+from sluice_server.engine.simulator import SimulatorEngine
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -110,7 +118,7 @@ class Headers:
 
     def wrap(self, app):
         async def noted(scope, receive, send):
-            if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            if scope.get("path", "").startswith(("/v1/", "/ws/")):
                 self.seen.append({k.decode(): v.decode() for k, v in scope["headers"]})
             await app(scope, receive, send)
 
@@ -143,7 +151,13 @@ async def fleet(tmp_path, prefills: dict[str, str], ips: dict[str, str] | None =
         for name, ip in DECODE.items():
             api.put(name, ip, DECODE_LABELS)
             await stack.enter_async_context(
-                model_server(port, host=ip, wrap=noted.wrap, continuation_key_file=pod_key)
+                model_server(
+                    port,
+                    host=ip,
+                    wrap=noted.wrap,
+                    continuation_key_file=pod_key,
+                    disaggregation_role="decode",
+                )
             )
         extra: dict = {"pods": {"namespace": NS, "selector": DECODE_LABELS, "port": port}}
         if disaggregated:
@@ -167,7 +181,7 @@ def prefills(act, result: str) -> float:
 
 
 def handed_over(headers: dict[str, str]) -> dict:
-    return json.loads(base64.urlsafe_b64decode(headers["x-sluice-kv-transfer"]))
+    return kvtransfer.decode(headers["x-sluice-kv-transfer"])
 
 
 async def test_the_prompt_is_prefilled_then_the_decode_pod_gets_its_parameters(tmp_path):
@@ -232,11 +246,14 @@ async def test_no_prefill_pod_that_runs_it_ends_in_the_protocols_error(tmp_path)
             msg = await c.post("/v1/messages", json={**STREAM, "stream": False})
         assert r.status_code == 502
         error = r.json()["error"]
-        assert error["code"] == "prefill_failed" and "pre-a" in error["message"]
-        assert "answered 500" in error["message"]
+        assert error["code"] == "prefill_failed" and "answered 500" in error["message"]
+        assert "asked 2 (pre-" in error["message"]  # both pods, each once
+        assert "pre-a" in error["message"] and "pre-b" in error["message"]
         assert msg.status_code == 502 and msg.json()["type"] == "error"  # Anthropic's shape
+        # the second found one pod or both back from being left out for a second
+        asked = int(msg.json()["error"]["message"].split("asked ")[1].split(" ")[0])
         assert noted.seen == []
-        assert prefills(act, "failed") == 4  # two requests, each on both pods
+        assert prefills(act, "failed") == 2 + asked
 
 
 async def test_a_prefill_pods_4xx_is_relayed_as_it_is(tmp_path):
@@ -263,11 +280,162 @@ async def test_without_disaggregation_no_prefill_and_a_clients_kv_header_never_r
             async with httpx.AsyncClient(base_url=act.url, headers=spoof, timeout=30) as c:
                 r = await c.post("/v1/chat/completions", json=STREAM)
             assert r.status_code == 200 and "data: [DONE]" in r.text
-            (seen,) = noted.seen
+            ws_url = act.url.replace("http://", "ws://") + "/ws/stream"
+            async with websockets.connect(ws_url, additional_headers=spoof) as ws:
+                await ws.send(json.dumps({"id": 1, "prompt": "hi", "params": {"max_tokens": 2}}))
+                await ws.recv()
+            seen, socket = noted.seen
             if disaggregated:  # only the router's own
                 assert handed_over(seen)["remote_engine_id"] == "engine-pre-a"
                 assert seen["x-sluice-continuation-key"] == KEY
-            else:  # no prefill, and neither header of the client's
+            else:  # no prefill
                 assert fakes["pre-a"].bodies == [] and prefills(act, "ok") == 0
                 assert "x-sluice-kv-transfer" not in seen
                 assert "x-sluice-continuation-key" not in seen
+            # a WebSocket: neither header of the client's (no hand-over on a socket)
+            assert "x-sluice-kv-transfer" not in socket
+            assert "x-sluice-continuation-key" not in socket
+
+
+# -- on real simulator servers: the pods' own /internal/prefill and decode ----------------
+
+BLOCK = 16
+PROMPT = " ".join(f"w{i}" for i in range(45))  # 2 full blocks before the last token
+CHAT = {"model": "sim", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 6,
+        "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+
+
+class Counting(SimulatorEngine):
+    """The simulator with a NIXL-shaped connector, counting its engine requests (`started`),
+    the tokens it produced, and how each ended (`ended`: its finish reason, or `cut` when
+    the server closed it first)."""
+
+    def __init__(self, engine_id: str, ttft_ms: float = 2) -> None:
+        transfer = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                    "engine_id": engine_id, "kv_ip": "127.0.0.1", "kv_port": 5600}  # fmt: skip
+        super().__init__("sim", ttft_ms=ttft_ms, itl_ms=1, block_size=BLOCK,
+                         kv_transfer=transfer)  # fmt: skip
+        self.started = 0
+        self.tokens = 0
+        self.ended: list[str] = []
+
+    def generate(self, request):
+        inner = super().generate(request)
+
+        async def counted():
+            self.started += 1
+            reason = "cut"
+            try:
+                async for delta in inner:
+                    self.tokens += len(delta.token_ids or ())
+                    if delta.finished:
+                        reason = delta.finish_reason or "stop"
+                    yield delta
+            finally:
+                self.ended.append(reason)
+
+        return counted()
+
+
+@contextlib.asynccontextmanager
+async def sim_fleet(tmp_path, prefill_ttft_ms: float = 2, disaggregated: bool = True):
+    """Two prefill and one decode simulator servers (the pods' own entries) and the router:
+    (router, {pod: engine}, {pod: its server's exit stack}, the pods' port)."""
+    master = tmp_path / "master-key"
+    master.write_bytes(MASTER + b"\n")
+    pod_key = tmp_path / "pod-key"
+    pod_key.write_bytes(KEY.encode() + b"\n")
+    port = free_port()
+    pods = {"pre-a": ("127.0.0.21", "prefill"), "pre-b": ("127.0.0.22", "prefill"),
+            "dec-a": ("127.0.0.23", "decode")}  # fmt: skip
+    engines = {name: Counting(name, prefill_ttft_ms if role == "prefill" else 2)
+               for name, (_, role) in pods.items()}  # fmt: skip
+    stacks: dict[str, contextlib.AsyncExitStack] = {}
+    async with contextlib.AsyncExitStack() as stack:
+        api, api_url = await stack.enter_async_context(pods_api())
+        for name, (ip, role) in pods.items():
+            api.put(name, ip, PREFILL_LABELS if role == "prefill" else DECODE_LABELS)
+            stacks[name] = own = await stack.enter_async_context(contextlib.AsyncExitStack())
+            await own.enter_async_context(
+                model_server(port, engines[name], host=ip, continuation_key_file=pod_key,
+                             disaggregation_role=role)
+            )  # fmt: skip
+        extra: dict = {"pods": {"namespace": NS, "selector": DECODE_LABELS, "port": port}}
+        if disaggregated:
+            prefill = {"namespace": NS, "selector": PREFILL_LABELS, "port": port}
+            extra["disaggregation"] = {"prefill": prefill}
+        act = await stack.enter_async_context(
+            router(tmp_path, {MODEL: entry(8000, host="chat.team-a.invalid", **extra)},
+                   kube_api_url=api_url, service_account_dir=sa_dir(tmp_path),
+                   continuation_key_file=master)
+        )  # fmt: skip
+        want = 3 if disaggregated else 1
+        await eventually_async(
+            lambda: sum(len(s.candidates()) for s in act.app.pods.sets.values()) == want,
+            timeout=15, message="every pod a candidate",
+        )  # fmt: skip
+        yield act, engines, stacks, port
+
+
+def cached(raw: str) -> int | None:
+    """The cached prompt tokens in a streamed chat answer's usage."""
+    for line in raw.splitlines():
+        if line.startswith("data: {") and '"usage"' in line:
+            usage = json.loads(line[6:]).get("usage")
+            if usage:
+                return usage["prompt_tokens_details"]["cached_tokens"]
+    return None
+
+
+async def test_on_simulator_servers_the_decode_pod_gets_the_prompts_blocks(tmp_path):
+    async with sim_fleet(tmp_path) as (act, engines, _, port):
+        async with httpx.AsyncClient(base_url=act.url, headers=HEADERS, timeout=30) as c:
+            r = await c.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 200 and "data: [DONE]" in r.text
+        # one prefill ran (one token), then the decode pod computed none of the full blocks
+        assert engines["pre-a"].started + engines["pre-b"].started == 1
+        assert engines["dec-a"].started == 1
+        assert cached(r.text) == 2 * BLOCK
+        dec = f"http://127.0.0.23:{port}"
+        assert await scrape(dec, "sluice_kv_transfer_tokens_total", direction="in") == 2 * BLOCK
+
+
+async def test_on_simulator_servers_without_disaggregation_nothing_is_cached(tmp_path):
+    async with sim_fleet(tmp_path, disaggregated=False) as (act, engines, _, port):
+        async with httpx.AsyncClient(base_url=act.url, headers=HEADERS, timeout=30) as c:
+            r = await c.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 200 and cached(r.text) == 0
+        assert engines["pre-a"].started == engines["pre-b"].started == 0
+
+
+async def test_on_simulator_servers_a_client_leaving_aborts_the_prefill(tmp_path):
+    async with sim_fleet(tmp_path, prefill_ttft_ms=60_000) as (act, engines, _, port):
+        prefill = [engines["pre-a"], engines["pre-b"]]
+        async with httpx.AsyncClient(base_url=act.url, headers=HEADERS, timeout=30) as c:
+            sent = asyncio.ensure_future(c.post("/v1/chat/completions", json=CHAT))
+            await eventually_async(lambda: sum(e.started for e in prefill) == 1, timeout=15,
+                                   message="the prefill running")  # fmt: skip
+            sent.cancel()  # the client leaves
+            await asyncio.gather(sent, return_exceptions=True)
+        await eventually_async(lambda: sum(len(e.ended) for e in prefill) == 1, timeout=15,
+                               message="the prefill's engine request ended")  # fmt: skip
+        (engine,) = [e for e in prefill if e.started]
+        assert engine.ended == ["cut"] and engine.tokens == 0  # aborted before its token
+        assert engine.num_unfinished_requests() == 0
+        assert engines["dec-a"].started == 0
+        await eventually_async(lambda: prefills(act, "cancelled") == 1, timeout=15,
+                               message="the cancelled prefill counted")  # fmt: skip
+
+
+async def test_on_simulator_servers_a_killed_prefill_pod_is_retried_on_the_other(tmp_path):
+    async with sim_fleet(tmp_path) as (act, engines, stacks, port):
+        await stacks["pre-a"].aclose()  # its server is gone; its Pod still reads Ready
+        async with httpx.AsyncClient(base_url=act.url, headers=HEADERS, timeout=30) as c:
+            for i in range(20):  # until one was placed on the killed pod first
+                body = {**CHAT, "messages": [{"role": "user", "content": f"{i} {PROMPT}"}]}
+                r = await c.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200 and cached(r.text) == 2 * BLOCK, r.text
+                if prefills(act, "failed"):
+                    break
+        assert prefills(act, "failed") == 1
+        assert engines["pre-b"].started == i + 1 == prefills(act, "ok")

@@ -13,6 +13,9 @@ loaded each is, and the pick among them (placement.py's scores over this view).
   every second); a pod that does
   not answer keeps its last reading, which ages until placement no longer believes it.
   This router's own in-flight count per pod is added at the pick, fresh on every request.
+- A disaggregated model's decode pool (its `pods`, beside `disaggregation.prefill`) is
+  placed by load: its view follows no KV events (`sluice_router_kv_feeds_live` is its
+  prefill pool's view's).
 - A model whose entry says `balance: round-robin` is placed on each candidate pod in turn
   (by name, one turn counter per view): no score, no index, no load (the ingress's round
   robin, behind the same router; what the router's scores are measured against).
@@ -150,7 +153,7 @@ class PodView:
         for name in known - set(now):
             self._forget(name)
         kv = self.model.pods.kv_events if self.model.pods is not None else None
-        if not self.running or kv is None:
+        if not self.running or kv is None or self.model.prefill is not None:
             return
         for name, pod in now.items():
             feed = self.feeds.get(name)
@@ -212,9 +215,10 @@ class PodView:
         loop = asyncio.get_running_loop()
         self.running = True
         self._unsubscribe.append(self.pods.on_restart(self.restarted))
-        self.metrics.kv_feeds.labels(self.model.namespace, self.model.name).set_function(
-            self.live_feeds
-        )
+        if self.model.prefill is None:  # a disaggregated model's: its prefill pool's view
+            self.metrics.kv_feeds.labels(self.model.namespace, self.model.name).set_function(
+                self.live_feeds
+            )
         self._tasks.append(loop.create_task(self._follow()))
         if self.client is not None:
             self._tasks.append(loop.create_task(self._scrape_loop()))

@@ -9,7 +9,8 @@ caller's own headers (the pod authenticates the caller as on the original route)
 `{"method", "path", "body"}`: the original request, its JSON body as received (never parsed
 here; a GET's query stays in its path). The pod answers 200 `{"kv_transfer_params": {...} |
 null, "prompt_tokens": N}`; `run` returns the headers the decode pod gets with the request:
-`X-Sluice-KV-Transfer`, base64url (padded) of the parameters' JSON, and the router key;
+`X-Sluice-KV-Transfer`, base64url of the parameters' JSON (core/kvtransfer.py `encode`, as
+the pods read it), and the router key;
 none when the engine returned no parameters (the decode pod then computes the prompt
 itself).
 
@@ -32,7 +33,6 @@ answer read).
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import logging
 import time
@@ -41,6 +41,7 @@ from pathlib import Path
 
 import httpx
 
+from ..core import kvtransfer
 from ..core.auth.routerkey import KEY_HEADER
 from .hop import Relay
 from .metrics import RouterMetrics
@@ -49,7 +50,7 @@ from .prefixindex import BlockHash
 from .upstream import Upstream
 
 log = logging.getLogger(__name__)
-KV_HEADER = b"x-sluice-kv-transfer"
+KV_HEADER = kvtransfer.HEADER
 MAX_ATTEMPTS = 3  # prefill pods asked per request at most (a fleet-wide fault: not more)
 
 
@@ -68,11 +69,6 @@ def prefill_body(method: str, path: str, body: bytes) -> bytes:
     if method != "GET":
         parts += [b',"body":', body or b"null"]
     return b"".join([*parts, b"}"])
-
-
-def kv_header(params: object) -> bytes:
-    """`X-Sluice-KV-Transfer`'s value: base64url (padded) of the parameters' JSON."""
-    return base64.urlsafe_b64encode(json.dumps(params, separators=(",", ":")).encode())
 
 
 class Prefill:
@@ -141,7 +137,7 @@ class Prefill:
                     return (
                         []
                         if params is None
-                        else [(KEY_HEADER, key), (KV_HEADER, kv_header(params))]
+                        else [(KEY_HEADER, key), (KV_HEADER, kvtransfer.encode(params).encode())]
                     )
                 why = f"answered {response.status_code}"
             except (asyncio.CancelledError, GeneratorExit):

@@ -20,10 +20,18 @@ Service) `Upstream.pick` names and stream the answer through unchanged.
   another pod when its model has `migration` (`Splice`, docs/migration.md), else it ends
   with the protocol's error event, code `upstream_error`; any other answer cut off midway is cut
   for the client too (the connection is dropped).
+- A disaggregated model's request (its entry names a prefill pool) runs its prompt on a
+  prefill pod first (prefill.py) and goes to a decode pod with the parameters that returned
+  (`X-Sluice-KV-Transfer`): a prefill's 4xx is the answer, relayed as it is; no prefill pod
+  that runs it is a 502 `prefill_failed` in the protocol's shape (its error event on a
+  stream already committed); a decode pod that cannot be reached holds it again with the
+  same parameters. A client's own `X-Sluice-KV-Transfer` and continuation key never reach a
+  pod (`ROUTERS_OWN`).
 - The client leaving while held drops it from the held count (no upstream request is
-  made); leaving after forwarding closes the upstream connection at once, so the model
-  server's abort on disconnect stops its engine. A forwarded request that cannot even
-  connect (the replica went away again) is held again: it never reached the server.
+  made; a prefill running is cancelled, its connection closed); leaving after forwarding
+  closes the upstream connection at once, so the model server's abort on disconnect stops
+  its engine. A forwarded request that cannot even connect (the replica went away again)
+  is held again: it never reached the server.
 
 The request goes to `http://<podIP>:<port>` (a model with `pods`: the pod placed by its
 prompt's block hashes, which the model's provider computes from the body once, and the
@@ -79,7 +87,7 @@ HOP_BY_HOP = frozenset({
 _NOT_RELAYED = (HOP_BY_HOP - {"content-length"}) | {TENANT_HEADER.decode(), MARKED_HEADER}
 # Headers only the router sends a pod: a client's are dropped (a pod refuses them
 # without the key, and the router adds its own).
-_ROUTERS_OWN = frozenset({ROUTER_MARK[0], KEY_HEADER, KV_HEADER})
+ROUTERS_OWN = frozenset({ROUTER_MARK[0], KEY_HEADER, KV_HEADER})
 STATUS_HEADER = "x-sluice-status"  # token SSE: also `event: status` while held
 MODEL_STARTING = "model_starting"
 PREFILL_FAILED = "prefill_failed"  # no prefill pod of a disaggregated model ran the prompt
@@ -225,7 +233,7 @@ def forward_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
             for k, v in scope["headers"]
             if (name := k.decode("latin-1")) not in HOP_BY_HOP
             and name not in named
-            and k not in _ROUTERS_OWN
+            and k not in ROUTERS_OWN
         ),
         ROUTER_MARK,  # the pod names the caller's tenant in its answer (tenants.py)
     ]

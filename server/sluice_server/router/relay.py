@@ -14,6 +14,11 @@ then close 1013 (try again later). An upstream handshake the model's server refu
 403, 429, ...) becomes an error frame with its status, then close 1008; a client that
 leaves while held is dropped, and one that leaves later closes the upstream socket at once
 (the server's generations on it are aborted).
+
+A disaggregated model's WebSocket goes to a decode pod without a prefill step: its
+generations' prompts come later, in frames, and the hand-over is a header of a request
+(docs/disaggregation.md), so the decode pod computes each prompt itself. A client's own
+`X-Sluice-KV-Transfer` and continuation key are dropped, as on HTTP.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from ..transport import handshake
 from .metrics import RouterMetrics
 from .migration import Generations, busy, key_for
 from .models import Migration
-from .proxy import HOP_BY_HOP, MODEL_STARTING, Held, retry_after, starting_message
+from .proxy import HOP_BY_HOP, MODEL_STARTING, ROUTERS_OWN, Held, retry_after, starting_message
 from .tenants import ROUTER_MARK, credential
 from .upstream import Target, Upstream
 
@@ -66,7 +71,7 @@ def _upstream_headers(scope: Scope) -> list[tuple[str, str]]:
             for k, v in scope["headers"]
             if not k.startswith(b"sec-websocket-")
             and k.decode("latin-1") not in _NOT_FORWARDED
-            and k != ROUTER_MARK[0]
+            and k not in ROUTERS_OWN
         ),
         (ROUTER_MARK[0].decode(), ROUTER_MARK[1].decode()),  # the pod names the tenant
     ]
