@@ -10,7 +10,7 @@ export SLUICE_CACHE ?= $(CURDIR)/.cache
 
 SAMPLE ?= samples/chat-small.yaml
 
-.PHONY: help venv tools demo run test test-fast test-e2e test-dashboard test-multinode lint docs crds golden chart render bench bench-balance bench-router-hop bench-migration bench-placement bench-placement-live bench-lora bench-ab bench-ab-engine clean
+.PHONY: help venv tools demo run test test-fast test-e2e test-dashboard test-multinode lint docs crds golden chart render bench bench-balance bench-router-hop bench-migration bench-placement bench-placement-live bench-lora bench-ab bench-ab-engine bench-disagg bench-disagg-calibrate clean
 
 help:
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
@@ -101,6 +101,12 @@ bench-placement-live: venv tools ## Placement on 3 live pods of the real engine:
 
 bench-lora: venv ## Benchmark only a LoRA adapter next to the base on one engine (docs/bench-lora.md, the LoRA table in docs/benchmarks.md)
 	$(PY) -m sluice_bench.lora_ratio
+
+bench-disagg: venv ## Disaggregated serving on a simulator fleet: 4 mixed replicas vs 2 prefill + 2 decode pods behind the router, decode ITL p99 and TTFT p50 (the table in docs/benchmarks.md)
+	$(PY) -m sluice_bench.disagg --write
+
+bench-disagg-calibrate: venv ## What a long prompt's prefill costs the streams beside it on the real engine (tiny model, CPU): the simulator's interference numbers (docs/disaggregation.md)
+	$(PY) -m sluice_bench.disagg_calibrate
 
 bench-ab: venv ## CPU per token event, this checkout (B) vs BASE=<another checkout> (A), pinned pairs
 	$(PY) -m sluice_bench.stack_cost ab --against $(BASE) --pairs 4 --cpu $${CPU:-0}

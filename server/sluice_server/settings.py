@@ -117,11 +117,16 @@ class Settings(HttpSettings):
         0.92, gt=0, le=1, description="vLLM: share of GPU memory for weights and KV cache."
     )
     max_model_len: int | None = Field(
-        None, ge=1, description="vLLM: context length (default: the model's)."
+        None,
+        ge=1,
+        description="vLLM: context length (default: the model's; the simulator's: 4096).",
     )
     max_num_seqs: int | None = Field(None, ge=1, description="vLLM: sequences per batch.")
     max_num_batched_tokens: int | None = Field(
-        None, ge=1, description="vLLM: tokens per scheduler step."
+        None,
+        ge=1,
+        description="vLLM: tokens per scheduler step (the simulator: the most prompt "
+        "tokens one decode step prefills, default 2048).",
     )
     swap_space: float | None = Field(
         None,
@@ -458,6 +463,13 @@ class Settings(HttpSettings):
         ge=0,
         description="Simulator: extra TTFT per prompt token not served from the "
         "prefix cache, in microseconds.",
+    )
+    sim_prefill_interference_us_per_token: float = Field(
+        40.0,
+        ge=0,
+        description="Simulator: while prompts prefill, each decode gap of the other "
+        "streams grows by this per prompt token being prefilled (uncached tokens, at most "
+        "`--max-num-batched-tokens` a step): chunked prefill's cost to running streams.",
     )
     sim_kv_transfer_us_per_block: float = Field(
         80.0,

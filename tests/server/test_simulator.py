@@ -7,6 +7,7 @@ the windows below hold whatever else the machine is doing."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import statistics
 import sys
@@ -270,3 +271,100 @@ async def test_thousands_of_streams_are_cheap():
 def test_rejects_negative_settings():
     with pytest.raises(ValueError):
         SimulatorEngine(itl_ms=-1)
+    with pytest.raises(ValueError):
+        SimulatorEngine(prefill_interference_us_per_token=-1)
+    with pytest.raises(ValueError):
+        SimulatorEngine(prefill_chunk_tokens=0)
+
+
+async def _gaps_beside(engine: SimulatorEngine, prompt_words: int, tokens: int = 60):
+    """A stream's gaps (s) with a `prompt_words`-word prompt arriving after its 10th token,
+    and the prefilling-token count the engine showed while that prompt prefilled."""
+    seen: list[int] = []
+
+    async def long_prompt() -> None:
+        prefill = asyncio.create_task(
+            collect(engine, req("long", " ".join(["w"] * prompt_words), max_tokens=1))
+        )
+        await asyncio.sleep(0)  # the prompt's request registers (its first step)
+        assert engine.num_unfinished_requests() == 2
+        seen.append(engine.prefilling_tokens)
+        await prefill
+
+    times, extra = [], None
+    async for _ in engine.generate(req("stream", max_tokens=tokens)):
+        times.append(now())
+        if len(times) == 10:
+            extra = asyncio.create_task(long_prompt())
+    assert extra is not None
+    await extra
+    return [round(b - a, 6) for a, b in itertools.pairwise(times)], seen
+
+
+@virtual_time
+async def test_decode_gaps_grow_by_the_chunk_being_prefilled():
+    """A 3,000-token prompt (300 ms of prefill) arriving mid-stream: the stream's gaps are
+    itl + a chunk (1,000 tokens) x 20 us = 30 ms while it prefills, 10 ms before and after."""
+    engine = SimulatorEngine(ttft_ms=0, itl_ms=10, prefill_us_per_token=100,
+                             prefill_interference_us_per_token=20, prefill_chunk_tokens=1000)  # fmt: skip
+    gaps, seen = await _gaps_beside(engine, 3000)
+    assert seen == [3000]
+    assert engine.prefilling_tokens == 0  # its first token came: the prefill is over
+    slow = [g for g in gaps if g == 0.03]
+    assert set(gaps) == {0.01, 0.03}, gaps
+    assert 8 <= len(slow) <= 11, gaps  # ~300 ms of prefill in 30 ms gaps, priced at start
+    assert gaps[:9] == [0.01] * 9 and gaps[-5:] == [0.01] * 5
+
+
+@virtual_time
+async def test_a_prompt_shorter_than_a_chunk_costs_its_own_tokens():
+    engine = SimulatorEngine(ttft_ms=50, itl_ms=10, prefill_interference_us_per_token=20,
+                             prefill_chunk_tokens=1000)  # fmt: skip
+    gaps, seen = await _gaps_beside(engine, 250)
+    assert seen == [250] and set(gaps) == {0.01, 0.015}, gaps  # 10 ms + 250 x 20 us
+
+
+@virtual_time
+async def test_no_interference_without_its_cost_or_for_cached_tokens():
+    """Negative controls: the cost at 0 leaves every gap at itl; a prompt served from the
+    prefix cache prefills only its uncached tail (its last block here)."""
+    engine = SimulatorEngine(ttft_ms=0, itl_ms=10, prefill_us_per_token=100,
+                             prefill_interference_us_per_token=0)  # fmt: skip
+    gaps, _ = await _gaps_beside(engine, 3000)
+    assert set(gaps) == {0.01}, gaps
+    cached = SimulatorEngine(ttft_ms=0, itl_ms=10, prefill_us_per_token=100,
+                             prefill_interference_us_per_token=20, prefix_cache_blocks=1000,
+                             block_size=16)  # fmt: skip
+    await collect(cached, req("warm", " ".join(["w"] * 3000), max_tokens=1))
+    _, seen = await _gaps_beside(cached, 3000)
+    assert seen == [3000 - 2992]  # 187 cached blocks of 16, the last token never cached
+
+
+@virtual_time
+async def test_an_aborted_prefill_stops_slowing_the_others():
+    engine = SimulatorEngine(ttft_ms=0, itl_ms=10, prefill_us_per_token=100)
+    task = asyncio.create_task(collect(engine, req("long", " ".join(["w"] * 3000))))
+    await asyncio.sleep(0.01)
+    assert engine.prefilling_tokens == 3000
+    await engine.abort("long")
+    await task
+    assert engine.prefilling_tokens == 0 and engine._gap() == engine.itl_s
+
+
+@virtual_time
+async def test_a_decode_pod_prefills_only_what_the_hand_over_did_not_bring():
+    """A prompt whose blocks came from a prefill pod (kv_transfer_params) slows the decode
+    pod's streams by its uncomputed tail only; without the params it counts whole."""
+    engine = SimulatorEngine(ttft_ms=0, itl_ms=10, prefill_us_per_token=100,
+                             kv_transfer={"kv_connector": "NixlConnector"})  # fmt: skip
+    text = " ".join(["w"] * 3000)
+    params = {"do_remote_prefill": True, "remote_block_ids": list(range(187))}
+    handed = StreamRequest(request_id="handed", prompt=text, options=SamplingOptions(),
+                           kv_transfer_params=params)  # fmt: skip
+    for request, expected in ((handed, 3000 - 187 * 16), (req("whole", text), 3000)):
+        task = asyncio.create_task(collect(engine, request))
+        await asyncio.sleep(0)
+        assert engine.prefilling_tokens == expected
+        await engine.abort(request.request_id)
+        await task
+        assert engine.prefilling_tokens == 0

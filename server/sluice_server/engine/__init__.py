@@ -69,6 +69,9 @@ async def open_engine(
             prefill_us_per_token=settings.sim_prefill_us_per_token,
             hash_algo=settings.sim_prefix_caching_hash_algo,
             kv_events=KvEventsConfig.from_json(events) if events is not None else None,
+            max_model_len=settings.max_model_len or 4096,
+            prefill_interference_us_per_token=settings.sim_prefill_interference_us_per_token,
+            prefill_chunk_tokens=settings.max_num_batched_tokens or 2048,
             kv_transfer=json.loads(transfer) if transfer is not None else None,
             kv_transfer_us_per_block=settings.sim_kv_transfer_us_per_block,
         )

@@ -45,6 +45,28 @@ block instead (default 80 us: about one 16-token block of an 8B model's KV cache
 over a 25 GB/s link). On such an engine ``cached_tokens`` is always a number (0 without
 params and without a cache hit), as vLLM reports it with prompt token details on.
 
+Prefill interference (what disaggregated serving removes): one engine is one replica that
+runs decode steps for its streams and prefills new prompts in the same steps, as vLLM's
+chunked prefill does. While requests are prefilling (from arrival until their first token
+is due), every decode gap of the other streams on the engine is
+``itl_ms + min(P, prefill_chunk_tokens) * prefill_interference_us_per_token`` (times the
+jitter factor), where ``P`` is the prompt tokens being prefilled: the sum over the
+prefilling requests of their prompt tokens not served from the prefix cache (nor brought
+by a KV transfer). ``prefill_chunk_tokens`` is vLLM's ``--max-num-batched-tokens``: a step
+computes at most that many prompt tokens, so a long prompt slows many steps by a chunk's
+cost each rather than one step by its whole cost. Prompt tokens are the prompt's
+whitespace-separated words (``prepare``). A gap is priced when it starts, by the prefills
+running then. The prefill's own duration is still its TTFT above (the model does not
+queue prefills behind each other); to keep the two consistent set
+``prefill_us_per_token`` to about ``prefill_interference_us_per_token +
+itl_ms * 1000 / prefill_chunk_tokens`` (a prompt of ``P`` tokens takes ``P /
+prefill_chunk_tokens`` steps of ``itl_ms + chunk * interference``). Calibrated on vLLM's
+CPU engine (``make bench-disagg-calibrate``, docs/disaggregation.md): a step that prefills
+``c`` prompt tokens is longer by about ``c`` times the prompt's prefill time per token, so
+the decode streams beside a long prompt lose about its whole prefill time. The default
+(40 us per token, chunks of 2,048) is a GPU's figure: an 8B model prefills 20-40k tokens/s
+on one H100-class GPU, so a 2,048-token chunk adds about 80 ms to a 20 ms decode step.
+
 Tokens are words from a fixed list, cycled from an offset derived from the request's seed
 (``options.seed``, else a CRC of the prompt): the same request gives the same text. A
 continuation (``resume_ids``, core/streaming/continuation.py) replays as many words as it
@@ -149,12 +171,16 @@ class SimulatorEngine:
         prefill_us_per_token: float = 0.0,
         hash_algo: blockhash.HashAlgo = "sha256",
         kv_events: KvEventsConfig | None = None,
+        prefill_interference_us_per_token: float = 40.0,
+        prefill_chunk_tokens: int = 2048,
         kv_transfer: dict[str, Any] | None = None,
         kv_transfer_us_per_block: float = 80.0,
     ) -> None:
         if min(ttft_ms, itl_ms, ttft_per_stream_ms, jitter, prefill_us_per_token,
-               kv_transfer_us_per_block) < 0:  # fmt: skip
+               prefill_interference_us_per_token, kv_transfer_us_per_block) < 0:  # fmt: skip
             raise ValueError("simulator timings and jitter must be >= 0")
+        if prefill_chunk_tokens < 1:
+            raise ValueError("the simulator's prefill chunk must be at least 1 token")
         if not words:
             raise ValueError("the simulator needs at least one word")
         self.model_name = model_name
@@ -174,6 +200,9 @@ class SimulatorEngine:
         self.api = BuiltinApi(model_name, self)
         self.prefill_s_per_token = prefill_us_per_token / 1e6
         self.prefills: deque[Prefill] = deque(maxlen=1024)
+        self.interference_s_per_token = prefill_interference_us_per_token / 1e6
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.prefilling_tokens = 0  # prompt tokens being prefilled now (all requests)
         self.block_size = block_size
         self.kv_transfer = kv_transfer
         self.transfer_s_per_block = kv_transfer_us_per_block / 1e6
@@ -334,6 +363,9 @@ class SimulatorEngine:
         handover = self._handover(request, prompt_tokens)
         stream = _Stream(priority=priority, cache_salt=salt)
         self._streams[rid] = stream
+        # This prompt slows the other streams' decode steps until its first token is due.
+        prefilling = prompt_tokens - (cached or 0)
+        self.prefilling_tokens += prefilling
         due = loop.time() + ttft * self._factor(rng)
         prefilled = False
         text = ""  # everything generated so far (stop strings need the whole tail)
@@ -375,6 +407,7 @@ class SimulatorEngine:
                     return
                 if not prefilled:
                     prefilled = True
+                    self.prefilling_tokens -= prefilling
                     if cache is not None and hit is not None:
                         cache.store(ids, hit.hashes, salt, lora)
                 # Emit every token that is due by now (coalescing when we woke up late).
@@ -404,7 +437,7 @@ class SimulatorEngine:
                     if eos_at is not None and produced >= eos_at:
                         reason = "stop"
                         break
-                    due += self.itl_s * self._factor(rng)
+                    due += self._gap() * self._factor(rng)
                     if due > now:
                         break
                 finished = reason is not None
@@ -435,9 +468,18 @@ class SimulatorEngine:
         finally:
             # Normal end, abort, or the consumer closed/cancelled the iterator.
             self._streams.pop(rid, None)
+            if not prefilled:
+                self.prefilling_tokens -= prefilling
             if prefilled and out_ids and cache is not None and hit is not None:
                 # The output's full blocks are computed too (as vLLM caches them).
                 self._store_output(cache, ids, hit.hashes, out_ids, salt, lora)
+
+    def _gap(self) -> float:
+        """The next decode gap: `itl` plus the chunk of prompt tokens prefilled meanwhile."""
+        if not self.prefilling_tokens or not self.interference_s_per_token:
+            return self.itl_s
+        chunk = min(self.prefilling_tokens, self.prefill_chunk_tokens)
+        return self.itl_s + chunk * self.interference_s_per_token
 
     def _received_blocks(self, params: dict[str, Any] | None, prompt_tokens: int) -> int:
         """The prompt blocks a remote prefill's params bring (none on an engine without a
