@@ -206,5 +206,12 @@ class StreamingModelSpec(ApiModel):
 
     @property
     def max_possible_replicas(self) -> int:
+        """Most pods serving at once; a disaggregated model's both pools together."""
+        d = self.disaggregation
+        if d is not None:
+            return sum(
+                p.autoscaling.max_replicas if p.autoscaling else p.replicas
+                for p in (d.prefill, d.decode)
+            )
         a = self.autoscaling
         return a.max_replicas if a is not None and a.enabled else self.replicas
