@@ -43,6 +43,7 @@ from .protocols import (
     openai,
     openapi,
     playground,
+    prefill_entry,
     prefix_cache,
     probes,
     responses,
@@ -358,6 +359,12 @@ def build_app(
     install_cors(app, settings)
     if settings.root_path:
         app.add_middleware(PathPrefix, prefix=settings.root_path)
+    app.add_middleware(
+        prefill_entry.PrefillEntry,
+        key_file=settings.continuation_key_file,
+        role=settings.disaggregation_role,
+        max_body_bytes=settings.max_body_bytes,
+    )
     app.add_middleware(
         continue_entry.ContinueEntry,
         key_file=settings.continuation_key_file,

@@ -365,6 +365,22 @@ class Settings(HttpSettings):
         "replica a stream another replica started (docs/migration.md). Unset: 404. Read at "
         "each continuation, so a rotated Secret applies at once.",
     )
+    kv_transfer_config: str | None = Field(
+        None,
+        description="Disaggregated serving: vLLM's `--kv-transfer-config` JSON (a "
+        '`KVTransferConfig`, e.g. `{"kv_connector": "NixlConnector", "kv_role": "kv_both"}`), '
+        "passed to the engine; checked with vLLM's own config class at start (the simulator "
+        "reads `engine_id`, `kv_ip` and `kv_port` from it for the params it returns). "
+        "Also turns on the prompt token details in usage (the cached prompt tokens).",
+    )
+    disaggregation_role: Literal["prefill", "decode"] | None = Field(
+        None,
+        description="This pod's pool in a disaggregated model (docs/disaggregation.md): "
+        "`prefill` serves `POST /internal/prefill`, `decode` accepts the router's "
+        "`X-Sluice-KV-Transfer` header; both need --continuation-key-file (the router's key "
+        "authenticates those calls). The `role` label of `sluice_kv_transfer_tokens_total`. "
+        "Unset: a pod that serves whole requests.",
+    )
     credentials_reload_seconds: float = Field(
         2.0,
         ge=0,
@@ -442,6 +458,13 @@ class Settings(HttpSettings):
         ge=0,
         description="Simulator: extra TTFT per prompt token not served from the "
         "prefix cache, in microseconds.",
+    )
+    sim_kv_transfer_us_per_block: float = Field(
+        80.0,
+        ge=0,
+        description="Simulator, disaggregated (--kv-transfer-config): TTFT per KV-cache "
+        "block a decode request receives from its prefill, in microseconds, instead of "
+        "computing those tokens (80: one 16-token block of an 8B model, 2 MiB, at 25 GB/s).",
     )
     sim_prefix_caching_hash_algo: Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"] = Field(
         "sha256",
@@ -535,6 +558,19 @@ class Settings(HttpSettings):
             raise ValueError("--sim-kv-events-config must be a JSON object")
         return value
 
+    @field_validator("kv_transfer_config")
+    @classmethod
+    def _kv_transfer_json(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        try:
+            parsed = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"--kv-transfer-config is not JSON: {e}") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("--kv-transfer-config must be a JSON object (vLLM's KVTransferConfig)")
+        return value
+
     @field_validator("root_path")
     @classmethod
     def _root_path(cls, value: str) -> str:
@@ -582,6 +618,7 @@ class Settings(HttpSettings):
                 f"--priority-classes ({','.join(self.priority_classes)})"
             )
         self._check_nodes()
+        self._check_disaggregation()
         if self.sim_kv_events_config is not None and not self.sim_prefix_cache_blocks:
             raise ValueError("--sim-kv-events-config needs --sim-prefix-cache-blocks N (N > 0)")
         if self.sim_kv_events_config is not None and self.api_workers > 1:
@@ -595,6 +632,21 @@ class Settings(HttpSettings):
                 "process, and a reconnect may reach another worker"
             )
         return self
+
+    def _check_disaggregation(self) -> None:
+        """A role needs the router's key, and a real engine its connector (whose settings
+        vLLM's own `KVTransferConfig` checks when the engine starts: `vllm_engine`)."""
+        role = self.disaggregation_role
+        if role is not None and self.continuation_key_file is None:
+            raise ValueError(
+                f"--disaggregation-role {role} needs --continuation-key-file: the Sluice "
+                "router's key authenticates /internal/prefill and X-Sluice-KV-Transfer"
+            )
+        if role is not None and self.engine == "vllm" and self.kv_transfer_config is None:
+            raise ValueError(
+                f"--disaggregation-role {role} needs --kv-transfer-config with --engine vllm: "
+                "the engine hands the KV cache over through its connector"
+            )
 
     def _check_nodes(self) -> None:
         """Multi-node arguments that vLLM would refuse late (or hang on) are refused here."""

@@ -217,6 +217,13 @@ class Services:
                 raise self._counted(protocol, e) from None
         self.metrics.count_tenant_request(who.tenant, "admitted")
 
+    def kv_transferred(self, direction: str, tokens: int | None) -> None:
+        """Count prompt tokens handed to a decode pod (`out`) or received from a prefill
+        (`in`): `sluice_kv_transfer_tokens_total` (core/kvtransfer.py)."""
+        if tokens:
+            role = self.settings.disaggregation_role or "none"
+            self.metrics.kv_transfer.labels(self.metrics.model, role, direction).inc(tokens)
+
     def bill(self, who: Principal, tokens: int) -> None:
         """Charge tokens used when a stream ends (from its synchronous cleanup): the charge
         runs as its own task, held here until done."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -56,6 +57,7 @@ async def open_engine(
         from .simulator import SimulatorEngine
 
         events = settings.sim_kv_events_config
+        transfer = settings.kv_transfer_config
         sim = SimulatorEngine(
             model_name=settings.model_label,
             ttft_ms=settings.sim_ttft_ms,
@@ -67,6 +69,8 @@ async def open_engine(
             prefill_us_per_token=settings.sim_prefill_us_per_token,
             hash_algo=settings.sim_prefix_caching_hash_algo,
             kv_events=KvEventsConfig.from_json(events) if events is not None else None,
+            kv_transfer=json.loads(transfer) if transfer is not None else None,
+            kv_transfer_us_per_block=settings.sim_kv_transfer_us_per_block,
         )
         phases.mark("engine_ready")
         try:

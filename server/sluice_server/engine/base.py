@@ -148,6 +148,10 @@ class StreamRequest:
     # in all, and first yields one Delta replaying them (their text, `num_tokens` and
     # `completion_tokens` = their count); `prompt_tokens` stay the prompt's.
     resume_ids: list[int] | None = None
+    # Disaggregated serving (core/kvtransfer.py): the connector's params for this request,
+    # as vLLM's `SamplingParams.extra_args["kv_transfer_params"]` (a prefill's
+    # `do_remote_decode`, or a decode's remote blocks). Only the routes set it.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -166,6 +170,9 @@ class Delta:
     # The ids of this delta's tokens (None: not reported), for the event ids of streams the
     # router relays (core/streaming/continuation.py).
     token_ids: Sequence[int] | None = None
+    # On the finished Delta of a request that asked for a remote decode: the params a
+    # decode engine needs to fetch its KV cache (vLLM's `RequestOutput.kv_transfer_params`).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 ApiKind = Literal[

@@ -38,6 +38,7 @@ from .builtin_events import (
     ChatFramer,
     MessagesFramer,
     ResponsesFramer,
+    anthropic_usage,
     message_item,
     openai_usage,
     response_object,
@@ -65,6 +66,7 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: Flag = False
     cache_salt: ClientSalt | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # the routes' (core/kvtransfer.py)
 
     _numbers = field_validator(
         "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "n", mode="before"
@@ -98,6 +100,7 @@ class ResponsesBody(BaseModel):
     stream: Flag = False
     ignore_eos: Flag = False
     cache_salt: ClientSalt | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
     _numbers = field_validator("max_output_tokens", "temperature", "top_p", mode="before")(
         not_a_flag
@@ -125,6 +128,7 @@ class MessagesBody(CountTokensBody):
     stream: Flag = False
     ignore_eos: Flag = False
     cache_salt: ClientSalt | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
     _numbers = field_validator("max_tokens", "temperature", "top_p", mode="before")(not_a_flag)
 
@@ -244,6 +248,7 @@ class BuiltinApi:
         req.priority = priority
         req.resume_ids = resume
         req.cache_salt = b.cache_salt  # what the routes set (core/auth/cachesalt.py)
+        req.kv_transfer_params = b.kv_transfer_params
         req.adapter = getattr(self._engine, "adapters", {}).get(getattr(b, "model", None))
         deltas = self._engine.generate(req)
         if b.stream:
@@ -322,7 +327,7 @@ class BuiltinApi:
                 "content": [{"type": "text", "text": text}],
                 "stop_reason": STOP_REASONS.get(reason or "stop", "end_turn"),
                 "stop_sequence": None,
-                "usage": {"input_tokens": p, "output_tokens": c},
+                "usage": anthropic_usage(p, c, last.cached_tokens if last else None),
             }
         else:
             chat = kind == "chat"
@@ -343,6 +348,8 @@ class BuiltinApi:
                 "choices": [choice],
                 "usage": openai_usage(last),
             }
+        if last is not None and last.kv_transfer_params is not None:
+            body["kv_transfer_params"] = last.kv_transfer_params  # as vLLM's answers carry them
         return ApiReply(body, 200, p, c)
 
 

@@ -71,6 +71,15 @@ class ChatFramer:
         return out + "data: [DONE]\n\n"
 
 
+def anthropic_usage(p: int, c: int, cached: int | None = None) -> dict:
+    """Anthropic Messages `usage`: with cached prompt tokens, `input_tokens` counts only
+    the others and `cache_read_input_tokens` the cached ones (as vLLM reports them)."""
+    if cached is None:
+        return {"input_tokens": p, "output_tokens": c}
+    return {"input_tokens": max(0, p - cached), "output_tokens": c,
+            "cache_read_input_tokens": cached}  # fmt: skip
+
+
 def responses_usage(p: int, c: int, cached: int | None = None) -> dict:
     return {
         "input_tokens": p,
@@ -227,6 +236,6 @@ class MessagesFramer:
         }
         return out + (
             self._ev("content_block_stop", index=0)
-            + self._ev("message_delta", delta=delta, usage={"input_tokens": p, "output_tokens": c})
+            + self._ev("message_delta", delta=delta, usage=anthropic_usage(p, c, d.cached_tokens))
             + self._ev("message_stop")
         )

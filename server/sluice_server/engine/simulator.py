@@ -31,6 +31,20 @@ output blocks when it ends. TTFT gains ``prefill_us_per_token`` per uncached pro
 (times the jitter factor). With ``kv_events`` the cache's changes are published in vLLM's
 KV-event format. Each request's prefill numbers are kept in ``prefills`` (the last 1,024).
 
+Disaggregated serving (core/kvtransfer.py; on when ``kv_transfer`` is given, the
+``--kv-transfer-config`` JSON): a request whose ``kv_transfer_params`` ask for a remote
+decode (``do_remote_decode``) returns, on its finished Delta, NIXL-shaped params:
+``remote_block_ids`` (one new id per full block of the prompt, never counting its last
+token, which the decode side computes to sample its first token), ``remote_engine_id``
+(the config's ``engine_id``, else a random id per engine), ``remote_host`` and
+``remote_port`` (the config's ``kv_ip`` and ``kv_port``, vLLM's defaults
+127.0.0.1:14579), ``remote_request_id`` and ``tp_size`` 1. A request that brings such params
+(``do_remote_prefill``) counts those blocks' tokens as cached (no prefill time for them:
+``prefill_us_per_token`` applies to the rest) and pays ``kv_transfer_us_per_block`` per
+block instead (default 80 us: about one 16-token block of an 8B model's KV cache, 2 MiB,
+over a 25 GB/s link). On such an engine ``cached_tokens`` is always a number (0 without
+params and without a cache hit), as vLLM reports it with prompt token details on.
+
 Tokens are words from a fixed list, cycled from an offset derived from the request's seed
 (``options.seed``, else a CRC of the prompt): the same request gives the same text. A
 continuation (``resume_ids``, core/streaming/continuation.py) replays as many words as it
@@ -54,6 +68,7 @@ import json
 import os
 import random
 import time
+import uuid
 import zlib
 from collections import deque
 from collections.abc import AsyncGenerator, Sequence
@@ -101,6 +116,7 @@ class Prefill:
     prompt_tokens: int
     cached_tokens: int
     ttft_s: float  # before jitter
+    transferred_tokens: int = 0  # the cached tokens a remote prefill's blocks brought
 
 
 def _word_id(word: str) -> int:
@@ -133,8 +149,11 @@ class SimulatorEngine:
         prefill_us_per_token: float = 0.0,
         hash_algo: blockhash.HashAlgo = "sha256",
         kv_events: KvEventsConfig | None = None,
+        kv_transfer: dict[str, Any] | None = None,
+        kv_transfer_us_per_block: float = 80.0,
     ) -> None:
-        if min(ttft_ms, itl_ms, ttft_per_stream_ms, jitter, prefill_us_per_token) < 0:
+        if min(ttft_ms, itl_ms, ttft_per_stream_ms, jitter, prefill_us_per_token,
+               kv_transfer_us_per_block) < 0:  # fmt: skip
             raise ValueError("simulator timings and jitter must be >= 0")
         if not words:
             raise ValueError("the simulator needs at least one word")
@@ -155,6 +174,11 @@ class SimulatorEngine:
         self.api = BuiltinApi(model_name, self)
         self.prefill_s_per_token = prefill_us_per_token / 1e6
         self.prefills: deque[Prefill] = deque(maxlen=1024)
+        self.block_size = block_size
+        self.kv_transfer = kv_transfer
+        self.transfer_s_per_block = kv_transfer_us_per_block / 1e6
+        self.engine_id = str((kv_transfer or {}).get("engine_id") or uuid.uuid4())
+        self._next_block = 0
         self.cache: PrefixCache | None = None
         if kv_events is not None and not prefix_cache_blocks:
             raise ValueError("simulator KV events need a prefix cache (prefix_cache_blocks)")
@@ -295,12 +319,19 @@ class SimulatorEngine:
         if cache is not None:
             hit = cache.lookup(ids, salt, lora)
             cached = hit.cached_blocks * cache.hasher.block_size
+        blocks = self._received_blocks(request.kv_transfer_params, prompt_tokens)
+        if self.kv_transfer is not None:
+            cached = max(cached or 0, blocks * self.block_size)
         ttft = (
             self.ttft_s
             + self.ttft_per_stream_s * in_flight
             + (prompt_tokens - (cached or 0)) * self.prefill_s_per_token
+            + blocks * self.transfer_s_per_block
         )
-        self.prefills.append(Prefill(rid, prompt_tokens, cached or 0, ttft))
+        self.prefills.append(
+            Prefill(rid, prompt_tokens, cached or 0, ttft, blocks * self.block_size)
+        )
+        handover = self._handover(request, prompt_tokens)
         stream = _Stream(priority=priority, cache_salt=salt)
         self._streams[rid] = stream
         due = loop.time() + ttft * self._factor(rng)
@@ -395,6 +426,7 @@ class SimulatorEngine:
                     completion_tokens=produced,
                     cached_tokens=cached,
                     token_ids=delta_ids,
+                    kv_transfer_params=handover if finished else None,
                 )
                 if finished:
                     return
@@ -406,6 +438,34 @@ class SimulatorEngine:
             if prefilled and out_ids and cache is not None and hit is not None:
                 # The output's full blocks are computed too (as vLLM caches them).
                 self._store_output(cache, ids, hit.hashes, out_ids, salt, lora)
+
+    def _received_blocks(self, params: dict[str, Any] | None, prompt_tokens: int) -> int:
+        """The prompt blocks a remote prefill's params bring (none on an engine without a
+        connector, as vLLM ignores them there; at most the prompt's full blocks)."""
+        if self.kv_transfer is None or not params or not params.get("do_remote_prefill"):
+            return 0
+        ids = params.get("remote_block_ids")
+        if not isinstance(ids, list):
+            return 0
+        return min(len(ids), (prompt_tokens - 1) // self.block_size)
+
+    def _handover(self, request: StreamRequest, prompt_tokens: int) -> dict[str, Any] | None:
+        """The params a decode engine needs, for a request that asks for a remote decode."""
+        params = request.kv_transfer_params
+        if self.kv_transfer is None or not params or not params.get("do_remote_decode"):
+            return None
+        n = (prompt_tokens - 1) // self.block_size
+        first, self._next_block = self._next_block, self._next_block + n
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": list(range(first, first + n)),
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request.request_id,
+            "remote_host": str(self.kv_transfer.get("kv_ip") or "127.0.0.1"),
+            "remote_port": int(self.kv_transfer.get("kv_port") or 14579),
+            "tp_size": 1,
+        }
 
     @staticmethod
     def _store_output(

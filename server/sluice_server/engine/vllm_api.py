@@ -35,6 +35,7 @@ class UsageTap:
     # continuation's received ids (`StreamRequest.resume_ids`), replayed first.
     ids: list[int] = field(default_factory=list)
     resume: list[int] | None = None
+    cached_tokens: int | None = None  # the engine's num_cached_tokens (prefix cache, transfer)
 
 
 # Set by `VllmApi.respond` around vLLM's handler; tasks inherit it (contexts are copied).
@@ -104,6 +105,8 @@ def _tapped(tap: UsageTap, out: Any) -> None:
     if tap.first_output_at is None:
         tap.first_output_at = time.perf_counter()
         tap.prompt_tokens += len(out.prompt_token_ids or ())
+    if out.num_cached_tokens is not None:
+        tap.cached_tokens = out.num_cached_tokens
     for o in out.outputs:
         tap.completion_tokens += len(o.token_ids)
         tap.ids.extend(o.token_ids)
@@ -257,8 +260,9 @@ async def _chunks(sse: AsyncIterator[str], tap: UsageTap) -> AsyncGenerator[Delt
                 ids, tap.ids = tap.ids, []
             yield Delta(chunk, n, False, None, tap.prompt_tokens, seen, None, ids)
         yield Delta(
-            "", tap.completion_tokens - seen, True, "stop", tap.prompt_tokens, tap.completion_tokens
-        )
+            "", tap.completion_tokens - seen, True, "stop", tap.prompt_tokens,
+            tap.completion_tokens, tap.cached_tokens,
+        )  # fmt: skip
     finally:
         aclose = getattr(sse, "aclose", None)
         if aclose is not None:

@@ -50,6 +50,11 @@ def vllm_cli_args(settings: Settings, model_path: str, cpu_defaults: bool) -> li
     if settings.priority_classes:
         # Fixed when the engine starts; each request then carries its caller's class.
         args += ["--scheduling-policy", "priority"]
+    if settings.kv_transfer_config is not None:
+        # Disaggregated serving: the connector that hands the prompt's KV cache over, and
+        # usage that reports the prompt tokens it brought (`prompt_tokens_details`).
+        args += ["--kv-transfer-config", settings.kv_transfer_config]
+        args += ["--enable-prompt-tokens-details"]
     if cpu_defaults:
         # The CPU build misreads NUMA memory without an explicit KV size, and
         # torch.compile adds ~30 s to start-up for a model this small.

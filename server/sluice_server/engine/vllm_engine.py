@@ -5,6 +5,7 @@ own engine core, or a client of the core the pod's supervisor launched), its ser
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -84,6 +85,8 @@ class VllmEngine:
             ignore_eos=opts.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
         )
+        if request.kv_transfer_params is not None:  # as vLLM's OpenAI request models pass them
+            params.extra_args = {"kv_transfer_params": request.kv_transfer_params}
         completion_tokens = len(resume)
         n_prompt = len(ids)
         # AsyncLLM.generate aborts the engine request when it is cancelled or closed; close
@@ -114,8 +117,9 @@ class VllmEngine:
                     o.finish_reason if out.finished else None,
                     n_prompt,
                     completion_tokens,
-                    None,
+                    out.num_cached_tokens,
                     o.token_ids,
+                    out.kv_transfer_params if out.finished else None,
                 )
         finally:
             await gen.aclose()
@@ -232,10 +236,25 @@ def parse_vllm_args(settings: Settings, model_path: str) -> Any:
     if settings.otlp_traces_endpoint:
         # Ours is OTLP/HTTP; vLLM's exporter defaults to gRPC.
         os.environ.setdefault("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    if settings.kv_transfer_config is not None:
+        check_kv_transfer_config(settings.kv_transfer_config)
     cpu = current_platform.is_cpu()
     argv = vllm_cli_args(settings, model_path, cpu_defaults=cpu and not _has_kv_size(settings))
     parser = make_arg_parser(FlexibleArgumentParser(prog="sluice-server --"))
     return parser.parse_args(argv)
+
+
+def check_kv_transfer_config(text: str) -> None:
+    """ValueError with vLLM's own reason when its `KVTransferConfig` refuses the JSON
+    (`--kv-transfer-config`), before the engine starts."""
+    from vllm.config import KVTransferConfig
+
+    try:
+        KVTransferConfig(**json.loads(text))
+    except Exception as e:  # pydantic's ValidationError, or vLLM's own ValueError
+        raise ValueError(
+            f"--kv-transfer-config is not a valid vLLM KVTransferConfig: {e}"
+        ) from None
 
 
 @asynccontextmanager

@@ -68,7 +68,7 @@ class ContinueEntry:
             return
         refused = self._refused(scope)
         if refused is None:
-            body, refused = await self._read(receive)
+            body, refused = await read_body(receive, self.limit)
         if refused is not None:
             await refused(scope, receive, send)
             return
@@ -77,7 +77,9 @@ class ContinueEntry:
             await checked(scope, receive, send)
             return
         cont, original = checked
-        await self.app(_reentered(scope, cont, original), _replay(original.body, receive), send)
+        await self.app(
+            reentered(scope, SCOPE_KEY, cont, original), replay(original.body, receive), send
+        )
 
     def _refused(self, scope: Scope) -> JSONResponse | None:
         if self.key_file is None:
@@ -88,31 +90,33 @@ class ContinueEntry:
         refusal = key_refusal(self.key_file, given)
         return None if refusal is None else _error(*refusal, None, None)
 
-    async def _read(self, receive: Receive) -> tuple[Any, JSONResponse | None]:
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None, _error(400, "The router left before the body arrived.", None, None)
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.limit:
-                return None, _error(413, f"Body over {self.limit} bytes.", None, "body_too_large")
-            more = message.get("more_body", False)
-        try:
-            return json.loads(b"".join(chunks)), None
-        except (ValueError, UnicodeDecodeError) as e:
-            return None, _error(400, f"Invalid JSON body: {e}", None, "invalid_json")
+
+async def read_body(receive: Receive, limit: int) -> tuple[Any, JSONResponse | None]:
+    """An internal entry's JSON body, or the refusal to answer with."""
+    chunks, size, more = [], 0, True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None, _error(400, "The router left before the body arrived.", None, None)
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if size > limit:
+            return None, _error(413, f"Body over {limit} bytes.", None, "body_too_large")
+        more = message.get("more_body", False)
+    try:
+        return json.loads(b"".join(chunks)), None
+    except (ValueError, UnicodeDecodeError) as e:
+        return None, _error(400, f"Invalid JSON body: {e}", None, "invalid_json")
 
 
-class _Original:
+class Original:
     __slots__ = ("method", "path", "query", "body")
 
     def __init__(self, method: str, path: str, query: str, body: bytes) -> None:
         self.method, self.path, self.query, self.body = method, path, query, body
 
 
-def _checked(raw: Any) -> tuple[Continuation, _Original] | JSONResponse:
+def _checked(raw: Any) -> tuple[Continuation, Original] | JSONResponse:
     """The continuation and the original request, or a 422 saying what cannot be continued."""
     try:
         c = ContinueBody.model_validate(raw)
@@ -136,10 +140,12 @@ def _checked(raw: Any) -> tuple[Continuation, _Original] | JSONResponse:
         return _error(422, problem[1], problem[0], "not_continuable")
     body = json.dumps(c.body).encode() if c.body is not None else b""
     cont = Continuation(list(c.token_ids), c.next_event, c.response_id, c.created)
-    return cont, _Original(c.method, url.path, url.query, body)
+    return cont, Original(c.method, url.path, url.query, body)
 
 
-def _reentered(scope: Scope, cont: Continuation, original: _Original) -> Scope:
+def reentered(scope: Scope, key: str, value: Any, original: Original) -> Scope:
+    """The original request's scope, marked with `key` (what the route reads), without the
+    internal request's own headers."""
     headers = [(k, v) for k, v in scope["headers"] if k not in _DROPPED]
     if original.method == "POST":
         headers += [(b"content-type", b"application/json"),
@@ -151,11 +157,11 @@ def _reentered(scope: Scope, cont: Continuation, original: _Original) -> Scope:
         "raw_path": original.path.encode(),
         "query_string": original.query.encode(),
         "headers": headers,
-        SCOPE_KEY: cont,
+        key: value,
     }
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
+def replay(body: bytes, receive: Receive) -> Receive:
     """The original body once, then the continuation request's own messages (its
     disconnect)."""
     sent = False

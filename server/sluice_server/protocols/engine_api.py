@@ -25,6 +25,14 @@ from pydantic import ValidationError
 from ..core.auth.cachesalt import ROUTER_HEADER, check_client_salt
 from ..core.auth.identity import Principal
 from ..core.errors import ApiError, error_body
+from ..core.kvtransfer import (
+    CLIENT_FIELD,
+    PREFILL_KEY,
+    cached_in_usage,
+    prefill_body,
+    refuse_client_field,
+    transfer_in,
+)
 from ..core.lifecycle import open_stream
 from ..core.params import describe_validation_error
 from ..core.services import ClientGone, Services, read_json, received_at, services, trail_of
@@ -44,7 +52,7 @@ from ..core.streaming.continuation import (
 from ..core.streaming.events import DISCONNECTED, FINISHED, Failed, Meter, Tokens, Waiting, events
 from ..core.streaming.stream import HANDED_OVER, Stream
 from ..core.telemetry.metrics import bind
-from ..engine.base import GENERATING, ApiKind, ApiRequestError, ApiStream
+from ..engine.base import GENERATING, ApiKind, ApiRequestError, ApiStream, Delta
 from ..transport.sse import QUEUED, HandedOver, SSEResponse
 
 
@@ -91,18 +99,46 @@ def _precheck(request: Request, svc: Services, api: Api, body: dict, who: Princi
         integral = isinstance(v, int) or (isinstance(v, float) and v.is_integer())
         if v is not None and (not integral or isinstance(v, bool) or v < 1):
             raise svc.bad_input(api.label, f"{name}: must be a positive integer, got {v!r}.", name)
+    refused = refuse_client_field(body)
+    if refused is not None:
+        raise svc.bad_input(api.label, refused[1], refused[0])
 
 
-async def _parsed(request: Request, svc: Services, api: Api, kind: ApiKind, who: Principal):
+async def _parsed(
+    request: Request,
+    svc: Services,
+    api: Api,
+    kind: ApiKind,
+    who: Principal,
+    kv: dict | None = None,
+    prefill: str | None = None,
+):
+    """The engine and the engine's request object. `kv`: a decode's params from the
+    router; `prefill`: the original path of a remote prefill, which is validated as sent,
+    then run as `prefill_body` makes it (core/kvtransfer.py)."""
     body = await read_json(request, svc, api.label)
     engine = await svc.require_engine()
     _precheck(request, svc, api, body, who)
     if kind in GENERATING:
         _salt(svc, api, body, who)
     try:
+        if prefill is not None:
+            engine.api.parse(body, kind)
+            body = prefill_body(prefill, body)
+        elif kv is not None:
+            body[CLIENT_FIELD] = kv
         return engine, engine.api.parse(body, kind)
     except ValidationError as e:
         raise svc.bad_input(api.label, *describe_validation_error(e)) from None
+
+
+def _transfer(request: Request, svc: Services, api: Api) -> dict | None:
+    """The decode params the router sent (X-Sluice-KV-Transfer), or None."""
+    s = svc.settings
+    try:
+        return transfer_in(request.headers, s.continuation_key_file, s.disaggregation_role)
+    except ApiError as e:
+        raise svc.count(api.label, e) from None
 
 
 def _salt(svc: Services, api: Api, body: dict, who: Principal) -> None:
@@ -145,7 +181,9 @@ async def generate(request: Request, api: Api, path: str, kind: ApiKind) -> Resp
     a stream still waiting then commits to 200 and waits in the stream core."""
     assert kind in GENERATING
     svc, who = gate(request, api, path)
-    engine, parsed = await _parsed(request, svc, api, kind, who)
+    prefill = path if request.scope.get(PREFILL_KEY) else None
+    kv = None if prefill is not None else _transfer(request, svc, api)
+    engine, parsed = await _parsed(request, svc, api, kind, who, kv, prefill)
     trail = trail_of(request)
     cont: Continuation | None = request.scope.get(SCOPE_KEY)
     resume = cont.token_ids if cont is not None else None
@@ -167,13 +205,13 @@ async def generate(request: Request, api: Api, path: str, kind: ApiKind) -> Resp
         if not admitted:  # committed: the engine request starts once a slot is free
             later = _Later(engine, parsed, kind, request, priority, resume)
             handle = open_stream(
-                svc, trail, who, _continued(later.chunks(), cont), t0, later.prompt_tokens,
+                svc, trail, who, _source(later.chunks(), cont, svc, kv), t0, later.prompt_tokens,
                 ticket=ticket, marked=marked, continued=cont is not None,
             )  # fmt: skip
             held = False
             return _sse(svc, api, *handle, cont)
         try:
-            result = await _unless_disconnected(
+            result = await unless_disconnected(
                 request, engine.api.respond(parsed, kind, request, priority, resume)
             )
         except ApiRequestError as e:
@@ -187,10 +225,14 @@ async def generate(request: Request, api: Api, path: str, kind: ApiKind) -> Resp
             meter.tokens = result.completion_tokens
             meter.finish(FINISHED)
             ticket.charge(result.completion_tokens)
+            if prefill is not None:  # the decode request bills the whole request
+                return _prefilled(svc, result.body, result.prompt_tokens)
             svc.bill(who, result.prompt_tokens + result.completion_tokens)
+            if kv is not None:
+                svc.kv_transferred("in", cached_in_usage(result.body))
             return JSONResponse(result.body, result.status)
         handle = open_stream(
-            svc, trail, who, _continued(result.chunks, cont), t0, result.prompt_tokens,
+            svc, trail, who, _source(result.chunks, cont, svc, kv), t0, result.prompt_tokens,
             ticket=ticket, marked=marked, continued=cont is not None,
         )  # fmt: skip
         held = False  # the stream owns the slot now
@@ -200,8 +242,34 @@ async def generate(request: Request, api: Api, path: str, kind: ApiKind) -> Resp
             ticket.release()
 
 
-def _continued(chunks: AsyncIterator, cont: Continuation | None) -> AsyncIterator:
+def _source(
+    chunks: AsyncIterator, cont: Continuation | None, svc: Services, kv: dict | None
+) -> AsyncIterator:
+    if kv is not None:
+        chunks = received(chunks, svc)
     return chunks if cont is None else continued(chunks, cont, framed=True)
+
+
+async def received(chunks: AsyncIterator[Delta], svc: Services) -> AsyncIterator[Delta]:
+    """A decode stream's Deltas; its finished one's cached tokens are the prompt tokens
+    the prefill's KV cache spared (`sluice_kv_transfer_tokens_total{direction="in"}`)."""
+    try:
+        async for d in chunks:
+            if d.finished and d.finish_reason != "abort":
+                svc.kv_transferred("in", d.cached_tokens)
+            yield d
+    finally:
+        aclose = getattr(chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()  # aborts an unfinished engine request at once
+
+
+def _prefilled(svc: Services, body: dict, prompt_tokens: int) -> JSONResponse:
+    """A remote prefill's answer (core/kvtransfer.py): the params the engine returned for
+    the decode pod (None when its connector returns none) and the prompt's size."""
+    params = body.get(CLIENT_FIELD) if isinstance(body, dict) else None
+    svc.kv_transferred("out", prompt_tokens)
+    return JSONResponse({"kv_transfer_params": params, "prompt_tokens": prompt_tokens})
 
 
 def _sse(
@@ -249,7 +317,7 @@ class _Later:
                 await aclose()  # aborts an unfinished engine request at once
 
 
-async def _unless_disconnected(request: Request, work):
+async def unless_disconnected(request: Request, work):
     """Run `work`; if the client goes first, cancel it (aborting any engine request) and
     return None."""
     task = asyncio.ensure_future(work)

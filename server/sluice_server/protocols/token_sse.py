@@ -20,11 +20,12 @@ from collections.abc import AsyncIterator
 from json.encoder import encode_basestring_ascii
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from ..core.auth.cachesalt import ROUTER_HEADER
 from ..core.auth.identity import Principal
 from ..core.errors import ApiError
+from ..core.kvtransfer import PREFILL_KEY, PREFILL_PARAMS, transfer_in
 from ..core.lifecycle import open_stream, resume_stream
 from ..core.params import to_stream_request
 from ..core.services import ClientGone, Services, read_json, received_at, services, trail_of
@@ -36,9 +37,21 @@ from ..core.streaming.continuation import (
     event_id,
 )
 from ..core.streaming.continuation import marked as is_marked
-from ..core.streaming.events import DISCONNECTED, Failed, Finished, Meter, Tokens, Waiting, events
+from ..core.streaming.events import (
+    DISCONNECTED,
+    FINISHED,
+    Failed,
+    Finished,
+    Meter,
+    Tokens,
+    Waiting,
+    events,
+)
 from ..core.streaming.stream import HANDED_OVER, Stream
+from ..core.telemetry.metrics import bind
+from ..engine.base import Delta
 from ..transport.sse import QUEUED, HandedOver, SSEResponse
+from .engine_api import received, unless_disconnected
 from .openapi import stream_body, stream_query, streamed
 
 router = APIRouter(tags=["token stream"])
@@ -91,8 +104,17 @@ async def _start(request: Request, svc: Services, who: Principal, body: dict) ->
     # The request id is the stream's: its events' `id`, the engine's request id (a
     # continuation's engine request has its own, whatever the stream's id was elsewhere).
     rid = trail.rid
+    prefill = bool(request.scope.get(PREFILL_KEY))
     try:
         req = to_stream_request(body, engine_rid, engine, lambda m: svc.route(trail, who, m))
+        s = svc.settings
+        if prefill:  # validated as sent, run for one token (core/kvtransfer.py)
+            req.options.max_tokens = 1
+            req.kv_transfer_params = dict(PREFILL_PARAMS)
+        else:
+            req.kv_transfer_params = transfer_in(
+                request.headers, s.continuation_key_file, s.disaggregation_role
+            )
     except ApiError as e:
         raise svc.count(PROTOCOL, e) from None
     ticket = await svc.admit(PROTOCOL, who, trail, continuation=cont is not None)
@@ -106,7 +128,11 @@ async def _start(request: Request, svc: Services, who: Principal, body: dict) ->
     req.priority = svc.engine_priority(who)
     req.cache_salt = svc.cache_salt(who, req.cache_salt)
     n_prompt = len(req.prompt_token_ids or ())
+    if prefill:
+        return await _prefill(request, svc, engine, req, ticket, trail)
     source = engine.generate(req)
+    if req.kv_transfer_params is not None:
+        source = received(source, svc)
     if cont is not None:
         req.resume_ids = cont.token_ids
         source = continued(source, cont, framed=False)
@@ -118,6 +144,33 @@ async def _start(request: Request, svc: Services, who: Principal, body: dict) ->
         continued=cont is not None,
     )  # fmt: skip
     return _respond(svc, handle, rid, None)
+
+
+async def _prefill(request: Request, svc: Services, engine, req, ticket, trail) -> Response:
+    """A remote prefill on the token stream (core/kvtransfer.py): the engine's params for
+    the decode pod and the prompt's size, as JSON."""
+    t0 = received_at(request)
+
+    async def run() -> Delta | None:
+        last = None
+        async for d in engine.generate(req):
+            last = d
+        return last
+
+    try:
+        last = await unless_disconnected(request, run())
+    finally:
+        ticket.release()
+    meter = Meter(bind(svc.metrics, PROTOCOL, trail.model), t0, trail)
+    if last is None:
+        meter.finish(DISCONNECTED)
+        return Response(status_code=499)
+    meter.tokens = last.completion_tokens
+    meter.finish(FINISHED)
+    svc.kv_transferred("out", last.prompt_tokens)
+    return JSONResponse(
+        {"kv_transfer_params": last.kv_transfer_params, "prompt_tokens": last.prompt_tokens}
+    )
 
 
 async def _resume(request: Request, svc: Services, who: Principal) -> Response:

@@ -16,7 +16,9 @@ frame start with `"_sluice":"<index>;<token ids>",` (docs/migration.md), a key t
 strips before the client sees the frame. A socket opened with the router's continuation key
 (`X-Sluice-Continuation-Key`) may start a generation with `"continuation": {"token_ids",
 "next_event"}`: the rest of a generation another replica started, its frames numbered on
-from `next_event`.
+from `next_event`. On a decode pod of a disaggregated model, such a socket may also start one
+with `"kv_transfer_params": {...}`: what `POST /internal/prefill` (path `/v1/stream`, the
+frame's prompt or messages, model and params as its body) returned (core/kvtransfer.py).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from fastapi import APIRouter, WebSocket
 from fastapi.responses import JSONResponse
 from starlette.websockets import WebSocketDisconnect
 
+from ..core import kvtransfer
 from ..core.auth.cachesalt import ROUTER_HEADER
 from ..core.auth.identity import Principal
 from ..core.auth.routerkey import KEY_HEADER, key_refusal
@@ -45,6 +48,7 @@ from ..core.streaming.stream import HANDED_OVER, Stream
 from ..core.telemetry.accesslog import Trail
 from ..transport.cors import websocket_origin_allowed
 from ..transport.sendwatch import SendWatchdog
+from .engine_api import received
 
 router = APIRouter()
 PROTOCOL = "websocket"
@@ -180,6 +184,12 @@ class Connection:
             if isinstance(problem, tuple):
                 return await self.error(rid, *problem)
             cont = problem
+        kv = None
+        if kvtransfer.CLIENT_FIELD in frame:
+            got = self.kv_params(frame[kvtransfer.CLIENT_FIELD])
+            if isinstance(got, tuple):
+                return await self.error(rid, *got)
+            kv = got
         svc = self.svc
         trail = self.trail.child(str(rid), t0)
         try:
@@ -197,8 +207,11 @@ class Connection:
         req.trace_headers = trail.carrier
         req.priority = svc.engine_priority(self.who)
         req.cache_salt = svc.cache_salt(self.who, req.cache_salt)
+        req.kv_transfer_params = kv
         n_prompt = len(req.prompt_token_ids or ())
         source = engine.generate(req)
+        if kv is not None:
+            source = received(source, svc)
         if cont is not None:
             req.resume_ids = cont.token_ids
             source = continued(source, cont, framed=False)
@@ -210,6 +223,19 @@ class Connection:
         self.streams[rid] = stream
         task = asyncio.create_task(self.pump(rid, stream, meter, cleanup))
         self.tasks[rid] = task
+
+    def kv_params(self, spec) -> dict | tuple[int, str, str]:
+        """A generate frame's `kv_transfer_params` (a decode's), or (status, message, code)
+        refusing them: only the router's socket brings them, only to a decode pod."""
+        if not self.continuing:
+            return 403, ("kv_transfer_params are accepted only from the Sluice router (a "
+                         "socket opened with X-Sluice-Continuation-Key)."), "forbidden"  # fmt: skip
+        if self.svc.settings.disaggregation_role != "decode":
+            return 403, ("kv_transfer_params are accepted only by a decode pod "
+                         "(--disaggregation-role decode)."), "forbidden"  # fmt: skip
+        if spec is not None and not isinstance(spec, dict):
+            return 400, "`kv_transfer_params` must be an object.", "invalid_kv_transfer"
+        return spec or {}
 
     def continuation(self, rid, spec, body: dict) -> Continuation | tuple[int, str, str]:
         """A generate frame's `continuation`, or (status, message, code) refusing it."""

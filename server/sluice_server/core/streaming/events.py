@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from .stream import HANDED_OVER, KEEPALIVE, Stream, StreamFailed, join_batch
 
@@ -54,7 +54,7 @@ class Tokens:
 class Finished:
     __slots__ = ("reason", "usage")
 
-    def __init__(self, reason: str | None, usage: dict[str, int]) -> None:
+    def __init__(self, reason: str | None, usage: dict[str, Any]) -> None:
         self.reason, self.usage = reason, usage
 
 
@@ -79,11 +79,15 @@ class Waiting:
 Event = Tokens | Finished | Failed | Stopped | Waiting
 
 
-def usage_of(last: Delta | None) -> dict[str, int]:
-    """OpenAI-style usage from the last delta of a stream."""
+def usage_of(last: Delta | None) -> dict[str, Any]:
+    """OpenAI-style usage from the last delta of a stream; `prompt_tokens_details` with the
+    cached prompt tokens when the engine reports them (prefix cache, a KV transfer)."""
     p = last.prompt_tokens if last is not None else 0
     c = last.completion_tokens if last is not None else 0
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    usage: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    if last is not None and last.cached_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": last.cached_tokens}
+    return usage
 
 
 class Meter:

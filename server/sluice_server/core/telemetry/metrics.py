@@ -118,6 +118,14 @@ class Metrics:
             "Dropped token streams whose resume window passed (then aborted).",
             labels,
         )
+        self.kv_transfer = fam.counter(
+            "sluice_kv_transfer_tokens",
+            "Disaggregated serving: prompt tokens this pod prefilled for a decode pod "
+            "(direction out: each /internal/prefill that finished), and prompt tokens a decode "
+            "request did not compute because a prefill's KV cache came with it (direction in: "
+            "the engine's cached prompt tokens on requests with X-Sluice-KV-Transfer).",
+            ("model", "role", "direction"),
+        )
         self.active = fam.gauge(
             "sluice_active_streams",
             "Streams generating: each holds a stream slot (a stream that waits in the "
