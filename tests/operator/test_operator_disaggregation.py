@@ -269,7 +269,10 @@ def _pod_labels(role=None, instance="m"):
     return {**labels, ROLE: role} if role else labels
 
 
-ROUTER_POD = {"app.kubernetes.io/name": "sluice-activator", "app.kubernetes.io/component": "activator"}
+ROUTER_POD = {
+    "app.kubernetes.io/name": "sluice-activator",
+    "app.kubernetes.io/component": "activator",
+}
 
 
 @pytest.mark.parametrize("own_policy", [False, True])

@@ -230,9 +230,7 @@ def test_disaggregated_pools_kv_transfer_config_as_vllms_parser_and_config_read_
             assert config.kv_connector == "NixlConnector"
         else:
             assert config.kv_connector == "ExampleConnector"
-            assert config.get_from_extra_config("shared_storage_path", None) == (
-                "/mnt/kv-transfer"
-            )
+            assert config.get_from_extra_config("shared_storage_path", None) == ("/mnt/kv-transfer")
         # vLLM's validation passes; each engine draws its own id (a pod's NIXL identity).
         direct = KVTransferConfig(**json.loads(value))
         assert direct.engine_id != config.engine_id

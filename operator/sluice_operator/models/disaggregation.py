@@ -148,8 +148,8 @@ _ON = "has(self.disaggregation)"
 
 def _pool_fits(s: object, role: Role) -> bool:
     d = s.disaggregation  # type: ignore[attr-defined]
-    if d is None:
-        return True
+    if d is None or s.parallelism.nodes > 1:  # type: ignore[attr-defined]
+        return True  # several nodes: refused by a rule of their own
     pool = d.pool(role)
     gpus = pool.gpus or s.resources.gpus  # type: ignore[attr-defined]
     tensor = pool.tensor or s.parallelism.tensor  # type: ignore[attr-defined]
@@ -208,7 +208,8 @@ def _fit_detail(s: object, role: Role) -> str:
 def _pool_rule(role: Role) -> Rule:
     p = f"self.disaggregation.{role}"
     return Rule(
-        f"!{_ON} || !has({p}) || (has({p}.tensor) ? {p}.tensor : self.parallelism.tensor) * "
+        f"!{_ON} || !has({p}) || (has(self.parallelism.nodes) && self.parallelism.nodes > 1) "
+        f"|| (has({p}.tensor) ? {p}.tensor : self.parallelism.tensor) * "
         f"self.parallelism.pipeline == (has({p}.gpus) ? {p}.gpus : self.resources.gpus)",
         f"disaggregation.{role}: tensor (else parallelism.tensor) x parallelism.pipeline must "
         f"equal gpus (else resources.gpus)",
@@ -226,6 +227,15 @@ DISAGGREGATION_RULES = (
         "prefill pod, then to a decode pod with the KV the prefill handed over",
         holds=lambda s: s.disaggregation is None or s.routing.router.enabled,
         field=".disaggregation",
+    ),
+    Rule(
+        f"!{_ON} || !has(self.routing.router.migration) || "
+        "!has(self.routing.router.migration.enabled) || self.routing.router.migration.enabled",
+        "disaggregation needs the router's model key on the pods, which routing.router."
+        "migration mounts: it authenticates the router's prefill requests and KV hand-overs; "
+        "do not set routing.router.migration.enabled to false",
+        holds=lambda s: s.disaggregation is None or s.routing.router.migration.enabled,
+        field=".routing.router.migration.enabled",
     ),
     Rule(
         f"!{_ON} || !has(self.parallelism.nodes) || self.parallelism.nodes == 1",
