@@ -89,8 +89,8 @@ def _env(model: StreamingModel) -> list[dict[str, Any]]:
         env[var.name] = var.model_dump(by_alias=True, exclude_none=True)
     # After the user's entries, so none can shadow the Secrets; never arguments.
     secret_env(model, env)
-    for var in side_channel_env(model):  # a pool's NIXL side channel: the pod's own address
-        env[var["name"]] = var
+    for side in side_channel_env(model):  # a pool's NIXL side channel: the pod's own address
+        env[side["name"]] = side
     if cache_of(model) is not None:  # the weights are on the claim: the Hub stays off
         for name, value in OFFLINE_ENV.items():
             env.pop(name, None)
