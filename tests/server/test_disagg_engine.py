@@ -97,7 +97,7 @@ async def test_the_decode_pod_loads_the_prompt_the_prefill_pod_computed(
         assert prefilled["prompt_tokens"] > 256, prefilled
         out = (await c.get("/metrics")).text
         n = float(prefilled["prompt_tokens"])
-        assert f'{{model="tiny",role="prefill",direction="out"}} {n}' in out
+        assert f'{{direction="out",model="tiny",role="prefill"}} {n}' in out
     assert any((tmp_path / "kv").iterdir()), "the connector wrote no KV cache"
 
     header = {**KEYED, "X-Sluice-KV-Transfer": kvtransfer.encode(prefilled["kv_transfer_params"])}
@@ -120,4 +120,4 @@ async def test_the_decode_pod_loads_the_prompt_the_prefill_pod_computed(
         assert text_and_usage(r.text)[1]["prompt_tokens_details"]["cached_tokens"] == 0
 
         metrics = (await c.get("/metrics")).text
-        assert f'{{model="tiny",role="decode",direction="in"}} {float(cached)}' in metrics
+        assert f'{{direction="in",model="tiny",role="decode"}} {float(cached)}' in metrics

@@ -252,8 +252,14 @@ def check_kv_transfer_config(text: str) -> None:
     try:
         KVTransferConfig(**json.loads(text))
     except Exception as e:  # pydantic's ValidationError, or vLLM's own ValueError
+        errors = getattr(e, "errors", None)
+        why = (
+            "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in errors())
+            if callable(errors)
+            else str(e)
+        )
         raise ValueError(
-            f"--kv-transfer-config is not a valid vLLM KVTransferConfig: {e}"
+            f"--kv-transfer-config is not a valid vLLM KVTransferConfig: {why}"
         ) from None
 
 

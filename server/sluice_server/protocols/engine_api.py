@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -250,7 +250,7 @@ def _source(
     return chunks if cont is None else continued(chunks, cont, framed=True)
 
 
-async def received(chunks: AsyncIterator[Delta], svc: Services) -> AsyncIterator[Delta]:
+async def received(chunks: AsyncIterator[Delta], svc: Services) -> AsyncGenerator[Delta, None]:
     """A decode stream's Deltas; its finished one's cached tokens are the prompt tokens
     the prefill's KV cache spared (`sluice_kv_transfer_tokens_total{direction="in"}`)."""
     try:

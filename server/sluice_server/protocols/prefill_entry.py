@@ -57,19 +57,17 @@ class PrefillEntry:
         if scope["type"] != "http" or scope["path"] != PATH:
             await self.app(scope, receive, send)
             return
-        refused = self._refused(scope)
-        if refused is None:
-            raw, refused = await read_body(receive, self.limit)
-        if refused is None:
-            checked = _checked(raw)
-            if isinstance(checked, JSONResponse):
-                refused = checked
-        if refused is not None:
-            await refused(scope, receive, send)
-            return
-        await self.app(
-            reentered(scope, PREFILL_KEY, True, checked), replay(checked.body, receive), send
-        )
+        answer = self._refused(scope)
+        if answer is None:
+            raw, answer = await read_body(receive, self.limit)
+            if answer is None:
+                checked = _checked(raw)
+                if isinstance(checked, Original):
+                    reentry = reentered(scope, PREFILL_KEY, True, checked)
+                    await self.app(reentry, replay(checked.body, receive), send)
+                    return
+                answer = checked
+        await answer(scope, receive, send)
 
     def _refused(self, scope: Scope) -> JSONResponse | None:
         if self.key_file is None or self.role != "prefill":
