@@ -34,6 +34,7 @@ from .builders.gateway import (
     without_session_persistence,
 )
 from .builders.keda import keda_hpa_name
+from .builders.split import check_versions, owner_weight, split_condition
 from .builders.weights import (
     cache_of,
     desired_fetch_job,
@@ -64,6 +65,7 @@ from .kinds import (
     Unavailable,
     desired_children,
 )
+from .models import GROUP, KIND, VERSION
 from .models.resource import OperatorDefaults, StreamingModel
 from .pacing import (
     PACED,
@@ -363,6 +365,7 @@ class _Pass:
         # stored and the poller's signals, before the children are built.
         self.signals, self.step = Signals(), Step.NONE
         self.metrics = zero.metrics if zero is not None else None
+        self.zero = zero
         if zero is not None:  # where the activator (the router) answers, and whether it runs
             model = dataclasses.replace(
                 model, activator_host=zero.activator_host, router_available=zero.router
@@ -634,6 +637,8 @@ class _Pass:
             new = self.zero_status(new, deployment, generation)
         if self.weights is not None:
             new = self.weights_status(new, deployment, generation)
+        if self.model.spec.routing.router.split:
+            new = self.split_status(new, generation)
         if self.pacer is not None:
             self.pacer.observe((self.namespace, self.name), deployment)
         unwatched = self.workload_kind is LWS_KIND and deployment is not None
@@ -802,6 +807,50 @@ class _Pass:
         self.outcome.weights_settling = verdict.settling
         return new
 
+    # --- a model version to a share of traffic (builders/split.py) ---------------------
+    def _model_body(self, name: str) -> Mapping[str, Any] | None:
+        model = getattr(self.reads, "model", None)
+        if model is not None:
+            return model(self.namespace, name)
+        return self.cluster.get(f"{GROUP}/{VERSION}", KIND, self.namespace, name)
+
+    def split_status(self, new: dict[str, Any], generation: int | None) -> dict[str, Any]:
+        """Condition TrafficSplit (the versions checked against the objects they name) and
+        status.split: each version's applied weight, ready pods and numbers over the
+        poller's last window, this model first."""
+        bodies: dict[str, Mapping[str, Any]] = {}
+        models: dict[str, StreamingModel | None] = {}
+        for v in self.model.spec.routing.router.split:
+            body = self._model_body(v.model)
+            if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+                continue
+            bodies[v.model] = body
+            try:
+                models[v.model] = load_model(body)
+            except SpecError:
+                models[v.model] = None
+        checks = check_versions(self.model, models)
+        cond = split_condition(self.model, checks)
+        new = with_condition(new, cond, self.status, self.now, generation)
+        if cond["status"] != "True" and cond["reason"] != _split_reason(self.status):
+            self.post_event("Warning", "TrafficSplit", cond["message"])
+        stats = self.zero.split_stats if self.zero is not None else (lambda key: None)
+        rows = []
+        weights = [(self.name, owner_weight(checks)), *((c.model, c.applied) for c in checks)]
+        if not self.model.router_available:
+            weights = [(name, 100 if name == self.name else 0) for name, _ in weights]
+        for name, weight in weights:
+            row: dict[str, Any] = {"model": name, "weight": weight}
+            status = new if name == self.name else (bodies.get(name) or {}).get("status") or {}
+            if status.get("readyReplicas") is not None:
+                row["readyReplicas"] = status["readyReplicas"]
+            numbers = stats((self.namespace, name))
+            if numbers is not None:
+                row.update(numbers.fields())
+            rows.append(row)
+        new["split"] = rows
+        return new
+
     def post_events(self) -> None:
         """What changed, then a Warning per refused kind whose message the status lacked."""
         applied, deleted = self.outcome.applied, self.outcome.deleted
@@ -817,6 +866,13 @@ class _Pass:
         if self.key_refused is not None and not key_forbidden(self.status):
             verdict = migration_verdict(self.model, forbidden=True)
             self.post_event("Warning", "ContinuationKeyForbidden", verdict[2] if verdict else "")
+
+
+def _split_reason(status: Mapping[str, Any]) -> str | None:
+    for c in status.get("conditions") or []:
+        if c.get("type") == "TrafficSplit":
+            return str(c.get("reason"))
+    return None
 
 
 def _with_adapters(

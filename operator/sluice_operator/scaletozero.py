@@ -41,6 +41,7 @@ from typing import Any
 from .models.resource import StreamingModel
 from .models.status import ConditionType
 from .opmetrics import OperatorMetrics
+from .splitstats import VersionStats
 
 LAST_REQUEST = "sluice_last_request_timestamp_seconds"
 ACTIVE_STREAMS = "sluice_active_streams"
@@ -145,13 +146,15 @@ class ZeroContext:
     """What a pass needs from the operator for scale to zero and the router: where the
     activator answers (the ExternalName's target), whether it runs at all (`router`: the
     chart's activator.enabled, seen as `run --activator-service`), the poller's latest
-    signals per (namespace, name), and the operator's metrics (opmetrics.py), which count
-    what the pass does."""
+    signals per (namespace, name), the operator's metrics (opmetrics.py), which count
+    what the pass does, and the numbers of a split's versions over the poller's last window
+    (status.split)."""
 
     activator_host: str
     router: bool = True
     signals: Callable[[tuple[str, str]], Signals] = lambda key: Signals()
     metrics: OperatorMetrics | None = None
+    split_stats: Callable[[tuple[str, str]], VersionStats | None] = lambda key: None
 
 
 class Step(StrEnum):

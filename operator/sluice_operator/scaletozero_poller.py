@@ -13,7 +13,13 @@ autoscaling.minReplicas 0 or the router:
 - every min(idleSeconds / 4, 10 s) per serving model, reads its ready pods' /metrics: the
   newest admission and what is in flight;
 - when a model's signals change, asks for a pass over it (`wake`), which scales and
-  switches the route under the model's lock.
+  switches the route under the model's lock;
+- for each owner of a split (spec.routing.router.split, builders/split.py), every
+  SPLIT_WINDOW_SECONDS reads the ready pods' /metrics of the owner and its versions and
+  keeps each version's numbers over the window (splitstats.py, for status.split); it asks
+  for a pass over the owner when they or the checks of its versions change (a version
+  created, deleted or edited), so condition TrafficSplit follows the versions within a
+  round.
 
 Without an activator (`run --activator-service` unset) nothing is polled and no model is
 ever idle: scaling to zero with nothing to wake it would strand the model.
@@ -37,6 +43,7 @@ from .builders.activator import (
     model_key,
 )
 from .builders.leaderworkerset import leader_selector
+from .builders.split import check_versions
 from .cluster import Cluster
 from .cluster_view import ClusterView
 from .kinds import DEPLOYMENT, LWS_KIND
@@ -53,11 +60,16 @@ from .scaletozero import (
     unaware,
     workload_replicas,
 )
+from .splitstats import Reading, VersionStats, reading, window
 from .validation import SpecError, load_model
 
 log = logging.getLogger("sluice_operator.scaletozero_poller")
 
 PageReader = Callable[[Mapping[str, Any]], str | None]
+
+# The window of status.split's numbers: long enough to hold a few requests of a quiet
+# version, short enough that a promotion's effect shows within a minute.
+SPLIT_WINDOW_SECONDS = 15.0
 
 
 @dataclass(frozen=True)
@@ -98,6 +110,11 @@ class ScaleToZeroPoller:
         # (namespace, name) -> (uid, generation, the parsed model or None): a spec is parsed
         # once per generation, not every round.
         self._parsed: dict[tuple[str, str], tuple[Any, Any, StreamingModel | None]] = {}
+        # Splits: per version (namespace, name), its pods' last reading and when it was
+        # taken, and its numbers over the last window; per owner, the checks last seen.
+        self._readings: dict[tuple[str, str], tuple[float, dict[str, Reading]]] = {}
+        self._stats: dict[tuple[str, str], VersionStats] = {}
+        self._checks: dict[tuple[str, str], Any] = {}
         self._guard = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="sluice-scale-to-zero", daemon=True)
@@ -110,11 +127,17 @@ class ScaleToZeroPoller:
             router=self.activator is not None,
             signals=self.signals,
             metrics=self.metrics,
+            split_stats=self.split_stats,
         )
 
     def signals(self, key: tuple[str, str]) -> Signals:
         with self._guard:
             return self._signals.get(key, Signals())
+
+    def split_stats(self, key: tuple[str, str]) -> VersionStats | None:
+        """A version's numbers over the last window; None before two reads."""
+        with self._guard:
+            return self._stats.get(key)
 
     def start(self) -> None:
         self._thread.start()
@@ -133,6 +156,7 @@ class ScaleToZeroPoller:
             self._stop.wait(delay)
 
     def _models(self) -> list[StreamingModel]:
+        """Every model with a valid spec (the checks of a split look at all of them)."""
         out, seen = [], set()
         defaults = self.defaults()
         for namespace, name in self.memory.models():
@@ -149,7 +173,7 @@ class ScaleToZeroPoller:
                     parsed = None
                 cached = self._parsed[key] = (meta.get("uid"), meta.get("generation"), parsed)
             model = cached[2]
-            if model is not None and in_activator(model):
+            if model is not None:
                 out.append(dataclasses.replace(model, defaults=defaults))
         for key in [k for k in self._parsed if k not in seen]:
             del self._parsed[key]
@@ -169,7 +193,8 @@ class ScaleToZeroPoller:
         if data != self._written:
             self.cluster.apply(manifest)
             self._written = data
-            log.info(f"activator models: {len(models)} with minReplicas 0 or the router")
+            known = sum(1 for m in models if in_activator(m))
+            log.info(f"activator models: {known} with minReplicas 0 or the router")
 
     def _activator_pages(self) -> dict[str, str | None]:
         assert self.activator is not None
@@ -188,14 +213,19 @@ class ScaleToZeroPoller:
     def run_once(self) -> float:
         """One round; returns the seconds until the next."""
         self.rounds += 1
-        listed = self._models()
+        everything = self._models()
+        listed = [m for m in everything if in_activator(m)]
         if self.activator is not None:
-            self._keep_config_map(listed)  # also when the last such model went: {}
+            self._keep_config_map(everything)  # also when the last such model went: {}
+        # Without the router no split applies: nothing to measure.
+        split_delay = (
+            self._splits(everything) if self.activator is not None else IDLE_PERIOD_SECONDS
+        )
         models = [m for m in listed if m.spec.scale_to_zero is not None]
         if self.activator is None or not models:
             with self._guard:
                 self._signals.clear()
-            return IDLE_PERIOD_SECONDS
+            return min(IDLE_PERIOD_SECONDS, split_delay)
         activators = self._activator_pages()
         now = self.clock()
         changed, delay = [], IDLE_PERIOD_SECONDS
@@ -234,4 +264,57 @@ class ScaleToZeroPoller:
             del self._checked[key]
         if changed:
             self.wake(changed)
-        return delay
+        return min(delay, split_delay)
+
+    def _pod_readings(self, namespace: str, name: str) -> dict[str, Reading]:
+        out = {}
+        for pod in self.memory.pods(namespace, name):
+            if not ready(pod):
+                continue
+            page = self.page(pod)
+            if page is not None:
+                out[(pod.get("metadata") or {}).get("name", "?")] = reading(page)
+        return out
+
+    def _splits(self, models: list[StreamingModel]) -> float:
+        """Status.split's numbers and the versions' checks of every owner of a split; wakes
+        an owner when either changed. Returns the seconds until its next window."""
+        owners = [m for m in models if m.routed and m.spec.routing.router.split]
+        by_namespace: dict[str, dict[str, StreamingModel | None]] = {}
+        for m in models:
+            by_namespace.setdefault(m.namespace, {})[m.name] = m
+        now = self.clock()
+        wanted: set[tuple[str, str]] = set()
+        changed, delay = [], IDLE_PERIOD_SECONDS
+        for owner in owners:
+            key = (owner.namespace, owner.name)
+            versions = [key, *((owner.namespace, v.model) for v in owner.spec.routing.router.split)]
+            wanted.update(versions)
+            checks = check_versions(owner, by_namespace[owner.namespace])
+            moved = self._checks.get(key) != checks
+            self._checks[key] = checks
+            for version in versions:
+                taken, before = self._readings.get(version, (0.0, {}))
+                if now - taken < SPLIT_WINDOW_SECONDS:
+                    delay = min(delay, taken + SPLIT_WINDOW_SECONDS - now)
+                    continue
+                delay = min(delay, SPLIT_WINDOW_SECONDS)
+                after = self._pod_readings(*version)
+                stats = window(before, after, now - taken) if before else None
+                self._readings[version] = (now, after)
+                if stats is not None:
+                    with self._guard:
+                        moved = moved or self._stats.get(version) != stats
+                        self._stats[version] = stats
+            if moved:
+                changed.append(key)
+        for gone in [k for k in self._readings if k not in wanted]:
+            del self._readings[gone]
+        with self._guard:
+            for gone in [k for k in self._stats if k not in wanted]:
+                del self._stats[gone]
+        for gone in [k for k in self._checks if k not in {(o.namespace, o.name) for o in owners}]:
+            del self._checks[gone]
+        if changed:
+            self.wake(changed)
+        return max(delay, DEMAND_PERIOD_SECONDS)

@@ -16,6 +16,7 @@ from .models.base import RULE_ERROR
 from .models.resource import (
     ADAPTER_NAME_RULE,
     NAME_RULE,
+    SPLIT_SELF_RULE,
     WEIGHTS_REFRESH_ANNOTATION,
     OperatorDefaults,
     StreamingModel,
@@ -71,6 +72,8 @@ def parse_spec(spec: Mapping[str, Any] | None, name: str | None = None) -> Strea
         raise SpecError(message, field=_loc(errors[0])) from None
     if name is not None and not ADAPTER_NAME_RULE.holds((name, parsed)):
         raise SpecError(f"spec.{ADAPTER_NAME_RULE.error((name, parsed))}", field="spec.adapters")
+    if name is not None and not SPLIT_SELF_RULE.holds((name, parsed)):
+        raise SpecError(SPLIT_SELF_RULE.error((name, parsed)), field="spec.routing.router.split")
     return parsed
 
 

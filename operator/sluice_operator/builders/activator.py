@@ -24,7 +24,8 @@ replica count: it watches the model's pods and places each request on a Ready on
   one backend); without `pods` the activator forwards to the Service `host`. A router model
   whose streams migrate (builders/continuation.py) also has `migration`: how many times a
   stream may move (`maxMigrations`) and how long a silent upstream is taken for a broken one
-  (`stallSeconds`).
+  (`stallSeconds`). The owner of a split (builders/split.py) has `split`: every version
+  with the weight the router applies, the owner first.
 
 Pure: the model in, manifests out.
 """
@@ -49,6 +50,7 @@ from .common import (
 from .continuation import migration_entry
 from .kvevents import KV_EVENTS_PORT, KV_REPLAY_PORT, kv_event_args
 from .leaderworkerset import leader_selector
+from .split import check_versions, split_entry
 
 ACTIVATOR_SUFFIX = "-activator"
 MODELS_FILE = "models.json"
@@ -130,8 +132,11 @@ def disaggregation_entry(model: StreamingModel) -> dict[str, Any]:
     return {"prefill": {**router_pods(prefill), "selector": selector_labels(prefill)}}
 
 
-def activator_entry(model: StreamingModel) -> dict[str, Any] | None:
-    """The model's entry in models.json; None without scale to zero or the router."""
+def activator_entry(
+    model: StreamingModel, split: Mapping[str, Any] | None = None
+) -> dict[str, Any] | None:
+    """The model's entry in models.json; None without scale to zero or the router.
+    `split`: the owner's split (`split.split_entry`), for a router model."""
     if not in_activator(model):
         return None
     # A router model without scale to zero holds (no Ready pod) by the same defaults.
@@ -151,7 +156,28 @@ def activator_entry(model: StreamingModel) -> dict[str, Any] | None:
             entry["migration"] = migration
         if model.disaggregated:
             entry["disaggregation"] = disaggregation_entry(model)
+        if split is not None:
+            entry["split"] = dict(split)
     return entry
+
+
+def models_entries(models: Iterable[StreamingModel]) -> dict[str, dict[str, Any]]:
+    """models.json's entries, by `model_key`: of every model the activator knows, an owner
+    of a split with its versions as checked against the other `models` (all of them, not
+    only the ones the activator knows: a version without the router takes no share)."""
+    models = list(models)
+    by_namespace: dict[str, dict[str, StreamingModel | None]] = {}
+    for m in models:
+        by_namespace.setdefault(m.namespace, {})[m.name] = m
+    out = {}
+    for m in models:
+        split = None
+        if m.routed and m.spec.routing.router.split:
+            split = split_entry(m, check_versions(m, by_namespace[m.namespace]))
+        entry = activator_entry(m, split)
+        if entry is not None:
+            out[model_key(m)] = entry
+    return out
 
 
 def models_json(entries: Mapping[str, Mapping[str, Any]]) -> str:
@@ -164,8 +190,8 @@ def desired_models_config_map(
 ) -> dict[str, Any]:
     """The operator's one ConfigMap of every model the activator knows (`name`: the
     activator's, plus `-models`). Owned by no model: the chart names it, the operator
-    keeps its data."""
-    entries = {model_key(m): e for m in models if (e := activator_entry(m)) is not None}
+    keeps its data. `models`: every model with a valid spec (`models_entries`)."""
+    entries = models_entries(models)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",

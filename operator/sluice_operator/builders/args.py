@@ -28,6 +28,12 @@ PRESTOP_SECONDS = 5
 DRAIN_MARGIN_SECONDS = 15
 
 
+def root_path(model: StreamingModel) -> str:
+    """The path prefix the pods answer under ("" for none): the Ingress's path."""
+    ing = model.spec.ingress
+    return ing.path.rstrip("/") if ing.enabled else ""
+
+
 def drain_seconds(model: StreamingModel) -> int:
     return model.spec.streaming.stream_timeout_seconds
 
@@ -138,11 +144,10 @@ def server_args(model: StreamingModel) -> list[str]:
         args += ["--cors-max-age-seconds", str(s.cors.max_age_seconds)]
     if not s.playground:
         args += ["--playground", "false"]
-    ing = spec.ingress
-    if ing.enabled and ing.path.rstrip("/"):
+    if root_path(model):
         # The Ingress routes the prefix unchanged (no rewrite annotations): the server knows
         # it is published there, answers under it and builds its links with it.
-        args += ["--root-path", ing.path.rstrip("/")]
+        args += ["--root-path", root_path(model)]
     if s.resume.grace_seconds:
         args += ["--resume-grace-seconds", str(s.resume.grace_seconds)]
 

@@ -17,7 +17,7 @@ from ..models import (
     StreamingModelSpec,
     StreamingModelStatus,
 )
-from ..models.resource import ADAPTER_NAME_RULE, NAME_RULE
+from ..models.resource import ADAPTER_NAME_RULE, NAME_RULE, SPLIT_SELF_RULE
 from ..yamldump import dump_yaml
 from .structural import model_schema
 
@@ -41,7 +41,11 @@ def openapi_schema() -> dict[str, Any]:
             "spec": model_schema(StreamingModelSpec),
             "status": model_schema(StreamingModelStatus),
         },
-        "x-kubernetes-validations": [NAME_RULE.validation(), ADAPTER_NAME_RULE.validation()],
+        "x-kubernetes-validations": [
+            NAME_RULE.validation(),
+            ADAPTER_NAME_RULE.validation(),
+            SPLIT_SELF_RULE.validation(),
+        ],
     }
 
 

@@ -10,6 +10,12 @@ config sets are needed). "Autoscaler's reading" is the operator's own per-pod TT
 kube-state-metrics (the HPA is named after the model); KV cache and running/waiting
 requests are vLLM's own `vllm:*` metrics on the same /metrics.
 
+`model` takes several values: pick a split's owner and its versions
+(spec.routing.router.split, docs/versions.md) and the "Versions:" panels draw each one's
+TTFT, error rate and tokens/s side by side (the versions serve one model name, so they are
+told apart by their pods' names, the `version` label the queries derive); the other panels
+add the chosen models up.
+
 `PANELS` is the one list: the builder reads it, and tests run each target against a real
 Prometheus (tests/observability).
 """
@@ -56,7 +62,18 @@ def _rate(metric: str, by: str = "") -> str:
     return f"sum{group} (rate({metric}{{{PODS}}}[{RATE}]))"
 
 
-HPA = 'namespace="$namespace",horizontalpodautoscaler="$model"'
+HPA = 'namespace="$namespace",horizontalpodautoscaler=~"$model"'
+# The StreamingModel a series' pod belongs to, as label `version` (versions of a split serve
+# one model name, so the series' own `model` label does not tell them apart).
+_VERSION = '"version", "$1", "pod", "(.+)-[a-z0-9]+-[a-z0-9]+"'
+
+
+def _by_version(inner: str) -> str:
+    return f"label_replace({inner}, {_VERSION})"
+
+
+def _version_rate(metric: str) -> str:
+    return f"sum by (version) ({_by_version(f'rate({metric}{{{PODS}}}[{RATE}])')})"
 
 
 def _activator(template: str) -> str:
@@ -64,7 +81,7 @@ def _activator(template: str) -> str:
     namespace in their own `namespace` label, which a scrape config without honor_labels
     renames `exported_namespace` (the activator pod's namespace wins): either form."""
     forms = [
-        template.format(sel=f'{label}="$namespace",model="$model"')
+        template.format(sel=f'{label}="$namespace",model=~"$model"')
         for label in ("exported_namespace", "namespace")
     ]
     return f"({forms[0]}) or ({forms[1]})"
@@ -205,6 +222,38 @@ PANELS: tuple[Panel, ...] = (
         (Target(ttft_metrics_query(0.9, "pod", PODS), "{{pod}}"),),
         "What the HPA (prometheus-adapter) and KEDA read: each pod's p90 over 1 m, 0 when idle.",
     ),
+    Panel(
+        "Versions: time to first token p50",
+        "s",
+        (
+            Target(
+                "histogram_quantile(0.5, sum by (le, version) ("
+                + _by_version(f"rate(sluice_ttft_seconds_bucket{{{PODS}}}[{RATE}])")
+                + "))",
+                "{{version}}",
+            ),
+        ),
+        "Each chosen StreamingModel on its own line: pick a split's owner and its versions "
+        "in the model variable to compare them (status.split has the same per version).",
+    ),
+    Panel(
+        "Versions: stream error rate",
+        "percentunit",
+        (
+            Target(
+                f"{_version_rate('sluice_stream_errors_total')} / "
+                f"{_version_rate('sluice_requests_total')}",
+                "{{version}}",
+            ),
+        ),
+        "Streams ended by an error event / requests accepted, per chosen StreamingModel.",
+    ),
+    Panel(
+        "Versions: output tokens/s",
+        "short",
+        (Target(_version_rate("sluice_output_tokens_total"), "{{version}}"),),
+        "Tokens streamed to clients per second, per chosen StreamingModel.",
+    ),
 )
 
 
@@ -236,6 +285,7 @@ def build() -> dict:
             .datasource(ds)
             .query('label_values(sluice_requests_total{namespace="$namespace"}, pod)')
             .regex("/^(.+)-[a-z0-9]+-[a-z0-9]+$/")
+            .multi(True)
             .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
         )
     )

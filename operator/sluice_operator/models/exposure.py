@@ -208,9 +208,65 @@ class MigrationSpec(ApiModel):
     )
 
 
+MAX_SPLIT_VERSIONS = 8
+
+
+class SplitVersion(ApiModel):
+    """Another StreamingModel that takes a share of this model's conversations."""
+
+    model: Name = Field(
+        description="Name of the StreamingModel in the same namespace (the other version). "
+        "It must use the router (its spec.routing.router.enabled), serve the same public "
+        "model name (model.servedName) and claim no host and path of this model's route."
+    )
+    weight: int = Field(
+        ge=0,
+        le=100,
+        description="Percent of conversations it takes (0: none, e.g. right after a roll "
+        "back); this model keeps 100 minus the sum of the weights.",
+    )
+
+
+def _split_sum(split: list[SplitVersion]) -> int:
+    return sum(v.weight for v in split)
+
+
+def _split_twice(split: list[SplitVersion]) -> list[str]:
+    names = [v.model for v in split]
+    return sorted({n for n in names if names.count(n) > 1})
+
+
+SPLIT_RULES = (
+    Rule(
+        "!has(self.split) || self.split.map(v, v.weight).sum() <= 100",
+        "routing.router.split: the weights must sum to at most 100 (this model keeps 100 "
+        "minus the sum)",
+        holds=lambda r: _split_sum(r.split) <= 100,
+        field=".split",
+        detail=lambda r: f"they sum to {_split_sum(r.split)}: lower them",
+    ),
+    Rule(
+        "!has(self.split) || self.split.all(v, self.split.filter(w, w.model == v.model).size() == 1)",
+        "routing.router.split: each model may appear once",
+        holds=lambda r: not _split_twice(r.split),
+        field=".split",
+        detail=lambda r: f"{', '.join(_split_twice(r.split))} appears more than once",
+    ),
+    Rule(
+        "!has(self.split) || size(self.split) == 0 || (has(self.enabled) && self.enabled)",
+        "routing.router.split needs routing.router.enabled: the router chooses the version "
+        "for each conversation, so a split without it would never apply",
+        holds=lambda r: not r.split or r.enabled,
+        field=".split",
+    ),
+)
+
+
 class RouterSpec(ApiModel):
     """The Sluice router: the operator chart's router (activator) pods pick the replica for
     each request."""
+
+    RULES = SPLIT_RULES
 
     enabled: bool = Field(
         default=False,
@@ -227,6 +283,18 @@ class RouterSpec(ApiModel):
     migration: MigrationSpec = sub(
         MigrationSpec,
         "Streams that outlive their pod: continued on another replica (on by default).",
+    )
+    split: Annotated[list[SplitVersion], Field(max_length=MAX_SPLIT_VERSIONS)] = Field(
+        default_factory=list,
+        description="Other versions of this model (other StreamingModels of the namespace) "
+        "and the percent of conversations each takes; this model keeps the rest and owns "
+        "the public route (docs/versions.md). The router picks a version per conversation, "
+        "sticky by its session key (the X-Sluice-Session header, the body's user or "
+        "metadata.user_id, else the credential and the first turn), so a conversation stays "
+        "on one version. Promote or roll back by changing a weight: streams in flight keep "
+        "their version. A version that fails a check (condition TrafficSplit says which and "
+        "why) takes no traffic: its share stays here. status.split shows each version's "
+        "TTFT, error rate and tokens/s side by side.",
     )
 
     @property

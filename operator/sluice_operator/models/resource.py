@@ -39,6 +39,17 @@ ADAPTER_NAME_RULE = Rule(
     detail=lambda obj: f"{obj[0]}, the object's name: rename the adapter or set model.servedName",
 )
 
+# A split names other StreamingModels; the object's own name is not one of them.
+SPLIT_SELF_RULE = Rule(
+    "!has(self.spec.routing) || !has(self.spec.routing.router) || "
+    "!has(self.spec.routing.router.split) || "
+    "self.spec.routing.router.split.all(v, v.model != self.metadata.name)",
+    "spec.routing.router.split names the object itself: list the other versions only (this "
+    "model keeps 100 minus their weights)",
+    holds=lambda obj: all(v.model != obj[0] for v in obj[1].routing.router.split),
+    field=".spec.routing.router.split",
+)
+
 # The chart's activator Service (release "sluice" in namespace "sluice-system").
 DEFAULT_ACTIVATOR_HOST = "sluice-activator.sluice-system.svc.cluster.local"
 

@@ -31,6 +31,7 @@ ConditionType = Literal[
     "AdaptersReady",
     "ScaledToZero",
     "WeightsReady",
+    "TrafficSplit",
 ]
 CONDITION_TYPES: tuple[ConditionType, ...] = get_args(ConditionType)
 
@@ -178,6 +179,39 @@ class PoolsStatus(ApiModel):
     decode: PoolStatus | None = Field(default=None, description="The decode pool.")
 
 
+class SplitVersionStatus(ApiModel):
+    """One version of a split (spec.routing.router.split), this model first: its share and
+    how it serves, side by side with the others."""
+
+    model: str = Field(description="The StreamingModel (this one first, then the versions).")
+    weight: int = Field(
+        description="Percent of conversations the router sends it now: the spec's, or 0 "
+        "for a version that fails a check (condition TrafficSplit), whose share stays with "
+        "this model."
+    )
+    ready_replicas: int | None = Field(default=None, description="Its ready pods.")
+    ttft_milliseconds: int | None = Field(
+        default=None,
+        alias="ttftMilliseconds",
+        description="Median time to first token over the last window (from its ready pods' "
+        "sluice_ttft_seconds, which streamed answers record); unset while it streamed no "
+        "answer in the window.",
+    )
+    error_rate: str | None = Field(
+        default=None,
+        description="Streams ended by an error event / requests accepted over the last "
+        "window, as a decimal (0.0012); unset without requests.",
+    )
+    tokens_per_second: int | None = Field(
+        default=None,
+        description="Tokens streamed to clients per second over the last window (a stream's "
+        "tokens count when it ends).",
+    )
+    window_seconds: int | None = Field(
+        default=None, description="The window the rates cover (between two reads of /metrics)."
+    )
+
+
 class StreamingModelStatus(ApiModel):
     """Observed state of a StreamingModel."""
 
@@ -211,7 +245,10 @@ class StreamingModelStatus(ApiModel):
         "ScaledToZero (True at zero; False says why not, e.g. how long since the last request); "
         "with model.cache.weights WeightsReady (Resolving, Downloading with files and bytes "
         "done, Ready, or why the download failed: Unauthorized, Gated, RevisionNotFound, "
-        "NoSpace, Corrupt, HubUnreachable, DownloadFailed).",
+        "NoSpace, Corrupt, HubUnreachable, DownloadFailed); with routing.router.split "
+        "TrafficSplit (True: every version takes its weight; False names the version that "
+        "takes none and why: VersionMissing, VersionInvalid, VersionNotRouted, "
+        "ServedNameDiffers, PathDiffers, RouteClaimed, VersionSplits, RouterDisabled).",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     observed_generation: int | None = Field(
@@ -257,6 +294,12 @@ class StreamingModelStatus(ApiModel):
         description="With spec.disaggregation: each pool's ready counts and latency (the "
         "model's replicas, readyReplicas and Ready condition cover both pools: Ready when "
         "each pool has all its replicas ready).",
+    )
+    split: list[SplitVersionStatus] | None = Field(
+        default=None,
+        description="With routing.router.split: this model and each version, with the "
+        "weight the router applies and its TTFT, error rate and tokens/s over the last window "
+        "(condition TrafficSplit says why a version takes no traffic).",
     )
     adapters: list[AdapterStatus] | None = Field(
         default=None,

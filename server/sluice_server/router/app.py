@@ -4,11 +4,15 @@ model.
 
 A request names its model by Host or `X-Sluice-Model` (models.py); one that names none in
 the models file gets 404 `model_not_found` (a WebSocket: its handshake refused with 404),
-except the router's own three routes. The models file is watched the way the server
+except the router's own three routes. A request naming a model with a `split` (the owner
+of versions) goes to the version its conversation is keyed to (split.py): the router reads
+its body first (within `--max-body-bytes`) to find the session key, and from then on it is
+that version's request (its hold, placement and migration); a `Last-Event-ID` resume goes
+back to the version its `sluice-pin` cookie was signed for. The models file is watched the way the server
 watches its key file (core/auth/reload.py): a changed file is loaded and swapped in, a bad
 one is refused and the models loaded before stay; the pin key file likewise (pin.py
 `rotate`: the key before stays honoured). Requests already held keep the entry
-they were held under; each model's held count, readiness and in-flight requests per pod
+they were held under (a changed split moves only new requests: a stream keeps its version); each model's held count, readiness and in-flight requests per pod
 live in one `Upstream`, which a changed entry replaces keeping the callers' tenants it
 learned and its requests in flight per pod. The Pods of the models with `pods` are watched
 from start-up (and from the reload that adds them) until no model names them (pods.py),
@@ -39,7 +43,7 @@ from ..core.auth.reload import Reloader, Source
 from ..core.errors import error_body
 from ..settings import RouterSettings
 from ..transport.sendwatch import transport_of
-from . import proxy, relay
+from . import proxy, relay, split
 from .hashers import ModelHasher
 from .hashes import HashesFor, PromptHashes
 from .hop import Relay, hop_client
@@ -128,6 +132,20 @@ class Router:
     def apply(self, models: Models) -> None:
         self.models = models
         self.metrics.loaded(models)
+        for owner in models.by_key.values():
+            missing = [
+                f"{v.key} ({v.weight}%)"
+                for v in (owner.split.versions if owner.split is not None else ())
+                if v.weight and v.key not in models.by_key
+            ]
+            if missing:
+                log.warning(
+                    "models: %s shares its traffic with %s, not in the models file: their "
+                    "share goes to %s",
+                    owner.key,
+                    ", ".join(missing),
+                    owner.key,
+                )
         if self.started:
             self._watch()
 
@@ -235,6 +253,12 @@ class Router:
             return await self._unknown(scope, receive, send, host, named)
         if "/internal/" in scope["path"]:  # the pods' router-only endpoints: never relayed
             return await self._internal(scope, receive, send, model)
+        body: bytes | None = None
+        if model.split is not None:  # the owner of versions: the conversation's version
+            chosen = await self._version(scope, receive, send, model)
+            if chosen is None:
+                return  # answered (413, 400) or gone
+            model, body = chosen
         up = self.upstream(model)
         if kind == "websocket":
             return await relay.relay(
@@ -262,7 +286,58 @@ class Router:
             s.send_timeout_seconds,
             self.pins,
             s.continuation_key_file,
+            body,
         )
+
+    async def _version(
+        self, scope: Scope, receive: Receive, send: Send, owner: Model
+    ) -> tuple[Model, bytes | None] | None:
+        """The version of `owner` this request's conversation goes to (split.py), and the
+        body read to choose it (None for a WebSocket); None when the request was answered
+        here (a body over `--max-body-bytes`, a bad `X-Sluice-Session`) or its client left."""
+        assert owner.split is not None
+        headers, query = scope["headers"], scope.get("query_string", b"")
+        body = None
+        if scope["type"] == "http":
+            try:
+                body = await proxy.read_body(receive, self.settings.max_body_bytes)
+            except proxy.ClientLeft:
+                self.metrics.requests.labels(owner.namespace, owner.name, "disconnected").inc()
+                return None
+            if body is None:
+                self.metrics.requests.labels(owner.namespace, owner.name, "rejected").inc()
+                await proxy.too_large(scope, self.settings.max_body_bytes)(send)
+                return None
+        versions = self.models.by_key
+        if self.pins is not None and any(k == b"last-event-id" for k, _ in headers):
+            for v in owner.split.versions:  # a resume: back to the version its pin names
+                if v.key in versions and self.pins.pinned(headers, v.key) is not None:
+                    return versions[v.key], body
+        try:
+            session = split.session(headers, query, scope["path"], body)
+        except split.BadSession as e:
+            self.metrics.requests.labels(owner.namespace, owner.name, "rejected").inc()
+            await self._refuse(scope, receive, send, 400, str(e), "invalid_session")
+            return None
+        key = owner.key
+        if session is not None:
+            key = split.choose(owner.split, split.bucket(owner.key, session.key), versions)
+        version = versions.get(key, owner)
+        by = "fallback" if session is None else session.by
+        self.metrics.split_picks.labels(owner.namespace, owner.name, version.name, by).inc()
+        return version, body
+
+    async def _refuse(
+        self, scope: Scope, receive: Receive, send: Send, status: int, message: str, code: str
+    ) -> None:
+        """An error answer in the route's shape, or a WebSocket's handshake refused."""
+        if scope["type"] == "websocket":
+            await relay.refuse(
+                WebSocket(scope, receive, send), status, error_body(status, message, code=code)
+            )
+            return
+        kind = proxy.classify(scope["path"], b"")
+        await proxy.json_response(status, kind.error_body(status, message, code))(send)
 
     async def _own(self, scope: Scope, send: Send) -> None:
         path = scope["path"]

@@ -7,8 +7,8 @@ this pod has loaded (what the operator reads before it scales a model to zero).
   now (the scale-up signal: the operator, or KEDA's prometheus trigger, reads it);
 - `sluice_activator_requests_total{namespace,model,outcome}`: `forwarded` (a replica was
   ready and the request went to it), `timeout` (past the hold timeout), `rejected` (past
-  `maxHeld`: 429; a body over `--max-body-bytes`: 413), `disconnected` (the client left
-  while held);
+  `maxHeld`: 429; a body over `--max-body-bytes`: 413; a bad `X-Sluice-Session`: 400),
+  `disconnected` (the client left while held);
 - `sluice_activator_hold_seconds{namespace,model}`: arrival to forwarded or given up;
 - `sluice_activator_unknown_model_total`: requests for no model in the file (404);
 - `sluice_activator_models_reloads_total{result}`: models-file reloads, `ok` or `error`.
@@ -42,6 +42,16 @@ Streams continued on another pod when theirs broke (models with `migration`, mig
 - `sluice_router_migration_gap_seconds{namespace,model}`: the seam's added gap, from the
   last byte of the broken stream (or the moment a stalled one was given up) to the first
   byte of its continuation.
+
+Versions sharing a model's traffic (models with `split`, split.py):
+
+- `sluice_router_split_picks_total{namespace,model,version,by}`: conversations' requests
+  that named the owner `model`, by the version chosen (its model name; the owner's own when
+  the chosen version is not in the models file) and by what keyed the conversation:
+  `header` (`X-Sluice-Session`), `user` (the body's `user` or `metadata.user_id`) or
+  `fallback` (the credential and the first turn; a WebSocket without either goes to the
+  owner). A `Last-Event-ID` resume goes back to the version its `sluice-pin` names and is
+  not counted.
 
 No series has a pod label: pods come and go with every rollout, the series would not.
 """
@@ -137,6 +147,12 @@ class RouterMetrics:
             "The seam's added gap: the broken stream's last byte to its continuation's first.",
             labels,
             buckets=GAP_BUCKETS,
+        )
+        self.split_picks = fam.counter(
+            "sluice_router_split_picks",
+            "Requests naming a model with versions, by the version chosen and by what keyed "
+            "the conversation (header, user, fallback).",
+            (*labels, "version", "by"),
         )
         self._known: set[tuple[str, str]] = set()
 

@@ -18,8 +18,14 @@ as for a model that is only scaled to zero. `balance` is the model's `spec.routi
 and says how a model with `pods` is placed: `least-loaded` (the default) by the router's
 scores (prefix cache and load, placement.py), `round-robin` on each candidate pod in turn. `migration`, `{"maxMigrations": 3,
 "stallSeconds": 30}` (a model with `pods` whose pods take continuations), makes the router
-continue a stream whose pod breaks off on another pod (migration.py). Fields the router does not know are ignored (an operator
-newer than the router); a file that cannot be used raises ValueError naming the entry.
+continue a stream whose pod breaks off on another pod (migration.py). `split`,
+`{"versions": [{"model": "<ns>/<owner>", "weight": 90}, {"model": "<ns>/<version>",
+"weight": 10}]}`, on the entry of the model that owns a public host (docs/versions.md), makes
+the router send each conversation that names it to one of these versions (split.py): every
+version listed, the owner first, integer weights 0..100 that sum to 100; each version is an
+entry of the file itself (one that is not takes no share: its weight goes to the owner).
+Fields the router does not know are ignored (an operator newer than the router); a file that
+cannot be used raises ValueError naming the entry.
 """
 
 from __future__ import annotations
@@ -58,6 +64,19 @@ class _Migration(BaseModel):
     stall_seconds: float = Field(30.0, gt=0, alias="stallSeconds")
 
 
+class _Version(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    model: str = Field(min_length=3)
+    weight: int = Field(ge=0, le=100, strict=True)
+
+
+class _Split(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    versions: list[_Version] = Field(min_length=1)
+
+
 class _Entry(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
@@ -69,6 +88,7 @@ class _Entry(BaseModel):
     pods: _Pods | None = None
     balance: Balance = "least-loaded"
     migration: _Migration | None = None
+    split: _Split | None = None
 
 
 @dataclass(frozen=True)
@@ -107,6 +127,22 @@ class Migration:
 
 
 @dataclass(frozen=True)
+class Version:
+    """One version of a split: a model of the file (`<namespace>/<name>`) and its weight."""
+
+    key: str
+    weight: int  # 0..100: its share of the owner's conversations, in percent
+
+
+@dataclass(frozen=True)
+class Split:
+    """The versions an owner's conversations are shared among (split.py), the owner first;
+    their weights sum to 100, and each takes the next `weight` of the range [0, 100)."""
+
+    versions: tuple[Version, ...]
+
+
+@dataclass(frozen=True)
 class Model:
     namespace: str
     name: str
@@ -118,6 +154,7 @@ class Model:
     pods: PodSelector | None = None  # None: forward to the Service `host`
     balance: Balance = "least-loaded"  # how a model with `pods` is placed
     migration: Migration | None = None  # None: its streams are not continued elsewhere
+    split: Split | None = None  # None: its requests are its own, never shared with a version
 
     @property
     def key(self) -> str:
@@ -190,9 +227,35 @@ def parse(data: object) -> Models:
                 None
                 if entry.migration is None
                 else Migration(entry.migration.max_migrations, entry.migration.stall_seconds),
+                None if entry.split is None else _split(str(key), entry.split),
             )
         )
     return Models(models)
+
+
+def _split(key: str, split: _Split) -> Split:
+    """The entry's split, checked: the owner first, every version once, weights sum to 100."""
+    versions = tuple(Version(v.model.strip(), v.weight) for v in split.versions)
+    for v in versions:
+        namespace, _, name = v.key.partition("/")
+        if not namespace or not name or "/" in name:
+            raise ValueError(f"entry {key!r}: split version {v.key!r} must be <namespace>/<name>")
+    if versions[0].key != key:
+        raise ValueError(
+            f"entry {key!r}: split.versions must list the owner {key!r} first, "
+            f"not {versions[0].key!r}"
+        )
+    keys = [v.key for v in versions]
+    if len(set(keys)) != len(keys):
+        twice = sorted({k for k in keys if keys.count(k) > 1})
+        raise ValueError(f"entry {key!r}: split.versions lists {', '.join(twice)} more than once")
+    total = sum(v.weight for v in versions)
+    if total != 100:
+        raise ValueError(
+            f"entry {key!r}: split weights must sum to 100, not {total} "
+            f"({', '.join(f'{v.key}={v.weight}' for v in versions)})"
+        )
+    return Split(versions)
 
 
 def load(path: Path) -> Models:

@@ -189,6 +189,12 @@ def json_response(
     return respond
 
 
+def too_large(scope: Scope, max_body: int) -> Callable[[Send], Awaitable[None]]:
+    """413 for a body over `--max-body-bytes`, in the route's error shape."""
+    m = f"Request body over {max_body} bytes."
+    return json_response(413, classify(scope["path"], b"").error_body(413, m, "body_too_large"))
+
+
 def retry_after(seconds: float) -> dict[str, str]:
     return {"Retry-After": str(max(1, math.ceil(seconds)))}
 
@@ -353,9 +359,11 @@ async def handle(
     send_timeout: float,
     pins: Pins | None = None,
     continuation_key: Path | None = None,
+    body: bytes | None = None,
 ) -> None:
     """One HTTP request for a known model (see the module docstring); `continuation_key`:
-    the router's master key file (its streams may be continued on another pod)."""
+    the router's master key file (its streams may be continued on another pod); `body`: the
+    request's body when the router read it already (to choose a version, split.py)."""
     model = up.model
     if not up.hold():
         kind = classify(scope["path"], b"")
@@ -368,7 +376,7 @@ async def handle(
     held = Held(up, metrics)
     try:
         await _held(
-            held, scope, receive, send, client, max_body, send_timeout, pins, continuation_key
+            held, scope, receive, send, client, max_body, send_timeout, pins, continuation_key, body
         )
     finally:
         held.release()  # its pod's in-flight count: the answer ended, or never began
@@ -384,19 +392,19 @@ async def _held(
     send_timeout: float,
     pins: Pins | None,
     continuation_key: Path | None,
+    body: bytes | None,
 ) -> None:
     up, model = held.up, held.up.model
-    kind = classify(scope["path"], b"")
-    try:
-        body = await read_body(receive, max_body)
-    except ClientLeft:
-        held.end("disconnected")
-        return
     if body is None:
-        held.end("rejected")
-        m = f"Request body over {max_body} bytes."
-        await json_response(413, kind.error_body(413, m, "body_too_large"))(send)
-        return
+        try:
+            body = await read_body(receive, max_body)
+        except ClientLeft:
+            held.end("disconnected")
+            return
+        if body is None:
+            held.end("rejected")
+            await too_large(scope, max_body)(send)
+            return
     kind = classify(scope["path"], body)
     request = Request(client, held, scope, body, pins, continuation_key if kind.streaming else None)
     del body  # the request keeps it until forwarded
