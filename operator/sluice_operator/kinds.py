@@ -20,9 +20,10 @@ from typing import Any
 from .builders.activator import ACTIVATOR_SUFFIX, desired_activator_service
 from .builders.adapters import ADAPTERS_SUFFIX, desired_adapter_config_map
 from .builders.continuation import CONTINUATION_SUFFIX, desired_continuation_secret
-from .builders.deployment import desired_deployment
+from .builders.deployment import desired_deployment, desired_pool_deployment
+from .builders.disaggregation import POOL_SUFFIX
 from .builders.gateway import desired_httproute, route_verdict, wants_session_persistence
-from .builders.hpa import desired_hpa
+from .builders.hpa import desired_hpa, desired_pool_hpa
 from .builders.ingress import desired_ingress
 from .builders.keda import desired_scaled_object
 from .builders.leaderworkerset import desired_leaderworkerset
@@ -109,6 +110,32 @@ HPA = Kind(
     desired_hpa,
     optional=True,
 )
+# A disaggregated model's pools (spec.disaggregation), each a Deployment with its own HPA;
+# the same plurals as DEPLOYMENT and HPA: one watch and index serve both.
+PREFILL_DEPLOYMENT, DECODE_DEPLOYMENT = (
+    Kind(
+        "apps/v1",
+        "Deployment",
+        "deployments",
+        desired_pool_deployment(role),
+        optional=True,
+        name_suffix=POOL_SUFFIX[role],
+        role=f"{role.capitalize()}Deployment",
+    )
+    for role in ("prefill", "decode")
+)
+PREFILL_HPA, DECODE_HPA = (
+    Kind(
+        "autoscaling/v2",
+        "HorizontalPodAutoscaler",
+        "horizontalpodautoscalers",
+        desired_pool_hpa(role),
+        optional=True,
+        name_suffix=POOL_SUFFIX[role],
+        role=f"{role.capitalize()}HorizontalPodAutoscaler",
+    )
+    for role in ("prefill", "decode")
+)
 PDB = Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets", desired_pdb, optional=True)
 NETWORK_POLICY = Kind(
     "networking.k8s.io/v1",
@@ -146,8 +173,9 @@ ACTIVATOR_SERVICE = Kind(
 # pods one selects and the Ingress that names them, the adapter ConfigMap before the pods
 # that mount it).
 CHILD_KINDS: tuple[Kind, ...] = (
-    SERVICE, ACTIVATOR_SERVICE, ADAPTER_CONFIG_MAP, DEPLOYMENT, INGRESS, HPA, PDB,
-    NETWORK_POLICY, KV_EVENTS_NETWORK_POLICY,
+    SERVICE, ACTIVATOR_SERVICE, ADAPTER_CONFIG_MAP, DEPLOYMENT, PREFILL_DEPLOYMENT,
+    DECODE_DEPLOYMENT, INGRESS, HPA, PREFILL_HPA, DECODE_HPA, PDB, NETWORK_POLICY,
+    KV_EVENTS_NETWORK_POLICY,
 )  # fmt: skip
 
 # The optional kinds whose API a cluster may lack: not watched, see `OptionalKind`.

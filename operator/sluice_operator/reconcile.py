@@ -48,6 +48,8 @@ from .cluster_view import ClusterView
 from .kinds import (
     CHILD_KINDS,
     CONTINUATION_SECRET,
+    DECODE_DEPLOYMENT,
+    DECODE_HPA,
     DEPLOYMENT,
     HPA,
     INGRESS,
@@ -55,6 +57,8 @@ from .kinds import (
     LWS_KIND,
     OPTIONAL_KINDS,
     PERSISTENT_VOLUME_CLAIM,
+    PREFILL_DEPLOYMENT,
+    PREFILL_HPA,
     WATCHED_KINDS,
     Kind,
     OptionalKind,
@@ -74,6 +78,7 @@ from .pacing import (
 )
 from .scaletozero import Signals, Step, ZeroContext, decide, with_replicas, zero_status
 from .status_from_cluster import (
+    combined_workload,
     compute_status,
     deployment_settled,
     invalid_status,
@@ -572,6 +577,13 @@ class _Pass:
         # The workload: the Deployment, or the LeaderWorkerSet of a multi-node model (its
         # status has the same replica counts, in groups).
         deployment = self.live.get(self.workload_kind.kind)
+        pools = pool_hpas = None
+        if self.model.disaggregated:  # two Deployments: status.pools and one phase
+            pools = {"prefill": self.live.get(PREFILL_DEPLOYMENT.id),
+                     "decode": self.live.get(DECODE_DEPLOYMENT.id)}  # fmt: skip
+            pool_hpas = {"prefill": self.live.get(PREFILL_HPA.id),
+                         "decode": self.live.get(DECODE_HPA.id)}  # fmt: skip
+            deployment = combined_workload(pools)
         # Pods are only read when something is missing or a rollout is under way: they explain
         # why (no GPUs for the new or the surge pod, crash loop); and for models with LoRA on,
         # whose pages say how they stand with each adapter (adapterstatus.py).
@@ -600,6 +612,8 @@ class _Pass:
                 **{kind: unavailable for kind, (unavailable, _) in self.refused.items()},
                 **({MIGRATION_CONDITION: FORBIDDEN} if self.key_refused is not None else {}),
             },
+            pools=pools,
+            pool_hpas=pool_hpas,
         )
         generation = self.body["metadata"].get("generation")
         if self.waiting and self.pacer is not None:

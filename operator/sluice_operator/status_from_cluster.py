@@ -15,11 +15,13 @@ from typing import Any
 from .builders.common import selector_string
 from .builders.continuation import MIGRATION_CONDITION, migration_verdict
 from .builders.gateway import route_url
-from .builders.hpa import ttft_metric_name
+from .builders.hpa import POOL_HISTOGRAM, ttft_metric_name
 from .builders.ingress import ingress_url
+from .builders.metrics import latency_metric_name
 from .builders.routing import backend_verdict, router_verdict
 from .builders.service import service_url
 from .kinds import GATEWAY_API_INFERENCE_EXTENSION, OPTIONAL_KINDS, OptionalKind, Unavailable
+from .models.disaggregation import ROLES
 from .models.resource import StreamingModel
 from .models.status import ConditionType
 
@@ -311,6 +313,74 @@ def deployment_settled(deployment: Mapping[str, Any]) -> bool:
     return ready >= desired and not _rolling(deployment)
 
 
+def combined_workload(
+    pools: Mapping[str, Mapping[str, Any] | None],
+) -> dict[str, Any] | None:
+    """A disaggregated model's two Deployments as one for the model's phase: replica counts
+    summed, the oldest observed generation, a failed progress condition from either. Ready
+    replicas never exceed the desired ones without a pod too many (a rolling pool), so
+    "every pool ready" is "the sum ready and nothing rolling". None while either is missing."""
+    if any(d is None for d in pools.values()):
+        return None
+    deps = [d for d in pools.values() if d is not None]
+    counts = ("replicas", "readyReplicas", "updatedReplicas")
+    status: dict[str, Any] = {
+        k: sum((d.get("status") or {}).get(k, 0) for d in deps) for k in counts
+    }
+    failed = [
+        c
+        for d in deps
+        for c in (d.get("status") or {}).get("conditions") or []
+        if c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded"
+    ]
+    status["conditions"] = failed[:1]
+    behind = [
+        d for d in deps
+        if (d.get("status") or {}).get("observedGeneration", 0)
+        < (d.get("metadata") or {}).get("generation", 0)
+    ]  # fmt: skip
+    return {
+        "metadata": {"generation": 1},
+        "spec": {"replicas": sum((d.get("spec") or {}).get("replicas", 1) for d in deps)},
+        "status": {**status, "observedGeneration": 0 if behind else 1},
+    }
+
+
+def pools_status(
+    model: StreamingModel,
+    pools: Mapping[str, Mapping[str, Any] | None],
+    hpas: Mapping[str, Mapping[str, Any] | None],
+) -> dict[str, Any]:
+    """status.pools: each pool's counts and its HPA's reading."""
+    d = model.spec.disaggregation
+    assert d is not None
+    out: dict[str, Any] = {}
+    for role in ROLES:
+        dep = pools.get(role) or {}
+        a = d.pool(role).autoscaling
+        floor = a.min_replicas if a is not None else d.pool(role).replicas
+        desired = (dep.get("spec") or {}).get("replicas", floor)
+        st = dep.get("status") or {}
+        ready = st.get("readyReplicas", 0)
+        entry: dict[str, Any] = {
+            "replicas": st.get("replicas", 0),
+            "readyReplicas": ready,
+            "ready": f"{ready}/{desired}",
+        }
+        if a is not None:
+            metric = latency_metric_name(POOL_HISTOGRAM[role], a.percentile)
+            entry["metric"] = metric
+            for m in ((hpas.get(role) or {}).get("status") or {}).get("currentMetrics") or []:
+                reading = m.get("pods") or {}
+                if (reading.get("metric") or {}).get("name") == metric:
+                    value = (reading.get("current") or {}).get("averageValue")
+                    ms = quantity_seconds_to_ms(value)
+                    if ms is not None:
+                        entry["currentMilliseconds"] = ms
+        out[role] = entry
+    return out
+
+
 def compute_status(
     model: StreamingModel,
     generation: int | None,
@@ -322,14 +392,25 @@ def compute_status(
     hpa: Mapping[str, Any] | None = None,
     optional: Mapping[str, Mapping[str, Any] | None] | None = None,
     unavailable: Mapping[str, Unavailable] | None = None,
+    pools: Mapping[str, Mapping[str, Any] | None] | None = None,
+    pool_hpas: Mapping[str, Mapping[str, Any] | None] | None = None,
 ) -> dict[str, Any]:
     """The whole status of a pass: the Deployment, its pods, the Ingress and the HPA as
     observed, then each of `kinds.OPTIONAL_KINDS` the model wants (`optional`: kind -> the
-    object as stored) or cannot reach (`unavailable`: kind -> why)."""
+    object as stored) or cannot reach (`unavailable`: kind -> why). A disaggregated model's
+    two Deployments come as `pools` (role -> Deployment) instead of `deployment`, their HPAs
+    as `pool_hpas`."""
     previous = previous or {}
     optional = optional or {}
     unavailable = unavailable or {}
+    if pools is not None:
+        deployment = combined_workload(pools)
     out = _compute_status(model, generation, deployment, pods, ingress, previous, now, hpa)
+    if pools is not None:
+        out["pools"] = pools_status(model, pools, pool_hpas or {})
+        if deployment is not None:
+            each = ", ".join(f"{role} {p['ready']}" for role, p in out["pools"].items())
+            out["message"] = f"{out['message']} ({each})"
     conditions = []
     for row in OPTIONAL_KINDS:
         problem = unavailable.get(row.name)
@@ -385,9 +466,17 @@ def _compute_status(
     workload, unit = (
         ("LeaderWorkerSet", "groups") if model.multi_node else ("Deployment", "replicas")
     )
+    if model.disaggregated:
+        workload = "prefill and decode Deployments"
     if deployment is None:
         a = model.spec.autoscaling
         desired = max(1, a.min_replicas) if a is not None and a.enabled else model.spec.replicas
+        d = model.spec.disaggregation
+        if d is not None:
+            desired = sum(
+                p.autoscaling.min_replicas if p.autoscaling else p.replicas
+                for p in (d.prefill, d.decode)
+            )
         out.update(phase="Pending", message=f"creating the {workload}", replicas=0, readyReplicas=0)
         out["ready"] = f"0/{desired}"
         missing = f"the {workload} does not exist yet"

@@ -16,6 +16,9 @@ from .chartlib import HERE, OPERATOR_CHART, by_kind, load_crd
 
 RULES_FILE = OPERATOR_CHART / "files" / "prometheus-adapter-rules.yaml"
 PERCENTILES = {"p50": 0.5, "p75": 0.75, "p90": 0.9, "p95": 0.95, "p99": 0.99}
+# Metric family -> the server histogram it is made from: TTFT (every model's HPA, a
+# disaggregated model's prefill pool) and inter-token latency (a decode pool's HPA).
+FAMILIES = {"ttft": "sluice_ttft_seconds", "itl": "sluice_inter_token_latency_seconds"}
 
 
 def _rules() -> list[dict]:
@@ -31,20 +34,26 @@ def test_one_rule_per_percentile_the_api_offers():
     spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     offered = spec["properties"]["autoscaling"]["properties"]["ttftPercentile"]["enum"]
     assert sorted(offered) == sorted(PERCENTILES.values())
-    assert sorted(_by_name()) == sorted(f"sluice_ttft_{p}_seconds" for p in PERCENTILES)
+    pools = spec["properties"]["disaggregation"]["properties"]["decode"]["properties"]
+    assert sorted(pools["autoscaling"]["properties"]["percentile"]["enum"]) == sorted(offered)
+    assert sorted(_by_name()) == sorted(
+        f"sluice_{family}_{p}_seconds" for family in FAMILIES for p in PERCENTILES
+    )
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("label,quantile", PERCENTILES.items())
-def test_rule_shape(label, quantile):
-    rule = _by_name()[f"sluice_ttft_{label}_seconds"]
-    assert rule["seriesQuery"] == 'sluice_ttft_seconds_count{namespace!="",pod!=""}'
+def test_rule_shape(family, label, quantile):
+    histogram = FAMILIES[family]
+    rule = _by_name()[f"sluice_{family}_{label}_seconds"]
+    assert rule["seriesQuery"] == f'{histogram}_count{{namespace!="",pod!=""}}'
     assert rule["resources"] == {
         "overrides": {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}
     }
-    assert rule["name"]["matches"] == "^sluice_ttft_seconds_count$"
+    assert rule["name"]["matches"] == f"^{histogram}_count$"
     q = rule["metricsQuery"]
     assert q.startswith(f"(histogram_quantile({quantile}, sum by (le, <<.GroupBy>>) ")
-    assert "rate(sluice_ttft_seconds_bucket{<<.LabelMatchers>>}[1m])" in q
+    assert f"rate({histogram}_bucket{{<<.LabelMatchers>>}}[1m])" in q
     assert " > 0)" in q and q.count(" or ") == 2  # idle pods: 0, not NaN or missing
     assert "\n" not in q
 
@@ -62,7 +71,7 @@ def test_operator_hpa_asks_for_the_adapter_metrics():
             if not body:
                 continue
             for obj in render.render_objects(body):
-                if obj["kind"] == "HorizontalPodAutoscaler":
+                if obj["kind"] == "HorizontalPodAutoscaler":  # a model's or a pool's
                     (metric,) = obj["spec"]["metrics"]
                     assert metric["type"] == "Pods"
                     assert metric["pods"]["metric"]["name"] in names
@@ -195,7 +204,7 @@ def test_negative_control_plain_quantile_loses_idle_pods(tmp_path):
 
 
 def test_docs_values_snippet_is_the_rules_file():
-    """docs/helm.md's prometheus-adapter values (option B) are the same five rules."""
+    """docs/helm.md's prometheus-adapter values (option B) are the rules file's."""
     doc = (ROOT / "docs" / "helm.md").read_text()
     block = (
         doc.split("<!-- prometheus-adapter-values -->", 1)[1]

@@ -24,6 +24,8 @@ from .chartlib import (
 ALL_ON = HERE / "streaming-model-values-all-on.yaml"
 # spec.gateway excludes the Ingress that ALL_ON turns on: its own values file.
 GATEWAY_ON = HERE / "streaming-model-values-gateway.yaml"
+# Disaggregated pools (exclusive with the all-on values' autoscaling).
+DISAGGREGATED = HERE / "streaming-model-values-disaggregated.yaml"
 RECOMMENDED = MODEL_CHART / "values-recommended.yaml"
 # Values of the chart itself, not copied into the spec.
 CHART_KEYS = [
@@ -53,7 +55,9 @@ def test_lint_strict(h, values):
 
 
 @pytest.mark.parametrize(
-    "values", [[], [ALL_ON], [GATEWAY_ON]], ids=["defaults", "all-on", "gateway"]
+    "values",
+    [[], [ALL_ON], [GATEWAY_ON], [DISAGGREGATED]],
+    ids=["defaults", "all-on", "gateway", "disaggregated"],
 )
 def test_renders_one_valid_streaming_model(h, values):
     docs = h.template(MODEL_CHART, values=values, namespace="team-a", release="chat")
@@ -82,10 +86,13 @@ def test_all_on_passes_every_section_through(h):
     assert sm["metadata"]["labels"]["team"] == "research"
     assert sm["metadata"]["annotations"] == {"example.com/owner": "research"}
     for key in _spec_props():
-        if key != "gateway":
+        if key not in ("gateway", "disaggregation"):
             assert sm["spec"][key] == values[key], key
     gateway = one(h.template(MODEL_CHART, values=[GATEWAY_ON]), "StreamingModel")
     assert gateway["spec"]["gateway"] == yaml.safe_load(GATEWAY_ON.read_text())["gateway"]
+    pools = one(h.template(MODEL_CHART, values=[DISAGGREGATED]), "StreamingModel")
+    given = yaml.safe_load(DISAGGREGATED.read_text())["disaggregation"]
+    assert pools["spec"]["disaggregation"] == given
 
 
 def test_spec_keys_follow_the_crd():
@@ -186,8 +193,8 @@ def test_helm_test_pod_waits_for_ready_and_is_hardened(h):
 
 @pytest.mark.parametrize(
     "values",
-    [[], [ALL_ON], [GATEWAY_ON], [RECOMMENDED]],
-    ids=["defaults", "all-on", "gateway", "recommended"],
+    [[], [ALL_ON], [GATEWAY_ON], [RECOMMENDED], [DISAGGREGATED]],
+    ids=["defaults", "all-on", "gateway", "recommended", "disaggregated"],
 )
 def test_operator_renders_valid_children_for_the_chart_output(h, values):
     """Chart output -> the operator's own builders -> manifests valid for Kubernetes."""
@@ -198,11 +205,19 @@ def test_operator_renders_valid_children_for_the_chart_output(h, values):
     children = render.render_objects(sm)
     kinds = {c["kind"] for c in children}
     assert {"Deployment", "Service"} <= kinds
+    if values == [DISAGGREGATED]:
+        names = {c["metadata"]["name"] for c in children if c["kind"] == "Deployment"}
+        assert names == {"chat-prefill", "chat-decode"}
     if values == [ALL_ON]:
         assert {"Ingress", "HorizontalPodAutoscaler", "PodDisruptionBudget", "PodMonitor"} <= kinds
     if values == [GATEWAY_ON]:
         assert "HTTPRoute" in kinds and "Ingress" not in kinds
-    # The model pods' NetworkPolicy: off by default, on in the recommended values.
-    assert ("NetworkPolicy" in kinds) is (values in ([ALL_ON], [RECOMMENDED]))
+    # The model pods' NetworkPolicy: off by default, on in the recommended values; a router
+    # model's KV ports (events, the pools' side channel) get one of their own.
+    policies = {c["metadata"]["name"] for c in children if c["kind"] == "NetworkPolicy"}
+    if values == [DISAGGREGATED]:
+        assert policies == {"chat-kv-events"}
+    else:
+        assert bool(policies) is (values in ([ALL_ON], [RECOMMENDED]))
     for child in children:
         validate_k8s(child)

@@ -114,7 +114,7 @@ def test_every_spec_field_has_description_and_default_or_is_optional():
         assert node["description"]
         if (
             node.get("type") == "object"
-            and name not in ("autoscaling", "gateway", "model")
+            and name not in ("autoscaling", "disaggregation", "gateway", "model")
             and "additionalProperties" not in node
         ):
             assert node.get("default") == {}, f"{name}: nested defaults only apply under a default"

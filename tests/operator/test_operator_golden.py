@@ -164,6 +164,16 @@ COMBINATIONS: dict[str, dict] = {
         "engine": {"lora": {"maxLoras": 2, "maxLoraRank": 16}},
         "adapters": [{"name": "support", "uri": "pvc://adapters/support", "rank": 16}],
     },
+    # Disaggregated on the CPU path: the shared-storage connector's claim on both pools, no
+    # side channel (that is NIXL's); the GPU path with NIXL is samples/disaggregated.yaml.
+    "disaggregated-shared-storage-simulator": {
+        "engine": {"backend": "simulator"},
+        "routing": {"router": {"enabled": True}},
+        "disaggregation": {
+            "connector": {"type": "sharedStorage", "sharedStorage": {"claimName": "kv-share"}},
+            "decode": {"replicas": 2},
+        },
+    },
 }
 
 
@@ -203,12 +213,17 @@ CASES: dict[str, dict] = {
 
 def pod_template(body: dict, defaults: OperatorDefaults = OPERATOR) -> dict:
     """The pod template of the model's Deployment, as the operator renders it; for a model
-    on several nodes, its LeaderWorkerSet's leader and worker templates."""
-    (workload,) = [
+    on several nodes, its LeaderWorkerSet's leader and worker templates; for a disaggregated
+    one, its prefill and decode Deployments' templates."""
+    workloads = [
         m
         for m in render_objects(copy.deepcopy(body), defaults=defaults)
         if m["kind"] in ("Deployment", "LeaderWorkerSet")
     ]
+    if len(workloads) == 2:
+        roles = {w["metadata"]["labels"]["serving.sluice.dev/role"]: w for w in workloads}
+        return {f"{r}Template": roles[r]["spec"]["template"] for r in ("prefill", "decode")}
+    (workload,) = workloads
     if workload["kind"] == "LeaderWorkerSet":
         group = workload["spec"]["leaderWorkerTemplate"]
         return {k: group[k] for k in ("leaderTemplate", "workerTemplate")}
@@ -293,6 +308,14 @@ def test_only_router_models_pods_change_with_the_continuation_key(name):
     if "workerTemplate" in keyed:  # a group: the workers never get the key
         assert keyed["workerTemplate"] == keyless["workerTemplate"]
         keyed, keyless = keyed["leaderTemplate"], keyless["leaderTemplate"]
+    if "decodeTemplate" in keyed:  # two pools: both serve streams, both get the key
+        for pool in ("prefillTemplate", "decodeTemplate"):
+            _differ_by_the_key_only(body, keyed[pool], keyless[pool])
+        return
+    _differ_by_the_key_only(body, keyed, keyless)
+
+
+def _differ_by_the_key_only(body: dict, keyed: dict, keyless: dict) -> None:
     if not _migrates(body):
         assert keyed == keyless
         return
@@ -336,7 +359,11 @@ def test_pod_template_does_not_follow_the_operator_version(name, monkeypatch):
         monkeypatch.setattr(sluice_operator, "__version__", version)
         templates.append(pod_template(body))
     assert templates[0] == templates[1]
-    pods = [templates[0][k] for k in ("leaderTemplate", "workerTemplate") if k in templates[0]]
+    pods = [
+        templates[0][k]
+        for k in ("leaderTemplate", "workerTemplate", "prefillTemplate", "decodeTemplate")
+        if k in templates[0]
+    ]
     named = [
         k
         for meta in [p["metadata"] for p in pods or [templates[0]]]

@@ -36,6 +36,9 @@ from sluice_operator.builders.keda import (
 from sluice_operator.builders.metrics import (
     ADAPTER_GROUP_BY,
     ADAPTER_LABEL_MATCHERS,
+    ITL_HISTOGRAM,
+    TTFT_HISTOGRAM,
+    latency_metric_name,
     ttft_metric_name,
     ttft_metrics_query,
 )
@@ -68,14 +71,20 @@ def keda_model(name="m", namespace="default", **autoscaling) -> StreamingModel:
 
 def test_adapter_rule_file_is_the_operator_query_template():
     """Both backends scale on one number: each adapter rule's metricsQuery is the operator's
-    template with the adapter's placeholders, one rule per percentile the API offers."""
+    template with the adapter's placeholders, one rule per percentile the API offers, for
+    TTFT and for inter-token latency (a disaggregated model's decode pool)."""
     rules = yaml.safe_load(ADAPTER_RULES.read_text())["rules"]
     by_name = {r["name"]["as"]: r["metricsQuery"] for r in rules}
-    assert sorted(by_name) == sorted(ttft_metric_name(p) for p in PERCENTILES)
-    for p in PERCENTILES:
-        assert by_name[ttft_metric_name(p)] == ttft_metrics_query(
-            p, ADAPTER_GROUP_BY, ADAPTER_LABEL_MATCHERS
-        )
+    histograms = (TTFT_HISTOGRAM, ITL_HISTOGRAM)
+    assert sorted(by_name) == sorted(
+        latency_metric_name(h, p) for h in histograms for p in PERCENTILES
+    )
+    for h in histograms:
+        for p in PERCENTILES:
+            assert by_name[latency_metric_name(h, p)] == ttft_metrics_query(
+                p, ADAPTER_GROUP_BY, ADAPTER_LABEL_MATCHERS, h
+            )
+    assert latency_metric_name(TTFT_HISTOGRAM, 0.9) == ttft_metric_name(0.9)
 
 
 def test_query_comparison_has_teeth():

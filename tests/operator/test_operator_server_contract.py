@@ -4,16 +4,18 @@ server package is not installed."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import pytest
 from operator_helpers import SAMPLES, load
 from sluice_operator.builders.continuation import migrates
-from sluice_operator.builders.deployment import desired_deployment
+from sluice_operator.builders.deployment import desired_deployment, desired_pool_deployment
+from sluice_operator.builders.disaggregation import kv_transfer_config
 from sluice_operator.builders.kvevents import kv_event_args
 from sluice_operator.builders.leaderworkerset import desired_leaderworkerset
-from sluice_operator.models.resource import OperatorDefaults, StreamingModel
+from sluice_operator.models.resource import OperatorDefaults, StreamingModel, pool_view
 from sluice_operator.render import offline_weights
 from sluice_operator.validation import load_model
 
@@ -24,9 +26,13 @@ SECRET_VALUE = "value-from-secret"
 LWS_ENV = {"$(LWS_LEADER_ADDRESS)": "deepseek-r1-0.deepseek-r1.models", "$(LWS_WORKER_INDEX)": "1"}
 
 
-def _pod(model: StreamingModel, role: str = "leaderTemplate") -> dict:
-    """The server's pod spec: the Deployment's, or a LeaderWorkerSet's leader or worker."""
-    workload = desired_deployment(model) or desired_leaderworkerset(model)
+def _pod(model: StreamingModel, role: str = "leaderTemplate", pool: str | None = None) -> dict:
+    """The server's pod spec: the Deployment's, a LeaderWorkerSet's leader or worker, or a
+    disaggregated model's `pool`'s."""
+    if pool is not None:
+        workload = desired_pool_deployment(pool)(model)  # type: ignore[arg-type]
+    else:
+        workload = desired_deployment(model) or desired_leaderworkerset(model)
     assert workload is not None
     spec = workload["spec"]
     template = (
@@ -35,19 +41,22 @@ def _pod(model: StreamingModel, role: str = "leaderTemplate") -> dict:
     return template["spec"]
 
 
-def server_container(model: StreamingModel, role: str = "leaderTemplate") -> dict:
-    """The server container: the Deployment's, or a LeaderWorkerSet's leader or worker."""
-    (c,) = _pod(model, role)["containers"]
+def server_container(
+    model: StreamingModel, role: str = "leaderTemplate", pool: str | None = None
+) -> dict:
+    """The server container: the Deployment's, a LeaderWorkerSet's leader or worker, or a
+    disaggregated model's `pool`'s."""
+    (c,) = _pod(model, role, pool)["containers"]
     assert c["command"] == ["sluice-server"]
     return {**c, "args": [LWS_ENV.get(a, a) for a in c["args"]]}
 
 
-def mount_secrets(model: StreamingModel, root: Path) -> dict:
+def mount_secrets(model: StreamingModel, root: Path, pool: str | None = None) -> dict:
     """The server container as the kubelet would start it, under `root`: each Secret volume's
     items written below `root` (a placeholder value per key), and the paths in its arguments
     and environment moved there with them."""
-    c = server_container(model)
-    volumes = {v["name"]: v for v in _pod(model)["volumes"]}
+    c = server_container(model, pool=pool)
+    volumes = {v["name"]: v for v in _pod(model, pool=pool)["volumes"]}
     moved = {}
     for mount in c["volumeMounts"]:
         secret = volumes[mount["name"]].get("secret")
@@ -69,19 +78,35 @@ def mount_secrets(model: StreamingModel, root: Path) -> dict:
     return {**c, "args": [move(a) for a in c["args"]], "env": env}
 
 
-@pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.stem)
-def test_server_parses_rendered_args(path, monkeypatch, tmp_path):
+# Each sample's server pod; a disaggregated sample's pods of both pools.
+PODS = [
+    (p, pool)
+    for p in SAMPLES
+    for pool in (("prefill", "decode") if load_model(load(p)).disaggregated else (None,))
+]
+
+
+@pytest.mark.parametrize(
+    "path,pool", PODS, ids=lambda v: v.stem if isinstance(v, Path) else (v or "")
+)
+def test_server_parses_rendered_args(path, pool, monkeypatch, tmp_path):
     for key in [k for k in os.environ if k.startswith("SLUICE_") or k.startswith("HF_TOKEN")]:
         monkeypatch.delenv(key)
     body = load(path)
     # A weights-cache model: its commit; the operator with the router's continuation key.
     keyed = OperatorDefaults(continuation_key=b"master")
     model = offline_weights(load_model(body, defaults=keyed), body)
-    c = mount_secrets(model, tmp_path)
+    c = mount_secrets(model, tmp_path, pool)
     for env in c["env"]:  # the environment the server reads (HF_TOKEN_PATH, SLUICE_*)
         if env["name"].startswith(("SLUICE_", "HF_TOKEN")):
             monkeypatch.setenv(env["name"], env["value"])
     s = settings_mod.parse_settings(c["args"])
+    if pool is not None:  # the pool's role and connector; its own replicas, GPUs, tensor
+        assert s.disaggregation_role == pool
+        assert json.loads(s.kv_transfer_config) == kv_transfer_config(model)
+        model = pool_view(model, pool)  # type: ignore[arg-type]
+    else:
+        assert s.disaggregation_role is None and s.kv_transfer_config is None
     spec = model.spec
     assert s.port == 8000 and s.engine == spec.engine.backend
     assert s.model_label == model.served_name

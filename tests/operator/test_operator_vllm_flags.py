@@ -186,3 +186,60 @@ def test_router_models_publish_kv_events_as_vllms_parser_reads_them(parser):
     assert engine_tail(load_model(minimal())) == []
     sim = minimal(routing=router, engine={"backend": "simulator"})
     assert engine_tail(load_model(sim)) == []
+
+
+@pytest.mark.parametrize("connector", ["nixl", "sharedStorage"])
+def test_disaggregated_pools_kv_transfer_config_as_vllms_parser_and_config_read_it(
+    parser, connector
+):
+    """Each pool's `--kv-transfer-config` (a server flag the server hands the engine,
+    builders/disaggregation.py) with the pool's engine flags, through vLLM's own argument
+    parser and into its KVTransferConfig; the connector named is one vLLM registers."""
+    import dataclasses
+    import json
+
+    from vllm.config.kv_transfer import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.engine.arg_utils import EngineArgs
+
+    spec = {"type": connector}
+    if connector == "sharedStorage":
+        spec["sharedStorage"] = {"claimName": "kv-share"}
+    body = minimal(
+        routing={"router": {"enabled": True}},
+        resources={"gpus": 2},
+        parallelism={"tensor": 2},
+        disaggregation={"connector": spec, "decode": {"gpus": 1, "tensor": 1}},
+    )
+    out = desired_children(load_model(body))
+    for role, tp in (("prefill", 2), ("decode", 1)):
+        (c,) = out[f"{role.capitalize()}Deployment"]["spec"]["template"]["spec"]["containers"]
+        args = c["args"]
+        value = args[args.index("--kv-transfer-config") + 1]
+        tensor = args[args.index("--tensor-parallel-size") + 1]
+        ns = parser.parse_args(
+            ["--kv-transfer-config", value, "--tensor-parallel-size", tensor, *engine_tail_of(c)]
+        )
+        engine = EngineArgs.from_cli_args(ns)
+        config = engine.kv_transfer_config
+        assert isinstance(config, KVTransferConfig)
+        assert engine.tensor_parallel_size == tp
+        assert config.kv_role == "kv_both" and config.is_kv_producer and config.is_kv_consumer
+        assert config.kv_connector in KVConnectorFactory._registry
+        if connector == "nixl":
+            assert config.kv_connector == "NixlConnector"
+        else:
+            assert config.kv_connector == "ExampleConnector"
+            assert config.get_from_extra_config("shared_storage_path", None) == ("/mnt/kv-transfer")
+        # vLLM's validation passes; each engine draws its own id (a pod's NIXL identity).
+        direct = KVTransferConfig(**json.loads(value))
+        assert direct.engine_id != config.engine_id
+        assert dataclasses.replace(direct, engine_id=config.engine_id) == config
+    # Negative control: vLLM's validation refuses what it does not know.
+    with pytest.raises(ValueError, match="kv_role"):
+        KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_all")
+
+
+def engine_tail_of(container) -> list[str]:
+    args = container["args"]
+    return args[args.index("--") + 1 :] if "--" in args else []

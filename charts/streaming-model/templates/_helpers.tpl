@@ -8,7 +8,7 @@ The spec keys copied from values. Kept in step with the CRD by tests/chart (a ne
 field fails the test until it is listed here and documented in values.yaml).
 */}}
 {{- define "streaming-model.specKeys" -}}
-{{- toJson (list "model" "resources" "parallelism" "engine" "streaming" "auth" "replicas" "autoscaling" "ingress" "gateway" "routing" "networkPolicy" "limits" "server" "adapters" "startup" "rollout" "observability" "image" "imagePullPolicy" "imagePullSecrets" "podLabels" "podAnnotations" "serviceAccountName") -}}
+{{- toJson (list "model" "resources" "parallelism" "engine" "streaming" "auth" "replicas" "autoscaling" "disaggregation" "ingress" "gateway" "routing" "networkPolicy" "limits" "server" "adapters" "startup" "rollout" "observability" "image" "imagePullPolicy" "imagePullSecrets" "podLabels" "podAnnotations" "serviceAccountName") -}}
 {{- end -}}
 
 {{/* Labels on the StreamingModel (the operator adds its own to the children). */}}

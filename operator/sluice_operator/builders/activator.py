@@ -36,9 +36,17 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ..models.resource import StreamingModel
+from ..models.resource import StreamingModel, pool_view
 from ..models.scaling import ScaleToZeroSpec
-from .common import MANAGED_BY_LABEL, MANAGER, PORT, PORT_NAME, metadata, selector_labels
+from .common import (
+    MANAGED_BY_LABEL,
+    MANAGER,
+    PORT,
+    PORT_NAME,
+    metadata,
+    selector_labels,
+    serving_pods,
+)
 from .continuation import migration_entry
 from .kvevents import KV_EVENTS_PORT, KV_REPLAY_PORT, kv_event_args
 from .leaderworkerset import leader_selector
@@ -109,12 +117,19 @@ def router_pods(model: StreamingModel) -> dict[str, Any]:
     model on vLLM; the simulator publishes none)."""
     pods: dict[str, Any] = {
         "namespace": model.namespace,
-        "selector": {**selector_labels(model), **leader_selector(model)},
+        "selector": {**selector_labels(model), **leader_selector(model), **serving_pods(model)},
         "port": PORT,
     }
     if kv_event_args(model):
         pods["kvEvents"] = {"port": KV_EVENTS_PORT, "replayPort": KV_REPLAY_PORT}
     return pods
+
+
+def disaggregation_entry(model: StreamingModel) -> dict[str, Any]:
+    """A disaggregated model's prefill pool, for the router's first step (`pods` is then
+    the decode pool): the same shape as `pods`, selecting the pool's role."""
+    prefill = pool_view(model, "prefill")
+    return {"prefill": {**router_pods(prefill), "selector": selector_labels(prefill)}}
 
 
 def activator_entry(
@@ -139,6 +154,8 @@ def activator_entry(
         migration = migration_entry(model)
         if migration is not None:
             entry["migration"] = migration
+        if model.disaggregated:
+            entry["disaggregation"] = disaggregation_entry(model)
         if split is not None:
             entry["split"] = dict(split)
     return entry

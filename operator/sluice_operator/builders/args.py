@@ -17,6 +17,7 @@ from ..models.resource import (
 from .adapters import lora_args
 from .common import PORT, fmt_number
 from .continuation import continuation_args
+from .disaggregation import disaggregation_args
 from .kvevents import kv_event_args
 from .secrets import secret_args
 from .weights import serves_cached
@@ -187,6 +188,7 @@ def server_args(model: StreamingModel) -> list[str]:
     if model.routed:  # the router hashes prompts as this engine does (protocols/prefix_cache)
         args += ["--describe-prefix-cache", "true"]
     args += continuation_args(model)  # the router continues streams here (docs/migration.md)
+    args += disaggregation_args(model)  # a pool of a disaggregated model (its connector)
     limit = auth.rate_limit
     if limit.requests_per_minute:
         args += ["--rate-limit-rpm", str(limit.requests_per_minute)]

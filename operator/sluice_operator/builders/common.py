@@ -14,6 +14,9 @@ INSTANCE_LABEL = "app.kubernetes.io/instance"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 # The hash of the manifest the operator last applied, on every child (reconcile.py).
 HASH_ANNOTATION = "serving.sluice.dev/applied-hash"
+# A disaggregated model's pool (spec.disaggregation): prefill or decode, on its pods and
+# in its Deployment's selector.
+POOL_ROLE_LABEL = "serving.sluice.dev/role"
 # The serving image runs as this non-root user (fsGroup makes the cache and secrets readable).
 RUN_AS = 65532
 
@@ -42,8 +45,18 @@ def container_security_context() -> dict[str, Any]:
 
 
 def selector_labels(model: StreamingModel) -> dict[str, str]:
-    """The immutable Deployment selector: never add to it (changing it needs a new Deployment)."""
-    return {NAME_LABEL: "sluice-server", INSTANCE_LABEL: model.name}
+    """The immutable Deployment selector: never add to it (changing it needs a new Deployment).
+    A pool's view (`pool_view`) adds its role: its own Deployment, never the model's."""
+    out = {NAME_LABEL: "sluice-server", INSTANCE_LABEL: model.name}
+    if model.role is not None:
+        out[POOL_ROLE_LABEL] = model.role
+    return out
+
+
+def serving_pods(model: StreamingModel) -> dict[str, str]:
+    """What to add to the model's selector for the pods that answer its clients: a
+    disaggregated model's decode pool (its prefill pods answer the router only)."""
+    return {POOL_ROLE_LABEL: "decode"} if model.disaggregated else {}
 
 
 def labels(model: StreamingModel) -> dict[str, str]:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from ..models.disaggregation import Role
 from ..models.resource import (
     API_KEYS_DIR,
     API_KEYS_FILE,
@@ -12,6 +14,7 @@ from ..models.resource import (
     JWKS_FILE,
     MODEL_PVC_DIR,
     StreamingModel,
+    pool_view,
 )
 from .adapters import adapter_volumes
 from .args import PRESTOP_SECONDS, server_args, termination_grace_seconds
@@ -26,6 +29,12 @@ from .common import (
     selector_labels,
 )
 from .continuation import continuation_volumes
+from .disaggregation import (
+    POOL_SUFFIX,
+    shared_kv_volumes,
+    side_channel_env,
+    side_channel_ports,
+)
 from .kvevents import kv_event_ports
 from .secrets import secret_env, secret_volumes
 from .weights import OFFLINE_ENV, awaiting_weights, cache_of, weights_volumes
@@ -80,6 +89,8 @@ def _env(model: StreamingModel) -> list[dict[str, Any]]:
         env[var.name] = var.model_dump(by_alias=True, exclude_none=True)
     # After the user's entries, so none can shadow the Secrets; never arguments.
     secret_env(model, env)
+    for side in side_channel_env(model):  # a pool's NIXL side channel: the pod's own address
+        env[side["name"]] = side
     if cache_of(model) is not None:  # the weights are on the claim: the Hub stays off
         for name, value in OFFLINE_ENV.items():
             env.pop(name, None)
@@ -145,9 +156,11 @@ def _volumes(model: StreamingModel) -> tuple[list[dict[str, Any]], list[dict[str
     cached_volumes, cached_mounts = weights_volumes(model)
     # A router model's continuation key (streams that outlive their pod).
     key_volumes, key_mounts = continuation_volumes(model)
+    # A disaggregated pool's shared-storage connector volume.
+    kv_volumes, kv_mounts = shared_kv_volumes(model)
     return (
-        volumes + secret_vols + more_volumes + cached_volumes + key_volumes,
-        mounts + secret_mounts + more_mounts + cached_mounts + key_mounts,
+        volumes + secret_vols + more_volumes + cached_volumes + kv_volumes + key_volumes,
+        mounts + secret_mounts + more_mounts + cached_mounts + kv_mounts + key_mounts,
     )
 
 
@@ -183,6 +196,7 @@ def pod_template(model: StreamingModel) -> dict[str, Any]:
         "ports": [
             {"name": PORT_NAME, "containerPort": PORT, "protocol": "TCP"},
             *kv_event_ports(model),
+            *side_channel_ports(model),
         ],
         "env": _env(model),
         "resources": _resources(model),
@@ -224,10 +238,35 @@ def pod_template(model: StreamingModel) -> dict[str, Any]:
 
 
 def desired_deployment(model: StreamingModel) -> dict[str, Any] | None:
-    """None with parallelism.nodes > 1: a LeaderWorkerSet runs the replicas instead; and for
-    a model of the weights cache before its first commit is ready (no pod could start)."""
-    if model.multi_node:
+    """None with parallelism.nodes > 1: a LeaderWorkerSet runs the replicas instead; with
+    spec.disaggregation, whose pools are Deployments of their own (`desired_pool_deployment`);
+    and for a model of the weights cache before its first commit is ready (no pod could
+    start)."""
+    if model.multi_node or model.disaggregated:
         return None
+    return _deployment(model)
+
+
+def desired_pool_deployment(role: Role) -> Callable[[StreamingModel], dict[str, Any] | None]:
+    """The builder of a disaggregated model's pool `role`: Deployment `<name>-<role>`, its
+    pods labelled (and selected) by serving.sluice.dev/role; None for other models."""
+
+    def build(model: StreamingModel) -> dict[str, Any] | None:
+        if not model.disaggregated:
+            return None
+        d = model.spec.disaggregation
+        assert d is not None
+        out = _deployment(pool_view(model, role))
+        if out is not None:
+            out["metadata"]["name"] = model.name + POOL_SUFFIX[role]
+            if d.pool(role).autoscaling is not None:  # its HPA owns .spec.replicas
+                out["spec"].pop("replicas", None)
+        return out
+
+    return build
+
+
+def _deployment(model: StreamingModel) -> dict[str, Any] | None:
     if awaiting_weights(model):
         return None
     spec = model.spec

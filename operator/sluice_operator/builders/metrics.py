@@ -22,17 +22,33 @@ ADAPTER_LABEL_MATCHERS = "<<.LabelMatchers>>"
 RATE_WINDOW = "1m"
 
 
+# The server's histograms the adapter turns into per-pod quantiles: time to first token
+# (every model's HPA, a disaggregated model's prefill pool) and inter-token latency (a
+# disaggregated model's decode pool).
+TTFT_HISTOGRAM = "sluice_ttft_seconds"
+ITL_HISTOGRAM = "sluice_inter_token_latency_seconds"
+METRIC_PREFIX = {TTFT_HISTOGRAM: "sluice_ttft", ITL_HISTOGRAM: "sluice_itl"}
+
+
 def ttft_metric_name(percentile: float) -> str:
-    return f"sluice_ttft_p{round(percentile * 100)}_seconds"
+    return latency_metric_name(TTFT_HISTOGRAM, percentile)
 
 
-def ttft_metrics_query(percentile: float, group_by: str, label_matchers: str) -> str:
-    """One TTFT quantile per `group_by` group (the pod), 0 for pods with no recent streams."""
+def latency_metric_name(histogram: str, percentile: float) -> str:
+    """sluice_ttft_p90_seconds, sluice_itl_p90_seconds: the adapter's custom metric names."""
+    return f"{METRIC_PREFIX[histogram]}_p{round(percentile * 100)}_seconds"
+
+
+def ttft_metrics_query(
+    percentile: float, group_by: str, label_matchers: str, histogram: str = TTFT_HISTOGRAM
+) -> str:
+    """One quantile of `histogram` per `group_by` group (the pod), 0 for pods with no recent
+    streams."""
     q = f"{percentile:g}"
     sel = f"{{{label_matchers}}}"
     return (
         f"(histogram_quantile({q}, sum by (le, {group_by}) "
-        f"(rate(sluice_ttft_seconds_bucket{sel}[{RATE_WINDOW}]))) > 0) "
-        f"or (0 * sum by ({group_by}) (rate(sluice_ttft_seconds_count{sel}[{RATE_WINDOW}]))) "
+        f"(rate({histogram}_bucket{sel}[{RATE_WINDOW}]))) > 0) "
+        f"or (0 * sum by ({group_by}) (rate({histogram}_count{sel}[{RATE_WINDOW}]))) "
         f"or (0 * max by ({group_by}) (up{sel} == 1))"
     )

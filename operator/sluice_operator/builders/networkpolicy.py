@@ -32,6 +32,11 @@ SCTP policies drops that rule alone). What is not a port (ICMP) is up to the CNI
 policy selects the pod; most drop it. With the model's own policy on, that policy already
 admits the events from the router's pods only, and this one is not made (its open rule would
 undo the model's).
+
+A disaggregated model with the NIXL connector (builders/disaggregation.py) has one more
+port closed the same way, in the same policies: the side channel (5600), open only between
+the pods of its two pools (the pods' `serving.sluice.dev/role` prefill or decode), since a
+decode pod pulls KV blocks, prompt content, from a prefill pod there without credentials.
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..models.resource import StreamingModel
-from .common import PORT, metadata, selector_labels
+from .common import POOL_ROLE_LABEL, PORT, metadata, selector_labels
+from .disaggregation import model_side_ports
 from .kvevents import ROUTER_POD_LABELS, kv_event_ports
 
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
@@ -70,6 +76,21 @@ def _events_rule(model: StreamingModel, events: list[dict[str, Any]]) -> dict[st
     return {
         "from": [router],
         "ports": [{"protocol": "TCP", "port": p["containerPort"]} for p in events],
+    }
+
+
+def _side_channel_rule(model: StreamingModel, ports: list[int]) -> dict[str, Any]:
+    """A disaggregated model's NIXL side channel (builders/disaggregation.py): from the pods
+    of its two pools only (a decode pod asks a prefill pod for its blocks)."""
+    pools = {
+        "matchLabels": selector_labels(model),
+        "matchExpressions": [
+            {"key": POOL_ROLE_LABEL, "operator": "In", "values": ["decode", "prefill"]}
+        ],
+    }
+    return {
+        "from": [{"podSelector": pools}],
+        "ports": [{"protocol": "TCP", "port": p} for p in ports],
     }
 
 
@@ -109,16 +130,18 @@ def desired_kv_events_network_policy(model: StreamingModel) -> dict[str, Any] | 
     other port as open as without a policy (module docstring); None with the model's own
     policy on, or without events."""
     events = kv_event_ports(model)
-    if not events or model.spec.network_policy.enabled:
+    side = model_side_ports(model)
+    if not (events or side) or model.spec.network_policy.enabled:
         return None
-    closed = [p["containerPort"] for p in events]
+    closed = [p["containerPort"] for p in events] + side
     others = [
         {"protocol": "TCP", "port": PORT},  # also alone: a CNI that ignores endPort
         *_tcp_ranges_around(closed),
         {"protocol": "UDP"},
     ]
     ingress = [
-        _events_rule(model, events),
+        *([_events_rule(model, events)] if events else []),
+        *([_side_channel_rule(model, side)] if side else []),
         {"ports": others},  # no `from`: every source
         {"ports": [{"protocol": "SCTP"}]},
     ]
@@ -141,4 +164,7 @@ def desired_network_policy(model: StreamingModel) -> dict[str, Any] | None:
     events = kv_event_ports(model)
     if events:  # the router's pods only, in the operator's namespace
         ingress.append(_events_rule(model, events))
+    side = model_side_ports(model)
+    if side:  # the model's two pools only
+        ingress.append(_side_channel_rule(model, side))
     return _policy(model, model.name, ingress)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..models.resource import StreamingModel
-from .common import PORT, PORT_NAME, metadata, selector_labels
+from .common import PORT, PORT_NAME, metadata, selector_labels, serving_pods
 from .leaderworkerset import leader_selector
 
 
@@ -16,8 +16,13 @@ def desired_service(model: StreamingModel) -> dict[str, Any]:
         "metadata": metadata(model),
         "spec": {
             "type": "ClusterIP",
-            # With several nodes per replica only the leaders serve HTTP.
-            "selector": {**selector_labels(model), **leader_selector(model)},
+            # With several nodes per replica only the leaders serve HTTP; a disaggregated
+            # model's decode pool only (its prefill pods answer the router's first step).
+            "selector": {
+                **selector_labels(model),
+                **leader_selector(model),
+                **serving_pods(model),
+            },
             "ports": [
                 {
                     "name": PORT_NAME,

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Literal
 
 from .adapters import ADAPTER_NAME_IS_BASE
 from .base import Rule
+from .disaggregation import Role
 from .spec import FORMER_DEFAULT_IMAGE, StreamingModelSpec
 
 # The object's name becomes the Service's, so it must be a DNS-1035 label. On the CRD's root
@@ -137,6 +139,9 @@ class StreamingModel:
     # ready, so no pods. And the object's WEIGHTS_REFRESH_ANNOTATION.
     weights_commit: str | None = None
     weights_refresh: str = ""
+    # Not the spec: which pool of a disaggregated model (spec.disaggregation) this view
+    # renders (`pool_view`); None: the model as a whole.
+    role: Role | None = None
 
     @property
     def routed(self) -> bool:
@@ -171,6 +176,34 @@ class StreamingModel:
         return self.spec.engine.backend == "simulator"
 
     @property
+    def disaggregated(self) -> bool:
+        """Prefill and decode on separate pools (spec.disaggregation)."""
+        return self.spec.disaggregation is not None
+
+    @property
     def multi_node(self) -> bool:
         """A replica is a group of pods on several nodes (a LeaderWorkerSet)."""
         return self.spec.parallelism.nodes > 1
+
+
+def pool_view(model: StreamingModel, role: Role) -> StreamingModel:
+    """One pool of a disaggregated model as the builders see it: the model with the pool's
+    replicas, GPUs and tensor parallelism in place of the spec's, and no model-wide
+    autoscaling (the pool's own autoscaler is builders/hpa.py's `desired_pool_hpa`)."""
+    d = model.spec.disaggregation
+    assert d is not None
+    pool = d.pool(role)
+    spec = model.spec
+    resources = spec.resources.model_copy(update={"gpus": pool.gpus or spec.resources.gpus})
+    parallelism = spec.parallelism.model_copy(
+        update={"tensor": pool.tensor or spec.parallelism.tensor}
+    )
+    pooled = spec.model_copy(
+        update={
+            "replicas": pool.replicas,
+            "resources": resources,
+            "parallelism": parallelism,
+            "autoscaling": None,
+        }
+    )
+    return dataclasses.replace(model, spec=pooled, role=role)

@@ -10,7 +10,8 @@ This is the root; each concept's types and rules are a module of their own: `eng
 model and the engine), `adapters.py` (LoRA adapters), `pods.py` (resources, parallelism,
 startup, rollout), `serving.py` (protocols, limits, the server's processes and queue),
 `auth.py`, `scaling.py` (autoscaling, scale to zero), `exposure.py` (Ingress, Gateway,
-routing, NetworkPolicy) and `observability.py`. The rules that compare fields of several of
+routing, NetworkPolicy), `observability.py` and `disaggregation.py` (prefill and decode
+pools). The rules that compare fields of several of
 them are written in the module of the field they point at and listed here.
 """
 
@@ -23,6 +24,7 @@ from pydantic import Field, StringConstraints
 from .adapters import ADAPTER_RULES, MAX_ADAPTERS, AdapterSpec
 from .auth import AuthSpec
 from .base import ApiModel, sub
+from .disaggregation import DISAGGREGATION_RULES, DisaggregationSpec
 from .engine import EngineSpec, LoraSpec, ModelSpec
 from .exposure import (
     GATEWAY_OR_INGRESS,
@@ -72,6 +74,7 @@ class StreamingModelSpec(ApiModel):
         WEIGHTS_NO_HUB_ADAPTERS,
         WEIGHTS_ONE_NODE,
         STALL_OVER_HEARTBEAT,
+        *DISAGGREGATION_RULES,
     )
 
     model: ModelSpec = Field(description="Which model to serve.")
@@ -96,6 +99,12 @@ class StreamingModelSpec(ApiModel):
     )
     autoscaling: AutoscalingSpec | None = Field(
         default=None, description="TTFT autoscaling; unset: fixed spec.replicas."
+    )
+    disaggregation: DisaggregationSpec | None = Field(
+        default=None,
+        description="Serve prefill and decode on separate pools (Deployments <name>-prefill "
+        "and <name>-decode) with the KV cache handed over by a connector; needs "
+        "routing.router.enabled (the router does the two steps). Unset: one pool does both.",
     )
     ingress: IngressSpec = sub(IngressSpec, "Ingress settings.")
     gateway: GatewaySpec | None = Field(
@@ -197,5 +206,12 @@ class StreamingModelSpec(ApiModel):
 
     @property
     def max_possible_replicas(self) -> int:
+        """Most pods serving at once; a disaggregated model's both pools together."""
+        d = self.disaggregation
+        if d is not None:
+            return sum(
+                p.autoscaling.max_replicas if p.autoscaling else p.replicas
+                for p in (d.prefill, d.decode)
+            )
         a = self.autoscaling
         return a.max_replicas if a is not None and a.enabled else self.replicas

@@ -153,6 +153,32 @@ class WeightsStatus(ApiModel):
     )
 
 
+class PoolStatus(ApiModel):
+    """One pool of a disaggregated model (spec.disaggregation): its Deployment's counts and,
+    with the pool's autoscaling, its HPA's last reading."""
+
+    replicas: int | None = Field(default=None, description="Pods of the pool's Deployment.")
+    ready_replicas: int | None = Field(default=None, description="Pods ready to serve.")
+    ready: str | None = Field(default=None, description="readyReplicas/desired replicas.")
+    metric: str | None = Field(
+        default=None,
+        description="With autoscaling: the metric scaled on (sluice_ttft_pNN_seconds on "
+        "prefill, sluice_itl_pNN_seconds on decode).",
+    )
+    current_milliseconds: int | None = Field(
+        default=None,
+        description="The per-pod average of that metric the HPA last read, in milliseconds: "
+        "time to first token on prefill, inter-token latency on decode.",
+    )
+
+
+class PoolsStatus(ApiModel):
+    """The two pools of a disaggregated model."""
+
+    prefill: PoolStatus | None = Field(default=None, description="The prefill pool.")
+    decode: PoolStatus | None = Field(default=None, description="The decode pool.")
+
+
 class SplitVersionStatus(ApiModel):
     """One version of a split (spec.routing.router.split), this model first: its share and
     how it serves, side by side with the others."""
@@ -262,6 +288,12 @@ class StreamingModelStatus(ApiModel):
         default=None,
         description="With model.cache.weights: the commit on the claim the pods mount (with "
         "condition WeightsReady).",
+    )
+    pools: PoolsStatus | None = Field(
+        default=None,
+        description="With spec.disaggregation: each pool's ready counts and latency (the "
+        "model's replicas, readyReplicas and Ready condition cover both pools: Ready when "
+        "each pool has all its replicas ready).",
     )
     split: list[SplitVersionStatus] | None = Field(
         default=None,
