@@ -78,6 +78,8 @@ class _Split(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
     versions: list[_Version] = Field(min_length=1)
+
+
 class _Disaggregation(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
@@ -281,6 +283,8 @@ def _split(key: str, split: _Split) -> Split:
             f"({', '.join(f'{v.key}={v.weight}' for v in versions)})"
         )
     return Split(versions)
+
+
 def _selector(pods: _Pods | None) -> PodSelector | None:
     if pods is None:
         return None
