@@ -364,11 +364,13 @@ def build_app(
         key_file=settings.continuation_key_file,
         role=settings.disaggregation_role,
         max_body_bytes=settings.max_body_bytes,
+        root_path=settings.root_path,
     )
     app.add_middleware(
         continue_entry.ContinueEntry,
         key_file=settings.continuation_key_file,
         max_body_bytes=settings.max_body_bytes,
+        root_path=settings.root_path,
     )
     app.add_middleware(Edge, worker=pod.index if pod is not None else None)
     return app

@@ -196,6 +196,21 @@ async def test_only_the_routers_key_continues(key_file, tmp_path):
         assert r.status_code == 200 and "[DONE]" in r.text
 
 
+async def test_a_path_under_the_servers_prefix_continues(key_file):
+    """The router sends the client's path as it came through an Ingress that publishes the
+    model under a prefix (`--root-path`): the entry reads the route under it."""
+    path = "/v1/stream"
+    state = {"token_ids": [1, 2], "next_event": 2, "response_id": "r1"}
+    async with (
+        serve_simulator(sim(), continuation_key_file=key_file, root_path="/team") as url,
+        httpx.AsyncClient(base_url=url) as c,
+    ):
+        r = await continue_on(c, "/team" + path, BODIES[path], state)
+        assert r.status_code == 200 and "[DONE]" in r.text, r.text
+        r = await continue_on(c, "/other" + path, BODIES[path], state)
+        assert r.status_code == 422 and "cannot be continued" in r.text, r.text
+
+
 BAD = [
     ({"path": "/v1/stream"}, 422, "token_ids"),
     ({"next_event": -1}, 422, "next_event"),

@@ -286,3 +286,21 @@ async def test_a_websocket_generation_prefills_on_the_token_route_and_decodes_wi
         # A client's socket (no router key) may not bring params.
         final = await ws_final(d, {**frame, "kv_transfer_params": params})
         assert final["type"] == "error" and final["error"]["code"] == "forbidden", final
+
+
+async def test_a_path_under_the_servers_prefix_is_prefilled(key_file):
+    """Through an Ingress that publishes the model under a prefix (`--root-path`), the
+    router sends the client's path as it came: the entry reads the route under it.
+    Negative control: a path under another prefix is no generating route."""
+    body = BODIES["/v1/chat/completions"]
+    async with (
+        serve_simulator(sim("a"), continuation_key_file=key_file, disaggregation_role="prefill",
+                        root_path="/team") as url,
+        httpx.AsyncClient(base_url=url) as c,
+    ):  # fmt: skip
+        entry = {"path": "/team/v1/chat/completions", "body": body}
+        r = await c.post("/internal/prefill", json=entry, headers=KEYED)
+        assert r.status_code == 200 and r.json()["prompt_tokens"] >= WORDS, r.text
+        entry = {"path": "/other/v1/chat/completions", "body": body}
+        r = await c.post("/internal/prefill", json=entry, headers=KEYED)
+        assert r.status_code == 422 and r.json()["error"]["param"] == "path", r.text

@@ -30,7 +30,7 @@ from ..core.auth.routerkey import KEY_HEADER, key_refusal
 from ..core.errors import error_body
 from ..core.params import describe_validation_error
 from ..core.streaming.continuation import CONTINUABLE, SCOPE_KEY, Continuation, not_continuable
-from .reentry import Original, error, read_body, reentered, replay
+from .reentry import Original, error, read_body, reentered, replay, route_of
 
 PATH = "/internal/continue"
 OFF = (
@@ -57,8 +57,10 @@ class ContinueEntry:
     """ASGI middleware in front of the routes: answers `POST /internal/continue` itself
     when the continuation is refused, else re-enters the app with the original request."""
 
-    def __init__(self, app: ASGIApp, key_file: Path | None, max_body_bytes: int) -> None:
-        self.app, self.key_file = app, key_file
+    def __init__(
+        self, app: ASGIApp, key_file: Path | None, max_body_bytes: int, root_path: str = ""
+    ) -> None:
+        self.app, self.key_file, self.root_path = app, key_file, root_path
         self.limit = max_body_bytes + 2**20  # the original body plus the token ids
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -71,7 +73,7 @@ class ContinueEntry:
         if refused is not None:
             await refused(scope, receive, send)
             return
-        checked = _checked(body)
+        checked = _checked(body, self.root_path)
         if isinstance(checked, JSONResponse):
             await checked(scope, receive, send)
             return
@@ -90,7 +92,7 @@ class ContinueEntry:
         return None if refusal is None else error(*refusal, None, None)
 
 
-def _checked(raw: Any) -> tuple[Continuation, Original] | JSONResponse:
+def _checked(raw: Any, root_path: str) -> tuple[Continuation, Original] | JSONResponse:
     """The continuation and the original request, or a 422 saying what cannot be continued."""
     try:
         c = ContinueBody.model_validate(raw)
@@ -98,6 +100,7 @@ def _checked(raw: Any) -> tuple[Continuation, Original] | JSONResponse:
         message, param = describe_validation_error(e)
         return error(422, message, param, "invalid_continuation")
     url = urlsplit(c.path)
+    url = url._replace(path=route_of(url.path, root_path))
     if url.path not in CONTINUABLE:
         return error(
             422, f"path: {url.path!r} cannot be continued; streamed generations on "

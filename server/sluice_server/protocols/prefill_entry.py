@@ -28,7 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..core.auth.routerkey import KEY_HEADER, key_refusal
 from ..core.kvtransfer import PREFILL_KEY, PREFILLABLE, Role
 from ..core.params import describe_validation_error
-from .reentry import Original, error, read_body, reentered, replay
+from .reentry import Original, error, read_body, reentered, replay, route_of
 
 PATH = "/internal/prefill"
 
@@ -47,9 +47,14 @@ class PrefillEntry:
     when it is refused, else re-enters the app with the original request."""
 
     def __init__(
-        self, app: ASGIApp, key_file: Path | None, role: Role | None, max_body_bytes: int
+        self,
+        app: ASGIApp,
+        key_file: Path | None,
+        role: Role | None,
+        max_body_bytes: int,
+        root_path: str = "",
     ) -> None:
-        self.app, self.key_file, self.role = app, key_file, role
+        self.app, self.key_file, self.role, self.root_path = app, key_file, role, root_path
         self.limit = max_body_bytes + 4096  # the original body in its envelope
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -60,7 +65,7 @@ class PrefillEntry:
         if answer is None:
             raw, answer = await read_body(receive, self.limit)
             if answer is None:
-                checked = _checked(raw)
+                checked = _checked(raw, self.root_path)
                 if isinstance(checked, Original):
                     reentry = reentered(scope, PREFILL_KEY, True, checked)
                     await self.app(reentry, replay(checked.body, receive), send)
@@ -83,15 +88,16 @@ class PrefillEntry:
         return None if refusal is None else error(*refusal, None, None)
 
 
-def _checked(raw: Any) -> Original | JSONResponse:
+def _checked(raw: Any, root_path: str) -> Original | JSONResponse:
     try:
         p = PrefillBody.model_validate(raw)
     except ValidationError as e:
         message, param = describe_validation_error(e)
         return error(422, message, param, "invalid_prefill")
-    if p.path not in PREFILLABLE:
+    path = route_of(p.path, root_path)
+    if path not in PREFILLABLE:
         return error(
             422, f"path: {p.path!r} cannot be prefilled; the generating routes "
             f"{', '.join(PREFILLABLE)} can.", "path", "not_prefillable",
         )  # fmt: skip
-    return Original("POST", p.path, "", json.dumps(p.body).encode())
+    return Original("POST", path, "", json.dumps(p.body).encode())

@@ -36,6 +36,16 @@ async def read_body(receive: Receive, limit: int) -> tuple[Any, JSONResponse | N
         return None, error(400, f"Invalid JSON body: {e}", None, "invalid_json")
 
 
+def route_of(path: str, root_path: str) -> str:
+    """The route an original path names, without the server's `--root-path`: the router
+    sends the client's path as it came through an Ingress that publishes the model under
+    that prefix (the server answers both, transport/prefix.py)."""
+    prefix = root_path.rstrip("/")
+    if prefix and (path == prefix or path.startswith(prefix + "/")):
+        return path[len(prefix) :] or "/"
+    return path
+
+
 class Original:
     __slots__ = ("method", "path", "query", "body")
 
