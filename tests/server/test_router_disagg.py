@@ -60,7 +60,7 @@ STREAM = {"model": "sim", "messages": [{"role": "user", "content": "hello river"
 
 class FakePrefill:
     """A prefill pod: `/internal/prefill` as the contract's pods answer it. `mode`: `ok`,
-    `fail` (500), `refuse` (400, the OpenAI error shape) or `slow` (it prefills until its
+    `null` (no parameters, as vLLM's shared-storage connectors return), `fail` (500), `refuse` (400, the OpenAI error shape) or `slow` (it prefills until its
     caller leaves, one step every 10 ms: `steps`, and `aborted` once it saw the caller go)."""
 
     def __init__(self, name: str, mode: str = "ok") -> None:
@@ -94,7 +94,8 @@ class FakePrefill:
         if self.mode == "slow":
             await self._until_gone(request)
             return Response(status_code=499)
-        return JSONResponse({"kv_transfer_params": self.params(body), "prompt_tokens": 2})
+        params = None if self.mode == "null" else self.params(body)
+        return JSONResponse({"kv_transfer_params": params, "prompt_tokens": 2})
 
     async def _until_gone(self, request: Request) -> None:
         async def work() -> None:
@@ -486,3 +487,17 @@ async def test_on_simulator_servers_a_killed_prefill_pod_is_retried_on_the_other
                     break
         assert prefills(act, "failed") == 1
         assert engines["pre-b"].started == i + 1 == prefills(act, "ok")
+
+
+async def test_a_prefill_without_parameters_still_marks_the_decode(tmp_path):
+    """A connector that returns no parameters (`null`: the shared-storage ones find the
+    prompt's KV by its hash): the decode request still carries the header, `null`, beside
+    the key, so the decode pod counts the prompt tokens it was spared."""
+    async with fleet(tmp_path, {"pre-a": "null"}) as (act, fakes, noted):
+        async with httpx.AsyncClient(base_url=act.url, headers=HEADERS, timeout=30) as c:
+            r = await c.post("/v1/chat/completions", json=STREAM)
+        assert r.status_code == 200 and "data: [DONE]" in r.text
+        (seen,) = noted.seen
+        assert seen["x-sluice-kv-transfer"] == kvtransfer.encode(None)
+        assert seen["x-sluice-continuation-key"] == KEY
+        assert prefills(act, "ok") == 1

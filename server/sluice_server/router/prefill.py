@@ -66,9 +66,10 @@ class Handover:
     key: bytes
 
     def headers(self) -> list[tuple[bytes, bytes]]:
-        """The decode request's headers (none without parameters)."""
-        if self.params is None:
-            return []
+        """The decode request's headers. Without parameters (`null`: vLLM's shared-storage
+        connectors find the prompt's KV by its hash) the header still says the request is a
+        decode, so the pod counts the prompt tokens it was spared; `null` asks nothing of
+        the engine."""
         return [(KEY_HEADER, self.key), (KV_HEADER, kvtransfer.encode(self.params).encode())]
 
 

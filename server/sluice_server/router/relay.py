@@ -601,7 +601,7 @@ class Prefills:
             await got.aclose()
             message, code, status = upstream_error(got, raw)
             return error_frame(rid, status, message, code)
-        return got.params
+        return {} if got.params is None else got.params  # `{}`: a decode all the same
 
     async def aclose(self) -> None:
         for step in list(self.steps):
