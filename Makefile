@@ -10,7 +10,7 @@ export SLUICE_CACHE ?= $(CURDIR)/.cache
 
 SAMPLE ?= samples/chat-small.yaml
 
-.PHONY: help venv tools demo run test test-fast test-e2e test-dashboard test-multinode lint docs crds golden chart render bench bench-balance bench-router-hop bench-migration bench-placement bench-placement-live bench-lora bench-ab bench-ab-engine bench-disagg bench-disagg-calibrate clean
+.PHONY: help venv tools demo run test test-fast test-e2e test-dashboard test-multinode test-nixl lint docs crds golden chart render bench bench-balance bench-router-hop bench-migration bench-placement bench-placement-live bench-lora bench-ab bench-ab-engine bench-disagg bench-disagg-calibrate clean
 
 help:
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
@@ -51,6 +51,11 @@ test-dashboard: venv tools ## The Grafana dashboard's every query against a real
 
 test-multinode: venv ## The engine split over two processes (leader + headless worker), both layouts; minutes per layout, so not in `make test`
 	SLUICE_TEST_MULTINODE=1 $(PY) -m pytest tests/server/test_multinode_engine.py
+
+NIXL_SITE ?= .cache/nixl-site
+test-nixl: venv ## Disaggregated serving over vLLM's NixlConnector on the CPU (PyPI's nixl wheels, installed into NIXL_SITE, not the venv); minutes, so not in `make test`
+	test -f $(NIXL_SITE)/nixl/_api.py || $(PY) -m pip install --no-deps --target $(NIXL_SITE) nixl nixl-cu12
+	SLUICE_NIXL_SITE=$(abspath $(NIXL_SITE)) $(PY) -m pytest tests/server/test_disagg_nixl_engine.py
 
 lint: venv tools ## ruff (checks and formatting), import contracts and mypy (pyproject.toml), yamllint, hadolint, helm lint
 	$(PY) -m ruff check server operator tests testing
