@@ -118,7 +118,8 @@ def test_two_deployments_with_disjoint_selectors_and_no_model_deployment():
         args = container(dep)["args"]
         assert flag(args, "--disaggregation-role") == role
         config = json.loads(flag(args, "--kv-transfer-config"))
-        assert config == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+        kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
+        assert config == {"kv_connector": "NixlConnector", "kv_role": kv_role}
         assert args.index("--kv-transfer-config") < args.index("--")  # a server flag
     # The model's Service (and the router's `pods`) are the decode pool: clients never
     # reach a prefill pod but through the router's first step.
@@ -283,7 +284,7 @@ def test_side_port_opens_between_the_two_pools_only(own_policy):
     policies = [p for p in (out["NetworkPolicy"], out["KvEventsNetworkPolicy"]) if p]
     assert len(policies) == 1
     prefill, decode = _pod_labels("prefill"), _pod_labels("decode")
-    # Decode pulls from prefill (and NIXL's kv_both lets either side ask).
+    # Decode pulls from prefill; the side channel's handshake goes both ways.
     assert admits(policies, "default", prefill, "default", decode, 5600)
     assert admits(policies, "default", decode, "default", prefill, 5600)
     # Nobody else: another model's pod, a plain pod of the namespace, the router, another

@@ -103,8 +103,8 @@ def test_server_parses_rendered_args(path, pool, monkeypatch, tmp_path):
     s = settings_mod.parse_settings(c["args"])
     if pool is not None:  # the pool's role and connector; its own replicas, GPUs, tensor
         assert s.disaggregation_role == pool
-        assert json.loads(s.kv_transfer_config) == kv_transfer_config(model)
         model = pool_view(model, pool)  # type: ignore[arg-type]
+        assert json.loads(s.kv_transfer_config) == kv_transfer_config(model)
     else:
         assert s.disaggregation_role is None and s.kv_transfer_config is None
     spec = model.spec

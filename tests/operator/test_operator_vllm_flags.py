@@ -224,7 +224,12 @@ def test_disaggregated_pools_kv_transfer_config_as_vllms_parser_and_config_read_
         config = engine.kv_transfer_config
         assert isinstance(config, KVTransferConfig)
         assert engine.tensor_parallel_size == tp
-        assert config.kv_role == "kv_both" and config.is_kv_producer and config.is_kv_consumer
+        if connector == "nixl":  # vLLM deprecates kv_both with NIXL: one role per pool
+            producer = role == "prefill"
+            assert config.kv_role == ("kv_producer" if producer else "kv_consumer")
+            assert (config.is_kv_producer, config.is_kv_consumer) == (producer, not producer)
+        else:
+            assert config.kv_role == "kv_both" and config.is_kv_producer and config.is_kv_consumer
         assert config.kv_connector in KVConnectorFactory._registry
         if connector == "nixl":
             assert config.kv_connector == "NixlConnector"

@@ -4,7 +4,9 @@ Both pools run the same server with `--disaggregation-role prefill|decode` and
 `--kv-transfer-config '<json>'`, vLLM's KVTransferConfig, which the server hands to the
 engine (and the simulator accepts):
 
-- nixl: `{"kv_connector": "NixlConnector", "kv_role": "kv_both"}`. A decode pod asks the
+- nixl: `{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}` on prefill pods and
+  `"kv_consumer"` on decode pods (vLLM deprecates `kv_both` with NIXL and says it will
+  refuse it). A decode pod asks the
   prefill pod named in the request's `kv_transfer_params` (remote_host, remote_port) for the
   blocks over NIXL's side channel: vLLM listens on VLLM_NIXL_SIDE_CHANNEL_PORT (5600, plus the
   data-parallel rank, which is 0 here) at VLLM_NIXL_SIDE_CHANNEL_HOST, which must be an
@@ -37,7 +39,8 @@ def kv_transfer_config(model: StreamingModel) -> dict[str, Any]:
     d = model.spec.disaggregation
     assert d is not None
     if d.connector.type == "nixl":
-        return {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+        role = {"prefill": "kv_producer", "decode": "kv_consumer"}.get(model.role or "", "kv_both")
+        return {"kv_connector": "NixlConnector", "kv_role": role}
     return {
         "kv_connector": "ExampleConnector",
         "kv_role": "kv_both",

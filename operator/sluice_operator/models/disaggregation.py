@@ -34,7 +34,7 @@ class SharedStorageSpec(ApiModel):
 
 
 class ConnectorSpec(ApiModel):
-    """The KV connector both pools' engines run (vLLM's KVTransferConfig, kv_role kv_both)."""
+    """The KV connector both pools' engines run (vLLM's KVTransferConfig: NIXL as kv_producer on prefill pods and kv_consumer on decode pods, shared storage kv_both)."""
 
     RULES = (
         Rule(
