@@ -46,7 +46,9 @@ ROUTES = [*BODIES, "GET /v1/stream"]
 
 
 def sim(**kw) -> SimulatorEngine:
-    return SimulatorEngine("sim", **{"ttft_ms": 5, "itl_ms": 3, **kw})
+    """20 ms between tokens: a pod behind on a busy machine merges the tokens it holds into
+    one event (it never queues events), and these tests cut streams after their k-th event."""
+    return SimulatorEngine("sim", **{"ttft_ms": 5, "itl_ms": 20, **kw})
 
 
 @pytest.fixture
@@ -76,12 +78,11 @@ async def stream(c: httpx.AsyncClient, sent_path: str, body: dict | None, header
 @pytest.mark.parametrize("route", ROUTES)
 async def test_a_stream_cut_after_k_events_continues_on_another_server(key_file, route):
     path, sent_path, body = request_of(route)
-    # 20 ms between tokens: a pod behind on a busy machine merges the tokens it holds into
-    # one event (it never queues events), so a stream can come in fewer events; a cut is
-    # only a cut while tokens remain after it, and every stream gets at least one.
+    # A stream merged into fewer events (sim()) is cut only while tokens remain after the
+    # cut, and every stream is cut at least after its first event.
     async with (
-        serve_simulator(sim(itl_ms=20), continuation_key_file=key_file) as a,
-        serve_simulator(sim(itl_ms=20), continuation_key_file=key_file) as b,
+        serve_simulator(sim(), continuation_key_file=key_file) as a,
+        serve_simulator(sim(), continuation_key_file=key_file) as b,
         httpx.AsyncClient(base_url=a, timeout=30) as ca,
         httpx.AsyncClient(base_url=b, timeout=30) as cb,
     ):
