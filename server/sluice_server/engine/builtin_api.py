@@ -17,6 +17,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from .base import (
     ApiKind,
@@ -66,7 +67,9 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: Flag = False
     cache_salt: ClientSalt | None = None
-    kv_transfer_params: dict[str, Any] | None = None  # the routes' (core/kvtransfer.py)
+    # Set by the routes from the router's header (core/kvtransfer.py), never by a client (a
+    # body that carries it is a 400): not in the published schema.
+    kv_transfer_params: SkipJsonSchema[dict[str, Any] | None] = None
 
     _numbers = field_validator(
         "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "n", mode="before"
@@ -100,7 +103,7 @@ class ResponsesBody(BaseModel):
     stream: Flag = False
     ignore_eos: Flag = False
     cache_salt: ClientSalt | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: SkipJsonSchema[dict[str, Any] | None] = None  # as above
 
     _numbers = field_validator("max_output_tokens", "temperature", "top_p", mode="before")(
         not_a_flag
@@ -128,7 +131,7 @@ class MessagesBody(CountTokensBody):
     stream: Flag = False
     ignore_eos: Flag = False
     cache_salt: ClientSalt | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: SkipJsonSchema[dict[str, Any] | None] = None  # as above
 
     _numbers = field_validator("max_tokens", "temperature", "top_p", mode="before")(not_a_flag)
 
