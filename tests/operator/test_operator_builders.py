@@ -716,6 +716,22 @@ def test_ingress_path_prefix_becomes_the_server_root_path(path, root):
     assert "--root-path" not in server_args(model(ingress={"path": "/x"}))  # no Ingress
 
 
+@pytest.mark.parametrize(
+    "path,root", [("/", None), ("/llm", "/llm"), ("/team/chat/", "/team/chat")]
+)
+def test_httproute_path_prefix_becomes_the_server_root_path(path, root):
+    """The HTTPRoute passes its PathPrefix on unchanged, as the Ingress does: without
+    --root-path the pods would answer /llm/v1/... with 404 (the negative control is "/")."""
+    from sluice_operator.builders.gateway import desired_httproute
+
+    gateway = {"parentRefs": [{"name": "public"}], "path": path}
+    m = model(gateway=gateway)
+    assert flag(server_args(m), "--root-path") == root
+    (rule,) = desired_httproute(m)["spec"]["rules"]
+    assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": path}}]
+    assert "filters" not in rule  # no URLRewrite of the path: the server knows its prefix
+
+
 @pytest.mark.parametrize("path", ["mistral", "/a b", "/x?y", "//x"])
 def test_ingress_path_must_be_a_plain_prefix(path):
     with pytest.raises(Exception, match="path"):

@@ -29,9 +29,12 @@ DRAIN_MARGIN_SECONDS = 15
 
 
 def root_path(model: StreamingModel) -> str:
-    """The path prefix the pods answer under ("" for none): the Ingress's path."""
-    ing = model.spec.ingress
-    return ing.path.rstrip("/") if ing.enabled else ""
+    """The path prefix the pods answer under ("" for none): the Ingress's or the
+    HTTPRoute's path, which both pass the prefix on unchanged (the two are exclusive)."""
+    spec = model.spec
+    if spec.gateway is not None:
+        return spec.gateway.path.rstrip("/")
+    return spec.ingress.path.rstrip("/") if spec.ingress.enabled else ""
 
 
 def drain_seconds(model: StreamingModel) -> int:
@@ -145,7 +148,7 @@ def server_args(model: StreamingModel) -> list[str]:
     if not s.playground:
         args += ["--playground", "false"]
     if root_path(model):
-        # The Ingress routes the prefix unchanged (no rewrite annotations): the server knows
+        # The route passes the prefix on unchanged (no rewrites): the server knows
         # it is published there, answers under it and builds its links with it.
         args += ["--root-path", root_path(model)]
     if s.resume.grace_seconds:

@@ -109,7 +109,8 @@ class GatewaySpec(ApiModel):
     )
     path: Annotated[str, StringConstraints(max_length=1024, pattern=r"^/")] = Field(
         default="/",
-        description="Path prefix (PathPrefix match, passed to the server unchanged, as with the Ingress).",
+        description="Path prefix (PathPrefix match): passed to the server unchanged and the "
+        "server is told (--root-path), as with the Ingress, so the model answers at <prefix>/v1/....",
     )
     scheme: Literal["http", "https"] = Field(
         default="http",
