@@ -69,11 +69,12 @@ async def pods_with_link(
     itl_ms: float = 25,
     engine=None,
     server: dict | None = None,
+    engine_a=None,
     **router_settings,
 ):
     """Pod A (behind the link, the only Ready pod at first) and pod B (not Ready yet), both
-    taking continuations with the model's key; the router with the master key. Yields
-    (router, fake API, link, the pods' port)."""
+    taking continuations with the model's key; the router with the master key. `engine_a`:
+    pod A's own engine (else as pod B's). Yields (router, fake API, link, the pods' port)."""
     master = tmp_path / "master-key"
     master.write_bytes(MASTER + b"\n")
     pod_key = tmp_path / "pod-key"
@@ -86,7 +87,8 @@ async def pods_with_link(
         api.put("pod-b", "127.0.0.2", LABELS, ready=False)
         servers = []
         for ip in ("127.0.0.3", "127.0.0.2"):  # pod A's server, behind the link
-            pod_engine = engine or SimulatorEngine("sim", ttft_ms=5, itl_ms=itl_ms)
+            own = engine_a if ip == "127.0.0.3" else None
+            pod_engine = own or engine or SimulatorEngine("sim", ttft_ms=5, itl_ms=itl_ms)
             servers.append(await stack.enter_async_context(
                 model_server(port, pod_engine, host=ip, continuation_key_file=pod_key,
                              **(server or {}))
@@ -260,10 +262,11 @@ async def ws_generations(url: str, headers: dict, ids=(1, 2), started=None) -> d
     return frames
 
 
-@pytest.mark.parametrize("fault", ["killed", "drained"])
+@pytest.mark.parametrize("fault", ["killed", "drained", "engine failed"])
 async def test_websocket_generations_survive_their_pod(tmp_path, fault):
+    engine = FailingEngine("sim", ttft_ms=5, itl_ms=40) if fault == "engine failed" else None
     async with pods_with_link(tmp_path, {"maxMigrations": 2, "stallSeconds": 5},
-                              itl_ms=40) as (act, api, link, port):  # fmt: skip
+                              itl_ms=40, engine_a=engine) as (act, api, link, port):  # fmt: skip
         started = asyncio.Event()
         task = asyncio.ensure_future(ws_generations(act.url, HEADERS, started=started))
         await asyncio.wait_for(started.wait(), 30)
@@ -272,6 +275,8 @@ async def test_websocket_generations_survive_their_pod(tmp_path, fault):
         await wait_candidates(act, ["pod-a", "pod-b"])
         if fault == "killed":
             link.kill()
+        elif engine is not None:
+            engine.failing = True  # both generations' next tokens raise: the socket closes
         else:
             api.terminating("pod-a")
             await wait_candidates(act, ["pod-b"])
@@ -314,6 +319,56 @@ async def test_a_draining_pod_hands_its_streams_to_the_router(tmp_path):
                      for sample in family.samples
                      if sample.name == "sluice_streams_handed_over_total")  # fmt: skip
         assert handed == len(REQUESTS)
+    for (name, _, path, _), r in zip(REQUESTS, readers, strict=True):
+        events = events_of(r.raw)
+        check_one_stream(path, events)
+        assert text_and_usage(path, events) == reference[name], name
+
+
+class FailingEngine(SimulatorEngine):
+    """A simulator whose running requests fail on demand while the pod stays up: `failing`
+    makes each raise at its next token, as vLLM's generators raise EngineDeadError when the
+    engine core dies; `shutdown()` ends each with finish reason `abort`, as vLLM's engine
+    does for the requests it aborts itself."""
+
+    failing = False
+
+    async def _generate(self, request):
+        async for delta in super()._generate(request):
+            if self.failing:
+                raise RuntimeError("the engine core died")
+            yield delta
+
+
+@pytest.mark.parametrize("failure", ["raised", "aborted"])
+async def test_an_engine_failure_is_continued_on_another_pod(tmp_path, failure):
+    """Pod A's engine fails its running requests while pod A, its link and its Pod stay up:
+    instead of the error event, pod A hands each stream to the router, which continues it
+    on pod B. Every protocol's stream reaches its client whole. Negative control: the same
+    failure on a stream the router does not relay ends with the pod's error event."""
+    engine = FailingEngine("sim", ttft_ms=5, itl_ms=25)
+    async with pods_with_link(tmp_path, {"maxMigrations": 2, "stallSeconds": 30},
+                              engine_a=engine) as (act, api, link, port):  # fmt: skip
+
+        def fail() -> None:
+            if failure == "raised":
+                engine.failing = True
+            else:
+                asyncio.ensure_future(engine.shutdown())
+
+        readers = await break_midway(act, api, fail)
+        reference = await unbroken(f"http://127.0.0.2:{port}")
+        assert results(act)["continued"] == len(REQUESTS)
+        page = (await httpx.AsyncClient().get(link.pod_a + "/metrics")).text
+        handed = sum(sample.value for family in text_string_to_metric_families(page)
+                     for sample in family.samples
+                     if sample.name == "sluice_streams_handed_over_total")  # fmt: skip
+        assert handed == len(REQUESTS)
+        if failure == "raised":  # the control: straight to pod A, not through the router
+            async with httpx.AsyncClient(base_url=link.pod_a, timeout=30) as c:
+                (name, method, path, body) = REQUESTS[0]
+                direct = await Reader(c, method, path, body).run()
+            assert "the engine core died" in "\n".join(events_of(direct.raw)[-2:])
     for (name, _, path, _), r in zip(REQUESTS, readers, strict=True):
         events = events_of(r.raw)
         check_one_stream(path, events)

@@ -27,7 +27,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, cast
 
-from .stream import HANDED_OVER, KEEPALIVE, Stream, StreamFailed, join_batch
+from .stream import HANDED_OVER, KEEPALIVE, Stream, StreamFailed, engine_failure_code, join_batch
 
 if TYPE_CHECKING:
     from ...engine.base import Delta
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 # timeout and was cut off (counted as a disconnect: it is a client gone from the stream).
 FINISHED, DISCONNECTED, FAILED, STOPPED = "finished", "disconnected", "failed", "stopped"
 STALLED = "stalled"
-HANDED = "handed_over"  # a draining pod handed the stream to the router (Stream.hand_over)
+HANDED = "handed_over"  # handed to the router: a drain (Stream.hand_over) or an engine failure
 ENDED_EARLY = "Engine stream ended without finishing."
 ABORTED_BY_SERVER = "Generation was aborted by the server."
 
@@ -175,6 +175,14 @@ class Meter:
             self.trail.end(outcome, meter=self, first_output=first)
 
 
+def _engine_failed(stream: Stream[Delta], meter: Meter, message: str, code: str) -> Failed:
+    """The engine ended the request without finishing it: handed to the router on a stream
+    it can continue elsewhere, else the protocol's error event (`engine_failure_code`)."""
+    code = engine_failure_code(stream.marked, code=code)
+    meter.finish(HANDED if code == HANDED_OVER else FAILED, stream)
+    return Failed(message, code)
+
+
 async def events(
     stream: Stream[Delta], meter: Meter, start: int | None = None
 ) -> AsyncIterator[Event]:
@@ -211,8 +219,7 @@ async def events(
                 meter.finish(STOPPED, stream)
                 yield Stopped()
             else:
-                meter.finish(FAILED, stream)
-                yield Failed(ENDED_EARLY)
+                yield _engine_failed(stream, meter, ENDED_EARLY, "stream_error")
             return
         last = batch[-1]
         text, ntok = join_batch(batch)
@@ -237,8 +244,7 @@ async def events(
         if last.finished:
             if last.finish_reason == "abort":
                 meter.reason = "abort"
-                meter.finish(FAILED, stream)
-                yield Failed(ABORTED_BY_SERVER, "aborted")
+                yield _engine_failed(stream, meter, ABORTED_BY_SERVER, "aborted")
                 return
             meter.reason = last.finish_reason
             ended = Finished(last.finish_reason, usage_of(last))

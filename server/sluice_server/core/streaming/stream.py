@@ -5,7 +5,8 @@ consumer (the socket writer) takes everything buffered at once, so a slow reader
 fewer, larger events instead of an ever-growing backlog (coalescing). Past the buffer cap,
 the whole-stream deadline, a drain timeout or an engine error the stream *fails*: the
 producer is cancelled (which aborts the engine request) and the consumer ends with an
-error event. Cancelling the consumer (client gone) cancels the producer the same way.
+error event, or, for an engine failure on a stream the router relays, as handed over
+(`engine_failure_code`). Cancelling the consumer (client gone) cancels the producer the same way.
 
 The protocols read a Stream through `events.events`, the one loop that turns it into
 typed events and records the edge metrics. A *replayable* stream also keeps the text of
@@ -151,7 +152,7 @@ class Stream(Generic[T]):
                     self._wake()
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # engine error after the 200: becomes an error event
+        except Exception as e:  # engine error after the 200: an error event, or handed over
             log.warning("engine stream failed: %s: %s", type(e).__name__, e)
             if self.error is None:
                 self.error = (
@@ -160,6 +161,7 @@ class Stream(Generic[T]):
                     else (f"Engine error: {type(e).__name__}")
                 )
                 self.error_status = getattr(e, "status", 500)  # the engine's refusal (4xx)
+                self.error_code = engine_failure_code(self.marked, self.error_status)
         finally:
             self._done = True
             self._wake()
@@ -243,6 +245,15 @@ class Stream(Generic[T]):
 
 # The failure code of a stream handed to the router (`Stream.hand_over`).
 HANDED_OVER = "handed_over"
+
+
+def engine_failure_code(marked: bool, status: int = 500, code: str = "stream_error") -> str:
+    """The failure code of an engine failure after the 200: the engine raised (status 5xx,
+    not its refusal of the request), aborted the request itself or ended it unfinished. A
+    stream the router relays and can continue elsewhere (`marked`) is handed over, as in a
+    drain: the router continues it on another replica, at most its model's maxMigrations
+    times; any other stream ends with the protocol's error event (`code`)."""
+    return HANDED_OVER if marked and status >= 500 else code
 
 
 class StreamFailed(Exception):

@@ -100,7 +100,8 @@ class Metrics:
         )
         self.handed_over = fam.counter(
             "sluice_streams_handed_over",
-            "Streams a draining pod handed to the router, which continued them elsewhere.",
+            "Streams handed to the router, which continues them on another pod: at the end "
+            "of a drain's hand-over window, or on an engine failure.",
             labels,
         )
         self.rejections = fam.counter(
