@@ -139,8 +139,9 @@ def test_server_parses_rendered_args(path, pool, monkeypatch, tmp_path):
         assert s.continuation_key_file.read_text().strip() == (
             f"{SECRET_VALUE}-{model.name}-continuation-key"
         )
-    ing = spec.ingress
-    assert s.root_path == (ing.path.rstrip("/") if ing.enabled else "")
+    ing, gw = spec.ingress, spec.gateway  # the route's path prefix, passed on unchanged
+    prefix = gw.path if gw is not None else ing.path if ing.enabled else ""
+    assert s.root_path == prefix.rstrip("/")
     assert s.resume_grace_seconds == spec.streaming.resume.grace_seconds
     cors = spec.streaming.cors
     assert s.cors_allowed_origins == list(cors.allowed_origins)
