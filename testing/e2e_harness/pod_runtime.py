@@ -19,8 +19,9 @@
 - probes, one worker thread per probe as in the kubelet's prober: `initialDelaySeconds`,
   `periodSeconds`, `timeoutSeconds`, `successThreshold`, `failureThreshold`; httpGet (to the
   pod IP, port by number or name), tcpSocket, exec (nsenter into the sandbox). The startup
-  probe holds the others; readiness sets the container's `ready`; a failed liveness or
-  startup probe restarts the container;
+  probe holds the others, and readiness is probed the moment it passes, as the kubelet
+  does; readiness sets the container's `ready`; a failed liveness or startup probe restarts
+  the container;
 - restarts per `restartPolicy` with the kubelet's back-off (none for the first restart, then
   10 s doubling to 300 s, reset after 10 minutes of running); the status says
   `CrashLoopBackOff` while waiting;
@@ -470,6 +471,11 @@ class PodRuntime:
         if self.terminating.wait(float(probe.get("initialDelaySeconds", 0))):
             return
         while current():
+            if kind == "readinessProbe" and not c.started:
+                # The kubelet probes readiness at once when the startup probe passes (its
+                # prober manager's manual trigger), not a period later.
+                self.terminating.wait(0.05)
+                continue
             if kind == "startupProbe" or c.started:
                 passed = self._probe_once(c, probe, timeout)
                 ok, fail = (ok + 1, 0) if passed else (0, fail + 1)

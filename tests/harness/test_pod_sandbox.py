@@ -366,6 +366,39 @@ def test_a_pod_runs_as_its_spec_says_and_drains_on_deletion(tmp_path):
 
 
 @live
+def test_readiness_is_probed_the_moment_the_startup_probe_passes(tmp_path):
+    """As the kubelet's prober manager does (a manual trigger of the readiness worker), not a
+    readiness period later: with a 30 s readiness period, the first readiness probe runs
+    within a few seconds of the startup probe's pass. Each probe records when it ran (its
+    own clock, in the container), and the test reads those records."""
+    host = FakeHost(tmp_path)
+    probe = "date +%s.%N >> /mnt/e2e/work/{0}; test -f /mnt/e2e/work/up"
+    c = {"name": "app", "image": HOST,
+         "command": ["/bin/sh", "-c", "sleep 2; touch /mnt/e2e/work/up; while true; do sleep 0.1; done"],
+         "volumeMounts": [{"name": "work", "mountPath": "/mnt/e2e/work"}],
+         "startupProbe": {"exec": {"command": ["/bin/sh", "-c", probe.format("startup")]},
+                          "periodSeconds": 1, "failureThreshold": 60},
+         "readinessProbe": {"exec": {"command": ["/bin/sh", "-c", probe.format("readiness")]},
+                            "periodSeconds": 30}}  # fmt: skip
+    volumes = [{"name": "work", "persistentVolumeClaim": {"claimName": "probes"}}]
+    pod = PodRuntime(_pod([c], volumes), "127.1.250.5", host, tmp_path / "pods").start()
+    work = host.pvc_dir("ns", "probes")
+    try:
+        runs = {}
+
+        def probed():
+            for kind in ("startup", "readiness"):
+                f = work / kind
+                runs[kind] = [float(t) for t in f.read_text().split()] if f.exists() else []
+            return runs["readiness"]
+
+        eventually(probed, timeout=WAIT_S, message="a readiness probe ran")
+        assert runs["readiness"][0] - runs["startup"][-1] < 10  # not the 30 s period
+    finally:
+        pod.kill_now()
+
+
+@live
 def test_sigterm_ignored_means_sigkill_at_the_grace_period(tmp_path):
     host = FakeHost(tmp_path)
     c = {"name": "stubborn", "image": HOST, "command": ["/bin/sh", "-c",
