@@ -78,7 +78,8 @@ async def lora_engine(tiny_model_path):
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def make_server(engine, tiny_model_path):
-    """`await make_server(**settings_overrides) -> base_url` (http://127.0.0.1:PORT).
+    """`await make_server(**settings_overrides) -> base_url` (http://127.0.0.1:PORT);
+    `wrap_engine`: a function of the shared engine giving the app's (a test double around it).
 
     Each call builds an app with its own settings (limits, keys, protocols, metrics)
     around the shared engine and serves it, with the server's own uvicorn configuration
@@ -92,10 +93,10 @@ async def make_server(engine, tiny_model_path):
 
     async with contextlib.AsyncExitStack() as servers:
 
-        async def factory(**overrides) -> str:
+        async def factory(wrap_engine=None, **overrides) -> str:
             port = free_port()
             settings = engine_settings(tiny_model_path, port=port, **overrides)
-            app = build_app(settings, engine)
+            app = build_app(settings, engine if wrap_engine is None else wrap_engine(engine))
             await servers.enter_async_context(serving(uvicorn_config(settings, app)))
             url = f"http://127.0.0.1:{port}"
             apps[url] = app

@@ -195,10 +195,10 @@ async def load(url: str) -> None:
                         break
 
         async def too_long():
-            """Cut by the time limit: an error after the 200. The reader (a 1 KiB receive
-            buffer) reads nothing for three time limits, so the server still holds
-            undelivered tokens when the limit passes however fast the engine is; then it
-            reads the rest, which ends with the error event."""
+            """Cut by the time limit: an error after the 200. Its tokens come 5 ms apart
+            (`Unhurried`), so the engine is still at it when the limit passes; the reader
+            (a 1 KiB receive buffer) reads nothing for three time limits, then the rest,
+            which ends with the error event."""
             port = int(url.rsplit(":", 1)[1])
             s, _ = await stalled_request(port, body=TOO_LONG)
             try:
@@ -253,12 +253,32 @@ async def load(url: str) -> None:
                                message="a WebSocket stop not refused at capacity")  # fmt: skip
 
 
+class Unhurried:
+    """The session's engine, but the tokens of TOO_LONG's prompt reach the server 5 ms apart:
+    its stream outlives STREAM_TIMEOUT however fast the machine. (An idle machine makes its
+    480 tokens on the tiny model in under a second, and the sockets' kernel buffers take
+    them all, so the stream would end before its time limit.)"""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    async def generate(self, request):
+        async for delta in self._engine.generate(request):
+            if request.prompt == "long":
+                await asyncio.sleep(0.005 * max(1, delta.num_tokens))
+            yield delta
+
+
 async def test_every_panel_query_returns_data_from_a_real_server(make_server, tmp_path):
     Prometheus = _prometheus_or_skip()
     from sluice_operator.generate import dashboard
 
     url = await make_server(max_concurrent_streams=CAP, stream_timeout_seconds=STREAM_TIMEOUT,
-                            queue_size=QUEUE, queue_timeout_seconds=5)  # fmt: skip
+                            queue_size=QUEUE, queue_timeout_seconds=5,
+                            wrap_engine=Unhurried)  # fmt: skip
     with kube_state_metrics() as ksm, kube_state_metrics(activator_page) as activator:
         config = prometheus_config(url.removeprefix("http://"), ksm, activator)
         prom = Prometheus(tmp_path / "prom", tmp_path, config)
