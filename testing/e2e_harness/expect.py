@@ -10,6 +10,7 @@ LABELS = {
     "app.kubernetes.io/component": "model-server",
 }
 TTFT_METRIC = "sluice_ttft_p{nn}_seconds"
+ITL_METRIC = "sluice_itl_p{nn}_seconds"
 
 
 def expected_kinds(spec: dict) -> set[str]:
@@ -26,6 +27,14 @@ def expected_kinds(spec: dict) -> set[str]:
     scaling = autoscaling if autoscaling is not None and autoscaling.get("enabled", True) else None
     if (spec.get("ingress") or {}).get("enabled"):
         kinds.add("Ingress")
+    pools = spec.get("disaggregation")
+    if pools is not None:  # two Deployments, an HPA per pool that scales, one budget
+        kinds.discard("Deployment")
+        for role in ("prefill", "decode"):
+            kinds.add(f"{role.capitalize()}Deployment")
+            if (pools.get(role) or {}).get("autoscaling"):
+                kinds.add(f"{role.capitalize()}HorizontalPodAutoscaler")
+        return kinds | {"PodDisruptionBudget"}  # both pools: at least two pods
     if scaling is not None and scaling.get("backend", "hpa") == "hpa" and not awaiting_weights:
         kinds.add("HorizontalPodAutoscaler")
     most = scaling.get("maxReplicas", 4) if scaling is not None else spec.get("replicas", 1)
@@ -78,6 +87,51 @@ def check_deployment(dep: client.V1Deployment, model: dict) -> None:
     assert server.security_context.allow_privilege_escalation is False
     timeout = spec.get("streaming", {}).get("streamTimeoutSeconds", 600)
     assert pod.spec.termination_grace_period_seconds >= timeout
+
+
+def pool_checks(role: str):
+    """A disaggregated model's pool: its Deployment as a model of the pool's GPUs and tensor
+    parallelism, labelled with its role and started with it; its HPA on the pool's metric."""
+    metric = {"prefill": TTFT_METRIC, "decode": ITL_METRIC}[role]
+
+    def name_of(model: dict) -> str:
+        return f"{model['metadata']['name']}-{role}"
+
+    def as_pool(model: dict) -> tuple[dict, dict]:
+        spec = model["spec"]
+        pool = spec["disaggregation"].get(role) or {}
+        resources = {
+            **spec.get("resources", {}),
+            **({"gpus": pool["gpus"]} if "gpus" in pool else {}),
+        }
+        parallelism = {**spec.get("parallelism", {}),
+                       **({"tensor": pool["tensor"]} if "tensor" in pool else {})}  # fmt: skip
+        return {**model, "spec": {**spec, "resources": resources, "parallelism": parallelism}}, pool
+
+    def check_pool_deployment(dep: client.V1Deployment, model: dict) -> None:
+        pooled, _ = as_pool(model)
+        check_deployment(dep, pooled)
+        assert dep.metadata.name == name_of(model)
+        assert dep.spec.selector.match_labels["serving.sluice.dev/role"] == role
+        (server,) = [c for c in dep.spec.template.spec.containers if c.name == "server"]
+        args = (server.command or []) + (server.args or [])
+        assert args[args.index("--disaggregation-role") + 1] == role, args
+        assert "--kv-transfer-config" in args, args
+
+    def check_pool_hpa(hpa: client.V2HorizontalPodAutoscaler, model: dict) -> None:
+        owned_by(hpa, model)
+        _, pool = as_pool(model)
+        scaling = pool["autoscaling"]
+        assert (hpa.spec.min_replicas, hpa.spec.max_replicas) == (
+            scaling.get("minReplicas", 1), scaling.get("maxReplicas", 4))  # fmt: skip
+        assert (hpa.spec.scale_target_ref.kind, hpa.spec.scale_target_ref.name) == (
+            "Deployment", name_of(model))  # fmt: skip
+        (m,) = hpa.spec.metrics
+        nn = round(float(scaling.get("percentile", 0.9)) * 100)
+        assert (m.type, m.pods.metric.name) == ("Pods", metric.format(nn=nn))
+        assert m.pods.target.average_value == f"{scaling.get('targetMilliseconds', 500)}m"
+
+    return check_pool_deployment, check_pool_hpa
 
 
 def check_service(svc: client.V1Service, model: dict) -> None:
@@ -133,6 +187,13 @@ def check_pdb(pdb: client.V1PodDisruptionBudget, model: dict) -> None:
 
 
 CHECKS = {
+    **{
+        f"{role.capitalize()}{kind}": check
+        for role in ("prefill", "decode")
+        for kind, check in zip(
+            ("Deployment", "HorizontalPodAutoscaler"), pool_checks(role), strict=True
+        )
+    },
     "Deployment": check_deployment,
     "Service": check_service,
     "Ingress": check_ingress,

@@ -88,10 +88,20 @@ class Models:
             "HorizontalPodAutoscaler": self.autoscaling.read_namespaced_horizontal_pod_autoscaler,
             "PodDisruptionBudget": self.policy.read_namespaced_pod_disruption_budget,
         }
+        # A disaggregated model's pools (docs/disaggregation.md): `<name>-prefill`, `-decode`.
+        pools = {
+            f"{role.capitalize()}{kind}": (read, f"{name}-{role}")
+            for role in ("prefill", "decode")
+            for kind, read in (
+                ("Deployment", readers["Deployment"]),
+                ("HorizontalPodAutoscaler", readers["HorizontalPodAutoscaler"]),
+            )
+        }
+        named = {kind: (read, name) for kind, read in readers.items()} | pools
         found: dict[str, object] = {}
-        for kind, read in readers.items():
+        for kind, (read, child) in named.items():
             try:
-                found[kind] = read(name, namespace)
+                found[kind] = read(child, namespace)
             except ApiException as e:
                 if e.status != 404:
                     raise
