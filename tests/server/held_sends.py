@@ -15,6 +15,12 @@ server sent event n + 1. No arrival timing is judged, so a loaded machine only m
 proof slower: a proxy or page that buffers never shows the held events, however long it is
 given, and its check fails (the negative control). A hold not released within `limit_s`
 lets the stream go on, so a failed proof never wedges the server.
+
+With `engine` (vLLM's `AsyncLLM`), the engine is paused for the length of each hold (its
+`pause_generation(mode="keep")`: requests stay, nothing is scheduled) and resumed at the
+release, so the stream does not run ahead while its sends wait. Without it, an idle
+machine makes the tiny model's whole answer during the first holds, and the rest leaves in
+one or two sends: a stream of a few sends has no later moment to hold at.
 """
 
 from __future__ import annotations
@@ -52,8 +58,8 @@ class HeldSends:
     """See the module docstring. `holds`: the token-carrying sends to hold after,
     ascending. One stream at a time."""
 
-    def __init__(self, app, holds: list[int], limit_s: float = 60.0) -> None:
-        self.app, self.holds, self.limit_s = app, sorted(holds), limit_s
+    def __init__(self, app, holds: list[int], limit_s: float = 60.0, engine=None) -> None:
+        self.app, self.holds, self.limit_s, self.engine = app, sorted(holds), limit_s, engine
         self.sent: list[float] = []  # time.time() as each token event left
         self.sends = 0  # sends that carried token events
         self.held: queue.Queue[int] = queue.Queue()  # token events sent, at each hold
@@ -85,11 +91,16 @@ class HeldSends:
             self.sends += 1
             if next_hold < len(self.holds) and self.sends == self.holds[next_hold]:
                 index, next_hold = next_hold, next_hold + 1
+                if self.engine is not None:
+                    await self.engine.pause_generation(mode="keep", clear_cache=False)
                 self.held.put(len(self.sent))
                 try:
                     await eventually_async(self.released[index].is_set, timeout=self.limit_s,
                                            interval=0.01, message="the reader's release")  # fmt: skip
                 except AssertionError:
                     self.timed_out.append(self.holds[index])
+                finally:
+                    if self.engine is not None:
+                        await self.engine.resume_generation()
 
         await self.app(scope, receive, held_send)

@@ -81,7 +81,7 @@ async def held_server(engine, tiny_model_path):
     from sluice_server.serve import uvicorn_config
 
     settings = engine_settings(tiny_model_path, port=free_port())
-    held = HeldSends(build_app(settings, engine), HOLDS)
+    held = HeldSends(build_app(settings, engine), HOLDS, engine=engine.llm)
     async with serving(uvicorn_config(settings, held)):
         yield f"http://127.0.0.1:{settings.port}", held
 

@@ -104,3 +104,26 @@ async def test_other_paths_are_not_held():
     held = HeldSends(_app, [1], limit_s=30)
     await asyncio.wait_for(_serve(held, path="/v1/models"), 5)
     assert held.sent == [] and held.held.empty()
+
+
+async def test_the_engine_is_paused_for_each_hold_and_resumed_at_its_release():
+    class Engine:  # vLLM's AsyncLLM, as far as the holds use it
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        async def pause_generation(self, *, mode: str, clear_cache: bool) -> None:
+            self.calls.append(f"pause {mode} clear={clear_cache}")
+
+        async def resume_generation(self) -> None:
+            self.calls.append("resume")
+
+    engine = Engine()
+    held = HeldSends(_app, [1, 3], limit_s=30, engine=engine)
+    serving = asyncio.create_task(_serve(held))
+    for index in range(2):
+        await eventually_async(lambda: not held.held.empty() and held.held.get(),
+                               timeout=5, interval=0.01, message="a hold")  # fmt: skip
+        assert engine.calls[-1] == "pause keep clear=False"  # paused while held
+        held.release(index)
+    await asyncio.wait_for(serving, 5)
+    assert engine.calls == ["pause keep clear=False", "resume"] * 2
