@@ -332,6 +332,31 @@ async def test_weight_zero_and_a_missing_version_send_it_nothing(tmp_path, caplo
     assert len(warned) == 1 and "team-a/chat-v3 (50%)" in warned[0], warned
 
 
+async def test_routes_that_are_no_conversation_turn_stay_with_the_owner(tmp_path):
+    """`/v1/models` and the like name the owner's model and are answered by the owner's pod,
+    whoever asks: they are not split and count as no conversation's pick (at weight 90 the
+    version would take most of them)."""
+
+    def sent(act, model: str) -> float:
+        page = act.app.metrics.scrape().decode()
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(page)
+            for sample in family.samples
+            if sample.name == "sluice_router_picks_total" and sample.labels["model"] == model
+        )
+
+    async with two_versions(tmp_path, 90) as (act, _):
+        async with httpx.AsyncClient(base_url=act.url, timeout=30) as c:
+            for i in range(20):
+                headers = {"X-Sluice-Model": OWNER, "Authorization": f"Bearer key-{i}",
+                           "X-Sluice-Session": f"s-{i}"}  # fmt: skip
+                r = await c.get("/v1/models", headers=headers)
+                assert r.status_code == 200, r.text
+        assert picks(act) == 0
+        assert (sent(act, "chat"), sent(act, "chat-v2")) == (20, 0)
+
+
 async def test_a_resume_goes_back_to_the_version_its_pin_names(tmp_path):
     """A token stream on the version, dropped and resumed with `Last-Event-ID` and its pin
     under a session key that would now choose the owner: it resumes on the version. Without

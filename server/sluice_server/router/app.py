@@ -316,6 +316,8 @@ class Router:
         body read to choose it (None for a WebSocket); None when the request was answered
         here (a body over `--max-body-bytes`, a bad `X-Sluice-Session`) or its client left."""
         assert owner.split is not None
+        if not split.conversational(scope["path"], scope["type"] == "websocket"):
+            return owner, None  # /v1/models and the like: the owner's, not a conversation's
         headers, query = scope["headers"], scope.get("query_string", b"")
         body = None
         if scope["type"] == "http":

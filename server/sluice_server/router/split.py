@@ -58,6 +58,13 @@ class Session:
     by: By
 
 
+def conversational(path: str, websocket: bool = False) -> bool:
+    """Whether a request on `path` is a conversation's turn, which the owner's split sends
+    to a version: the generation routes and WebSocket generations. Any other route
+    (`/v1/models`, tokenizing, ...) is the owner's, and is no conversation's pick."""
+    return websocket or any(path.endswith(suffix) for suffix, _ in _ROUTES)
+
+
 def session(
     headers: Iterable[tuple[bytes, bytes]], query: bytes, path: str, body: bytes | None
 ) -> Session | None:
