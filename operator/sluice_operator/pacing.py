@@ -23,7 +23,10 @@ differs from the live one is
 - *spec-caused* when the model's generation moved past `observedGeneration` (the user
   changed the model, or the status is gone): applied at once, never held back, no slot;
 - *operator-caused* when the generation is the one last converged: the model is unchanged,
-  so the difference comes from the operator's release: paced.
+  so the difference comes from the operator's release: paced, unless the workload has no
+  Ready replica (`serving`): nothing serves that a slot would protect, and a model that
+  cannot become Ready (a missing claim, no free GPU) would hold its slot for good and stall
+  every other model's rollout. Such a model rolls at once and takes no slot.
 A Deployment written by a release without the annotation is compared by its template
 instead (every field the operator sets still has that value; a field a release stops
 setting is not seen this way, only on later upgrades). A paced Deployment also carries the
@@ -110,6 +113,11 @@ def cause_of_change(
     if generation is None or observed_generation is None or observed_generation != generation:
         return "spec"
     return "operator"
+
+
+def serving(workload: Mapping[str, Any] | None) -> bool:
+    """Whether the workload has a Ready replica now (a LeaderWorkerSet: a Ready group)."""
+    return int(((workload or {}).get("status") or {}).get("readyReplicas") or 0) > 0
 
 
 def rolling(deployment: Mapping[str, Any] | None) -> bool:

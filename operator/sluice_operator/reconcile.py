@@ -73,6 +73,7 @@ from .pacing import (
     RolloutPacer,
     cause_of_change,
     pod_templates,
+    serving,
     stamp,
     template_hash,
 )
@@ -424,8 +425,8 @@ class _Pass:
 
     def pace_workload(self, manifest: dict[str, Any], current: dict[str, Any] | None) -> bool:
         """Label the Deployment or LeaderWorkerSet for pacing (after its applied-hash: the
-        labels never change it); False: hold it (an operator-caused template change, no slot
-        free), keeping the live one."""
+        labels never change it); False: hold it (an operator-caused template change to a
+        workload that serves, no slot free), keeping the live one."""
         generation = self.body["metadata"].get("generation")
         contained = contains(pod_templates(manifest), pod_templates(current or {}))
         observed = self.status.get("observedGeneration")
@@ -434,7 +435,7 @@ class _Pass:
         old = ((current or {}).get("metadata") or {}).get("labels") or {}
         paced = old.get(PACED) == new
         key = (self.namespace, self.name)
-        if cause == "operator" and self.pacer is not None:
+        if cause == "operator" and self.pacer is not None and serving(current):
             decision = self.pacer.admit(key, new, old.get(TEMPLATE_HASH), current)
             if not decision.admitted:
                 self.waiting.append(decision)

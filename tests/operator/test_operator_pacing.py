@@ -242,6 +242,33 @@ def test_a_release_that_changes_templates_rolls_two_at_a_time(monkeypatch):
     assert not [c for c in status["conditions"] if c["type"] == "TemplateCurrent"]
 
 
+def test_a_model_with_no_ready_replica_rolls_at_once_and_holds_no_slot(monkeypatch):
+    """m1 serves nothing (its pods cannot become Ready: a missing claim, no free GPU): it
+    rolls at once without a slot, so it cannot stall the others' rollout; m0 takes the one
+    slot and m2 waits for it, as without m1."""
+    cluster = FakeCluster()
+    bodies = _fleet(cluster, 3)
+    cluster.set_deployment_status("default", "m1", replicas=1, readyReplicas=0,
+                                  updatedReplicas=1, availableReplicas=0)  # fmt: skip
+    _new_release(monkeypatch)
+    woken: list = []
+    pacer = _memory_pacer(cluster, 1, woken)
+    for body in bodies:
+        converge(cluster, with_status(body, cluster), Events(), now=NOW, pacer=pacer)
+
+    def new(name):
+        return "example.com/new-release" in _template(cluster, name)["metadata"]["annotations"]
+
+    assert [new(f"m{i}") for i in range(3)] == [True, True, False]
+    assert PACED not in cluster.objects[("Deployment", "default", "m1")]["metadata"]["labels"]
+    assert pacer.waiting == [("default", "m2")]
+    # m1 stays unready; m0's new pod is Ready: m2 is woken all the same.
+    cluster.set_deployment_status("default", "m0", replicas=1, readyReplicas=1,
+                                  updatedReplicas=1, availableReplicas=1)  # fmt: skip
+    converge(cluster, with_status(bodies[0], cluster), Events(), now=NOW, pacer=pacer)
+    assert woken == [[("default", "m2")]]
+
+
 def test_a_model_whose_spec_changed_is_never_held_back(monkeypatch):
     cluster = FakeCluster()
     bodies = _fleet(cluster, 3)
