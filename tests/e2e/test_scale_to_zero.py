@@ -166,7 +166,9 @@ def test_idle_model_scales_to_zero_routes_to_the_activator_and_demand_brings_it_
     ready_model(models, namespace, name, timeout=120)
     eventually(lambda: _backend(net, namespace, name) == (name, None), timeout=30,
              message="the Ingress to name the model's Service")  # fmt: skip
-    assert key in activator.known()
+    # The activator's allowlist is kept by the operator's poller (about every second): a
+    # pod Ready a second after it was created can be Ready before the list names it.
+    eventually(lambda: key in activator.known(), timeout=30, message="the activator's list")
     ext = client.CoreV1Api(admin).read_namespaced_service(f"{name}-activator", namespace)
     assert ext.spec.type == "ExternalName"
     assert ext.spec.external_name == f"{ACTIVATOR}.{OPERATOR_NAMESPACE}.svc.cluster.local"
