@@ -25,6 +25,7 @@ one or two sends: a stream of a few sends has no later moment to hold at.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import queue
 import threading
@@ -91,16 +92,18 @@ class HeldSends:
             self.sends += 1
             if next_hold < len(self.holds) and self.sends == self.holds[next_hold]:
                 index, next_hold = next_hold, next_hold + 1
-                if self.engine is not None:
-                    await self.engine.pause_generation(mode="keep", clear_cache=False)
-                self.held.put(len(self.sent))
                 try:
+                    if self.engine is not None:
+                        await self.engine.pause_generation(mode="keep", clear_cache=False)
+                    self.held.put(len(self.sent))
                     await eventually_async(self.released[index].is_set, timeout=self.limit_s,
                                            interval=0.01, message="the reader's release")  # fmt: skip
                 except AssertionError:
                     self.timed_out.append(self.holds[index])
                 finally:
+                    # Whatever ends the hold (a release, the reader gone, the server
+                    # stopping): the shared engine runs again.
                     if self.engine is not None:
-                        await self.engine.resume_generation()
+                        await asyncio.shield(self.engine.resume_generation())
 
         await self.app(scope, receive, held_send)

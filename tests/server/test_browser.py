@@ -82,8 +82,11 @@ async def held_server(engine, tiny_model_path):
 
     settings = engine_settings(tiny_model_path, port=free_port())
     held = HeldSends(build_app(settings, engine), HOLDS, engine=engine.llm)
-    async with serving(uvicorn_config(settings, held)):
-        yield f"http://127.0.0.1:{settings.port}", held
+    try:
+        async with serving(uvicorn_config(settings, held)):
+            yield f"http://127.0.0.1:{settings.port}", held
+    finally:  # never leave the session's engine paused for the tests after this one
+        await engine.llm.resume_generation()
 
 
 def playground_chat(page: str, transport: str, held: HeldSends, show_s: float) -> dict:
