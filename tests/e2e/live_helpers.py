@@ -78,6 +78,22 @@ def routed(ingress, core, namespace: str, name: str, count: int, timeout: float 
     return url
 
 
+def metrics_page(address: str) -> str:
+    """The /metrics page of a pod or router at `address` (ip:port)."""
+    return httpx.get(f"http://{address}/metrics", timeout=5).text
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of a metric's samples on a /metrics page, over those with `labels`."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    total = 0.0
+    for line in text.splitlines():
+        key, _, value = line.rpartition(" ")
+        if key.split("{")[0] == name and all(w in key for w in want):
+            total += float(value)
+    return total
+
+
 def live_pods(models, namespace: str, name: str) -> list[client.V1Pod]:
     return [p for p in models.pods(namespace, name) if p.metadata.deletion_timestamp is None]
 

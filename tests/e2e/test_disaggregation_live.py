@@ -34,7 +34,16 @@ from e2e_harness.kube import eventually, load_sample
 from kubernetes import client
 
 from .conftest import TIMINGS
-from .live_helpers import claim, live_pods, pod_ready, ready_model, rwx_claim, sim_model
+from .live_helpers import (
+    claim,
+    live_pods,
+    metric_sum,
+    metrics_page,
+    pod_ready,
+    ready_model,
+    rwx_claim,
+    sim_model,
+)
 
 pytestmark = [pytest.mark.slow]
 
@@ -44,20 +53,6 @@ WORDS = "river stone lamp forest cloud window garden bridge paper candle".split(
 TOKENS = 24
 STREAMS = 12  # two per protocol, through the killed prefill pod's peer
 PROTOCOLS = ("chat", "completions", "responses", "messages", "stream", "websocket")
-
-
-def _metrics(address: str) -> str:
-    return httpx.get(f"http://{address}/metrics", timeout=5).text
-
-
-def _sum(text: str, name: str, **labels: str) -> float:
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    total = 0.0
-    for line in text.splitlines():
-        key, _, value = line.rpartition(" ")
-        if key.split("{")[0] == name and all(w in key for w in want):
-            total += float(value)
-    return total
 
 
 def _prompt() -> str:
@@ -149,7 +144,7 @@ def _pool(models, namespace: str, name: str, role: str) -> list[client.V1Pod]:
 
 
 def _router_knows(router, namespace: str, name: str) -> None:
-    eventually(lambda: _sum(_metrics(router.address), "sluice_activator_models_known",
+    eventually(lambda: metric_sum(metrics_page(router.address), "sluice_activator_models_known",
                             namespace=namespace, model=name) == 1, timeout=60, interval=0.5,
                retry_on=(AssertionError, httpx.HTTPError), message="the router to know it")  # fmt: skip
 
@@ -237,14 +232,14 @@ def test_on_real_engine_pods_the_decode_pod_streams_from_the_prefill_pods_kv_cac
 
     # The counters agree: the decode pod took in what its usage reported, the prefill pod
     # sent out every prompt, the router ran each prompt once on the prefill pod.
-    assert _sum(_metrics(decode_addr), "sluice_kv_transfer_tokens_total",
+    assert metric_sum(metrics_page(decode_addr), "sluice_kv_transfer_tokens_total",
                 direction="in", role="decode") == cached_in  # fmt: skip
-    assert _sum(_metrics(f"{prefill.status.pod_ip}:8000"), "sluice_kv_transfer_tokens_total",
+    assert metric_sum(metrics_page(f"{prefill.status.pod_ip}:8000"), "sluice_kv_transfer_tokens_total",
                 direction="out", role="prefill") > cached_in  # fmt: skip
-    text = _metrics(router.address)
-    assert _sum(text, "sluice_router_prefills_total", namespace=namespace, model="disagg",
+    text = metrics_page(router.address)
+    assert metric_sum(text, "sluice_router_prefills_total", namespace=namespace, model="disagg",
                 result="ok") == len(PROTOCOLS)  # fmt: skip
-    assert _sum(text, "sluice_router_prefills_total", namespace=namespace, model="disagg",
+    assert metric_sum(text, "sluice_router_prefills_total", namespace=namespace, model="disagg",
                 result="failed") == 0  # fmt: skip
 
     # Negative control: the decode pod without the router (no prefill, no params) computes
@@ -297,7 +292,7 @@ def test_a_prefill_pod_killed_mid_prompt_its_prompts_run_on_the_other(
     assert len(prefill) == 2, prefill
 
     def picks() -> float:
-        return _sum(_metrics(router.address), "sluice_router_picks_total", namespace=namespace,
+        return metric_sum(metrics_page(router.address), "sluice_router_picks_total", namespace=namespace,
                     model="pd")  # fmt: skip
 
     before = picks()
@@ -318,8 +313,8 @@ def test_a_prefill_pod_killed_mid_prompt_its_prompts_run_on_the_other(
         c.join(timeout=300)
     broken = [(c.protocol, c.i, c.error, c.cached) for c in clients if c.error or not c.cached]
     assert not broken, broken
-    text = _metrics(router.address)
-    counts = {r: _sum(text, "sluice_router_prefills_total", namespace=namespace, model="pd",
+    text = metrics_page(router.address)
+    counts = {r: metric_sum(text, "sluice_router_prefills_total", namespace=namespace, model="pd",
                       result=r) for r in ("ok", "failed", "refused", "cancelled")}  # fmt: skip
     # The prompts on the killed pod broke off (failed) and ran again on the other (ok): one
     # `ok` per stream, and each stream whole with its prompt's blocks handed over.

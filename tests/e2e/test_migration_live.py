@@ -29,7 +29,7 @@ from e2e_harness.endpoints import Endpoint
 from e2e_harness.kube import eventually
 
 from .conftest import OPERATOR_NAMESPACE, TIMINGS
-from .live_helpers import live_pods, pod_ready, ready_model, sim_model
+from .live_helpers import live_pods, metric_sum, metrics_page, pod_ready, ready_model, sim_model
 
 pytestmark = [pytest.mark.slow]
 
@@ -107,23 +107,9 @@ def _burst(m: Model, router: Endpoint, n: int, start: int, tokens: int = TOKENS)
     return clients
 
 
-def _metrics(address: str) -> str:
-    return httpx.get(f"http://{address}/metrics", timeout=5).text
-
-
-def _sum(text: str, name: str, **labels: str) -> float:
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    total = 0.0
-    for line in text.splitlines():
-        key, _, value = line.rpartition(" ")
-        if key.split("{")[0] == name and all(w in key for w in want):
-            total += float(value)
-    return total
-
-
 def _active(models, namespace: str, name: str) -> dict[str, float]:
     """Streams in flight on each Ready pod of the model (its own gauge)."""
-    return {p.metadata.name: _sum(_metrics(f"{p.status.pod_ip}:8000"), "sluice_active_streams")
+    return {p.metadata.name: metric_sum(metrics_page(f"{p.status.pod_ip}:8000"), "sluice_active_streams")
             for p in live_pods(models, namespace, name) if pod_ready(p)}  # fmt: skip
 
 
@@ -138,14 +124,14 @@ def _deploy(models, live_router, namespace: str, name: str, placement: dict, rep
     body["spec"]["engine"]["simulator"]["itlMs"] = itl_ms
     models.create(body)
     ready_model(models, namespace, name)
-    eventually(lambda: _sum(_metrics(router.address), "sluice_activator_models_known",
+    eventually(lambda: metric_sum(metrics_page(router.address), "sluice_activator_models_known",
                             namespace=namespace, model=name) == 1, timeout=60, interval=0.5,
                retry_on=(AssertionError, httpx.HTTPError), message="the router to know it")  # fmt: skip
     return Model(namespace, name), router
 
 
 def _continued(router: Endpoint, namespace: str, name: str) -> float:
-    return _sum(_metrics(router.address), "sluice_router_migrations_total",
+    return metric_sum(metrics_page(router.address), "sluice_router_migrations_total",
                 namespace=namespace, model=name, result="continued")  # fmt: skip
 
 
@@ -287,7 +273,7 @@ def test_on_real_engine_pods_a_killed_pods_stream_goes_on_as_the_unbroken_one(
     ready_model(models, namespace, "real", timeout=900)
     pods = _both_ready(models, namespace, "real")
     m = Model(namespace, "real")
-    eventually(lambda: _sum(_metrics(router.address), "sluice_activator_models_known",
+    eventually(lambda: metric_sum(metrics_page(router.address), "sluice_activator_models_known",
                             namespace=namespace, model="real") == 1, timeout=60, interval=0.5,
                retry_on=(AssertionError, httpx.HTTPError), message="the router to know it")  # fmt: skip
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me about the river."}],

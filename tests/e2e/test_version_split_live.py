@@ -32,7 +32,7 @@ from sluice_server.router.models import Split, Version
 from sluice_server.router.split import bucket, choose, session
 
 from .conftest import TIMINGS
-from .live_helpers import by_request, live_pods, ready_model, sim_model
+from .live_helpers import by_request, live_pods, metric_sum, metrics_page, ready_model, sim_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("footprint")]
 
@@ -41,20 +41,6 @@ SERVED = "sim"
 CONVERSATIONS = 1000
 STREAMS, STREAM_TOKENS = 20, 600  # 12 s per stream at 20 ms per token
 REVISIT = 300  # conversations asked a third turn after the weight change
-
-
-def _metrics(address: str) -> str:
-    return httpx.get(f"http://{address}/metrics", timeout=5).text
-
-
-def _sum(text: str, name: str, **labels: str) -> float:
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    total = 0.0
-    for line in text.splitlines():
-        key, _, value = line.rpartition(" ")
-        if key.split("{")[0] == name and all(w in key for w in want):
-            total += float(value)
-    return total
 
 
 def _request(i: int, turn: int) -> tuple[dict[str, str], dict]:
@@ -149,7 +135,7 @@ def test_a_version_takes_its_share_per_conversation_and_a_weight_change_cuts_not
     eventually(lambda: (models.condition(namespace, OWNER, "TrafficSplit") or {}).get("status")
                == "True", timeout=60, interval=0.5, message="TrafficSplit True")  # fmt: skip
     for name in (OWNER, NEW):
-        eventually(lambda n=name: _sum(_metrics(router.address), "sluice_activator_models_known",
+        eventually(lambda n=name: metric_sum(metrics_page(router.address), "sluice_activator_models_known",
                                        namespace=namespace, model=n) == 1, timeout=60,
                    interval=0.5, retry_on=(AssertionError, httpx.HTTPError),
                    message=f"the router to know {name}")  # fmt: skip
@@ -189,16 +175,18 @@ def test_a_version_takes_its_share_per_conversation_and_a_weight_change_cuts_not
     wrong = [i for i in range(CONVERSATIONS)
              if f"{namespace}/{next(iter(where[i]))}" != _expected(namespace, 10, i)]  # fmt: skip
     assert not wrong, wrong[:10]
-    text = _metrics(router.address)
-    picks = {v: _sum(text, "sluice_router_split_picks_total", namespace=namespace, model=OWNER,
+    text = metrics_page(router.address)
+    picks = {v: metric_sum(text, "sluice_router_split_picks_total", namespace=namespace, model=OWNER,
                      version=v) for v in (OWNER, NEW)}  # fmt: skip
     assert picks[NEW] == 2 * len(on_new), picks
-    kinds = {k: _sum(text, "sluice_router_split_picks_total", namespace=namespace, by=k)
+    kinds = {k: metric_sum(text, "sluice_router_split_picks_total", namespace=namespace, by=k)
              for k in ("header", "user", "fallback")}  # fmt: skip
     assert all(v > 0 for v in kinds.values()), kinds
 
     # Promote: 10 -> 50 while 20 streams are in flight.
-    reloads = _sum(_metrics(router.address), "sluice_activator_models_reloads_total", result="ok")
+    reloads = metric_sum(
+        metrics_page(router.address), "sluice_activator_models_reloads_total", result="ok"
+    )
     streams = [Stream(url, i) for i in range(STREAMS)]
     for s in streams:
         s.start()
@@ -206,7 +194,7 @@ def test_a_version_takes_its_share_per_conversation_and_a_weight_change_cuts_not
         assert s.started.wait(60) and s.error is None, s.why()
     models.patch(namespace, OWNER, {"spec": {"routing": {"router": {
         "split": [{"model": NEW, "weight": 50}]}}}})  # fmt: skip
-    eventually(lambda: _sum(_metrics(router.address), "sluice_activator_models_reloads_total",
+    eventually(lambda: metric_sum(metrics_page(router.address), "sluice_activator_models_reloads_total",
                             result="ok") > reloads, timeout=60, interval=0.25,
                message="the router to reload its models file")  # fmt: skip
     in_flight = sum(1 for s in streams if s.is_alive())

@@ -5,14 +5,22 @@ another replica sends (docs/migration.md)."""
 from __future__ import annotations
 
 import json
+import uuid
 
 import httpx
 
 ROUTER = {"X-Sluice-Router": "1"}
 KEY = "router-continuation-key"
+KEYED = {"X-Sluice-Continuation-Key": KEY}  # a router's request to a pod's internal entries
+_WORDS = "river stone lamp forest cloud window garden bridge paper candle".split()
 
 
 MARK = ": sluice-id "
+
+
+def fresh_prompt() -> str:
+    """About 320-330 tokens of the tiny model, new to every engine's cache (a uuid first)."""
+    return uuid.uuid4().hex + " " + " ".join(_WORDS[i % 10] for i in range(75))
 
 
 def events_of(raw: str) -> list[str]:

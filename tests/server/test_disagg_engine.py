@@ -17,24 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import json
-import uuid
 
 import httpx
 import pytest
 from app_helpers import another_engine, engine_settings, serving
-from continuation_helpers import KEY, events_of
+from continuation_helpers import KEY, KEYED, events_of, fresh_prompt
 from sluice_server.core import kvtransfer
 from testkit.net import free_port
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="session")]
-
-WORDS = "river stone lamp forest cloud window garden bridge paper candle".split()
-KEYED = {"X-Sluice-Continuation-Key": KEY}
-
-
-def prompt() -> str:
-    """About 330 tokens (50 words gave about 225), new to every engine's cache."""
-    return uuid.uuid4().hex + " " + " ".join(WORDS[i % 10] for i in range(75))
 
 
 def body(text: str) -> dict:
@@ -76,7 +67,7 @@ async def test_the_decode_pod_loads_the_prompt_the_prefill_pod_computed(
     connector = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                  "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "kv")}}  # fmt: skip
     engine = {"kv_transfer_config": json.dumps(connector)}
-    text = prompt()
+    text = fresh_prompt()
 
     plain = await make_server()
     async with httpx.AsyncClient(base_url=plain, timeout=120) as c:
@@ -115,7 +106,7 @@ async def test_the_decode_pod_loads_the_prompt_the_prefill_pod_computed(
         assert got == expected
 
         # Negative control: a prompt no prefill pod ran is computed here, all of it.
-        r = await c.post("/v1/completions", json=body(prompt()), headers=header)
+        r = await c.post("/v1/completions", json=body(fresh_prompt()), headers=header)
         assert r.status_code == 200, r.text
         assert text_and_usage(r.text)[1]["prompt_tokens_details"]["cached_tokens"] == 0
 

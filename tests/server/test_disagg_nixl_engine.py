@@ -27,12 +27,11 @@ import json
 import os
 import sys
 import tempfile
-import uuid
 from pathlib import Path
 
 import httpx
 import pytest
-from continuation_helpers import KEY
+from continuation_helpers import KEY, KEYED, fresh_prompt
 from pod_helpers import metric
 from sluice_server.core import kvtransfer
 from testkit.net import free_port, wait_http
@@ -55,13 +54,6 @@ pytest.importorskip("vllm")
 
 START_S = 900  # two engine processes loading on a busy 2-core machine (measured: 350 s)
 CONNECTOR = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
-WORDS = "river stone lamp forest cloud window garden bridge paper candle".split()
-KEYED = {"X-Sluice-Continuation-Key": KEY}
-
-
-def prompt() -> str:
-    """About 320 tokens, new to every engine's cache."""
-    return uuid.uuid4().hex + " " + " ".join(WORDS[i % 10] for i in range(75))
 
 
 def body(text: str) -> dict:
@@ -103,7 +95,7 @@ def pods(tmp_path_factory, tiny_model_path):
 
 
 async def test_the_decode_pod_pulls_the_prompt_from_the_prefill_pod_over_nixl(pods, make_server):
-    text = prompt()
+    text = fresh_prompt()
     plain = await make_server()
     async with httpx.AsyncClient(base_url=plain, timeout=120) as c:
         r = await c.post("/v1/completions", json=body(text))
@@ -141,7 +133,7 @@ async def test_the_decode_pod_pulls_the_prompt_from_the_prefill_pod_over_nixl(po
         assert got["choices"][0]["text"] == expected
 
         # Negative control: a prompt sent without the params is computed here, all of it.
-        r = await c.post("/v1/completions", json=body(prompt()))
+        r = await c.post("/v1/completions", json=body(fresh_prompt()))
         assert r.status_code == 200, r.text
         page = (await c.get("/metrics")).text
         m = r.json()["usage"]["prompt_tokens"]

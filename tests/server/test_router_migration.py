@@ -131,6 +131,15 @@ class Reader:
         return self
 
 
+async def handed_over(url: str) -> float:
+    """Streams the model server at `url` handed to the router (all its labels)."""
+    async with httpx.AsyncClient() as c:
+        page = (await c.get(url + "/metrics")).text
+    return sum(sample.value for family in text_string_to_metric_families(page)
+               for sample in family.samples
+               if sample.name == "sluice_streams_handed_over_total")  # fmt: skip
+
+
 async def unbroken(url: str) -> dict[str, tuple[str, dict | None]]:
     """Each request's text and usage from a model server directly, unbroken."""
     async with httpx.AsyncClient(base_url=url, timeout=60) as c:
@@ -314,11 +323,7 @@ async def test_a_draining_pod_hands_its_streams_to_the_router(tmp_path):
         reference = await unbroken(f"http://127.0.0.2:{port}")
         assert drained == [0]  # every stream left the pod: none cut, none outlived the drain
         assert results(act)["continued"] == len(REQUESTS)
-        page = (await httpx.AsyncClient().get(link.pod_a + "/metrics")).text
-        handed = sum(sample.value for family in text_string_to_metric_families(page)
-                     for sample in family.samples
-                     if sample.name == "sluice_streams_handed_over_total")  # fmt: skip
-        assert handed == len(REQUESTS)
+        assert await handed_over(link.pod_a) == len(REQUESTS)
     for (name, _, path, _), r in zip(REQUESTS, readers, strict=True):
         events = events_of(r.raw)
         check_one_stream(path, events)
@@ -359,11 +364,7 @@ async def test_an_engine_failure_is_continued_on_another_pod(tmp_path, failure):
         readers = await break_midway(act, api, fail)
         reference = await unbroken(f"http://127.0.0.2:{port}")
         assert results(act)["continued"] == len(REQUESTS)
-        page = (await httpx.AsyncClient().get(link.pod_a + "/metrics")).text
-        handed = sum(sample.value for family in text_string_to_metric_families(page)
-                     for sample in family.samples
-                     if sample.name == "sluice_streams_handed_over_total")  # fmt: skip
-        assert handed == len(REQUESTS)
+        assert await handed_over(link.pod_a) == len(REQUESTS)
         if failure == "raised":  # the control: straight to pod A, not through the router
             async with httpx.AsyncClient(base_url=link.pod_a, timeout=30) as c:
                 (name, method, path, body) = REQUESTS[0]
