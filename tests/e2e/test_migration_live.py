@@ -20,8 +20,11 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -38,6 +41,19 @@ WINDOW = 1000  # characters after the seam that must equal the unbroken run's
 ITL_MS = 10  # 20 s per stream
 STREAMS = 20
 CONTAINER = "server"
+# A streaming client in a process of its own: argv url, Host, JSON body, file for the lines.
+STREAM_TO_FILE = """
+import httpx, json, sys
+url, host, body, out = sys.argv[1:]
+with open(out, "w") as f, httpx.stream("POST", url, headers={"Host": host},
+                                       json=json.loads(body), timeout=300) as r:
+    for line in r.iter_lines():
+        f.write(line + "\\n")
+        f.flush()
+"""
+# The real-engine test's answer: as long as the tiny model's 4,096 positions allow, and
+# fewer events than a pod lets a reader leave undelivered (4,096) before it aborts.
+ANSWER = 3800
 
 
 class Model:
@@ -111,6 +127,44 @@ def _active(models, namespace: str, name: str) -> dict[str, float]:
     """Streams in flight on each Ready pod of the model (its own gauge)."""
     return {p.metadata.name: metric_sum(metrics_page(f"{p.status.pod_ip}:8000"), "sluice_active_streams")
             for p in live_pods(models, namespace, name) if pod_ready(p)}  # fmt: skip
+
+
+def _tree(pid: int) -> list[int]:
+    """A process and every process below it."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except OSError:  # gone since the listing
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo.extend(children.get(tree[-1], []))
+    return tree
+
+
+def _tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of a process and every process below it."""
+    ticks = 0
+    for p in _tree(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _pin_tree(pid: int, cpus: set[int]) -> None:
+    """Every thread of a process and of every process below it on `cpus`."""
+    for p in _tree(pid):
+        for task in Path(f"/proc/{p}/task").glob("[0-9]*"):
+            try:
+                os.sched_setaffinity(int(task.name), cpus)
+            except OSError:  # exited since the listing
+                continue
 
 
 def _deploy(models, live_router, namespace: str, name: str, placement: dict, replicas: int,
@@ -241,7 +295,7 @@ def test_a_rollout_hands_the_old_pods_streams_over_and_frees_it_at_once(
 
 @pytest.mark.engine
 def test_on_real_engine_pods_a_killed_pods_stream_goes_on_as_the_unbroken_one(
-    operator, models, namespace, live_nodes, live_router, admin, footprint
+    operator, models, namespace, live_nodes, live_router, admin, footprint, tmp_path
 ):
     """Two live pods of the tiny model (the real vLLM CPU engine), one stream at
     temperature 0: its pod SIGKILLed mid-stream, the client's text equals an unbroken run's
@@ -277,7 +331,7 @@ def test_on_real_engine_pods_a_killed_pods_stream_goes_on_as_the_unbroken_one(
                             namespace=namespace, model="real") == 1, timeout=60, interval=0.5,
                retry_on=(AssertionError, httpx.HTTPError), message="the router to know it")  # fmt: skip
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me about the river."}],
-            "max_tokens": 3800, "temperature": 0, "ignore_eos": True, "stream": True,
+            "max_tokens": ANSWER, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
 
     def text_of(lines: list[str]) -> tuple[str, int]:
@@ -290,36 +344,54 @@ def test_on_real_engine_pods_a_killed_pods_stream_goes_on_as_the_unbroken_one(
                 usage = (data.get("usage") or {}).get("completion_tokens", usage)
         return "".join(parts), usage
 
-    lines: list[str] = []
+    # The client reads in a process of its own, writing each line as it comes: a thread of
+    # this process reading a fast stream held the interpreter lock so much that this thread
+    # could not act (measured: a 1 s sleep returned after the 7 s stream had ended).
+    received = tmp_path / "stream.txt"
+    client_proc = subprocess.Popen([sys.executable, "-c", STREAM_TO_FILE,
+                                    f"http://{router.address}/v1/chat/completions", m.host,
+                                    json.dumps(chat), str(received)])  # fmt: skip
 
-    def stream() -> None:
-        with httpx.stream("POST", f"http://{router.address}/v1/chat/completions",
-                          headers={"Host": m.host}, json=chat, timeout=300) as r:  # fmt: skip
-            for line in r.iter_lines():
-                lines.append(line)
+    def read_lines() -> list[str]:
+        return received.read_text().splitlines() if received.exists() else []
 
-    t = threading.Thread(target=stream, daemon=True)
-    t.start()
-    # 3,800 tokens: about 9 s at the tiny engine's 437 tokens/s, so the kill lands midway.
-    eventually(lambda: sum(1 for x in lines if x.startswith("data: {")) >= 10, timeout=120,
-               interval=0.05, message="10 chunks")  # fmt: skip
-    active = _active(models, namespace, "real")
-    victim = max(active, key=lambda p: active[p])
-    assert active[victim] == 1, active
-    pid = node.pod(victim, namespace).container(CONTAINER).pid1()
-    assert pid is not None
-    os.kill(pid, signal.SIGKILL)
-    t.join(timeout=300)
+    # The pods' engines spin a core each while they generate; on a 2-core machine that left
+    # the router, the client and this test too little to act while the 3,800 tokens were
+    # made (a 0.5 s sleep here returned 7 s later, after the stream had ended). So both
+    # pods are held to the last core, and the rest keeps the others. The pod whose
+    # processes then burn CPU is the one generating; the other idles (the kernel's count:
+    # the pods' own /metrics answered as slowly as everything else). A wrong pick fails
+    # below: the router then continues nothing.
+    ips = {p.metadata.name: p.status.pod_ip for p in live_pods(models, namespace, "real")}
+    pids = {name: node.pod(name, namespace).container(CONTAINER).pid1() for name in pods}
+    assert None not in pids.values(), pids
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) > 1:
+        for pid in pids.values():
+            _pin_tree(pid, {cores[-1]})
+
+    def holder() -> str | None:
+        if not any(x.startswith("data: {") for x in read_lines()):
+            return None  # a seam needs a token the client has before it
+        before = {n: _tree_cpu_s(pids[n]) for n in pods}
+        time.sleep(0.5)
+        burnt = {n: _tree_cpu_s(pids[n]) - before[n] for n in pods}
+        busy = max(burnt, key=burnt.__getitem__)
+        assert burnt[busy] >= 0.1 and burnt[busy] > 3 * min(burnt.values()), burnt
+        return busy
+
+    victim = eventually(holder, timeout=120, interval=0.02, message="the stream's pod")
+    os.kill(pids[victim], signal.SIGKILL)
+    assert client_proc.wait(timeout=300) == 0
+    lines = read_lines()
     (survivor,) = set(pods) - {victim}
-    ip = next(p.status.pod_ip for p in live_pods(models, namespace, "real")
-              if p.metadata.name == survivor)  # fmt: skip
-    with httpx.stream("POST", f"http://{ip}:8000/v1/chat/completions", json=chat,
+    with httpx.stream("POST", f"http://{ips[survivor]}:8000/v1/chat/completions", json=chat,
                       timeout=300) as r:  # fmt: skip
         whole = list(r.iter_lines())
     text, usage = text_of(lines)
     unbroken, unbroken_usage = text_of(whole)
     assert "data: [DONE]" in lines and _continued(router, namespace, "real") == 1, lines[-3:]
-    assert usage == unbroken_usage == 3800, (usage, unbroken_usage)
+    assert usage == unbroken_usage == ANSWER, (usage, unbroken_usage, whole[:3], whole[-3:])
     # The seam: the last event pod A sent (the router's log), and the text up to it.
     log = node.log_dir / f"{OPERATOR_NAMESPACE}.{router.pod}.activator.log"
     (after,) = re.findall(r"stream migrated \(\w+\) to \S+ after event (\d+)", log.read_text())
