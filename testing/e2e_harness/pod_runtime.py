@@ -129,7 +129,13 @@ class PodRuntime:
         self.done = threading.Event()
         self._lock = threading.Lock()
         self._last_status: dict | None = None
-        self._transitions: dict[str, tuple[str, str]] = {}
+        # A condition's last transition, kept while its status stays: the kubelet's status
+        # manager keeps what the API server already has (PodScheduled, set at binding).
+        self._transitions: dict[str, tuple[str, str]] = {
+            c["type"]: (c["status"], c["lastTransitionTime"])
+            for c in (pod.get("status") or {}).get("conditions") or []
+            if c.get("lastTransitionTime")
+        }
         self._thread = threading.Thread(target=self._run, name=f"pod-{self.name}", daemon=True)
 
     # --- public ----------------------------------------------------------------------

@@ -562,3 +562,21 @@ def test_a_pod_reads_its_service_account_volume_and_finds_the_api_server(tmp_pat
     i = argv.index(target)
     assert argv[i - 2] == "--ro-bind" and argv[i - 1] == str(pod.dir / "volumes" /
                                                              KUBE_API_ACCESS["name"])  # fmt: skip
+
+
+def test_a_condition_the_api_server_set_keeps_its_time_while_its_status_stays(tmp_path):
+    # The binding set PodScheduled; the node's first status must not restamp it (the
+    # cold-start table reads "scheduled" from it, and a later stamp put it after the
+    # container's start).
+    bound = "2026-12-05T12:00:00Z"
+    pod = _pod([{"name": "c", "image": "e2e.local/host"}])
+    pod["status"] = {"conditions": [{"type": "PodScheduled", "status": "True",
+                                     "lastTransitionTime": bound}]}  # fmt: skip
+    runtime = PodRuntime(pod, "127.1.250.9", FakeHost(tmp_path), tmp_path / "pods")
+    status = {"conditions": {"PodScheduled": "True", "Ready": "False"}}
+    times = {c["type"]: c["lastTransitionTime"] for c in runtime._stamped(status)["conditions"]}
+    assert times["PodScheduled"] == bound and times["Ready"] != bound
+    # A status that changes gets the node's time, as the kubelet gives it.
+    status = {"conditions": {"PodScheduled": "False", "Ready": "False"}}
+    times = {c["type"]: c["lastTransitionTime"] for c in runtime._stamped(status)["conditions"]}
+    assert times["PodScheduled"] != bound
