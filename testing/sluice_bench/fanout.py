@@ -28,6 +28,7 @@ import time
 
 import aiohttp
 import psutil
+from testkit.cpus import process_tree, tree_cpu_s
 
 from sluice_bench.loadgen import percentile, serve_stdin
 
@@ -115,28 +116,9 @@ async def guarded(coro, st: State) -> None:
             st.error(f"{type(exc).__name__}: {exc}")
 
 
-def _tree(proc: psutil.Process) -> list[psutil.Process]:
-    """The server and its children (`--api-workers`: the supervisor and its workers)."""
-    try:
-        return [proc, *proc.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return [proc]
-
-
-def cpu_seconds(proc: psutil.Process) -> float:
-    total = 0.0
-    for p in _tree(proc):
-        try:
-            t = p.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += t.user + t.system
-    return total
-
-
 def rss_bytes(proc: psutil.Process) -> int:
     total = 0
-    for p in _tree(proc):
+    for p in process_tree(proc):
         try:
             total += p.memory_info().rss
         except psutil.NoSuchProcess:
@@ -209,12 +191,12 @@ class Fleet:
         await self.resize(target)
         st.lags, st.tokens = [], 0
         psutil.cpu_percent(None)  # starts the machine-wide busy measurement
-        cpu0, me0, t0 = cpu_seconds(self.server), cpu_seconds(self.me), time.monotonic()
+        cpu0, me0, t0 = tree_cpu_s(self.server), tree_cpu_s(self.me), time.monotonic()
         st.measuring = True
         await asyncio.sleep(cmd["hold_s"])
         st.measuring = False
         elapsed = time.monotonic() - t0
-        cores = (cpu_seconds(self.server) - cpu0) / elapsed
+        cores = (tree_cpu_s(self.server) - cpu0) / elapsed
         rss = rss_bytes(self.server)
         tps = st.tokens / elapsed
         lags_ms = [x * 1000 for x in st.lags]
@@ -232,7 +214,7 @@ class Fleet:
             "rss_per_stream_kb": (rss - self.baseline_rss) / target / 1024,
             "server_cores": cores,
             "cores_per_1k_tps": cores / (tps / 1000) if tps else None,
-            "client_cores": (cpu_seconds(self.me) - me0) / elapsed,
+            "client_cores": (tree_cpu_s(self.me) - me0) / elapsed,
             # Other work on the machine steals the same cores: read lag with this.
             "machine_busy_pct": psutil.cpu_percent(None),
         }

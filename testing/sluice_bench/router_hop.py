@@ -6,7 +6,7 @@ finding the simulator as a Ready pod through a fake API server in this process).
 
 Measures, and prints as JSON and then as a table of the issue's targets with met / not met:
 
-- CPU: the router's CPU-seconds per 1,000 relayed tokens (its /proc utime+stime over a run
+- CPU: the router's CPU-seconds per 1,000 relayed tokens (its CPU time, user + system, over a run
   of `--streams` concurrent streams of `--tokens` tokens) against the simulator server's
   own per 1,000 streamed tokens in the direct run (target: at most 0.25x);
 - TTFT added at p50 for a `--prompt-tokens` chat in precise mode, tokenizing included
@@ -42,6 +42,7 @@ from pathlib import Path
 
 import httpx
 import uvicorn
+from testkit.cpus import process_cpu_s
 from testkit.fake_pods_api import FakePodsApi
 from testkit.net import free_port
 
@@ -49,16 +50,10 @@ from sluice_bench import docblock
 from sluice_bench.procs import ProcGroup, Server
 
 PY = sys.executable
-TICK = os.sysconf("SC_CLK_TCK")
 CPU_RATIO_MAX, TTFT_ADDED_MAX_MS, RSS_PER_STREAM_MAX_KB = 0.25, 2.0, 20.0
 _WORDS = ("the", "router", "relays", "every", "token", "of", "a", "stream", "to", "its",
           "client", "and", "places", "prompts", "on", "pods", "whose", "cache", "holds",
           "them", "quiet", "river", "server", "fox", "queue", "tea", "bridge", "clock")  # fmt: skip
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
 
 
 def rss_bytes(pid: int) -> int:
@@ -133,18 +128,18 @@ async def run(args: argparse.Namespace) -> dict:
             await stream(c, sims["fast"].base_url, 4)
 
             async def burst(url: str, headers, pid: int) -> tuple[float, int]:
-                cpu0 = cpu_seconds(pid)
+                cpu0 = process_cpu_s(pid)
                 results = await asyncio.gather(*(stream(c, url, args.tokens, headers)
                                                  for _ in range(args.streams)))  # fmt: skip
-                return cpu_seconds(pid) - cpu0, sum(n for _, n in results)
+                return process_cpu_s(pid) - cpu0, sum(n for _, n in results)
 
             sim_pid, router_pid = sims["fast"].pid, router.pid
             assert sim_pid is not None and router_pid is not None
             direct_cpu, direct_tokens = await burst(sims["fast"].base_url, None, sim_pid)
-            sim_cpu0, router_cpu0 = cpu_seconds(sim_pid), cpu_seconds(router_pid)
+            sim_cpu0, router_cpu0 = process_cpu_s(sim_pid), process_cpu_s(router_pid)
             _, via_tokens = await burst(router.base_url, fast, router_pid)
-            router_cpu = cpu_seconds(router_pid) - router_cpu0
-            sim_cpu_routed = cpu_seconds(sim_pid) - sim_cpu0
+            router_cpu = process_cpu_s(router_pid) - router_cpu0
+            sim_cpu_routed = process_cpu_s(sim_pid) - sim_cpu0
 
             # A chat of `--prompt-tokens` simulator words: a shared system prompt, a new
             # user turn each time (the router hashes it; the simulator counts words).
@@ -156,11 +151,11 @@ async def run(args: argparse.Namespace) -> dict:
                         {"role": "user", "content": words(40, rng)}]  # fmt: skip
 
             ttft_direct, ttft_router = [], []
-            cpu0 = cpu_seconds(router_pid)  # /proc ticks are 10 ms: over the whole loop
+            cpu0 = process_cpu_s(router_pid)  # over the whole loop
             for _ in range(args.ttft_samples):
                 ttft_direct.append((await stream(c, sims["fast"].base_url, 1, None, chat()))[0])
                 ttft_router.append((await stream(c, router.base_url, 1, fast, chat()))[0])
-            request_cpu = cpu_seconds(router_pid) - cpu0  # the router idles between its own
+            request_cpu = process_cpu_s(router_pid) - cpu0  # the router idles between its own
 
             idle = rss_bytes(router_pid)
             slow = {"X-Sluice-Model": "bench/slow"}

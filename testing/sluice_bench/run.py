@@ -34,6 +34,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from testkit.cpus import process_cpu_s
 from testkit.net import free_port
 from testkit.repo import ROOT
 
@@ -257,14 +258,6 @@ def settle(seconds: float) -> None:
     instead of 40-60 ms on the first point after switching engines, none after a point on
     the same engine)."""
     time.sleep(seconds)
-
-
-def process_cpu_s(pid: int) -> float:
-    """CPU time (user + system, all threads, exited ones too) of one process, not of its
-    children, to the nanosecond: the process's CPU-time clock, the id glibc's
-    clock_getcpuclockid makes. /proc/PID/stat counts whole clock ticks (10 ms), and a smoke
-    point's bare engine front end can spend less than one on its 128 tokens."""
-    return time.clock_gettime(((~pid) << 3) | 2)  # MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED)
 
 
 def process_of(system: str) -> str:

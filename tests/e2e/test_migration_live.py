@@ -24,12 +24,13 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from e2e_harness.endpoints import Endpoint
 from e2e_harness.kube import eventually
+from testkit.cpus import pin_threads, process_tree, tree_cpu_s
 
 from .conftest import OPERATOR_NAMESPACE, TIMINGS
 from .live_helpers import live_pods, metric_sum, metrics_page, pod_ready, ready_model, sim_model
@@ -127,44 +128,6 @@ def _active(models, namespace: str, name: str) -> dict[str, float]:
     """Streams in flight on each Ready pod of the model (its own gauge)."""
     return {p.metadata.name: metric_sum(metrics_page(f"{p.status.pod_ip}:8000"), "sluice_active_streams")
             for p in live_pods(models, namespace, name) if pod_ready(p)}  # fmt: skip
-
-
-def _tree(pid: int) -> list[int]:
-    """A process and every process below it."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except OSError:  # gone since the listing
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    tree, todo = [], [pid]
-    while todo:
-        tree.append(todo.pop())
-        todo.extend(children.get(tree[-1], []))
-    return tree
-
-
-def _tree_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of a process and every process below it."""
-    ticks = 0
-    for p in _tree(pid):
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        ticks += int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
-def _pin_tree(pid: int, cpus: set[int]) -> None:
-    """Every thread of a process and of every process below it on `cpus`."""
-    for p in _tree(pid):
-        for task in Path(f"/proc/{p}/task").glob("[0-9]*"):
-            try:
-                os.sched_setaffinity(int(task.name), cpus)
-            except OSError:  # exited since the listing
-                continue
 
 
 def _deploy(models, live_router, namespace: str, name: str, placement: dict, replicas: int,
@@ -365,17 +328,19 @@ def test_on_real_engine_pods_a_killed_pods_stream_goes_on_as_the_unbroken_one(
     ips = {p.metadata.name: p.status.pod_ip for p in live_pods(models, namespace, "real")}
     pids = {name: node.pod(name, namespace).container(CONTAINER).pid1() for name in pods}
     assert None not in pids.values(), pids
+    trees = {n: psutil.Process(pid) for n, pid in pids.items()}
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) > 1:
-        for pid in pids.values():
-            _pin_tree(pid, {cores[-1]})
+        for proc in trees.values():
+            for p in process_tree(proc):
+                pin_threads(p.pid, {cores[-1]})
 
     def holder() -> str | None:
         if not any(x.startswith("data: {") for x in read_lines()):
             return None  # a seam needs a token the client has before it
-        before = {n: _tree_cpu_s(pids[n]) for n in pods}
+        before = {n: tree_cpu_s(trees[n]) for n in pods}
         time.sleep(0.5)
-        burnt = {n: _tree_cpu_s(pids[n]) - before[n] for n in pods}
+        burnt = {n: tree_cpu_s(trees[n]) - before[n] for n in pods}
         busy = max(burnt, key=burnt.__getitem__)
         assert burnt[busy] >= 0.1 and burnt[busy] > 3 * min(burnt.values()), burnt
         return busy
